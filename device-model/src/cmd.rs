@@ -1,0 +1,349 @@
+//! Command execution: the mailbox is read, validated field by field and executed; every
+//! failure is a status code, never a panic or an allocation sized by the guest.
+
+use crate::cq::Cq;
+use crate::env::Env;
+use crate::mem::{key_index, Mr, Pd};
+use crate::nic::Nic;
+use crate::qp::{check_modify, ModifyError, Qp, Srq, WorkQueue};
+use ringbell_specs::cmd::*;
+use ringbell_specs::cqe::EventType;
+use zerocopy::{FromBytes, IntoBytes};
+
+type Outcome = Result<Vec<u8>, CmdStatus>;
+
+fn params<T: FromBytes>(input: &[u8]) -> Result<T, CmdStatus> {
+    read_params(input).ok_or(CmdStatus::BadParam)
+}
+
+fn out<T: IntoBytes + zerocopy::Immutable>(v: &T) -> Outcome {
+    Ok(v.as_bytes().to_vec())
+}
+
+fn obj(num: u32) -> Outcome {
+    out(&ObjectOut { num: num.into() })
+}
+
+impl Nic {
+    pub(crate) fn exec_command(&mut self, env: &mut dyn Env) {
+        let token = self.cmd_status & 0xFFFF;
+        let mut mbox = [0u8; MAILBOX_SIZE];
+        let status = if self.cmd_addr % 256 != 0 {
+            CmdStatus::BadParam
+        } else if env.dma_read(self.cmd_addr, &mut mbox).is_err() {
+            self.stats.iommu_faults += 1;
+            CmdStatus::DmaFault
+        } else {
+            let hdr = CmdHeader::read_from_bytes(&mbox[..16]).unwrap_or_default();
+            let input = &mbox[IN_OFFSET..IN_OFFSET + PARAMS_SIZE];
+            let r = match CmdOpcode::from_u16(hdr.opcode.get()) {
+                None => Err(CmdStatus::BadOpcode),
+                Some(op) => self.run(env, op, input),
+            };
+            let (status, output) = match r {
+                Ok(o) => (CmdStatus::Ok, o),
+                Err(s) => (s, Vec::new()),
+            };
+            let mut back = [0u8; MAILBOX_SIZE - RESULT_OFFSET];
+            let res = ringbell_specs::cmd::CmdResult { status: status as u8, ..Default::default() };
+            back[..16].copy_from_slice(res.as_bytes());
+            let n = output.len().min(PARAMS_SIZE);
+            back[16..16 + n].copy_from_slice(&output[..n]);
+            if env.dma_write(self.cmd_addr + RESULT_OFFSET as u64, &back).is_err() {
+                self.stats.iommu_faults += 1;
+                CmdStatus::DmaFault
+            } else {
+                status
+            }
+        };
+        self.cmd_status = ((status as u32) << 16) | token;
+        self.post_event(env, EventType::CmdDone, status as u8, token, 0);
+    }
+
+    fn run(&mut self, env: &mut dyn Env, op: CmdOpcode, input: &[u8]) -> Outcome {
+        match op {
+            CmdOpcode::QueryDevice => self.query_device(),
+            CmdOpcode::AllocPd => obj(self.pds.insert_with(|_| Pd::default()).ok_or(CmdStatus::Exhausted)?),
+            CmdOpcode::FreePd => {
+                let n = params::<ObjectIn>(input)?.num.get();
+                match self.pds.get(n) {
+                    None => Err(CmdStatus::BadResource),
+                    Some(pd) if pd.refs > 0 => Err(CmdStatus::Busy),
+                    Some(_) => {
+                        self.pds.remove(n);
+                        Ok(Vec::new())
+                    }
+                }
+            }
+            CmdOpcode::RegMr => self.reg_mr(params(input)?),
+            CmdOpcode::DeregMr => {
+                let key = params::<ObjectIn>(input)?.num.get();
+                let idx = key_index(key);
+                match self.mrs.get(idx) {
+                    Some(mr) if mr.key == key => {
+                        let pdn = mr.pdn;
+                        self.mrs.remove(idx);
+                        self.pd_unref(pdn);
+                        Ok(Vec::new())
+                    }
+                    _ => Err(CmdStatus::BadResource),
+                }
+            }
+            CmdOpcode::CreateCq => self.create_cq(params(input)?),
+            CmdOpcode::QueryCq => {
+                let n = params::<ObjectIn>(input)?.num.get();
+                let cq = self.cqs.get(n).ok_or(CmdStatus::BadResource)?;
+                let mut flags = 0;
+                if cq.armed.is_some() {
+                    flags |= CQ_FLAG_ARMED;
+                }
+                if cq.overflow {
+                    flags |= CQ_FLAG_OVERFLOW;
+                }
+                out(&QueryCqOut { log_size: cq.log_size, flags, pi: cq.pi.into(), ci: cq.ci.into(), ..Default::default() })
+            }
+            CmdOpcode::DestroyCq => {
+                let n = params::<ObjectIn>(input)?.num.get();
+                match self.cqs.get(n) {
+                    None => Err(CmdStatus::BadResource),
+                    Some(cq) if cq.refs > 0 => Err(CmdStatus::Busy),
+                    Some(_) => {
+                        self.cqs.remove(n);
+                        Ok(Vec::new())
+                    }
+                }
+            }
+            CmdOpcode::CreateQp => self.create_qp(params(input)?),
+            CmdOpcode::ModifyQp => {
+                let m: ModifyQpIn = params(input)?;
+                let qpn = m.qpn.get();
+                let qp = self.qps.get(qpn).ok_or(CmdStatus::BadResource)?;
+                let mask = QpAttrMask::from_bits(m.attr_mask.get()).ok_or(CmdStatus::BadParam)?;
+                let to = check_modify(qp, mask, &m.attr, self.cfg.max_rd_atomic).map_err(|e| match e {
+                    ModifyError::BadParam => CmdStatus::BadParam,
+                    ModifyError::BadState => CmdStatus::BadState,
+                })?;
+                self.apply_modify(env, qpn, mask, &m.attr, to);
+                Ok(Vec::new())
+            }
+            CmdOpcode::QueryQp => {
+                let n = params::<ObjectIn>(input)?.num.get();
+                let qp = self.qps.get(n).ok_or(CmdStatus::BadResource)?;
+                let mut a = qp.attr;
+                a.state = qp.state as u8;
+                a.sq_draining = (qp.state == QpState::Sqd && !qp.req.outstanding.is_empty()) as u8;
+                out(&a)
+            }
+            CmdOpcode::DestroyQp => {
+                let n = params::<ObjectIn>(input)?.num.get();
+                let qp = self.qps.remove(n).ok_or(CmdStatus::BadResource)?;
+                self.pd_unref(qp.pdn);
+                for c in [qp.send_cqn, qp.recv_cqn] {
+                    if let Some(cq) = self.cqs.get_mut(c) {
+                        cq.refs = cq.refs.saturating_sub(1);
+                    }
+                }
+                if let Some(srq) = self.srqs.get_mut(qp.srqn) {
+                    srq.refs = srq.refs.saturating_sub(1);
+                }
+                Ok(Vec::new())
+            }
+            CmdOpcode::CreateSrq => self.create_srq(params(input)?),
+            CmdOpcode::ArmSrq => {
+                let a: ArmSrqIn = params(input)?;
+                let srq = self.srqs.get_mut(a.srqn.get()).ok_or(CmdStatus::BadResource)?;
+                if a.limit.get() > srq.wq.size() {
+                    return Err(CmdStatus::BadParam);
+                }
+                srq.limit = a.limit.get();
+                Ok(Vec::new())
+            }
+            CmdOpcode::DestroySrq => {
+                let n = params::<ObjectIn>(input)?.num.get();
+                match self.srqs.get(n) {
+                    None => Err(CmdStatus::BadResource),
+                    Some(s) if s.refs > 0 => Err(CmdStatus::Busy),
+                    Some(s) => {
+                        let pdn = s.pdn;
+                        self.srqs.remove(n);
+                        self.pd_unref(pdn);
+                        Ok(Vec::new())
+                    }
+                }
+            }
+        }
+    }
+
+    fn pd_unref(&mut self, pdn: u32) {
+        if let Some(pd) = self.pds.get_mut(pdn) {
+            pd.refs = pd.refs.saturating_sub(1);
+        }
+    }
+
+    fn pd_ref(&mut self, pdn: u32) -> Result<(), CmdStatus> {
+        let pd = self.pds.get_mut(pdn).ok_or(CmdStatus::BadResource)?;
+        pd.refs += 1;
+        Ok(())
+    }
+
+    fn query_device(&self) -> Outcome {
+        let c = &self.cfg;
+        out(&QueryDeviceOut {
+            abi_version: ringbell_specs::ABI_VERSION.into(),
+            device_id: c.device_id.into(),
+            caps: self.caps().bits().into(),
+            max_qp: c.max_qp.into(),
+            max_cq: c.max_cq.into(),
+            max_srq: c.max_srq.into(),
+            max_mr: c.max_mr.into(),
+            max_pd: c.max_pd.into(),
+            max_qp_wr: c.max_qp_wr.into(),
+            max_cqe: c.max_cqe.into(),
+            max_sge: (ringbell_specs::wqe::MAX_SEND_SGE as u32).into(),
+            max_inline: (ringbell_specs::wqe::MAX_INLINE_WRITE as u32).into(),
+            max_msg_size: c.max_msg_size.into(),
+            max_rd_atomic: c.max_rd_atomic.into(),
+            mac: c.mac,
+            mtu_caps: 0b11_1110.into(),
+            ipv4: c.ip,
+        })
+    }
+
+    fn reg_mr(&mut self, p: RegMrIn) -> Outcome {
+        let access = Access::from_bits(p.access.get()).ok_or(CmdStatus::BadParam)?;
+        if access.intersects(Access::REMOTE_WRITE | Access::REMOTE_ATOMIC) && !access.contains(Access::LOCAL_WRITE) {
+            return Err(CmdStatus::BadParam);
+        }
+        let (va, len, iova) = (p.va.get(), p.length.get(), p.iova.get());
+        if len == 0 || len > (1 << 40) || va.checked_add(len).is_none() || iova.checked_add(len).is_none() {
+            return Err(CmdStatus::BadSize);
+        }
+        let pdn = p.pdn.get();
+        if self.pds.get(pdn).is_none() {
+            return Err(CmdStatus::BadResource);
+        }
+        self.mr_tag = self.mr_tag.wrapping_add(1);
+        let tag = self.mr_tag;
+        let idx = self
+            .mrs
+            .insert_with(|idx| Mr { pdn, key: (idx << 8) | tag as u32, access, va, len, iova })
+            .ok_or(CmdStatus::Exhausted)?;
+        // Key index must fit 24 bits.
+        if idx > 0x00FF_FFFF {
+            self.mrs.remove(idx);
+            return Err(CmdStatus::Exhausted);
+        }
+        self.pd_ref(pdn)?;
+        let key = (idx << 8) | tag as u32;
+        out(&RegMrOut { lkey: key.into(), rkey: key.into() })
+    }
+
+    fn create_cq(&mut self, p: CreateCqIn) -> Outcome {
+        let size = 1u64 << p.log_size.min(40);
+        if p.log_size == 0 || p.log_size > 30 || size > self.cfg.max_cqe as u64 {
+            return Err(CmdStatus::BadSize);
+        }
+        if p.ring_iova.get() % 64 != 0 || p.db_iova.get() % 8 != 0 || p.eq_vector.get() != 0 {
+            return Err(CmdStatus::BadParam);
+        }
+        let n = self
+            .cqs
+            .insert_with(|_| Cq {
+                ring_iova: p.ring_iova.get(),
+                db_iova: p.db_iova.get(),
+                log_size: p.log_size,
+                pi: 0,
+                ci: 0,
+                armed: None,
+                overflow: false,
+                refs: 0,
+            })
+            .ok_or(CmdStatus::Exhausted)?;
+        obj(n)
+    }
+
+    fn create_qp(&mut self, p: CreateQpIn) -> Outcome {
+        let pdn = p.pdn.get();
+        if self.pds.get(pdn).is_none() {
+            return Err(CmdStatus::BadResource);
+        }
+        let (scq, rcq, srqn) = (p.send_cqn.get(), p.recv_cqn.get(), p.srqn.get());
+        if self.cqs.get(scq).is_none() || self.cqs.get(rcq).is_none() {
+            return Err(CmdStatus::BadResource);
+        }
+        if srqn != 0 {
+            let srq = self.srqs.get(srqn).ok_or(CmdStatus::BadResource)?;
+            if srq.pdn != pdn {
+                return Err(CmdStatus::BadPd);
+            }
+        }
+        let max = self.cfg.max_qp_wr as u64;
+        let sq_ok = p.sq_log_size >= 1 && p.sq_log_size <= 24 && (1u64 << p.sq_log_size) <= max;
+        let rq_ok = srqn != 0 || (p.rq_log_size >= 1 && p.rq_log_size <= 24 && (1u64 << p.rq_log_size) <= max);
+        let stride_ok = srqn != 0 || (4..=9).contains(&p.rq_log_stride);
+        if !sq_ok || !rq_ok || !stride_ok {
+            return Err(CmdStatus::BadSize);
+        }
+        if p.sq_iova.get() % 64 != 0 || (srqn == 0 && p.rq_iova.get() % 16 != 0) || p.db_iova.get() % 8 != 0 {
+            return Err(CmdStatus::BadParam);
+        }
+        let n = self
+            .qps
+            .insert_with(|qpn| Qp {
+                qpn,
+                pdn,
+                state: QpState::Reset,
+                send_cqn: scq,
+                recv_cqn: rcq,
+                srqn,
+                sq: WorkQueue { iova: p.sq_iova.get(), log_size: p.sq_log_size, log_stride: 6, pi: 0, ci: 0 },
+                rq: WorkQueue {
+                    iova: p.rq_iova.get(),
+                    log_size: if srqn != 0 { 0 } else { p.rq_log_size },
+                    log_stride: p.rq_log_stride,
+                    pi: 0,
+                    ci: 0,
+                },
+                fetch: 0,
+                attr: QpAttr { path_mtu: 1, ..Default::default() },
+                req: Default::default(),
+                resp: Default::default(),
+            })
+            .ok_or(CmdStatus::Exhausted)?;
+        let _ = self.pd_ref(pdn);
+        for c in [scq, rcq] {
+            if let Some(cq) = self.cqs.get_mut(c) {
+                cq.refs += 1;
+            }
+        }
+        if let Some(srq) = self.srqs.get_mut(srqn) {
+            srq.refs += 1;
+        }
+        obj(n)
+    }
+
+    fn create_srq(&mut self, p: CreateSrqIn) -> Outcome {
+        let pdn = p.pdn.get();
+        if self.pds.get(pdn).is_none() {
+            return Err(CmdStatus::BadResource);
+        }
+        if p.log_size == 0 || p.log_size > 24 || (1u64 << p.log_size) > self.cfg.max_qp_wr as u64 || !(4..=9).contains(&p.log_stride) {
+            return Err(CmdStatus::BadSize);
+        }
+        if p.ring_iova.get() % 16 != 0 || p.limit.get() > (1 << p.log_size) {
+            return Err(CmdStatus::BadParam);
+        }
+        let n = self
+            .srqs
+            .insert_with(|_| Srq {
+                pdn,
+                wq: WorkQueue { iova: p.ring_iova.get(), log_size: p.log_size, log_stride: p.log_stride, pi: 0, ci: 0 },
+                limit: p.limit.get(),
+                refs: 0,
+            })
+            .ok_or(CmdStatus::Exhausted)?;
+        let _ = self.pd_ref(pdn);
+        obj(n)
+    }
+}
+

@@ -1,0 +1,68 @@
+//! The model's only window on the world.
+//!
+//! The emulator implements [`Env`] for each NIC it hosts: DMA through the node's IOMMU,
+//! frames onto the node's link, events into the shared event queue and interrupts to the
+//! driver. A mock implementation is enough to drive the model in unit tests and fuzzers.
+
+use ringbell_specs::cqe::Cqe;
+use ringbell_specs::SimTime;
+
+/// A DMA address that no IOMMU mapping covers (or covers without the needed permission).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DmaFault {
+    /// The first faulting address.
+    pub iova: u64,
+}
+
+/// Events the NIC schedules for itself.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum NicEvent {
+    /// A register write reaching the device after its PCIe latency.
+    Mmio {
+        /// BAR0 offset.
+        offset: u64,
+        /// Value written.
+        value: u32,
+    },
+    /// Execute the command in the mailbox.
+    CmdExec,
+    /// The send engine of a QP looks for work.
+    SqProcess {
+        /// The QP.
+        qpn: u32,
+    },
+    /// A posted DMA write becomes visible to the host.
+    DmaWrite {
+        /// Destination IOVA.
+        iova: u64,
+        /// Bytes to write.
+        data: Vec<u8>,
+        /// QP on whose behalf it is written (0: none), for fault reporting.
+        qpn: u32,
+    },
+    /// A completion entry is written to a CQ.
+    CqeWrite {
+        /// The CQ.
+        cqn: u32,
+        /// The entry (owner bit filled in by the CQ).
+        cqe: Box<Cqe>,
+    },
+}
+
+/// What the NIC needs from the machine around it.
+pub trait Env {
+    /// Current simulated time.
+    fn now(&self) -> SimTime;
+    /// Reads `buf.len()` bytes at `iova` through the IOMMU.
+    fn dma_read(&mut self, iova: u64, buf: &mut [u8]) -> Result<(), DmaFault>;
+    /// Writes `data` at `iova` through the IOMMU.
+    fn dma_write(&mut self, iova: u64, data: &[u8]) -> Result<(), DmaFault>;
+    /// Checks that `[iova, iova + len)` is mapped writable, without touching memory.
+    fn dma_check(&self, iova: u64, len: usize) -> Result<(), DmaFault>;
+    /// Schedules `ev` for this NIC at `at` (never earlier than now).
+    fn schedule(&mut self, at: SimTime, ev: NicEvent);
+    /// Puts a frame on the NIC's link; `at` is when its last bit leaves the NIC.
+    fn transmit(&mut self, at: SimTime, frame: Vec<u8>);
+    /// Raises interrupt `vector`.
+    fn interrupt(&mut self, vector: u32);
+}

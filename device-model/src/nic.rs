@@ -1,0 +1,434 @@
+//! The NIC: object tables, BAR0 registers, the event queue and event dispatch.
+
+use crate::cq::Cq;
+use crate::env::{Env, NicEvent};
+use crate::mem::{Mr, Pd};
+use crate::qp::{Qp, Srq};
+use crate::timing::TimingProfile;
+use ringbell_specs::cqe::{owner_bit, DoorbellError, EventType, Eqe, EQE_SIZE};
+use ringbell_specs::regs::{self, Caps, GuestError};
+use ringbell_specs::SimTime;
+use zerocopy::IntoBytes;
+
+/// Static configuration of one NIC.
+#[derive(Clone, Debug)]
+pub struct NicConfig {
+    /// Device instance id (`DEVICE_ID`).
+    pub device_id: u32,
+    /// Port MAC address.
+    pub mac: [u8; 6],
+    /// Port IPv4 address.
+    pub ip: [u8; 4],
+    /// QP contexts (QPNs 1..max_qp).
+    pub max_qp: u32,
+    /// CQ contexts.
+    pub max_cq: u32,
+    /// SRQ contexts.
+    pub max_srq: u32,
+    /// Memory regions.
+    pub max_mr: u32,
+    /// Protection domains.
+    pub max_pd: u32,
+    /// Largest work queue (entries / WQEBBs).
+    pub max_qp_wr: u32,
+    /// Largest CQ.
+    pub max_cqe: u32,
+    /// Largest max_rd_atomic.
+    pub max_rd_atomic: u32,
+    /// Largest message.
+    pub max_msg_size: u32,
+    /// Timing profile.
+    pub timing: TimingProfile,
+}
+
+impl NicConfig {
+    /// A NIC with the default limits for fabric node `node`.
+    pub fn for_node(node: u32) -> Self {
+        let n = node.wrapping_add(1);
+        NicConfig {
+            device_id: node,
+            mac: [0x02, 0, 0, 0, (n >> 8) as u8, n as u8],
+            ip: [10, 0, (n >> 8) as u8, n as u8],
+            max_qp: 4096,
+            max_cq: 4096,
+            max_srq: 1024,
+            max_mr: 16384,
+            max_pd: 1024,
+            max_qp_wr: 32768,
+            max_cqe: 1 << 22,
+            max_rd_atomic: 16,
+            max_msg_size: 1 << 30,
+            timing: TimingProfile::default(),
+        }
+    }
+}
+
+/// Counters a NIC keeps about itself.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct NicStats {
+    /// Frames put on the link.
+    pub tx_frames: u64,
+    /// Frames received.
+    pub rx_frames: u64,
+    /// Frames dropped because they did not parse or failed the ICRC.
+    pub rx_malformed: u64,
+    /// Frames dropped for addressing, QP or state reasons.
+    pub rx_dropped: u64,
+    /// Sequence NAKs sent.
+    pub naks_sent: u64,
+    /// CQEs written.
+    pub cqes: u64,
+    /// Events written to the EQ.
+    pub eqes: u64,
+    /// Events lost because the EQ was full or disabled.
+    pub eqes_lost: u64,
+    /// IOMMU faults.
+    pub iommu_faults: u64,
+    /// Guest programming errors (bad register access, bad doorbell).
+    pub guest_errors: u64,
+}
+
+/// A fixed-capacity table of objects numbered 1..=capacity.
+#[derive(Debug)]
+pub(crate) struct Table<T> {
+    slots: Vec<Option<T>>,
+    cap: u32,
+}
+
+impl<T> Table<T> {
+    pub(crate) fn new(cap: u32) -> Self {
+        Table { slots: Vec::new(), cap }
+    }
+    /// Inserts at the lowest free number.
+    pub(crate) fn insert_with(&mut self, f: impl FnOnce(u32) -> T) -> Option<u32> {
+        let idx = match self.slots.iter().position(Option::is_none) {
+            Some(i) => i,
+            None if (self.slots.len() as u32) < self.cap => {
+                self.slots.push(None);
+                self.slots.len() - 1
+            }
+            None => return None,
+        };
+        let num = idx as u32 + 1;
+        self.slots[idx] = Some(f(num));
+        Some(num)
+    }
+    pub(crate) fn get(&self, num: u32) -> Option<&T> {
+        self.slots.get((num as usize).wrapping_sub(1))?.as_ref()
+    }
+    pub(crate) fn get_mut(&mut self, num: u32) -> Option<&mut T> {
+        self.slots.get_mut((num as usize).wrapping_sub(1))?.as_mut()
+    }
+    pub(crate) fn remove(&mut self, num: u32) -> Option<T> {
+        self.slots.get_mut((num as usize).wrapping_sub(1))?.take()
+    }
+    /// Puts an object taken with [`Table::remove`] back under its number.
+    pub(crate) fn restore(&mut self, num: u32, t: T) {
+        if let Some(slot) = self.slots.get_mut((num as usize).wrapping_sub(1)) {
+            *slot = Some(t);
+        }
+    }
+}
+
+/// Event queue state.
+#[derive(Debug, Default)]
+pub(crate) struct EventRing {
+    pub(crate) iova: u64,
+    pub(crate) log_size: u8,
+    pub(crate) pi: u32,
+    pub(crate) ci: u32,
+}
+
+/// The NIC.
+#[derive(Debug)]
+pub struct Nic {
+    pub(crate) cfg: NicConfig,
+    pub(crate) pds: Table<Pd>,
+    pub(crate) mrs: Table<Mr>,
+    pub(crate) cqs: Table<Cq>,
+    pub(crate) qps: Table<Qp>,
+    pub(crate) srqs: Table<Srq>,
+    pub(crate) mr_tag: u8,
+    pub(crate) cmd_addr: u64,
+    pub(crate) cmd_status: u32,
+    pub(crate) eq: EventRing,
+    pub(crate) dev_status: u32,
+    pub(crate) last_error: u32,
+    pub(crate) last_error_info: u32,
+    pub(crate) clock_latch: u32,
+    /// When the egress port finishes the frame it is sending.
+    pub(crate) egress_free: SimTime,
+    /// When the PCIe write path towards the host is free.
+    pub(crate) pcie_write_free: SimTime,
+    pub(crate) stats: NicStats,
+    pub(crate) scratch: Vec<u8>,
+}
+
+impl Nic {
+    /// A NIC in its reset state.
+    pub fn new(cfg: NicConfig) -> Self {
+        let max_qp = cfg.max_qp.min(regs::DB_MAX_QP as u32 - 1);
+        let max_cq = cfg.max_cq.min(regs::DB_MAX_CQ as u32 - 1);
+        let max_srq = cfg.max_srq.min(regs::DB_MAX_SRQ as u32 - 1);
+        let cfg = NicConfig { max_qp, max_cq, max_srq, ..cfg };
+        Nic {
+            pds: Table::new(cfg.max_pd),
+            mrs: Table::new(cfg.max_mr),
+            cqs: Table::new(cfg.max_cq),
+            qps: Table::new(cfg.max_qp),
+            srqs: Table::new(cfg.max_srq),
+            cfg,
+            mr_tag: 0,
+            cmd_addr: 0,
+            cmd_status: 0,
+            eq: EventRing::default(),
+            dev_status: regs::DEV_STATUS_READY,
+            last_error: 0,
+            last_error_info: 0,
+            clock_latch: 0,
+            egress_free: SimTime::ZERO,
+            pcie_write_free: SimTime::ZERO,
+            stats: NicStats::default(),
+            scratch: Vec::new(),
+        }
+    }
+
+    /// The configuration the NIC was built with (limits clamped to the ABI).
+    pub fn config(&self) -> &NicConfig {
+        &self.cfg
+    }
+
+    /// Counters.
+    pub fn stats(&self) -> &NicStats {
+        &self.stats
+    }
+
+    /// The timing profile.
+    pub fn timing(&self) -> &TimingProfile {
+        &self.cfg.timing
+    }
+
+    /// Capabilities reported in `CAPS`.
+    pub fn caps(&self) -> Caps {
+        Caps::RC | Caps::SRQ | Caps::ATOMICS | Caps::INLINE | Caps::CQE_TIMESTAMP
+    }
+
+    /// A 32-bit register read. Never fails: unknown offsets read 0 and are counted.
+    pub fn mmio_read(&mut self, now: SimTime, offset: u64) -> u32 {
+        let c = &self.cfg;
+        match offset {
+            regs::MAGIC => regs::MAGIC_VALUE,
+            regs::ABI_VERSION => ringbell_specs::ABI_VERSION,
+            regs::DEVICE_ID => c.device_id,
+            regs::CAPS => self.caps().bits(),
+            regs::MAX_QP => c.max_qp,
+            regs::MAX_CQ => c.max_cq,
+            regs::MAX_SRQ => c.max_srq,
+            regs::MAX_MR => c.max_mr,
+            regs::MAX_PD => c.max_pd,
+            regs::MAX_QP_WR => c.max_qp_wr,
+            regs::MAX_CQE => c.max_cqe,
+            regs::MAX_SGE => ringbell_specs::wqe::MAX_SEND_SGE as u32,
+            regs::MAX_INLINE => ringbell_specs::wqe::MAX_INLINE_WRITE as u32,
+            regs::MAX_WQE_SIZE => ringbell_specs::wqe::MAX_SEND_WQE as u32,
+            regs::MTU_CAPS => 0b11_1110,
+            regs::TS_TICK_PS => 1,
+            regs::MAX_MSG_SIZE => c.max_msg_size,
+            regs::MAX_RD_ATOMIC => c.max_rd_atomic,
+            regs::CMD_ADDR_LO => self.cmd_addr as u32,
+            regs::CMD_ADDR_HI => (self.cmd_addr >> 32) as u32,
+            regs::CMD_STATUS => self.cmd_status,
+            regs::EQ_ADDR_LO => self.eq.iova as u32,
+            regs::EQ_ADDR_HI => (self.eq.iova >> 32) as u32,
+            regs::EQ_LOG_SIZE => self.eq.log_size as u32,
+            regs::EQ_CI => self.eq.ci,
+            regs::DEV_STATUS => self.dev_status,
+            regs::GUEST_ERRORS => self.stats.guest_errors as u32,
+            regs::LAST_ERROR => self.last_error,
+            regs::LAST_ERROR_INFO => self.last_error_info,
+            regs::CLOCK_LO => {
+                self.clock_latch = (now.ps() >> 32) as u32;
+                now.ps() as u32
+            }
+            regs::CLOCK_HI => self.clock_latch,
+            regs::MAC_LO => u32::from_le_bytes([c.mac[0], c.mac[1], c.mac[2], c.mac[3]]),
+            regs::MAC_HI => u32::from_le_bytes([c.mac[4], c.mac[5], 0, 0]),
+            regs::IPV4_ADDR => u32::from_le_bytes(c.ip),
+            _ => {
+                if regs::register_at(offset).is_none() && !(regs::DB_BASE..regs::DB_END).contains(&offset) {
+                    self.guest_error(GuestError::BadOffset, offset as u32);
+                }
+                0
+            }
+        }
+    }
+
+    /// A 32-bit register write, applied at `env.now()`.
+    pub fn mmio_write(&mut self, env: &mut dyn Env, offset: u64, value: u32) {
+        if offset % 4 != 0 {
+            self.guest_error(GuestError::BadOffset, offset as u32);
+            return;
+        }
+        if (regs::DB_BASE..regs::DB_END).contains(&offset) {
+            self.doorbell(env, offset, value);
+            return;
+        }
+        match offset {
+            regs::CMD_ADDR_LO => self.cmd_addr = (self.cmd_addr & !0xFFFF_FFFF) | value as u64,
+            regs::CMD_ADDR_HI => self.cmd_addr = (self.cmd_addr & 0xFFFF_FFFF) | ((value as u64) << 32),
+            regs::CMD_DOORBELL => {
+                if self.cmd_status & regs::CMD_STATUS_BUSY != 0 {
+                    self.guest_error(GuestError::CommandBusy, value);
+                } else {
+                    self.cmd_status = regs::CMD_STATUS_BUSY | (value & 0xFFFF);
+                    let at = env.now() + SimTime(self.cfg.timing.cmd_exec_ps);
+                    env.schedule(at, NicEvent::CmdExec);
+                }
+            }
+            regs::EQ_ADDR_LO => self.eq.iova = (self.eq.iova & !0xFFFF_FFFF) | value as u64,
+            regs::EQ_ADDR_HI => self.eq.iova = (self.eq.iova & 0xFFFF_FFFF) | ((value as u64) << 32),
+            regs::EQ_LOG_SIZE => {
+                self.eq.log_size = value.min(20) as u8;
+                self.eq.pi = 0;
+                self.eq.ci = 0;
+                self.dev_status &= !regs::DEV_STATUS_EQ_OVERFLOW;
+            }
+            regs::EQ_CI => self.eq.ci = value,
+            regs::RESET => {
+                if value == regs::RESET_KEY {
+                    self.reset();
+                }
+            }
+            _ => {
+                let e = match regs::register_at(offset) {
+                    Some(_) => GuestError::ReadOnly,
+                    None => GuestError::BadOffset,
+                };
+                self.guest_error(e, offset as u32);
+            }
+        }
+    }
+
+    fn reset(&mut self) {
+        let cfg = self.cfg.clone();
+        let stats = std::mem::take(&mut self.stats);
+        *self = Nic::new(cfg);
+        self.stats = stats;
+    }
+
+    /// Handles an event this NIC scheduled.
+    pub fn handle(&mut self, env: &mut dyn Env, ev: NicEvent) {
+        match ev {
+            NicEvent::Mmio { offset, value } => self.mmio_write(env, offset, value),
+            NicEvent::CmdExec => self.exec_command(env),
+            NicEvent::SqProcess { qpn } => self.sq_process(env, qpn),
+            NicEvent::DmaWrite { iova, data, qpn } => {
+                if let Err(f) = env.dma_write(iova, &data) {
+                    self.iommu_fault(env, qpn, f.iova);
+                }
+            }
+            NicEvent::CqeWrite { cqn, cqe } => self.write_cqe(env, cqn, *cqe),
+        }
+    }
+
+    fn doorbell(&mut self, env: &mut dyn Env, offset: u64, value: u32) {
+        let (base, obj_off) = if offset >= regs::CQ_DB_BASE {
+            (regs::CQ_DB_BASE, offset - regs::CQ_DB_BASE)
+        } else if offset >= regs::SRQ_DB_BASE {
+            (regs::SRQ_DB_BASE, offset - regs::SRQ_DB_BASE)
+        } else {
+            (regs::QP_DB_BASE, offset - regs::QP_DB_BASE)
+        };
+        let num = (obj_off / regs::DB_STRIDE) as u32;
+        let which = obj_off % regs::DB_STRIDE;
+        match base {
+            regs::CQ_DB_BASE => self.cq_doorbell(env, num, which, value),
+            regs::SRQ_DB_BASE => self.srq_doorbell(env, num, which, value),
+            _ => self.qp_doorbell(env, num, which, value),
+        }
+    }
+
+    pub(crate) fn doorbell_error(&mut self, env: &mut dyn Env, num: u32, why: DoorbellError, index: u32) {
+        let code = match why {
+            DoorbellError::NoSuchObject => GuestError::BadDoorbellObject,
+            _ => GuestError::BadDoorbellIndex,
+        };
+        self.guest_error(code, num);
+        self.post_event(env, EventType::DoorbellError, why as u8, num, index as u64);
+    }
+
+    pub(crate) fn guest_error(&mut self, e: GuestError, info: u32) {
+        self.stats.guest_errors += 1;
+        self.last_error = e as u32;
+        self.last_error_info = info;
+    }
+
+    pub(crate) fn iommu_fault(&mut self, env: &mut dyn Env, qpn: u32, iova: u64) {
+        self.stats.iommu_faults += 1;
+        self.post_event(env, EventType::IommuFault, 0, qpn, iova);
+    }
+
+    /// Writes an EQE and raises interrupt 0. Lost (and counted) if the EQ is off or full.
+    pub(crate) fn post_event(&mut self, env: &mut dyn Env, ty: EventType, subtype: u8, obj: u32, info: u64) {
+        let eq = &mut self.eq;
+        if eq.log_size == 0 {
+            self.stats.eqes_lost += 1;
+            return;
+        }
+        let size = 1u32 << eq.log_size;
+        if eq.pi.wrapping_sub(eq.ci) >= size {
+            self.stats.eqes_lost += 1;
+            self.dev_status |= regs::DEV_STATUS_EQ_OVERFLOW;
+            return;
+        }
+        let eqe = Eqe {
+            event_type: ty as u8,
+            subtype,
+            obj: obj.into(),
+            info: info.into(),
+            timestamp: env.now().ps().into(),
+            owner: owner_bit(eq.pi, eq.log_size),
+            ..Default::default()
+        };
+        let at = eq.iova.wrapping_add(((eq.pi & (size - 1)) as u64) * EQE_SIZE as u64);
+        let bytes = eqe.as_bytes();
+        // Body first, owner byte last.
+        let ok = env.dma_write(at, &bytes[..EQE_SIZE - 1]).and_then(|_| env.dma_write(at + EQE_SIZE as u64 - 1, &bytes[EQE_SIZE - 1..]));
+        match ok {
+            Ok(()) => {
+                eq.pi = eq.pi.wrapping_add(1);
+                self.stats.eqes += 1;
+                env.interrupt(0);
+            }
+            Err(_) => {
+                // The EQ itself is unreachable: nothing can report it but the status register.
+                self.stats.eqes_lost += 1;
+                self.stats.iommu_faults += 1;
+                self.dev_status |= regs::DEV_STATUS_EQ_OVERFLOW;
+            }
+        }
+    }
+
+    /// When the egress link can start a frame ready at `ready`, and when it finishes.
+    pub(crate) fn reserve_egress(&mut self, ready: SimTime, frame_len: usize) -> SimTime {
+        let start = ready.max(self.egress_free);
+        let done = start + SimTime(self.cfg.timing.serialize_ps(frame_len));
+        self.egress_free = done;
+        done
+    }
+
+    /// When a DMA write of `len` bytes issued at `ready` is visible to the host.
+    pub(crate) fn reserve_pcie_write(&mut self, ready: SimTime, len: usize) -> SimTime {
+        let start = ready.max(self.pcie_write_free);
+        let done = start + SimTime(self.cfg.timing.pcie_write_ps(len));
+        self.pcie_write_free = done;
+        done + SimTime(self.cfg.timing.dma_write_visible_ps)
+    }
+
+    /// Sends a frame built in `frame`, ready at `ready`.
+    pub(crate) fn send_frame(&mut self, env: &mut dyn Env, ready: SimTime, frame: Vec<u8>) {
+        let done = self.reserve_egress(ready, frame.len());
+        self.stats.tx_frames += 1;
+        env.transmit(done, frame);
+    }
+}

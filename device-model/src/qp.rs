@@ -1,0 +1,499 @@
+//! Queue pairs and shared receive queues: contexts, the RC state machine, receive WQE
+//! fetching and the flush of outstanding work on error.
+
+use crate::env::{Env, NicEvent};
+use crate::nic::Nic;
+use ringbell_specs::cmd::{Access, QpAttr, QpAttrMask as M, QpState};
+use ringbell_specs::cqe::{Cqe, CqeOpcode, CqeStatus, DoorbellError, EventType, VendorSyndrome, CQE_FLAG_SRQ};
+use ringbell_specs::wqe::{CtrlSeg, DataSeg, SendOpcode, RECV_LKEY_END, SEG, WQEBB};
+use ringbell_specs::{regs, Psn, SimTime};
+use std::collections::VecDeque;
+use zerocopy::FromBytes;
+
+/// A ring of work queue entries in host memory.
+#[derive(Debug, Default, Clone)]
+pub(crate) struct WorkQueue {
+    pub(crate) iova: u64,
+    pub(crate) log_size: u8,
+    pub(crate) log_stride: u8,
+    /// Producer index from the last doorbell.
+    pub(crate) pi: u32,
+    /// Device consumer index.
+    pub(crate) ci: u32,
+}
+
+impl WorkQueue {
+    pub(crate) fn size(&self) -> u32 {
+        1 << self.log_size
+    }
+    pub(crate) fn slot_iova(&self, index: u32, stride: u64) -> u64 {
+        self.iova.wrapping_add((index & (self.size() - 1)) as u64 * stride)
+    }
+}
+
+/// A local buffer the requester scatters into (READ data, atomic result).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Sge {
+    pub(crate) lkey: u32,
+    pub(crate) addr: u64,
+    pub(crate) len: u32,
+}
+
+/// A send WQE that has been started and not yet completed.
+#[derive(Debug)]
+pub(crate) struct Outstanding {
+    pub(crate) wqe_index: u32,
+    pub(crate) op: SendOpcode,
+    pub(crate) signaled: bool,
+    pub(crate) first_psn: Psn,
+    /// PSNs the message uses.
+    pub(crate) npsn: u32,
+    pub(crate) len: u32,
+    /// Local scatter list (READ, atomics).
+    pub(crate) sges: Vec<Sge>,
+    /// Set when the WQE failed; it completes with this status when it reaches the head.
+    pub(crate) error: Option<(CqeStatus, VendorSyndrome)>,
+    /// READ/atomic: the response has arrived. SEND/WRITE: the ACK has arrived.
+    pub(crate) done: bool,
+}
+
+impl Outstanding {
+    pub(crate) fn last_psn(&self) -> Psn {
+        self.first_psn.add(self.npsn.saturating_sub(1))
+    }
+    pub(crate) fn is_rd_atomic(&self) -> bool {
+        matches!(self.op, SendOpcode::Read | SendOpcode::CmpSwap | SendOpcode::FetchAdd)
+    }
+}
+
+/// Requester (send side) state.
+#[derive(Debug, Default)]
+pub(crate) struct Requester {
+    pub(crate) next_psn: Psn,
+    pub(crate) outstanding: VecDeque<Outstanding>,
+    pub(crate) rd_atomic: u32,
+    pub(crate) scheduled: bool,
+    /// Earliest time the per-QP processing unit takes the next WQE.
+    pub(crate) busy_until: SimTime,
+    pub(crate) rnr_left: u8,
+}
+
+/// A receive WQE being filled by a multi-packet SEND.
+#[derive(Debug)]
+pub(crate) struct RecvCtx {
+    pub(crate) wqe_index: u32,
+    pub(crate) srqn: u32,
+    pub(crate) sges: Vec<Sge>,
+    pub(crate) offset: u32,
+}
+
+/// A multi-packet RDMA WRITE in progress.
+#[derive(Debug)]
+pub(crate) struct WriteCtx {
+    pub(crate) rkey: u32,
+    pub(crate) va: u64,
+    pub(crate) remaining: u32,
+    pub(crate) total: u32,
+}
+
+/// Responder (receive side) state.
+#[derive(Debug, Default)]
+pub(crate) struct Responder {
+    pub(crate) epsn: Psn,
+    pub(crate) msn: u32,
+    pub(crate) recv: Option<RecvCtx>,
+    pub(crate) write: Option<WriteCtx>,
+    pub(crate) nak_sent: bool,
+}
+
+/// An RC queue pair.
+#[derive(Debug)]
+pub(crate) struct Qp {
+    pub(crate) qpn: u32,
+    pub(crate) pdn: u32,
+    pub(crate) state: QpState,
+    pub(crate) send_cqn: u32,
+    pub(crate) recv_cqn: u32,
+    pub(crate) srqn: u32,
+    pub(crate) sq: WorkQueue,
+    pub(crate) rq: WorkQueue,
+    /// Next send WQEBB to start.
+    pub(crate) fetch: u32,
+    pub(crate) attr: QpAttr,
+    pub(crate) req: Requester,
+    pub(crate) resp: Responder,
+}
+
+impl Qp {
+    pub(crate) fn mtu(&self) -> u32 {
+        ringbell_specs::cmd::mtu_bytes(self.attr.path_mtu).unwrap_or(256)
+    }
+    pub(crate) fn access(&self) -> Access {
+        Access::from_bits_truncate(self.attr.access.get())
+    }
+    /// Oldest send WQEBB the device has not completed.
+    pub(crate) fn sq_tail(&self) -> u32 {
+        self.req.outstanding.front().map_or(self.fetch, |o| o.wqe_index)
+    }
+}
+
+/// A shared receive queue.
+#[derive(Debug)]
+pub(crate) struct Srq {
+    pub(crate) pdn: u32,
+    pub(crate) wq: WorkQueue,
+    pub(crate) limit: u32,
+    pub(crate) refs: u32,
+}
+
+/// (required, optional) attribute masks of an RC transition, per the IBTA table.
+fn transition_masks(from: QpState, to: QpState) -> Option<(M, M)> {
+    use QpState::*;
+    let e = M::empty();
+    Some(match (from, to) {
+        (Reset, Init) => (M::PKEY_INDEX | M::PORT | M::ACCESS_FLAGS, e),
+        (Init, Init) => (e, M::PKEY_INDEX | M::PORT | M::ACCESS_FLAGS),
+        (Init, Rtr) => (
+            M::AV | M::PATH_MTU | M::DEST_QPN | M::RQ_PSN | M::MAX_DEST_RD_ATOMIC | M::MIN_RNR_TIMER,
+            M::ACCESS_FLAGS | M::PKEY_INDEX,
+        ),
+        (Rtr, Rts) => (
+            M::TIMEOUT | M::RETRY_CNT | M::RNR_RETRY | M::SQ_PSN | M::MAX_QP_RD_ATOMIC,
+            M::CUR_STATE | M::ACCESS_FLAGS | M::MIN_RNR_TIMER,
+        ),
+        (Rts, Rts) | (Sqd, Rts) => (e, M::CUR_STATE | M::ACCESS_FLAGS | M::MIN_RNR_TIMER),
+        (Rts, Sqd) => (e, M::EN_SQD_ASYNC_NOTIFY),
+        (Sqd, Sqd) => (
+            e,
+            M::PORT | M::AV | M::TIMEOUT | M::RETRY_CNT | M::RNR_RETRY | M::MAX_QP_RD_ATOMIC
+                | M::MAX_DEST_RD_ATOMIC | M::ACCESS_FLAGS | M::PKEY_INDEX | M::MIN_RNR_TIMER,
+        ),
+        (Init | Rtr | Rts | Sqd | Sqe, Reset) | (Init | Rtr | Rts | Sqd | Sqe, Err) => (e, e),
+        (Err, Reset) | (Err, Err) | (Reset, Reset) | (Reset, Err) => (e, e),
+        _ => return None,
+    })
+}
+
+/// Why a MODIFY_QP was refused.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum ModifyError {
+    BadParam,
+    BadState,
+}
+
+/// Validates a modify against the QP's current state and the device limits; all or nothing.
+pub(crate) fn check_modify(qp: &Qp, mask: M, a: &QpAttr, max_rd_atomic: u32) -> Result<QpState, ModifyError> {
+    let to = if mask.contains(M::STATE) {
+        QpState::from_u8(a.state).ok_or(ModifyError::BadParam)?
+    } else {
+        qp.state
+    };
+    if mask.contains(M::CUR_STATE) {
+        if !matches!(qp.state, QpState::Rtr | QpState::Rts | QpState::Sqd | QpState::Sqe) {
+            return Err(ModifyError::BadParam);
+        }
+        if QpState::from_u8(a.cur_state) != Some(qp.state) {
+            return Err(ModifyError::BadState);
+        }
+    }
+    let (req, opt) = transition_masks(qp.state, to).ok_or(ModifyError::BadState)?;
+    let given = mask - M::STATE;
+    if !given.difference(req | opt).is_empty() || !given.contains(req) {
+        return Err(ModifyError::BadParam);
+    }
+    let ok = (!mask.contains(M::PATH_MTU) || (1..=5).contains(&a.path_mtu))
+        && (!mask.contains(M::TIMEOUT) || a.timeout <= 31)
+        && (!mask.contains(M::RETRY_CNT) || a.retry_cnt <= 7)
+        && (!mask.contains(M::RNR_RETRY) || a.rnr_retry <= 7)
+        && (!mask.contains(M::MIN_RNR_TIMER) || a.min_rnr_timer <= 31)
+        && (!mask.contains(M::MAX_QP_RD_ATOMIC) || (a.max_rd_atomic as u32) <= max_rd_atomic)
+        && (!mask.contains(M::MAX_DEST_RD_ATOMIC) || (a.max_dest_rd_atomic as u32) <= max_rd_atomic)
+        && (!mask.contains(M::DEST_QPN) || a.dest_qpn.get() <= 0x00FF_FFFF && a.dest_qpn.get() != 0)
+        && (!mask.contains(M::ACCESS_FLAGS) || Access::from_bits(a.access.get()).is_some())
+        && (!mask.contains(M::PKEY_INDEX) || a.pkey_index.get() == 0);
+    if !ok {
+        return Err(ModifyError::BadParam);
+    }
+    Ok(to)
+}
+
+impl Nic {
+    /// Applies a validated modify.
+    pub(crate) fn apply_modify(&mut self, env: &mut dyn Env, qpn: u32, mask: M, a: &QpAttr, to: QpState) {
+        let Some(qp) = self.qps.get_mut(qpn) else { return };
+        let t = &mut qp.attr;
+        if mask.contains(M::ACCESS_FLAGS) {
+            t.access = a.access;
+        }
+        if mask.contains(M::AV) {
+            t.dest_mac = a.dest_mac;
+            t.dest_ip = a.dest_ip;
+        }
+        if mask.contains(M::PATH_MTU) {
+            t.path_mtu = a.path_mtu;
+        }
+        if mask.contains(M::TIMEOUT) {
+            t.timeout = a.timeout;
+        }
+        if mask.contains(M::RETRY_CNT) {
+            t.retry_cnt = a.retry_cnt;
+        }
+        if mask.contains(M::RNR_RETRY) {
+            t.rnr_retry = a.rnr_retry;
+        }
+        if mask.contains(M::MIN_RNR_TIMER) {
+            t.min_rnr_timer = a.min_rnr_timer;
+        }
+        if mask.contains(M::MAX_QP_RD_ATOMIC) {
+            t.max_rd_atomic = a.max_rd_atomic;
+        }
+        if mask.contains(M::MAX_DEST_RD_ATOMIC) {
+            t.max_dest_rd_atomic = a.max_dest_rd_atomic;
+        }
+        if mask.contains(M::DEST_QPN) {
+            t.dest_qpn = a.dest_qpn;
+        }
+        if mask.contains(M::RQ_PSN) {
+            t.rq_psn = (a.rq_psn.get() & Psn::MASK).into();
+            qp.resp.epsn = Psn::new(a.rq_psn.get());
+        }
+        if mask.contains(M::SQ_PSN) {
+            t.sq_psn = (a.sq_psn.get() & Psn::MASK).into();
+            qp.req.next_psn = Psn::new(a.sq_psn.get());
+        }
+        let from = qp.state;
+        qp.state = to;
+        qp.attr.state = to as u8;
+        match to {
+            QpState::Reset => {
+                qp.sq.pi = 0;
+                qp.sq.ci = 0;
+                qp.rq.pi = 0;
+                qp.rq.ci = 0;
+                qp.fetch = 0;
+                qp.req = Requester::default();
+                qp.resp = Responder::default();
+            }
+            QpState::Err if from != QpState::Err => self.flush_qp(env, qpn),
+            QpState::Rts => {
+                    let now = env.now();
+                    self.kick_sq(env, qpn, now)
+                }
+            _ => {}
+        }
+    }
+
+    /// Schedules the send engine of `qpn` if it is not already scheduled.
+    pub(crate) fn kick_sq(&mut self, env: &mut dyn Env, qpn: u32, at: SimTime) {
+        if let Some(qp) = self.qps.get_mut(qpn) {
+            if !qp.req.scheduled {
+                qp.req.scheduled = true;
+                env.schedule(at.max(qp.req.busy_until), NicEvent::SqProcess { qpn });
+            }
+        }
+    }
+
+    pub(crate) fn qp_doorbell(&mut self, env: &mut dyn Env, qpn: u32, which: u64, value: u32) {
+        let Some(qp) = self.qps.get_mut(qpn) else {
+            self.doorbell_error(env, qpn, DoorbellError::NoSuchObject, value);
+            return;
+        };
+        let in_range = |wq: &WorkQueue, tail: u32| {
+            let ahead = value.wrapping_sub(tail);
+            ahead <= wq.size() && value.wrapping_sub(wq.pi) as i32 >= 0
+        };
+        if which == regs::DB_SQ {
+            if !in_range(&qp.sq, qp.sq_tail()) {
+                self.doorbell_error(env, qpn, DoorbellError::IndexOutOfRange, value);
+                return;
+            }
+            qp.sq.pi = value;
+            match qp.state {
+                QpState::Rts => {
+                    let now = env.now();
+                    self.kick_sq(env, qpn, now)
+                }
+                QpState::Err => self.flush_qp(env, qpn),
+                _ => {}
+            }
+        } else {
+            if qp.srqn != 0 || !in_range(&qp.rq, qp.rq.ci) {
+                self.doorbell_error(env, qpn, DoorbellError::IndexOutOfRange, value);
+                return;
+            }
+            qp.rq.pi = value;
+            if qp.state == QpState::Err {
+                self.flush_qp(env, qpn);
+            }
+        }
+    }
+
+    pub(crate) fn srq_doorbell(&mut self, env: &mut dyn Env, srqn: u32, _which: u64, value: u32) {
+        let Some(srq) = self.srqs.get_mut(srqn) else {
+            self.doorbell_error(env, srqn, DoorbellError::NoSuchObject, value);
+            return;
+        };
+        let ahead = value.wrapping_sub(srq.wq.ci);
+        if ahead > srq.wq.size() || (value.wrapping_sub(srq.wq.pi) as i32) < 0 {
+            self.doorbell_error(env, srqn, DoorbellError::IndexOutOfRange, value);
+            return;
+        }
+        srq.wq.pi = value;
+    }
+
+    /// Reads the scatter list of receive WQE `index` of a ring with `1 << log_stride` bytes
+    /// per entry.
+    pub(crate) fn read_recv_wqe(&mut self, env: &mut dyn Env, wq: &WorkQueue, index: u32) -> Result<Vec<Sge>, u64> {
+        let stride = 1u64 << wq.log_stride;
+        let at = wq.slot_iova(index, stride);
+        let mut buf = [0u8; 16 * 32];
+        let n = (stride as usize).min(buf.len());
+        env.dma_read(at, &mut buf[..n]).map_err(|f| f.iova)?;
+        let mut sges = Vec::new();
+        for chunk in buf[..n].chunks_exact(SEG) {
+            let Ok(d) = DataSeg::read_from_bytes(chunk) else { break };
+            if d.lkey.get() == RECV_LKEY_END {
+                break;
+            }
+            sges.push(Sge { lkey: d.lkey.get(), addr: d.addr.get(), len: d.byte_count.get() });
+        }
+        Ok(sges)
+    }
+
+    /// Takes the next receive WQE for `qpn` from its RQ or SRQ: (index, srqn, sges).
+    /// `Ok(None)` when none is posted.
+    #[allow(clippy::type_complexity)]
+    pub(crate) fn take_recv_wqe(&mut self, env: &mut dyn Env, qp: &mut Qp) -> Result<Option<(u32, u32, Vec<Sge>)>, u64> {
+        if qp.srqn != 0 {
+            let Some(srq) = self.srqs.get_mut(qp.srqn) else { return Ok(None) };
+            if srq.wq.ci == srq.wq.pi {
+                return Ok(None);
+            }
+            let wq = srq.wq.clone();
+            let index = wq.ci;
+            let sges = self.read_recv_wqe(env, &wq, index)?;
+            let srqn = qp.srqn;
+            if let Some(srq) = self.srqs.get_mut(srqn) {
+                srq.wq.ci = srq.wq.ci.wrapping_add(1);
+                let left = srq.wq.pi.wrapping_sub(srq.wq.ci);
+                if srq.limit != 0 && left < srq.limit {
+                    srq.limit = 0;
+                    self.post_event(env, EventType::SrqLimit, 0, srqn, left as u64);
+                }
+            }
+            Ok(Some((index, srqn, sges)))
+        } else {
+            if qp.rq.ci == qp.rq.pi {
+                return Ok(None);
+            }
+            let index = qp.rq.ci;
+            let wq = qp.rq.clone();
+            let sges = self.read_recv_wqe(env, &wq, index)?;
+            qp.rq.ci = qp.rq.ci.wrapping_add(1);
+            Ok(Some((index, 0, sges)))
+        }
+    }
+
+    /// Queues a CQE write at `ready` plus the PCIe write and CQE-after-data delays.
+    pub(crate) fn complete(&mut self, env: &mut dyn Env, cqn: u32, ready: SimTime, cqe: Cqe) {
+        let t = self.reserve_pcie_write(ready, 64) + SimTime(self.cfg.timing.nic_cqe_after_data_ps);
+        env.schedule(t, NicEvent::CqeWrite { cqn, cqe: Box::new(cqe) });
+    }
+
+    /// Builds a send-side CQE.
+    pub(crate) fn send_cqe(qpn: u32, o: &Outstanding, status: CqeStatus, syndrome: VendorSyndrome) -> Cqe {
+        let opcode = match o.op {
+            SendOpcode::Send | SendOpcode::SendImm => CqeOpcode::Send,
+            SendOpcode::Write | SendOpcode::WriteImm => CqeOpcode::RdmaWrite,
+            SendOpcode::Read => CqeOpcode::RdmaRead,
+            SendOpcode::CmpSwap => CqeOpcode::CompSwap,
+            SendOpcode::FetchAdd => CqeOpcode::FetchAdd,
+        };
+        Cqe {
+            opcode: opcode as u8,
+            status: status as u8,
+            wqe_counter: (o.wqe_index as u16).into(),
+            qpn: qpn.into(),
+            byte_len: o.len.into(),
+            vendor_syndrome: syndrome as u8,
+            ..Default::default()
+        }
+    }
+
+    /// Moves `qpn` to ERR (if it is not there) and flushes every outstanding and posted WQE.
+    pub(crate) fn flush_qp(&mut self, env: &mut dyn Env, qpn: u32) {
+        let Some(mut qp) = self.qps.remove(qpn) else { return };
+        self.flush(env, &mut qp);
+        self.qps.restore(qpn, qp);
+    }
+
+    /// Moves `qp` (taken out of the table) to ERR and flushes its work.
+    pub(crate) fn flush(&mut self, env: &mut dyn Env, qp: &mut Qp) {
+        let qpn = qp.qpn;
+        qp.state = QpState::Err;
+        qp.attr.state = QpState::Err as u8;
+        let now = env.now();
+        while let Some(o) = qp.req.outstanding.pop_front() {
+            let cqe = Self::send_cqe(qpn, &o, CqeStatus::WrFlushErr, VendorSyndrome::None);
+            self.complete(env, qp.send_cqn, now, cqe);
+        }
+        qp.req.rd_atomic = 0;
+        // WQEs posted but never started: read each control segment to learn its size.
+        let mut guard = 0;
+        while qp.fetch != qp.sq.pi && guard <= qp.sq.size() {
+            guard += 1;
+            let mut b = [0u8; 16];
+            let at = qp.sq.slot_iova(qp.fetch, WQEBB as u64);
+            let ctrl = env.dma_read(at, &mut b).ok().and_then(|_| CtrlSeg::read_from_bytes(&b).ok());
+            let (op, nbb) = match ctrl {
+                Some(c) if c.wqe_index.get() == qp.fetch as u16 && (1..=16).contains(&c.ds_count) => {
+                    (SendOpcode::from_u8(c.opcode).unwrap_or(SendOpcode::Send), ringbell_specs::wqe::wqebbs(c.ds_count as usize) as u32)
+                }
+                _ => (SendOpcode::Send, 1),
+            };
+            let o = Outstanding {
+                wqe_index: qp.fetch,
+                op,
+                signaled: true,
+                first_psn: Psn::new(0),
+                npsn: 0,
+                len: 0,
+                sges: Vec::new(),
+                error: None,
+                done: false,
+            };
+            let cqe = Self::send_cqe(qpn, &o, CqeStatus::WrFlushErr, VendorSyndrome::None);
+            self.complete(env, qp.send_cqn, now, cqe);
+            if qp.sq.pi.wrapping_sub(qp.fetch) < nbb {
+                qp.fetch = qp.sq.pi;
+            } else {
+                qp.fetch = qp.fetch.wrapping_add(nbb);
+            }
+        }
+        qp.fetch = qp.sq.pi;
+        if let Some(rc) = qp.resp.recv.take() {
+            self.flush_recv(env, qp, rc.wqe_index, rc.srqn, now);
+        }
+        qp.resp.write = None;
+        if qp.srqn == 0 {
+            while qp.rq.ci != qp.rq.pi {
+                let idx = qp.rq.ci;
+                self.flush_recv(env, qp, idx, 0, now);
+                qp.rq.ci = qp.rq.ci.wrapping_add(1);
+            }
+        }
+    }
+
+    fn flush_recv(&mut self, env: &mut dyn Env, qp: &Qp, index: u32, srqn: u32, now: SimTime) {
+        let cqe = Cqe {
+            opcode: CqeOpcode::Recv as u8,
+            status: CqeStatus::WrFlushErr as u8,
+            wqe_counter: (index as u16).into(),
+            qpn: qp.qpn.into(),
+            flags: if srqn != 0 { CQE_FLAG_SRQ } else { 0 },
+            srqn: srqn.into(),
+            ..Default::default()
+        };
+        self.complete(env, qp.recv_cqn, now, cqe);
+    }
+}

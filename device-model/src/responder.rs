@@ -1,0 +1,402 @@
+//! The receive path: frame validation, the responder (SEND, WRITE, READ, atomics, ACK/NAK
+//! generation) and the hand-off of responses to the requester.
+
+use crate::env::{Env, NicEvent};
+use crate::nic::Nic;
+use crate::qp::{Qp, RecvCtx, WriteCtx};
+use ringbell_specs::cmd::{Access, QpState};
+use ringbell_specs::cqe::{Cqe, CqeOpcode, CqeStatus, EventType, CQE_FLAG_IMM, CQE_FLAG_SOLICITED, CQE_FLAG_SRQ};
+use ringbell_specs::wire::{self, Aeth, AethSyndrome, BthRepr, Endpoint, NakCode, Opcode, Packet, PacketRepr};
+use ringbell_specs::{Psn, Qpn, SimTime};
+
+/// What went wrong with a request, and what the responder does about it.
+enum Fault {
+    /// NAK with this code, move to ERR; complete the current receive WQE with the status.
+    Fatal(NakCode, Option<CqeStatus>),
+    /// RNR NAK: no receive WQE; nothing consumed.
+    Rnr,
+}
+
+impl Nic {
+    /// A frame arrives from the wire.
+    pub fn receive(&mut self, env: &mut dyn Env, frame: &[u8]) {
+        self.stats.rx_frames += 1;
+        let pkt = match wire::parse_packet(frame) {
+            Ok(p) => p,
+            Err(_) => {
+                self.stats.rx_malformed += 1;
+                return;
+            }
+        };
+        if pkt.repr.dst.ip != self.cfg.ip {
+            self.stats.rx_dropped += 1;
+            return;
+        }
+        let qpn = pkt.repr.bth.dest_qp.get();
+        let Some(mut qp) = self.qps.remove(qpn) else {
+            self.stats.rx_dropped += 1;
+            return;
+        };
+        if pkt.repr.src.ip != qp.attr.dest_ip || pkt.repr.bth.pkey != 0xFFFF {
+            self.stats.rx_dropped += 1;
+        } else if Opcode::from_u8(pkt.repr.bth.opcode).is_some_and(|o| o.is_response()) {
+            self.handle_response(env, &mut qp, &pkt);
+        } else if matches!(qp.state, QpState::Rtr | QpState::Rts | QpState::Sqd) {
+            self.handle_request(env, &mut qp, &pkt);
+        } else {
+            self.stats.rx_dropped += 1;
+        }
+        self.qps.restore(qpn, qp);
+    }
+
+    /// The headers of a packet from `qp` to its peer.
+    pub(crate) fn packet_repr(&self, qp: &Qp, opcode: Opcode, psn: Psn, ack_req: bool) -> PacketRepr {
+        let dest = Qpn::from_bits(qp.attr.dest_qpn.get());
+        PacketRepr {
+            src: Endpoint { mac: self.cfg.mac, ip: self.cfg.ip },
+            dst: Endpoint { mac: qp.attr.dest_mac, ip: qp.attr.dest_ip },
+            udp_src_port: wire::udp_src_port(Qpn::from_bits(qp.qpn), dest),
+            ip_id: psn.get() as u16,
+            tos: 0,
+            ttl: 64,
+            bth: BthRepr {
+                opcode: opcode as u8,
+                solicited: false,
+                mig_req: false,
+                pad: 0,
+                tver: 0,
+                pkey: 0xFFFF,
+                fecn: false,
+                becn: false,
+                dest_qp: dest,
+                ack_req,
+                psn,
+            },
+            reth: None,
+            aeth: None,
+            atomic_eth: None,
+            atomic_ack: None,
+            imm: None,
+        }
+    }
+
+    /// Builds a frame and sends it once `ready`.
+    pub(crate) fn emit(&mut self, env: &mut dyn Env, repr: &PacketRepr, payload: &[u8], ready: SimTime) {
+        let mut frame = Vec::with_capacity(repr.frame_len(payload.len()));
+        repr.emit(payload, &mut frame);
+        self.send_frame(env, ready, frame);
+    }
+
+    fn send_ack(&mut self, env: &mut dyn Env, qp: &Qp, psn: Psn, syndrome: AethSyndrome, ready: SimTime) {
+        let mut repr = self.packet_repr(qp, Opcode::Acknowledge, psn, false);
+        repr.aeth = Some(Aeth { syndrome, msn: qp.resp.msn & 0x00FF_FFFF });
+        if matches!(syndrome, AethSyndrome::Nak(_)) {
+            self.stats.naks_sent += 1;
+        }
+        self.emit(env, &repr, &[], ready);
+    }
+
+    fn handle_request(&mut self, env: &mut dyn Env, qp: &mut Qp, pkt: &Packet<'_>) {
+        let ready = env.now() + SimTime(self.cfg.timing.nic_rx_pkt_ps);
+        let psn = pkt.repr.bth.psn;
+        let d = psn.diff(qp.resp.epsn);
+        if d < 0 {
+            // Duplicate: acknowledge again what we have, never deliver twice.
+            let last = qp.resp.epsn.add(Psn::MASK);
+            self.send_ack(env, qp, last, AethSyndrome::Ack { credits: 0x1F }, ready);
+            return;
+        }
+        if d > 0 {
+            if !qp.resp.nak_sent {
+                qp.resp.nak_sent = true;
+                let e = qp.resp.epsn;
+                self.send_ack(env, qp, e, AethSyndrome::Nak(NakCode::PsnSequenceError), ready);
+            }
+            return;
+        }
+        qp.resp.nak_sent = false;
+        let Some(op) = Opcode::from_u8(pkt.repr.bth.opcode) else { return };
+        let r = match op {
+            Opcode::SendFirst | Opcode::SendMiddle | Opcode::SendLast | Opcode::SendLastImm | Opcode::SendOnly | Opcode::SendOnlyImm => {
+                self.rx_send(env, qp, pkt, op, ready)
+            }
+            Opcode::WriteFirst
+            | Opcode::WriteMiddle
+            | Opcode::WriteLast
+            | Opcode::WriteLastImm
+            | Opcode::WriteOnly
+            | Opcode::WriteOnlyImm => self.rx_write(env, qp, pkt, op, ready),
+            Opcode::ReadRequest => self.rx_read(env, qp, pkt, ready),
+            Opcode::CompareSwap | Opcode::FetchAdd => self.rx_atomic(env, qp, pkt, op, ready),
+            _ => Err(Fault::Fatal(NakCode::InvalidRequest, None)),
+        };
+        match r {
+            Ok(()) => {}
+            Err(Fault::Rnr) => {
+                let timer = qp.attr.min_rnr_timer;
+                self.send_ack(env, qp, psn, AethSyndrome::RnrNak { timer }, ready);
+            }
+            Err(Fault::Fatal(code, status)) => {
+                self.send_ack(env, qp, psn, AethSyndrome::Nak(code), ready);
+                if let (Some(status), Some(rc)) = (status, qp.resp.recv.take()) {
+                    let cqe = recv_cqe(qp.qpn, &rc, status, 0);
+                    self.complete(env, qp.recv_cqn, ready, cqe);
+                }
+                if code == NakCode::RemoteAccessError {
+                    self.post_event(env, EventType::QpAccessErr, 0, qp.qpn, 0);
+                }
+                self.flush(env, qp);
+            }
+        }
+    }
+
+    /// Checks the opcode sequence: a FIRST/ONLY may not interrupt a message in progress, and
+    /// MIDDLE/LAST must continue one of the same kind.
+    fn check_sequence(qp: &Qp, op: Opcode, is_send: bool) -> Result<(), Fault> {
+        let in_send = qp.resp.recv.as_ref().is_some_and(|r| r.offset != u32::MAX);
+        let in_progress = if is_send { in_send } else { qp.resp.write.is_some() };
+        let other = if is_send { qp.resp.write.is_some() } else { in_send };
+        let ok = if op.is_first() { !in_progress && !other } else { in_progress };
+        if ok {
+            Ok(())
+        } else {
+            Err(Fault::Fatal(NakCode::InvalidRequest, None))
+        }
+    }
+
+    fn mtu_check(qp: &Qp, op: Opcode, len: usize) -> Result<(), Fault> {
+        let mtu = qp.mtu() as usize;
+        let ok = if op.is_last() { len <= mtu } else { len == mtu };
+        if ok {
+            Ok(())
+        } else {
+            Err(Fault::Fatal(NakCode::InvalidRequest, None))
+        }
+    }
+
+    fn rx_send(&mut self, env: &mut dyn Env, qp: &mut Qp, pkt: &Packet<'_>, op: Opcode, ready: SimTime) -> Result<(), Fault> {
+        Self::check_sequence(qp, op, true)?;
+        Self::mtu_check(qp, op, pkt.payload.len())?;
+        if op.is_first() {
+            let (index, srqn, sges) = match self.take_recv_wqe(env, qp) {
+                Ok(Some(w)) => w,
+                Ok(None) => return Err(Fault::Rnr),
+                Err(iova) => {
+                    self.iommu_fault(env, qp.qpn, iova);
+                    return Err(Fault::Fatal(NakCode::RemoteOperationalError, None));
+                }
+            };
+            qp.resp.recv = Some(RecvCtx { wqe_index: index, srqn, sges, offset: 0 });
+        }
+        let Some(rc) = qp.resp.recv.as_ref() else { return Err(Fault::Fatal(NakCode::InvalidRequest, None)) };
+        let cap: u64 = rc.sges.iter().map(|s| s.len as u64).sum();
+        let offset = rc.offset as u64;
+        if offset + pkt.payload.len() as u64 > cap {
+            return Err(Fault::Fatal(NakCode::InvalidRequest, Some(CqeStatus::LocLenErr)));
+        }
+        let sges = rc.sges.clone();
+        self.scatter(env, qp.pdn, qp.qpn, &sges, offset, pkt.payload, ready).map_err(|(s, _)| match s {
+            CqeStatus::LocLenErr => Fault::Fatal(NakCode::InvalidRequest, Some(s)),
+            // A bad receive WQE (key, PD, rights) or an unreachable buffer: class A.
+            _ => Fault::Fatal(NakCode::RemoteOperationalError, Some(s)),
+        })?;
+        qp.resp.epsn = qp.resp.epsn.add(1);
+        let Some(rc) = qp.resp.recv.as_mut() else { return Ok(()) };
+        rc.offset += pkt.payload.len() as u32;
+        if op.is_last() {
+            let Some(rc) = qp.resp.recv.take() else { return Ok(()) };
+            qp.resp.msn = qp.resp.msn.wrapping_add(1);
+            let mut flags = 0;
+            let mut imm = 0;
+            if let Some(i) = pkt.repr.imm {
+                flags |= CQE_FLAG_IMM;
+                imm = i;
+            }
+            if pkt.repr.bth.solicited {
+                flags |= CQE_FLAG_SOLICITED;
+            }
+            let mut cqe = recv_cqe(qp.qpn, &rc, CqeStatus::Success, rc.offset);
+            cqe.flags |= flags;
+            cqe.imm = imm.into();
+            cqe.opcode = CqeOpcode::Recv as u8;
+            let cqn = qp.recv_cqn;
+            self.complete(env, cqn, ready, cqe);
+        }
+        if pkt.repr.bth.ack_req {
+            self.send_ack(env, qp, pkt.repr.bth.psn, AethSyndrome::Ack { credits: 0x1F }, ready);
+        }
+        Ok(())
+    }
+
+    fn rx_write(&mut self, env: &mut dyn Env, qp: &mut Qp, pkt: &Packet<'_>, op: Opcode, ready: SimTime) -> Result<(), Fault> {
+        Self::check_sequence(qp, op, false)?;
+        Self::mtu_check(qp, op, pkt.payload.len())?;
+        if op.is_first() {
+            let Some(reth) = pkt.repr.reth else { return Err(Fault::Fatal(NakCode::InvalidRequest, None)) };
+            if !qp.access().contains(Access::REMOTE_WRITE) {
+                return Err(Fault::Fatal(NakCode::InvalidRequest, None));
+            }
+            if reth.len > self.cfg.max_msg_size {
+                return Err(Fault::Fatal(NakCode::InvalidRequest, None));
+            }
+            self.check_key(qp.pdn, reth.rkey, reth.va, reth.len as u64, Access::REMOTE_WRITE)
+                .map_err(|_| Fault::Fatal(NakCode::RemoteAccessError, None))?;
+            qp.resp.write = Some(WriteCtx { rkey: reth.rkey, va: reth.va, remaining: reth.len, total: reth.len });
+        }
+        let Some(w) = qp.resp.write.as_ref() else { return Err(Fault::Fatal(NakCode::InvalidRequest, None)) };
+        let n = pkt.payload.len() as u32;
+        if n > w.remaining || (op.is_last() && n != w.remaining) {
+            return Err(Fault::Fatal(NakCode::InvalidRequest, None));
+        }
+        let (rkey, va, total) = (w.rkey, w.va, w.total);
+        // WRITE with immediate needs a receive WQE before anything of its last packet lands.
+        let recv = if op.has_immdt() {
+            match self.take_recv_wqe(env, qp) {
+                Ok(Some(w)) => Some(w),
+                Ok(None) => return Err(Fault::Rnr),
+                Err(iova) => {
+                    self.iommu_fault(env, qp.qpn, iova);
+                    return Err(Fault::Fatal(NakCode::RemoteOperationalError, None));
+                }
+            }
+        } else {
+            None
+        };
+        if n > 0 {
+            let iova = self
+                .check_key(qp.pdn, rkey, va, n as u64, Access::REMOTE_WRITE)
+                .map_err(|_| Fault::Fatal(NakCode::RemoteAccessError, None))?;
+            if let Err(f) = env.dma_check(iova, n as usize) {
+                self.iommu_fault(env, qp.qpn, f.iova);
+                return Err(Fault::Fatal(NakCode::RemoteOperationalError, None));
+            }
+            let at = self.reserve_pcie_write(ready, n as usize);
+            env.schedule(at, NicEvent::DmaWrite { iova, data: pkt.payload.to_vec(), qpn: qp.qpn });
+        }
+        qp.resp.epsn = qp.resp.epsn.add(1);
+        if let Some(w) = qp.resp.write.as_mut() {
+            w.va = w.va.wrapping_add(n as u64);
+            w.remaining -= n;
+        }
+        if op.is_last() {
+            qp.resp.write = None;
+            qp.resp.msn = qp.resp.msn.wrapping_add(1);
+            if let Some((index, srqn, sges)) = recv {
+                let rc = RecvCtx { wqe_index: index, srqn, sges, offset: 0 };
+                let mut cqe = recv_cqe(qp.qpn, &rc, CqeStatus::Success, total);
+                cqe.opcode = CqeOpcode::RecvRdmaWithImm as u8;
+                cqe.flags |= CQE_FLAG_IMM | if pkt.repr.bth.solicited { CQE_FLAG_SOLICITED } else { 0 };
+                cqe.imm = pkt.repr.imm.unwrap_or(0).into();
+                let cqn = qp.recv_cqn;
+                self.complete(env, cqn, ready, cqe);
+            }
+        }
+        if pkt.repr.bth.ack_req {
+            self.send_ack(env, qp, pkt.repr.bth.psn, AethSyndrome::Ack { credits: 0x1F }, ready);
+        }
+        Ok(())
+    }
+
+    fn rx_read(&mut self, env: &mut dyn Env, qp: &mut Qp, pkt: &Packet<'_>, ready: SimTime) -> Result<(), Fault> {
+        if qp.resp.recv.is_some() || qp.resp.write.is_some() {
+            return Err(Fault::Fatal(NakCode::InvalidRequest, None));
+        }
+        let Some(reth) = pkt.repr.reth else { return Err(Fault::Fatal(NakCode::InvalidRequest, None)) };
+        if !qp.access().contains(Access::REMOTE_READ) || reth.len > self.cfg.max_msg_size {
+            return Err(Fault::Fatal(NakCode::InvalidRequest, None));
+        }
+        let iova = self
+            .check_key(qp.pdn, reth.rkey, reth.va, reth.len as u64, Access::REMOTE_READ)
+            .map_err(|_| Fault::Fatal(NakCode::RemoteAccessError, None))?;
+        let mtu = qp.mtu();
+        let n = reth.len.div_ceil(mtu).max(1);
+        let first = pkt.repr.bth.psn;
+        qp.resp.epsn = first.add(n);
+        qp.resp.msn = qp.resp.msn.wrapping_add(1);
+        let t = &self.cfg.timing;
+        let start = ready + SimTime(t.dma_read_rtt_ps + t.nic_read_resp_extra_ps);
+        let mut payload = std::mem::take(&mut self.scratch);
+        for i in 0..n {
+            let off = (i * mtu) as u64;
+            let len = (reth.len - i * mtu).min(mtu) as usize;
+            payload.clear();
+            payload.resize(len, 0);
+            if len > 0 {
+                if let Err(f) = env.dma_read(iova + off, &mut payload) {
+                    self.scratch = payload;
+                    self.iommu_fault(env, qp.qpn, f.iova);
+                    return Err(Fault::Fatal(NakCode::RemoteOperationalError, None));
+                }
+            }
+            let opcode = match (i == 0, i + 1 == n) {
+                (true, true) => Opcode::ReadResponseOnly,
+                (true, false) => Opcode::ReadResponseFirst,
+                (false, false) => Opcode::ReadResponseMiddle,
+                (false, true) => Opcode::ReadResponseLast,
+            };
+            let mut repr = self.packet_repr(qp, opcode, first.add(i), false);
+            if opcode.has_aeth() {
+                repr.aeth = Some(Aeth { syndrome: AethSyndrome::Ack { credits: 0x1F }, msn: qp.resp.msn & 0x00FF_FFFF });
+            }
+            let at = start + SimTime(self.cfg.timing.pcie_read_ps(len));
+            self.emit(env, &repr, &payload, at);
+        }
+        self.scratch = payload;
+        Ok(())
+    }
+
+    fn rx_atomic(&mut self, env: &mut dyn Env, qp: &mut Qp, pkt: &Packet<'_>, op: Opcode, ready: SimTime) -> Result<(), Fault> {
+        if qp.resp.recv.is_some() || qp.resp.write.is_some() {
+            return Err(Fault::Fatal(NakCode::InvalidRequest, None));
+        }
+        let Some(a) = pkt.repr.atomic_eth else { return Err(Fault::Fatal(NakCode::InvalidRequest, None)) };
+        if !qp.access().contains(Access::REMOTE_ATOMIC) || a.va % 8 != 0 {
+            return Err(Fault::Fatal(NakCode::InvalidRequest, None));
+        }
+        let iova = self
+            .check_key(qp.pdn, a.rkey, a.va, 8, Access::REMOTE_ATOMIC)
+            .map_err(|_| Fault::Fatal(NakCode::RemoteAccessError, None))?;
+        let mut cur = [0u8; 8];
+        if let Err(f) = env.dma_read(iova, &mut cur) {
+            self.iommu_fault(env, qp.qpn, f.iova);
+            return Err(Fault::Fatal(NakCode::RemoteOperationalError, None));
+        }
+        let orig = u64::from_le_bytes(cur);
+        let new = match op {
+            Opcode::CompareSwap => {
+                if orig == a.compare {
+                    a.swap_add
+                } else {
+                    orig
+                }
+            }
+            _ => orig.wrapping_add(a.swap_add),
+        };
+        if let Err(f) = env.dma_write(iova, &new.to_le_bytes()) {
+            self.iommu_fault(env, qp.qpn, f.iova);
+            return Err(Fault::Fatal(NakCode::RemoteOperationalError, None));
+        }
+        qp.resp.epsn = qp.resp.epsn.add(1);
+        qp.resp.msn = qp.resp.msn.wrapping_add(1);
+        let mut repr = self.packet_repr(qp, Opcode::AtomicAcknowledge, pkt.repr.bth.psn, false);
+        repr.aeth = Some(Aeth { syndrome: AethSyndrome::Ack { credits: 0x1F }, msn: qp.resp.msn & 0x00FF_FFFF });
+        repr.atomic_ack = Some(orig);
+        let at = ready + SimTime(self.cfg.timing.dma_read_rtt_ps);
+        self.emit(env, &repr, &[], at);
+        Ok(())
+    }
+}
+
+/// A receive-side CQE for receive WQE `rc`.
+fn recv_cqe(qpn: u32, rc: &RecvCtx, status: CqeStatus, byte_len: u32) -> Cqe {
+    Cqe {
+        opcode: CqeOpcode::Recv as u8,
+        status: status as u8,
+        wqe_counter: (rc.wqe_index as u16).into(),
+        qpn: qpn.into(),
+        byte_len: byte_len.into(),
+        flags: if rc.srqn != 0 { CQE_FLAG_SRQ } else { 0 },
+        srqn: rc.srqn.into(),
+        ..Default::default()
+    }
+}

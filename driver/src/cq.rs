@@ -1,0 +1,172 @@
+//! Completion queues and work completions.
+
+use crate::device::{DevInner, Device, DmaBuffer};
+use crate::error::Error;
+use ringbell_specs::cmd::{CmdOpcode, CreateCqIn};
+use ringbell_specs::cqe::{self, owner_bit, Cqe, CqeOpcode, CqeStatus, CQE_SIZE};
+use ringbell_specs::regs;
+use std::rc::Rc;
+use zerocopy::{FromBytes, IntoBytes};
+
+/// Completion status (the libibverbs values).
+pub type WcStatus = CqeStatus;
+/// Completion opcode (the libibverbs values).
+pub type WcOpcode = CqeOpcode;
+
+/// One work completion.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct WorkCompletion {
+    /// The work request's id.
+    pub wr_id: u64,
+    /// Outcome.
+    pub status: WcStatus,
+    /// What completed.
+    pub opcode: WcOpcode,
+    /// Bytes received (receive side) or transferred.
+    pub byte_len: u32,
+    /// The local QP.
+    pub qpn: u32,
+    /// Immediate data, when the message carried some.
+    pub imm: Option<u32>,
+    /// The message had the solicited-event bit.
+    pub solicited: bool,
+    /// Device timestamp of the CQE write in picoseconds (simulated time on the emulator).
+    pub timestamp_ps: u64,
+    /// Device detail for error completions.
+    pub vendor_syndrome: u8,
+}
+
+impl Default for WorkCompletion {
+    fn default() -> Self {
+        WorkCompletion {
+            wr_id: 0,
+            status: CqeStatus::Success,
+            opcode: CqeOpcode::Send,
+            byte_len: 0,
+            qpn: 0,
+            imm: None,
+            solicited: false,
+            timestamp_ps: 0,
+            vendor_syndrome: 0,
+        }
+    }
+}
+
+/// A completion queue.
+#[derive(Debug)]
+pub struct CompletionQueue {
+    dev: Device,
+    cqn: u32,
+    ring: DmaBuffer,
+    db: DmaBuffer,
+    log: u8,
+    ci: u32,
+}
+
+impl Device {
+    /// Creates a CQ with at least `entries` entries (rounded up to a power of two).
+    pub fn create_cq(&self, entries: u32) -> Result<CompletionQueue, Error> {
+        if entries == 0 || entries > self.caps().max_cqe {
+            return Err(Error::InvalidArgument("CQ size is 0 or beyond max_cqe"));
+        }
+        let log = entries.next_power_of_two().trailing_zeros() as u8;
+        let log = log.max(1);
+        let ring = self.alloc_dma((1usize << log) * CQE_SIZE)?;
+        let db = self.alloc_dma(64)?;
+        let input = CreateCqIn { log_size: log, ring_iova: ring.iova().into(), db_iova: db.iova().into(), ..Default::default() };
+        let cqn = self.inner.create(CmdOpcode::CreateCq, input.as_bytes())?;
+        Ok(CompletionQueue { dev: self.clone(), cqn, ring, db, log, ci: 0 })
+    }
+}
+
+impl CompletionQueue {
+    /// The CQ number.
+    pub fn cqn(&self) -> u32 {
+        self.cqn
+    }
+
+    /// Number of entries.
+    pub fn capacity(&self) -> u32 {
+        1 << self.log
+    }
+
+    fn inner(&self) -> &Rc<DevInner> {
+        &self.dev.inner
+    }
+
+    /// Reads completions into `out` and returns how many. When none is ready, the device is
+    /// given one chance to progress (on the emulator: one simulation step) and the CQ is
+    /// checked once more. Allocates nothing.
+    pub fn poll(&mut self, out: &mut [WorkCompletion]) -> usize {
+        let mut n = self.poll_ready(out);
+        if n == 0 && !out.is_empty() {
+            self.dev.inner.port.progress();
+            n = self.poll_ready(out);
+        }
+        n
+    }
+
+    /// Reads completions that are already in the ring, without progressing the device.
+    pub fn poll_ready(&mut self, out: &mut [WorkCompletion]) -> usize {
+        let mut n = 0;
+        while n < out.len() {
+            let slot = (self.ci & ((1 << self.log) - 1)) as usize * CQE_SIZE;
+            // Acquire on the owner byte orders the reads of the entry after it.
+            if self.ring.mem().load_acquire(slot + CQE_SIZE - 1) != owner_bit(self.ci, self.log) {
+                break;
+            }
+            let mut raw = [0u8; CQE_SIZE];
+            if self.ring.read(slot, &mut raw).is_err() {
+                break;
+            }
+            let Ok(c) = Cqe::read_from_bytes(&raw) else { break };
+            out[n] = self.translate(&c);
+            self.ci = self.ci.wrapping_add(1);
+            n += 1;
+        }
+        if n > 0 {
+            self.db.mem().store_u32_release(0, self.ci);
+            self.inner().port.write32(regs::CQ_DB_BASE + self.cqn as u64 * regs::DB_STRIDE + regs::DB_CQ_CI, self.ci);
+        }
+        n
+    }
+
+    /// Requests a completion event for the next CQE (or the next solicited one).
+    pub fn arm(&self, solicited_only: bool) {
+        let v = self.ci | if solicited_only { regs::CQ_ARM_SOLICITED } else { 0 };
+        self.inner().port.write32(regs::CQ_DB_BASE + self.cqn as u64 * regs::DB_STRIDE + regs::DB_CQ_ARM, v);
+    }
+
+    fn translate(&self, c: &Cqe) -> WorkCompletion {
+        let opcode = CqeOpcode::from_u8(c.opcode).unwrap_or(CqeOpcode::Send);
+        let status = CqeStatus::from_u8(c.status).unwrap_or(CqeStatus::GeneralErr);
+        let qpn = c.qpn.get();
+        let counter = c.wqe_counter.get();
+        let wr_id = if c.flags & cqe::CQE_FLAG_SRQ != 0 {
+            self.inner().srqs.borrow().get(&c.srqn.get()).map_or(0, |s| s.complete(counter))
+        } else {
+            match self.inner().qps.borrow().get(&qpn) {
+                Some(q) if opcode.is_recv() => q.complete_recv(counter),
+                Some(q) => q.complete_send(counter),
+                None => 0,
+            }
+        };
+        WorkCompletion {
+            wr_id,
+            status,
+            opcode,
+            byte_len: c.byte_len.get(),
+            qpn,
+            imm: (c.flags & cqe::CQE_FLAG_IMM != 0).then(|| c.imm.get()),
+            solicited: c.flags & cqe::CQE_FLAG_SOLICITED != 0,
+            timestamp_ps: c.timestamp.get(),
+            vendor_syndrome: c.vendor_syndrome,
+        }
+    }
+}
+
+impl Drop for CompletionQueue {
+    fn drop(&mut self) {
+        let _ = self.dev.inner.destroy(CmdOpcode::DestroyCq, self.cqn);
+    }
+}

@@ -1,0 +1,345 @@
+//! The device: opening it over a port, the command mailbox, the event queue, DMA buffers.
+
+use crate::dma::DmaMemory;
+use crate::error::Error;
+use crate::mr::ProtectionDomain;
+use crate::port::Port;
+use crate::qp::QpRings;
+use crate::srq::SrqRings;
+use ringbell_specs::cmd::{self, CmdHeader, CmdOpcode, CmdStatus, ObjectIn, ObjectOut, QueryDeviceOut};
+use ringbell_specs::cqe::{owner_bit, EventType, Eqe, EQE_SIZE};
+use ringbell_specs::regs;
+use std::cell::{Cell, RefCell};
+use std::collections::BTreeMap;
+use std::rc::Rc;
+use zerocopy::{FromBytes, IntoBytes};
+
+/// Limits and capabilities reported by QUERY_DEVICE.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DeviceCaps {
+    /// Device instance id.
+    pub device_id: u32,
+    /// Capability flags.
+    pub caps: regs::Caps,
+    /// QP contexts.
+    pub max_qp: u32,
+    /// CQ contexts.
+    pub max_cq: u32,
+    /// SRQ contexts.
+    pub max_srq: u32,
+    /// Memory regions.
+    pub max_mr: u32,
+    /// Protection domains.
+    pub max_pd: u32,
+    /// Largest work queue.
+    pub max_qp_wr: u32,
+    /// Largest CQ.
+    pub max_cqe: u32,
+    /// Most SGEs per WQE.
+    pub max_sge: u32,
+    /// Most inline bytes.
+    pub max_inline: u32,
+    /// Largest message.
+    pub max_msg_size: u32,
+    /// Largest max_rd_atomic.
+    pub max_rd_atomic: u32,
+    /// Port MAC address.
+    pub mac: [u8; 6],
+    /// Port IPv4 address.
+    pub ip: [u8; 4],
+}
+
+/// An asynchronous event read from the event queue.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AsyncEvent {
+    /// What happened.
+    pub kind: EventType,
+    /// Event-specific detail (command status, doorbell error kind).
+    pub subtype: u8,
+    /// The object it concerns (QPN, CQN, SRQN, command token).
+    pub obj: u32,
+    /// Extra information (faulting IOVA, doorbell index).
+    pub info: u64,
+    /// Simulated device time in picoseconds.
+    pub timestamp: u64,
+}
+
+const EQ_LOG: u8 = 7;
+const IOVA_BASE: u64 = 0x1_0000_0000;
+
+pub(crate) struct DevInner {
+    pub(crate) port: Box<dyn Port>,
+    pub(crate) caps: DeviceCaps,
+    next_iova: Cell<u64>,
+    mailbox: DmaMemory,
+    token: Cell<u16>,
+    eq: DmaMemory,
+    eq_ci: Cell<u32>,
+    /// Send/receive bookkeeping of every live QP, for completion lookup.
+    pub(crate) qps: RefCell<BTreeMap<u32, Rc<QpRings>>>,
+    /// Receive bookkeeping of every live SRQ.
+    pub(crate) srqs: RefCell<BTreeMap<u32, Rc<SrqRings>>>,
+}
+
+impl std::fmt::Debug for DevInner {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Device").field("caps", &self.caps).finish()
+    }
+}
+
+impl DevInner {
+    /// Reserves an IOVA range for `len` bytes.
+    pub(crate) fn alloc_iova(&self, len: usize) -> u64 {
+        let iova = self.next_iova.get();
+        // A guard page between mappings turns an overrun into an IOMMU fault.
+        self.next_iova.set(iova + len.next_multiple_of(4096) as u64 + 4096);
+        iova
+    }
+
+
+    /// Runs a command and returns its output parameters.
+    pub(crate) fn command(&self, op: CmdOpcode, input: &[u8]) -> Result<[u8; cmd::PARAMS_SIZE], Error> {
+        let token = self.token.get().wrapping_add(1).max(1);
+        self.token.set(token);
+        let hdr = CmdHeader { opcode: (op as u16).into(), token: (token as u32).into(), ..Default::default() };
+        let mut mbox = [0u8; cmd::MAILBOX_SIZE];
+        mbox[..16].copy_from_slice(hdr.as_bytes());
+        let n = input.len().min(cmd::PARAMS_SIZE);
+        mbox[cmd::IN_OFFSET..cmd::IN_OFFSET + n].copy_from_slice(&input[..n]);
+        self.mailbox.write(0, &mbox)?;
+        std::sync::atomic::fence(std::sync::atomic::Ordering::Release);
+        self.port.write32(regs::CMD_DOORBELL, token as u32);
+        loop {
+            let s = self.port.read32(regs::CMD_STATUS);
+            if s & regs::CMD_STATUS_BUSY == 0 && (s & 0xFFFF) as u16 == token {
+                break;
+            }
+            if !self.port.progress() {
+                return Err(Error::DeviceIdle("a command"));
+            }
+        }
+        std::sync::atomic::fence(std::sync::atomic::Ordering::Acquire);
+        let mut back = [0u8; cmd::MAILBOX_SIZE - cmd::RESULT_OFFSET];
+        self.mailbox.read(cmd::RESULT_OFFSET, &mut back)?;
+        let status = back[0];
+        match CmdStatus::from_u8(status) {
+            Some(CmdStatus::Ok) => {
+                let mut out = [0u8; cmd::PARAMS_SIZE];
+                out.copy_from_slice(&back[16..16 + cmd::PARAMS_SIZE]);
+                Ok(out)
+            }
+            Some(status) => Err(Error::Command { op, status }),
+            None => Err(Error::UnknownStatus { op, status }),
+        }
+    }
+
+    /// Runs a command that returns one object number.
+    pub(crate) fn create(&self, op: CmdOpcode, input: &[u8]) -> Result<u32, Error> {
+        let out = self.command(op, input)?;
+        Ok(ObjectOut::read_from_prefix(&out).map(|(o, _)| o.num.get()).unwrap_or(0))
+    }
+
+    /// Runs a command naming one object (destroy, free, dereg).
+    pub(crate) fn destroy(&self, op: CmdOpcode, num: u32) -> Result<(), Error> {
+        self.command(op, ObjectIn { num: num.into() }.as_bytes()).map(|_| ())
+    }
+}
+
+/// An open device.
+#[derive(Debug, Clone)]
+pub struct Device {
+    pub(crate) inner: Rc<DevInner>,
+}
+
+impl Device {
+    /// Opens the device behind `port`: checks identity and ABI version, sets up the command
+    /// mailbox and the event queue, and reads the capabilities.
+    pub fn open(port: Box<dyn Port>) -> Result<Device, Error> {
+        let magic = port.read32(regs::MAGIC);
+        if magic != regs::MAGIC_VALUE {
+            return Err(Error::NotADevice(magic));
+        }
+        let v = port.read32(regs::ABI_VERSION);
+        if (v >> 16) as u16 != ringbell_specs::ABI_MAJOR {
+            return Err(Error::AbiMismatch {
+                found_major: (v >> 16) as u16,
+                found_minor: v as u16,
+                expected: ringbell_specs::ABI_MAJOR,
+            });
+        }
+        let mailbox = DmaMemory::new(4096)?;
+        let eq = DmaMemory::new((1usize << EQ_LOG) * EQE_SIZE)?;
+        let inner = DevInner {
+            port,
+            caps: DeviceCaps {
+                device_id: 0,
+                caps: regs::Caps::empty(),
+                max_qp: 0,
+                max_cq: 0,
+                max_srq: 0,
+                max_mr: 0,
+                max_pd: 0,
+                max_qp_wr: 0,
+                max_cqe: 0,
+                max_sge: 0,
+                max_inline: 0,
+                max_msg_size: 0,
+                max_rd_atomic: 0,
+                mac: [0; 6],
+                ip: [0; 4],
+            },
+            next_iova: Cell::new(IOVA_BASE),
+            mailbox,
+            token: Cell::new(0),
+            eq,
+            eq_ci: Cell::new(0),
+            qps: RefCell::new(BTreeMap::new()),
+            srqs: RefCell::new(BTreeMap::new()),
+        };
+        let mb_iova = inner.alloc_iova(inner.mailbox.len());
+        inner.port.dma_map(inner.mailbox.fd(), inner.mailbox.len() as u64, mb_iova)?;
+        let eq_iova = inner.alloc_iova(inner.eq.len());
+        inner.port.dma_map(inner.eq.fd(), inner.eq.len() as u64, eq_iova)?;
+        let p = &inner.port;
+        p.write32(regs::CMD_ADDR_LO, mb_iova as u32);
+        p.write32(regs::CMD_ADDR_HI, (mb_iova >> 32) as u32);
+        p.write32(regs::EQ_ADDR_LO, eq_iova as u32);
+        p.write32(regs::EQ_ADDR_HI, (eq_iova >> 32) as u32);
+        p.write32(regs::EQ_LOG_SIZE, EQ_LOG as u32);
+        let out = inner.command(CmdOpcode::QueryDevice, &[])?;
+        let q = QueryDeviceOut::read_from_prefix(&out).map(|(q, _)| q).unwrap_or_default();
+        let mut inner = inner;
+        inner.caps = DeviceCaps {
+            device_id: q.device_id.get(),
+            caps: regs::Caps::from_bits_truncate(q.caps.get()),
+            max_qp: q.max_qp.get(),
+            max_cq: q.max_cq.get(),
+            max_srq: q.max_srq.get(),
+            max_mr: q.max_mr.get(),
+            max_pd: q.max_pd.get(),
+            max_qp_wr: q.max_qp_wr.get(),
+            max_cqe: q.max_cqe.get(),
+            max_sge: q.max_sge.get(),
+            max_inline: q.max_inline.get(),
+            max_msg_size: q.max_msg_size.get(),
+            max_rd_atomic: q.max_rd_atomic.get(),
+            mac: q.mac,
+            ip: q.ipv4,
+        };
+        Ok(Device { inner: Rc::new(inner) })
+    }
+
+    /// Capabilities and limits.
+    pub fn caps(&self) -> &DeviceCaps {
+        &self.inner.caps
+    }
+
+    /// Allocates a protection domain.
+    pub fn alloc_pd(&self) -> Result<ProtectionDomain, Error> {
+        let pdn = self.inner.create(CmdOpcode::AllocPd, &[])?;
+        Ok(ProtectionDomain { dev: self.clone(), pdn })
+    }
+
+    /// Allocates `len` bytes of DMA memory (rounded up to 4 KiB) mapped for the device.
+    pub fn alloc_dma(&self, len: usize) -> Result<DmaBuffer, Error> {
+        let mem = DmaMemory::new(len)?;
+        let iova = self.inner.alloc_iova(mem.len());
+        self.inner.port.dma_map(mem.fd(), mem.len() as u64, iova)?;
+        Ok(DmaBuffer { dev: self.clone(), mem, iova })
+    }
+
+    /// The device clock (simulated picoseconds on the emulator).
+    pub fn clock_ps(&self) -> u64 {
+        let lo = self.inner.port.read32(regs::CLOCK_LO) as u64;
+        let hi = self.inner.port.read32(regs::CLOCK_HI) as u64;
+        hi << 32 | lo
+    }
+
+    /// Lets the device make progress once (see [`Port::progress`]).
+    pub fn progress(&self) -> bool {
+        self.inner.port.progress()
+    }
+
+    /// Reads the next asynchronous event, if one is waiting.
+    pub fn poll_event(&self) -> Option<AsyncEvent> {
+        let ci = self.inner.eq_ci.get();
+        let slot = (ci & ((1 << EQ_LOG) - 1)) as usize * EQE_SIZE;
+        if self.inner.eq.load_acquire(slot + EQE_SIZE - 1) != owner_bit(ci, EQ_LOG) {
+            return None;
+        }
+        let mut b = [0u8; EQE_SIZE];
+        self.inner.eq.read(slot, &mut b).ok()?;
+        let e = Eqe::read_from_bytes(&b).ok()?;
+        self.inner.eq_ci.set(ci.wrapping_add(1));
+        self.inner.port.write32(regs::EQ_CI, ci.wrapping_add(1));
+        Some(AsyncEvent {
+            kind: EventType::from_u8(e.event_type)?,
+            subtype: e.subtype,
+            obj: e.obj.get(),
+            info: e.info.get(),
+            timestamp: e.timestamp.get(),
+        })
+    }
+
+    /// The port (for tools that poke registers directly).
+    pub fn port(&self) -> &dyn Port {
+        &*self.inner.port
+    }
+}
+
+/// DMA memory mapped for this device at [`DmaBuffer::iova`]; unmapped on drop.
+#[derive(Debug)]
+pub struct DmaBuffer {
+    dev: Device,
+    mem: DmaMemory,
+    iova: u64,
+}
+
+impl DmaBuffer {
+    /// The device address of byte 0.
+    pub fn iova(&self) -> u64 {
+        self.iova
+    }
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.mem.len()
+    }
+    /// Whether the buffer is empty (never).
+    pub fn is_empty(&self) -> bool {
+        self.mem.is_empty()
+    }
+    /// Copies `data` in at `offset`.
+    pub fn write(&self, offset: usize, data: &[u8]) -> Result<(), Error> {
+        self.mem.write(offset, data)
+    }
+    /// Copies bytes at `offset` out.
+    pub fn read(&self, offset: usize, out: &mut [u8]) -> Result<(), Error> {
+        self.mem.read(offset, out)
+    }
+    /// Fills a range with one byte.
+    pub fn fill(&self, offset: usize, len: usize, byte: u8) -> Result<(), Error> {
+        self.mem.fill(offset, len, byte)
+    }
+    /// Reads the byte at `offset` with acquire ordering (to poll for data the device writes).
+    pub fn load_acquire(&self, offset: usize) -> Result<u8, Error> {
+        if offset >= self.mem.len() {
+            return Err(Error::OutOfBounds { offset, len: 1, size: self.mem.len() });
+        }
+        Ok(self.mem.load_acquire(offset))
+    }
+    pub(crate) fn mem(&self) -> &DmaMemory {
+        &self.mem
+    }
+    /// Reads a little-endian u64 at `offset`.
+    pub fn read_u64(&self, offset: usize) -> Result<u64, Error> {
+        let mut b = [0u8; 8];
+        self.mem.read(offset, &mut b)?;
+        Ok(u64::from_le_bytes(b))
+    }
+}
+
+impl Drop for DmaBuffer {
+    fn drop(&mut self) {
+        let _ = self.dev.inner.port.dma_unmap(self.iova, self.mem.len() as u64);
+    }
+}

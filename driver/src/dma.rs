@@ -1,0 +1,96 @@
+//! DMA memory: memfd-backed mappings shared with the device.
+//!
+//! The same memory file can be mapped into a real IOMMU (VFIO), handed to an out-of-process
+//! emulator (vfio-user DMA_MAP with the descriptor) or reached in-process. The buffer is never
+//! exposed as `&mut [u8]` while the device may write it: all access goes through copies and
+//! volatile or atomic loads and stores on the raw mapping.
+
+use crate::Error;
+use memmap2::MmapRaw;
+use nix::sys::memfd::{memfd_create, MemFdCreateFlag};
+use std::fs::File;
+use std::os::fd::AsFd;
+use std::sync::atomic::{fence, AtomicU8, Ordering};
+
+/// A page-aligned, zero-filled, memfd-backed buffer.
+#[derive(Debug)]
+pub struct DmaMemory {
+    file: File,
+    map: MmapRaw,
+    len: usize,
+}
+
+impl DmaMemory {
+    /// Allocates `len` bytes (rounded up to 4 KiB).
+    pub fn new(len: usize) -> Result<DmaMemory, Error> {
+        let len = len.max(1).next_multiple_of(4096);
+        let fd = memfd_create(c"ringbell-dma", MemFdCreateFlag::MFD_CLOEXEC).map_err(|e| Error::Memory(e.to_string()))?;
+        let file = File::from(fd);
+        file.set_len(len as u64).map_err(|e| Error::Memory(e.to_string()))?;
+        let map = MmapRaw::map_raw(&file).map_err(|e| Error::Memory(e.to_string()))?;
+        Ok(DmaMemory { file, map, len })
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the buffer is empty (never: the minimum is one page).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The memory file, for mapping into a device.
+    pub fn fd(&self) -> std::os::fd::BorrowedFd<'_> {
+        self.file.as_fd()
+    }
+
+    fn check(&self, offset: usize, len: usize) -> Result<(), Error> {
+        if offset.checked_add(len).is_none_or(|end| end > self.len) {
+            return Err(Error::OutOfBounds { offset, len, size: self.len });
+        }
+        Ok(())
+    }
+
+    /// Copies `data` into the buffer at `offset`.
+    pub fn write(&self, offset: usize, data: &[u8]) -> Result<(), Error> {
+        self.check(offset, data.len())?;
+        // SAFETY: the range is inside the live mapping (checked above); `data` cannot overlap
+        // it because the mapping is never handed out as a Rust slice.
+        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), self.map.as_mut_ptr().add(offset), data.len()) };
+        Ok(())
+    }
+
+    /// Copies bytes at `offset` into `out`.
+    pub fn read(&self, offset: usize, out: &mut [u8]) -> Result<(), Error> {
+        self.check(offset, out.len())?;
+        // SAFETY: as in `write`; the source is inside the mapping and `out` is ours.
+        unsafe { std::ptr::copy_nonoverlapping(self.map.as_ptr().add(offset), out.as_mut_ptr(), out.len()) };
+        Ok(())
+    }
+
+    /// Fills `len` bytes at `offset` with `byte`.
+    pub fn fill(&self, offset: usize, len: usize, byte: u8) -> Result<(), Error> {
+        self.check(offset, len)?;
+        // SAFETY: the range is inside the live mapping.
+        unsafe { std::ptr::write_bytes(self.map.as_mut_ptr().add(offset), byte, len) };
+        Ok(())
+    }
+
+    /// Reads one byte with acquire ordering (for owner bits the device writes last).
+    pub(crate) fn load_acquire(&self, offset: usize) -> u8 {
+        debug_assert!(offset < self.len);
+        let offset = offset.min(self.len - 1);
+        // SAFETY: in bounds; AtomicU8 has the alignment of u8, and the device writes this byte
+        // with a single store.
+        let a = unsafe { &*(self.map.as_ptr().add(offset) as *const AtomicU8) };
+        a.load(Ordering::Acquire)
+    }
+
+    /// Writes a little-endian u32 after a release fence (doorbell records).
+    pub(crate) fn store_u32_release(&self, offset: usize, v: u32) {
+        fence(Ordering::Release);
+        let _ = self.write(offset, &v.to_le_bytes());
+    }
+}

@@ -1,0 +1,38 @@
+//! ringbell: a kernel-bypass RDMA verbs driver for the ringbell NIC.
+//!
+//! The driver reaches a device through a [`Port`] — mapped BAR0 registers, DMA mappings and
+//! a progress hook — exactly as it would reach silicon: work queue entries and completions
+//! live in DMA memory, doorbells are register stores. The objects follow libibverbs:
+//! [`Device`], [`ProtectionDomain`], [`MemoryRegion`], [`CompletionQueue`], [`QueuePair`]
+//! (reliable connected) and [`SharedReceiveQueue`]. Posting and polling allocate nothing.
+//!
+//! ```no_run
+//! # fn demo(port: Box<dyn ringbell::Port>) -> Result<(), ringbell::Error> {
+//! use ringbell::*;
+//! let dev = Device::open(port)?;
+//! let pd = dev.alloc_pd()?;
+//! let buf = dev.alloc_dma(4096)?;
+//! let mr = pd.reg_mr(&buf, Access::LOCAL_WRITE | Access::REMOTE_WRITE)?;
+//! let cq = dev.create_cq(256)?;
+//! let qp = pd.create_qp(&QpInit::new(&cq, &cq))?;
+//! # let _ = (mr, qp); Ok(()) }
+//! ```
+
+mod cq;
+mod device;
+mod dma;
+mod error;
+mod mr;
+mod port;
+mod qp;
+mod srq;
+
+pub use cq::{CompletionQueue, WcOpcode, WcStatus, WorkCompletion};
+pub use device::{AsyncEvent, DeviceCaps, Device, DmaBuffer};
+pub use dma::DmaMemory;
+pub use error::Error;
+pub use mr::{MemoryRegion, ProtectionDomain, Sge};
+pub use port::{Port, PortError};
+pub use qp::{ConnectOptions, Endpoint, QpInit, QueuePair, RecvWr, RemoteAddr, SendFlags, SendWr, WrOp};
+pub use ringbell_specs::cmd::{Access, QpState};
+pub use srq::SharedReceiveQueue;

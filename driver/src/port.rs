@@ -1,0 +1,48 @@
+//! The `Port` trait: everything the driver needs from a device connection.
+//!
+//! A port gives register access to BAR0, DMA mappings of driver memory into the device's
+//! I/O address space, and a progress hook. Kernel VFIO and vfio-user are the driver's own
+//! backends; the emulator implements `Port` for in-process use. Real hardware leaves
+//! [`Port::progress`] empty: time passes on its own.
+
+use std::os::fd::BorrowedFd;
+
+/// Errors a port reports.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum PortError {
+    /// The IOVA range overlaps an existing mapping.
+    #[error("IOVA range {iova:#x}+{len:#x} overlaps an existing mapping")]
+    Overlap {
+        /// Start of the range.
+        iova: u64,
+        /// Length of the range.
+        len: u64,
+    },
+    /// No mapping starts at this IOVA with this length.
+    #[error("no DMA mapping at {iova:#x}+{len:#x}")]
+    NotMapped {
+        /// Start of the range.
+        iova: u64,
+        /// Length of the range.
+        len: u64,
+    },
+    /// The memory could not be mapped on the device side.
+    #[error("DMA map failed: {0}")]
+    MapFailed(String),
+}
+
+/// A connection to one device.
+pub trait Port {
+    /// Reads the 32-bit register at `offset` in BAR0.
+    fn read32(&self, offset: u64) -> u32;
+    /// Writes the 32-bit register at `offset` in BAR0. Stores are posted and stay ordered.
+    fn write32(&self, offset: u64, value: u32);
+    /// Maps `len` bytes of the memory file `fd` (from offset 0) at `iova` for device DMA.
+    fn dma_map(&self, fd: BorrowedFd<'_>, len: u64, iova: u64) -> Result<(), PortError>;
+    /// Removes the mapping at `iova`.
+    fn dma_unmap(&self, iova: u64, len: u64) -> Result<(), PortError>;
+    /// Lets the device make progress. Returns `false` when the device is idle and nothing
+    /// will change without further input (an emulator with an empty event queue); hardware
+    /// returns `true`.
+    fn progress(&self) -> bool;
+}

@@ -1,0 +1,533 @@
+//! Reliable-connected queue pairs: creation, the connect sequence, posting sends and
+//! receives. Posting builds WQEs on the stack, copies them into the ring, and rings one
+//! doorbell per batch: release fence, doorbell record, then the MMIO store.
+
+use crate::cq::CompletionQueue;
+use crate::device::{Device, DmaBuffer};
+use crate::error::Error;
+use crate::mr::{ProtectionDomain, Sge};
+use crate::srq::SharedReceiveQueue;
+use bitflags::bitflags;
+use ringbell_specs::cmd::{Access, CmdOpcode, CreateQpIn, ModifyQpIn, ObjectIn, QpAttr, QpAttrMask, QpState};
+use ringbell_specs::regs;
+use ringbell_specs::wqe::{self, AtomicSeg, CtrlSeg, DataSeg, RaddrSeg, SendOpcode, WqeFlags, INLINE_MARK, RECV_LKEY_END, SEG, WQEBB};
+use std::cell::Cell;
+use std::rc::Rc;
+use zerocopy::{FromBytes, IntoBytes};
+
+/// A remote buffer: address and rkey.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct RemoteAddr {
+    /// Remote address.
+    pub addr: u64,
+    /// Remote key.
+    pub rkey: u32,
+}
+
+/// The operation of a send work request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WrOp {
+    /// SEND.
+    Send,
+    /// SEND with immediate data.
+    SendImm(u32),
+    /// RDMA WRITE.
+    Write(RemoteAddr),
+    /// RDMA WRITE with immediate data (consumes a receive WQE at the target).
+    WriteImm(RemoteAddr, u32),
+    /// RDMA READ into the gather list.
+    Read(RemoteAddr),
+    /// 64-bit compare-and-swap; the original value lands in the 8-byte gather entry.
+    CmpSwap {
+        /// Target.
+        remote: RemoteAddr,
+        /// Expected value.
+        compare: u64,
+        /// New value.
+        swap: u64,
+    },
+    /// 64-bit fetch-and-add; the original value lands in the 8-byte gather entry.
+    FetchAdd {
+        /// Target.
+        remote: RemoteAddr,
+        /// Addend.
+        add: u64,
+    },
+}
+
+bitflags! {
+    /// Send work request flags.
+    #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+    pub struct SendFlags: u8 {
+        /// Generate a completion.
+        const SIGNALED = 1 << 0;
+        /// Wait for earlier READs and atomics.
+        const FENCE = 1 << 1;
+        /// Ask for a solicited event at the receiver.
+        const SOLICITED = 1 << 2;
+    }
+}
+
+/// A send work request.
+#[derive(Clone, Copy, Debug)]
+pub struct SendWr<'a> {
+    /// Returned in the completion.
+    pub wr_id: u64,
+    /// The operation.
+    pub op: WrOp,
+    /// Local buffers (gather for SEND/WRITE, scatter for READ and atomics).
+    pub sgl: &'a [Sge],
+    /// Inline payload for SEND/WRITE, used instead of `sgl`.
+    pub inline: Option<&'a [u8]>,
+    /// Flags.
+    pub flags: SendFlags,
+}
+
+impl<'a> SendWr<'a> {
+    /// A signaled request with a gather list.
+    pub fn new(wr_id: u64, op: WrOp, sgl: &'a [Sge]) -> Self {
+        SendWr { wr_id, op, sgl, inline: None, flags: SendFlags::SIGNALED }
+    }
+    /// A signaled request with inline data.
+    pub fn inline(wr_id: u64, op: WrOp, data: &'a [u8]) -> Self {
+        SendWr { wr_id, op, sgl: &[], inline: Some(data), flags: SendFlags::SIGNALED }
+    }
+    /// Replaces the flags.
+    pub fn flags(mut self, flags: SendFlags) -> Self {
+        self.flags = flags;
+        self
+    }
+}
+
+/// A receive work request.
+#[derive(Clone, Copy, Debug)]
+pub struct RecvWr<'a> {
+    /// Returned in the completion.
+    pub wr_id: u64,
+    /// Buffers to scatter into.
+    pub sgl: &'a [Sge],
+}
+
+/// QP creation parameters.
+#[derive(Debug, Clone, Copy)]
+pub struct QpInit<'a> {
+    /// CQ for send completions.
+    pub send_cq: &'a CompletionQueue,
+    /// CQ for receive completions.
+    pub recv_cq: &'a CompletionQueue,
+    /// SRQ to take receive WQEs from (then the QP has no RQ).
+    pub srq: Option<&'a SharedReceiveQueue>,
+    /// Send requests that can be outstanding.
+    pub max_send_wr: u32,
+    /// Receive requests that can be outstanding.
+    pub max_recv_wr: u32,
+    /// SGEs per send request.
+    pub max_send_sge: u32,
+    /// SGEs per receive request.
+    pub max_recv_sge: u32,
+    /// Inline bytes per send request.
+    pub max_inline: u32,
+}
+
+impl<'a> QpInit<'a> {
+    /// Defaults: 128 sends and receives, 4 SGEs each, 64 inline bytes.
+    pub fn new(send_cq: &'a CompletionQueue, recv_cq: &'a CompletionQueue) -> Self {
+        QpInit { send_cq, recv_cq, srq: None, max_send_wr: 128, max_recv_wr: 128, max_send_sge: 4, max_recv_sge: 4, max_inline: 64 }
+    }
+}
+
+/// What a peer needs to connect to a QP.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct Endpoint {
+    /// QP number.
+    pub qpn: u32,
+    /// First PSN the QP will send.
+    pub psn: u32,
+    /// Port MAC address.
+    pub mac: [u8; 6],
+    /// Port IPv4 address.
+    pub ip: [u8; 4],
+}
+
+/// Attributes of the connect sequence.
+#[derive(Clone, Copy, Debug)]
+pub struct ConnectOptions {
+    /// Path MTU code, 1 (256) .. 5 (4096).
+    pub path_mtu: u8,
+    /// Remote operations the QP accepts.
+    pub access: Access,
+    /// Local ACK timeout exponent (4.096 µs × 2^timeout; 0 = infinite).
+    pub timeout: u8,
+    /// Transport retries.
+    pub retry_cnt: u8,
+    /// RNR retries (7 = infinite).
+    pub rnr_retry: u8,
+    /// RNR timer code the responder asks peers to wait.
+    pub min_rnr_timer: u8,
+    /// Outstanding READs/atomics as requester.
+    pub max_rd_atomic: u8,
+    /// Outstanding READs/atomics as responder.
+    pub max_dest_rd_atomic: u8,
+}
+
+impl Default for ConnectOptions {
+    fn default() -> Self {
+        ConnectOptions {
+            path_mtu: 5,
+            access: Access::REMOTE_WRITE | Access::REMOTE_READ | Access::REMOTE_ATOMIC,
+            timeout: 14,
+            retry_cnt: 7,
+            rnr_retry: 7,
+            min_rnr_timer: 1,
+            max_rd_atomic: 16,
+            max_dest_rd_atomic: 16,
+        }
+    }
+}
+
+/// Completion bookkeeping shared between a QP and the CQs that report on it.
+#[derive(Debug)]
+pub(crate) struct QpRings {
+    sq_mask: u32,
+    sq_wrid: Box<[Cell<u64>]>,
+    sq_nbb: Box<[Cell<u8>]>,
+    sq_ci: Cell<u32>,
+    rq_mask: u32,
+    rq_wrid: Box<[Cell<u64>]>,
+    rq_ci: Cell<u32>,
+}
+
+impl QpRings {
+    /// A send CQE for the WQE at `counter`: returns its wr_id and frees it and everything
+    /// before it (unsignaled WQEs complete implicitly).
+    pub(crate) fn complete_send(&self, counter: u16) -> u64 {
+        let ci = self.sq_ci.get();
+        let idx = ci.wrapping_add(counter.wrapping_sub(ci as u16) as u32);
+        let slot = (idx & self.sq_mask) as usize;
+        self.sq_ci.set(idx.wrapping_add(self.sq_nbb[slot].get().max(1) as u32));
+        self.sq_wrid[slot].get()
+    }
+    /// A receive CQE for RQ entry `counter`.
+    pub(crate) fn complete_recv(&self, counter: u16) -> u64 {
+        self.rq_ci.set(self.rq_ci.get().wrapping_add(1));
+        self.rq_wrid.get((counter as u32 & self.rq_mask) as usize).map_or(0, Cell::get)
+    }
+}
+
+/// A reliable-connected queue pair.
+#[derive(Debug)]
+pub struct QueuePair {
+    dev: Device,
+    qpn: u32,
+    rings: Rc<QpRings>,
+    sq: DmaBuffer,
+    rq: Option<DmaBuffer>,
+    db: DmaBuffer,
+    sq_log: u8,
+    sq_pi: u32,
+    rq_log: u8,
+    rq_stride_log: u8,
+    rq_pi: u32,
+    max_send_sge: u32,
+    max_recv_sge: u32,
+    max_inline: u32,
+    state: QpState,
+}
+
+impl ProtectionDomain {
+    /// Creates an RC QP in RESET.
+    pub fn create_qp(&self, init: &QpInit<'_>) -> Result<QueuePair, Error> {
+        let caps = self.dev.caps();
+        if init.max_send_sge > caps.max_sge || init.max_recv_sge > caps.max_sge || init.max_recv_sge > 32 {
+            return Err(Error::InvalidArgument("more SGEs than the device supports"));
+        }
+        if init.max_inline > caps.max_inline {
+            return Err(Error::InvalidArgument("max_inline beyond the device limit"));
+        }
+        if init.max_send_wr == 0 || init.max_send_wr > caps.max_qp_wr || (init.srq.is_none() && (init.max_recv_wr == 0 || init.max_recv_wr > caps.max_qp_wr)) {
+            return Err(Error::InvalidArgument("queue size is 0 or beyond max_qp_wr"));
+        }
+        // Worst-case WQE: ctrl + raddr + atomic, or ctrl + raddr + the gather list or inline data.
+        let ds = (2 + init.max_send_sge as usize).max(3).max(2 + (4 + init.max_inline as usize).div_ceil(SEG));
+        let nbb = wqe::wqebbs(ds.min(wqe::MAX_DS)) as u32;
+        let sq_entries = (init.max_send_wr * nbb).next_power_of_two().min(caps.max_qp_wr.next_power_of_two());
+        let sq_log = sq_entries.trailing_zeros() as u8;
+        let rq_stride_log = (init.max_recv_sge.max(1) as usize * SEG).next_power_of_two().trailing_zeros() as u8;
+        let rq_log = if init.srq.is_some() { 0 } else { init.max_recv_wr.next_power_of_two().trailing_zeros().max(1) as u8 };
+        let sq = self.dev.alloc_dma((1usize << sq_log) * WQEBB)?;
+        let rq = if init.srq.is_none() { Some(self.dev.alloc_dma((1usize << rq_log) << rq_stride_log)?) } else { None };
+        let db = self.dev.alloc_dma(64)?;
+        let input = CreateQpIn {
+            pdn: self.pdn.into(),
+            send_cqn: init.send_cq.cqn().into(),
+            recv_cqn: init.recv_cq.cqn().into(),
+            srqn: init.srq.map_or(0, |s| s.srqn()).into(),
+            sq_log_size: sq_log,
+            rq_log_size: rq_log,
+            rq_log_stride: rq_stride_log,
+            sq_iova: sq.iova().into(),
+            rq_iova: rq.as_ref().map_or(0, |r| r.iova()).into(),
+            db_iova: db.iova().into(),
+            ..Default::default()
+        };
+        let qpn = self.dev.inner.create(CmdOpcode::CreateQp, input.as_bytes())?;
+        let cells = |n: u32| (0..n).map(|_| Cell::new(0u64)).collect::<Box<[_]>>();
+        let rings = Rc::new(QpRings {
+            sq_mask: (1 << sq_log) - 1,
+            sq_wrid: cells(1 << sq_log),
+            sq_nbb: (0..1u32 << sq_log).map(|_| Cell::new(1u8)).collect(),
+            sq_ci: Cell::new(0),
+            rq_mask: (1u32 << rq_log) - 1,
+            rq_wrid: cells(1 << rq_log),
+            rq_ci: Cell::new(0),
+        });
+        self.dev.inner.qps.borrow_mut().insert(qpn, rings.clone());
+        Ok(QueuePair {
+            dev: self.dev.clone(),
+            qpn,
+            rings,
+            sq,
+            rq,
+            db,
+            sq_log,
+            sq_pi: 0,
+            rq_log,
+            rq_stride_log,
+            rq_pi: 0,
+            max_send_sge: init.max_send_sge,
+            max_recv_sge: init.max_recv_sge,
+            max_inline: init.max_inline,
+            state: QpState::Reset,
+        })
+    }
+}
+
+impl QueuePair {
+    /// The QP number.
+    pub fn qpn(&self) -> u32 {
+        self.qpn
+    }
+
+    /// The state as of the last modify this driver made (the device may have moved the QP
+    /// to ERR since; [`QueuePair::query`] asks it).
+    pub fn state(&self) -> QpState {
+        self.state
+    }
+
+    /// This QP's side of a connection, sending from `psn`.
+    pub fn endpoint(&self, psn: u32) -> Endpoint {
+        let c = self.dev.caps();
+        Endpoint { qpn: self.qpn, psn: psn & 0x00FF_FFFF, mac: c.mac, ip: c.ip }
+    }
+
+    /// Modifies the QP (all or nothing; see the ABI's transition table).
+    pub fn modify(&mut self, mask: QpAttrMask, attr: &QpAttr) -> Result<(), Error> {
+        let input = ModifyQpIn { qpn: self.qpn.into(), attr_mask: mask.bits().into(), attr: *attr };
+        self.dev.inner.command(CmdOpcode::ModifyQp, input.as_bytes())?;
+        if mask.contains(QpAttrMask::STATE) {
+            self.state = QpState::from_u8(attr.state).unwrap_or(self.state);
+            if self.state == QpState::Reset {
+                self.sq_pi = 0;
+                self.rq_pi = 0;
+                self.rings.sq_ci.set(0);
+                self.rings.rq_ci.set(0);
+            }
+        }
+        Ok(())
+    }
+
+    /// Reads the QP's attributes and state from the device.
+    pub fn query(&self) -> Result<QpAttr, Error> {
+        let out = self.dev.inner.command(CmdOpcode::QueryQp, ObjectIn { num: self.qpn.into() }.as_bytes())?;
+        Ok(QpAttr::read_from_prefix(&out).map(|(a, _)| a).unwrap_or_default())
+    }
+
+    /// Moves the QP to ERR: outstanding work is flushed with WR_FLUSH_ERR completions.
+    pub fn to_error(&mut self) -> Result<(), Error> {
+        self.modify(QpAttrMask::STATE, &QpAttr { state: QpState::Err as u8, ..Default::default() })
+    }
+
+    /// RESET → INIT → RTR → RTS towards `remote`, sending from `local_psn`.
+    pub fn connect(&mut self, remote: &Endpoint, local_psn: u32, o: &ConnectOptions) -> Result<(), Error> {
+        use QpAttrMask as M;
+        let init = QpAttr { state: QpState::Init as u8, access: o.access.bits().into(), ..Default::default() };
+        self.modify(M::STATE | M::PKEY_INDEX | M::PORT | M::ACCESS_FLAGS, &init)?;
+        let rtr = QpAttr {
+            state: QpState::Rtr as u8,
+            path_mtu: o.path_mtu,
+            dest_qpn: remote.qpn.into(),
+            rq_psn: remote.psn.into(),
+            max_dest_rd_atomic: o.max_dest_rd_atomic,
+            min_rnr_timer: o.min_rnr_timer,
+            dest_mac: remote.mac,
+            dest_ip: remote.ip,
+            ..Default::default()
+        };
+        self.modify(M::STATE | M::AV | M::PATH_MTU | M::DEST_QPN | M::RQ_PSN | M::MAX_DEST_RD_ATOMIC | M::MIN_RNR_TIMER, &rtr)?;
+        let rts = QpAttr {
+            state: QpState::Rts as u8,
+            timeout: o.timeout,
+            retry_cnt: o.retry_cnt,
+            rnr_retry: o.rnr_retry,
+            sq_psn: (local_psn & 0x00FF_FFFF).into(),
+            max_rd_atomic: o.max_rd_atomic,
+            ..Default::default()
+        };
+        self.modify(M::STATE | M::TIMEOUT | M::RETRY_CNT | M::RNR_RETRY | M::SQ_PSN | M::MAX_QP_RD_ATOMIC, &rts)
+    }
+
+    /// Free send-queue blocks.
+    pub fn sq_free(&self) -> u32 {
+        (1u32 << self.sq_log) - self.sq_pi.wrapping_sub(self.rings.sq_ci.get())
+    }
+
+    /// Posts send requests and rings the doorbell once. On an error, the requests before the
+    /// failing one are posted (and the doorbell rung for them); the rest are not.
+    pub fn post_send(&mut self, wrs: &[SendWr<'_>]) -> Result<(), Error> {
+        if matches!(self.state, QpState::Reset | QpState::Init | QpState::Rtr) {
+            return Err(Error::InvalidState { qpn: self.qpn, state: self.state });
+        }
+        let start = self.sq_pi;
+        let mut result = Ok(());
+        for wr in wrs {
+            if let Err(e) = self.write_send_wqe(wr) {
+                result = Err(e);
+                break;
+            }
+        }
+        if self.sq_pi != start {
+            self.db.mem().store_u32_release(4, self.sq_pi);
+            self.dev.inner.port.write32(regs::QP_DB_BASE + self.qpn as u64 * regs::DB_STRIDE + regs::DB_SQ, self.sq_pi);
+        }
+        result
+    }
+
+    fn write_send_wqe(&mut self, wr: &SendWr<'_>) -> Result<(), Error> {
+        let mut buf = [0u8; wqe::MAX_SEND_WQE];
+        let (opcode, raddr, atomic, imm) = match wr.op {
+            WrOp::Send => (SendOpcode::Send, None, None, 0),
+            WrOp::SendImm(i) => (SendOpcode::SendImm, None, None, i),
+            WrOp::Write(r) => (SendOpcode::Write, Some(r), None, 0),
+            WrOp::WriteImm(r, i) => (SendOpcode::WriteImm, Some(r), None, i),
+            WrOp::Read(r) => (SendOpcode::Read, Some(r), None, 0),
+            WrOp::CmpSwap { remote, compare, swap } => (SendOpcode::CmpSwap, Some(remote), Some((swap, compare)), 0),
+            WrOp::FetchAdd { remote, add } => (SendOpcode::FetchAdd, Some(remote), Some((add, 0)), 0),
+        };
+        let mut off = SEG;
+        if let Some(r) = raddr {
+            buf[off..off + SEG].copy_from_slice(RaddrSeg { raddr: r.addr.into(), rkey: r.rkey.into(), ..Default::default() }.as_bytes());
+            off += SEG;
+        }
+        if let Some((sa, cmp)) = atomic {
+            if wr.sgl.len() != 1 || wr.sgl[0].len != 8 || wr.inline.is_some() {
+                return Err(Error::InvalidArgument("atomics need exactly one 8-byte SGE"));
+            }
+            if raddr.is_some_and(|r| r.addr % 8 != 0) {
+                return Err(Error::InvalidArgument("atomic target must be 8-byte aligned"));
+            }
+            buf[off..off + SEG].copy_from_slice(AtomicSeg { swap_add: sa.into(), compare: cmp.into() }.as_bytes());
+            off += SEG;
+        }
+        let mut flags = WqeFlags::from_bits_truncate(wr.flags.bits());
+        if let Some(data) = wr.inline {
+            if matches!(opcode, SendOpcode::Read | SendOpcode::CmpSwap | SendOpcode::FetchAdd) {
+                return Err(Error::InvalidArgument("inline data only for SEND and WRITE"));
+            }
+            if data.len() > self.max_inline as usize || off + 4 + data.len() > buf.len() {
+                return Err(Error::InvalidArgument("inline data longer than max_inline"));
+            }
+            flags |= WqeFlags::INLINE;
+            buf[off..off + 4].copy_from_slice(&(data.len() as u32 | INLINE_MARK).to_le_bytes());
+            buf[off + 4..off + 4 + data.len()].copy_from_slice(data);
+            off += (4 + data.len()).next_multiple_of(SEG);
+        } else {
+            if wr.sgl.len() > self.max_send_sge as usize || off + wr.sgl.len() * SEG > buf.len() {
+                return Err(Error::InvalidArgument("more SGEs than max_send_sge"));
+            }
+            for s in wr.sgl {
+                buf[off..off + SEG].copy_from_slice(DataSeg { byte_count: s.len.into(), lkey: s.lkey.into(), addr: s.addr.into() }.as_bytes());
+                off += SEG;
+            }
+        }
+        let ds = off / SEG;
+        let nbb = wqe::wqebbs(ds) as u32;
+        let free = self.sq_free();
+        if nbb > free {
+            return Err(Error::QueueFull { queue: "send queue", needed: nbb, free });
+        }
+        let ctrl = CtrlSeg {
+            opcode: opcode as u8,
+            flags: flags.bits(),
+            wqe_index: (self.sq_pi as u16).into(),
+            ds_count: ds as u8,
+            imm: imm.into(),
+            ..Default::default()
+        };
+        buf[..SEG].copy_from_slice(ctrl.as_bytes());
+        let mask = (1u32 << self.sq_log) - 1;
+        for b in 0..nbb {
+            let slot = (self.sq_pi.wrapping_add(b) & mask) as usize * WQEBB;
+            self.sq.write(slot, &buf[b as usize * WQEBB..(b as usize + 1) * WQEBB])?;
+        }
+        let slot = (self.sq_pi & mask) as usize;
+        self.rings.sq_wrid[slot].set(wr.wr_id);
+        self.rings.sq_nbb[slot].set(nbb as u8);
+        self.sq_pi = self.sq_pi.wrapping_add(nbb);
+        Ok(())
+    }
+
+    /// Posts receive requests (not for QPs on an SRQ).
+    pub fn post_recv(&mut self, wrs: &[RecvWr<'_>]) -> Result<(), Error> {
+        if self.state == QpState::Reset {
+            return Err(Error::InvalidState { qpn: self.qpn, state: self.state });
+        }
+        let Some(rq) = &self.rq else { return Err(Error::InvalidArgument("QP uses an SRQ; post to the SRQ")) };
+        let start = self.rq_pi;
+        let mut result = Ok(());
+        for wr in wrs {
+            let free = (1u32 << self.rq_log) - self.rq_pi.wrapping_sub(self.rings.rq_ci.get());
+            if free == 0 {
+                result = Err(Error::QueueFull { queue: "receive queue", needed: 1, free });
+                break;
+            }
+            if wr.sgl.len() > self.max_recv_sge as usize {
+                result = Err(Error::InvalidArgument("more SGEs than max_recv_sge"));
+                break;
+            }
+            let slot = (self.rq_pi & ((1 << self.rq_log) - 1)) as usize;
+            if let Err(e) = write_recv_wqe(rq, slot << self.rq_stride_log, 1 << self.rq_stride_log, wr.sgl) {
+                result = Err(e);
+                break;
+            }
+            self.rings.rq_wrid[slot].set(wr.wr_id);
+            self.rq_pi = self.rq_pi.wrapping_add(1);
+        }
+        if self.rq_pi != start {
+            self.db.mem().store_u32_release(0, self.rq_pi);
+            self.dev.inner.port.write32(regs::QP_DB_BASE + self.qpn as u64 * regs::DB_STRIDE + regs::DB_RQ, self.rq_pi);
+        }
+        result
+    }
+}
+
+/// Writes a receive WQE (data segments, then an end marker if room is left).
+pub(crate) fn write_recv_wqe(ring: &DmaBuffer, at: usize, stride: usize, sgl: &[Sge]) -> Result<(), Error> {
+    let mut buf = [0u8; 32 * SEG];
+    let mut off = 0;
+    for s in sgl {
+        buf[off..off + SEG].copy_from_slice(DataSeg { byte_count: s.len.into(), lkey: s.lkey.into(), addr: s.addr.into() }.as_bytes());
+        off += SEG;
+    }
+    if off < stride {
+        buf[off..off + SEG].copy_from_slice(DataSeg { byte_count: 0.into(), lkey: RECV_LKEY_END.into(), addr: 0.into() }.as_bytes());
+        off += SEG;
+    }
+    ring.write(at, &buf[..off.min(stride)])
+}
+
+impl Drop for QueuePair {
+    fn drop(&mut self) {
+        let _ = self.dev.inner.destroy(CmdOpcode::DestroyQp, self.qpn);
+        self.dev.inner.qps.borrow_mut().remove(&self.qpn);
+    }
+}

@@ -1,0 +1,133 @@
+//! Shared receive queues: one pool of receive WQEs for several QPs of a PD.
+
+use crate::device::{Device, DmaBuffer};
+use crate::error::Error;
+use crate::mr::ProtectionDomain;
+use crate::qp::{write_recv_wqe, RecvWr};
+use ringbell_specs::cmd::{ArmSrqIn, CmdOpcode, CreateSrqIn};
+use ringbell_specs::regs;
+use ringbell_specs::wqe::SEG;
+use std::cell::Cell;
+use std::rc::Rc;
+use zerocopy::IntoBytes;
+
+/// Receive bookkeeping shared with CQs. SRQ entries complete in any order (several QPs);
+/// a slot is reused only once every slot before it has completed.
+#[derive(Debug)]
+pub(crate) struct SrqRings {
+    mask: u32,
+    wrid: Box<[Cell<u64>]>,
+    done: Box<[Cell<bool>]>,
+    ci: Cell<u32>,
+}
+
+impl SrqRings {
+    pub(crate) fn complete(&self, counter: u16) -> u64 {
+        let slot = (counter as u32 & self.mask) as usize;
+        self.done[slot].set(true);
+        loop {
+            let s = (self.ci.get() & self.mask) as usize;
+            if !self.done[s].get() {
+                break;
+            }
+            self.done[s].set(false);
+            self.ci.set(self.ci.get().wrapping_add(1));
+        }
+        self.wrid[slot].get()
+    }
+}
+
+/// A shared receive queue.
+#[derive(Debug)]
+pub struct SharedReceiveQueue {
+    dev: Device,
+    srqn: u32,
+    ring: DmaBuffer,
+    db: DmaBuffer,
+    log: u8,
+    stride_log: u8,
+    max_sge: u32,
+    pi: u32,
+    rings: Rc<SrqRings>,
+}
+
+impl ProtectionDomain {
+    /// Creates an SRQ of at least `max_wr` entries with `max_sge` SGEs each; `limit` arms
+    /// the SRQ_LIMIT event (0: not armed).
+    pub fn create_srq(&self, max_wr: u32, max_sge: u32, limit: u32) -> Result<SharedReceiveQueue, Error> {
+        if max_wr == 0 || max_wr > self.dev.caps().max_qp_wr || max_sge == 0 || max_sge > 32 {
+            return Err(Error::InvalidArgument("SRQ size or SGE count out of range"));
+        }
+        let log = max_wr.next_power_of_two().trailing_zeros().max(1) as u8;
+        let stride_log = (max_sge as usize * SEG).next_power_of_two().trailing_zeros() as u8;
+        let ring = self.dev.alloc_dma((1usize << log) << stride_log)?;
+        let db = self.dev.alloc_dma(64)?;
+        let input = CreateSrqIn {
+            pdn: self.pdn.into(),
+            log_size: log,
+            log_stride: stride_log,
+            limit: limit.into(),
+            ring_iova: ring.iova().into(),
+            db_iova: db.iova().into(),
+            ..Default::default()
+        };
+        let srqn = self.dev.inner.create(CmdOpcode::CreateSrq, input.as_bytes())?;
+        let rings = Rc::new(SrqRings {
+            mask: (1 << log) - 1,
+            wrid: (0..1u32 << log).map(|_| Cell::new(0)).collect(),
+            done: (0..1u32 << log).map(|_| Cell::new(false)).collect(),
+            ci: Cell::new(0),
+        });
+        self.dev.inner.srqs.borrow_mut().insert(srqn, rings.clone());
+        Ok(SharedReceiveQueue { dev: self.dev.clone(), srqn, ring, db, log, stride_log, max_sge, pi: 0, rings })
+    }
+}
+
+impl SharedReceiveQueue {
+    /// The SRQ number.
+    pub fn srqn(&self) -> u32 {
+        self.srqn
+    }
+
+    /// Posts receive requests and rings the doorbell once.
+    pub fn post_recv(&mut self, wrs: &[RecvWr<'_>]) -> Result<(), Error> {
+        let start = self.pi;
+        let mut result = Ok(());
+        for wr in wrs {
+            let free = (1u32 << self.log) - self.pi.wrapping_sub(self.rings.ci.get());
+            if free == 0 {
+                result = Err(Error::QueueFull { queue: "shared receive queue", needed: 1, free });
+                break;
+            }
+            if wr.sgl.len() > self.max_sge as usize {
+                result = Err(Error::InvalidArgument("more SGEs than the SRQ's max_sge"));
+                break;
+            }
+            let slot = (self.pi & ((1 << self.log) - 1)) as usize;
+            if let Err(e) = write_recv_wqe(&self.ring, slot << self.stride_log, 1 << self.stride_log, wr.sgl) {
+                result = Err(e);
+                break;
+            }
+            self.rings.wrid[slot].set(wr.wr_id);
+            self.pi = self.pi.wrapping_add(1);
+        }
+        if self.pi != start {
+            self.db.mem().store_u32_release(0, self.pi);
+            self.dev.inner.port.write32(regs::SRQ_DB_BASE + self.srqn as u64 * regs::DB_STRIDE, self.pi);
+        }
+        result
+    }
+
+    /// Arms the SRQ_LIMIT event: it fires once fewer than `limit` WQEs remain.
+    pub fn arm(&self, limit: u32) -> Result<(), Error> {
+        let input = ArmSrqIn { srqn: self.srqn.into(), limit: limit.into() };
+        self.dev.inner.command(CmdOpcode::ArmSrq, input.as_bytes()).map(|_| ())
+    }
+}
+
+impl Drop for SharedReceiveQueue {
+    fn drop(&mut self) {
+        let _ = self.dev.inner.destroy(CmdOpcode::DestroySrq, self.srqn);
+        self.dev.inner.srqs.borrow_mut().remove(&self.srqn);
+    }
+}

@@ -1,0 +1,325 @@
+//! The fabric: nodes, links, the switch, and the one event queue that orders them all.
+
+use crate::iommu::Iommu;
+use crate::port::EmuPort;
+use rand_core::SeedableRng;
+use rand_pcg::Pcg64Mcg;
+use ringbell_model::sim::EventQueue;
+use ringbell_model::{DmaFault, Env, Nic, NicConfig, NicEvent, NicStats, TimingProfile};
+use ringbell_specs::SimTime;
+use std::cell::RefCell;
+use std::collections::BTreeMap;
+use std::rc::Rc;
+
+/// How the nodes are wired.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Topology {
+    /// Every node on one switch port; the switch serializes per egress port.
+    Switch,
+    /// Two nodes joined by one cable (the perftest set-up); only valid for two nodes.
+    BackToBack,
+}
+
+/// Fabric configuration.
+#[derive(Clone, Debug)]
+pub struct FabricConfig {
+    /// Number of nodes (1..=1024).
+    pub nodes: usize,
+    /// Root of every random stream.
+    pub seed: u64,
+    /// Wiring.
+    pub topology: Topology,
+    /// Timing profile for NICs and links.
+    pub timing: TimingProfile,
+}
+
+impl FabricConfig {
+    /// `nodes` nodes on a switch, default timing.
+    pub fn new(nodes: usize, seed: u64) -> Self {
+        FabricConfig { nodes, seed, topology: Topology::Switch, timing: TimingProfile::default() }
+    }
+}
+
+/// Fabric-wide counters.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct FabricStats {
+    /// Events processed.
+    pub events: u64,
+    /// Frames delivered to a NIC.
+    pub frames_delivered: u64,
+    /// Frames whose destination MAC is on no port.
+    pub frames_unroutable: u64,
+    /// Payload-carrying bytes put on links.
+    pub bytes_on_wire: u64,
+}
+
+#[derive(Debug)]
+pub(crate) enum Event {
+    Nic(usize, NicEvent),
+    Frame(usize, Vec<u8>),
+}
+
+#[derive(Debug)]
+pub(crate) struct Node {
+    pub(crate) nic: Nic,
+    pub(crate) iommu: Iommu,
+    pub(crate) interrupts: u64,
+}
+
+/// FNV-1a, 64 bit: the pinned digest of the event trace.
+#[derive(Debug, Clone, Copy)]
+struct Digest(u64);
+
+impl Digest {
+    fn feed(&mut self, bytes: &[u8]) {
+        for b in bytes {
+            self.0 ^= *b as u64;
+            self.0 = self.0.wrapping_mul(0x0000_0100_0000_01B3);
+        }
+    }
+}
+
+#[derive(Debug)]
+pub(crate) struct Inner {
+    pub(crate) queue: EventQueue<Event>,
+    pub(crate) nodes: Vec<Node>,
+    macs: BTreeMap<[u8; 6], usize>,
+    switch_free: Vec<SimTime>,
+    cfg: FabricConfig,
+    digest: Digest,
+    stats: FabricStats,
+}
+
+pub(crate) type Shared = Rc<RefCell<Inner>>;
+
+/// The environment a NIC sees while it handles one input.
+struct NodeEnv<'a> {
+    node: usize,
+    now: SimTime,
+    iommu: &'a Iommu,
+    queue: &'a mut EventQueue<Event>,
+    macs: &'a BTreeMap<[u8; 6], usize>,
+    switch_free: &'a mut [SimTime],
+    timing: &'a TimingProfile,
+    topology: Topology,
+    stats: &'a mut FabricStats,
+    interrupts: &'a mut u64,
+}
+
+impl Env for NodeEnv<'_> {
+    fn now(&self) -> SimTime {
+        self.now
+    }
+    fn dma_read(&mut self, iova: u64, buf: &mut [u8]) -> Result<(), DmaFault> {
+        self.iommu.read(iova, buf)
+    }
+    fn dma_write(&mut self, iova: u64, data: &[u8]) -> Result<(), DmaFault> {
+        self.iommu.write(iova, data)
+    }
+    fn dma_check(&self, iova: u64, len: usize) -> Result<(), DmaFault> {
+        self.iommu.check(iova, len)
+    }
+    fn schedule(&mut self, at: SimTime, ev: NicEvent) {
+        self.queue.push(at, Event::Nic(self.node, ev));
+    }
+    fn transmit(&mut self, at: SimTime, frame: Vec<u8>) {
+        let mut dst_mac = [0u8; 6];
+        if let Some(m) = frame.get(..6) {
+            dst_mac.copy_from_slice(m);
+        }
+        let Some(&dst) = self.macs.get(&dst_mac) else {
+            self.stats.frames_unroutable += 1;
+            return;
+        };
+        let t = self.timing;
+        let ser = SimTime(t.serialize_ps(frame.len()));
+        let hop = SimTime(t.link_phy_mac_ps + t.link_prop_ps);
+        self.stats.bytes_on_wire += frame.len() as u64;
+        let arrival = match self.topology {
+            Topology::BackToBack => at + hop,
+            Topology::Switch => {
+                // Head of the frame reaches the switch, is forwarded after the cut-through
+                // latency once the egress port is free, and arrives whole one hop later.
+                let head = at - ser + hop;
+                let free = &mut self.switch_free[dst];
+                let start = (head + SimTime(t.switch_cut_through_ps)).max(*free);
+                *free = start + ser;
+                start + ser + hop
+            }
+        };
+        self.queue.push(arrival, Event::Frame(dst, frame));
+    }
+    fn interrupt(&mut self, _vector: u32) {
+        *self.interrupts += 1;
+    }
+}
+
+impl Inner {
+    fn with_env<R>(&mut self, node: usize, f: impl FnOnce(&mut Nic, &mut NodeEnv<'_>) -> R) -> R {
+        let now = self.queue.now();
+        let topology = self.cfg.topology;
+        let Node { nic, iommu, interrupts } = &mut self.nodes[node];
+        let mut env = NodeEnv {
+            node,
+            now,
+            iommu,
+            queue: &mut self.queue,
+            macs: &self.macs,
+            switch_free: &mut self.switch_free,
+            timing: &self.cfg.timing,
+            topology,
+            stats: &mut self.stats,
+            interrupts,
+        };
+        f(nic, &mut env)
+    }
+
+    pub(crate) fn mmio_read(&mut self, node: usize, offset: u64) -> u32 {
+        let now = self.queue.now();
+        self.nodes[node].nic.mmio_read(now, offset)
+    }
+
+    /// A CPU store to BAR0: it reaches the device after the host and PCIe posting costs.
+    pub(crate) fn mmio_write(&mut self, node: usize, offset: u64, value: u32) {
+        let t = &self.cfg.timing;
+        let at = self.queue.now() + SimTime(t.host_doorbell_ps + t.mmio_post_ps);
+        self.queue.push(at, Event::Nic(node, NicEvent::Mmio { offset, value }));
+    }
+
+    /// Processes the next event. Returns `false` if none is pending.
+    pub(crate) fn step(&mut self) -> bool {
+        let Some((at, ev)) = self.queue.pop() else { return false };
+        self.stats.events += 1;
+        self.digest.feed(&at.ps().to_le_bytes());
+        match ev {
+            Event::Nic(node, ev) => {
+                self.digest.feed(&(node as u32).to_le_bytes());
+                if let NicEvent::Mmio { offset, value } = &ev {
+                    self.digest.feed(&offset.to_le_bytes());
+                    self.digest.feed(&value.to_le_bytes());
+                }
+                self.with_env(node, |nic, env| nic.handle(env, ev));
+            }
+            Event::Frame(node, frame) => {
+                self.digest.feed(&(node as u32 | 1 << 31).to_le_bytes());
+                self.digest.feed(&frame);
+                self.stats.frames_delivered += 1;
+                self.with_env(node, |nic, env| nic.receive(env, &frame));
+            }
+        }
+        true
+    }
+}
+
+/// A simulated fabric of NICs.
+#[derive(Debug, Clone)]
+pub struct Fabric {
+    shared: Shared,
+}
+
+/// Derives the seed of random stream `stream` from the root seed (SplitMix64 finalizer).
+pub fn stream_seed(seed: u64, stream: u64) -> u64 {
+    let mut z = seed ^ stream.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+impl Fabric {
+    /// Builds a fabric. Panics only on a configuration error made by the caller (0 nodes,
+    /// more than 1024, or back-to-back with other than two nodes).
+    pub fn new(cfg: FabricConfig) -> Fabric {
+        assert!((1..=1024).contains(&cfg.nodes), "a fabric has 1..=1024 nodes");
+        assert!(cfg.topology != Topology::BackToBack || cfg.nodes == 2, "back-to-back needs exactly two nodes");
+        let mut nodes = Vec::new();
+        let mut macs = BTreeMap::new();
+        for i in 0..cfg.nodes {
+            let mut nc = NicConfig::for_node(i as u32);
+            nc.timing = cfg.timing.clone();
+            macs.insert(nc.mac, i);
+            nodes.push(Node { nic: Nic::new(nc), iommu: Iommu::default(), interrupts: 0 });
+        }
+        let inner = Inner {
+            queue: EventQueue::new(),
+            switch_free: vec![SimTime::ZERO; cfg.nodes],
+            nodes,
+            macs,
+            digest: Digest(0xCBF2_9CE4_8422_2325),
+            stats: FabricStats::default(),
+            cfg,
+        };
+        Fabric { shared: Rc::new(RefCell::new(inner)) }
+    }
+
+    /// The driver's port to node `node`.
+    pub fn port(&self, node: usize) -> EmuPort {
+        assert!(node < self.nodes(), "node {node} out of range");
+        EmuPort { shared: self.shared.clone(), node }
+    }
+
+    /// Number of nodes.
+    pub fn nodes(&self) -> usize {
+        self.shared.borrow().nodes.len()
+    }
+
+    /// The root seed.
+    pub fn seed(&self) -> u64 {
+        self.shared.borrow().cfg.seed
+    }
+
+    /// A deterministic random stream derived from the seed (PCG-64 MCG, pinned).
+    pub fn rng(&self, stream: u64) -> Pcg64Mcg {
+        Pcg64Mcg::seed_from_u64(stream_seed(self.seed(), stream))
+    }
+
+    /// Current simulated time.
+    pub fn now(&self) -> SimTime {
+        self.shared.borrow().queue.now()
+    }
+
+    /// Processes one event; `false` if the queue was empty.
+    pub fn step(&self) -> bool {
+        self.shared.borrow_mut().step()
+    }
+
+    /// Runs until no event is pending or `limit` events have run; returns the count.
+    pub fn run_until_idle(&self, limit: u64) -> u64 {
+        let mut n = 0;
+        while n < limit && self.step() {
+            n += 1;
+        }
+        n
+    }
+
+    /// Digest of every event processed so far.
+    pub fn trace_digest(&self) -> u64 {
+        self.shared.borrow().digest.0
+    }
+
+    /// Fabric counters.
+    pub fn stats(&self) -> FabricStats {
+        self.shared.borrow().stats.clone()
+    }
+
+    /// A node's NIC counters.
+    pub fn nic_stats(&self, node: usize) -> NicStats {
+        self.shared.borrow().nodes[node].nic.stats().clone()
+    }
+
+    /// Interrupts node `node` has raised.
+    pub fn interrupts(&self, node: usize) -> u64 {
+        self.shared.borrow().nodes[node].interrupts
+    }
+
+    /// The timing profile.
+    pub fn timing(&self) -> TimingProfile {
+        self.shared.borrow().cfg.timing.clone()
+    }
+
+    /// Injects a raw frame towards `node` at the current time (tests and fuzzing).
+    pub fn inject_frame(&self, node: usize, frame: Vec<u8>) {
+        let mut s = self.shared.borrow_mut();
+        let now = s.queue.now();
+        s.queue.push(now, Event::Frame(node, frame));
+    }
+}

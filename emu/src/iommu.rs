@@ -1,0 +1,107 @@
+//! Host memory behind an IOMMU: the driver's memory files, mapped a second time on the device
+//! side at driver-chosen IOVAs. Every device access is translated and bounds-checked; an
+//! address outside every mapping is a fault, never a touch.
+
+use memmap2::MmapRaw;
+use ringbell::PortError;
+use ringbell_model::DmaFault;
+use std::collections::BTreeMap;
+use std::fs::File;
+use std::os::fd::BorrowedFd;
+
+/// Largest single mapping accepted (1 TiB of IOVA space is absurd for an emulated host).
+pub const MAX_MAPPING: u64 = 1 << 36;
+
+#[derive(Debug)]
+struct Mapping {
+    len: u64,
+    map: MmapRaw,
+}
+
+/// One node's IOMMU.
+#[derive(Debug, Default)]
+pub struct Iommu {
+    maps: BTreeMap<u64, Mapping>,
+}
+
+impl Iommu {
+    /// Maps `len` bytes of memory file `fd` at `iova`.
+    pub fn map(&mut self, fd: BorrowedFd<'_>, len: u64, iova: u64) -> Result<(), PortError> {
+        let end = iova.checked_add(len).ok_or(PortError::Overlap { iova, len })?;
+        if len == 0 || len > MAX_MAPPING || iova % 4096 != 0 {
+            return Err(PortError::MapFailed(format!("bad mapping {iova:#x}+{len:#x}")));
+        }
+        if let Some((s, m)) = self.maps.range(..end).next_back() {
+            if s + m.len > iova {
+                return Err(PortError::Overlap { iova, len });
+            }
+        }
+        let file = File::from(fd.try_clone_to_owned().map_err(|e| PortError::MapFailed(e.to_string()))?);
+        let flen = file.metadata().map_err(|e| PortError::MapFailed(e.to_string()))?.len();
+        if flen < len {
+            return Err(PortError::MapFailed(format!("file holds {flen} bytes, {len} requested")));
+        }
+        let map = memmap2::MmapOptions::new()
+            .len(len as usize)
+            .map_raw(&file)
+            .map_err(|e| PortError::MapFailed(e.to_string()))?;
+        self.maps.insert(iova, Mapping { len, map });
+        Ok(())
+    }
+
+    /// Removes the mapping that starts at `iova` with length `len`.
+    pub fn unmap(&mut self, iova: u64, len: u64) -> Result<(), PortError> {
+        match self.maps.get(&iova) {
+            Some(m) if m.len == len => {
+                self.maps.remove(&iova);
+                Ok(())
+            }
+            _ => Err(PortError::NotMapped { iova, len }),
+        }
+    }
+
+    /// Pointer and remaining length for `[iova, iova + len)` if one mapping covers it.
+    fn translate(&self, iova: u64, len: usize) -> Result<*mut u8, DmaFault> {
+        let (start, m) = self.maps.range(..=iova).next_back().ok_or(DmaFault { iova })?;
+        let off = iova - start;
+        if off.checked_add(len as u64).is_none_or(|e| e > m.len) {
+            let first_bad = if off >= m.len { iova } else { start + m.len };
+            return Err(DmaFault { iova: first_bad });
+        }
+        // SAFETY: off + len <= m.len, which is inside the live mapping.
+        Ok(unsafe { m.map.as_mut_ptr().add(off as usize) })
+    }
+
+    /// Checks that the range is mapped.
+    pub fn check(&self, iova: u64, len: usize) -> Result<(), DmaFault> {
+        self.translate(iova, len).map(|_| ())
+    }
+
+    /// Device read.
+    pub fn read(&self, iova: u64, buf: &mut [u8]) -> Result<(), DmaFault> {
+        let p = self.translate(iova, buf.len())?;
+        // SAFETY: `p..p+len` is inside a live mapping (translate); `buf` is a separate Rust
+        // allocation. The in-process emulator runs in lockstep with the driver, so no store
+        // to this memory races with the copy; across processes the bytes are plain data.
+        unsafe { std::ptr::copy_nonoverlapping(p, buf.as_mut_ptr(), buf.len()) };
+        Ok(())
+    }
+
+    /// Device write.
+    pub fn write(&self, iova: u64, data: &[u8]) -> Result<(), DmaFault> {
+        let p = self.translate(iova, data.len())?;
+        // SAFETY: as in `read`, with the copy in the other direction.
+        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), p, data.len()) };
+        Ok(())
+    }
+
+    /// Number of live mappings.
+    pub fn len(&self) -> usize {
+        self.maps.len()
+    }
+
+    /// Whether there is no mapping.
+    pub fn is_empty(&self) -> bool {
+        self.maps.is_empty()
+    }
+}

@@ -1,0 +1,15 @@
+//! The ringbell emulator: NIC models on a simulated fabric.
+//!
+//! A [`Fabric`] holds N nodes, each a [`ringbell_model::Nic`] with host memory behind an
+//! [`Iommu`], connected to one switch (or back to back) by links with serialization and
+//! latency. One event queue orders everything by (time, sequence); one seed is the root of
+//! every random stream. [`Fabric::port`] gives the driver an in-process [`ringbell::Port`]
+//! that runs the simulation in lockstep with its caller.
+
+mod fabric;
+mod iommu;
+mod port;
+
+pub use fabric::{Fabric, FabricConfig, FabricStats, Topology};
+pub use iommu::Iommu;
+pub use port::EmuPort;

@@ -1,0 +1,387 @@
+//! The command interface: a 256-byte mailbox in host memory, the `CMD_ADDR_*` registers that
+//! point at it, `CMD_DOORBELL` that starts a command and `CMD_STATUS` that reports its end.
+//!
+//! Mailbox layout (all fields little-endian):
+//!
+//! ```text
+//! 0x00  CmdHeader   opcode:u16 rsvd:u16 token:u32 rsvd:u64
+//! 0x10  input parameters (command specific, 112 bytes)
+//! 0x80  CmdResult   status:u8 rsvd:[u8;3] syndrome:u32 rsvd:u64
+//! 0x90  output parameters (command specific, 112 bytes)
+//! ```
+//!
+//! The device reads the whole mailbox, executes the command, writes the result half back and
+//! then sets `CMD_STATUS` (and, when the EQ is enabled, posts a command-completion EQE).
+
+use bitflags::bitflags;
+use zerocopy::little_endian::{U16, U32, U64};
+use zerocopy::{FromBytes, Immutable, IntoBytes, KnownLayout, Unaligned};
+
+/// Size of the mailbox in bytes.
+pub const MAILBOX_SIZE: usize = 256;
+/// Offset of the input parameters.
+pub const IN_OFFSET: usize = 0x10;
+/// Offset of the result header.
+pub const RESULT_OFFSET: usize = 0x80;
+/// Offset of the output parameters.
+pub const OUT_OFFSET: usize = 0x90;
+/// Bytes available for input or output parameters.
+pub const PARAMS_SIZE: usize = 112;
+
+macro_rules! abi_struct {
+    ($(#[$m:meta])* $name:ident, $size:expr, { $( $(#[$fm:meta])* $f:ident : $t:ty ),* $(,)? }) => {
+        $(#[$m])*
+        #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, FromBytes, IntoBytes, KnownLayout, Immutable, Unaligned)]
+        #[repr(C)]
+        pub struct $name { $( $(#[$fm])* pub $f: $t ),* }
+        const _: () = assert!(core::mem::size_of::<$name>() == $size);
+    };
+}
+pub(crate) use abi_struct;
+
+/// Command opcodes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u16)]
+pub enum CmdOpcode {
+    /// Report the device's capabilities and limits.
+    QueryDevice = 0x01,
+    /// Allocate a protection domain.
+    AllocPd = 0x10,
+    /// Free a protection domain.
+    FreePd = 0x11,
+    /// Register a memory region.
+    RegMr = 0x20,
+    /// Deregister a memory region.
+    DeregMr = 0x21,
+    /// Create a completion queue.
+    CreateCq = 0x30,
+    /// Query a completion queue.
+    QueryCq = 0x31,
+    /// Destroy a completion queue.
+    DestroyCq = 0x32,
+    /// Create an RC queue pair.
+    CreateQp = 0x40,
+    /// Change a QP's state and attributes.
+    ModifyQp = 0x41,
+    /// Read a QP's state and attributes.
+    QueryQp = 0x42,
+    /// Destroy a queue pair.
+    DestroyQp = 0x43,
+    /// Create a shared receive queue.
+    CreateSrq = 0x50,
+    /// Set an SRQ's limit and arm the limit event.
+    ArmSrq = 0x51,
+    /// Destroy a shared receive queue.
+    DestroySrq = 0x52,
+}
+
+impl CmdOpcode {
+    /// Decodes an opcode.
+    pub fn from_u16(v: u16) -> Option<CmdOpcode> {
+        use CmdOpcode::*;
+        Some(match v {
+            0x01 => QueryDevice,
+            0x10 => AllocPd,
+            0x11 => FreePd,
+            0x20 => RegMr,
+            0x21 => DeregMr,
+            0x30 => CreateCq,
+            0x31 => QueryCq,
+            0x32 => DestroyCq,
+            0x40 => CreateQp,
+            0x41 => ModifyQp,
+            0x42 => QueryQp,
+            0x43 => DestroyQp,
+            0x50 => CreateSrq,
+            0x51 => ArmSrq,
+            0x52 => DestroySrq,
+            _ => return None,
+        })
+    }
+}
+
+/// Command status codes (the `status` byte of the result and bits 23:16 of `CMD_STATUS`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
+pub enum CmdStatus {
+    /// Success.
+    Ok = 0,
+    /// Unknown opcode.
+    BadOpcode = 1,
+    /// A parameter is invalid (reserved bits, bad flags, bad attribute mask, bad value).
+    BadParam = 2,
+    /// An object number does not name an existing object.
+    BadResource = 3,
+    /// No free object of the kind is left.
+    Exhausted = 4,
+    /// The object is not in a state that allows the command (includes illegal QP transitions).
+    BadState = 5,
+    /// The object is still referenced by others (e.g. a CQ used by a QP).
+    Busy = 6,
+    /// Objects belong to different protection domains.
+    BadPd = 7,
+    /// The mailbox or a ring address could not be reached through the IOMMU.
+    DmaFault = 8,
+    /// A size is 0, not a power of two, or beyond the device limit.
+    BadSize = 9,
+}
+
+impl CmdStatus {
+    /// Decodes a status byte.
+    pub fn from_u8(v: u8) -> Option<CmdStatus> {
+        use CmdStatus::*;
+        Some(match v {
+            0 => Ok,
+            1 => BadOpcode,
+            2 => BadParam,
+            3 => BadResource,
+            4 => Exhausted,
+            5 => BadState,
+            6 => Busy,
+            7 => BadPd,
+            8 => DmaFault,
+            9 => BadSize,
+            _ => return None,
+        })
+    }
+}
+
+abi_struct!(
+    /// Mailbox bytes 0x00..0x10.
+    CmdHeader, 16, { opcode: U16, rsvd0: U16, token: U32, rsvd1: U64 }
+);
+abi_struct!(
+    /// Mailbox bytes 0x80..0x90.
+    CmdResult, 16, { status: u8, rsvd0: [u8; 3], syndrome: U32, rsvd1: U64 }
+);
+
+abi_struct!(
+    /// QUERY_DEVICE output.
+    QueryDeviceOut, 68, {
+        abi_version: U32, device_id: U32, caps: U32, max_qp: U32,
+        max_cq: U32, max_srq: U32, max_mr: U32, max_pd: U32,
+        max_qp_wr: U32, max_cqe: U32, max_sge: U32, max_inline: U32,
+        max_msg_size: U32, max_rd_atomic: U32, mac: [u8; 6], mtu_caps: U16, ipv4: [u8; 4],
+    }
+);
+abi_struct!(
+    /// Input naming one object by number (FREE_PD, QUERY_CQ, DESTROY_CQ, QUERY_QP,
+    /// DESTROY_QP, DESTROY_SRQ) or by key (DEREG_MR: the lkey).
+    ObjectIn, 4, { num: U32 }
+);
+abi_struct!(
+    /// Output carrying one new object number (ALLOC_PD, CREATE_CQ, CREATE_QP, CREATE_SRQ).
+    ObjectOut, 4, { num: U32 }
+);
+abi_struct!(
+    /// REG_MR input. `va` is the address remote peers and SGEs use; `iova` is where the
+    /// region starts in the device's IOMMU address space; the region is contiguous in IOVA.
+    RegMrIn, 32, { pdn: U32, access: U32, va: U64, length: U64, iova: U64 }
+);
+abi_struct!(
+    /// REG_MR output.
+    RegMrOut, 8, { lkey: U32, rkey: U32 }
+);
+abi_struct!(
+    /// CREATE_CQ input. The ring holds `1 << log_size` 64-byte CQEs; the doorbell record is
+    /// 8 bytes: consumer index (u32) then arm sequence (u32).
+    CreateCqIn, 24, { log_size: u8, rsvd0: [u8; 3], eq_vector: U32, ring_iova: U64, db_iova: U64 }
+);
+abi_struct!(
+    /// QUERY_CQ output.
+    QueryCqOut, 16, { log_size: u8, flags: u8, rsvd0: U16, pi: U32, ci: U32, rsvd1: U32 }
+);
+/// QUERY_CQ flag: the CQ is armed.
+pub const CQ_FLAG_ARMED: u8 = 1;
+/// QUERY_CQ flag: a CQE was lost because the ring was full.
+pub const CQ_FLAG_OVERFLOW: u8 = 2;
+
+abi_struct!(
+    /// CREATE_QP input. The send queue holds `1 << sq_log_size` 64-byte blocks; the receive
+    /// queue holds `1 << rq_log_size` entries of `1 << rq_log_stride` bytes (ignored with an
+    /// SRQ). The doorbell record is 8 bytes: receive PI (u32) then send PI (u32).
+    CreateQpIn, 48, {
+        pdn: U32, send_cqn: U32, recv_cqn: U32, srqn: U32,
+        sq_log_size: u8, rq_log_size: u8, rq_log_stride: u8, rsvd0: u8, rsvd1: U32,
+        sq_iova: U64, rq_iova: U64, db_iova: U64,
+    }
+);
+abi_struct!(
+    /// QP attributes: MODIFY_QP input (after `qpn` and `attr_mask`) and QUERY_QP output.
+    QpAttr, 48, {
+        state: u8, cur_state: u8, path_mtu: u8, timeout: u8,
+        retry_cnt: u8, rnr_retry: u8, min_rnr_timer: u8, max_rd_atomic: u8,
+        max_dest_rd_atomic: u8, sq_draining: u8, pkey_index: U16, access: U32,
+        dest_qpn: U32, rq_psn: U32, sq_psn: U32, dest_mac: [u8; 6], rsvd0: U16,
+        dest_ip: [u8; 4], rsvd1: U32, rsvd2: U32,
+    }
+);
+abi_struct!(
+    /// MODIFY_QP input.
+    ModifyQpIn, 56, { qpn: U32, attr_mask: U32, attr: QpAttr }
+);
+abi_struct!(
+    /// CREATE_SRQ input. The ring holds `1 << log_size` entries of `1 << log_stride` bytes;
+    /// the doorbell record is 4 bytes (producer index).
+    CreateSrqIn, 32, {
+        pdn: U32, log_size: u8, log_stride: u8, rsvd0: U16, limit: U32, rsvd1: U32,
+        ring_iova: U64, db_iova: U64,
+    }
+);
+abi_struct!(
+    /// ARM_SRQ input: raise SRQ_LIMIT once fewer than `limit` WQEs remain (0 disarms).
+    ArmSrqIn, 8, { srqn: U32, limit: U32 }
+);
+
+/// QP states.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+#[repr(u8)]
+pub enum QpState {
+    /// Just created or reset.
+    Reset = 0,
+    /// Initialised; receives may be posted.
+    Init = 1,
+    /// Ready to receive.
+    Rtr = 2,
+    /// Ready to send.
+    Rts = 3,
+    /// Send queue drain.
+    Sqd = 4,
+    /// Send queue error (not used by RC; accepted in the encoding only).
+    Sqe = 5,
+    /// Error: everything is flushed.
+    Err = 6,
+}
+
+impl QpState {
+    /// Decodes a state byte.
+    pub fn from_u8(v: u8) -> Option<QpState> {
+        use QpState::*;
+        Some(match v {
+            0 => Reset,
+            1 => Init,
+            2 => Rtr,
+            3 => Rts,
+            4 => Sqd,
+            5 => Sqe,
+            6 => Err,
+            _ => return None,
+        })
+    }
+}
+
+bitflags! {
+    /// MODIFY_QP attribute mask (the libibverbs bit values).
+    #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+    pub struct QpAttrMask: u32 {
+        /// `state` is valid.
+        const STATE = 1 << 0;
+        /// `cur_state` is valid.
+        const CUR_STATE = 1 << 1;
+        /// Raise SQ_DRAINED when entering SQD (accepted, ignored by v1).
+        const EN_SQD_ASYNC_NOTIFY = 1 << 2;
+        /// `access` is valid.
+        const ACCESS_FLAGS = 1 << 3;
+        /// `pkey_index` is valid.
+        const PKEY_INDEX = 1 << 4;
+        /// Port number (v1 has one port; accepted).
+        const PORT = 1 << 5;
+        /// Address vector: `dest_mac`, `dest_ip`.
+        const AV = 1 << 7;
+        /// `path_mtu` is valid.
+        const PATH_MTU = 1 << 8;
+        /// `timeout` is valid.
+        const TIMEOUT = 1 << 9;
+        /// `retry_cnt` is valid.
+        const RETRY_CNT = 1 << 10;
+        /// `rnr_retry` is valid.
+        const RNR_RETRY = 1 << 11;
+        /// `rq_psn` is valid.
+        const RQ_PSN = 1 << 12;
+        /// `max_rd_atomic` is valid.
+        const MAX_QP_RD_ATOMIC = 1 << 13;
+        /// `min_rnr_timer` is valid.
+        const MIN_RNR_TIMER = 1 << 15;
+        /// `sq_psn` is valid.
+        const SQ_PSN = 1 << 16;
+        /// `max_dest_rd_atomic` is valid.
+        const MAX_DEST_RD_ATOMIC = 1 << 17;
+        /// `dest_qpn` is valid.
+        const DEST_QPN = 1 << 20;
+    }
+}
+
+bitflags! {
+    /// Memory and QP access flags (the libibverbs bit values).
+    #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+    pub struct Access: u32 {
+        /// The device may write through the lkey.
+        const LOCAL_WRITE = 1 << 0;
+        /// Remote peers may RDMA WRITE.
+        const REMOTE_WRITE = 1 << 1;
+        /// Remote peers may RDMA READ.
+        const REMOTE_READ = 1 << 2;
+        /// Remote peers may perform atomics.
+        const REMOTE_ATOMIC = 1 << 3;
+    }
+}
+
+/// Path MTU code (1 = 256 .. 5 = 4096) to bytes.
+pub fn mtu_bytes(code: u8) -> Option<u32> {
+    match code {
+        1..=5 => Some(128 << code),
+        _ => None,
+    }
+}
+
+/// Reads a typed parameter struct from the front of a mailbox parameter area.
+pub fn read_params<T: FromBytes>(area: &[u8]) -> Option<T> {
+    T::read_from_prefix(area).ok().map(|(v, _)| v)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mtu_codes() {
+        assert_eq!(mtu_bytes(1), Some(256));
+        assert_eq!(mtu_bytes(5), Some(4096));
+        assert_eq!(mtu_bytes(0), None);
+        assert_eq!(mtu_bytes(6), None);
+    }
+
+    #[test]
+    fn opcodes_and_statuses_round_trip() {
+        for v in 0..=u16::MAX {
+            if let Some(op) = CmdOpcode::from_u16(v) {
+                assert_eq!(op as u16, v);
+            }
+        }
+        for v in 0..=u8::MAX {
+            if let Some(s) = CmdStatus::from_u8(v) {
+                assert_eq!(s as u8, v);
+            }
+            if let Some(s) = QpState::from_u8(v) {
+                assert_eq!(s as u8, v);
+            }
+        }
+    }
+
+    #[test]
+    fn golden_modify_qp_mailbox() {
+        let m = ModifyQpIn {
+            qpn: 7.into(),
+            attr_mask: (QpAttrMask::STATE | QpAttrMask::PATH_MTU).bits().into(),
+            attr: QpAttr { state: QpState::Rtr as u8, path_mtu: 5, dest_qpn: 0x12.into(), ..Default::default() },
+        };
+        let hex: String = m.as_bytes().iter().map(|b| format!("{b:02x}")).collect();
+        assert_eq!(
+            hex,
+            "07000000010100000200050000000000000000000000000012000000000000000000000000000000\
+             000000000000000000000000000000000000000000000000"
+        );
+        assert!(core::mem::size_of::<ModifyQpIn>() <= PARAMS_SIZE);
+        assert!(core::mem::size_of::<QueryDeviceOut>() <= PARAMS_SIZE);
+    }
+}

@@ -1,0 +1,290 @@
+//! Completion queue entries (64 bytes) and event queue entries (32 bytes).
+//!
+//! Both rings use an owner (phase) bit in their last byte. The device writes entry `n` (an
+//! absolute, ever-increasing index) with owner bit `((n >> log_size) & 1) ^ 1`, so the first
+//! pass over a zeroed ring writes 1, the second 0, and so on: the bit flips on every wrap.
+//! The driver owns entry `ci` when its owner bit equals `((ci >> log_size) & 1) ^ 1`, and reads
+//! the rest of the entry only after that check (acquire). The device writes the owner byte
+//! last.
+
+use crate::cmd::abi_struct;
+use zerocopy::little_endian::{U16, U32, U64};
+use zerocopy::{FromBytes, Immutable, IntoBytes, KnownLayout, Unaligned};
+
+/// Bytes in a CQE.
+pub const CQE_SIZE: usize = 64;
+/// Bytes in an EQE.
+pub const EQE_SIZE: usize = 32;
+
+/// The owner bit the device writes for absolute entry index `n` of a ring of `1 << log` entries.
+pub const fn owner_bit(n: u32, log: u8) -> u8 {
+    (((n >> log) & 1) ^ 1) as u8
+}
+
+abi_struct!(
+    /// A completion queue entry.
+    Cqe, 64, {
+        opcode: u8, status: u8, wqe_counter: U16, qpn: U32,
+        byte_len: U32, imm: U32, timestamp: U64,
+        flags: u8, vendor_syndrome: u8, rsvd0: U16, srqn: U32,
+        rsvd1: [u8; 31], owner: u8,
+    }
+);
+
+/// CQE flag: `imm` holds immediate data.
+pub const CQE_FLAG_IMM: u8 = 1 << 0;
+/// CQE flag: the message had the solicited-event bit.
+pub const CQE_FLAG_SOLICITED: u8 = 1 << 1;
+/// CQE flag: the receive WQE came from the SRQ named in `srqn`; `wqe_counter` indexes it.
+pub const CQE_FLAG_SRQ: u8 = 1 << 2;
+
+/// CQE opcodes (the libibverbs `ibv_wc_opcode` values).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
+pub enum CqeOpcode {
+    /// A SEND or SEND with immediate completed.
+    Send = 0,
+    /// An RDMA WRITE (with or without immediate) completed.
+    RdmaWrite = 1,
+    /// An RDMA READ completed.
+    RdmaRead = 2,
+    /// A compare-and-swap completed.
+    CompSwap = 3,
+    /// A fetch-and-add completed.
+    FetchAdd = 4,
+    /// A SEND was received.
+    Recv = 128,
+    /// An RDMA WRITE with immediate consumed a receive WQE.
+    RecvRdmaWithImm = 129,
+}
+
+impl CqeOpcode {
+    /// Decodes an opcode byte.
+    pub fn from_u8(v: u8) -> Option<CqeOpcode> {
+        use CqeOpcode::*;
+        Some(match v {
+            0 => Send,
+            1 => RdmaWrite,
+            2 => RdmaRead,
+            3 => CompSwap,
+            4 => FetchAdd,
+            128 => Recv,
+            129 => RecvRdmaWithImm,
+            _ => return None,
+        })
+    }
+    /// Whether the completion belongs to the receive side.
+    pub fn is_recv(self) -> bool {
+        (self as u8) & 0x80 != 0
+    }
+}
+
+/// Completion status (the libibverbs `ibv_wc_status` values).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
+pub enum CqeStatus {
+    /// The operation completed.
+    Success = 0,
+    /// Local length error: a receive buffer too small, or a gather list too long.
+    LocLenErr = 1,
+    /// Local QP operation error: malformed WQE, unknown opcode.
+    LocQpOpErr = 2,
+    /// Local protection error: bad lkey, wrong PD, out of bounds, missing LOCAL_WRITE.
+    LocProtErr = 4,
+    /// Flushed because the QP is in the error state.
+    WrFlushErr = 5,
+    /// Unexpected response opcode from the responder.
+    BadRespErr = 7,
+    /// Local access error.
+    LocAccessErr = 8,
+    /// The responder reported an invalid request.
+    RemInvReqErr = 9,
+    /// The responder reported a remote access error.
+    RemAccessErr = 10,
+    /// The responder reported a remote operational error.
+    RemOpErr = 11,
+    /// Transport retries exhausted.
+    RetryExcErr = 12,
+    /// RNR retries exhausted.
+    RnrRetryExcErr = 13,
+    /// Fatal device error.
+    FatalErr = 19,
+    /// General error; `vendor_syndrome` says more (see [`VendorSyndrome`]).
+    GeneralErr = 21,
+}
+
+impl CqeStatus {
+    /// Decodes a status byte.
+    pub fn from_u8(v: u8) -> Option<CqeStatus> {
+        use CqeStatus::*;
+        Some(match v {
+            0 => Success,
+            1 => LocLenErr,
+            2 => LocQpOpErr,
+            4 => LocProtErr,
+            5 => WrFlushErr,
+            7 => BadRespErr,
+            8 => LocAccessErr,
+            9 => RemInvReqErr,
+            10 => RemAccessErr,
+            11 => RemOpErr,
+            12 => RetryExcErr,
+            13 => RnrRetryExcErr,
+            19 => FatalErr,
+            21 => GeneralErr,
+            _ => return None,
+        })
+    }
+}
+
+/// Detail in an error CQE's `vendor_syndrome`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
+pub enum VendorSyndrome {
+    /// No detail.
+    None = 0,
+    /// A DMA address was outside every IOMMU mapping.
+    IommuFault = 1,
+    /// The WQE opcode is unknown.
+    BadOpcode = 2,
+    /// The WQE's segment count or layout is malformed.
+    BadSegment = 3,
+    /// The lkey does not exist.
+    BadLkey = 4,
+    /// The lkey's MR belongs to another PD.
+    WrongPd = 5,
+    /// The address range is outside the MR.
+    OutOfBounds = 6,
+    /// The MR lacks a required access right.
+    NoAccess = 7,
+    /// The message is longer than the device maximum or the buffer.
+    TooLong = 8,
+}
+
+abi_struct!(
+    /// An event queue entry.
+    Eqe, 32, {
+        event_type: u8, subtype: u8, rsvd0: U16, obj: U32, info: U64, timestamp: U64,
+        rsvd1: [u8; 7], owner: u8,
+    }
+);
+
+/// EQE event types.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
+pub enum EventType {
+    /// A CQ armed through its arm doorbell received a CQE; `obj` is the CQN.
+    Completion = 0x00,
+    /// A QP entered ERR for a reason not tied to a WQE; `obj` is the QPN.
+    QpFatal = 0x01,
+    /// A QP's requester detected a transport error; `obj` is the QPN.
+    QpReqErr = 0x02,
+    /// A QP's responder detected an access violation; `obj` is the QPN.
+    QpAccessErr = 0x03,
+    /// A CQ overflowed; `obj` is the CQN. The CQE was lost.
+    CqError = 0x04,
+    /// An SRQ fell below its armed limit; `obj` is the SRQN.
+    SrqLimit = 0x05,
+    /// A DMA address was outside every IOMMU mapping; `info` is the IOVA, `obj` the QPN or 0.
+    IommuFault = 0x06,
+    /// A command finished; `obj` is its token, `subtype` its status.
+    CmdDone = 0x07,
+    /// A doorbell was rejected; `obj` is the object number, `subtype` the [`DoorbellError`],
+    /// `info` the index written.
+    DoorbellError = 0x08,
+    /// A QP in SQD has drained its send queue; `obj` is the QPN.
+    SqDrained = 0x09,
+}
+
+impl EventType {
+    /// Decodes an event type byte.
+    pub fn from_u8(v: u8) -> Option<EventType> {
+        use EventType::*;
+        Some(match v {
+            0x00 => Completion,
+            0x01 => QpFatal,
+            0x02 => QpReqErr,
+            0x03 => QpAccessErr,
+            0x04 => CqError,
+            0x05 => SrqLimit,
+            0x06 => IommuFault,
+            0x07 => CmdDone,
+            0x08 => DoorbellError,
+            0x09 => SqDrained,
+            _ => return None,
+        })
+    }
+}
+
+/// Why a doorbell was rejected (`subtype` of a [`EventType::DoorbellError`] EQE).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
+pub enum DoorbellError {
+    /// The producer index is more than a ring ahead of the consumer, or behind it.
+    IndexOutOfRange = 1,
+    /// The WQE at the consumer index does not carry the expected `wqe_index`: it was not
+    /// written (or not made visible) before the doorbell.
+    StaleWqe = 2,
+    /// The doorbell names an object that does not exist.
+    NoSuchObject = 3,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn owner_bit_flips_every_wrap() {
+        assert_eq!(owner_bit(0, 2), 1);
+        assert_eq!(owner_bit(3, 2), 1);
+        assert_eq!(owner_bit(4, 2), 0);
+        assert_eq!(owner_bit(8, 2), 1);
+    }
+
+    #[test]
+    fn golden_cqe() {
+        let cqe = Cqe {
+            opcode: CqeOpcode::Recv as u8,
+            status: CqeStatus::Success as u8,
+            wqe_counter: 5.into(),
+            qpn: 0x12.into(),
+            byte_len: 4096.into(),
+            imm: 0xdead_beef.into(),
+            timestamp: 1_234_567.into(),
+            flags: CQE_FLAG_IMM,
+            owner: 1,
+            ..Default::default()
+        };
+        let hex: String = cqe.as_bytes().iter().map(|b| format!("{b:02x}")).collect();
+        assert_eq!(
+            hex,
+            "800005001200000000100000efbeadde87d61200000000000100000000000000\
+             0000000000000000000000000000000000000000000000000000000000000001"
+        );
+        for v in 0..=255u8 {
+            if let Some(s) = CqeStatus::from_u8(v) {
+                assert_eq!(s as u8, v);
+            }
+            if let Some(o) = CqeOpcode::from_u8(v) {
+                assert_eq!(o as u8, v);
+            }
+            if let Some(e) = EventType::from_u8(v) {
+                assert_eq!(e as u8, v);
+            }
+        }
+    }
+
+    #[test]
+    fn golden_eqe() {
+        let eqe = Eqe {
+            event_type: EventType::IommuFault as u8,
+            obj: 3.into(),
+            info: 0xdead_0000.into(),
+            timestamp: 42.into(),
+            owner: 1,
+            ..Default::default()
+        };
+        let hex: String = eqe.as_bytes().iter().map(|b| format!("{b:02x}")).collect();
+        assert_eq!(hex, "06000000030000000000adde000000002a000000000000000000000000000001");
+    }
+}

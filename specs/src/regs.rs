@@ -1,0 +1,206 @@
+//! The BAR0 register map.
+//!
+//! BAR0 is 1 MiB. The first page holds identification, capabilities, the command interface,
+//! the event queue and device status; doorbells live in pages of their own from
+//! [`DB_BASE`] on, so a process can be given just the doorbell pages it needs. All registers
+//! are 32 bits wide, little-endian, and accessed with aligned 32-bit loads and stores.
+//! [`REGISTERS`] is the one table that both the driver and the model decode from.
+
+use bitflags::bitflags;
+
+/// Size of BAR0 in bytes.
+pub const BAR0_SIZE: u64 = 1 << 20;
+/// The value of the `MAGIC` register: "RBEL" in little-endian ASCII.
+pub const MAGIC_VALUE: u32 = u32::from_le_bytes(*b"RBEL");
+/// PCI vendor id the device reports (the reserved experimental id).
+pub const PCI_VENDOR_ID: u16 = 0x1de5;
+/// PCI device id of the ringbell NIC.
+pub const PCI_DEVICE_ID: u16 = 0x0001;
+
+/// Who may access a register.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Access {
+    /// Read only; writes are ignored and counted as a guest error.
+    Ro,
+    /// Read and write.
+    Rw,
+    /// Write only; reads return 0.
+    Wo,
+}
+
+/// One entry of the register table.
+#[derive(Clone, Copy, Debug)]
+pub struct Register {
+    /// Register name as used in ABI.md.
+    pub name: &'static str,
+    /// Byte offset in BAR0.
+    pub offset: u64,
+    /// Width in bytes (always 4 in ABI v1).
+    pub width: u64,
+    /// Access rights.
+    pub access: Access,
+    /// Value after reset (for RO identification registers: the value the device reports;
+    /// capability registers report device-specific values and list 0 here).
+    pub reset: u32,
+    /// One-line description.
+    pub doc: &'static str,
+}
+
+macro_rules! registers {
+    ($( $const:ident = $off:literal, $acc:ident, $reset:expr, $doc:literal; )*) => {
+        $( #[doc = $doc] pub const $const: u64 = $off; )*
+        /// Every register of page 0, in offset order.
+        pub const REGISTERS: &[Register] = &[
+            $( Register { name: stringify!($const), offset: $off, width: 4,
+                          access: Access::$acc, reset: $reset, doc: $doc }, )*
+        ];
+    };
+}
+
+registers! {
+    MAGIC = 0x000, Ro, MAGIC_VALUE, "Identification magic, reads \"RBEL\".";
+    ABI_VERSION = 0x004, Ro, crate::ABI_VERSION, "ABI version: major in 31:16, minor in 15:0.";
+    DEVICE_ID = 0x008, Ro, 0, "Device instance id (node number on an emulated fabric).";
+    CAPS = 0x00C, Ro, 0, "Capability flags, see [`Caps`].";
+    MAX_QP = 0x010, Ro, 0, "Number of QP contexts; QPNs are 1..MAX_QP.";
+    MAX_CQ = 0x014, Ro, 0, "Number of CQ contexts; CQNs are 1..MAX_CQ.";
+    MAX_SRQ = 0x018, Ro, 0, "Number of SRQ contexts; SRQNs are 1..MAX_SRQ.";
+    MAX_MR = 0x01C, Ro, 0, "Number of memory regions.";
+    MAX_PD = 0x020, Ro, 0, "Number of protection domains; PDNs are 1..MAX_PD.";
+    MAX_QP_WR = 0x024, Ro, 0, "Largest work queue, in entries (send: 64-byte blocks).";
+    MAX_CQE = 0x028, Ro, 0, "Largest completion queue, in entries.";
+    MAX_SGE = 0x02C, Ro, 0, "Most scatter/gather entries per send or receive WQE.";
+    MAX_INLINE = 0x030, Ro, 0, "Most inline bytes in one send WQE (with a remote-address segment).";
+    MAX_WQE_SIZE = 0x034, Ro, 0, "Largest send WQE in bytes.";
+    MTU_CAPS = 0x038, Ro, 0, "Bit n set: path MTU code n (1=256 .. 5=4096) is supported.";
+    TS_TICK_PS = 0x03C, Ro, 1, "Picoseconds per CQE/EQE timestamp tick.";
+    MAX_MSG_SIZE = 0x040, Ro, 0, "Largest message in bytes.";
+    MAX_RD_ATOMIC = 0x044, Ro, 0, "Largest max_rd_atomic / max_dest_rd_atomic per QP.";
+    CMD_ADDR_LO = 0x080, Rw, 0, "Command mailbox IOVA, bits 31:0 (256-byte aligned).";
+    CMD_ADDR_HI = 0x084, Rw, 0, "Command mailbox IOVA, bits 63:32.";
+    CMD_DOORBELL = 0x088, Wo, 0, "Write a token to execute the command in the mailbox.";
+    CMD_STATUS = 0x08C, Ro, 0, "Bit 31 busy; bits 23:16 status of the last command; 15:0 its token.";
+    EQ_ADDR_LO = 0x090, Rw, 0, "Event queue IOVA, bits 31:0 (4 KiB aligned).";
+    EQ_ADDR_HI = 0x094, Rw, 0, "Event queue IOVA, bits 63:32.";
+    EQ_LOG_SIZE = 0x098, Rw, 0, "log2 of the EQ entry count; writing it (re)starts the EQ at index 0; 0 disables the EQ.";
+    EQ_CI = 0x09C, Rw, 0, "EQ consumer index, written by the driver as it consumes EQEs.";
+    DEV_STATUS = 0x0A0, Ro, 1, "Bit 0 ready; bit 1 fatal error; bit 2 EQ overflowed.";
+    GUEST_ERRORS = 0x0A4, Ro, 0, "Count of guest programming errors seen (bad register access, bad doorbell).";
+    LAST_ERROR = 0x0A8, Ro, 0, "Code of the last guest error, see [`GuestError`].";
+    LAST_ERROR_INFO = 0x0AC, Ro, 0, "Object number or offset of the last guest error.";
+    RESET = 0x0B0, Wo, 0, "Write [`RESET_KEY`] to reset the device: every object is destroyed.";
+    CLOCK_LO = 0x0C0, Ro, 0, "Device clock in picoseconds, bits 31:0 (reading it latches bits 63:32).";
+    CLOCK_HI = 0x0C4, Ro, 0, "Device clock bits 63:32 as latched by the last CLOCK_LO read.";
+    MAC_LO = 0x0D0, Ro, 0, "Port MAC address bytes 0..4 (byte 0 in bits 7:0).";
+    MAC_HI = 0x0D4, Ro, 0, "Port MAC address bytes 4..6 in bits 15:0.";
+    IPV4_ADDR = 0x0D8, Ro, 0, "Port IPv4 address, first octet in bits 7:0.";
+}
+
+/// Value to write to [`RESET`].
+pub const RESET_KEY: u32 = 0x5245_5345;
+
+/// Start of the doorbell area.
+pub const DB_BASE: u64 = 0x1_0000;
+/// Bytes of doorbell per object.
+pub const DB_STRIDE: u64 = 8;
+/// Objects served by one 4 KiB doorbell page.
+pub const DB_PER_PAGE: u64 = 4096 / DB_STRIDE;
+/// QP doorbells: `QP_DB_BASE + qpn * 8`; +0 send queue producer index, +4 receive queue
+/// producer index.
+pub const QP_DB_BASE: u64 = DB_BASE;
+/// SRQ doorbells: `SRQ_DB_BASE + srqn * 8`; +0 producer index.
+pub const SRQ_DB_BASE: u64 = DB_BASE + 0x4_0000;
+/// CQ doorbells: `CQ_DB_BASE + cqn * 8`; +0 consumer index, +4 arm request.
+pub const CQ_DB_BASE: u64 = DB_BASE + 0x6_0000;
+/// Offset of the send doorbell within a QP's doorbell slot.
+pub const DB_SQ: u64 = 0;
+/// Offset of the receive doorbell within a QP's doorbell slot.
+pub const DB_RQ: u64 = 4;
+/// Offset of the consumer-index doorbell within a CQ's slot.
+pub const DB_CQ_CI: u64 = 0;
+/// Offset of the arm doorbell within a CQ's slot.
+pub const DB_CQ_ARM: u64 = 4;
+/// Arm-doorbell bit: only solicited completions raise the event.
+pub const CQ_ARM_SOLICITED: u32 = 1 << 31;
+/// End of the doorbell area (exclusive).
+pub const DB_END: u64 = DB_BASE + 0x8_0000;
+/// Most QPs the doorbell area can address.
+pub const DB_MAX_QP: u64 = (SRQ_DB_BASE - QP_DB_BASE) / DB_STRIDE;
+/// Most SRQs the doorbell area can address.
+pub const DB_MAX_SRQ: u64 = (CQ_DB_BASE - SRQ_DB_BASE) / DB_STRIDE;
+/// Most CQs the doorbell area can address.
+pub const DB_MAX_CQ: u64 = (DB_END - CQ_DB_BASE) / DB_STRIDE;
+
+/// Bits of `CMD_STATUS`.
+pub const CMD_STATUS_BUSY: u32 = 1 << 31;
+/// Bits of `DEV_STATUS`.
+pub const DEV_STATUS_READY: u32 = 1;
+/// Fatal-error bit of `DEV_STATUS`.
+pub const DEV_STATUS_FATAL: u32 = 1 << 1;
+/// EQ-overflow bit of `DEV_STATUS`.
+pub const DEV_STATUS_EQ_OVERFLOW: u32 = 1 << 2;
+
+bitflags! {
+    /// Capability flags in `CAPS`.
+    #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+    pub struct Caps: u32 {
+        /// Reliable-connected QPs.
+        const RC = 1 << 0;
+        /// Shared receive queues.
+        const SRQ = 1 << 1;
+        /// Atomic compare-and-swap and fetch-and-add.
+        const ATOMICS = 1 << 2;
+        /// Inline data in send WQEs.
+        const INLINE = 1 << 3;
+        /// Timestamps in CQEs.
+        const CQE_TIMESTAMP = 1 << 4;
+    }
+}
+
+/// Codes of `LAST_ERROR`: programming errors the device noticed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u32)]
+pub enum GuestError {
+    /// No error recorded.
+    None = 0,
+    /// Access to an offset no register occupies, or not 4-byte aligned.
+    BadOffset = 1,
+    /// Write to a read-only register.
+    ReadOnly = 2,
+    /// Doorbell for an object that does not exist.
+    BadDoorbellObject = 3,
+    /// Doorbell index beyond what the ring holds or behind the device's index.
+    BadDoorbellIndex = 4,
+    /// Command doorbell while a command is executing.
+    CommandBusy = 5,
+}
+
+/// Looks up the register at `offset` in page 0.
+pub fn register_at(offset: u64) -> Option<&'static Register> {
+    REGISTERS.iter().find(|r| r.offset == offset)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn registers_do_not_overlap_and_are_aligned() {
+        for w in REGISTERS.windows(2) {
+            assert!(w[0].offset + w[0].width <= w[1].offset, "{} overlaps {}", w[0].name, w[1].name);
+        }
+        for r in REGISTERS {
+            assert_eq!(r.offset % r.width, 0, "{} misaligned", r.name);
+            assert!(r.offset + r.width <= DB_BASE, "{} is in the doorbell area", r.name);
+        }
+    }
+
+    #[test]
+    fn doorbell_areas_are_page_aligned_and_in_bar() {
+        for base in [QP_DB_BASE, SRQ_DB_BASE, CQ_DB_BASE, DB_END] {
+            assert_eq!(base % 4096, 0);
+        }
+        assert!(DB_END <= BAR0_SIZE);
+        assert_eq!(register_at(MAGIC).unwrap().reset, 0x4c45_4252);
+    }
+}

@@ -1,0 +1,1930 @@
+//! RoCEv2 wire format: the frames ringbell devices exchange on the simulated link.
+//!
+//! This module owns the byte layout of a reliable-connected (RC) RoCEv2 packet over IPv4:
+//! the outer Ethernet II, IPv4 and UDP headers, the InfiniBand Base Transport Header (BTH),
+//! the extended transport headers (RETH, AETH, AtomicETH, AtomicAckETH, ImmDt), the pad
+//! bytes and the invariant CRC (ICRC). Each header has a validated `Repr` with `parse` and
+//! `emit`; [`PacketRepr`] and [`parse_packet`] build and check whole frames. All wire fields
+//! are big-endian as the IBTA specifies, except the ICRC, which is stored least-significant
+//! byte first. `specs/WIRE.md` is the prose version of this module, with golden vectors.
+
+use core::fmt;
+
+use crate::types::{Psn, Qpn};
+
+/// UDP destination port that marks a RoCEv2 packet.
+pub const ROCEV2_UDP_PORT: u16 = 4791;
+/// Ethernet II header length (no 802.1Q tag).
+pub const ETH_HDR_LEN: usize = 14;
+/// IPv4 header length (no options).
+pub const IPV4_HDR_LEN: usize = 20;
+/// UDP header length.
+pub const UDP_HDR_LEN: usize = 8;
+/// Base Transport Header length.
+pub const BTH_LEN: usize = 12;
+/// RDMA Extended Transport Header length.
+pub const RETH_LEN: usize = 16;
+/// ACK Extended Transport Header length.
+pub const AETH_LEN: usize = 4;
+/// Atomic Extended Transport Header length.
+pub const ATOMIC_ETH_LEN: usize = 28;
+/// Atomic ACK Extended Transport Header length.
+pub const ATOMIC_ACK_ETH_LEN: usize = 8;
+/// Immediate data header length.
+pub const IMMDT_LEN: usize = 4;
+/// Invariant CRC length.
+pub const ICRC_LEN: usize = 4;
+/// Bytes of Ethernet+IPv4+UDP in front of the BTH.
+pub const ROCE_OUTER_LEN: usize = ETH_HDR_LEN + IPV4_HDR_LEN + UDP_HDR_LEN;
+
+/// EtherType of IPv4.
+pub const ETHERTYPE_IPV4: u16 = 0x0800;
+/// IP protocol number of UDP.
+pub const IPPROTO_UDP: u8 = 17;
+/// IPv4 flags/fragment-offset word with only Don't Fragment set.
+pub const IPV4_FLAG_DF: u16 = 0x4000;
+/// The default partition key (full member of the default partition).
+pub const DEFAULT_PKEY: u16 = 0xFFFF;
+/// AETH ACK credit code meaning "no credit limit".
+pub const AETH_CREDITS_UNLIMITED: u8 = 0x1F;
+
+// Offsets of the masked fields inside the headers, for the ICRC.
+const IPV4_TOS_OFF: usize = 1;
+const IPV4_TTL_OFF: usize = 8;
+const IPV4_CSUM_OFF: usize = 10;
+const UDP_CSUM_OFF: usize = 6;
+const BTH_FECN_BYTE: usize = 4;
+
+/// Why a frame or header was rejected.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum WireError {
+    /// The buffer ends before a header or before the length its headers announce.
+    Truncated,
+    /// EtherType is not IPv4, or the IP version field is not 4.
+    NotIpv4,
+    /// IPv4 header length (IHL) is not 5: options are not supported.
+    BadIpHeader,
+    /// The IPv4 packet is a fragment (MF set or non-zero fragment offset).
+    Fragmented,
+    /// IPv4 header checksum mismatch.
+    BadIpChecksum,
+    /// IPv4 protocol is not UDP.
+    NotUdp,
+    /// IPv4 total length is too small to hold the IPv4 and UDP headers.
+    BadLength,
+    /// UDP destination port is not 4791.
+    NotRoce,
+    /// UDP length disagrees with the IPv4 total length.
+    BadUdpLength,
+    /// BTH transport header version is not 0.
+    BadTver,
+    /// BTH opcode is not one of the RC opcodes 0x00..=0x14.
+    UnknownOpcode(u8),
+    /// Payload bytes after the headers of an opcode that carries none.
+    UnexpectedPayload,
+    /// BTH pad count larger than the payload, or payload plus pad not a multiple of 4.
+    BadPad,
+    /// Invariant CRC mismatch.
+    BadIcrc,
+    /// AETH syndrome with a reserved type or a set reserved bit 7.
+    BadSyndrome(u8),
+}
+
+impl fmt::Display for WireError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            WireError::Truncated => write!(f, "frame truncated"),
+            WireError::NotIpv4 => write!(f, "not an IPv4 frame"),
+            WireError::BadIpHeader => write!(f, "IPv4 header length is not 20 bytes"),
+            WireError::Fragmented => write!(f, "IPv4 fragment"),
+            WireError::BadIpChecksum => write!(f, "IPv4 header checksum mismatch"),
+            WireError::NotUdp => write!(f, "IPv4 protocol is not UDP"),
+            WireError::BadLength => write!(f, "IPv4 total length too small"),
+            WireError::NotRoce => write!(f, "UDP destination port is not 4791"),
+            WireError::BadUdpLength => write!(f, "UDP length disagrees with IPv4 total length"),
+            WireError::BadTver => write!(f, "BTH transport version is not 0"),
+            WireError::UnknownOpcode(op) => write!(f, "unknown RC opcode {op:#04x}"),
+            WireError::UnexpectedPayload => write!(f, "payload on an opcode that carries none"),
+            WireError::BadPad => write!(f, "BTH pad count inconsistent with payload"),
+            WireError::BadIcrc => write!(f, "ICRC mismatch"),
+            WireError::BadSyndrome(s) => write!(f, "reserved AETH syndrome {s:#04x}"),
+        }
+    }
+}
+
+impl std::error::Error for WireError {}
+
+/// RC opcodes (BTH byte 0, transport bits 7:5 = 000).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[repr(u8)]
+pub enum Opcode {
+    /// SEND_FIRST.
+    SendFirst = 0x00,
+    /// SEND_MIDDLE.
+    SendMiddle = 0x01,
+    /// SEND_LAST.
+    SendLast = 0x02,
+    /// SEND_LAST_WITH_IMMEDIATE.
+    SendLastImm = 0x03,
+    /// SEND_ONLY.
+    SendOnly = 0x04,
+    /// SEND_ONLY_WITH_IMMEDIATE.
+    SendOnlyImm = 0x05,
+    /// RDMA_WRITE_FIRST.
+    WriteFirst = 0x06,
+    /// RDMA_WRITE_MIDDLE.
+    WriteMiddle = 0x07,
+    /// RDMA_WRITE_LAST.
+    WriteLast = 0x08,
+    /// RDMA_WRITE_LAST_WITH_IMMEDIATE.
+    WriteLastImm = 0x09,
+    /// RDMA_WRITE_ONLY.
+    WriteOnly = 0x0A,
+    /// RDMA_WRITE_ONLY_WITH_IMMEDIATE.
+    WriteOnlyImm = 0x0B,
+    /// RDMA_READ_REQUEST.
+    ReadRequest = 0x0C,
+    /// RDMA_READ_RESPONSE_FIRST.
+    ReadResponseFirst = 0x0D,
+    /// RDMA_READ_RESPONSE_MIDDLE.
+    ReadResponseMiddle = 0x0E,
+    /// RDMA_READ_RESPONSE_LAST.
+    ReadResponseLast = 0x0F,
+    /// RDMA_READ_RESPONSE_ONLY.
+    ReadResponseOnly = 0x10,
+    /// ACKNOWLEDGE (ACK, RNR NAK or NAK, by the AETH syndrome).
+    Acknowledge = 0x11,
+    /// ATOMIC_ACKNOWLEDGE.
+    AtomicAcknowledge = 0x12,
+    /// CMP_SWAP.
+    CompareSwap = 0x13,
+    /// FETCH_ADD.
+    FetchAdd = 0x14,
+}
+
+impl Opcode {
+    /// Every RC opcode, in numeric order.
+    pub const ALL: [Opcode; 21] = [
+        Opcode::SendFirst,
+        Opcode::SendMiddle,
+        Opcode::SendLast,
+        Opcode::SendLastImm,
+        Opcode::SendOnly,
+        Opcode::SendOnlyImm,
+        Opcode::WriteFirst,
+        Opcode::WriteMiddle,
+        Opcode::WriteLast,
+        Opcode::WriteLastImm,
+        Opcode::WriteOnly,
+        Opcode::WriteOnlyImm,
+        Opcode::ReadRequest,
+        Opcode::ReadResponseFirst,
+        Opcode::ReadResponseMiddle,
+        Opcode::ReadResponseLast,
+        Opcode::ReadResponseOnly,
+        Opcode::Acknowledge,
+        Opcode::AtomicAcknowledge,
+        Opcode::CompareSwap,
+        Opcode::FetchAdd,
+    ];
+
+    /// The opcode with BTH byte 0 equal to `v`, if it is an RC opcode ringbell knows.
+    pub fn from_u8(v: u8) -> Option<Opcode> {
+        Opcode::ALL.get(usize::from(v)).copied()
+    }
+
+    /// The BTH byte 0 value.
+    pub fn to_u8(self) -> u8 {
+        self as u8
+    }
+
+    /// The IBTA name, for logs.
+    pub fn name(self) -> &'static str {
+        match self {
+            Opcode::SendFirst => "SEND_FIRST",
+            Opcode::SendMiddle => "SEND_MIDDLE",
+            Opcode::SendLast => "SEND_LAST",
+            Opcode::SendLastImm => "SEND_LAST_WITH_IMMEDIATE",
+            Opcode::SendOnly => "SEND_ONLY",
+            Opcode::SendOnlyImm => "SEND_ONLY_WITH_IMMEDIATE",
+            Opcode::WriteFirst => "RDMA_WRITE_FIRST",
+            Opcode::WriteMiddle => "RDMA_WRITE_MIDDLE",
+            Opcode::WriteLast => "RDMA_WRITE_LAST",
+            Opcode::WriteLastImm => "RDMA_WRITE_LAST_WITH_IMMEDIATE",
+            Opcode::WriteOnly => "RDMA_WRITE_ONLY",
+            Opcode::WriteOnlyImm => "RDMA_WRITE_ONLY_WITH_IMMEDIATE",
+            Opcode::ReadRequest => "RDMA_READ_REQUEST",
+            Opcode::ReadResponseFirst => "RDMA_READ_RESPONSE_FIRST",
+            Opcode::ReadResponseMiddle => "RDMA_READ_RESPONSE_MIDDLE",
+            Opcode::ReadResponseLast => "RDMA_READ_RESPONSE_LAST",
+            Opcode::ReadResponseOnly => "RDMA_READ_RESPONSE_ONLY",
+            Opcode::Acknowledge => "ACKNOWLEDGE",
+            Opcode::AtomicAcknowledge => "ATOMIC_ACKNOWLEDGE",
+            Opcode::CompareSwap => "CMP_SWAP",
+            Opcode::FetchAdd => "FETCH_ADD",
+        }
+    }
+
+    /// A RETH follows the BTH.
+    pub fn has_reth(self) -> bool {
+        matches!(
+            self,
+            Opcode::WriteFirst | Opcode::WriteOnly | Opcode::WriteOnlyImm | Opcode::ReadRequest
+        )
+    }
+
+    /// An AETH follows the BTH.
+    pub fn has_aeth(self) -> bool {
+        matches!(
+            self,
+            Opcode::ReadResponseFirst
+                | Opcode::ReadResponseLast
+                | Opcode::ReadResponseOnly
+                | Opcode::Acknowledge
+                | Opcode::AtomicAcknowledge
+        )
+    }
+
+    /// An AtomicETH follows the BTH.
+    pub fn has_atomic_eth(self) -> bool {
+        matches!(self, Opcode::CompareSwap | Opcode::FetchAdd)
+    }
+
+    /// An AtomicAckETH follows the AETH.
+    pub fn has_atomic_ack_eth(self) -> bool {
+        self == Opcode::AtomicAcknowledge
+    }
+
+    /// An ImmDt header is present (after the RETH, if any).
+    pub fn has_immdt(self) -> bool {
+        matches!(
+            self,
+            Opcode::SendLastImm | Opcode::SendOnlyImm | Opcode::WriteLastImm | Opcode::WriteOnlyImm
+        )
+    }
+
+    /// Handled by the responder: SEND, RDMA WRITE, RDMA READ request and atomics.
+    pub fn is_request(self) -> bool {
+        !self.is_response()
+    }
+
+    /// Handled by the requester: read responses, ACK and atomic ACK.
+    pub fn is_response(self) -> bool {
+        matches!(
+            self,
+            Opcode::ReadResponseFirst
+                | Opcode::ReadResponseMiddle
+                | Opcode::ReadResponseLast
+                | Opcode::ReadResponseOnly
+                | Opcode::Acknowledge
+                | Opcode::AtomicAcknowledge
+        )
+    }
+
+    /// A SEND opcode (any position, with or without immediate).
+    pub fn is_send(self) -> bool {
+        (self as u8) <= Opcode::SendOnlyImm as u8
+    }
+
+    /// An RDMA WRITE opcode (any position, with or without immediate).
+    pub fn is_write(self) -> bool {
+        (Opcode::WriteFirst as u8..=Opcode::WriteOnlyImm as u8).contains(&(self as u8))
+    }
+
+    /// An RDMA READ response opcode (any position).
+    pub fn is_read_response(self) -> bool {
+        (Opcode::ReadResponseFirst as u8..=Opcode::ReadResponseOnly as u8).contains(&(self as u8))
+    }
+
+    /// An atomic request (CMP_SWAP or FETCH_ADD).
+    pub fn is_atomic(self) -> bool {
+        self.has_atomic_eth()
+    }
+
+    /// Starts a message: a FIRST or ONLY packet, or a single-packet operation.
+    pub fn is_first(self) -> bool {
+        !matches!(
+            self,
+            Opcode::SendMiddle
+                | Opcode::SendLast
+                | Opcode::SendLastImm
+                | Opcode::WriteMiddle
+                | Opcode::WriteLast
+                | Opcode::WriteLastImm
+                | Opcode::ReadResponseMiddle
+                | Opcode::ReadResponseLast
+        )
+    }
+
+    /// Ends a message: a LAST or ONLY packet, or a single-packet operation.
+    pub fn is_last(self) -> bool {
+        !matches!(
+            self,
+            Opcode::SendFirst
+                | Opcode::SendMiddle
+                | Opcode::WriteFirst
+                | Opcode::WriteMiddle
+                | Opcode::ReadResponseFirst
+                | Opcode::ReadResponseMiddle
+        )
+    }
+
+    /// BTH plus the extended headers of this opcode, in bytes.
+    pub fn header_len(self) -> usize {
+        let mut len = BTH_LEN;
+        if self.has_reth() {
+            len += RETH_LEN;
+        }
+        if self.has_aeth() {
+            len += AETH_LEN;
+        }
+        if self.has_atomic_eth() {
+            len += ATOMIC_ETH_LEN;
+        }
+        if self.has_atomic_ack_eth() {
+            len += ATOMIC_ACK_ETH_LEN;
+        }
+        if self.has_immdt() {
+            len += IMMDT_LEN;
+        }
+        len
+    }
+
+    /// The packet may carry payload bytes (SEND, RDMA WRITE and read responses).
+    pub fn has_payload(self) -> bool {
+        self.is_send() || self.is_write() || self.is_read_response()
+    }
+}
+
+impl From<Opcode> for u8 {
+    fn from(op: Opcode) -> u8 {
+        op as u8
+    }
+}
+
+impl fmt::Display for Opcode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// Number of pad bytes that bring `payload_len` to a multiple of 4.
+pub fn pad_len(payload_len: usize) -> u8 {
+    (payload_len.wrapping_neg() & 3) as u8
+}
+
+fn be_u16(b: &[u8], off: usize) -> u16 {
+    u16::from_be_bytes([b[off], b[off + 1]])
+}
+
+fn be_u24(b: &[u8], off: usize) -> u32 {
+    u32::from_be_bytes([0, b[off], b[off + 1], b[off + 2]])
+}
+
+fn be_u32(b: &[u8], off: usize) -> u32 {
+    u32::from_be_bytes([b[off], b[off + 1], b[off + 2], b[off + 3]])
+}
+
+fn be_u64(b: &[u8], off: usize) -> u64 {
+    let mut a = [0u8; 8];
+    a.copy_from_slice(&b[off..off + 8]);
+    u64::from_be_bytes(a)
+}
+
+fn put_u24(out: &mut [u8], off: usize, v: u32) {
+    out[off..off + 3].copy_from_slice(&v.to_be_bytes()[1..]);
+}
+
+/// Fixed BTH fields (smoltcp style Repr).
+///
+/// The reserved bits (byte 4 bits 5:0 and byte 8 bits 6:0) are ignored on parse and written
+/// as zero on emit.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BthRepr {
+    /// Raw opcode byte, so unknown opcodes can be represented; see [`Opcode::from_u8`].
+    pub opcode: u8,
+    /// SE: solicited event.
+    pub solicited: bool,
+    /// M: path migration request (ringbell sends 0, receivers ignore it).
+    pub mig_req: bool,
+    /// PadCnt, 0..=3 (only the low 2 bits are emitted).
+    pub pad: u8,
+    /// Transport header version, must be 0 (only the low 4 bits are emitted).
+    pub tver: u8,
+    /// Partition key.
+    pub pkey: u16,
+    /// FECN congestion bit (masked in the ICRC).
+    pub fecn: bool,
+    /// BECN congestion bit (masked in the ICRC).
+    pub becn: bool,
+    /// Destination QP number.
+    pub dest_qp: Qpn,
+    /// A: acknowledge request.
+    pub ack_req: bool,
+    /// Packet sequence number.
+    pub psn: Psn,
+}
+
+impl BthRepr {
+    /// Parses the first [`BTH_LEN`] bytes of `b`. Any bit pattern is a valid BTH here; the
+    /// TVer and opcode checks belong to [`parse_packet`].
+    pub fn parse(b: &[u8]) -> Result<BthRepr, WireError> {
+        if b.len() < BTH_LEN {
+            return Err(WireError::Truncated);
+        }
+        Ok(BthRepr {
+            opcode: b[0],
+            solicited: b[1] & 0x80 != 0,
+            mig_req: b[1] & 0x40 != 0,
+            pad: (b[1] >> 4) & 0x3,
+            tver: b[1] & 0x0F,
+            pkey: be_u16(b, 2),
+            fecn: b[4] & 0x80 != 0,
+            becn: b[4] & 0x40 != 0,
+            dest_qp: Qpn::from_bits(be_u24(b, 5)),
+            ack_req: b[8] & 0x80 != 0,
+            psn: Psn::new(be_u24(b, 9)),
+        })
+    }
+
+    /// Writes the BTH into `out[..12]`.
+    ///
+    /// # Panics
+    /// If `out` is shorter than [`BTH_LEN`].
+    pub fn emit(&self, out: &mut [u8]) {
+        let out = &mut out[..BTH_LEN];
+        out[0] = self.opcode;
+        out[1] = (u8::from(self.solicited) << 7)
+            | (u8::from(self.mig_req) << 6)
+            | ((self.pad & 0x3) << 4)
+            | (self.tver & 0x0F);
+        out[2..4].copy_from_slice(&self.pkey.to_be_bytes());
+        out[4] = (u8::from(self.fecn) << 7) | (u8::from(self.becn) << 6);
+        put_u24(out, 5, self.dest_qp.get());
+        out[8] = u8::from(self.ack_req) << 7;
+        put_u24(out, 9, self.psn.get());
+    }
+}
+
+/// RDMA Extended Transport Header: the remote buffer of an RDMA WRITE or READ.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct Reth {
+    /// Remote virtual address.
+    pub va: u64,
+    /// Remote key.
+    pub rkey: u32,
+    /// DMA length: the whole message length (WRITE) or the bytes requested (READ).
+    pub len: u32,
+}
+
+impl Reth {
+    /// Parses the first [`RETH_LEN`] bytes of `b`.
+    pub fn parse(b: &[u8]) -> Result<Reth, WireError> {
+        if b.len() < RETH_LEN {
+            return Err(WireError::Truncated);
+        }
+        Ok(Reth {
+            va: be_u64(b, 0),
+            rkey: be_u32(b, 8),
+            len: be_u32(b, 12),
+        })
+    }
+
+    /// Writes the RETH into `out[..16]`.
+    ///
+    /// # Panics
+    /// If `out` is shorter than [`RETH_LEN`].
+    pub fn emit(&self, out: &mut [u8]) {
+        let out = &mut out[..RETH_LEN];
+        out[0..8].copy_from_slice(&self.va.to_be_bytes());
+        out[8..12].copy_from_slice(&self.rkey.to_be_bytes());
+        out[12..16].copy_from_slice(&self.len.to_be_bytes());
+    }
+}
+
+/// Atomic Extended Transport Header: operands of CMP_SWAP and FETCH_ADD.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct AtomicEth {
+    /// Remote virtual address (8-byte aligned for a valid request).
+    pub va: u64,
+    /// Remote key.
+    pub rkey: u32,
+    /// Swap value (CMP_SWAP) or addend (FETCH_ADD).
+    pub swap_add: u64,
+    /// Compare value (CMP_SWAP; 0 for FETCH_ADD).
+    pub compare: u64,
+}
+
+impl AtomicEth {
+    /// Parses the first [`ATOMIC_ETH_LEN`] bytes of `b`.
+    pub fn parse(b: &[u8]) -> Result<AtomicEth, WireError> {
+        if b.len() < ATOMIC_ETH_LEN {
+            return Err(WireError::Truncated);
+        }
+        Ok(AtomicEth {
+            va: be_u64(b, 0),
+            rkey: be_u32(b, 8),
+            swap_add: be_u64(b, 12),
+            compare: be_u64(b, 20),
+        })
+    }
+
+    /// Writes the AtomicETH into `out[..28]`.
+    ///
+    /// # Panics
+    /// If `out` is shorter than [`ATOMIC_ETH_LEN`].
+    pub fn emit(&self, out: &mut [u8]) {
+        let out = &mut out[..ATOMIC_ETH_LEN];
+        out[0..8].copy_from_slice(&self.va.to_be_bytes());
+        out[8..12].copy_from_slice(&self.rkey.to_be_bytes());
+        out[12..20].copy_from_slice(&self.swap_add.to_be_bytes());
+        out[20..28].copy_from_slice(&self.compare.to_be_bytes());
+    }
+}
+
+/// NAK codes (AETH syndrome type 11).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[repr(u8)]
+pub enum NakCode {
+    /// PSN sequence error (0x60).
+    PsnSequenceError = 0,
+    /// Invalid request (0x61).
+    InvalidRequest = 1,
+    /// Remote access error (0x62).
+    RemoteAccessError = 2,
+    /// Remote operational error (0x63).
+    RemoteOperationalError = 3,
+    /// Invalid RD request (0x64; never valid for RC, but representable).
+    InvalidRdRequest = 4,
+}
+
+impl NakCode {
+    /// The NAK code for the 5-bit value field. The reserved codes 5..=31 (syndromes
+    /// 0x65..=0x7F) decode as [`NakCode::RemoteOperationalError`], as rxe does.
+    pub fn from_value(v: u8) -> NakCode {
+        match v & 0x1F {
+            0 => NakCode::PsnSequenceError,
+            1 => NakCode::InvalidRequest,
+            2 => NakCode::RemoteAccessError,
+            4 => NakCode::InvalidRdRequest,
+            _ => NakCode::RemoteOperationalError,
+        }
+    }
+}
+
+/// The AETH syndrome byte, decoded.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum AethSyndrome {
+    /// ACK (type 00) with a 5-bit credit code; 0x1F means no credit limit.
+    Ack {
+        /// Credit code, see [`credit_count`].
+        credits: u8,
+    },
+    /// RNR NAK (type 01) with a 5-bit RNR timer code, see [`rnr_timer_ps`].
+    RnrNak {
+        /// RNR timer code.
+        timer: u8,
+    },
+    /// NAK (type 11).
+    Nak(NakCode),
+}
+
+impl AethSyndrome {
+    /// Decodes a syndrome byte. Bit 7 set or type 10 is [`WireError::BadSyndrome`]; reserved
+    /// NAK codes 0x65..=0x7F decode as [`NakCode::RemoteOperationalError`].
+    pub fn from_u8(v: u8) -> Result<AethSyndrome, WireError> {
+        let value = v & 0x1F;
+        match v >> 5 {
+            0b000 => Ok(AethSyndrome::Ack { credits: value }),
+            0b001 => Ok(AethSyndrome::RnrNak { timer: value }),
+            0b011 => Ok(AethSyndrome::Nak(NakCode::from_value(value))),
+            _ => Err(WireError::BadSyndrome(v)),
+        }
+    }
+
+    /// Encodes the syndrome byte (value fields are masked to 5 bits).
+    pub fn to_u8(self) -> u8 {
+        match self {
+            AethSyndrome::Ack { credits } => credits & 0x1F,
+            AethSyndrome::RnrNak { timer } => 0x20 | (timer & 0x1F),
+            AethSyndrome::Nak(code) => 0x60 | code as u8,
+        }
+    }
+}
+
+/// ACK Extended Transport Header.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Aeth {
+    /// ACK, RNR NAK or NAK.
+    pub syndrome: AethSyndrome,
+    /// Message sequence number (24 bits; emit keeps the low 24 bits).
+    pub msn: u32,
+}
+
+impl Aeth {
+    /// Parses the first [`AETH_LEN`] bytes of `b`.
+    pub fn parse(b: &[u8]) -> Result<Aeth, WireError> {
+        if b.len() < AETH_LEN {
+            return Err(WireError::Truncated);
+        }
+        Ok(Aeth {
+            syndrome: AethSyndrome::from_u8(b[0])?,
+            msn: be_u24(b, 1),
+        })
+    }
+
+    /// Writes the AETH into `out[..4]`.
+    ///
+    /// # Panics
+    /// If `out` is shorter than [`AETH_LEN`].
+    pub fn emit(&self, out: &mut [u8]) {
+        let out = &mut out[..AETH_LEN];
+        out[0] = self.syndrome.to_u8();
+        put_u24(out, 1, self.msn & 0x00FF_FFFF);
+    }
+}
+
+/// Number of receive WQEs an ACK credit code grants; `None` for 0x1F (no limit).
+/// Codes above 0x1F are read modulo 32.
+pub fn credit_count(code: u8) -> Option<u32> {
+    const TABLE: [u32; 31] = [
+        0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536,
+        2048, 3072, 4096, 6144, 8192, 12288, 16384, 24576, 32768,
+    ];
+    TABLE.get(usize::from(code & 0x1F)).copied()
+}
+
+/// RNR timer code (0..=31) to picoseconds (code 0 = 655.36 ms). Codes above 31 are read
+/// modulo 32.
+pub fn rnr_timer_ps(code: u8) -> u64 {
+    const TABLE_US: [u64; 32] = [
+        655_360, 10, 20, 30, 40, 60, 80, 120, 160, 240, 320, 480, 640, 960, 1_280, 1_920, 2_560,
+        3_840, 5_120, 7_680, 10_240, 15_360, 20_480, 30_720, 40_960, 61_440, 81_920, 122_880,
+        163_840, 245_760, 327_680, 491_520,
+    ];
+    TABLE_US[usize::from(code & 0x1F)] * 1_000_000
+}
+
+/// UDP source port for a QP pair, from the `rdma_calc_flow_label` fold: the product of the
+/// two QPNs folded to 20 bits, then to 14 bits, with the top two bits set. Symmetric in its
+/// arguments, so both ends of a connection pick the same port.
+pub fn udp_src_port(lqpn: Qpn, rqpn: Qpn) -> u16 {
+    let mut v = u64::from(lqpn.get()) * u64::from(rqpn.get());
+    v ^= v >> 20;
+    v ^= v >> 40;
+    let fl = (v & 0xF_FFFF) as u32;
+    0xC000 | ((fl & 0x3FFF) ^ ((fl & 0xF_C000) >> 14)) as u16
+}
+
+/// Addresses of one RoCEv2 endpoint.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct Endpoint {
+    /// Ethernet MAC address.
+    pub mac: [u8; 6],
+    /// IPv4 address.
+    pub ip: [u8; 4],
+}
+
+/// Everything in a RoCEv2 packet except the payload.
+///
+/// On parse, exactly the extended headers of the opcode are `Some`. On emit, the headers are
+/// chosen by `bth.opcode`: a header the opcode needs but the repr lacks is written as zeros,
+/// a header the opcode does not have is ignored, and an unknown opcode gets no extended
+/// headers at all.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PacketRepr {
+    /// Sender addresses (Ethernet source, IPv4 source).
+    pub src: Endpoint,
+    /// Receiver addresses (Ethernet destination, IPv4 destination).
+    pub dst: Endpoint,
+    /// UDP source port (flow entropy, see [`udp_src_port`]).
+    pub udp_src_port: u16,
+    /// IPv4 identification (covered by the ICRC).
+    pub ip_id: u16,
+    /// IPv4 type of service, DSCP<<2 | ECN (masked in the ICRC).
+    pub tos: u8,
+    /// IPv4 time to live (masked in the ICRC).
+    pub ttl: u8,
+    /// Base transport header. `bth.pad` is ignored on emit and computed from the payload.
+    pub bth: BthRepr,
+    /// RETH, for WRITE_FIRST, WRITE_ONLY, WRITE_ONLY_WITH_IMMEDIATE and READ_REQUEST.
+    pub reth: Option<Reth>,
+    /// AETH, for read responses except MIDDLE, ACKNOWLEDGE and ATOMIC_ACKNOWLEDGE.
+    pub aeth: Option<Aeth>,
+    /// AtomicETH, for CMP_SWAP and FETCH_ADD.
+    pub atomic_eth: Option<AtomicEth>,
+    /// AtomicAckETH: the original remote value, for ATOMIC_ACKNOWLEDGE.
+    pub atomic_ack: Option<u64>,
+    /// ImmDt: the four immediate bytes read as a big-endian u32, for the *_WITH_IMMEDIATE
+    /// opcodes.
+    pub imm: Option<u32>,
+}
+
+impl PacketRepr {
+    /// The opcode, if `bth.opcode` is a known RC opcode.
+    pub fn opcode(&self) -> Option<Opcode> {
+        Opcode::from_u8(self.bth.opcode)
+    }
+
+    /// BTH plus extended headers as emitted for this repr's opcode.
+    pub fn header_len(&self) -> usize {
+        self.opcode().map_or(BTH_LEN, Opcode::header_len)
+    }
+
+    /// Total frame length (no Ethernet FCS) for `payload_len` payload bytes, including pad
+    /// and ICRC.
+    pub fn frame_len(&self, payload_len: usize) -> usize {
+        (ROCE_OUTER_LEN + self.header_len() + ICRC_LEN)
+            .saturating_add(payload_len)
+            .saturating_add(usize::from(pad_len(payload_len)))
+    }
+
+    /// Appends the whole frame to `out`: Ethernet II, IPv4 (no options, DF, UDP, correct
+    /// header checksum), UDP (destination 4791, checksum 0), BTH with the pad count computed
+    /// from `payload`, the extended headers in IBTA order for the opcode, the payload, zero
+    /// pad to 4 bytes and the ICRC (least-significant byte first).
+    ///
+    /// Never panics. A payload on an opcode that carries none is written anyway (the receiver
+    /// rejects it). A frame whose IPv4 total length would exceed 65535 gets length fields
+    /// saturated at 65535 and is rejected by [`parse_packet`]; callers segment by PMTU.
+    pub fn emit(&self, payload: &[u8], out: &mut Vec<u8>) {
+        let start = out.len();
+        let pad = pad_len(payload.len());
+        let ip_total = self.frame_len(payload.len()) - ETH_HDR_LEN;
+        let ip_total = u16::try_from(ip_total).unwrap_or(u16::MAX);
+        let udp_len = ip_total.saturating_sub(IPV4_HDR_LEN as u16);
+
+        // Ethernet II.
+        out.extend_from_slice(&self.dst.mac);
+        out.extend_from_slice(&self.src.mac);
+        out.extend_from_slice(&ETHERTYPE_IPV4.to_be_bytes());
+
+        // IPv4.
+        let mut ip = [0u8; IPV4_HDR_LEN];
+        ip[0] = 0x45;
+        ip[IPV4_TOS_OFF] = self.tos;
+        ip[2..4].copy_from_slice(&ip_total.to_be_bytes());
+        ip[4..6].copy_from_slice(&self.ip_id.to_be_bytes());
+        ip[6..8].copy_from_slice(&IPV4_FLAG_DF.to_be_bytes());
+        ip[IPV4_TTL_OFF] = self.ttl;
+        ip[9] = IPPROTO_UDP;
+        ip[12..16].copy_from_slice(&self.src.ip);
+        ip[16..20].copy_from_slice(&self.dst.ip);
+        let csum = ipv4_checksum(&ip);
+        ip[IPV4_CSUM_OFF..IPV4_CSUM_OFF + 2].copy_from_slice(&csum.to_be_bytes());
+        out.extend_from_slice(&ip);
+
+        // UDP.
+        out.extend_from_slice(&self.udp_src_port.to_be_bytes());
+        out.extend_from_slice(&ROCEV2_UDP_PORT.to_be_bytes());
+        out.extend_from_slice(&udp_len.to_be_bytes());
+        out.extend_from_slice(&[0, 0]);
+
+        // BTH and extended headers.
+        let mut hdr = [0u8; BTH_LEN + RETH_LEN + ATOMIC_ETH_LEN + AETH_LEN + ATOMIC_ACK_ETH_LEN];
+        let bth = BthRepr { pad, ..self.bth };
+        bth.emit(&mut hdr);
+        let mut off = BTH_LEN;
+        if let Some(op) = self.opcode() {
+            if op.has_reth() {
+                self.reth.unwrap_or_default().emit(&mut hdr[off..]);
+                off += RETH_LEN;
+            }
+            if op.has_aeth() {
+                if let Some(aeth) = self.aeth {
+                    aeth.emit(&mut hdr[off..]);
+                }
+                off += AETH_LEN;
+            }
+            if op.has_atomic_eth() {
+                self.atomic_eth.unwrap_or_default().emit(&mut hdr[off..]);
+                off += ATOMIC_ETH_LEN;
+            }
+            if op.has_atomic_ack_eth() {
+                let orig = self.atomic_ack.unwrap_or(0);
+                hdr[off..off + ATOMIC_ACK_ETH_LEN].copy_from_slice(&orig.to_be_bytes());
+                off += ATOMIC_ACK_ETH_LEN;
+            }
+            if op.has_immdt() {
+                let imm = self.imm.unwrap_or(0);
+                hdr[off..off + IMMDT_LEN].copy_from_slice(&imm.to_be_bytes());
+                off += IMMDT_LEN;
+            }
+        }
+        out.extend_from_slice(&hdr[..off]);
+
+        // Payload, pad, ICRC.
+        out.extend_from_slice(payload);
+        out.extend_from_slice(&[0u8; 3][..usize::from(pad)]);
+        let icrc = icrc_of(&out[start + ETH_HDR_LEN..]);
+        out.extend_from_slice(&icrc.to_le_bytes());
+    }
+}
+
+/// A parsed frame borrowing the payload.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Packet<'a> {
+    /// Every header field.
+    pub repr: PacketRepr,
+    /// The payload, without pad bytes.
+    pub payload: &'a [u8],
+}
+
+/// The IPv4 header checksum of a 20-byte header, computed as if its checksum field were 0.
+fn ipv4_checksum(ip: &[u8]) -> u16 {
+    let mut sum: u32 = 0;
+    for (i, w) in ip[..IPV4_HDR_LEN].chunks_exact(2).enumerate() {
+        if i != IPV4_CSUM_OFF / 2 {
+            sum += u32::from(u16::from_be_bytes([w[0], w[1]]));
+        }
+    }
+    while sum > 0xFFFF {
+        sum = (sum & 0xFFFF) + (sum >> 16);
+    }
+    !(sum as u16)
+}
+
+/// ICRC over `ip_to_end`: the bytes from the IPv4 header to just before the ICRC.
+/// The caller guarantees at least IPv4 + UDP + BTH bytes.
+fn icrc_of(ip_to_end: &[u8]) -> u32 {
+    const MASKED_LEN: usize = IPV4_HDR_LEN + UDP_HDR_LEN + BTH_LEN;
+    let mut masked = [0u8; MASKED_LEN];
+    masked.copy_from_slice(&ip_to_end[..MASKED_LEN]);
+    masked[IPV4_TOS_OFF] = 0xFF;
+    masked[IPV4_TTL_OFF] = 0xFF;
+    masked[IPV4_CSUM_OFF] = 0xFF;
+    masked[IPV4_CSUM_OFF + 1] = 0xFF;
+    masked[IPV4_HDR_LEN + UDP_CSUM_OFF] = 0xFF;
+    masked[IPV4_HDR_LEN + UDP_CSUM_OFF + 1] = 0xFF;
+    masked[IPV4_HDR_LEN + UDP_HDR_LEN + BTH_FECN_BYTE] = 0xFF;
+    let mut h = crc32fast::Hasher::new();
+    // Stand-in for the masked InfiniBand LRH that RoCEv2 does not carry.
+    h.update(&[0xFF; 8]);
+    h.update(&masked);
+    h.update(&ip_to_end[MASKED_LEN..]);
+    h.finalize()
+}
+
+/// Checks the outer headers and returns the IPv4 total length.
+fn check_outer(frame: &[u8]) -> Result<usize, WireError> {
+    if frame.len() < ETH_HDR_LEN {
+        return Err(WireError::Truncated);
+    }
+    if be_u16(frame, 12) != ETHERTYPE_IPV4 {
+        return Err(WireError::NotIpv4);
+    }
+    let ip = &frame[ETH_HDR_LEN..];
+    if ip.is_empty() {
+        return Err(WireError::Truncated);
+    }
+    if ip[0] >> 4 != 4 {
+        return Err(WireError::NotIpv4);
+    }
+    if ip[0] & 0x0F != 5 {
+        return Err(WireError::BadIpHeader);
+    }
+    if ip.len() < IPV4_HDR_LEN {
+        return Err(WireError::Truncated);
+    }
+    let total = usize::from(be_u16(ip, 2));
+    if total < IPV4_HDR_LEN + UDP_HDR_LEN {
+        return Err(WireError::BadLength);
+    }
+    if ip.len() < total {
+        return Err(WireError::Truncated);
+    }
+    Ok(total)
+}
+
+/// The ICRC of a frame (Ethernet header first, ICRC bytes last) computed with the masked
+/// IPv4 TOS/TTL/checksum, UDP checksum and BTH byte 4, after an 8-byte 0xFF prefix, without
+/// looking at the stored ICRC. The ICRC sits in the last 4 bytes the IPv4 total length
+/// covers; bytes after that (Ethernet padding) are ignored.
+pub fn compute_icrc(frame: &[u8]) -> Result<u32, WireError> {
+    let total = check_outer(frame)?;
+    if total < IPV4_HDR_LEN + UDP_HDR_LEN + BTH_LEN + ICRC_LEN {
+        return Err(WireError::Truncated);
+    }
+    let ip = &frame[ETH_HDR_LEN..ETH_HDR_LEN + total - ICRC_LEN];
+    Ok(icrc_of(ip))
+}
+
+/// Parses and fully validates a frame: Ethernet type, IPv4 version/IHL=5/not a fragment/
+/// protocol/total length vs frame, header checksum, UDP destination port 4791 and length,
+/// BTH TVer == 0, known RC opcode, extended headers present per opcode, pad, ICRC, AETH
+/// syndrome. Never panics; every rejection is a distinct [`WireError`] variant.
+///
+/// Lenient on purpose: bytes after the IPv4 total length (Ethernet minimum-size padding) are
+/// ignored, as are the UDP checksum, the IPv4 DF flag, the BTH reserved bits and the values
+/// of the pad bytes (the ICRC still covers the last three).
+pub fn parse_packet(frame: &[u8]) -> Result<Packet<'_>, WireError> {
+    let total = check_outer(frame)?;
+    let ip = &frame[ETH_HDR_LEN..ETH_HDR_LEN + total];
+    if be_u16(ip, IPV4_CSUM_OFF) != ipv4_checksum(ip) {
+        return Err(WireError::BadIpChecksum);
+    }
+    if be_u16(ip, 6) & 0x3FFF != 0 {
+        return Err(WireError::Fragmented);
+    }
+    if ip[9] != IPPROTO_UDP {
+        return Err(WireError::NotUdp);
+    }
+    let udp = &ip[IPV4_HDR_LEN..];
+    if be_u16(udp, 2) != ROCEV2_UDP_PORT {
+        return Err(WireError::NotRoce);
+    }
+    if usize::from(be_u16(udp, 4)) != udp.len() {
+        return Err(WireError::BadUdpLength);
+    }
+    let ib = &udp[UDP_HDR_LEN..];
+    if ib.len() < BTH_LEN + ICRC_LEN {
+        return Err(WireError::Truncated);
+    }
+    let bth = BthRepr::parse(ib)?;
+    if bth.tver != 0 {
+        return Err(WireError::BadTver);
+    }
+    let op = Opcode::from_u8(bth.opcode).ok_or(WireError::UnknownOpcode(bth.opcode))?;
+    let hdr_len = op.header_len();
+    let icrc_off = ib.len() - ICRC_LEN;
+    if icrc_off < hdr_len {
+        return Err(WireError::Truncated);
+    }
+    let carried = icrc_off - hdr_len;
+    if carried != 0 && !op.has_payload() {
+        return Err(WireError::UnexpectedPayload);
+    }
+    let pad = usize::from(bth.pad);
+    if pad > carried || carried & 3 != 0 {
+        return Err(WireError::BadPad);
+    }
+    let stored = u32::from_le_bytes([
+        ib[icrc_off],
+        ib[icrc_off + 1],
+        ib[icrc_off + 2],
+        ib[icrc_off + 3],
+    ]);
+    if icrc_of(&ip[..total - ICRC_LEN]) != stored {
+        return Err(WireError::BadIcrc);
+    }
+
+    let mut off = BTH_LEN;
+    let mut take = |len: usize| {
+        let s = &ib[off..off + len];
+        off += len;
+        s
+    };
+    let reth = if op.has_reth() {
+        Some(Reth::parse(take(RETH_LEN))?)
+    } else {
+        None
+    };
+    let aeth = if op.has_aeth() {
+        Some(Aeth::parse(take(AETH_LEN))?)
+    } else {
+        None
+    };
+    let atomic_eth = if op.has_atomic_eth() {
+        Some(AtomicEth::parse(take(ATOMIC_ETH_LEN))?)
+    } else {
+        None
+    };
+    let atomic_ack = if op.has_atomic_ack_eth() {
+        Some(be_u64(take(ATOMIC_ACK_ETH_LEN), 0))
+    } else {
+        None
+    };
+    let imm = if op.has_immdt() {
+        Some(be_u32(take(IMMDT_LEN), 0))
+    } else {
+        None
+    };
+
+    let repr = PacketRepr {
+        dst: Endpoint {
+            mac: mac_at(frame, 0),
+            ip: ipv4_at(ip, 16),
+        },
+        src: Endpoint {
+            mac: mac_at(frame, 6),
+            ip: ipv4_at(ip, 12),
+        },
+        udp_src_port: be_u16(udp, 0),
+        ip_id: be_u16(ip, 4),
+        tos: ip[IPV4_TOS_OFF],
+        ttl: ip[IPV4_TTL_OFF],
+        bth,
+        reth,
+        aeth,
+        atomic_eth,
+        atomic_ack,
+        imm,
+    };
+    Ok(Packet {
+        repr,
+        payload: &ib[hdr_len..icrc_off - pad],
+    })
+}
+
+fn mac_at(b: &[u8], off: usize) -> [u8; 6] {
+    let mut m = [0u8; 6];
+    m.copy_from_slice(&b[off..off + 6]);
+    m
+}
+
+fn ipv4_at(b: &[u8], off: usize) -> [u8; 4] {
+    [b[off], b[off + 1], b[off + 2], b[off + 3]]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    /// Independent reflected CRC-32 (polynomial 0xEDB88320), one bit at a time, returning
+    /// the raw register (no final inversion).
+    fn crc32_register(mut reg: u32, data: &[u8]) -> u32 {
+        for &b in data {
+            reg ^= u32::from(b);
+            for _ in 0..8 {
+                reg = if reg & 1 != 0 {
+                    (reg >> 1) ^ 0xEDB8_8320
+                } else {
+                    reg >> 1
+                };
+            }
+        }
+        reg
+    }
+
+    fn crc32_bitwise(data: &[u8]) -> u32 {
+        !crc32_register(0xFFFF_FFFF, data)
+    }
+
+    /// The ICRC of a frame without trailing padding, computed from scratch: copy, mask,
+    /// prefix, bitwise CRC.
+    fn reference_icrc(frame: &[u8]) -> u32 {
+        let mut m = vec![0xFFu8; 8];
+        m.extend_from_slice(&frame[ETH_HDR_LEN..frame.len() - ICRC_LEN]);
+        let ip = 8;
+        let udp = ip + 20;
+        let bth = udp + 8;
+        m[ip + 1] = 0xFF; // TOS
+        m[ip + 8] = 0xFF; // TTL
+        m[ip + 10] = 0xFF; // header checksum
+        m[ip + 11] = 0xFF;
+        m[udp + 6] = 0xFF; // UDP checksum
+        m[udp + 7] = 0xFF;
+        m[bth + 4] = 0xFF; // FECN, BECN, reserved
+        crc32_bitwise(&m)
+    }
+
+    fn stored_icrc(frame: &[u8]) -> u32 {
+        let n = frame.len();
+        u32::from_le_bytes([frame[n - 4], frame[n - 3], frame[n - 2], frame[n - 1]])
+    }
+
+    #[test]
+    fn bitwise_crc_is_standard_crc32() {
+        assert_eq!(crc32_bitwise(b"123456789"), 0xCBF4_3926);
+        assert_eq!(crc32_register(0xFFFF_FFFF, &[0xFF; 8]), 0xDEBB_20E3);
+        let mut h = crc32fast::Hasher::new();
+        h.update(b"123456789");
+        assert_eq!(h.finalize(), 0xCBF4_3926);
+    }
+
+    fn alice() -> Endpoint {
+        Endpoint {
+            mac: [0x02, 0x00, 0x00, 0x00, 0x00, 0x01],
+            ip: [10, 0, 0, 1],
+        }
+    }
+
+    fn bob() -> Endpoint {
+        Endpoint {
+            mac: [0x02, 0x00, 0x00, 0x00, 0x00, 0x02],
+            ip: [10, 0, 0, 2],
+        }
+    }
+
+    /// A request from alice (QP 0x11) to bob (QP 0x12) or a response from bob to alice.
+    fn base(op: Opcode, psn: u32) -> PacketRepr {
+        let (src, dst, dest_qp) = if op.is_response() {
+            (bob(), alice(), 0x11)
+        } else {
+            (alice(), bob(), 0x12)
+        };
+        PacketRepr {
+            src,
+            dst,
+            udp_src_port: udp_src_port(Qpn::from_bits(0x11), Qpn::from_bits(0x12)),
+            ip_id: 0x1234,
+            tos: 0,
+            ttl: 64,
+            bth: BthRepr {
+                opcode: op as u8,
+                solicited: false,
+                mig_req: false,
+                pad: 0,
+                tver: 0,
+                pkey: DEFAULT_PKEY,
+                fecn: false,
+                becn: false,
+                dest_qp: Qpn::from_bits(dest_qp),
+                ack_req: op.is_request() && op.is_last(),
+                psn: Psn::new(psn),
+            },
+            reth: None,
+            aeth: None,
+            atomic_eth: None,
+            atomic_ack: None,
+            imm: None,
+        }
+    }
+
+    const GOLDEN_SEND_ONLY: &str = concat!(
+        "0200000000020200000000010800",
+        "4500003412344000401114830a0000010a000002",
+        "c13212b700200000",
+        "0430ffff0000001280000100",
+        "68656c6c6f",
+        "000000",
+        "07dd0a63",
+    );
+    const GOLDEN_WRITE_ONLY_IMM: &str = concat!(
+        "0200000000020200000000010800",
+        "45000048123440004011146f0a0000010a000002",
+        "c13212b700340000",
+        "0b80ffff0000001280000101",
+        "00007f000000100000002a0100000008",
+        "01020304",
+        "72696e6762656c6c",
+        "ff4591fd",
+    );
+    const GOLDEN_READ_REQUEST: &str = concat!(
+        "0200000000020200000000010800",
+        "4500003c123440004011147b0a0000010a000002",
+        "c13212b700280000",
+        "0c00ffff0000001280000102",
+        "00007f000000200000002a0100002000",
+        "859fd578",
+    );
+    const GOLDEN_READ_RESPONSE_ONLY: &str = concat!(
+        "0200000000010200000000020800",
+        "45000038123440004011147f0a0000020a000001",
+        "c13212b700240000",
+        "1020ffff0000001100000102",
+        "1f000002",
+        "deadbeef0001",
+        "0000",
+        "78031c67",
+    );
+    const GOLDEN_ACK: &str = concat!(
+        "0200000000010200000000020800",
+        "4500003012344000401114870a0000020a000001",
+        "c13212b7001c0000",
+        "1100ffff0000001100000101",
+        "1f000001",
+        "49ef32fd",
+    );
+    const GOLDEN_RNR_NAK: &str = concat!(
+        "0200000000010200000000020800",
+        "4500003012344000401114870a0000020a000001",
+        "c13212b7001c0000",
+        "1100ffff0000001100000100",
+        "2e000000",
+        "ab69c2ff",
+    );
+    const GOLDEN_COMPARE_SWAP: &str = concat!(
+        "0200000000020200000000010800",
+        "45000048123440004011146f0a0000010a000002",
+        "c13212b700340000",
+        "1300ffff0000001280000103",
+        "00007f000000300800002a0111112222333344445555666677778888",
+        "eb060f55",
+    );
+    const GOLDEN_ATOMIC_ACK: &str = concat!(
+        "0200000000010200000000020800",
+        "45000038123440004011147f0a0000020a000001",
+        "c13212b700240000",
+        "1200ffff0000001100000103",
+        "1f000003",
+        "5555666677778888",
+        "2c3ad9db",
+    );
+
+    /// (name, repr, payload, expected hex).
+    fn golden() -> Vec<(&'static str, PacketRepr, Vec<u8>, &'static str)> {
+        let send = PacketRepr {
+            bth: BthRepr {
+                pad: 3,
+                ..base(Opcode::SendOnly, 0x100).bth
+            },
+            ..base(Opcode::SendOnly, 0x100)
+        };
+        let write = PacketRepr {
+            bth: BthRepr {
+                solicited: true,
+                ..base(Opcode::WriteOnlyImm, 0x101).bth
+            },
+            reth: Some(Reth {
+                va: 0x0000_7F00_0000_1000,
+                rkey: 0x0000_2A01,
+                len: 8,
+            }),
+            imm: Some(0x0102_0304),
+            ..base(Opcode::WriteOnlyImm, 0x101)
+        };
+        let read = PacketRepr {
+            reth: Some(Reth {
+                va: 0x0000_7F00_0000_2000,
+                rkey: 0x0000_2A01,
+                len: 0x2000,
+            }),
+            ..base(Opcode::ReadRequest, 0x102)
+        };
+        let read_resp = PacketRepr {
+            bth: BthRepr {
+                pad: 2,
+                ..base(Opcode::ReadResponseOnly, 0x102).bth
+            },
+            aeth: Some(Aeth {
+                syndrome: AethSyndrome::Ack {
+                    credits: AETH_CREDITS_UNLIMITED,
+                },
+                msn: 2,
+            }),
+            ..base(Opcode::ReadResponseOnly, 0x102)
+        };
+        let ack = PacketRepr {
+            aeth: Some(Aeth {
+                syndrome: AethSyndrome::Ack {
+                    credits: AETH_CREDITS_UNLIMITED,
+                },
+                msn: 1,
+            }),
+            ..base(Opcode::Acknowledge, 0x101)
+        };
+        let rnr = PacketRepr {
+            aeth: Some(Aeth {
+                syndrome: AethSyndrome::RnrNak { timer: 14 },
+                msn: 0,
+            }),
+            ..base(Opcode::Acknowledge, 0x100)
+        };
+        let cas = PacketRepr {
+            atomic_eth: Some(AtomicEth {
+                va: 0x0000_7F00_0000_3008,
+                rkey: 0x0000_2A01,
+                swap_add: 0x1111_2222_3333_4444,
+                compare: 0x5555_6666_7777_8888,
+            }),
+            ..base(Opcode::CompareSwap, 0x103)
+        };
+        let atomic_ack = PacketRepr {
+            aeth: Some(Aeth {
+                syndrome: AethSyndrome::Ack {
+                    credits: AETH_CREDITS_UNLIMITED,
+                },
+                msn: 3,
+            }),
+            atomic_ack: Some(0x5555_6666_7777_8888),
+            ..base(Opcode::AtomicAcknowledge, 0x103)
+        };
+        vec![
+            ("SEND_ONLY", send, b"hello".to_vec(), GOLDEN_SEND_ONLY),
+            (
+                "RDMA_WRITE_ONLY_WITH_IMMEDIATE",
+                write,
+                b"ringbell".to_vec(),
+                GOLDEN_WRITE_ONLY_IMM,
+            ),
+            ("RDMA_READ_REQUEST", read, vec![], GOLDEN_READ_REQUEST),
+            (
+                "RDMA_READ_RESPONSE_ONLY",
+                read_resp,
+                vec![0xDE, 0xAD, 0xBE, 0xEF, 0x00, 0x01],
+                GOLDEN_READ_RESPONSE_ONLY,
+            ),
+            ("ACKNOWLEDGE (ACK)", ack, vec![], GOLDEN_ACK),
+            ("ACKNOWLEDGE (RNR NAK)", rnr, vec![], GOLDEN_RNR_NAK),
+            ("CMP_SWAP", cas, vec![], GOLDEN_COMPARE_SWAP),
+            ("ATOMIC_ACKNOWLEDGE", atomic_ack, vec![], GOLDEN_ATOMIC_ACK),
+        ]
+    }
+
+    fn emit_vec(repr: &PacketRepr, payload: &[u8]) -> Vec<u8> {
+        let mut f = Vec::new();
+        repr.emit(payload, &mut f);
+        f
+    }
+
+    /// Recomputes the IPv4 header checksum and the ICRC after a test edited a frame.
+    fn fix_checksums(f: &mut [u8]) {
+        let ip = ETH_HDR_LEN;
+        if f.len() >= ip + IPV4_HDR_LEN {
+            let c = ipv4_checksum(&f[ip..ip + IPV4_HDR_LEN]);
+            f[ip + IPV4_CSUM_OFF..ip + IPV4_CSUM_OFF + 2].copy_from_slice(&c.to_be_bytes());
+        }
+        if let Ok(icrc) = compute_icrc(f) {
+            let end = ip + usize::from(be_u16(f, ip + 2));
+            f[end - ICRC_LEN..end].copy_from_slice(&icrc.to_le_bytes());
+        }
+    }
+
+    /// Flips every bit after the Ethernet header: only the masked UDP checksum and BTH byte 4
+    /// may be accepted, and they must leave the ICRC unchanged.
+    fn assert_bit_flips_rejected(frame: &[u8]) {
+        let masked = [
+            ROCE_OUTER_LEN - 2,
+            ROCE_OUTER_LEN - 1,
+            ROCE_OUTER_LEN + BTH_FECN_BYTE,
+        ];
+        let icrc = stored_icrc(frame);
+        let mut f = frame.to_vec();
+        for i in ETH_HDR_LEN..frame.len() {
+            for bit in 0..8 {
+                f[i] ^= 1 << bit;
+                let r = parse_packet(&f);
+                if masked.contains(&i) {
+                    assert!(r.is_ok(), "masked byte {i} bit {bit}: {r:?}");
+                    assert_eq!(compute_icrc(&f), Ok(icrc));
+                } else {
+                    assert!(r.is_err(), "flip of byte {i} bit {bit} accepted");
+                }
+                f[i] ^= 1 << bit;
+            }
+        }
+    }
+
+    #[test]
+    fn golden_vectors_match_emitter_and_independent_crc() {
+        for (name, repr, payload, expected) in golden() {
+            let frame = emit_vec(&repr, &payload);
+            assert_eq!(hex::encode(&frame), expected, "{name}");
+            assert_eq!(frame, hex::decode(expected).unwrap(), "{name}");
+            assert_eq!(frame.len(), repr.frame_len(payload.len()), "{name}");
+            assert_eq!(reference_icrc(&frame), stored_icrc(&frame), "{name}");
+            assert_eq!(compute_icrc(&frame), Ok(stored_icrc(&frame)), "{name}");
+            let p = parse_packet(&frame).unwrap();
+            assert_eq!(p.repr, repr, "{name}");
+            assert_eq!(p.payload, &payload[..], "{name}");
+        }
+    }
+
+    #[test]
+    fn golden_vectors_are_in_wire_md() {
+        let doc: String = include_str!("../WIRE.md").split_whitespace().collect();
+        for (name, _, _, expected) in golden() {
+            assert!(doc.contains(expected), "{name} vector missing from WIRE.md");
+        }
+    }
+
+    #[test]
+    fn golden_vectors_reject_bit_flips() {
+        for (_, repr, payload, _) in golden() {
+            assert_bit_flips_rejected(&emit_vec(&repr, &payload));
+        }
+    }
+
+    #[test]
+    fn masked_fields_do_not_change_icrc() {
+        let (_, repr, payload, _) = golden().swap_remove(0);
+        let icrc_with = |edit: &dyn Fn(&mut PacketRepr)| {
+            let mut r = repr;
+            edit(&mut r);
+            compute_icrc(&emit_vec(&r, &payload)).unwrap()
+        };
+        let base = icrc_with(&|_| ());
+        assert_eq!(icrc_with(&|r| r.ttl = 1), base);
+        assert_eq!(icrc_with(&|r| r.tos = 0xB9), base);
+        assert_eq!(icrc_with(&|r| r.bth.fecn = true), base);
+        assert_eq!(icrc_with(&|r| r.bth.becn = true), base);
+        let mut f = emit_vec(&repr, &payload);
+        f[ROCE_OUTER_LEN - 2..ROCE_OUTER_LEN].copy_from_slice(&[0xAB, 0xCD]);
+        f[ROCE_OUTER_LEN + BTH_FECN_BYTE] |= 0x3F;
+        assert_eq!(compute_icrc(&f), Ok(base));
+        assert_eq!(parse_packet(&f).unwrap().repr, repr);
+
+        // Covered fields change it.
+        assert_ne!(icrc_with(&|r| r.ip_id = 0x1235), base);
+        assert_ne!(icrc_with(&|r| r.bth.ack_req = !r.bth.ack_req), base);
+        assert_ne!(icrc_with(&|r| r.udp_src_port = 0xC001), base);
+        assert_ne!(icrc_with(&|r| r.bth.pkey = 0x7FFF), base);
+    }
+
+    #[test]
+    fn ethernet_padding_is_ignored() {
+        let (_, repr, payload, _) = golden().swap_remove(0);
+        let mut f = emit_vec(&repr, &payload);
+        let icrc = compute_icrc(&f);
+        f.extend_from_slice(&[0xEE; 10]);
+        assert_eq!(compute_icrc(&f), icrc);
+        let p = parse_packet(&f).unwrap();
+        assert_eq!((p.repr, p.payload), (repr, &payload[..]));
+    }
+
+    #[test]
+    fn each_rejection_has_its_own_error() {
+        let frame = |i: usize| {
+            let (_, repr, payload, _) = golden().swap_remove(i);
+            emit_vec(&repr, &payload)
+        };
+        let ack = frame(4);
+        let edit = |f: &[u8], e: &dyn Fn(&mut Vec<u8>)| {
+            let mut f = f.to_vec();
+            e(&mut f);
+            fix_checksums(&mut f);
+            parse_packet(&f).map(|p| p.repr)
+        };
+        let raw = |f: &[u8], e: &dyn Fn(&mut Vec<u8>)| {
+            let mut f = f.to_vec();
+            e(&mut f);
+            parse_packet(&f).map(|p| p.repr)
+        };
+        assert_eq!(raw(&ack, &|f| f[12] = 0x86), Err(WireError::NotIpv4));
+        assert_eq!(raw(&ack, &|f| f[14] = 0x65), Err(WireError::NotIpv4));
+        assert_eq!(raw(&ack, &|f| f[14] = 0x46), Err(WireError::BadIpHeader));
+        assert_eq!(raw(&ack, &|f| f[25] ^= 1), Err(WireError::BadIpChecksum));
+        assert_eq!(edit(&ack, &|f| f[20] = 0x20), Err(WireError::Fragmented));
+        assert_eq!(edit(&ack, &|f| f[21] = 0x08), Err(WireError::Fragmented));
+        assert_eq!(edit(&ack, &|f| f[20] = 0x00).map(|_| ()), Ok(()));
+        assert_eq!(edit(&ack, &|f| f[23] = 6), Err(WireError::NotUdp));
+        assert_eq!(edit(&ack, &|f| f[17] = 27), Err(WireError::BadLength));
+        assert_eq!(edit(&ack, &|f| f[37] = 0xB8), Err(WireError::NotRoce));
+        assert_eq!(edit(&ack, &|f| f[39] += 1), Err(WireError::BadUdpLength));
+        assert_eq!(edit(&ack, &|f| f[43] |= 1), Err(WireError::BadTver));
+        assert_eq!(
+            edit(&ack, &|f| f[42] = 0x15),
+            Err(WireError::UnknownOpcode(0x15))
+        );
+        assert_eq!(
+            edit(&ack, &|f| f[42] = 0x24),
+            Err(WireError::UnknownOpcode(0x24))
+        );
+        assert_eq!(edit(&ack, &|f| f[42] = 0x0C), Err(WireError::Truncated));
+        assert_eq!(
+            edit(&ack, &|f| f[54] = 0x40),
+            Err(WireError::BadSyndrome(0x40))
+        );
+        assert_eq!(
+            edit(&ack, &|f| f[54] = 0x9F),
+            Err(WireError::BadSyndrome(0x9F))
+        );
+        let last = ack.len() - 1;
+        assert_eq!(raw(&ack, &|f| f[last] ^= 0x80), Err(WireError::BadIcrc));
+
+        // Lengths that agree with each other but leave no room for BTH + ICRC.
+        let short = |f: &mut Vec<u8>| {
+            f.truncate(ROCE_OUTER_LEN + BTH_LEN);
+            f[17] = (IPV4_HDR_LEN + UDP_HDR_LEN + BTH_LEN) as u8;
+            f[39] = (UDP_HDR_LEN + BTH_LEN) as u8;
+        };
+        assert_eq!(edit(&ack, &short), Err(WireError::Truncated));
+
+        // Payload on an ACK.
+        let (_, ack_repr, _, _) = golden().swap_remove(4);
+        let f = emit_vec(&ack_repr, &[1, 2, 3, 4]);
+        assert_eq!(
+            parse_packet(&f).map(|_| ()),
+            Err(WireError::UnexpectedPayload)
+        );
+
+        // Pad larger than the payload, and payload plus pad not a multiple of 4.
+        let (_, send, _, _) = golden().swap_remove(0);
+        let empty = emit_vec(&send, &[]);
+        assert_eq!(edit(&empty, &|f| f[43] = 0x20), Err(WireError::BadPad));
+        let hello = frame(0);
+        let odd = |f: &mut Vec<u8>| {
+            f.remove(f.len() - ICRC_LEN - 1);
+            f[17] -= 1;
+            f[39] -= 1;
+        };
+        assert_eq!(edit(&hello, &odd), Err(WireError::BadPad));
+    }
+
+    #[test]
+    fn unknown_opcodes_emit_bth_only() {
+        let repr = PacketRepr {
+            bth: BthRepr {
+                opcode: 0x64,
+                ..base(Opcode::SendOnly, 0).bth
+            },
+            reth: Some(Reth::default()),
+            imm: Some(7),
+            ..base(Opcode::SendOnly, 0)
+        };
+        let f = emit_vec(&repr, b"abc");
+        assert_eq!(f.len(), ROCE_OUTER_LEN + BTH_LEN + 4 + ICRC_LEN);
+        assert_eq!(f.len(), repr.frame_len(3));
+        assert_eq!(
+            parse_packet(&f).map(|_| ()),
+            Err(WireError::UnknownOpcode(0x64))
+        );
+    }
+
+    #[test]
+    fn oversized_payload_does_not_panic() {
+        let (_, repr, _, _) = golden().swap_remove(0);
+        let payload = vec![0x5A; 70_000];
+        let f = emit_vec(&repr, &payload);
+        assert_eq!(f.len(), repr.frame_len(payload.len()));
+        assert!(parse_packet(&f).is_err());
+        assert_eq!(repr.frame_len(usize::MAX), usize::MAX);
+    }
+
+    #[test]
+    fn opcode_table() {
+        use Opcode::*;
+        for (i, op) in Opcode::ALL.iter().enumerate() {
+            assert_eq!(usize::from(op.to_u8()), i);
+            assert_eq!(Opcode::from_u8(i as u8), Some(*op));
+            assert_ne!(op.is_request(), op.is_response());
+            assert!(!op.name().is_empty());
+        }
+        for v in 0x15..=0xFFu8 {
+            assert_eq!(Opcode::from_u8(v), None);
+        }
+        let lens = [
+            (SendFirst, 12),
+            (SendMiddle, 12),
+            (SendLast, 12),
+            (SendLastImm, 16),
+            (SendOnly, 12),
+            (SendOnlyImm, 16),
+            (WriteFirst, 28),
+            (WriteMiddle, 12),
+            (WriteLast, 12),
+            (WriteLastImm, 16),
+            (WriteOnly, 28),
+            (WriteOnlyImm, 32),
+            (ReadRequest, 28),
+            (ReadResponseFirst, 16),
+            (ReadResponseMiddle, 12),
+            (ReadResponseLast, 16),
+            (ReadResponseOnly, 16),
+            (Acknowledge, 16),
+            (AtomicAcknowledge, 24),
+            (CompareSwap, 40),
+            (FetchAdd, 40),
+        ];
+        for (op, len) in lens {
+            assert_eq!(op.header_len(), len, "{op}");
+        }
+        let responses = [
+            ReadResponseFirst,
+            ReadResponseMiddle,
+            ReadResponseLast,
+            ReadResponseOnly,
+            Acknowledge,
+            AtomicAcknowledge,
+        ];
+        let first_only = [SendFirst, WriteFirst, ReadResponseFirst];
+        let last_only = [
+            SendLast,
+            SendLastImm,
+            WriteLast,
+            WriteLastImm,
+            ReadResponseLast,
+        ];
+        let middle = [SendMiddle, WriteMiddle, ReadResponseMiddle];
+        let no_payload = [
+            ReadRequest,
+            Acknowledge,
+            AtomicAcknowledge,
+            CompareSwap,
+            FetchAdd,
+        ];
+        for op in Opcode::ALL {
+            assert_eq!(op.is_response(), responses.contains(&op), "{op}");
+            assert_eq!(
+                op.is_first(),
+                !middle.contains(&op) && !last_only.contains(&op),
+                "{op}"
+            );
+            assert_eq!(
+                op.is_last(),
+                !middle.contains(&op) && !first_only.contains(&op),
+                "{op}"
+            );
+            assert_eq!(op.has_payload(), !no_payload.contains(&op), "{op}");
+        }
+    }
+
+    #[test]
+    fn syndrome_byte_decoding() {
+        for v in 0..=0xFFu8 {
+            let s = AethSyndrome::from_u8(v);
+            match v {
+                0x00..=0x1F => assert_eq!(s, Ok(AethSyndrome::Ack { credits: v })),
+                0x20..=0x3F => assert_eq!(s, Ok(AethSyndrome::RnrNak { timer: v & 0x1F })),
+                0x60..=0x64 => assert_eq!(s.unwrap().to_u8(), v),
+                0x65..=0x7F => {
+                    assert_eq!(s, Ok(AethSyndrome::Nak(NakCode::RemoteOperationalError)))
+                }
+                _ => assert_eq!(s, Err(WireError::BadSyndrome(v))),
+            }
+            if let Ok(s) = s {
+                if v < 0x65 {
+                    assert_eq!(s.to_u8(), v);
+                }
+            }
+        }
+        assert_eq!(
+            AethSyndrome::from_u8(0x61),
+            Ok(AethSyndrome::Nak(NakCode::InvalidRequest))
+        );
+    }
+
+    #[test]
+    fn timer_and_credit_tables() {
+        assert_eq!(rnr_timer_ps(0), 655_360_000_000);
+        assert_eq!(rnr_timer_ps(1), 10_000_000);
+        assert_eq!(rnr_timer_ps(14), 1_280_000_000);
+        assert_eq!(rnr_timer_ps(25), 61_440_000_000);
+        assert_eq!(rnr_timer_ps(31), 491_520_000_000);
+        for c in 2..32u8 {
+            assert!(rnr_timer_ps(c) > rnr_timer_ps(c - 1));
+        }
+        assert_eq!(credit_count(0), Some(0));
+        assert_eq!(credit_count(5), Some(6));
+        assert_eq!(credit_count(0x1E), Some(32768));
+        assert_eq!(credit_count(AETH_CREDITS_UNLIMITED), None);
+    }
+
+    #[test]
+    fn udp_source_port_values() {
+        let port = |a, b| udp_src_port(Qpn::from_bits(a), Qpn::from_bits(b));
+        // Worked out by hand from the fold.
+        assert_eq!(port(0x11, 0x12), 0xC132);
+        assert_eq!(port(1, 1), 0xC001);
+        assert_eq!(port(0x1234, 0x5678), 0xC01A);
+        assert_eq!(port(0xFF_FFFF, 0xFF_FFFE), 0xFF12);
+    }
+
+    #[test]
+    fn errors_display() {
+        assert_eq!(
+            WireError::UnknownOpcode(0x15).to_string(),
+            "unknown RC opcode 0x15"
+        );
+        let e: Box<dyn std::error::Error> = Box::new(WireError::BadIcrc);
+        assert_eq!(e.to_string(), "ICRC mismatch");
+    }
+
+    fn arb_qpn() -> impl Strategy<Value = Qpn> {
+        (0..=Qpn::MAX).prop_map(Qpn::from_bits)
+    }
+
+    fn arb_bth() -> impl Strategy<Value = BthRepr> {
+        (
+            any::<u8>(),
+            any::<bool>(),
+            any::<bool>(),
+            0u8..4,
+            0u8..16,
+            any::<u16>(),
+            any::<bool>(),
+            any::<bool>(),
+            arb_qpn(),
+            any::<bool>(),
+            (0..=Psn::MASK).prop_map(Psn::new),
+        )
+            .prop_map(
+                |(
+                    opcode,
+                    solicited,
+                    mig_req,
+                    pad,
+                    tver,
+                    pkey,
+                    fecn,
+                    becn,
+                    dest_qp,
+                    ack_req,
+                    psn,
+                )| {
+                    BthRepr {
+                        opcode,
+                        solicited,
+                        mig_req,
+                        pad,
+                        tver,
+                        pkey,
+                        fecn,
+                        becn,
+                        dest_qp,
+                        ack_req,
+                        psn,
+                    }
+                },
+            )
+    }
+
+    fn arb_reth() -> impl Strategy<Value = Reth> {
+        (any::<u64>(), any::<u32>(), any::<u32>()).prop_map(|(va, rkey, len)| Reth {
+            va,
+            rkey,
+            len,
+        })
+    }
+
+    fn arb_atomic_eth() -> impl Strategy<Value = AtomicEth> {
+        (any::<u64>(), any::<u32>(), any::<u64>(), any::<u64>()).prop_map(
+            |(va, rkey, swap_add, compare)| AtomicEth {
+                va,
+                rkey,
+                swap_add,
+                compare,
+            },
+        )
+    }
+
+    fn arb_aeth() -> impl Strategy<Value = Aeth> {
+        let syndrome = prop_oneof![
+            (0u8..32).prop_map(|credits| AethSyndrome::Ack { credits }),
+            (0u8..32).prop_map(|timer| AethSyndrome::RnrNak { timer }),
+            prop::sample::select(vec![
+                NakCode::PsnSequenceError,
+                NakCode::InvalidRequest,
+                NakCode::RemoteAccessError,
+                NakCode::RemoteOperationalError,
+                NakCode::InvalidRdRequest,
+            ])
+            .prop_map(AethSyndrome::Nak),
+        ];
+        (syndrome, 0..=0xFF_FFFFu32).prop_map(|(syndrome, msn)| Aeth { syndrome, msn })
+    }
+
+    fn arb_endpoint() -> impl Strategy<Value = Endpoint> {
+        (any::<[u8; 6]>(), any::<[u8; 4]>()).prop_map(|(mac, ip)| Endpoint { mac, ip })
+    }
+
+    /// A packet repr consistent with its opcode (what `parse_packet` returns) and a payload.
+    fn arb_packet() -> impl Strategy<Value = (PacketRepr, Vec<u8>)> {
+        (
+            prop::sample::select(Opcode::ALL.to_vec()),
+            arb_endpoint(),
+            arb_endpoint(),
+            (any::<u16>(), any::<u16>(), any::<u8>(), any::<u8>()),
+            arb_bth(),
+            arb_reth(),
+            arb_aeth(),
+            arb_atomic_eth(),
+            any::<u64>(),
+            any::<u32>(),
+            prop::collection::vec(any::<u8>(), 0..80),
+        )
+            .prop_map(
+                |(
+                    op,
+                    src,
+                    dst,
+                    (sport, ip_id, tos, ttl),
+                    bth,
+                    reth,
+                    aeth,
+                    atomic,
+                    orig,
+                    imm,
+                    mut payload,
+                )| {
+                    if !op.has_payload() {
+                        payload.clear();
+                    }
+                    let repr = PacketRepr {
+                        src,
+                        dst,
+                        udp_src_port: sport,
+                        ip_id,
+                        tos,
+                        ttl,
+                        bth: BthRepr {
+                            opcode: op as u8,
+                            tver: 0,
+                            pad: pad_len(payload.len()),
+                            ..bth
+                        },
+                        reth: op.has_reth().then_some(reth),
+                        aeth: op.has_aeth().then_some(aeth),
+                        atomic_eth: op.has_atomic_eth().then_some(atomic),
+                        atomic_ack: op.has_atomic_ack_eth().then_some(orig),
+                        imm: op.has_immdt().then_some(imm),
+                    };
+                    (repr, payload)
+                },
+            )
+    }
+
+    proptest! {
+        #[test]
+        fn bth_roundtrip(r in arb_bth()) {
+            let mut b = [0u8; BTH_LEN];
+            r.emit(&mut b);
+            prop_assert_eq!(BthRepr::parse(&b), Ok(r));
+            prop_assert_eq!(BthRepr::parse(&b[..BTH_LEN - 1]), Err(WireError::Truncated));
+        }
+
+        #[test]
+        fn reth_roundtrip(r in arb_reth()) {
+            let mut b = [0u8; RETH_LEN];
+            r.emit(&mut b);
+            prop_assert_eq!(Reth::parse(&b), Ok(r));
+            prop_assert_eq!(Reth::parse(&b[..RETH_LEN - 1]), Err(WireError::Truncated));
+        }
+
+        #[test]
+        fn aeth_roundtrip(r in arb_aeth()) {
+            let mut b = [0u8; AETH_LEN];
+            r.emit(&mut b);
+            prop_assert_eq!(Aeth::parse(&b), Ok(r));
+            prop_assert_eq!(Aeth::parse(&b[..AETH_LEN - 1]), Err(WireError::Truncated));
+        }
+
+        #[test]
+        fn atomic_eth_roundtrip(r in arb_atomic_eth()) {
+            let mut b = [0u8; ATOMIC_ETH_LEN];
+            r.emit(&mut b);
+            prop_assert_eq!(AtomicEth::parse(&b), Ok(r));
+            prop_assert_eq!(AtomicEth::parse(&b[..ATOMIC_ETH_LEN - 1]), Err(WireError::Truncated));
+        }
+
+        #[test]
+        fn packet_roundtrip((repr, payload) in arb_packet()) {
+            let f = emit_vec(&repr, &payload);
+            prop_assert_eq!(f.len(), repr.frame_len(payload.len()));
+            prop_assert_eq!(reference_icrc(&f), stored_icrc(&f));
+            let p = parse_packet(&f).unwrap();
+            prop_assert_eq!(p.repr, repr);
+            prop_assert_eq!(p.payload, &payload[..]);
+        }
+
+        #[test]
+        fn packet_truncations_are_rejected((repr, payload) in arb_packet()) {
+            let f = emit_vec(&repr, &payload);
+            for n in 0..f.len() {
+                prop_assert_eq!(parse_packet(&f[..n]).map(|_| ()), Err(WireError::Truncated));
+                prop_assert!(compute_icrc(&f[..n]).is_err());
+            }
+        }
+
+        #[test]
+        fn packet_bit_flips_are_rejected((repr, payload) in arb_packet()) {
+            assert_bit_flips_rejected(&emit_vec(&repr, &payload));
+        }
+
+        #[test]
+        fn parse_never_panics(bytes in prop::collection::vec(any::<u8>(), 0..200)) {
+            let _ = parse_packet(&bytes);
+            let _ = compute_icrc(&bytes);
+        }
+
+        #[test]
+        fn mutated_frames_never_panic(
+            (repr, payload) in arb_packet(),
+            edits in prop::collection::vec((any::<prop::sample::Index>(), any::<u8>()), 1..6),
+            cut in any::<prop::sample::Index>(),
+            fix in any::<bool>(),
+        ) {
+            let mut f = emit_vec(&repr, &payload);
+            for (at, v) in edits {
+                let i = ETH_HDR_LEN + at.index(f.len() - ETH_HDR_LEN);
+                f[i] = v;
+            }
+            f.truncate(ETH_HDR_LEN + cut.index(f.len() - ETH_HDR_LEN + 1));
+            if fix {
+                fix_checksums(&mut f);
+            }
+            if let Ok(p) = parse_packet(&f) {
+                // Whatever was accepted re-emits to a frame that parses the same.
+                let again = emit_vec(&p.repr, p.payload);
+                let q = parse_packet(&again).unwrap();
+                prop_assert_eq!(q.repr, p.repr);
+                prop_assert_eq!(q.payload, p.payload);
+            }
+        }
+
+        #[test]
+        fn emit_never_panics(
+            bth in arb_bth(),
+            reth in proptest::option::of(arb_reth()),
+            aeth in proptest::option::of(arb_aeth()),
+            atomic_eth in proptest::option::of(arb_atomic_eth()),
+            atomic_ack in proptest::option::of(any::<u64>()),
+            imm in proptest::option::of(any::<u32>()),
+            payload in prop::collection::vec(any::<u8>(), 0..40),
+        ) {
+            let repr = PacketRepr { bth, reth, aeth, atomic_eth, atomic_ack, imm, ..base(Opcode::SendOnly, 0) };
+            let f = emit_vec(&repr, &payload);
+            prop_assert_eq!(f.len(), repr.frame_len(payload.len()));
+            prop_assert_eq!(compute_icrc(&f), Ok(stored_icrc(&f)));
+        }
+
+        #[test]
+        fn udp_source_port_is_symmetric(a in arb_qpn(), b in arb_qpn()) {
+            let p = udp_src_port(a, b);
+            prop_assert_eq!(p, udp_src_port(b, a));
+            prop_assert_eq!(p & 0xC000, 0xC000);
+        }
+    }
+}

@@ -1,0 +1,175 @@
+//! Work queue entries.
+//!
+//! A send WQE is built from 16-byte segments and occupies one or more 64-byte basic blocks
+//! (WQEBBs) of the send ring; the send queue producer index counts WQEBBs. The first segment
+//! is always the [`CtrlSeg`]; then, by opcode:
+//!
+//! ```text
+//! SEND, SEND_IMM        ctrl | data* or inline
+//! WRITE, WRITE_IMM      ctrl | raddr | data* or inline
+//! READ                  ctrl | raddr | data*          (local scatter list)
+//! CMP_SWAP, FETCH_ADD   ctrl | raddr | atomic | data  (one 8-byte local result buffer)
+//! ```
+//!
+//! A receive WQE is an array of [`DataSeg`] filling the queue's stride; the list ends at the
+//! stride or at the first segment whose lkey is [`RECV_LKEY_END`].
+
+use crate::cmd::abi_struct;
+use bitflags::bitflags;
+use zerocopy::little_endian::{U16, U32, U64};
+use zerocopy::{FromBytes, Immutable, IntoBytes, KnownLayout, Unaligned};
+
+/// Bytes in a basic block of the send ring.
+pub const WQEBB: usize = 64;
+/// Bytes in one WQE segment.
+pub const SEG: usize = 16;
+/// Largest send WQE in bytes (four basic blocks).
+pub const MAX_SEND_WQE: usize = 4 * WQEBB;
+/// Largest number of 16-byte segments in a send WQE.
+pub const MAX_DS: usize = MAX_SEND_WQE / SEG;
+/// Most gather entries a SEND can carry (ctrl + 15 data segments).
+pub const MAX_SEND_SGE: usize = MAX_DS - 1;
+/// Most inline bytes in a SEND (ctrl, then a 4-byte inline header).
+pub const MAX_INLINE_SEND: usize = MAX_SEND_WQE - SEG - 4;
+/// Most inline bytes in a WRITE (ctrl, raddr, then a 4-byte inline header).
+pub const MAX_INLINE_WRITE: usize = MAX_SEND_WQE - 2 * SEG - 4;
+/// lkey that ends a receive WQE's scatter list early.
+pub const RECV_LKEY_END: u32 = 0xFFFF_FFFF;
+/// Bit 31 of an inline segment's byte count marks it as inline.
+pub const INLINE_MARK: u32 = 1 << 31;
+
+/// Send WQE opcodes (the `opcode` byte of the control segment).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
+pub enum SendOpcode {
+    /// SEND.
+    Send = 0x01,
+    /// SEND with immediate data.
+    SendImm = 0x02,
+    /// RDMA WRITE.
+    Write = 0x03,
+    /// RDMA WRITE with immediate data.
+    WriteImm = 0x04,
+    /// RDMA READ.
+    Read = 0x05,
+    /// Atomic compare-and-swap.
+    CmpSwap = 0x06,
+    /// Atomic fetch-and-add.
+    FetchAdd = 0x07,
+}
+
+impl SendOpcode {
+    /// Decodes an opcode byte.
+    pub fn from_u8(v: u8) -> Option<SendOpcode> {
+        use SendOpcode::*;
+        Some(match v {
+            0x01 => Send,
+            0x02 => SendImm,
+            0x03 => Write,
+            0x04 => WriteImm,
+            0x05 => Read,
+            0x06 => CmpSwap,
+            0x07 => FetchAdd,
+            _ => return None,
+        })
+    }
+    /// Whether a remote-address segment follows the control segment.
+    pub fn has_raddr(self) -> bool {
+        !matches!(self, SendOpcode::Send | SendOpcode::SendImm)
+    }
+    /// Whether an atomic segment follows the remote-address segment.
+    pub fn is_atomic(self) -> bool {
+        matches!(self, SendOpcode::CmpSwap | SendOpcode::FetchAdd)
+    }
+    /// Whether the WQE carries immediate data.
+    pub fn has_imm(self) -> bool {
+        matches!(self, SendOpcode::SendImm | SendOpcode::WriteImm)
+    }
+}
+
+bitflags! {
+    /// Control segment flags.
+    #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+    pub struct WqeFlags: u8 {
+        /// Write a CQE when the WQE completes successfully.
+        const SIGNALED = 1 << 0;
+        /// Wait for earlier READs and atomics to complete before starting.
+        const FENCE = 1 << 1;
+        /// Set the solicited-event bit on the last packet.
+        const SOLICITED = 1 << 2;
+        /// The data is an inline segment, not a gather list.
+        const INLINE = 1 << 3;
+    }
+}
+
+abi_struct!(
+    /// Control segment: the first 16 bytes of every send WQE. `wqe_index` must equal the low
+    /// 16 bits of the WQEBB counter at which the WQE starts; the device rejects a doorbell that
+    /// makes it fetch a block whose index does not match (a stale or unwritten WQE).
+    CtrlSeg, 16, {
+        opcode: u8, flags: u8, wqe_index: U16, ds_count: u8, rsvd0: u8, rsvd1: U16,
+        imm: U32, rsvd2: U32,
+    }
+);
+abi_struct!(
+    /// Remote-address segment.
+    RaddrSeg, 16, { raddr: U64, rkey: U32, rsvd0: U32 }
+);
+abi_struct!(
+    /// Atomic segment: swap (CMP_SWAP) or add (FETCH_ADD) operand, and the compare operand.
+    AtomicSeg, 16, { swap_add: U64, compare: U64 }
+);
+abi_struct!(
+    /// Scatter/gather entry.
+    DataSeg, 16, { byte_count: U32, lkey: U32, addr: U64 }
+);
+
+/// Number of 64-byte blocks a WQE of `ds_count` segments occupies.
+pub const fn wqebbs(ds_count: usize) -> usize {
+    (ds_count * SEG).div_ceil(WQEBB)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn golden_write_wqe() {
+        let ctrl = CtrlSeg {
+            opcode: SendOpcode::Write as u8,
+            flags: (WqeFlags::SIGNALED).bits(),
+            wqe_index: 3.into(),
+            ds_count: 3,
+            imm: 0.into(),
+            ..Default::default()
+        };
+        let raddr = RaddrSeg { raddr: 0x1000_2000.into(), rkey: 0x0000_0105.into(), ..Default::default() };
+        let data = DataSeg { byte_count: 8.into(), lkey: 0x0000_0204.into(), addr: 0x3000.into() };
+        let mut wqe = Vec::new();
+        wqe.extend_from_slice(ctrl.as_bytes());
+        wqe.extend_from_slice(raddr.as_bytes());
+        wqe.extend_from_slice(data.as_bytes());
+        let hex: String = wqe.iter().map(|b| format!("{b:02x}")).collect();
+        assert_eq!(
+            hex,
+            "03010300030000000000000000000000\
+             00200010000000000501000000000000\
+             08000000040200000030000000000000"
+        );
+    }
+
+    #[test]
+    fn sizes() {
+        assert_eq!(wqebbs(1), 1);
+        assert_eq!(wqebbs(4), 1);
+        assert_eq!(wqebbs(5), 2);
+        assert_eq!(wqebbs(MAX_DS), 4);
+        assert_eq!(MAX_INLINE_WRITE, 220);
+        assert_eq!(MAX_INLINE_SEND, 236);
+        for v in 0..=255u8 {
+            if let Some(op) = SendOpcode::from_u8(v) {
+                assert_eq!(op as u8, v);
+            }
+        }
+    }
+}
