@@ -18,3 +18,205 @@ fn write_lands_and_completes() {
     p.b.buf.read(100, &mut got).unwrap();
     assert_eq!(&got, b"hello, ringbell");
 }
+
+fn recv_wr(p: &Side, wr_id: u64, off: u64, len: u32) -> [Sge; 1] {
+    let _ = wr_id;
+    [p.mr.sge(off, len)]
+}
+
+#[test]
+fn send_recv_with_immediate_across_mtus() {
+    for mtu in 1..=5u8 {
+        let mut p = pair_with(2, mtu, 3);
+        let len = 10_000u32;
+        let data: Vec<u8> = (0..len).map(|i| (i * 7 + mtu as u32) as u8).collect();
+        p.a.buf.write(0, &data).unwrap();
+        let rs = recv_wr(&p.b, 1, 4096, 16384);
+        p.b.qp.post_recv(&[RecvWr { wr_id: 55, sgl: &rs }]).unwrap();
+        let sge = [p.a.mr.sge(0, len)];
+        p.a.qp.post_send(&[SendWr::new(9, WrOp::SendImm(0xabcd), &sge).flags(SendFlags::SIGNALED | SendFlags::SOLICITED)]).unwrap();
+        let s = wait(&p.fabric, &mut p.a.cq, 1);
+        assert_eq!((s[0].wr_id, s[0].status, s[0].opcode), (9, WcStatus::Success, WcOpcode::Send));
+        let r = wait(&p.fabric, &mut p.b.cq, 1);
+        assert_eq!(r[0].wr_id, 55);
+        assert_eq!(r[0].status, WcStatus::Success);
+        assert_eq!(r[0].opcode, WcOpcode::Recv);
+        assert_eq!(r[0].byte_len, len);
+        assert_eq!(r[0].imm, Some(0xabcd));
+        assert!(r[0].solicited);
+        let mut got = vec![0u8; len as usize];
+        p.b.buf.read(4096, &mut got).unwrap();
+        assert_eq!(got, data, "mtu code {mtu}");
+    }
+}
+
+#[test]
+fn scatter_gather_send_into_multi_sge_receive() {
+    let mut p = pair_with(2, 1, 4);
+    for i in 0..600u32 {
+        p.a.buf.write(i as usize * 2, &[(i % 251) as u8, (i % 13) as u8]).unwrap();
+    }
+    // Gather three pieces, scatter into four.
+    let g = [p.a.mr.sge(0, 100), p.a.mr.sge(500, 300), p.a.mr.sge(1000, 200)];
+    let s = [p.b.mr.sge(10_000, 50), p.b.mr.sge(20_000, 350), p.b.mr.sge(30_000, 150), p.b.mr.sge(40_000, 100)];
+    p.b.qp.post_recv(&[RecvWr { wr_id: 1, sgl: &s }]).unwrap();
+    p.a.qp.post_send(&[SendWr::new(2, WrOp::Send, &g)]).unwrap();
+    let r = wait(&p.fabric, &mut p.b.cq, 1);
+    assert_eq!((r[0].status, r[0].byte_len), (WcStatus::Success, 600));
+    let mut src = Vec::new();
+    for (o, l) in [(0, 100), (500, 300), (1000, 200)] {
+        let mut b = vec![0u8; l];
+        p.a.buf.read(o, &mut b).unwrap();
+        src.extend(b);
+    }
+    let mut dst = Vec::new();
+    for (o, l) in [(10_000, 50), (20_000, 350), (30_000, 150), (40_000, 50)] {
+        let mut b = vec![0u8; l];
+        p.b.buf.read(o, &mut b).unwrap();
+        dst.extend(b);
+    }
+    assert_eq!(src, dst);
+}
+
+#[test]
+fn write_with_immediate_consumes_a_receive() {
+    let mut p = pair_with(2, 3, 5);
+    let data = vec![0x5au8; 3000];
+    p.a.buf.write(0, &data).unwrap();
+    p.b.qp.post_recv(&[RecvWr { wr_id: 77, sgl: &[] }]).unwrap();
+    let remote = RemoteAddr { addr: p.b.mr.addr() + 8192, rkey: p.b.mr.rkey() };
+    let sge = [p.a.mr.sge(0, 3000)];
+    p.a.qp.post_send(&[SendWr::new(1, WrOp::WriteImm(remote, 0x1234_5678), &sge)]).unwrap();
+    let r = wait(&p.fabric, &mut p.b.cq, 1);
+    assert_eq!(r[0].wr_id, 77);
+    assert_eq!(r[0].opcode, WcOpcode::RecvRdmaWithImm);
+    assert_eq!(r[0].imm, Some(0x1234_5678));
+    assert_eq!(r[0].byte_len, 3000);
+    let mut got = vec![0u8; 3000];
+    p.b.buf.read(8192, &mut got).unwrap();
+    assert_eq!(got, data);
+    assert_eq!(wait(&p.fabric, &mut p.a.cq, 1)[0].status, WcStatus::Success);
+}
+
+#[test]
+fn read_multi_packet_and_zero_length() {
+    let mut p = pair_with(2, 2, 6);
+    let data: Vec<u8> = (0..70_000u32).map(|i| (i ^ (i >> 8)) as u8).collect();
+    p.b.buf.write(0, &data).unwrap();
+    let remote = RemoteAddr { addr: p.b.mr.addr(), rkey: p.b.mr.rkey() };
+    let sge = [p.a.mr.sge(100_000, 70_000)];
+    p.a.qp.post_send(&[SendWr::new(3, WrOp::Read(remote), &sge), SendWr::new(4, WrOp::Read(remote), &[])]).unwrap();
+    let wc = wait(&p.fabric, &mut p.a.cq, 2);
+    assert_eq!((wc[0].wr_id, wc[0].status, wc[0].opcode, wc[0].byte_len), (3, WcStatus::Success, WcOpcode::RdmaRead, 70_000));
+    assert_eq!((wc[1].wr_id, wc[1].status, wc[1].byte_len), (4, WcStatus::Success, 0));
+    let mut got = vec![0u8; 70_000];
+    p.a.buf.read(100_000, &mut got).unwrap();
+    assert_eq!(got, data);
+}
+
+#[test]
+fn atomics_compare_swap_and_fetch_add() {
+    let mut p = pair();
+    p.b.buf.write(64, &41u64.to_le_bytes()).unwrap();
+    let remote = RemoteAddr { addr: p.b.mr.addr() + 64, rkey: p.b.mr.rkey() };
+    let r0 = [p.a.mr.sge(0, 8)];
+    let r1 = [p.a.mr.sge(8, 8)];
+    let r2 = [p.a.mr.sge(16, 8)];
+    p.a.qp
+        .post_send(&[
+            SendWr::new(1, WrOp::FetchAdd { remote, add: 1 }, &r0),
+            SendWr::new(2, WrOp::CmpSwap { remote, compare: 42, swap: 1000 }, &r1),
+            SendWr::new(3, WrOp::CmpSwap { remote, compare: 42, swap: 5 }, &r2),
+        ])
+        .unwrap();
+    let wc = wait(&p.fabric, &mut p.a.cq, 3);
+    let ops: Vec<_> = wc.iter().map(|w| (w.wr_id, w.status, w.opcode)).collect();
+    assert_eq!(
+        ops,
+        vec![
+            (1, WcStatus::Success, WcOpcode::FetchAdd),
+            (2, WcStatus::Success, WcOpcode::CompSwap),
+            (3, WcStatus::Success, WcOpcode::CompSwap)
+        ]
+    );
+    assert_eq!(p.a.buf.read_u64(0).unwrap(), 41);
+    assert_eq!(p.a.buf.read_u64(8).unwrap(), 42);
+    assert_eq!(p.a.buf.read_u64(16).unwrap(), 1000, "failed compare returns the current value");
+    assert_eq!(p.b.buf.read_u64(64).unwrap(), 1000);
+}
+
+#[test]
+fn inline_send_and_write_and_unsignaled_batches() {
+    let mut p = pair();
+    let rs = [p.b.mr.sge(0, 4096)];
+    p.b.qp.post_recv(&[RecvWr { wr_id: 10, sgl: &rs }]).unwrap();
+    let msg = [0xeeu8; 200];
+    let remote = RemoteAddr { addr: p.b.mr.addr() + 8000, rkey: p.b.mr.rkey() };
+    // 31 unsignaled inline writes and one signaled send: one completion frees all 32.
+    let mut wrs = Vec::new();
+    for i in 0..31u64 {
+        wrs.push(SendWr::inline(i, WrOp::Write(RemoteAddr { addr: remote.addr + i * 200, ..remote }), &msg).flags(SendFlags::empty()));
+    }
+    wrs.push(SendWr::inline(99, WrOp::Send, b"inline-send"));
+    let before = p.a.qp.sq_free();
+    p.a.qp.post_send(&wrs).unwrap();
+    let wc = wait(&p.fabric, &mut p.a.cq, 1);
+    assert_eq!((wc[0].wr_id, wc[0].status), (99, WcStatus::Success));
+    assert_eq!(p.a.qp.sq_free(), before, "the signaled completion frees the unsignaled WQEs before it");
+    let r = wait(&p.fabric, &mut p.b.cq, 1);
+    assert_eq!(r[0].byte_len, 11);
+    let mut got = [0u8; 11];
+    p.b.buf.read(0, &mut got).unwrap();
+    assert_eq!(&got, b"inline-send");
+    let mut w = vec![0u8; 31 * 200];
+    p.b.buf.read(8000, &mut w).unwrap();
+    assert!(w.iter().all(|b| *b == 0xee));
+}
+
+#[test]
+fn srq_shared_by_several_qps() {
+    let fabric = ringbell_emu::Fabric::new(ringbell_emu::FabricConfig::new(3, 8));
+    let all = Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::REMOTE_READ;
+    // Node 0 receives on an SRQ from nodes 1 and 2.
+    let dev = Device::open(Box::new(fabric.port(0))).unwrap();
+    let pd = dev.alloc_pd().unwrap();
+    let buf = dev.alloc_dma(1 << 16).unwrap();
+    let mr = pd.reg_mr(&buf, all).unwrap();
+    let cq = dev.create_cq(64).unwrap();
+    let mut srq = pd.create_srq(16, 1, 0).unwrap();
+    let mut init = QpInit::new(&cq, &cq);
+    init.srq = Some(&srq);
+    let mut q1 = pd.create_qp(&init).unwrap();
+    let mut q2 = pd.create_qp(&init).unwrap();
+    let mut s1 = side(&fabric, 1, all);
+    let mut s2 = side(&fabric, 2, all);
+    let o = ConnectOptions::default();
+    q1.connect(&s1.qp.endpoint(1), 1, &o).unwrap();
+    s1.qp.connect(&q1.endpoint(1), 1, &o).unwrap();
+    q2.connect(&s2.qp.endpoint(2), 2, &o).unwrap();
+    s2.qp.connect(&q2.endpoint(2), 2, &o).unwrap();
+    let sges: Vec<[Sge; 1]> = (0..8).map(|i| [mr.sge(i * 1024, 1024)]).collect();
+    let wrs: Vec<RecvWr> = sges.iter().enumerate().map(|(i, s)| RecvWr { wr_id: 100 + i as u64, sgl: s }).collect();
+    srq.post_recv(&wrs).unwrap();
+    for k in 0..4u8 {
+        s1.buf.write(0, &[1, k]).unwrap();
+        s1.qp.post_send(&[SendWr::new(k as u64, WrOp::Send, &[s1.mr.sge(0, 2)])]).unwrap();
+        s2.buf.write(0, &[2, k]).unwrap();
+        s2.qp.post_send(&[SendWr::new(k as u64, WrOp::Send, &[s2.mr.sge(0, 2)])]).unwrap();
+    }
+    let mut cq = cq;
+    let wc = wait(&fabric, &mut cq, 8);
+    let mut ids: Vec<u64> = wc.iter().map(|w| w.wr_id).collect();
+    ids.sort();
+    assert_eq!(ids, (100..108).collect::<Vec<_>>(), "every SRQ buffer used exactly once");
+    let mut from = [0usize; 3];
+    for w in &wc {
+        assert_eq!(w.status, WcStatus::Success);
+        let mut b = [0u8; 2];
+        buf.read(((w.wr_id - 100) * 1024) as usize, &mut b).unwrap();
+        from[b[0] as usize] += 1;
+        assert!(w.qpn == q1.qpn() || w.qpn == q2.qpn());
+    }
+    assert_eq!(from, [0, 4, 4]);
+    drop((q1, q2));
+}
