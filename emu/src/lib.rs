@@ -4,12 +4,14 @@
 //! [`Iommu`], connected to one switch (or back to back) by links with serialization and
 //! latency. One event queue orders everything by (time, sequence); one seed is the root of
 //! every random stream. [`Fabric::port`] gives the driver an in-process [`ringbell::Port`]
-//! that runs the simulation in lockstep with its caller.
+//! that runs the simulation in lockstep with its caller. [`perf`] holds the perftest-style
+//! runs the CLI prints.
 
 mod fabric;
 mod iommu;
+pub mod perf;
 mod port;
 
-pub use fabric::{Fabric, FabricConfig, FabricStats, Topology};
+pub use fabric::{stream_seed, Fabric, FabricConfig, FabricStats, Topology};
 pub use iommu::Iommu;
 pub use port::EmuPort;

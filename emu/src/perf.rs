@@ -1,0 +1,280 @@
+//! perftest-style runs through the real driver on two emulated nodes: latency by ping-pong
+//! (WRITE, SEND) or round trip (READ), and streaming bandwidth. Every figure is simulated
+//! time; the caller measures wall-clock time around them.
+
+use crate::{Fabric, FabricConfig, Topology};
+use ringbell::*;
+use ringbell_specs::SimTime;
+
+/// The operation a run measures.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PerfOp {
+    /// RDMA WRITE (latency: ping-pong, the receiver polls the last byte).
+    Write,
+    /// SEND/RECV (latency: ping-pong on receive completions).
+    Send,
+    /// RDMA READ (latency: round trip to the completion).
+    Read,
+}
+
+impl PerfOp {
+    /// Lower-case name.
+    pub fn name(self) -> &'static str {
+        match self {
+            PerfOp::Write => "write",
+            PerfOp::Send => "send",
+            PerfOp::Read => "read",
+        }
+    }
+}
+
+/// One node of a perf run.
+struct Node {
+    qp: QueuePair,
+    cq: CompletionQueue,
+    mr: MemoryRegion,
+    buf: DmaBuffer,
+    _pd: ProtectionDomain,
+    dev: Device,
+}
+
+/// Two connected nodes.
+pub struct PerfPair {
+    fabric: Fabric,
+    a: Node,
+    b: Node,
+    max_inline: u32,
+}
+
+impl std::fmt::Debug for PerfPair {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PerfPair").field("fabric", &self.fabric).finish()
+    }
+}
+
+/// Bytes of each node's buffer.
+pub const PERF_BUF: usize = 4 << 20;
+
+fn open(fabric: &Fabric, node: usize) -> Result<Node, Error> {
+    let dev = Device::open(Box::new(fabric.port(node)))?;
+    let pd = dev.alloc_pd()?;
+    let buf = dev.alloc_dma(PERF_BUF)?;
+    let mr = pd.reg_mr(&buf, Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::REMOTE_READ)?;
+    let cq = dev.create_cq(4096)?;
+    let mut init = QpInit::new(&cq, &cq);
+    init.max_send_wr = 512;
+    init.max_recv_wr = 512;
+    init.max_send_sge = 1;
+    init.max_recv_sge = 1;
+    init.max_inline = dev.caps().max_inline;
+    let qp = pd.create_qp(&init)?;
+    Ok(Node { qp, cq, mr, buf, _pd: pd, dev })
+}
+
+impl PerfPair {
+    /// Two nodes (back to back, or on a switch) connected at path MTU 4096. Initial PSNs
+    /// come from the fabric's seed.
+    pub fn new(seed: u64, topology: Topology) -> Result<PerfPair, Error> {
+        let mut cfg = FabricConfig::new(2, seed);
+        cfg.topology = topology;
+        let fabric = Fabric::new(cfg);
+        let mut a = open(&fabric, 0)?;
+        let mut b = open(&fabric, 1)?;
+        use rand_core::RngCore;
+        let mut rng = fabric.rng(1);
+        let (pa, pb) = (rng.next_u32() & 0xFF_FFFF, rng.next_u32() & 0xFF_FFFF);
+        let o = ConnectOptions::default();
+        let (ea, eb) = (a.qp.endpoint(pa), b.qp.endpoint(pb));
+        a.qp.connect(&eb, pa, &o)?;
+        b.qp.connect(&ea, pb, &o)?;
+        let max_inline = a.dev.caps().max_inline;
+        Ok(PerfPair { fabric, a, b, max_inline })
+    }
+
+    /// The fabric.
+    pub fn fabric(&self) -> &Fabric {
+        &self.fabric
+    }
+
+    fn now(&self) -> SimTime {
+        self.fabric.now()
+    }
+
+    fn step(&self) -> Result<(), Error> {
+        if self.fabric.step() {
+            Ok(())
+        } else {
+            Err(Error::DeviceIdle("a perf run"))
+        }
+    }
+
+    /// Mean one-way latency (WRITE, SEND) or round-trip latency (READ) of `size`-byte
+    /// messages over `iters` iterations, in simulated time.
+    pub fn latency(&mut self, op: PerfOp, size: u32, iters: u32) -> Result<SimTime, Error> {
+        let size = size.clamp(1, (PERF_BUF / 2) as u32);
+        self.quiesce()?;
+        let start = self.now();
+        match op {
+            PerfOp::Read => {
+                for i in 0..iters {
+                    let remote = RemoteAddr { addr: self.b.mr.addr(), rkey: self.b.mr.rkey() };
+                    let sge = [self.a.mr.sge(0, size)];
+                    self.a.qp.post_send(&[SendWr::new(i as u64, WrOp::Read(remote), &sge)])?;
+                    self.wait_cq(true)?;
+                }
+                Ok(SimTime((self.now() - start).ps() / iters.max(1) as u64))
+            }
+            PerfOp::Write | PerfOp::Send => {
+                for i in 0..iters {
+                    let tag = (i % 255) as u8 + 1;
+                    self.one_way(op, size, tag, true)?;
+                    self.one_way(op, size, tag, false)?;
+                }
+                Ok(SimTime((self.now() - start).ps() / (2 * iters.max(1) as u64)))
+            }
+        }
+    }
+
+    /// Sends one message from A to B (`forward`) or back, and waits until the receiver sees it.
+    fn one_way(&mut self, op: PerfOp, size: u32, tag: u8, forward: bool) -> Result<(), Error> {
+        let inline = size <= self.max_inline;
+        let (src, dst) = if forward { (&mut self.a, &mut self.b) } else { (&mut self.b, &mut self.a) };
+        let last = size as usize - 1;
+        src.buf.write(last, &[tag])?;
+        let sge = [src.mr.sge(0, size)];
+        let mut payload = [0u8; 256];
+        let data = if inline {
+            src.buf.read(0, &mut payload[..size as usize])?;
+            Some(&payload[..size as usize])
+        } else {
+            None
+        };
+        let wr_op = match op {
+            PerfOp::Send => {
+                let rs = [dst.mr.sge(PERF_BUF as u64 / 2, size)];
+                dst.qp.post_recv(&[RecvWr { wr_id: 0, sgl: &rs }])?;
+                WrOp::Send
+            }
+            _ => WrOp::Write(RemoteAddr { addr: dst.mr.addr() + PERF_BUF as u64 / 2, rkey: dst.mr.rkey() }),
+        };
+        let wr = match data {
+            Some(d) => SendWr::inline(0, wr_op, d),
+            None => SendWr::new(0, wr_op, &sge),
+        };
+        src.qp.post_send(&[wr])?;
+        // The receiver spins: on the last byte (WRITE) or on its receive CQ (SEND).
+        let mut wc = [WorkCompletion::default(); 4];
+        loop {
+            let (src, dst) = if forward { (&mut self.a, &mut self.b) } else { (&mut self.b, &mut self.a) };
+            if op == PerfOp::Send {
+                let n = dst.cq.poll_ready(&mut wc);
+                if wc[..n].iter().any(|w| w.opcode.is_recv()) {
+                    if let Some(w) = wc[..n].iter().find(|w| w.status != WcStatus::Success) {
+                        return Err(Error::InvalidArgument(status_text(w.status)));
+                    }
+                    break;
+                }
+            } else if dst.buf.load_acquire(PERF_BUF / 2 + last)? == tag {
+                break;
+            }
+            // Reap the sender's completions as they come so the ring never fills.
+            let n = src.cq.poll_ready(&mut wc);
+            if let Some(w) = wc[..n].iter().find(|w| w.status != WcStatus::Success) {
+                return Err(Error::InvalidArgument(status_text(w.status)));
+            }
+            self.step()?;
+        }
+        Ok(())
+    }
+
+    /// Runs the fabric until idle and reaps every completion left from earlier runs.
+    fn quiesce(&mut self) -> Result<(), Error> {
+        self.fabric.run_until_idle(u64::MAX);
+        let mut wc = [WorkCompletion::default(); 32];
+        for cq in [&mut self.a.cq, &mut self.b.cq] {
+            loop {
+                let n = cq.poll_ready(&mut wc);
+                if let Some(w) = wc[..n].iter().find(|w| w.status != WcStatus::Success) {
+                    return Err(Error::InvalidArgument(status_text(w.status)));
+                }
+                if n == 0 {
+                    break;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn wait_cq(&mut self, on_a: bool) -> Result<WorkCompletion, Error> {
+        let mut wc = [WorkCompletion::default(); 1];
+        loop {
+            let cq = if on_a { &mut self.a.cq } else { &mut self.b.cq };
+            if cq.poll_ready(&mut wc) == 1 {
+                if wc[0].status != WcStatus::Success {
+                    return Err(Error::InvalidArgument(status_text(wc[0].status)));
+                }
+                return Ok(wc[0]);
+            }
+            self.step()?;
+        }
+    }
+
+    /// Streams `count` `size`-byte messages of `op` (WRITE or SEND) from A to B with up to
+    /// `depth` outstanding, every 16th signaled; returns payload bandwidth in bits per
+    /// second of simulated time.
+    pub fn bandwidth(&mut self, op: PerfOp, size: u32, count: u32, depth: u32) -> Result<f64, Error> {
+        let size = size.clamp(1, (PERF_BUF / 2) as u32);
+        let depth = depth.clamp(16, 256);
+        self.quiesce()?;
+        let start = self.now();
+        let (mut posted, mut completed) = (0u32, 0u32);
+        let mut recv_posted = 0u32;
+        let mut wc = [WorkCompletion::default(); 32];
+        let sge = [self.a.mr.sge(0, size)];
+        let remote = RemoteAddr { addr: self.b.mr.addr() + PERF_BUF as u64 / 2, rkey: self.b.mr.rkey() };
+        let mut last_done = start;
+        while completed < count {
+            if op == PerfOp::Send {
+                while recv_posted < count && recv_posted < completed + 2 * depth {
+                    let rs = [self.b.mr.sge(PERF_BUF as u64 / 2, size)];
+                    self.b.qp.post_recv(&[RecvWr { wr_id: 0, sgl: &rs }])?;
+                    recv_posted += 1;
+                }
+            }
+            while posted < count && posted - completed < depth {
+                let signaled = posted % 16 == 15 || posted + 1 == count;
+                let flags = if signaled { SendFlags::SIGNALED } else { SendFlags::empty() };
+                let wr_op = if op == PerfOp::Send { WrOp::Send } else { WrOp::Write(remote) };
+                self.a.qp.post_send(&[SendWr::new(posted as u64, wr_op, &sge).flags(flags)])?;
+                posted += 1;
+            }
+            let n = self.a.cq.poll_ready(&mut wc);
+            for w in &wc[..n] {
+                if w.status != WcStatus::Success {
+                    return Err(Error::InvalidArgument(status_text(w.status)));
+                }
+                completed = w.wr_id as u32 + 1;
+                last_done = SimTime(w.timestamp_ps);
+            }
+            let m = self.b.cq.poll_ready(&mut wc);
+            if wc[..m].iter().any(|w| w.status != WcStatus::Success) {
+                return Err(Error::InvalidArgument("receive failed"));
+            }
+            if n == 0 {
+                self.step()?;
+            }
+        }
+        let secs = (last_done - start).ps() as f64 / 1e12;
+        Ok(count as f64 * size as f64 * 8.0 / secs.max(1e-12))
+    }
+}
+
+fn status_text(s: WcStatus) -> &'static str {
+    match s {
+        WcStatus::Success => "success",
+        WcStatus::WrFlushErr => "completion flushed",
+        WcStatus::RemAccessErr => "remote access error",
+        WcStatus::RetryExcErr => "retries exhausted",
+        _ => "completion error",
+    }
+}
