@@ -28,7 +28,7 @@ impl Nic {
     pub(crate) fn exec_command(&mut self, env: &mut dyn Env) {
         let token = self.cmd_status & 0xFFFF;
         let mut mbox = [0u8; MAILBOX_SIZE];
-        let status = if self.cmd_addr % 256 != 0 {
+        let status = if !self.cmd_addr.is_multiple_of(256) {
             CmdStatus::BadParam
         } else if env.dma_read(self.cmd_addr, &mut mbox).is_err() {
             self.stats.iommu_faults += 1;
@@ -45,11 +45,17 @@ impl Nic {
                 Err(s) => (s, Vec::new()),
             };
             let mut back = [0u8; MAILBOX_SIZE - RESULT_OFFSET];
-            let res = ringbell_specs::cmd::CmdResult { status: status as u8, ..Default::default() };
+            let res = ringbell_specs::cmd::CmdResult {
+                status: status as u8,
+                ..Default::default()
+            };
             back[..16].copy_from_slice(res.as_bytes());
             let n = output.len().min(PARAMS_SIZE);
             back[16..16 + n].copy_from_slice(&output[..n]);
-            if env.dma_write(self.cmd_addr + RESULT_OFFSET as u64, &back).is_err() {
+            if env
+                .dma_write(self.cmd_addr + RESULT_OFFSET as u64, &back)
+                .is_err()
+            {
                 self.stats.iommu_faults += 1;
                 CmdStatus::DmaFault
             } else {
@@ -63,7 +69,10 @@ impl Nic {
     fn run(&mut self, env: &mut dyn Env, op: CmdOpcode, input: &[u8]) -> Outcome {
         match op {
             CmdOpcode::QueryDevice => self.query_device(),
-            CmdOpcode::AllocPd => obj(self.pds.insert_with(|_| Pd::default()).ok_or(CmdStatus::Exhausted)?),
+            CmdOpcode::AllocPd => obj(self
+                .pds
+                .insert_with(|_| Pd::default())
+                .ok_or(CmdStatus::Exhausted)?),
             CmdOpcode::FreePd => {
                 let n = params::<ObjectIn>(input)?.num.get();
                 match self.pds.get(n) {
@@ -100,7 +109,13 @@ impl Nic {
                 if cq.overflow {
                     flags |= CQ_FLAG_OVERFLOW;
                 }
-                out(&QueryCqOut { log_size: cq.log_size, flags, pi: cq.pi.into(), ci: cq.ci.into(), ..Default::default() })
+                out(&QueryCqOut {
+                    log_size: cq.log_size,
+                    flags,
+                    pi: cq.pi.into(),
+                    ci: cq.ci.into(),
+                    ..Default::default()
+                })
             }
             CmdOpcode::DestroyCq => {
                 let n = params::<ObjectIn>(input)?.num.get();
@@ -119,10 +134,13 @@ impl Nic {
                 let qpn = m.qpn.get();
                 let qp = self.qps.get(qpn).ok_or(CmdStatus::BadResource)?;
                 let mask = QpAttrMask::from_bits(m.attr_mask.get()).ok_or(CmdStatus::BadParam)?;
-                let to = check_modify(qp, mask, &m.attr, self.cfg.max_rd_atomic).map_err(|e| match e {
-                    ModifyError::BadParam => CmdStatus::BadParam,
-                    ModifyError::BadState => CmdStatus::BadState,
-                })?;
+                let to =
+                    check_modify(qp, mask, &m.attr, self.cfg.max_rd_atomic).map_err(
+                        |e| match e {
+                            ModifyError::BadParam => CmdStatus::BadParam,
+                            ModifyError::BadState => CmdStatus::BadState,
+                        },
+                    )?;
                 self.apply_modify(env, qpn, mask, &m.attr, to);
                 Ok(Vec::new())
             }
@@ -151,7 +169,10 @@ impl Nic {
             CmdOpcode::CreateSrq => self.create_srq(params(input)?),
             CmdOpcode::ArmSrq => {
                 let a: ArmSrqIn = params(input)?;
-                let srq = self.srqs.get_mut(a.srqn.get()).ok_or(CmdStatus::BadResource)?;
+                let srq = self
+                    .srqs
+                    .get_mut(a.srqn.get())
+                    .ok_or(CmdStatus::BadResource)?;
                 if a.limit.get() > srq.wq.size() {
                     return Err(CmdStatus::BadParam);
                 }
@@ -211,11 +232,17 @@ impl Nic {
 
     fn reg_mr(&mut self, p: RegMrIn) -> Outcome {
         let access = Access::from_bits(p.access.get()).ok_or(CmdStatus::BadParam)?;
-        if access.intersects(Access::REMOTE_WRITE | Access::REMOTE_ATOMIC) && !access.contains(Access::LOCAL_WRITE) {
+        if access.intersects(Access::REMOTE_WRITE | Access::REMOTE_ATOMIC)
+            && !access.contains(Access::LOCAL_WRITE)
+        {
             return Err(CmdStatus::BadParam);
         }
         let (va, len, iova) = (p.va.get(), p.length.get(), p.iova.get());
-        if len == 0 || len > (1 << 40) || va.checked_add(len).is_none() || iova.checked_add(len).is_none() {
+        if len == 0
+            || len > (1 << 40)
+            || va.checked_add(len).is_none()
+            || iova.checked_add(len).is_none()
+        {
             return Err(CmdStatus::BadSize);
         }
         let pdn = p.pdn.get();
@@ -226,7 +253,14 @@ impl Nic {
         let tag = self.mr_tag;
         let idx = self
             .mrs
-            .insert_with(|idx| Mr { pdn, key: (idx << 8) | tag as u32, access, va, len, iova })
+            .insert_with(|idx| Mr {
+                pdn,
+                key: (idx << 8) | tag as u32,
+                access,
+                va,
+                len,
+                iova,
+            })
             .ok_or(CmdStatus::Exhausted)?;
         // Key index must fit 24 bits.
         if idx > 0x00FF_FFFF {
@@ -235,7 +269,10 @@ impl Nic {
         }
         self.pd_ref(pdn)?;
         let key = (idx << 8) | tag as u32;
-        out(&RegMrOut { lkey: key.into(), rkey: key.into() })
+        out(&RegMrOut {
+            lkey: key.into(),
+            rkey: key.into(),
+        })
     }
 
     fn create_cq(&mut self, p: CreateCqIn) -> Outcome {
@@ -243,7 +280,10 @@ impl Nic {
         if p.log_size == 0 || p.log_size > 30 || size > self.cfg.max_cqe as u64 {
             return Err(CmdStatus::BadSize);
         }
-        if p.ring_iova.get() % 64 != 0 || p.db_iova.get() % 8 != 0 || p.eq_vector.get() != 0 {
+        if !p.ring_iova.get().is_multiple_of(64)
+            || !p.db_iova.get().is_multiple_of(8)
+            || p.eq_vector.get() != 0
+        {
             return Err(CmdStatus::BadParam);
         }
         let n = self
@@ -279,12 +319,16 @@ impl Nic {
         }
         let max = self.cfg.max_qp_wr as u64;
         let sq_ok = p.sq_log_size >= 1 && p.sq_log_size <= 24 && (1u64 << p.sq_log_size) <= max;
-        let rq_ok = srqn != 0 || (p.rq_log_size >= 1 && p.rq_log_size <= 24 && (1u64 << p.rq_log_size) <= max);
+        let rq_ok = srqn != 0
+            || (p.rq_log_size >= 1 && p.rq_log_size <= 24 && (1u64 << p.rq_log_size) <= max);
         let stride_ok = srqn != 0 || (4..=9).contains(&p.rq_log_stride);
         if !sq_ok || !rq_ok || !stride_ok {
             return Err(CmdStatus::BadSize);
         }
-        if p.sq_iova.get() % 64 != 0 || (srqn == 0 && p.rq_iova.get() % 16 != 0) || p.db_iova.get() % 8 != 0 {
+        if !p.sq_iova.get().is_multiple_of(64)
+            || (srqn == 0 && !p.rq_iova.get().is_multiple_of(16))
+            || !p.db_iova.get().is_multiple_of(8)
+        {
             return Err(CmdStatus::BadParam);
         }
         let n = self
@@ -296,7 +340,13 @@ impl Nic {
                 send_cqn: scq,
                 recv_cqn: rcq,
                 srqn,
-                sq: WorkQueue { iova: p.sq_iova.get(), log_size: p.sq_log_size, log_stride: 6, pi: 0, ci: 0 },
+                sq: WorkQueue {
+                    iova: p.sq_iova.get(),
+                    log_size: p.sq_log_size,
+                    log_stride: 6,
+                    pi: 0,
+                    ci: 0,
+                },
                 rq: WorkQueue {
                     iova: p.rq_iova.get(),
                     log_size: if srqn != 0 { 0 } else { p.rq_log_size },
@@ -305,7 +355,10 @@ impl Nic {
                     ci: 0,
                 },
                 fetch: 0,
-                attr: QpAttr { path_mtu: 1, ..Default::default() },
+                attr: QpAttr {
+                    path_mtu: 1,
+                    ..Default::default()
+                },
                 req: Default::default(),
                 resp: Default::default(),
             })
@@ -327,17 +380,27 @@ impl Nic {
         if self.pds.get(pdn).is_none() {
             return Err(CmdStatus::BadResource);
         }
-        if p.log_size == 0 || p.log_size > 24 || (1u64 << p.log_size) > self.cfg.max_qp_wr as u64 || !(4..=9).contains(&p.log_stride) {
+        if p.log_size == 0
+            || p.log_size > 24
+            || (1u64 << p.log_size) > self.cfg.max_qp_wr as u64
+            || !(4..=9).contains(&p.log_stride)
+        {
             return Err(CmdStatus::BadSize);
         }
-        if p.ring_iova.get() % 16 != 0 || p.limit.get() > (1 << p.log_size) {
+        if !p.ring_iova.get().is_multiple_of(16) || p.limit.get() > (1 << p.log_size) {
             return Err(CmdStatus::BadParam);
         }
         let n = self
             .srqs
             .insert_with(|_| Srq {
                 pdn,
-                wq: WorkQueue { iova: p.ring_iova.get(), log_size: p.log_size, log_stride: p.log_stride, pi: 0, ci: 0 },
+                wq: WorkQueue {
+                    iova: p.ring_iova.get(),
+                    log_size: p.log_size,
+                    log_stride: p.log_stride,
+                    pi: 0,
+                    ci: 0,
+                },
                 limit: p.limit.get(),
                 refs: 0,
             })
@@ -346,4 +409,3 @@ impl Nic {
         obj(n)
     }
 }
-

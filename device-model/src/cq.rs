@@ -2,6 +2,7 @@
 
 use crate::env::Env;
 use crate::nic::Nic;
+use ringbell_specs::cmd::QpState;
 use ringbell_specs::cqe::{owner_bit, Cqe, EventType, CQE_SIZE};
 use ringbell_specs::regs;
 use zerocopy::IntoBytes;
@@ -23,7 +24,12 @@ pub(crate) struct Cq {
 impl Nic {
     pub(crate) fn cq_doorbell(&mut self, env: &mut dyn Env, cqn: u32, which: u64, value: u32) {
         let Some(cq) = self.cqs.get_mut(cqn) else {
-            self.doorbell_error(env, cqn, ringbell_specs::cqe::DoorbellError::NoSuchObject, value);
+            self.doorbell_error(
+                env,
+                cqn,
+                ringbell_specs::cqe::DoorbellError::NoSuchObject,
+                value,
+            );
             return;
         };
         match which {
@@ -31,14 +37,22 @@ impl Nic {
                 if value.wrapping_sub(cq.ci) as i32 >= 0 && cq.pi.wrapping_sub(value) as i32 >= 0 {
                     cq.ci = value;
                 } else {
-                    self.doorbell_error(env, cqn, ringbell_specs::cqe::DoorbellError::IndexOutOfRange, value);
+                    self.doorbell_error(
+                        env,
+                        cqn,
+                        ringbell_specs::cqe::DoorbellError::IndexOutOfRange,
+                        value,
+                    );
                 }
             }
             _ => {
                 cq.armed = Some(value & regs::CQ_ARM_SOLICITED != 0);
                 // Arming with completions already waiting fires at once.
                 let ci = value & !regs::CQ_ARM_SOLICITED;
-                if value & regs::CQ_ARM_SOLICITED == 0 && cq.pi.wrapping_sub(ci) as i32 > 0 && ci.wrapping_sub(cq.ci) as i32 >= 0 {
+                if value & regs::CQ_ARM_SOLICITED == 0
+                    && cq.pi.wrapping_sub(ci) as i32 > 0
+                    && ci.wrapping_sub(cq.ci) as i32 >= 0
+                {
                     cq.armed = None;
                     self.post_event(env, EventType::Completion, 0, cqn, 0);
                 }
@@ -48,7 +62,9 @@ impl Nic {
 
     /// Writes `cqe` to CQ `cqn`: owner bit last; overflow raises CQ_ERROR and loses the CQE.
     pub(crate) fn write_cqe(&mut self, env: &mut dyn Env, cqn: u32, mut cqe: Cqe) {
-        let Some(cq) = self.cqs.get_mut(cqn) else { return };
+        let Some(cq) = self.cqs.get_mut(cqn) else {
+            return;
+        };
         if cq.overflow {
             return;
         }
@@ -66,9 +82,27 @@ impl Nic {
         if cq.pi.wrapping_sub(cq.ci) >= size {
             cq.overflow = true;
             self.post_event(env, EventType::CqError, 0, cqn, 0);
+            // rc-transport.md §5.5 / §3.11 class G: the CQ is unusable from now on, so every
+            // QP that reports to it goes to ERR (QP_FATAL: not tied to a WQE) rather than go
+            // on working without completions. Their flush CQEs to this CQ are lost with it.
+            let hit: Vec<u32> = self
+                .qps
+                .iter()
+                .filter(|(_, q)| {
+                    (q.send_cqn == cqn || q.recv_cqn == cqn)
+                        && !matches!(q.state, QpState::Reset | QpState::Err)
+                })
+                .map(|(n, _)| n)
+                .collect();
+            for qpn in hit {
+                self.post_event(env, EventType::QpFatal, 0, qpn, 0);
+                self.flush_qp(env, qpn);
+            }
             return;
         }
-        let slot = cq.ring_iova.wrapping_add(((cq.pi & (size - 1)) as u64) * CQE_SIZE as u64);
+        let slot = cq
+            .ring_iova
+            .wrapping_add(((cq.pi & (size - 1)) as u64) * CQE_SIZE as u64);
         cqe.owner = owner_bit(cq.pi, cq.log_size);
         cqe.timestamp = env.now().ps().into();
         let solicited = cqe.flags & ringbell_specs::cqe::CQE_FLAG_SOLICITED != 0 || cqe.status != 0;
@@ -80,7 +114,9 @@ impl Nic {
             self.iommu_fault(env, cqe.qpn.get(), f.iova);
             return;
         }
-        let Some(cq) = self.cqs.get_mut(cqn) else { return };
+        let Some(cq) = self.cqs.get_mut(cqn) else {
+            return;
+        };
         cq.pi = cq.pi.wrapping_add(1);
         self.stats.cqes += 1;
         let fire = match cq.armed {

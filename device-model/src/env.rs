@@ -31,15 +31,6 @@ pub enum NicEvent {
         /// The QP.
         qpn: u32,
     },
-    /// A posted DMA write becomes visible to the host.
-    DmaWrite {
-        /// Destination IOVA.
-        iova: u64,
-        /// Bytes to write.
-        data: Vec<u8>,
-        /// QP on whose behalf it is written (0: none), for fault reporting.
-        qpn: u32,
-    },
     /// A completion entry is written to a CQ.
     CqeWrite {
         /// The CQ.

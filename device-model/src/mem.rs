@@ -51,11 +51,22 @@ pub(crate) fn key_index(key: u32) -> u32 {
 impl Nic {
     /// Checks `[addr, addr + len)` through `key` for PD `pdn` with `need` rights and
     /// returns the IOVA of `addr`. Zero-length ranges are not looked up.
-    pub(crate) fn check_key(&self, pdn: u32, key: u32, addr: u64, len: u64, need: Access) -> Result<u64, KeyError> {
+    pub(crate) fn check_key(
+        &self,
+        pdn: u32,
+        key: u32,
+        addr: u64,
+        len: u64,
+        need: Access,
+    ) -> Result<u64, KeyError> {
         if len == 0 {
             return Ok(0);
         }
-        let mr = self.mrs.get(key_index(key)).filter(|m| m.key == key).ok_or(KeyError::NoSuchKey)?;
+        let mr = self
+            .mrs
+            .get(key_index(key))
+            .filter(|m| m.key == key)
+            .ok_or(KeyError::NoSuchKey)?;
         if mr.pdn != pdn {
             return Err(KeyError::WrongPd);
         }

@@ -5,7 +5,7 @@ use crate::env::{Env, NicEvent};
 use crate::mem::{Mr, Pd};
 use crate::qp::{Qp, Srq};
 use crate::timing::TimingProfile;
-use ringbell_specs::cqe::{owner_bit, DoorbellError, EventType, Eqe, EQE_SIZE};
+use ringbell_specs::cqe::{owner_bit, DoorbellError, Eqe, EventType, EQE_SIZE};
 use ringbell_specs::regs::{self, Caps, GuestError};
 use ringbell_specs::SimTime;
 use zerocopy::IntoBytes;
@@ -97,7 +97,10 @@ pub(crate) struct Table<T> {
 
 impl<T> Table<T> {
     pub(crate) fn new(cap: u32) -> Self {
-        Table { slots: Vec::new(), cap }
+        Table {
+            slots: Vec::new(),
+            cap,
+        }
     }
     /// Inserts at the lowest free number.
     pub(crate) fn insert_with(&mut self, f: impl FnOnce(u32) -> T) -> Option<u32> {
@@ -121,6 +124,13 @@ impl<T> Table<T> {
     }
     pub(crate) fn remove(&mut self, num: u32) -> Option<T> {
         self.slots.get_mut((num as usize).wrapping_sub(1))?.take()
+    }
+    /// Every live object with its number, in number order.
+    pub(crate) fn iter(&self) -> impl Iterator<Item = (u32, &T)> {
+        self.slots
+            .iter()
+            .enumerate()
+            .filter_map(|(i, s)| s.as_ref().map(|t| (i as u32 + 1, t)))
     }
     /// Puts an object taken with [`Table::remove`] back under its number.
     pub(crate) fn restore(&mut self, num: u32, t: T) {
@@ -170,7 +180,12 @@ impl Nic {
         let max_qp = cfg.max_qp.min(regs::DB_MAX_QP as u32 - 1);
         let max_cq = cfg.max_cq.min(regs::DB_MAX_CQ as u32 - 1);
         let max_srq = cfg.max_srq.min(regs::DB_MAX_SRQ as u32 - 1);
-        let cfg = NicConfig { max_qp, max_cq, max_srq, ..cfg };
+        let cfg = NicConfig {
+            max_qp,
+            max_cq,
+            max_srq,
+            ..cfg
+        };
         Nic {
             pds: Table::new(cfg.max_pd),
             mrs: Table::new(cfg.max_mr),
@@ -255,7 +270,9 @@ impl Nic {
             regs::MAC_HI => u32::from_le_bytes([c.mac[4], c.mac[5], 0, 0]),
             regs::IPV4_ADDR => u32::from_le_bytes(c.ip),
             _ => {
-                if regs::register_at(offset).is_none() && !(regs::DB_BASE..regs::DB_END).contains(&offset) {
+                if regs::register_at(offset).is_none()
+                    && !(regs::DB_BASE..regs::DB_END).contains(&offset)
+                {
                     self.guest_error(GuestError::BadOffset, offset as u32);
                 }
                 0
@@ -265,7 +282,7 @@ impl Nic {
 
     /// A 32-bit register write, applied at `env.now()`.
     pub fn mmio_write(&mut self, env: &mut dyn Env, offset: u64, value: u32) {
-        if offset % 4 != 0 {
+        if !offset.is_multiple_of(4) {
             self.guest_error(GuestError::BadOffset, offset as u32);
             return;
         }
@@ -275,7 +292,9 @@ impl Nic {
         }
         match offset {
             regs::CMD_ADDR_LO => self.cmd_addr = (self.cmd_addr & !0xFFFF_FFFF) | value as u64,
-            regs::CMD_ADDR_HI => self.cmd_addr = (self.cmd_addr & 0xFFFF_FFFF) | ((value as u64) << 32),
+            regs::CMD_ADDR_HI => {
+                self.cmd_addr = (self.cmd_addr & 0xFFFF_FFFF) | ((value as u64) << 32)
+            }
             regs::CMD_DOORBELL => {
                 if self.cmd_status & regs::CMD_STATUS_BUSY != 0 {
                     self.guest_error(GuestError::CommandBusy, value);
@@ -286,7 +305,9 @@ impl Nic {
                 }
             }
             regs::EQ_ADDR_LO => self.eq.iova = (self.eq.iova & !0xFFFF_FFFF) | value as u64,
-            regs::EQ_ADDR_HI => self.eq.iova = (self.eq.iova & 0xFFFF_FFFF) | ((value as u64) << 32),
+            regs::EQ_ADDR_HI => {
+                self.eq.iova = (self.eq.iova & 0xFFFF_FFFF) | ((value as u64) << 32)
+            }
             regs::EQ_LOG_SIZE => {
                 self.eq.log_size = value.min(20) as u8;
                 self.eq.pi = 0;
@@ -322,11 +343,6 @@ impl Nic {
             NicEvent::Mmio { offset, value } => self.mmio_write(env, offset, value),
             NicEvent::CmdExec => self.exec_command(env),
             NicEvent::SqProcess { qpn } => self.sq_process(env, qpn),
-            NicEvent::DmaWrite { iova, data, qpn } => {
-                if let Err(f) = env.dma_write(iova, &data) {
-                    self.iommu_fault(env, qpn, f.iova);
-                }
-            }
             NicEvent::CqeWrite { cqn, cqe } => self.write_cqe(env, cqn, *cqe),
         }
     }
@@ -348,7 +364,13 @@ impl Nic {
         }
     }
 
-    pub(crate) fn doorbell_error(&mut self, env: &mut dyn Env, num: u32, why: DoorbellError, index: u32) {
+    pub(crate) fn doorbell_error(
+        &mut self,
+        env: &mut dyn Env,
+        num: u32,
+        why: DoorbellError,
+        index: u32,
+    ) {
         let code = match why {
             DoorbellError::NoSuchObject => GuestError::BadDoorbellObject,
             _ => GuestError::BadDoorbellIndex,
@@ -369,7 +391,14 @@ impl Nic {
     }
 
     /// Writes an EQE and raises interrupt 0. Lost (and counted) if the EQ is off or full.
-    pub(crate) fn post_event(&mut self, env: &mut dyn Env, ty: EventType, subtype: u8, obj: u32, info: u64) {
+    pub(crate) fn post_event(
+        &mut self,
+        env: &mut dyn Env,
+        ty: EventType,
+        subtype: u8,
+        obj: u32,
+        info: u64,
+    ) {
         let eq = &mut self.eq;
         if eq.log_size == 0 {
             self.stats.eqes_lost += 1;
@@ -390,10 +419,14 @@ impl Nic {
             owner: owner_bit(eq.pi, eq.log_size),
             ..Default::default()
         };
-        let at = eq.iova.wrapping_add(((eq.pi & (size - 1)) as u64) * EQE_SIZE as u64);
+        let at = eq
+            .iova
+            .wrapping_add(((eq.pi & (size - 1)) as u64) * EQE_SIZE as u64);
         let bytes = eqe.as_bytes();
         // Body first, owner byte last.
-        let ok = env.dma_write(at, &bytes[..EQE_SIZE - 1]).and_then(|_| env.dma_write(at + EQE_SIZE as u64 - 1, &bytes[EQE_SIZE - 1..]));
+        let ok = env
+            .dma_write(at, &bytes[..EQE_SIZE - 1])
+            .and_then(|_| env.dma_write(at + EQE_SIZE as u64 - 1, &bytes[EQE_SIZE - 1..]));
         match ok {
             Ok(()) => {
                 eq.pi = eq.pi.wrapping_add(1);

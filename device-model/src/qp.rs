@@ -4,7 +4,9 @@
 use crate::env::{Env, NicEvent};
 use crate::nic::Nic;
 use ringbell_specs::cmd::{Access, QpAttr, QpAttrMask as M, QpState};
-use ringbell_specs::cqe::{Cqe, CqeOpcode, CqeStatus, DoorbellError, EventType, VendorSyndrome, CQE_FLAG_SRQ};
+use ringbell_specs::cqe::{
+    Cqe, CqeOpcode, CqeStatus, DoorbellError, EventType, VendorSyndrome, CQE_FLAG_SRQ,
+};
 use ringbell_specs::wqe::{CtrlSeg, DataSeg, SendOpcode, RECV_LKEY_END, SEG, WQEBB};
 use ringbell_specs::{regs, Psn, SimTime};
 use std::collections::VecDeque;
@@ -27,7 +29,8 @@ impl WorkQueue {
         1 << self.log_size
     }
     pub(crate) fn slot_iova(&self, index: u32, stride: u64) -> u64 {
-        self.iova.wrapping_add((index & (self.size() - 1)) as u64 * stride)
+        self.iova
+            .wrapping_add((index & (self.size() - 1)) as u64 * stride)
     }
 }
 
@@ -62,7 +65,10 @@ impl Outstanding {
         self.first_psn.add(self.npsn.saturating_sub(1))
     }
     pub(crate) fn is_rd_atomic(&self) -> bool {
-        matches!(self.op, SendOpcode::Read | SendOpcode::CmpSwap | SendOpcode::FetchAdd)
+        matches!(
+            self.op,
+            SendOpcode::Read | SendOpcode::CmpSwap | SendOpcode::FetchAdd
+        )
     }
 }
 
@@ -133,7 +139,10 @@ impl Qp {
     }
     /// Oldest send WQEBB the device has not completed.
     pub(crate) fn sq_tail(&self) -> u32 {
-        self.req.outstanding.front().map_or(self.fetch, |o| o.wqe_index)
+        self.req
+            .outstanding
+            .front()
+            .map_or(self.fetch, |o| o.wqe_index)
     }
 }
 
@@ -154,7 +163,12 @@ fn transition_masks(from: QpState, to: QpState) -> Option<(M, M)> {
         (Reset, Init) => (M::PKEY_INDEX | M::PORT | M::ACCESS_FLAGS, e),
         (Init, Init) => (e, M::PKEY_INDEX | M::PORT | M::ACCESS_FLAGS),
         (Init, Rtr) => (
-            M::AV | M::PATH_MTU | M::DEST_QPN | M::RQ_PSN | M::MAX_DEST_RD_ATOMIC | M::MIN_RNR_TIMER,
+            M::AV
+                | M::PATH_MTU
+                | M::DEST_QPN
+                | M::RQ_PSN
+                | M::MAX_DEST_RD_ATOMIC
+                | M::MIN_RNR_TIMER,
             M::ACCESS_FLAGS | M::PKEY_INDEX,
         ),
         (Rtr, Rts) => (
@@ -165,8 +179,16 @@ fn transition_masks(from: QpState, to: QpState) -> Option<(M, M)> {
         (Rts, Sqd) => (e, M::EN_SQD_ASYNC_NOTIFY),
         (Sqd, Sqd) => (
             e,
-            M::PORT | M::AV | M::TIMEOUT | M::RETRY_CNT | M::RNR_RETRY | M::MAX_QP_RD_ATOMIC
-                | M::MAX_DEST_RD_ATOMIC | M::ACCESS_FLAGS | M::PKEY_INDEX | M::MIN_RNR_TIMER,
+            M::PORT
+                | M::AV
+                | M::TIMEOUT
+                | M::RETRY_CNT
+                | M::RNR_RETRY
+                | M::MAX_QP_RD_ATOMIC
+                | M::MAX_DEST_RD_ATOMIC
+                | M::ACCESS_FLAGS
+                | M::PKEY_INDEX
+                | M::MIN_RNR_TIMER,
         ),
         (Init | Rtr | Rts | Sqd | Sqe, Reset) | (Init | Rtr | Rts | Sqd | Sqe, Err) => (e, e),
         (Err, Reset) | (Err, Err) | (Reset, Reset) | (Reset, Err) => (e, e),
@@ -182,14 +204,22 @@ pub(crate) enum ModifyError {
 }
 
 /// Validates a modify against the QP's current state and the device limits; all or nothing.
-pub(crate) fn check_modify(qp: &Qp, mask: M, a: &QpAttr, max_rd_atomic: u32) -> Result<QpState, ModifyError> {
+pub(crate) fn check_modify(
+    qp: &Qp,
+    mask: M,
+    a: &QpAttr,
+    max_rd_atomic: u32,
+) -> Result<QpState, ModifyError> {
     let to = if mask.contains(M::STATE) {
         QpState::from_u8(a.state).ok_or(ModifyError::BadParam)?
     } else {
         qp.state
     };
     if mask.contains(M::CUR_STATE) {
-        if !matches!(qp.state, QpState::Rtr | QpState::Rts | QpState::Sqd | QpState::Sqe) {
+        if !matches!(
+            qp.state,
+            QpState::Rtr | QpState::Rts | QpState::Sqd | QpState::Sqe
+        ) {
             return Err(ModifyError::BadParam);
         }
         if QpState::from_u8(a.cur_state) != Some(qp.state) {
@@ -207,8 +237,10 @@ pub(crate) fn check_modify(qp: &Qp, mask: M, a: &QpAttr, max_rd_atomic: u32) -> 
         && (!mask.contains(M::RNR_RETRY) || a.rnr_retry <= 7)
         && (!mask.contains(M::MIN_RNR_TIMER) || a.min_rnr_timer <= 31)
         && (!mask.contains(M::MAX_QP_RD_ATOMIC) || (a.max_rd_atomic as u32) <= max_rd_atomic)
-        && (!mask.contains(M::MAX_DEST_RD_ATOMIC) || (a.max_dest_rd_atomic as u32) <= max_rd_atomic)
-        && (!mask.contains(M::DEST_QPN) || a.dest_qpn.get() <= 0x00FF_FFFF && a.dest_qpn.get() != 0)
+        && (!mask.contains(M::MAX_DEST_RD_ATOMIC)
+            || (a.max_dest_rd_atomic as u32) <= max_rd_atomic)
+        && (!mask.contains(M::DEST_QPN)
+            || a.dest_qpn.get() <= 0x00FF_FFFF && a.dest_qpn.get() != 0)
         && (!mask.contains(M::ACCESS_FLAGS) || Access::from_bits(a.access.get()).is_some())
         && (!mask.contains(M::PKEY_INDEX) || a.pkey_index.get() == 0);
     if !ok {
@@ -219,8 +251,17 @@ pub(crate) fn check_modify(qp: &Qp, mask: M, a: &QpAttr, max_rd_atomic: u32) -> 
 
 impl Nic {
     /// Applies a validated modify.
-    pub(crate) fn apply_modify(&mut self, env: &mut dyn Env, qpn: u32, mask: M, a: &QpAttr, to: QpState) {
-        let Some(qp) = self.qps.get_mut(qpn) else { return };
+    pub(crate) fn apply_modify(
+        &mut self,
+        env: &mut dyn Env,
+        qpn: u32,
+        mask: M,
+        a: &QpAttr,
+        to: QpState,
+    ) {
+        let Some(qp) = self.qps.get_mut(qpn) else {
+            return;
+        };
         let t = &mut qp.attr;
         if mask.contains(M::ACCESS_FLAGS) {
             t.access = a.access;
@@ -276,9 +317,9 @@ impl Nic {
             }
             QpState::Err if from != QpState::Err => self.flush_qp(env, qpn),
             QpState::Rts => {
-                    let now = env.now();
-                    self.kick_sq(env, qpn, now)
-                }
+                let now = env.now();
+                self.kick_sq(env, qpn, now)
+            }
             _ => {}
         }
     }
@@ -343,7 +384,12 @@ impl Nic {
 
     /// Reads the scatter list of receive WQE `index` of a ring with `1 << log_stride` bytes
     /// per entry.
-    pub(crate) fn read_recv_wqe(&mut self, env: &mut dyn Env, wq: &WorkQueue, index: u32) -> Result<Vec<Sge>, u64> {
+    pub(crate) fn read_recv_wqe(
+        &mut self,
+        env: &mut dyn Env,
+        wq: &WorkQueue,
+        index: u32,
+    ) -> Result<Vec<Sge>, u64> {
         let stride = 1u64 << wq.log_stride;
         let at = wq.slot_iova(index, stride);
         let mut buf = [0u8; 16 * 32];
@@ -351,11 +397,17 @@ impl Nic {
         env.dma_read(at, &mut buf[..n]).map_err(|f| f.iova)?;
         let mut sges = Vec::new();
         for chunk in buf[..n].chunks_exact(SEG) {
-            let Ok(d) = DataSeg::read_from_bytes(chunk) else { break };
+            let Ok(d) = DataSeg::read_from_bytes(chunk) else {
+                break;
+            };
             if d.lkey.get() == RECV_LKEY_END {
                 break;
             }
-            sges.push(Sge { lkey: d.lkey.get(), addr: d.addr.get(), len: d.byte_count.get() });
+            sges.push(Sge {
+                lkey: d.lkey.get(),
+                addr: d.addr.get(),
+                len: d.byte_count.get(),
+            });
         }
         Ok(sges)
     }
@@ -363,9 +415,15 @@ impl Nic {
     /// Takes the next receive WQE for `qpn` from its RQ or SRQ: (index, srqn, sges).
     /// `Ok(None)` when none is posted.
     #[allow(clippy::type_complexity)]
-    pub(crate) fn take_recv_wqe(&mut self, env: &mut dyn Env, qp: &mut Qp) -> Result<Option<(u32, u32, Vec<Sge>)>, u64> {
+    pub(crate) fn take_recv_wqe(
+        &mut self,
+        env: &mut dyn Env,
+        qp: &mut Qp,
+    ) -> Result<Option<(u32, u32, Vec<Sge>)>, u64> {
         if qp.srqn != 0 {
-            let Some(srq) = self.srqs.get_mut(qp.srqn) else { return Ok(None) };
+            let Some(srq) = self.srqs.get_mut(qp.srqn) else {
+                return Ok(None);
+            };
             if srq.wq.ci == srq.wq.pi {
                 return Ok(None);
             }
@@ -397,11 +455,22 @@ impl Nic {
     /// Queues a CQE write at `ready` plus the PCIe write and CQE-after-data delays.
     pub(crate) fn complete(&mut self, env: &mut dyn Env, cqn: u32, ready: SimTime, cqe: Cqe) {
         let t = self.reserve_pcie_write(ready, 64) + SimTime(self.cfg.timing.nic_cqe_after_data_ps);
-        env.schedule(t, NicEvent::CqeWrite { cqn, cqe: Box::new(cqe) });
+        env.schedule(
+            t,
+            NicEvent::CqeWrite {
+                cqn,
+                cqe: Box::new(cqe),
+            },
+        );
     }
 
     /// Builds a send-side CQE.
-    pub(crate) fn send_cqe(qpn: u32, o: &Outstanding, status: CqeStatus, syndrome: VendorSyndrome) -> Cqe {
+    pub(crate) fn send_cqe(
+        qpn: u32,
+        o: &Outstanding,
+        status: CqeStatus,
+        syndrome: VendorSyndrome,
+    ) -> Cqe {
         let opcode = match o.op {
             SendOpcode::Send | SendOpcode::SendImm => CqeOpcode::Send,
             SendOpcode::Write | SendOpcode::WriteImm => CqeOpcode::RdmaWrite,
@@ -422,7 +491,9 @@ impl Nic {
 
     /// Moves `qpn` to ERR (if it is not there) and flushes every outstanding and posted WQE.
     pub(crate) fn flush_qp(&mut self, env: &mut dyn Env, qpn: u32) {
-        let Some(mut qp) = self.qps.remove(qpn) else { return };
+        let Some(mut qp) = self.qps.remove(qpn) else {
+            return;
+        };
         self.flush(env, &mut qp);
         self.qps.restore(qpn, qp);
     }
@@ -444,10 +515,18 @@ impl Nic {
             guard += 1;
             let mut b = [0u8; 16];
             let at = qp.sq.slot_iova(qp.fetch, WQEBB as u64);
-            let ctrl = env.dma_read(at, &mut b).ok().and_then(|_| CtrlSeg::read_from_bytes(&b).ok());
+            let ctrl = env
+                .dma_read(at, &mut b)
+                .ok()
+                .and_then(|_| CtrlSeg::read_from_bytes(&b).ok());
             let (op, nbb) = match ctrl {
-                Some(c) if c.wqe_index.get() == qp.fetch as u16 && (1..=16).contains(&c.ds_count) => {
-                    (SendOpcode::from_u8(c.opcode).unwrap_or(SendOpcode::Send), ringbell_specs::wqe::wqebbs(c.ds_count as usize) as u32)
+                Some(c)
+                    if c.wqe_index.get() == qp.fetch as u16 && (1..=16).contains(&c.ds_count) =>
+                {
+                    (
+                        SendOpcode::from_u8(c.opcode).unwrap_or(SendOpcode::Send),
+                        ringbell_specs::wqe::wqebbs(c.ds_count as usize) as u32,
+                    )
                 }
                 _ => (SendOpcode::Send, 1),
             };

@@ -8,7 +8,10 @@ use crate::qp::{Outstanding, Qp, Sge};
 use ringbell_specs::cmd::{Access, QpState};
 use ringbell_specs::cqe::{CqeStatus, DoorbellError, VendorSyndrome};
 use ringbell_specs::wire::{AethSyndrome, NakCode, Opcode, Packet};
-use ringbell_specs::wqe::{self, AtomicSeg, CtrlSeg, DataSeg, RaddrSeg, SendOpcode, WqeFlags, INLINE_MARK, MAX_DS, SEG, WQEBB};
+use ringbell_specs::wqe::{
+    self, AtomicSeg, CtrlSeg, DataSeg, RaddrSeg, SendOpcode, WqeFlags, INLINE_MARK, MAX_DS, SEG,
+    WQEBB,
+};
 use ringbell_specs::{Psn, SimTime};
 use zerocopy::FromBytes;
 
@@ -34,7 +37,9 @@ type WqeError = (CqeStatus, VendorSyndrome);
 impl Nic {
     /// The send engine: starts at most one WQE, then reschedules itself.
     pub(crate) fn sq_process(&mut self, env: &mut dyn Env, qpn: u32) {
-        let Some(mut qp) = self.qps.remove(qpn) else { return };
+        let Some(mut qp) = self.qps.remove(qpn) else {
+            return;
+        };
         qp.req.scheduled = false;
         let again = self.start_next_wqe(env, &mut qp);
         let busy = qp.req.busy_until;
@@ -64,7 +69,10 @@ impl Nic {
                 return false;
             }
         };
-        let rd_atomic = matches!(wqe.op, SendOpcode::Read | SendOpcode::CmpSwap | SendOpcode::FetchAdd);
+        let rd_atomic = matches!(
+            wqe.op,
+            SendOpcode::Read | SendOpcode::CmpSwap | SendOpcode::FetchAdd
+        );
         if wqe.flags.contains(WqeFlags::FENCE) && qp.req.rd_atomic > 0 {
             return false; // resumed when the outstanding READs/atomics complete
         }
@@ -77,7 +85,12 @@ impl Nic {
         }
         let t = &self.cfg.timing;
         let fetched = now + SimTime(t.dma_read_rtt_ps);
-        let data_at = if wqe.sges.is_empty() { fetched } else { fetched + SimTime(t.dma_read_rtt_ps) };
+        let gathers = !wqe.sges.is_empty() && !rd_atomic;
+        let data_at = if gathers {
+            fetched + SimTime(t.dma_read_rtt_ps)
+        } else {
+            fetched
+        };
         let ready = data_at + SimTime(t.nic_tx_wqe_ps);
         let first_psn = qp.req.next_psn;
         let mtu = qp.mtu();
@@ -88,7 +101,13 @@ impl Nic {
                 let n = (wqe.len as u32).div_ceil(mtu).max(1);
                 if let Err(f) = self.emit_data_packets(env, qp, &wqe, first_psn, ready) {
                     self.iommu_fault(env, qp.qpn, f);
-                    self.fail_wqe(env, qp, index, wqe.nbb, (CqeStatus::GeneralErr, VendorSyndrome::IommuFault));
+                    self.fail_wqe(
+                        env,
+                        qp,
+                        index,
+                        wqe.nbb,
+                        (CqeStatus::GeneralErr, VendorSyndrome::IommuFault),
+                    );
                     return false;
                 }
                 n
@@ -96,13 +115,21 @@ impl Nic {
         };
         match wqe.op {
             SendOpcode::Read => {
-                let reth = ringbell_specs::wire::Reth { va: wqe.raddr, rkey: wqe.rkey, len: wqe.len as u32 };
+                let reth = ringbell_specs::wire::Reth {
+                    va: wqe.raddr,
+                    rkey: wqe.rkey,
+                    len: wqe.len as u32,
+                };
                 let mut repr = self.packet_repr(qp, Opcode::ReadRequest, first_psn, true);
                 repr.reth = Some(reth);
                 self.emit(env, &repr, &[], ready);
             }
             SendOpcode::CmpSwap | SendOpcode::FetchAdd => {
-                let opc = if wqe.op == SendOpcode::CmpSwap { Opcode::CompareSwap } else { Opcode::FetchAdd };
+                let opc = if wqe.op == SendOpcode::CmpSwap {
+                    Opcode::CompareSwap
+                } else {
+                    Opcode::FetchAdd
+                };
                 let mut repr = self.packet_repr(qp, opc, first_psn, true);
                 repr.atomic_eth = Some(ringbell_specs::wire::AtomicEth {
                     va: wqe.raddr,
@@ -135,7 +162,12 @@ impl Nic {
     }
 
     /// Reads and decodes WQE `index`. `Ok(None)`: the WQE is stale (doorbell error raised).
-    fn read_send_wqe(&mut self, env: &mut dyn Env, qp: &mut Qp, index: u32) -> Result<Option<SendWqe>, (WqeError, u32)> {
+    fn read_send_wqe(
+        &mut self,
+        env: &mut dyn Env,
+        qp: &mut Qp,
+        index: u32,
+    ) -> Result<Option<SendWqe>, (WqeError, u32)> {
         let mut raw = [0u8; MAX_DS * SEG];
         let first = qp.sq.slot_iova(index, WQEBB as u64);
         if let Err(f) = env.dma_read(first, &mut raw[..WQEBB]) {
@@ -143,7 +175,11 @@ impl Nic {
             return Err(((CqeStatus::GeneralErr, VendorSyndrome::IommuFault), 1));
         }
         let ctrl = CtrlSeg::read_from_bytes(&raw[..SEG]).unwrap_or_default();
-        if ctrl.wqe_index.get() != index as u16 {
+        // An all-zero control segment was never written (no opcode is 0). Without this check
+        // a fresh ring's block 0 (index 0) would pass the wqe_index test and be reported as a
+        // malformed WQE instead of a doorbell rung before its WQE was written.
+        let unwritten = ctrl == CtrlSeg::default();
+        if ctrl.wqe_index.get() != index as u16 || unwritten {
             // Nothing valid was written here: forget the doorbell past this point.
             qp.sq.pi = index;
             self.doorbell_error(env, qp.qpn, DoorbellError::StaleWqe, index);
@@ -154,8 +190,26 @@ impl Nic {
             return Err(((CqeStatus::LocQpOpErr, VendorSyndrome::BadSegment), 1));
         }
         let nbb = wqe::wqebbs(ds) as u32;
-        if nbb > qp.sq.pi.wrapping_sub(index) {
-            return Err(((CqeStatus::LocQpOpErr, VendorSyndrome::BadSegment), qp.sq.pi.wrapping_sub(index)));
+        let posted = qp.sq.pi.wrapping_sub(index);
+        if nbb > posted {
+            // The WQE claims more blocks than the doorbell covers. If a covered block starts a
+            // WQE of its own (its control segment carries its index), ds_count is corrupt and
+            // this WQE ends there, so the WQEs behind it still get their flush completions;
+            // otherwise the doorbell ended inside this WQE and it takes every posted block.
+            let mut end = posted;
+            for b in 1..posted {
+                let at = qp.sq.slot_iova(index.wrapping_add(b), WQEBB as u64);
+                let mut c = [0u8; SEG];
+                let own = env.dma_read(at, &mut c).is_ok()
+                    && CtrlSeg::read_from_bytes(&c).is_ok_and(|c| {
+                        c != CtrlSeg::default() && c.wqe_index.get() == index.wrapping_add(b) as u16
+                    });
+                if own {
+                    end = b;
+                    break;
+                }
+            }
+            return Err(((CqeStatus::LocQpOpErr, VendorSyndrome::BadSegment), end));
         }
         for b in 1..nbb {
             let at = qp.sq.slot_iova(index.wrapping_add(b), WQEBB as u64);
@@ -166,8 +220,12 @@ impl Nic {
             }
         }
         let bad = |s| Err(((CqeStatus::LocQpOpErr, s), nbb));
-        let Some(op) = SendOpcode::from_u8(ctrl.opcode) else { return bad(VendorSyndrome::BadOpcode) };
-        let Some(flags) = WqeFlags::from_bits(ctrl.flags) else { return bad(VendorSyndrome::BadSegment) };
+        let Some(op) = SendOpcode::from_u8(ctrl.opcode) else {
+            return bad(VendorSyndrome::BadOpcode);
+        };
+        let Some(flags) = WqeFlags::from_bits(ctrl.flags) else {
+            return bad(VendorSyndrome::BadSegment);
+        };
         let body = &raw[SEG..ds * SEG];
         let mut w = SendWqe {
             op,
@@ -183,18 +241,26 @@ impl Nic {
         };
         let mut rest = body;
         if op.has_raddr() {
-            let Some((r, tail)) = split_seg::<RaddrSeg>(rest) else { return bad(VendorSyndrome::BadSegment) };
+            let Some((r, tail)) = split_seg::<RaddrSeg>(rest) else {
+                return bad(VendorSyndrome::BadSegment);
+            };
             w.raddr = r.raddr.get();
             w.rkey = r.rkey.get();
             rest = tail;
         }
         if op.is_atomic() {
-            let Some((a, tail)) = split_seg::<AtomicSeg>(rest) else { return bad(VendorSyndrome::BadSegment) };
+            let Some((a, tail)) = split_seg::<AtomicSeg>(rest) else {
+                return bad(VendorSyndrome::BadSegment);
+            };
             w.atomic = (a.swap_add.get(), a.compare.get());
             rest = tail;
         }
         if flags.contains(WqeFlags::INLINE) {
-            if matches!(op, SendOpcode::Read | SendOpcode::CmpSwap | SendOpcode::FetchAdd) || rest.len() < 4 {
+            if matches!(
+                op,
+                SendOpcode::Read | SendOpcode::CmpSwap | SendOpcode::FetchAdd
+            ) || rest.len() < 4
+            {
                 return bad(VendorSyndrome::BadSegment);
             }
             let bc = u32::from_le_bytes([rest[0], rest[1], rest[2], rest[3]]);
@@ -207,7 +273,11 @@ impl Nic {
         } else {
             for chunk in rest.chunks_exact(SEG) {
                 let d = DataSeg::read_from_bytes(chunk).unwrap_or_default();
-                w.sges.push(Sge { lkey: d.lkey.get(), addr: d.addr.get(), len: d.byte_count.get() });
+                w.sges.push(Sge {
+                    lkey: d.lkey.get(),
+                    addr: d.addr.get(),
+                    len: d.byte_count.get(),
+                });
                 w.len += d.byte_count.get() as u64;
             }
             if w.len > self.cfg.max_msg_size as u64 {
@@ -244,7 +314,14 @@ impl Nic {
     }
 
     /// Copies `out.len()` message bytes starting at `offset` out of a gather list.
-    pub(crate) fn gather(&self, env: &mut dyn Env, pdn: u32, sges: &[Sge], mut offset: u64, out: &mut [u8]) -> Result<(), u64> {
+    pub(crate) fn gather(
+        &self,
+        env: &mut dyn Env,
+        pdn: u32,
+        sges: &[Sge],
+        mut offset: u64,
+        out: &mut [u8],
+    ) -> Result<(), u64> {
         let mut done = 0;
         for s in sges {
             if done == out.len() {
@@ -256,8 +333,11 @@ impl Nic {
                 continue;
             }
             let n = ((len - offset) as usize).min(out.len() - done);
-            let iova = self.check_key(pdn, s.lkey, s.addr + offset, n as u64, Access::empty()).map_err(|_| s.addr)?;
-            env.dma_read(iova, &mut out[done..done + n]).map_err(|f| f.iova)?;
+            let iova = self
+                .check_key(pdn, s.lkey, s.addr + offset, n as u64, Access::empty())
+                .map_err(|_| s.addr)?;
+            env.dma_read(iova, &mut out[done..done + n])
+                .map_err(|f| f.iova)?;
             done += n;
             offset = 0;
         }
@@ -265,7 +345,14 @@ impl Nic {
     }
 
     /// Segments a SEND or WRITE into packets and puts them on the wire.
-    fn emit_data_packets(&mut self, env: &mut dyn Env, qp: &Qp, w: &SendWqe, first_psn: Psn, ready: SimTime) -> Result<(), u64> {
+    fn emit_data_packets(
+        &mut self,
+        env: &mut dyn Env,
+        qp: &Qp,
+        w: &SendWqe,
+        first_psn: Psn,
+        ready: SimTime,
+    ) -> Result<(), u64> {
         let mtu = qp.mtu() as u64;
         let n = w.len.div_ceil(mtu).max(1);
         let is_send = matches!(w.op, SendOpcode::Send | SendOpcode::SendImm);
@@ -300,7 +387,11 @@ impl Nic {
             let mut repr = self.packet_repr(qp, opcode, first_psn.add(i as u32), last);
             repr.bth.solicited = last && w.flags.contains(WqeFlags::SOLICITED);
             if opcode.has_reth() {
-                repr.reth = Some(ringbell_specs::wire::Reth { va: w.raddr, rkey: w.rkey, len: w.len as u32 });
+                repr.reth = Some(ringbell_specs::wire::Reth {
+                    va: w.raddr,
+                    rkey: w.rkey,
+                    len: w.len as u32,
+                });
             }
             if opcode.has_immdt() {
                 repr.imm = Some(w.imm);
@@ -326,8 +417,12 @@ impl Nic {
         });
         // Keep the opcode the WQE had, if it could be read, for the error CQE.
         let mut b = [0u8; 16];
-        if env.dma_read(qp.sq.slot_iova(index, WQEBB as u64), &mut b).is_ok() {
-            if let (Ok(c), Some(o)) = (CtrlSeg::read_from_bytes(&b), qp.req.outstanding.back_mut()) {
+        if env
+            .dma_read(qp.sq.slot_iova(index, WQEBB as u64), &mut b)
+            .is_ok()
+        {
+            if let (Ok(c), Some(o)) = (CtrlSeg::read_from_bytes(&b), qp.req.outstanding.back_mut())
+            {
                 o.op = SendOpcode::from_u8(c.opcode).unwrap_or(SendOpcode::Send);
             }
         }
@@ -342,7 +437,9 @@ impl Nic {
             return;
         }
         let psn = pkt.repr.bth.psn;
-        let Some(op) = Opcode::from_u8(pkt.repr.bth.opcode) else { return };
+        let Some(op) = Opcode::from_u8(pkt.repr.bth.opcode) else {
+            return;
+        };
         let ready = env.now() + SimTime(self.cfg.timing.nic_rx_pkt_ps);
         match op {
             Opcode::Acknowledge => {
@@ -350,7 +447,9 @@ impl Nic {
                 match aeth.syndrome {
                     AethSyndrome::Ack { .. } => self.ack_through(qp, psn, true),
                     AethSyndrome::RnrNak { timer } => self.rnr_nak(env, qp, psn, timer),
-                    AethSyndrome::Nak(NakCode::PsnSequenceError) => self.rewind(env, qp, psn, ready),
+                    AethSyndrome::Nak(NakCode::PsnSequenceError) => {
+                        self.rewind(env, qp, psn, ready)
+                    }
                     AethSyndrome::Nak(code) => {
                         self.ack_through(qp, psn, false);
                         let status = match code {
@@ -358,18 +457,29 @@ impl Nic {
                             NakCode::RemoteAccessError => CqeStatus::RemAccessErr,
                             _ => CqeStatus::RemOpErr,
                         };
-                        if let Some(o) = qp.req.outstanding.iter_mut().find(|o| !o.done && o.error.is_none()) {
+                        if let Some(o) = qp
+                            .req
+                            .outstanding
+                            .iter_mut()
+                            .find(|o| !o.done && o.error.is_none())
+                        {
                             o.error = Some((status, VendorSyndrome::None));
                         }
                     }
                 }
             }
-            Opcode::ReadResponseFirst | Opcode::ReadResponseMiddle | Opcode::ReadResponseLast | Opcode::ReadResponseOnly => {
+            Opcode::ReadResponseFirst
+            | Opcode::ReadResponseMiddle
+            | Opcode::ReadResponseLast
+            | Opcode::ReadResponseOnly => {
                 self.ack_through(qp, psn, false);
                 let mtu = qp.mtu() as u64;
                 let pdn = qp.pdn;
                 let Some(o) = qp.req.outstanding.iter_mut().find(|o| {
-                    o.op == SendOpcode::Read && !o.done && psn.diff(o.first_psn) >= 0 && o.last_psn().diff(psn) >= 0
+                    o.op == SendOpcode::Read
+                        && !o.done
+                        && psn.diff(o.first_psn) >= 0
+                        && o.last_psn().diff(psn) >= 0
                 }) else {
                     return;
                 };
@@ -384,13 +494,23 @@ impl Nic {
                     match self.scatter(env, pdn, qpn, &sges, offset, payload, ready) {
                         Ok(_) => {}
                         Err(e) => {
-                            if let Some(o) = qp.req.outstanding.iter_mut().find(|o| o.op == SendOpcode::Read && !o.done) {
+                            if let Some(o) = qp
+                                .req
+                                .outstanding
+                                .iter_mut()
+                                .find(|o| o.op == SendOpcode::Read && !o.done)
+                            {
                                 o.error = Some(e);
                             }
                         }
                     }
                     if is_last {
-                        if let Some(o) = qp.req.outstanding.iter_mut().find(|o| o.op == SendOpcode::Read && !o.done && o.error.is_none()) {
+                        if let Some(o) = qp
+                            .req
+                            .outstanding
+                            .iter_mut()
+                            .find(|o| o.op == SendOpcode::Read && !o.done && o.error.is_none())
+                        {
                             o.done = true;
                         }
                     }
@@ -398,15 +518,27 @@ impl Nic {
             }
             Opcode::AtomicAcknowledge => {
                 self.ack_through(qp, psn, false);
-                let Some(orig) = pkt.repr.atomic_ack else { return };
+                let Some(orig) = pkt.repr.atomic_ack else {
+                    return;
+                };
                 let pdn = qp.pdn;
                 let qpn = qp.qpn;
-                let Some(o) = qp.req.outstanding.iter_mut().find(|o| o.op.is_atomic() && o.first_psn == psn && !o.done) else {
+                let Some(o) = qp
+                    .req
+                    .outstanding
+                    .iter_mut()
+                    .find(|o| o.op.is_atomic() && o.first_psn == psn && !o.done)
+                else {
                     return;
                 };
                 let sges = o.sges.clone();
                 let r = self.scatter(env, pdn, qpn, &sges, 0, &orig.to_le_bytes(), ready);
-                if let Some(o) = qp.req.outstanding.iter_mut().find(|o| o.op.is_atomic() && o.first_psn == psn && !o.done) {
+                if let Some(o) = qp
+                    .req
+                    .outstanding
+                    .iter_mut()
+                    .find(|o| o.op.is_atomic() && o.first_psn == psn && !o.done)
+                {
                     match r {
                         Ok(()) => o.done = true,
                         Err(e) => o.error = Some(e),
@@ -444,12 +576,13 @@ impl Nic {
             let iova = self
                 .check_key(pdn, s.lkey, s.addr + offset, n as u64, Access::LOCAL_WRITE)
                 .map_err(|e| (CqeStatus::LocProtErr, e.syndrome()))?;
-            if let Err(f) = env.dma_check(iova, n) {
+            // Data lands at once so that later reads of this memory (by this NIC or the
+            // host) are ordered after it; the PCIe write time is charged to the CQE behind it.
+            if let Err(f) = env.dma_write(iova, &data[done..done + n]) {
                 self.iommu_fault(env, qpn, f.iova);
                 return Err((CqeStatus::GeneralErr, VendorSyndrome::IommuFault));
             }
-            let at = self.reserve_pcie_write(ready, n);
-            env.schedule(at, NicEvent::DmaWrite { iova, data: data[done..done + n].to_vec(), qpn });
+            self.reserve_pcie_write(ready, n);
             done += n;
             offset = 0;
         }
@@ -475,12 +608,22 @@ impl Nic {
     /// Go back to the WQE holding `psn` and send again from there.
     fn rewind(&mut self, env: &mut dyn Env, qp: &mut Qp, psn: Psn, at: SimTime) {
         self.ack_through(qp, psn, false);
-        let Some(pos) = qp.req.outstanding.iter().position(|o| !o.done && o.error.is_none()) else { return };
+        let Some(pos) = qp
+            .req
+            .outstanding
+            .iter()
+            .position(|o| !o.done && o.error.is_none())
+        else {
+            return;
+        };
         let o = &qp.req.outstanding[pos];
         qp.fetch = o.wqe_index;
         qp.req.next_psn = o.first_psn;
         let dropped = qp.req.outstanding.split_off(pos);
-        qp.req.rd_atomic = qp.req.rd_atomic.saturating_sub(dropped.iter().filter(|o| o.is_rd_atomic()).count() as u32);
+        qp.req.rd_atomic = qp
+            .req
+            .rd_atomic
+            .saturating_sub(dropped.iter().filter(|o| o.is_rd_atomic()).count() as u32);
         if !qp.req.scheduled {
             qp.req.scheduled = true;
             env.schedule(at, NicEvent::SqProcess { qpn: qp.qpn });
@@ -495,7 +638,12 @@ impl Nic {
             qp.req.rnr_left -= 1;
             if qp.req.rnr_left == 0 {
                 self.ack_through(qp, psn, false);
-                if let Some(o) = qp.req.outstanding.iter_mut().find(|o| !o.done && o.error.is_none()) {
+                if let Some(o) = qp
+                    .req
+                    .outstanding
+                    .iter_mut()
+                    .find(|o| !o.done && o.error.is_none())
+                {
                     o.error = Some((CqeStatus::RnrRetryExcErr, VendorSyndrome::None));
                 }
                 return;

@@ -1,18 +1,24 @@
 //! The receive path: frame validation, the responder (SEND, WRITE, READ, atomics, ACK/NAK
 //! generation) and the hand-off of responses to the requester.
 
-use crate::env::{Env, NicEvent};
+use crate::env::Env;
 use crate::nic::Nic;
 use crate::qp::{Qp, RecvCtx, WriteCtx};
 use ringbell_specs::cmd::{Access, QpState};
-use ringbell_specs::cqe::{Cqe, CqeOpcode, CqeStatus, EventType, CQE_FLAG_IMM, CQE_FLAG_SOLICITED, CQE_FLAG_SRQ};
-use ringbell_specs::wire::{self, Aeth, AethSyndrome, BthRepr, Endpoint, NakCode, Opcode, Packet, PacketRepr};
+use ringbell_specs::cqe::{
+    Cqe, CqeOpcode, CqeStatus, EventType, VendorSyndrome, CQE_FLAG_IMM, CQE_FLAG_SOLICITED,
+    CQE_FLAG_SRQ,
+};
+use ringbell_specs::wire::{
+    self, Aeth, AethSyndrome, BthRepr, Endpoint, NakCode, Opcode, Packet, PacketRepr,
+};
 use ringbell_specs::{Psn, Qpn, SimTime};
 
 /// What went wrong with a request, and what the responder does about it.
 enum Fault {
-    /// NAK with this code, move to ERR; complete the current receive WQE with the status.
-    Fatal(NakCode, Option<CqeStatus>),
+    /// NAK with this code, move to ERR; complete the current receive WQE with the status
+    /// and its vendor syndrome.
+    Fatal(NakCode, Option<(CqeStatus, VendorSyndrome)>),
     /// RNR NAK: no receive WQE; nothing consumed.
     Rnr,
 }
@@ -50,11 +56,23 @@ impl Nic {
     }
 
     /// The headers of a packet from `qp` to its peer.
-    pub(crate) fn packet_repr(&self, qp: &Qp, opcode: Opcode, psn: Psn, ack_req: bool) -> PacketRepr {
+    pub(crate) fn packet_repr(
+        &self,
+        qp: &Qp,
+        opcode: Opcode,
+        psn: Psn,
+        ack_req: bool,
+    ) -> PacketRepr {
         let dest = Qpn::from_bits(qp.attr.dest_qpn.get());
         PacketRepr {
-            src: Endpoint { mac: self.cfg.mac, ip: self.cfg.ip },
-            dst: Endpoint { mac: qp.attr.dest_mac, ip: qp.attr.dest_ip },
+            src: Endpoint {
+                mac: self.cfg.mac,
+                ip: self.cfg.ip,
+            },
+            dst: Endpoint {
+                mac: qp.attr.dest_mac,
+                ip: qp.attr.dest_ip,
+            },
             udp_src_port: wire::udp_src_port(Qpn::from_bits(qp.qpn), dest),
             ip_id: psn.get() as u16,
             tos: 0,
@@ -81,15 +99,31 @@ impl Nic {
     }
 
     /// Builds a frame and sends it once `ready`.
-    pub(crate) fn emit(&mut self, env: &mut dyn Env, repr: &PacketRepr, payload: &[u8], ready: SimTime) {
+    pub(crate) fn emit(
+        &mut self,
+        env: &mut dyn Env,
+        repr: &PacketRepr,
+        payload: &[u8],
+        ready: SimTime,
+    ) {
         let mut frame = Vec::with_capacity(repr.frame_len(payload.len()));
         repr.emit(payload, &mut frame);
         self.send_frame(env, ready, frame);
     }
 
-    fn send_ack(&mut self, env: &mut dyn Env, qp: &Qp, psn: Psn, syndrome: AethSyndrome, ready: SimTime) {
+    fn send_ack(
+        &mut self,
+        env: &mut dyn Env,
+        qp: &Qp,
+        psn: Psn,
+        syndrome: AethSyndrome,
+        ready: SimTime,
+    ) {
         let mut repr = self.packet_repr(qp, Opcode::Acknowledge, psn, false);
-        repr.aeth = Some(Aeth { syndrome, msn: qp.resp.msn & 0x00FF_FFFF });
+        repr.aeth = Some(Aeth {
+            syndrome,
+            msn: qp.resp.msn & 0x00FF_FFFF,
+        });
         if matches!(syndrome, AethSyndrome::Nak(_)) {
             self.stats.naks_sent += 1;
         }
@@ -110,16 +144,27 @@ impl Nic {
             if !qp.resp.nak_sent {
                 qp.resp.nak_sent = true;
                 let e = qp.resp.epsn;
-                self.send_ack(env, qp, e, AethSyndrome::Nak(NakCode::PsnSequenceError), ready);
+                self.send_ack(
+                    env,
+                    qp,
+                    e,
+                    AethSyndrome::Nak(NakCode::PsnSequenceError),
+                    ready,
+                );
             }
             return;
         }
         qp.resp.nak_sent = false;
-        let Some(op) = Opcode::from_u8(pkt.repr.bth.opcode) else { return };
+        let Some(op) = Opcode::from_u8(pkt.repr.bth.opcode) else {
+            return;
+        };
         let r = match op {
-            Opcode::SendFirst | Opcode::SendMiddle | Opcode::SendLast | Opcode::SendLastImm | Opcode::SendOnly | Opcode::SendOnlyImm => {
-                self.rx_send(env, qp, pkt, op, ready)
-            }
+            Opcode::SendFirst
+            | Opcode::SendMiddle
+            | Opcode::SendLast
+            | Opcode::SendLastImm
+            | Opcode::SendOnly
+            | Opcode::SendOnlyImm => self.rx_send(env, qp, pkt, op, ready),
             Opcode::WriteFirst
             | Opcode::WriteMiddle
             | Opcode::WriteLast
@@ -138,8 +183,9 @@ impl Nic {
             }
             Err(Fault::Fatal(code, status)) => {
                 self.send_ack(env, qp, psn, AethSyndrome::Nak(code), ready);
-                if let (Some(status), Some(rc)) = (status, qp.resp.recv.take()) {
-                    let cqe = recv_cqe(qp.qpn, &rc, status, 0);
+                if let (Some((status, syndrome)), Some(rc)) = (status, qp.resp.recv.take()) {
+                    let mut cqe = recv_cqe(qp.qpn, &rc, status, 0);
+                    cqe.vendor_syndrome = syndrome as u8;
                     self.complete(env, qp.recv_cqn, ready, cqe);
                 }
                 if code == NakCode::RemoteAccessError {
@@ -154,9 +200,21 @@ impl Nic {
     /// MIDDLE/LAST must continue one of the same kind.
     fn check_sequence(qp: &Qp, op: Opcode, is_send: bool) -> Result<(), Fault> {
         let in_send = qp.resp.recv.as_ref().is_some_and(|r| r.offset != u32::MAX);
-        let in_progress = if is_send { in_send } else { qp.resp.write.is_some() };
-        let other = if is_send { qp.resp.write.is_some() } else { in_send };
-        let ok = if op.is_first() { !in_progress && !other } else { in_progress };
+        let in_progress = if is_send {
+            in_send
+        } else {
+            qp.resp.write.is_some()
+        };
+        let other = if is_send {
+            qp.resp.write.is_some()
+        } else {
+            in_send
+        };
+        let ok = if op.is_first() {
+            !in_progress && !other
+        } else {
+            in_progress
+        };
         if ok {
             Ok(())
         } else {
@@ -174,7 +232,14 @@ impl Nic {
         }
     }
 
-    fn rx_send(&mut self, env: &mut dyn Env, qp: &mut Qp, pkt: &Packet<'_>, op: Opcode, ready: SimTime) -> Result<(), Fault> {
+    fn rx_send(
+        &mut self,
+        env: &mut dyn Env,
+        qp: &mut Qp,
+        pkt: &Packet<'_>,
+        op: Opcode,
+        ready: SimTime,
+    ) -> Result<(), Fault> {
         Self::check_sequence(qp, op, true)?;
         Self::mtu_check(qp, op, pkt.payload.len())?;
         if op.is_first() {
@@ -186,25 +251,40 @@ impl Nic {
                     return Err(Fault::Fatal(NakCode::RemoteOperationalError, None));
                 }
             };
-            qp.resp.recv = Some(RecvCtx { wqe_index: index, srqn, sges, offset: 0 });
+            qp.resp.recv = Some(RecvCtx {
+                wqe_index: index,
+                srqn,
+                sges,
+                offset: 0,
+            });
         }
-        let Some(rc) = qp.resp.recv.as_ref() else { return Err(Fault::Fatal(NakCode::InvalidRequest, None)) };
+        let Some(rc) = qp.resp.recv.as_ref() else {
+            return Err(Fault::Fatal(NakCode::InvalidRequest, None));
+        };
         let cap: u64 = rc.sges.iter().map(|s| s.len as u64).sum();
         let offset = rc.offset as u64;
         if offset + pkt.payload.len() as u64 > cap {
-            return Err(Fault::Fatal(NakCode::InvalidRequest, Some(CqeStatus::LocLenErr)));
+            return Err(Fault::Fatal(
+                NakCode::InvalidRequest,
+                Some((CqeStatus::LocLenErr, VendorSyndrome::TooLong)),
+            ));
         }
         let sges = rc.sges.clone();
-        self.scatter(env, qp.pdn, qp.qpn, &sges, offset, pkt.payload, ready).map_err(|(s, _)| match s {
-            CqeStatus::LocLenErr => Fault::Fatal(NakCode::InvalidRequest, Some(s)),
-            // A bad receive WQE (key, PD, rights) or an unreachable buffer: class A.
-            _ => Fault::Fatal(NakCode::RemoteOperationalError, Some(s)),
-        })?;
+        self.scatter(env, qp.pdn, qp.qpn, &sges, offset, pkt.payload, ready)
+            .map_err(|(s, syn)| match s {
+                CqeStatus::LocLenErr => Fault::Fatal(NakCode::InvalidRequest, Some((s, syn))),
+                // A bad receive WQE (key, PD, rights) or an unreachable buffer: class A.
+                _ => Fault::Fatal(NakCode::RemoteOperationalError, Some((s, syn))),
+            })?;
         qp.resp.epsn = qp.resp.epsn.add(1);
-        let Some(rc) = qp.resp.recv.as_mut() else { return Ok(()) };
+        let Some(rc) = qp.resp.recv.as_mut() else {
+            return Ok(());
+        };
         rc.offset += pkt.payload.len() as u32;
         if op.is_last() {
-            let Some(rc) = qp.resp.recv.take() else { return Ok(()) };
+            let Some(rc) = qp.resp.recv.take() else {
+                return Ok(());
+            };
             qp.resp.msn = qp.resp.msn.wrapping_add(1);
             let mut flags = 0;
             let mut imm = 0;
@@ -223,27 +303,55 @@ impl Nic {
             self.complete(env, cqn, ready, cqe);
         }
         if pkt.repr.bth.ack_req {
-            self.send_ack(env, qp, pkt.repr.bth.psn, AethSyndrome::Ack { credits: 0x1F }, ready);
+            self.send_ack(
+                env,
+                qp,
+                pkt.repr.bth.psn,
+                AethSyndrome::Ack { credits: 0x1F },
+                ready,
+            );
         }
         Ok(())
     }
 
-    fn rx_write(&mut self, env: &mut dyn Env, qp: &mut Qp, pkt: &Packet<'_>, op: Opcode, ready: SimTime) -> Result<(), Fault> {
+    fn rx_write(
+        &mut self,
+        env: &mut dyn Env,
+        qp: &mut Qp,
+        pkt: &Packet<'_>,
+        op: Opcode,
+        ready: SimTime,
+    ) -> Result<(), Fault> {
         Self::check_sequence(qp, op, false)?;
         Self::mtu_check(qp, op, pkt.payload.len())?;
         if op.is_first() {
-            let Some(reth) = pkt.repr.reth else { return Err(Fault::Fatal(NakCode::InvalidRequest, None)) };
+            let Some(reth) = pkt.repr.reth else {
+                return Err(Fault::Fatal(NakCode::InvalidRequest, None));
+            };
             if !qp.access().contains(Access::REMOTE_WRITE) {
                 return Err(Fault::Fatal(NakCode::InvalidRequest, None));
             }
             if reth.len > self.cfg.max_msg_size {
                 return Err(Fault::Fatal(NakCode::InvalidRequest, None));
             }
-            self.check_key(qp.pdn, reth.rkey, reth.va, reth.len as u64, Access::REMOTE_WRITE)
-                .map_err(|_| Fault::Fatal(NakCode::RemoteAccessError, None))?;
-            qp.resp.write = Some(WriteCtx { rkey: reth.rkey, va: reth.va, remaining: reth.len, total: reth.len });
+            self.check_key(
+                qp.pdn,
+                reth.rkey,
+                reth.va,
+                reth.len as u64,
+                Access::REMOTE_WRITE,
+            )
+            .map_err(|_| Fault::Fatal(NakCode::RemoteAccessError, None))?;
+            qp.resp.write = Some(WriteCtx {
+                rkey: reth.rkey,
+                va: reth.va,
+                remaining: reth.len,
+                total: reth.len,
+            });
         }
-        let Some(w) = qp.resp.write.as_ref() else { return Err(Fault::Fatal(NakCode::InvalidRequest, None)) };
+        let Some(w) = qp.resp.write.as_ref() else {
+            return Err(Fault::Fatal(NakCode::InvalidRequest, None));
+        };
         let n = pkt.payload.len() as u32;
         if n > w.remaining || (op.is_last() && n != w.remaining) {
             return Err(Fault::Fatal(NakCode::InvalidRequest, None));
@@ -266,12 +374,13 @@ impl Nic {
             let iova = self
                 .check_key(qp.pdn, rkey, va, n as u64, Access::REMOTE_WRITE)
                 .map_err(|_| Fault::Fatal(NakCode::RemoteAccessError, None))?;
-            if let Err(f) = env.dma_check(iova, n as usize) {
+            // Written at once: a READ or atomic behind this WRITE must see it (PCIe reads do
+            // not pass posted writes).
+            if let Err(f) = env.dma_write(iova, pkt.payload) {
                 self.iommu_fault(env, qp.qpn, f.iova);
                 return Err(Fault::Fatal(NakCode::RemoteOperationalError, None));
             }
-            let at = self.reserve_pcie_write(ready, n as usize);
-            env.schedule(at, NicEvent::DmaWrite { iova, data: pkt.payload.to_vec(), qpn: qp.qpn });
+            self.reserve_pcie_write(ready, n as usize);
         }
         qp.resp.epsn = qp.resp.epsn.add(1);
         if let Some(w) = qp.resp.write.as_mut() {
@@ -282,31 +391,61 @@ impl Nic {
             qp.resp.write = None;
             qp.resp.msn = qp.resp.msn.wrapping_add(1);
             if let Some((index, srqn, sges)) = recv {
-                let rc = RecvCtx { wqe_index: index, srqn, sges, offset: 0 };
+                let rc = RecvCtx {
+                    wqe_index: index,
+                    srqn,
+                    sges,
+                    offset: 0,
+                };
                 let mut cqe = recv_cqe(qp.qpn, &rc, CqeStatus::Success, total);
                 cqe.opcode = CqeOpcode::RecvRdmaWithImm as u8;
-                cqe.flags |= CQE_FLAG_IMM | if pkt.repr.bth.solicited { CQE_FLAG_SOLICITED } else { 0 };
+                cqe.flags |= CQE_FLAG_IMM
+                    | if pkt.repr.bth.solicited {
+                        CQE_FLAG_SOLICITED
+                    } else {
+                        0
+                    };
                 cqe.imm = pkt.repr.imm.unwrap_or(0).into();
                 let cqn = qp.recv_cqn;
                 self.complete(env, cqn, ready, cqe);
             }
         }
         if pkt.repr.bth.ack_req {
-            self.send_ack(env, qp, pkt.repr.bth.psn, AethSyndrome::Ack { credits: 0x1F }, ready);
+            self.send_ack(
+                env,
+                qp,
+                pkt.repr.bth.psn,
+                AethSyndrome::Ack { credits: 0x1F },
+                ready,
+            );
         }
         Ok(())
     }
 
-    fn rx_read(&mut self, env: &mut dyn Env, qp: &mut Qp, pkt: &Packet<'_>, ready: SimTime) -> Result<(), Fault> {
+    fn rx_read(
+        &mut self,
+        env: &mut dyn Env,
+        qp: &mut Qp,
+        pkt: &Packet<'_>,
+        ready: SimTime,
+    ) -> Result<(), Fault> {
         if qp.resp.recv.is_some() || qp.resp.write.is_some() {
             return Err(Fault::Fatal(NakCode::InvalidRequest, None));
         }
-        let Some(reth) = pkt.repr.reth else { return Err(Fault::Fatal(NakCode::InvalidRequest, None)) };
+        let Some(reth) = pkt.repr.reth else {
+            return Err(Fault::Fatal(NakCode::InvalidRequest, None));
+        };
         if !qp.access().contains(Access::REMOTE_READ) || reth.len > self.cfg.max_msg_size {
             return Err(Fault::Fatal(NakCode::InvalidRequest, None));
         }
         let iova = self
-            .check_key(qp.pdn, reth.rkey, reth.va, reth.len as u64, Access::REMOTE_READ)
+            .check_key(
+                qp.pdn,
+                reth.rkey,
+                reth.va,
+                reth.len as u64,
+                Access::REMOTE_READ,
+            )
             .map_err(|_| Fault::Fatal(NakCode::RemoteAccessError, None))?;
         let mtu = qp.mtu();
         let n = reth.len.div_ceil(mtu).max(1);
@@ -336,7 +475,10 @@ impl Nic {
             };
             let mut repr = self.packet_repr(qp, opcode, first.add(i), false);
             if opcode.has_aeth() {
-                repr.aeth = Some(Aeth { syndrome: AethSyndrome::Ack { credits: 0x1F }, msn: qp.resp.msn & 0x00FF_FFFF });
+                repr.aeth = Some(Aeth {
+                    syndrome: AethSyndrome::Ack { credits: 0x1F },
+                    msn: qp.resp.msn & 0x00FF_FFFF,
+                });
             }
             let at = start + SimTime(self.cfg.timing.pcie_read_ps(len));
             self.emit(env, &repr, &payload, at);
@@ -345,11 +487,20 @@ impl Nic {
         Ok(())
     }
 
-    fn rx_atomic(&mut self, env: &mut dyn Env, qp: &mut Qp, pkt: &Packet<'_>, op: Opcode, ready: SimTime) -> Result<(), Fault> {
+    fn rx_atomic(
+        &mut self,
+        env: &mut dyn Env,
+        qp: &mut Qp,
+        pkt: &Packet<'_>,
+        op: Opcode,
+        ready: SimTime,
+    ) -> Result<(), Fault> {
         if qp.resp.recv.is_some() || qp.resp.write.is_some() {
             return Err(Fault::Fatal(NakCode::InvalidRequest, None));
         }
-        let Some(a) = pkt.repr.atomic_eth else { return Err(Fault::Fatal(NakCode::InvalidRequest, None)) };
+        let Some(a) = pkt.repr.atomic_eth else {
+            return Err(Fault::Fatal(NakCode::InvalidRequest, None));
+        };
         if !qp.access().contains(Access::REMOTE_ATOMIC) || a.va % 8 != 0 {
             return Err(Fault::Fatal(NakCode::InvalidRequest, None));
         }
@@ -379,7 +530,10 @@ impl Nic {
         qp.resp.epsn = qp.resp.epsn.add(1);
         qp.resp.msn = qp.resp.msn.wrapping_add(1);
         let mut repr = self.packet_repr(qp, Opcode::AtomicAcknowledge, pkt.repr.bth.psn, false);
-        repr.aeth = Some(Aeth { syndrome: AethSyndrome::Ack { credits: 0x1F }, msn: qp.resp.msn & 0x00FF_FFFF });
+        repr.aeth = Some(Aeth {
+            syndrome: AethSyndrome::Ack { credits: 0x1F },
+            msn: qp.resp.msn & 0x00FF_FFFF,
+        });
         repr.atomic_ack = Some(orig);
         let at = ready + SimTime(self.cfg.timing.dma_read_rtt_ps);
         self.emit(env, &repr, &[], at);

@@ -40,13 +40,20 @@ pub struct EventQueue<E> {
 
 impl<E> std::fmt::Debug for EventQueue<E> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("EventQueue").field("len", &self.heap.len()).field("now", &self.now).finish()
+        f.debug_struct("EventQueue")
+            .field("len", &self.heap.len())
+            .field("now", &self.now)
+            .finish()
     }
 }
 
 impl<E> Default for EventQueue<E> {
     fn default() -> Self {
-        EventQueue { heap: BinaryHeap::new(), seq: 0, now: SimTime::ZERO }
+        EventQueue {
+            heap: BinaryHeap::new(),
+            seq: 0,
+            now: SimTime::ZERO,
+        }
     }
 }
 
@@ -62,7 +69,11 @@ impl<E> EventQueue<E> {
     /// Schedules `ev` at `at`; a time in the past is clamped to now.
     pub fn push(&mut self, at: SimTime, ev: E) {
         let at = at.max(self.now);
-        self.heap.push(Entry { at, seq: self.seq, ev });
+        self.heap.push(Entry {
+            at,
+            seq: self.seq,
+            ev,
+        });
         self.seq += 1;
     }
     /// The time of the next event, if any.

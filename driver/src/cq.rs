@@ -2,7 +2,9 @@
 
 use crate::device::{DevInner, Device, DmaBuffer};
 use crate::error::Error;
-use ringbell_specs::cmd::{CmdOpcode, CreateCqIn};
+use ringbell_specs::cmd::{
+    CmdOpcode, CreateCqIn, ObjectIn, QueryCqOut, CQ_FLAG_ARMED, CQ_FLAG_OVERFLOW,
+};
 use ringbell_specs::cqe::{self, owner_bit, Cqe, CqeOpcode, CqeStatus, CQE_SIZE};
 use ringbell_specs::regs;
 use std::rc::Rc;
@@ -52,6 +54,21 @@ impl Default for WorkCompletion {
     }
 }
 
+/// A CQ's state as the device reports it (QUERY_CQ).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CqAttr {
+    /// Number of entries.
+    pub entries: u32,
+    /// The device's producer index (CQEs written).
+    pub pi: u32,
+    /// The consumer index the device last saw.
+    pub ci: u32,
+    /// A completion event is armed.
+    pub armed: bool,
+    /// A CQE was lost because the ring was full; the CQ is in error.
+    pub overflow: bool,
+}
+
 /// A completion queue.
 #[derive(Debug)]
 pub struct CompletionQueue {
@@ -73,9 +90,21 @@ impl Device {
         let log = log.max(1);
         let ring = self.alloc_dma((1usize << log) * CQE_SIZE)?;
         let db = self.alloc_dma(64)?;
-        let input = CreateCqIn { log_size: log, ring_iova: ring.iova().into(), db_iova: db.iova().into(), ..Default::default() };
+        let input = CreateCqIn {
+            log_size: log,
+            ring_iova: ring.iova().into(),
+            db_iova: db.iova().into(),
+            ..Default::default()
+        };
         let cqn = self.inner.create(CmdOpcode::CreateCq, input.as_bytes())?;
-        Ok(CompletionQueue { dev: self.clone(), cqn, ring, db, log, ci: 0 })
+        Ok(CompletionQueue {
+            dev: self.clone(),
+            cqn,
+            ring,
+            db,
+            log,
+            ci: 0,
+        })
     }
 }
 
@@ -92,6 +121,32 @@ impl CompletionQueue {
 
     fn inner(&self) -> &Rc<DevInner> {
         &self.dev.inner
+    }
+
+    /// Whether this CQ lives on `dev` (CQ numbers are per device).
+    pub(crate) fn belongs_to(&self, dev: &Device) -> bool {
+        Rc::ptr_eq(&self.dev.inner, &dev.inner)
+    }
+
+    /// Reads the CQ's state from the device, including whether it overflowed.
+    pub fn query(&self) -> Result<CqAttr, Error> {
+        let out = self.inner().command(
+            CmdOpcode::QueryCq,
+            ObjectIn {
+                num: self.cqn.into(),
+            }
+            .as_bytes(),
+        )?;
+        let q = QueryCqOut::read_from_prefix(&out)
+            .map(|(q, _)| q)
+            .unwrap_or_default();
+        Ok(CqAttr {
+            entries: 1u32 << q.log_size.min(31),
+            pi: q.pi.get(),
+            ci: q.ci.get(),
+            armed: q.flags & CQ_FLAG_ARMED != 0,
+            overflow: q.flags & CQ_FLAG_OVERFLOW != 0,
+        })
     }
 
     /// Reads completions into `out` and returns how many. When none is ready, the device is
@@ -119,22 +174,35 @@ impl CompletionQueue {
             if self.ring.read(slot, &mut raw).is_err() {
                 break;
             }
-            let Ok(c) = Cqe::read_from_bytes(&raw) else { break };
+            let Ok(c) = Cqe::read_from_bytes(&raw) else {
+                break;
+            };
             out[n] = self.translate(&c);
             self.ci = self.ci.wrapping_add(1);
             n += 1;
         }
         if n > 0 {
             self.db.mem().store_u32_release(0, self.ci);
-            self.inner().port.write32(regs::CQ_DB_BASE + self.cqn as u64 * regs::DB_STRIDE + regs::DB_CQ_CI, self.ci);
+            self.inner().port.write32(
+                regs::CQ_DB_BASE + self.cqn as u64 * regs::DB_STRIDE + regs::DB_CQ_CI,
+                self.ci,
+            );
         }
         n
     }
 
     /// Requests a completion event for the next CQE (or the next solicited one).
     pub fn arm(&self, solicited_only: bool) {
-        let v = self.ci | if solicited_only { regs::CQ_ARM_SOLICITED } else { 0 };
-        self.inner().port.write32(regs::CQ_DB_BASE + self.cqn as u64 * regs::DB_STRIDE + regs::DB_CQ_ARM, v);
+        let v = self.ci
+            | if solicited_only {
+                regs::CQ_ARM_SOLICITED
+            } else {
+                0
+            };
+        self.inner().port.write32(
+            regs::CQ_DB_BASE + self.cqn as u64 * regs::DB_STRIDE + regs::DB_CQ_ARM,
+            v,
+        );
     }
 
     fn translate(&self, c: &Cqe) -> WorkCompletion {
@@ -143,7 +211,11 @@ impl CompletionQueue {
         let qpn = c.qpn.get();
         let counter = c.wqe_counter.get();
         let wr_id = if c.flags & cqe::CQE_FLAG_SRQ != 0 {
-            self.inner().srqs.borrow().get(&c.srqn.get()).map_or(0, |s| s.complete(counter))
+            self.inner()
+                .srqs
+                .borrow()
+                .get(&c.srqn.get())
+                .map_or(0, |s| s.complete(counter))
         } else {
             match self.inner().qps.borrow().get(&qpn) {
                 Some(q) if opcode.is_recv() => q.complete_recv(counter),

@@ -6,8 +6,10 @@ use crate::mr::ProtectionDomain;
 use crate::port::Port;
 use crate::qp::QpRings;
 use crate::srq::SrqRings;
-use ringbell_specs::cmd::{self, CmdHeader, CmdOpcode, CmdStatus, ObjectIn, ObjectOut, QueryDeviceOut};
-use ringbell_specs::cqe::{owner_bit, EventType, Eqe, EQE_SIZE};
+use ringbell_specs::cmd::{
+    self, CmdHeader, CmdOpcode, CmdStatus, ObjectIn, ObjectOut, QueryDeviceOut,
+};
+use ringbell_specs::cqe::{owner_bit, Eqe, EventType, EQE_SIZE};
 use ringbell_specs::regs;
 use std::cell::{Cell, RefCell};
 use std::collections::BTreeMap;
@@ -92,16 +94,40 @@ impl DevInner {
     pub(crate) fn alloc_iova(&self, len: usize) -> u64 {
         let iova = self.next_iova.get();
         // A guard page between mappings turns an overrun into an IOMMU fault.
-        self.next_iova.set(iova + len.next_multiple_of(4096) as u64 + 4096);
+        self.next_iova
+            .set(iova + len.next_multiple_of(4096) as u64 + 4096);
         iova
     }
 
-
     /// Runs a command and returns its output parameters.
-    pub(crate) fn command(&self, op: CmdOpcode, input: &[u8]) -> Result<[u8; cmd::PARAMS_SIZE], Error> {
+    pub(crate) fn command(
+        &self,
+        op: CmdOpcode,
+        input: &[u8],
+    ) -> Result<[u8; cmd::PARAMS_SIZE], Error> {
+        match self.run_command(op as u16, input)? {
+            Ok(out) => Ok(out),
+            Err(status) => Err(match CmdStatus::from_u8(status) {
+                Some(status) => Error::Command { op, status },
+                None => Error::UnknownStatus { op, status },
+            }),
+        }
+    }
+
+    /// Runs the command with opcode `opcode`: the output parameters on success, the device's
+    /// status byte when it refused the command, an error when the mailbox could not be used.
+    fn run_command(
+        &self,
+        opcode: u16,
+        input: &[u8],
+    ) -> Result<Result<[u8; cmd::PARAMS_SIZE], u8>, Error> {
         let token = self.token.get().wrapping_add(1).max(1);
         self.token.set(token);
-        let hdr = CmdHeader { opcode: (op as u16).into(), token: (token as u32).into(), ..Default::default() };
+        let hdr = CmdHeader {
+            opcode: opcode.into(),
+            token: (token as u32).into(),
+            ..Default::default()
+        };
         let mut mbox = [0u8; cmd::MAILBOX_SIZE];
         mbox[..16].copy_from_slice(hdr.as_bytes());
         let n = input.len().min(cmd::PARAMS_SIZE);
@@ -122,26 +148,26 @@ impl DevInner {
         let mut back = [0u8; cmd::MAILBOX_SIZE - cmd::RESULT_OFFSET];
         self.mailbox.read(cmd::RESULT_OFFSET, &mut back)?;
         let status = back[0];
-        match CmdStatus::from_u8(status) {
-            Some(CmdStatus::Ok) => {
-                let mut out = [0u8; cmd::PARAMS_SIZE];
-                out.copy_from_slice(&back[16..16 + cmd::PARAMS_SIZE]);
-                Ok(out)
-            }
-            Some(status) => Err(Error::Command { op, status }),
-            None => Err(Error::UnknownStatus { op, status }),
+        if status != CmdStatus::Ok as u8 {
+            return Ok(Err(status));
         }
+        let mut out = [0u8; cmd::PARAMS_SIZE];
+        out.copy_from_slice(&back[16..16 + cmd::PARAMS_SIZE]);
+        Ok(Ok(out))
     }
 
     /// Runs a command that returns one object number.
     pub(crate) fn create(&self, op: CmdOpcode, input: &[u8]) -> Result<u32, Error> {
         let out = self.command(op, input)?;
-        Ok(ObjectOut::read_from_prefix(&out).map(|(o, _)| o.num.get()).unwrap_or(0))
+        Ok(ObjectOut::read_from_prefix(&out)
+            .map(|(o, _)| o.num.get())
+            .unwrap_or(0))
     }
 
     /// Runs a command naming one object (destroy, free, dereg).
     pub(crate) fn destroy(&self, op: CmdOpcode, num: u32) -> Result<(), Error> {
-        self.command(op, ObjectIn { num: num.into() }.as_bytes()).map(|_| ())
+        self.command(op, ObjectIn { num: num.into() }.as_bytes())
+            .map(|_| ())
     }
 }
 
@@ -197,9 +223,13 @@ impl Device {
             srqs: RefCell::new(BTreeMap::new()),
         };
         let mb_iova = inner.alloc_iova(inner.mailbox.len());
-        inner.port.dma_map(inner.mailbox.fd(), inner.mailbox.len() as u64, mb_iova)?;
+        inner
+            .port
+            .dma_map(inner.mailbox.fd(), inner.mailbox.len() as u64, mb_iova)?;
         let eq_iova = inner.alloc_iova(inner.eq.len());
-        inner.port.dma_map(inner.eq.fd(), inner.eq.len() as u64, eq_iova)?;
+        inner
+            .port
+            .dma_map(inner.eq.fd(), inner.eq.len() as u64, eq_iova)?;
         let p = &inner.port;
         p.write32(regs::CMD_ADDR_LO, mb_iova as u32);
         p.write32(regs::CMD_ADDR_HI, (mb_iova >> 32) as u32);
@@ -207,7 +237,9 @@ impl Device {
         p.write32(regs::EQ_ADDR_HI, (eq_iova >> 32) as u32);
         p.write32(regs::EQ_LOG_SIZE, EQ_LOG as u32);
         let out = inner.command(CmdOpcode::QueryDevice, &[])?;
-        let q = QueryDeviceOut::read_from_prefix(&out).map(|(q, _)| q).unwrap_or_default();
+        let q = QueryDeviceOut::read_from_prefix(&out)
+            .map(|(q, _)| q)
+            .unwrap_or_default();
         let mut inner = inner;
         inner.caps = DeviceCaps {
             device_id: q.device_id.get(),
@@ -226,7 +258,9 @@ impl Device {
             mac: q.mac,
             ip: q.ipv4,
         };
-        Ok(Device { inner: Rc::new(inner) })
+        Ok(Device {
+            inner: Rc::new(inner),
+        })
     }
 
     /// Capabilities and limits.
@@ -237,7 +271,10 @@ impl Device {
     /// Allocates a protection domain.
     pub fn alloc_pd(&self) -> Result<ProtectionDomain, Error> {
         let pdn = self.inner.create(CmdOpcode::AllocPd, &[])?;
-        Ok(ProtectionDomain { dev: self.clone(), pdn })
+        Ok(ProtectionDomain {
+            dev: self.clone(),
+            pdn,
+        })
     }
 
     /// Allocates `len` bytes of DMA memory (rounded up to 4 KiB) mapped for the device.
@@ -245,7 +282,11 @@ impl Device {
         let mem = DmaMemory::new(len)?;
         let iova = self.inner.alloc_iova(mem.len());
         self.inner.port.dma_map(mem.fd(), mem.len() as u64, iova)?;
-        Ok(DmaBuffer { dev: self.clone(), mem, iova })
+        Ok(DmaBuffer {
+            dev: self.clone(),
+            mem,
+            iova,
+        })
     }
 
     /// The device clock (simulated picoseconds on the emulator).
@@ -279,6 +320,20 @@ impl Device {
             info: e.info.get(),
             timestamp: e.timestamp.get(),
         })
+    }
+
+    /// Testing hook: runs a command with any opcode and input bytes (at most 112 are used)
+    /// and returns its output parameters. A refusal is [`Error::Command`] for opcodes this
+    /// driver knows and [`Error::RawCommand`] for others. Conformance suites use it to send
+    /// the device malformed commands the typed API cannot express; not for applications.
+    #[doc(hidden)]
+    pub fn raw_command(&self, opcode: u16, input: &[u8]) -> Result<[u8; cmd::PARAMS_SIZE], Error> {
+        if let Some(op) = CmdOpcode::from_u16(opcode) {
+            return self.inner.command(op, input);
+        }
+        self.inner
+            .run_command(opcode, input)?
+            .map_err(|status| Error::RawCommand { opcode, status })
     }
 
     /// The port (for tools that poke registers directly).
@@ -323,12 +378,20 @@ impl DmaBuffer {
     /// Reads the byte at `offset` with acquire ordering (to poll for data the device writes).
     pub fn load_acquire(&self, offset: usize) -> Result<u8, Error> {
         if offset >= self.mem.len() {
-            return Err(Error::OutOfBounds { offset, len: 1, size: self.mem.len() });
+            return Err(Error::OutOfBounds {
+                offset,
+                len: 1,
+                size: self.mem.len(),
+            });
         }
         Ok(self.mem.load_acquire(offset))
     }
     pub(crate) fn mem(&self) -> &DmaMemory {
         &self.mem
+    }
+    /// Whether this buffer is mapped for `dev` (IOVAs are per device).
+    pub(crate) fn belongs_to(&self, dev: &Device) -> bool {
+        Rc::ptr_eq(&self.dev.inner, &dev.inner)
     }
     /// Reads a little-endian u64 at `offset`.
     pub fn read_u64(&self, offset: usize) -> Result<u64, Error> {
@@ -340,6 +403,10 @@ impl DmaBuffer {
 
 impl Drop for DmaBuffer {
     fn drop(&mut self) {
-        let _ = self.dev.inner.port.dma_unmap(self.iova, self.mem.len() as u64);
+        let _ = self
+            .dev
+            .inner
+            .port
+            .dma_unmap(self.iova, self.mem.len() as u64);
     }
 }

@@ -24,9 +24,11 @@ impl DmaMemory {
     /// Allocates `len` bytes (rounded up to 4 KiB).
     pub fn new(len: usize) -> Result<DmaMemory, Error> {
         let len = len.max(1).next_multiple_of(4096);
-        let fd = memfd_create(c"ringbell-dma", MemFdCreateFlag::MFD_CLOEXEC).map_err(|e| Error::Memory(e.to_string()))?;
+        let fd = memfd_create(c"ringbell-dma", MemFdCreateFlag::MFD_CLOEXEC)
+            .map_err(|e| Error::Memory(e.to_string()))?;
         let file = File::from(fd);
-        file.set_len(len as u64).map_err(|e| Error::Memory(e.to_string()))?;
+        file.set_len(len as u64)
+            .map_err(|e| Error::Memory(e.to_string()))?;
         let map = MmapRaw::map_raw(&file).map_err(|e| Error::Memory(e.to_string()))?;
         Ok(DmaMemory { file, map, len })
     }
@@ -48,7 +50,11 @@ impl DmaMemory {
 
     fn check(&self, offset: usize, len: usize) -> Result<(), Error> {
         if offset.checked_add(len).is_none_or(|end| end > self.len) {
-            return Err(Error::OutOfBounds { offset, len, size: self.len });
+            return Err(Error::OutOfBounds {
+                offset,
+                len,
+                size: self.len,
+            });
         }
         Ok(())
     }
@@ -58,7 +64,13 @@ impl DmaMemory {
         self.check(offset, data.len())?;
         // SAFETY: the range is inside the live mapping (checked above); `data` cannot overlap
         // it because the mapping is never handed out as a Rust slice.
-        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), self.map.as_mut_ptr().add(offset), data.len()) };
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                data.as_ptr(),
+                self.map.as_mut_ptr().add(offset),
+                data.len(),
+            )
+        };
         Ok(())
     }
 
@@ -66,7 +78,13 @@ impl DmaMemory {
     pub fn read(&self, offset: usize, out: &mut [u8]) -> Result<(), Error> {
         self.check(offset, out.len())?;
         // SAFETY: as in `write`; the source is inside the mapping and `out` is ours.
-        unsafe { std::ptr::copy_nonoverlapping(self.map.as_ptr().add(offset), out.as_mut_ptr(), out.len()) };
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                self.map.as_ptr().add(offset),
+                out.as_mut_ptr(),
+                out.len(),
+            )
+        };
         Ok(())
     }
 

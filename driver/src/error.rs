@@ -40,6 +40,15 @@ pub enum Error {
         /// The device's status code.
         status: CmdStatus,
     },
+    /// A command issued by raw opcode ([`crate::Device::raw_command`]) with an opcode this
+    /// driver does not know failed; `status` is the device's status byte (see `CmdStatus`).
+    #[error("raw command {opcode:#06x} failed with status {status}")]
+    RawCommand {
+        /// The opcode as written to the mailbox.
+        opcode: u16,
+        /// The raw status byte.
+        status: u8,
+    },
     /// A command reported a status this driver does not know.
     #[error("command {op:?} returned unknown status {status}")]
     UnknownStatus {

@@ -27,12 +27,14 @@ mod port;
 mod qp;
 mod srq;
 
-pub use cq::{CompletionQueue, WcOpcode, WcStatus, WorkCompletion};
-pub use device::{AsyncEvent, DeviceCaps, Device, DmaBuffer};
+pub use cq::{CompletionQueue, CqAttr, WcOpcode, WcStatus, WorkCompletion};
+pub use device::{AsyncEvent, Device, DeviceCaps, DmaBuffer};
 pub use dma::DmaMemory;
 pub use error::Error;
 pub use mr::{MemoryRegion, ProtectionDomain, Sge};
 pub use port::{Port, PortError};
-pub use qp::{ConnectOptions, Endpoint, QpInit, QueuePair, RecvWr, RemoteAddr, SendFlags, SendWr, WrOp};
+pub use qp::{
+    ConnectOptions, Endpoint, QpInit, QueuePair, RecvWr, RemoteAddr, SendFlags, SendWr, WrOp,
+};
 pub use ringbell_specs::cmd::{Access, QpState};
 pub use srq::SharedReceiveQueue;

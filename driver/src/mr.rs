@@ -29,9 +29,26 @@ impl ProtectionDomain {
     }
 
     /// Registers `len` bytes of `buf` from `offset`.
-    pub fn reg_mr_range(&self, buf: &DmaBuffer, offset: usize, len: usize, access: Access) -> Result<MemoryRegion, Error> {
+    pub fn reg_mr_range(
+        &self,
+        buf: &DmaBuffer,
+        offset: usize,
+        len: usize,
+        access: Access,
+    ) -> Result<MemoryRegion, Error> {
         if offset.checked_add(len).is_none_or(|e| e > buf.len()) {
-            return Err(Error::OutOfBounds { offset, len, size: buf.len() });
+            return Err(Error::OutOfBounds {
+                offset,
+                len,
+                size: buf.len(),
+            });
+        }
+        // IOVAs are per device: another device's buffer would alias whatever this device has
+        // mapped at the same IOVA.
+        if !buf.belongs_to(&self.dev) {
+            return Err(Error::InvalidArgument(
+                "the buffer is mapped for another device",
+            ));
         }
         let addr = buf.iova() + offset as u64;
         self.reg_mr_raw(addr, len as u64, addr, access)
@@ -39,11 +56,31 @@ impl ProtectionDomain {
 
     /// Registers `[va, va + len)` backed by IOVA `iova` without checking that anything is
     /// mapped there (for tests of the device's checks).
-    pub fn reg_mr_raw(&self, va: u64, len: u64, iova: u64, access: Access) -> Result<MemoryRegion, Error> {
-        let input = RegMrIn { pdn: self.pdn.into(), access: access.bits().into(), va: va.into(), length: len.into(), iova: iova.into() };
+    pub fn reg_mr_raw(
+        &self,
+        va: u64,
+        len: u64,
+        iova: u64,
+        access: Access,
+    ) -> Result<MemoryRegion, Error> {
+        let input = RegMrIn {
+            pdn: self.pdn.into(),
+            access: access.bits().into(),
+            va: va.into(),
+            length: len.into(),
+            iova: iova.into(),
+        };
         let out = self.dev.inner.command(CmdOpcode::RegMr, input.as_bytes())?;
-        let o = RegMrOut::read_from_prefix(&out).map(|(o, _)| o).unwrap_or_default();
-        Ok(MemoryRegion { dev: self.dev.clone(), lkey: o.lkey.get(), rkey: o.rkey.get(), addr: va, len })
+        let o = RegMrOut::read_from_prefix(&out)
+            .map(|(o, _)| o)
+            .unwrap_or_default();
+        Ok(MemoryRegion {
+            dev: self.dev.clone(),
+            lkey: o.lkey.get(),
+            rkey: o.rkey.get(),
+            addr: va,
+            len,
+        })
     }
 }
 
@@ -86,7 +123,11 @@ impl MemoryRegion {
     }
     /// A scatter/gather entry for `len` bytes at `offset` into the region.
     pub fn sge(&self, offset: u64, len: u32) -> Sge {
-        Sge { addr: self.addr + offset, len, lkey: self.lkey }
+        Sge {
+            addr: self.addr + offset,
+            len,
+            lkey: self.lkey,
+        }
     }
 }
 

@@ -8,9 +8,14 @@ use crate::error::Error;
 use crate::mr::{ProtectionDomain, Sge};
 use crate::srq::SharedReceiveQueue;
 use bitflags::bitflags;
-use ringbell_specs::cmd::{Access, CmdOpcode, CreateQpIn, ModifyQpIn, ObjectIn, QpAttr, QpAttrMask, QpState};
+use ringbell_specs::cmd::{
+    Access, CmdOpcode, CreateQpIn, ModifyQpIn, ObjectIn, QpAttr, QpAttrMask, QpState,
+};
 use ringbell_specs::regs;
-use ringbell_specs::wqe::{self, AtomicSeg, CtrlSeg, DataSeg, RaddrSeg, SendOpcode, WqeFlags, INLINE_MARK, RECV_LKEY_END, SEG, WQEBB};
+use ringbell_specs::wqe::{
+    self, AtomicSeg, CtrlSeg, DataSeg, RaddrSeg, SendOpcode, WqeFlags, INLINE_MARK, RECV_LKEY_END,
+    SEG, WQEBB,
+};
 use std::cell::Cell;
 use std::rc::Rc;
 use zerocopy::{FromBytes, IntoBytes};
@@ -86,11 +91,23 @@ pub struct SendWr<'a> {
 impl<'a> SendWr<'a> {
     /// A signaled request with a gather list.
     pub fn new(wr_id: u64, op: WrOp, sgl: &'a [Sge]) -> Self {
-        SendWr { wr_id, op, sgl, inline: None, flags: SendFlags::SIGNALED }
+        SendWr {
+            wr_id,
+            op,
+            sgl,
+            inline: None,
+            flags: SendFlags::SIGNALED,
+        }
     }
     /// A signaled request with inline data.
     pub fn inline(wr_id: u64, op: WrOp, data: &'a [u8]) -> Self {
-        SendWr { wr_id, op, sgl: &[], inline: Some(data), flags: SendFlags::SIGNALED }
+        SendWr {
+            wr_id,
+            op,
+            sgl: &[],
+            inline: Some(data),
+            flags: SendFlags::SIGNALED,
+        }
     }
     /// Replaces the flags.
     pub fn flags(mut self, flags: SendFlags) -> Self {
@@ -132,7 +149,16 @@ pub struct QpInit<'a> {
 impl<'a> QpInit<'a> {
     /// Defaults: 128 sends and receives, 4 SGEs each, 64 inline bytes.
     pub fn new(send_cq: &'a CompletionQueue, recv_cq: &'a CompletionQueue) -> Self {
-        QpInit { send_cq, recv_cq, srq: None, max_send_wr: 128, max_recv_wr: 128, max_send_sge: 4, max_recv_sge: 4, max_inline: 64 }
+        QpInit {
+            send_cq,
+            recv_cq,
+            srq: None,
+            max_send_wr: 128,
+            max_recv_wr: 128,
+            max_send_sge: 4,
+            max_recv_sge: 4,
+            max_inline: 64,
+        }
     }
 }
 
@@ -204,13 +230,16 @@ impl QpRings {
         let ci = self.sq_ci.get();
         let idx = ci.wrapping_add(counter.wrapping_sub(ci as u16) as u32);
         let slot = (idx & self.sq_mask) as usize;
-        self.sq_ci.set(idx.wrapping_add(self.sq_nbb[slot].get().max(1) as u32));
+        self.sq_ci
+            .set(idx.wrapping_add(self.sq_nbb[slot].get().max(1) as u32));
         self.sq_wrid[slot].get()
     }
     /// A receive CQE for RQ entry `counter`.
     pub(crate) fn complete_recv(&self, counter: u16) -> u64 {
         self.rq_ci.set(self.rq_ci.get().wrapping_add(1));
-        self.rq_wrid.get((counter as u32 & self.rq_mask) as usize).map_or(0, Cell::get)
+        self.rq_wrid
+            .get((counter as u32 & self.rq_mask) as usize)
+            .map_or(0, Cell::get)
     }
 }
 
@@ -237,25 +266,57 @@ pub struct QueuePair {
 impl ProtectionDomain {
     /// Creates an RC QP in RESET.
     pub fn create_qp(&self, init: &QpInit<'_>) -> Result<QueuePair, Error> {
+        // CQ and SRQ numbers are per device: another device's number would name an unrelated
+        // object here, or none.
+        if !init.send_cq.belongs_to(&self.dev)
+            || !init.recv_cq.belongs_to(&self.dev)
+            || init.srq.is_some_and(|s| !s.belongs_to(&self.dev))
+        {
+            return Err(Error::InvalidArgument(
+                "CQ or SRQ belongs to another device",
+            ));
+        }
         let caps = self.dev.caps();
-        if init.max_send_sge > caps.max_sge || init.max_recv_sge > caps.max_sge || init.max_recv_sge > 32 {
+        if init.max_send_sge > caps.max_sge
+            || init.max_recv_sge > caps.max_sge
+            || init.max_recv_sge > 32
+        {
             return Err(Error::InvalidArgument("more SGEs than the device supports"));
         }
         if init.max_inline > caps.max_inline {
             return Err(Error::InvalidArgument("max_inline beyond the device limit"));
         }
-        if init.max_send_wr == 0 || init.max_send_wr > caps.max_qp_wr || (init.srq.is_none() && (init.max_recv_wr == 0 || init.max_recv_wr > caps.max_qp_wr)) {
-            return Err(Error::InvalidArgument("queue size is 0 or beyond max_qp_wr"));
+        if init.max_send_wr == 0
+            || init.max_send_wr > caps.max_qp_wr
+            || (init.srq.is_none() && (init.max_recv_wr == 0 || init.max_recv_wr > caps.max_qp_wr))
+        {
+            return Err(Error::InvalidArgument(
+                "queue size is 0 or beyond max_qp_wr",
+            ));
         }
         // Worst-case WQE: ctrl + raddr + atomic, or ctrl + raddr + the gather list or inline data.
-        let ds = (2 + init.max_send_sge as usize).max(3).max(2 + (4 + init.max_inline as usize).div_ceil(SEG));
+        let ds = (2 + init.max_send_sge as usize)
+            .max(3)
+            .max(2 + (4 + init.max_inline as usize).div_ceil(SEG));
         let nbb = wqe::wqebbs(ds.min(wqe::MAX_DS)) as u32;
-        let sq_entries = (init.max_send_wr * nbb).next_power_of_two().min(caps.max_qp_wr.next_power_of_two());
+        let sq_entries = (init.max_send_wr * nbb)
+            .next_power_of_two()
+            .min(caps.max_qp_wr.next_power_of_two());
         let sq_log = sq_entries.trailing_zeros() as u8;
-        let rq_stride_log = (init.max_recv_sge.max(1) as usize * SEG).next_power_of_two().trailing_zeros() as u8;
-        let rq_log = if init.srq.is_some() { 0 } else { init.max_recv_wr.next_power_of_two().trailing_zeros().max(1) as u8 };
+        let rq_stride_log = (init.max_recv_sge.max(1) as usize * SEG)
+            .next_power_of_two()
+            .trailing_zeros() as u8;
+        let rq_log = if init.srq.is_some() {
+            0
+        } else {
+            init.max_recv_wr.next_power_of_two().trailing_zeros().max(1) as u8
+        };
         let sq = self.dev.alloc_dma((1usize << sq_log) * WQEBB)?;
-        let rq = if init.srq.is_none() { Some(self.dev.alloc_dma((1usize << rq_log) << rq_stride_log)?) } else { None };
+        let rq = if init.srq.is_none() {
+            Some(self.dev.alloc_dma((1usize << rq_log) << rq_stride_log)?)
+        } else {
+            None
+        };
         let db = self.dev.alloc_dma(64)?;
         let input = CreateQpIn {
             pdn: self.pdn.into(),
@@ -270,7 +331,10 @@ impl ProtectionDomain {
             db_iova: db.iova().into(),
             ..Default::default()
         };
-        let qpn = self.dev.inner.create(CmdOpcode::CreateQp, input.as_bytes())?;
+        let qpn = self
+            .dev
+            .inner
+            .create(CmdOpcode::CreateQp, input.as_bytes())?;
         let cells = |n: u32| (0..n).map(|_| Cell::new(0u64)).collect::<Box<[_]>>();
         let rings = Rc::new(QpRings {
             sq_mask: (1 << sq_log) - 1,
@@ -317,13 +381,24 @@ impl QueuePair {
     /// This QP's side of a connection, sending from `psn`.
     pub fn endpoint(&self, psn: u32) -> Endpoint {
         let c = self.dev.caps();
-        Endpoint { qpn: self.qpn, psn: psn & 0x00FF_FFFF, mac: c.mac, ip: c.ip }
+        Endpoint {
+            qpn: self.qpn,
+            psn: psn & 0x00FF_FFFF,
+            mac: c.mac,
+            ip: c.ip,
+        }
     }
 
     /// Modifies the QP (all or nothing; see the ABI's transition table).
     pub fn modify(&mut self, mask: QpAttrMask, attr: &QpAttr) -> Result<(), Error> {
-        let input = ModifyQpIn { qpn: self.qpn.into(), attr_mask: mask.bits().into(), attr: *attr };
-        self.dev.inner.command(CmdOpcode::ModifyQp, input.as_bytes())?;
+        let input = ModifyQpIn {
+            qpn: self.qpn.into(),
+            attr_mask: mask.bits().into(),
+            attr: *attr,
+        };
+        self.dev
+            .inner
+            .command(CmdOpcode::ModifyQp, input.as_bytes())?;
         if mask.contains(QpAttrMask::STATE) {
             self.state = QpState::from_u8(attr.state).unwrap_or(self.state);
             if self.state == QpState::Reset {
@@ -338,19 +413,42 @@ impl QueuePair {
 
     /// Reads the QP's attributes and state from the device.
     pub fn query(&self) -> Result<QpAttr, Error> {
-        let out = self.dev.inner.command(CmdOpcode::QueryQp, ObjectIn { num: self.qpn.into() }.as_bytes())?;
-        Ok(QpAttr::read_from_prefix(&out).map(|(a, _)| a).unwrap_or_default())
+        let out = self.dev.inner.command(
+            CmdOpcode::QueryQp,
+            ObjectIn {
+                num: self.qpn.into(),
+            }
+            .as_bytes(),
+        )?;
+        Ok(QpAttr::read_from_prefix(&out)
+            .map(|(a, _)| a)
+            .unwrap_or_default())
     }
 
     /// Moves the QP to ERR: outstanding work is flushed with WR_FLUSH_ERR completions.
     pub fn to_error(&mut self) -> Result<(), Error> {
-        self.modify(QpAttrMask::STATE, &QpAttr { state: QpState::Err as u8, ..Default::default() })
+        self.modify(
+            QpAttrMask::STATE,
+            &QpAttr {
+                state: QpState::Err as u8,
+                ..Default::default()
+            },
+        )
     }
 
     /// RESET → INIT → RTR → RTS towards `remote`, sending from `local_psn`.
-    pub fn connect(&mut self, remote: &Endpoint, local_psn: u32, o: &ConnectOptions) -> Result<(), Error> {
+    pub fn connect(
+        &mut self,
+        remote: &Endpoint,
+        local_psn: u32,
+        o: &ConnectOptions,
+    ) -> Result<(), Error> {
         use QpAttrMask as M;
-        let init = QpAttr { state: QpState::Init as u8, access: o.access.bits().into(), ..Default::default() };
+        let init = QpAttr {
+            state: QpState::Init as u8,
+            access: o.access.bits().into(),
+            ..Default::default()
+        };
         self.modify(M::STATE | M::PKEY_INDEX | M::PORT | M::ACCESS_FLAGS, &init)?;
         let rtr = QpAttr {
             state: QpState::Rtr as u8,
@@ -363,7 +461,16 @@ impl QueuePair {
             dest_ip: remote.ip,
             ..Default::default()
         };
-        self.modify(M::STATE | M::AV | M::PATH_MTU | M::DEST_QPN | M::RQ_PSN | M::MAX_DEST_RD_ATOMIC | M::MIN_RNR_TIMER, &rtr)?;
+        self.modify(
+            M::STATE
+                | M::AV
+                | M::PATH_MTU
+                | M::DEST_QPN
+                | M::RQ_PSN
+                | M::MAX_DEST_RD_ATOMIC
+                | M::MIN_RNR_TIMER,
+            &rtr,
+        )?;
         let rts = QpAttr {
             state: QpState::Rts as u8,
             timeout: o.timeout,
@@ -373,7 +480,10 @@ impl QueuePair {
             max_rd_atomic: o.max_rd_atomic,
             ..Default::default()
         };
-        self.modify(M::STATE | M::TIMEOUT | M::RETRY_CNT | M::RNR_RETRY | M::SQ_PSN | M::MAX_QP_RD_ATOMIC, &rts)
+        self.modify(
+            M::STATE | M::TIMEOUT | M::RETRY_CNT | M::RNR_RETRY | M::SQ_PSN | M::MAX_QP_RD_ATOMIC,
+            &rts,
+        )
     }
 
     /// Free send-queue blocks.
@@ -385,7 +495,10 @@ impl QueuePair {
     /// failing one are posted (and the doorbell rung for them); the rest are not.
     pub fn post_send(&mut self, wrs: &[SendWr<'_>]) -> Result<(), Error> {
         if matches!(self.state, QpState::Reset | QpState::Init | QpState::Rtr) {
-            return Err(Error::InvalidState { qpn: self.qpn, state: self.state });
+            return Err(Error::InvalidState {
+                qpn: self.qpn,
+                state: self.state,
+            });
         }
         let start = self.sq_pi;
         let mut result = Ok(());
@@ -397,9 +510,60 @@ impl QueuePair {
         }
         if self.sq_pi != start {
             self.db.mem().store_u32_release(4, self.sq_pi);
-            self.dev.inner.port.write32(regs::QP_DB_BASE + self.qpn as u64 * regs::DB_STRIDE + regs::DB_SQ, self.sq_pi);
+            self.dev.inner.port.write32(
+                regs::QP_DB_BASE + self.qpn as u64 * regs::DB_STRIDE + regs::DB_SQ,
+                self.sq_pi,
+            );
         }
         result
+    }
+
+    /// Testing hook: copies `bytes` (1..=256, a whole send WQE as the device reads it) into
+    /// the send queue at the producer index, overwriting the control segment's `wqe_index`
+    /// with the correct value, records `wr_id` for its completion, and rings the send
+    /// doorbell. Nothing else is checked, so conformance suites can hand the device an
+    /// unknown opcode or a malformed segment list. The WQE occupies `bytes.len()` rounded up
+    /// to 64-byte blocks; a device that reads another size from `ds_count` will complete it
+    /// under a different index. Not for applications.
+    #[doc(hidden)]
+    pub fn post_raw_wqe(&mut self, wr_id: u64, bytes: &[u8]) -> Result<(), Error> {
+        if matches!(self.state, QpState::Reset | QpState::Init | QpState::Rtr) {
+            return Err(Error::InvalidState {
+                qpn: self.qpn,
+                state: self.state,
+            });
+        }
+        if bytes.is_empty() || bytes.len() > wqe::MAX_SEND_WQE {
+            return Err(Error::InvalidArgument("a raw WQE is 1..=256 bytes"));
+        }
+        let nbb = bytes.len().div_ceil(WQEBB) as u32;
+        let free = self.sq_free();
+        if nbb > free {
+            return Err(Error::QueueFull {
+                queue: "send queue",
+                needed: nbb,
+                free,
+            });
+        }
+        let mut buf = [0u8; wqe::MAX_SEND_WQE];
+        buf[..bytes.len()].copy_from_slice(bytes);
+        buf[2..4].copy_from_slice(&(self.sq_pi as u16).to_le_bytes());
+        let mask = (1u32 << self.sq_log) - 1;
+        for b in 0..nbb {
+            let slot = (self.sq_pi.wrapping_add(b) & mask) as usize * WQEBB;
+            self.sq
+                .write(slot, &buf[b as usize * WQEBB..(b as usize + 1) * WQEBB])?;
+        }
+        let slot = (self.sq_pi & mask) as usize;
+        self.rings.sq_wrid[slot].set(wr_id);
+        self.rings.sq_nbb[slot].set(nbb as u8);
+        self.sq_pi = self.sq_pi.wrapping_add(nbb);
+        self.db.mem().store_u32_release(4, self.sq_pi);
+        self.dev.inner.port.write32(
+            regs::QP_DB_BASE + self.qpn as u64 * regs::DB_STRIDE + regs::DB_SQ,
+            self.sq_pi,
+        );
+        Ok(())
     }
 
     fn write_send_wqe(&mut self, wr: &SendWr<'_>) -> Result<(), Error> {
@@ -410,28 +574,56 @@ impl QueuePair {
             WrOp::Write(r) => (SendOpcode::Write, Some(r), None, 0),
             WrOp::WriteImm(r, i) => (SendOpcode::WriteImm, Some(r), None, i),
             WrOp::Read(r) => (SendOpcode::Read, Some(r), None, 0),
-            WrOp::CmpSwap { remote, compare, swap } => (SendOpcode::CmpSwap, Some(remote), Some((swap, compare)), 0),
-            WrOp::FetchAdd { remote, add } => (SendOpcode::FetchAdd, Some(remote), Some((add, 0)), 0),
+            WrOp::CmpSwap {
+                remote,
+                compare,
+                swap,
+            } => (SendOpcode::CmpSwap, Some(remote), Some((swap, compare)), 0),
+            WrOp::FetchAdd { remote, add } => {
+                (SendOpcode::FetchAdd, Some(remote), Some((add, 0)), 0)
+            }
         };
         let mut off = SEG;
         if let Some(r) = raddr {
-            buf[off..off + SEG].copy_from_slice(RaddrSeg { raddr: r.addr.into(), rkey: r.rkey.into(), ..Default::default() }.as_bytes());
+            buf[off..off + SEG].copy_from_slice(
+                RaddrSeg {
+                    raddr: r.addr.into(),
+                    rkey: r.rkey.into(),
+                    ..Default::default()
+                }
+                .as_bytes(),
+            );
             off += SEG;
         }
         if let Some((sa, cmp)) = atomic {
             if wr.sgl.len() != 1 || wr.sgl[0].len != 8 || wr.inline.is_some() {
-                return Err(Error::InvalidArgument("atomics need exactly one 8-byte SGE"));
+                return Err(Error::InvalidArgument(
+                    "atomics need exactly one 8-byte SGE",
+                ));
             }
             if raddr.is_some_and(|r| r.addr % 8 != 0) {
-                return Err(Error::InvalidArgument("atomic target must be 8-byte aligned"));
+                return Err(Error::InvalidArgument(
+                    "atomic target must be 8-byte aligned",
+                ));
             }
-            buf[off..off + SEG].copy_from_slice(AtomicSeg { swap_add: sa.into(), compare: cmp.into() }.as_bytes());
+            buf[off..off + SEG].copy_from_slice(
+                AtomicSeg {
+                    swap_add: sa.into(),
+                    compare: cmp.into(),
+                }
+                .as_bytes(),
+            );
             off += SEG;
         }
         let mut flags = WqeFlags::from_bits_truncate(wr.flags.bits());
         if let Some(data) = wr.inline {
-            if matches!(opcode, SendOpcode::Read | SendOpcode::CmpSwap | SendOpcode::FetchAdd) {
-                return Err(Error::InvalidArgument("inline data only for SEND and WRITE"));
+            if matches!(
+                opcode,
+                SendOpcode::Read | SendOpcode::CmpSwap | SendOpcode::FetchAdd
+            ) {
+                return Err(Error::InvalidArgument(
+                    "inline data only for SEND and WRITE",
+                ));
             }
             if data.len() > self.max_inline as usize || off + 4 + data.len() > buf.len() {
                 return Err(Error::InvalidArgument("inline data longer than max_inline"));
@@ -445,7 +637,14 @@ impl QueuePair {
                 return Err(Error::InvalidArgument("more SGEs than max_send_sge"));
             }
             for s in wr.sgl {
-                buf[off..off + SEG].copy_from_slice(DataSeg { byte_count: s.len.into(), lkey: s.lkey.into(), addr: s.addr.into() }.as_bytes());
+                buf[off..off + SEG].copy_from_slice(
+                    DataSeg {
+                        byte_count: s.len.into(),
+                        lkey: s.lkey.into(),
+                        addr: s.addr.into(),
+                    }
+                    .as_bytes(),
+                );
                 off += SEG;
             }
         }
@@ -453,7 +652,11 @@ impl QueuePair {
         let nbb = wqe::wqebbs(ds) as u32;
         let free = self.sq_free();
         if nbb > free {
-            return Err(Error::QueueFull { queue: "send queue", needed: nbb, free });
+            return Err(Error::QueueFull {
+                queue: "send queue",
+                needed: nbb,
+                free,
+            });
         }
         let ctrl = CtrlSeg {
             opcode: opcode as u8,
@@ -467,7 +670,8 @@ impl QueuePair {
         let mask = (1u32 << self.sq_log) - 1;
         for b in 0..nbb {
             let slot = (self.sq_pi.wrapping_add(b) & mask) as usize * WQEBB;
-            self.sq.write(slot, &buf[b as usize * WQEBB..(b as usize + 1) * WQEBB])?;
+            self.sq
+                .write(slot, &buf[b as usize * WQEBB..(b as usize + 1) * WQEBB])?;
         }
         let slot = (self.sq_pi & mask) as usize;
         self.rings.sq_wrid[slot].set(wr.wr_id);
@@ -479,15 +683,24 @@ impl QueuePair {
     /// Posts receive requests (not for QPs on an SRQ).
     pub fn post_recv(&mut self, wrs: &[RecvWr<'_>]) -> Result<(), Error> {
         if self.state == QpState::Reset {
-            return Err(Error::InvalidState { qpn: self.qpn, state: self.state });
+            return Err(Error::InvalidState {
+                qpn: self.qpn,
+                state: self.state,
+            });
         }
-        let Some(rq) = &self.rq else { return Err(Error::InvalidArgument("QP uses an SRQ; post to the SRQ")) };
+        let Some(rq) = &self.rq else {
+            return Err(Error::InvalidArgument("QP uses an SRQ; post to the SRQ"));
+        };
         let start = self.rq_pi;
         let mut result = Ok(());
         for wr in wrs {
             let free = (1u32 << self.rq_log) - self.rq_pi.wrapping_sub(self.rings.rq_ci.get());
             if free == 0 {
-                result = Err(Error::QueueFull { queue: "receive queue", needed: 1, free });
+                result = Err(Error::QueueFull {
+                    queue: "receive queue",
+                    needed: 1,
+                    free,
+                });
                 break;
             }
             if wr.sgl.len() > self.max_recv_sge as usize {
@@ -495,7 +708,12 @@ impl QueuePair {
                 break;
             }
             let slot = (self.rq_pi & ((1 << self.rq_log) - 1)) as usize;
-            if let Err(e) = write_recv_wqe(rq, slot << self.rq_stride_log, 1 << self.rq_stride_log, wr.sgl) {
+            if let Err(e) = write_recv_wqe(
+                rq,
+                slot << self.rq_stride_log,
+                1 << self.rq_stride_log,
+                wr.sgl,
+            ) {
                 result = Err(e);
                 break;
             }
@@ -504,22 +722,44 @@ impl QueuePair {
         }
         if self.rq_pi != start {
             self.db.mem().store_u32_release(0, self.rq_pi);
-            self.dev.inner.port.write32(regs::QP_DB_BASE + self.qpn as u64 * regs::DB_STRIDE + regs::DB_RQ, self.rq_pi);
+            self.dev.inner.port.write32(
+                regs::QP_DB_BASE + self.qpn as u64 * regs::DB_STRIDE + regs::DB_RQ,
+                self.rq_pi,
+            );
         }
         result
     }
 }
 
 /// Writes a receive WQE (data segments, then an end marker if room is left).
-pub(crate) fn write_recv_wqe(ring: &DmaBuffer, at: usize, stride: usize, sgl: &[Sge]) -> Result<(), Error> {
+pub(crate) fn write_recv_wqe(
+    ring: &DmaBuffer,
+    at: usize,
+    stride: usize,
+    sgl: &[Sge],
+) -> Result<(), Error> {
     let mut buf = [0u8; 32 * SEG];
     let mut off = 0;
     for s in sgl {
-        buf[off..off + SEG].copy_from_slice(DataSeg { byte_count: s.len.into(), lkey: s.lkey.into(), addr: s.addr.into() }.as_bytes());
+        buf[off..off + SEG].copy_from_slice(
+            DataSeg {
+                byte_count: s.len.into(),
+                lkey: s.lkey.into(),
+                addr: s.addr.into(),
+            }
+            .as_bytes(),
+        );
         off += SEG;
     }
     if off < stride {
-        buf[off..off + SEG].copy_from_slice(DataSeg { byte_count: 0.into(), lkey: RECV_LKEY_END.into(), addr: 0.into() }.as_bytes());
+        buf[off..off + SEG].copy_from_slice(
+            DataSeg {
+                byte_count: 0.into(),
+                lkey: RECV_LKEY_END.into(),
+                addr: 0.into(),
+            }
+            .as_bytes(),
+        );
         off += SEG;
     }
     ring.write(at, &buf[..off.min(stride)])

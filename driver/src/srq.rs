@@ -54,12 +54,19 @@ pub struct SharedReceiveQueue {
 impl ProtectionDomain {
     /// Creates an SRQ of at least `max_wr` entries with `max_sge` SGEs each; `limit` arms
     /// the SRQ_LIMIT event (0: not armed).
-    pub fn create_srq(&self, max_wr: u32, max_sge: u32, limit: u32) -> Result<SharedReceiveQueue, Error> {
+    pub fn create_srq(
+        &self,
+        max_wr: u32,
+        max_sge: u32,
+        limit: u32,
+    ) -> Result<SharedReceiveQueue, Error> {
         if max_wr == 0 || max_wr > self.dev.caps().max_qp_wr || max_sge == 0 || max_sge > 32 {
             return Err(Error::InvalidArgument("SRQ size or SGE count out of range"));
         }
         let log = max_wr.next_power_of_two().trailing_zeros().max(1) as u8;
-        let stride_log = (max_sge as usize * SEG).next_power_of_two().trailing_zeros() as u8;
+        let stride_log = (max_sge as usize * SEG)
+            .next_power_of_two()
+            .trailing_zeros() as u8;
         let ring = self.dev.alloc_dma((1usize << log) << stride_log)?;
         let db = self.dev.alloc_dma(64)?;
         let input = CreateSrqIn {
@@ -71,7 +78,10 @@ impl ProtectionDomain {
             db_iova: db.iova().into(),
             ..Default::default()
         };
-        let srqn = self.dev.inner.create(CmdOpcode::CreateSrq, input.as_bytes())?;
+        let srqn = self
+            .dev
+            .inner
+            .create(CmdOpcode::CreateSrq, input.as_bytes())?;
         let rings = Rc::new(SrqRings {
             mask: (1 << log) - 1,
             wrid: (0..1u32 << log).map(|_| Cell::new(0)).collect(),
@@ -79,7 +89,17 @@ impl ProtectionDomain {
             ci: Cell::new(0),
         });
         self.dev.inner.srqs.borrow_mut().insert(srqn, rings.clone());
-        Ok(SharedReceiveQueue { dev: self.dev.clone(), srqn, ring, db, log, stride_log, max_sge, pi: 0, rings })
+        Ok(SharedReceiveQueue {
+            dev: self.dev.clone(),
+            srqn,
+            ring,
+            db,
+            log,
+            stride_log,
+            max_sge,
+            pi: 0,
+            rings,
+        })
     }
 }
 
@@ -89,6 +109,11 @@ impl SharedReceiveQueue {
         self.srqn
     }
 
+    /// Whether this SRQ lives on `dev` (SRQ numbers are per device).
+    pub(crate) fn belongs_to(&self, dev: &Device) -> bool {
+        Rc::ptr_eq(&self.dev.inner, &dev.inner)
+    }
+
     /// Posts receive requests and rings the doorbell once.
     pub fn post_recv(&mut self, wrs: &[RecvWr<'_>]) -> Result<(), Error> {
         let start = self.pi;
@@ -96,7 +121,11 @@ impl SharedReceiveQueue {
         for wr in wrs {
             let free = (1u32 << self.log) - self.pi.wrapping_sub(self.rings.ci.get());
             if free == 0 {
-                result = Err(Error::QueueFull { queue: "shared receive queue", needed: 1, free });
+                result = Err(Error::QueueFull {
+                    queue: "shared receive queue",
+                    needed: 1,
+                    free,
+                });
                 break;
             }
             if wr.sgl.len() > self.max_sge as usize {
@@ -104,7 +133,12 @@ impl SharedReceiveQueue {
                 break;
             }
             let slot = (self.pi & ((1 << self.log) - 1)) as usize;
-            if let Err(e) = write_recv_wqe(&self.ring, slot << self.stride_log, 1 << self.stride_log, wr.sgl) {
+            if let Err(e) = write_recv_wqe(
+                &self.ring,
+                slot << self.stride_log,
+                1 << self.stride_log,
+                wr.sgl,
+            ) {
                 result = Err(e);
                 break;
             }
@@ -113,15 +147,24 @@ impl SharedReceiveQueue {
         }
         if self.pi != start {
             self.db.mem().store_u32_release(0, self.pi);
-            self.dev.inner.port.write32(regs::SRQ_DB_BASE + self.srqn as u64 * regs::DB_STRIDE, self.pi);
+            self.dev.inner.port.write32(
+                regs::SRQ_DB_BASE + self.srqn as u64 * regs::DB_STRIDE,
+                self.pi,
+            );
         }
         result
     }
 
     /// Arms the SRQ_LIMIT event: it fires once fewer than `limit` WQEs remain.
     pub fn arm(&self, limit: u32) -> Result<(), Error> {
-        let input = ArmSrqIn { srqn: self.srqn.into(), limit: limit.into() };
-        self.dev.inner.command(CmdOpcode::ArmSrq, input.as_bytes()).map(|_| ())
+        let input = ArmSrqIn {
+            srqn: self.srqn.into(),
+            limit: limit.into(),
+        };
+        self.dev
+            .inner
+            .command(CmdOpcode::ArmSrq, input.as_bytes())
+            .map(|_| ())
     }
 }
 

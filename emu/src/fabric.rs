@@ -36,7 +36,12 @@ pub struct FabricConfig {
 impl FabricConfig {
     /// `nodes` nodes on a switch, default timing.
     pub fn new(nodes: usize, seed: u64) -> Self {
-        FabricConfig { nodes, seed, topology: Topology::Switch, timing: TimingProfile::default() }
+        FabricConfig {
+            nodes,
+            seed,
+            topology: Topology::Switch,
+            timing: TimingProfile::default(),
+        }
     }
 }
 
@@ -158,7 +163,11 @@ impl Inner {
     fn with_env<R>(&mut self, node: usize, f: impl FnOnce(&mut Nic, &mut NodeEnv<'_>) -> R) -> R {
         let now = self.queue.now();
         let topology = self.cfg.topology;
-        let Node { nic, iommu, interrupts } = &mut self.nodes[node];
+        let Node {
+            nic,
+            iommu,
+            interrupts,
+        } = &mut self.nodes[node];
         let mut env = NodeEnv {
             node,
             now,
@@ -183,12 +192,15 @@ impl Inner {
     pub(crate) fn mmio_write(&mut self, node: usize, offset: u64, value: u32) {
         let t = &self.cfg.timing;
         let at = self.queue.now() + SimTime(t.host_doorbell_ps + t.mmio_post_ps);
-        self.queue.push(at, Event::Nic(node, NicEvent::Mmio { offset, value }));
+        self.queue
+            .push(at, Event::Nic(node, NicEvent::Mmio { offset, value }));
     }
 
     /// Processes the next event. Returns `false` if none is pending.
     pub(crate) fn step(&mut self) -> bool {
-        let Some((at, ev)) = self.queue.pop() else { return false };
+        let Some((at, ev)) = self.queue.pop() else {
+            return false;
+        };
         self.stats.events += 1;
         self.digest.feed(&at.ps().to_le_bytes());
         match ev {
@@ -230,15 +242,25 @@ impl Fabric {
     /// Builds a fabric. Panics only on a configuration error made by the caller (0 nodes,
     /// more than 1024, or back-to-back with other than two nodes).
     pub fn new(cfg: FabricConfig) -> Fabric {
-        assert!((1..=1024).contains(&cfg.nodes), "a fabric has 1..=1024 nodes");
-        assert!(cfg.topology != Topology::BackToBack || cfg.nodes == 2, "back-to-back needs exactly two nodes");
+        assert!(
+            (1..=1024).contains(&cfg.nodes),
+            "a fabric has 1..=1024 nodes"
+        );
+        assert!(
+            cfg.topology != Topology::BackToBack || cfg.nodes == 2,
+            "back-to-back needs exactly two nodes"
+        );
         let mut nodes = Vec::new();
         let mut macs = BTreeMap::new();
         for i in 0..cfg.nodes {
             let mut nc = NicConfig::for_node(i as u32);
             nc.timing = cfg.timing.clone();
             macs.insert(nc.mac, i);
-            nodes.push(Node { nic: Nic::new(nc), iommu: Iommu::default(), interrupts: 0 });
+            nodes.push(Node {
+                nic: Nic::new(nc),
+                iommu: Iommu::default(),
+                interrupts: 0,
+            });
         }
         let inner = Inner {
             queue: EventQueue::new(),
@@ -249,13 +271,18 @@ impl Fabric {
             stats: FabricStats::default(),
             cfg,
         };
-        Fabric { shared: Rc::new(RefCell::new(inner)) }
+        Fabric {
+            shared: Rc::new(RefCell::new(inner)),
+        }
     }
 
     /// The driver's port to node `node`.
     pub fn port(&self, node: usize) -> EmuPort {
         assert!(node < self.nodes(), "node {node} out of range");
-        EmuPort { shared: self.shared.clone(), node }
+        EmuPort {
+            shared: self.shared.clone(),
+            node,
+        }
     }
 
     /// Number of nodes.

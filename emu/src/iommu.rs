@@ -27,19 +27,31 @@ pub struct Iommu {
 impl Iommu {
     /// Maps `len` bytes of memory file `fd` at `iova`.
     pub fn map(&mut self, fd: BorrowedFd<'_>, len: u64, iova: u64) -> Result<(), PortError> {
-        let end = iova.checked_add(len).ok_or(PortError::Overlap { iova, len })?;
-        if len == 0 || len > MAX_MAPPING || iova % 4096 != 0 {
-            return Err(PortError::MapFailed(format!("bad mapping {iova:#x}+{len:#x}")));
+        let end = iova
+            .checked_add(len)
+            .ok_or(PortError::Overlap { iova, len })?;
+        if len == 0 || len > MAX_MAPPING || !iova.is_multiple_of(4096) {
+            return Err(PortError::MapFailed(format!(
+                "bad mapping {iova:#x}+{len:#x}"
+            )));
         }
         if let Some((s, m)) = self.maps.range(..end).next_back() {
             if s + m.len > iova {
                 return Err(PortError::Overlap { iova, len });
             }
         }
-        let file = File::from(fd.try_clone_to_owned().map_err(|e| PortError::MapFailed(e.to_string()))?);
-        let flen = file.metadata().map_err(|e| PortError::MapFailed(e.to_string()))?.len();
+        let file = File::from(
+            fd.try_clone_to_owned()
+                .map_err(|e| PortError::MapFailed(e.to_string()))?,
+        );
+        let flen = file
+            .metadata()
+            .map_err(|e| PortError::MapFailed(e.to_string()))?
+            .len();
         if flen < len {
-            return Err(PortError::MapFailed(format!("file holds {flen} bytes, {len} requested")));
+            return Err(PortError::MapFailed(format!(
+                "file holds {flen} bytes, {len} requested"
+            )));
         }
         let map = memmap2::MmapOptions::new()
             .len(len as usize)
@@ -62,7 +74,11 @@ impl Iommu {
 
     /// Pointer and remaining length for `[iova, iova + len)` if one mapping covers it.
     fn translate(&self, iova: u64, len: usize) -> Result<*mut u8, DmaFault> {
-        let (start, m) = self.maps.range(..=iova).next_back().ok_or(DmaFault { iova })?;
+        let (start, m) = self
+            .maps
+            .range(..=iova)
+            .next_back()
+            .ok_or(DmaFault { iova })?;
         let off = iova - start;
         if off.checked_add(len as u64).is_none_or(|e| e > m.len) {
             let first_bad = if off >= m.len { iova } else { start + m.len };

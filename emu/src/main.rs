@@ -6,7 +6,11 @@ use ringbell_emu::Topology;
 use std::time::Instant;
 
 #[derive(Parser)]
-#[command(name = "ringbell-emu", version, about = "Emulated ringbell NICs on a simulated fabric")]
+#[command(
+    name = "ringbell-emu",
+    version,
+    about = "Emulated ringbell NICs on a simulated fabric"
+)]
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,
@@ -40,7 +44,11 @@ enum Cmd {
 fn main() {
     let cli = Cli::parse();
     match cli.cmd {
-        Cmd::Demo { seed, iters, wiring } => {
+        Cmd::Demo {
+            seed,
+            iters,
+            wiring,
+        } => {
             if let Err(e) = demo(seed, iters, wiring) {
                 eprintln!("ringbell-emu: {e}");
                 std::process::exit(1);
@@ -60,12 +68,19 @@ fn demo(seed: u64, iters: u32, wiring: Wiring) -> Result<(), ringbell::Error> {
     let prof = p.fabric().timing();
     println!(
         "two nodes, {} wiring, timing profile {}, path MTU 4096, inline up to 220 B",
-        if topology == Topology::BackToBack { "back-to-back" } else { "switched" },
+        if topology == Topology::BackToBack {
+            "back-to-back"
+        } else {
+            "switched"
+        },
         prof.name
     );
     println!();
     println!("latency (simulated µs; WRITE/SEND one-way by ping-pong, READ round trip), {iters} iterations");
-    println!("{:>9} {:>10} {:>10} {:>10}", "bytes", "write", "send", "read");
+    println!(
+        "{:>9} {:>10} {:>10} {:>10}",
+        "bytes", "write", "send", "read"
+    );
     let mut messages = 0u64;
     let mut size = 8u32;
     while size <= 65536 {
@@ -80,7 +95,10 @@ fn demo(seed: u64, iters: u32, wiring: Wiring) -> Result<(), ringbell::Error> {
     }
     println!();
     println!("bandwidth (simulated Gb/s, one QP, 128 outstanding, every 16th signaled)");
-    println!("{:>9} {:>10} {:>10} {:>9}", "bytes", "write", "send", "messages");
+    println!(
+        "{:>9} {:>10} {:>10} {:>9}",
+        "bytes", "write", "send", "messages"
+    );
     let mut size = 64u32;
     while size <= 1 << 20 {
         let count = ((256u64 << 20) / size as u64).clamp(256, 20_000) as u32;

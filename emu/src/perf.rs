@@ -48,7 +48,9 @@ pub struct PerfPair {
 
 impl std::fmt::Debug for PerfPair {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("PerfPair").field("fabric", &self.fabric).finish()
+        f.debug_struct("PerfPair")
+            .field("fabric", &self.fabric)
+            .finish()
     }
 }
 
@@ -59,7 +61,10 @@ fn open(fabric: &Fabric, node: usize) -> Result<Node, Error> {
     let dev = Device::open(Box::new(fabric.port(node)))?;
     let pd = dev.alloc_pd()?;
     let buf = dev.alloc_dma(PERF_BUF)?;
-    let mr = pd.reg_mr(&buf, Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::REMOTE_READ)?;
+    let mr = pd.reg_mr(
+        &buf,
+        Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::REMOTE_READ,
+    )?;
     let cq = dev.create_cq(4096)?;
     let mut init = QpInit::new(&cq, &cq);
     init.max_send_wr = 512;
@@ -68,7 +73,14 @@ fn open(fabric: &Fabric, node: usize) -> Result<Node, Error> {
     init.max_recv_sge = 1;
     init.max_inline = dev.caps().max_inline;
     let qp = pd.create_qp(&init)?;
-    Ok(Node { qp, cq, mr, buf, _pd: pd, dev })
+    Ok(Node {
+        qp,
+        cq,
+        mr,
+        buf,
+        _pd: pd,
+        dev,
+    })
 }
 
 impl PerfPair {
@@ -88,7 +100,12 @@ impl PerfPair {
         a.qp.connect(&eb, pa, &o)?;
         b.qp.connect(&ea, pb, &o)?;
         let max_inline = a.dev.caps().max_inline;
-        Ok(PerfPair { fabric, a, b, max_inline })
+        Ok(PerfPair {
+            fabric,
+            a,
+            b,
+            max_inline,
+        })
     }
 
     /// The fabric.
@@ -117,9 +134,14 @@ impl PerfPair {
         match op {
             PerfOp::Read => {
                 for i in 0..iters {
-                    let remote = RemoteAddr { addr: self.b.mr.addr(), rkey: self.b.mr.rkey() };
+                    let remote = RemoteAddr {
+                        addr: self.b.mr.addr(),
+                        rkey: self.b.mr.rkey(),
+                    };
                     let sge = [self.a.mr.sge(0, size)];
-                    self.a.qp.post_send(&[SendWr::new(i as u64, WrOp::Read(remote), &sge)])?;
+                    self.a
+                        .qp
+                        .post_send(&[SendWr::new(i as u64, WrOp::Read(remote), &sge)])?;
                     self.wait_cq(true)?;
                 }
                 Ok(SimTime((self.now() - start).ps() / iters.max(1) as u64))
@@ -130,7 +152,9 @@ impl PerfPair {
                     self.one_way(op, size, tag, true)?;
                     self.one_way(op, size, tag, false)?;
                 }
-                Ok(SimTime((self.now() - start).ps() / (2 * iters.max(1) as u64)))
+                Ok(SimTime(
+                    (self.now() - start).ps() / (2 * iters.max(1) as u64),
+                ))
             }
         }
     }
@@ -138,7 +162,11 @@ impl PerfPair {
     /// Sends one message from A to B (`forward`) or back, and waits until the receiver sees it.
     fn one_way(&mut self, op: PerfOp, size: u32, tag: u8, forward: bool) -> Result<(), Error> {
         let inline = size <= self.max_inline;
-        let (src, dst) = if forward { (&mut self.a, &mut self.b) } else { (&mut self.b, &mut self.a) };
+        let (src, dst) = if forward {
+            (&mut self.a, &mut self.b)
+        } else {
+            (&mut self.b, &mut self.a)
+        };
         let last = size as usize - 1;
         src.buf.write(last, &[tag])?;
         let sge = [src.mr.sge(0, size)];
@@ -155,7 +183,10 @@ impl PerfPair {
                 dst.qp.post_recv(&[RecvWr { wr_id: 0, sgl: &rs }])?;
                 WrOp::Send
             }
-            _ => WrOp::Write(RemoteAddr { addr: dst.mr.addr() + PERF_BUF as u64 / 2, rkey: dst.mr.rkey() }),
+            _ => WrOp::Write(RemoteAddr {
+                addr: dst.mr.addr() + PERF_BUF as u64 / 2,
+                rkey: dst.mr.rkey(),
+            }),
         };
         let wr = match data {
             Some(d) => SendWr::inline(0, wr_op, d),
@@ -165,7 +196,11 @@ impl PerfPair {
         // The receiver spins: on the last byte (WRITE) or on its receive CQ (SEND).
         let mut wc = [WorkCompletion::default(); 4];
         loop {
-            let (src, dst) = if forward { (&mut self.a, &mut self.b) } else { (&mut self.b, &mut self.a) };
+            let (src, dst) = if forward {
+                (&mut self.a, &mut self.b)
+            } else {
+                (&mut self.b, &mut self.a)
+            };
             if op == PerfOp::Send {
                 let n = dst.cq.poll_ready(&mut wc);
                 if wc[..n].iter().any(|w| w.opcode.is_recv()) {
@@ -222,7 +257,13 @@ impl PerfPair {
     /// Streams `count` `size`-byte messages of `op` (WRITE or SEND) from A to B with up to
     /// `depth` outstanding, every 16th signaled; returns payload bandwidth in bits per
     /// second of simulated time.
-    pub fn bandwidth(&mut self, op: PerfOp, size: u32, count: u32, depth: u32) -> Result<f64, Error> {
+    pub fn bandwidth(
+        &mut self,
+        op: PerfOp,
+        size: u32,
+        count: u32,
+        depth: u32,
+    ) -> Result<f64, Error> {
         let size = size.clamp(1, (PERF_BUF / 2) as u32);
         let depth = depth.clamp(16, 256);
         self.quiesce()?;
@@ -231,7 +272,10 @@ impl PerfPair {
         let mut recv_posted = 0u32;
         let mut wc = [WorkCompletion::default(); 32];
         let sge = [self.a.mr.sge(0, size)];
-        let remote = RemoteAddr { addr: self.b.mr.addr() + PERF_BUF as u64 / 2, rkey: self.b.mr.rkey() };
+        let remote = RemoteAddr {
+            addr: self.b.mr.addr() + PERF_BUF as u64 / 2,
+            rkey: self.b.mr.rkey(),
+        };
         let mut last_done = start;
         while completed < count {
             if op == PerfOp::Send {
@@ -243,9 +287,19 @@ impl PerfPair {
             }
             while posted < count && posted - completed < depth {
                 let signaled = posted % 16 == 15 || posted + 1 == count;
-                let flags = if signaled { SendFlags::SIGNALED } else { SendFlags::empty() };
-                let wr_op = if op == PerfOp::Send { WrOp::Send } else { WrOp::Write(remote) };
-                self.a.qp.post_send(&[SendWr::new(posted as u64, wr_op, &sge).flags(flags)])?;
+                let flags = if signaled {
+                    SendFlags::SIGNALED
+                } else {
+                    SendFlags::empty()
+                };
+                let wr_op = if op == PerfOp::Send {
+                    WrOp::Send
+                } else {
+                    WrOp::Write(remote)
+                };
+                self.a
+                    .qp
+                    .post_send(&[SendWr::new(posted as u64, wr_op, &sge).flags(flags)])?;
                 posted += 1;
             }
             let n = self.a.cq.poll_ready(&mut wc);

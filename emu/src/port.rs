@@ -24,15 +24,21 @@ impl Port for EmuPort {
     }
 
     fn write32(&self, offset: u64, value: u32) {
-        self.shared.borrow_mut().mmio_write(self.node, offset, value)
+        self.shared
+            .borrow_mut()
+            .mmio_write(self.node, offset, value)
     }
 
     fn dma_map(&self, fd: BorrowedFd<'_>, len: u64, iova: u64) -> Result<(), PortError> {
-        self.shared.borrow_mut().nodes[self.node].iommu.map(fd, len, iova)
+        self.shared.borrow_mut().nodes[self.node]
+            .iommu
+            .map(fd, len, iova)
     }
 
     fn dma_unmap(&self, iova: u64, len: u64) -> Result<(), PortError> {
-        self.shared.borrow_mut().nodes[self.node].iommu.unmap(iova, len)
+        self.shared.borrow_mut().nodes[self.node]
+            .iommu
+            .unmap(iova, len)
     }
 
     fn progress(&self) -> bool {

@@ -22,7 +22,10 @@ fn same_seed_same_trace_digest_and_figures() {
     assert_eq!(d1, d2);
     assert_eq!(l1, l2);
     let (d3, _) = run(8);
-    assert_ne!(d1, d3, "the seed picks the initial PSNs, which are in every packet");
+    assert_ne!(
+        d1, d3,
+        "the seed picks the initial PSNs, which are in every packet"
+    );
 }
 
 #[test]
@@ -32,11 +35,17 @@ fn latency_grows_with_size_and_read_costs_a_round_trip() {
         let small = p.latency(op, 8, 10).unwrap();
         let big = p.latency(op, 65536, 10).unwrap();
         // 64 KiB needs at least 16 full frames on a 100 Gb/s link: over 5 µs more.
-        assert!(big.ps() > small.ps() + 5_000_000, "{op:?}: {small} vs {big}");
+        assert!(
+            big.ps() > small.ps() + 5_000_000,
+            "{op:?}: {small} vs {big}"
+        );
     }
     let w = p.latency(PerfOp::Write, 8, 10).unwrap();
     let r = p.latency(PerfOp::Read, 8, 10).unwrap();
-    assert!(r.ps() > w.ps() * 3 / 2, "READ is a round trip: {r} vs one-way {w}");
+    assert!(
+        r.ps() > w.ps() * 3 / 2,
+        "READ is a round trip: {r} vs one-way {w}"
+    );
 }
 
 #[test]

@@ -373,13 +373,18 @@ mod tests {
         let m = ModifyQpIn {
             qpn: 7.into(),
             attr_mask: (QpAttrMask::STATE | QpAttrMask::PATH_MTU).bits().into(),
-            attr: QpAttr { state: QpState::Rtr as u8, path_mtu: 5, dest_qpn: 0x12.into(), ..Default::default() },
+            attr: QpAttr {
+                state: QpState::Rtr as u8,
+                path_mtu: 5,
+                dest_qpn: 0x12.into(),
+                ..Default::default()
+            },
         };
         let hex: String = m.as_bytes().iter().map(|b| format!("{b:02x}")).collect();
+        // qpn 7 | mask STATE|PATH_MTU | state RTR, path_mtu 5 | ... | dest_qpn 0x12 | zeros
         assert_eq!(
             hex,
-            "07000000010100000200050000000000000000000000000012000000000000000000000000000000\
-             000000000000000000000000000000000000000000000000"
+            "0700000001010000020005000000000000000000000000001200000000000000000000000000000000000000000000000000000000000000"
         );
         assert!(core::mem::size_of::<ModifyQpIn>() <= PARAMS_SIZE);
         assert!(core::mem::size_of::<QueryDeviceOut>() <= PARAMS_SIZE);

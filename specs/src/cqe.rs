@@ -285,6 +285,9 @@ mod tests {
             ..Default::default()
         };
         let hex: String = eqe.as_bytes().iter().map(|b| format!("{b:02x}")).collect();
-        assert_eq!(hex, "06000000030000000000adde000000002a000000000000000000000000000001");
+        assert_eq!(
+            hex,
+            "06000000030000000000adde000000002a000000000000000000000000000001"
+        );
     }
 }

@@ -143,8 +143,16 @@ mod tests {
             imm: 0.into(),
             ..Default::default()
         };
-        let raddr = RaddrSeg { raddr: 0x1000_2000.into(), rkey: 0x0000_0105.into(), ..Default::default() };
-        let data = DataSeg { byte_count: 8.into(), lkey: 0x0000_0204.into(), addr: 0x3000.into() };
+        let raddr = RaddrSeg {
+            raddr: 0x1000_2000.into(),
+            rkey: 0x0000_0105.into(),
+            ..Default::default()
+        };
+        let data = DataSeg {
+            byte_count: 8.into(),
+            lkey: 0x0000_0204.into(),
+            addr: 0x3000.into(),
+        };
         let mut wqe = Vec::new();
         wqe.extend_from_slice(ctrl.as_bytes());
         wqe.extend_from_slice(raddr.as_bytes());

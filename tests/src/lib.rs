@@ -47,7 +47,14 @@ pub fn side(fabric: &Fabric, node: usize, access: Access) -> Side {
     init.max_recv_wr = 256;
     init.max_inline = 220;
     let qp = pd.create_qp(&init).expect("qp");
-    Side { qp, mr, buf, cq, pd, dev }
+    Side {
+        qp,
+        mr,
+        buf,
+        cq,
+        pd,
+        dev,
+    }
 }
 
 /// Connects two sides with `opts`.
@@ -60,10 +67,18 @@ pub fn connect(a: &mut Side, b: &mut Side, opts: &ConnectOptions) {
 /// Two nodes with full access, connected at path MTU `mtu` (code 1..5).
 pub fn pair_with(nodes: usize, mtu: u8, seed: u64) -> Pair {
     let fabric = Fabric::new(FabricConfig::new(nodes, seed));
-    let all = Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::REMOTE_READ | Access::REMOTE_ATOMIC;
+    let all =
+        Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::REMOTE_READ | Access::REMOTE_ATOMIC;
     let mut a = side(&fabric, 0, all);
     let mut b = side(&fabric, 1, all);
-    connect(&mut a, &mut b, &ConnectOptions { path_mtu: mtu, ..Default::default() });
+    connect(
+        &mut a,
+        &mut b,
+        &ConnectOptions {
+            path_mtu: mtu,
+            ..Default::default()
+        },
+    );
     Pair { a, b, fabric }
 }
 

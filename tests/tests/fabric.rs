@@ -22,10 +22,10 @@ fn ring_of_writes(n: usize, seed: u64) -> (Fabric, u64) {
         })
         .collect();
     let o = ConnectOptions::default();
-    for i in 0..n {
+    for (i, s) in out.iter_mut().enumerate() {
         let j = (i + 1) % n;
-        let (e_out, e_in) = (out[i].qp.endpoint(i as u32), inn[j].endpoint(j as u32 * 7));
-        out[i].qp.connect(&e_in, i as u32, &o).unwrap();
+        let (e_out, e_in) = (s.qp.endpoint(i as u32), inn[j].endpoint(j as u32 * 7));
+        s.qp.connect(&e_in, i as u32, &o).unwrap();
         inn[j].connect(&e_out, j as u32 * 7, &o).unwrap();
     }
     for (i, s) in out.iter().enumerate() {
@@ -34,9 +34,15 @@ fn ring_of_writes(n: usize, seed: u64) -> (Fabric, u64) {
     // Each node writes into its neighbour's buffer at offset 8192 with the neighbour's rkey.
     for i in 0..n {
         let j = (i + 1) % n;
-        let remote = RemoteAddr { addr: out[j].mr.addr() + 8192, rkey: out[j].mr.rkey() };
+        let remote = RemoteAddr {
+            addr: out[j].mr.addr() + 8192,
+            rkey: out[j].mr.rkey(),
+        };
         let sge = [out[i].mr.sge(0, 5000)];
-        out[i].qp.post_send(&[SendWr::new(i as u64, WrOp::Write(remote), &sge)]).unwrap();
+        out[i]
+            .qp
+            .post_send(&[SendWr::new(i as u64, WrOp::Write(remote), &sge)])
+            .unwrap();
     }
     for (i, s) in out.iter_mut().enumerate() {
         let wc = wait(&fabric, &mut s.cq, 1);
@@ -83,9 +89,13 @@ fn incast_serializes_on_the_switch_egress_port() {
     let start = fabric.now();
     let len = 65536u32;
     for (k, s) in senders.iter_mut().enumerate() {
-        let remote = RemoteAddr { addr: sink.mr.addr() + k as u64 * len as u64, rkey: sink.mr.rkey() };
+        let remote = RemoteAddr {
+            addr: sink.mr.addr() + k as u64 * len as u64,
+            rkey: sink.mr.rkey(),
+        };
         let sge = [s.mr.sge(0, len)];
-        s.qp.post_send(&[SendWr::new(k as u64, WrOp::Write(remote), &sge)]).unwrap();
+        s.qp.post_send(&[SendWr::new(k as u64, WrOp::Write(remote), &sge)])
+            .unwrap();
     }
     let mut last = 0;
     for s in senders.iter_mut() {
@@ -96,8 +106,14 @@ fn incast_serializes_on_the_switch_egress_port() {
     // Eight 64 KiB writes share one 100 Gb/s egress port: at least 8 * 5.24 µs.
     let total = last - start.ps();
     let floor = 8 * 65536 * 8 * 10; // ps at 100 Gb/s (10 ps per bit)
-    assert!(total > floor, "{total} ps is faster than the port allows ({floor})");
-    assert!(total < floor * 13 / 10, "{total} ps: contention should cost little beyond the wire");
+    assert!(
+        total > floor,
+        "{total} ps is faster than the port allows ({floor})"
+    );
+    assert!(
+        total < floor * 13 / 10,
+        "{total} ps: contention should cost little beyond the wire"
+    );
     let _ = &mut sink;
     drop(qps);
 }

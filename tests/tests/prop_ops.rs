@@ -17,34 +17,83 @@ const SPAN: u64 = 256 * 1024;
 
 #[derive(Clone, Debug)]
 enum Op {
-    Write { src: u64, dst: u64, len: u32, inline: bool },
-    Read { dst: u64, src: u64, len: u32 },
-    Send { src: u64, len: u32 },
-    FetchAdd { at: u64, add: u64 },
-    CmpSwap { at: u64, hit: bool, swap: u64 },
+    Write {
+        src: u64,
+        dst: u64,
+        len: u32,
+        inline: bool,
+    },
+    Read {
+        dst: u64,
+        src: u64,
+        len: u32,
+    },
+    Send {
+        src: u64,
+        len: u32,
+    },
+    FetchAdd {
+        at: u64,
+        add: u64,
+    },
+    CmpSwap {
+        at: u64,
+        hit: bool,
+        swap: u64,
+    },
 }
 
 fn op() -> impl Strategy<Value = Op> {
     let len = prop_oneof![0u32..64, 64u32..5000, 5000u32..40_000];
     prop_oneof![
-        (0..SPAN - 40_000, 0..SPAN - 40_000, len.clone(), any::<bool>())
-            .prop_map(|(src, dst, len, inline)| Op::Write { src, dst, len: if inline { len.min(200) } else { len }, inline }),
-        (0..SPAN / 2 - 40_000, 0..SPAN - 40_000, len.clone()).prop_map(|(dst, src, len)| Op::Read { dst, src, len }),
+        (
+            0..SPAN - 40_000,
+            0..SPAN - 40_000,
+            len.clone(),
+            any::<bool>()
+        )
+            .prop_map(|(src, dst, len, inline)| Op::Write {
+                src,
+                dst,
+                len: if inline { len.min(200) } else { len },
+                inline
+            }),
+        (0..SPAN / 2 - 40_000, 0..SPAN - 40_000, len.clone())
+            .prop_map(|(dst, src, len)| Op::Read { dst, src, len }),
         (0..SPAN - 40_000, len).prop_map(|(src, len)| Op::Send { src, len }),
         (0..SPAN / 8, any::<u64>()).prop_map(|(at, add)| Op::FetchAdd { at: at * 8, add }),
-        (0..SPAN / 8, any::<bool>(), any::<u64>()).prop_map(|(at, hit, swap)| Op::CmpSwap { at: at * 8, hit, swap }),
+        (0..SPAN / 8, any::<bool>(), any::<u64>()).prop_map(|(at, hit, swap)| Op::CmpSwap {
+            at: at * 8,
+            hit,
+            swap
+        }),
     ]
 }
 
 fn run(mtu: u8, seed: u64, ops: &[Op], fill: u8) {
     let mut p = pair_with(2, mtu, seed);
     // Distinct, position-dependent contents so misplaced bytes show.
-    let a_init: Vec<u8> = (0..BUF).map(|i| (i as u32).wrapping_mul(2654435761).rotate_left(fill as u32 % 32) as u8).collect();
-    let b_init: Vec<u8> = (0..BUF).map(|i| (i as u32 ^ 0x5a5a).wrapping_mul(40503).wrapping_add(fill as u32) as u8).collect();
+    let a_init: Vec<u8> = (0..BUF)
+        .map(|i| {
+            (i as u32)
+                .wrapping_mul(2654435761)
+                .rotate_left(fill as u32 % 32) as u8
+        })
+        .collect();
+    let b_init: Vec<u8> = (0..BUF)
+        .map(|i| {
+            (i as u32 ^ 0x5a5a)
+                .wrapping_mul(40503)
+                .wrapping_add(fill as u32) as u8
+        })
+        .collect();
     p.a.buf.write(0, &a_init).unwrap();
     p.b.buf.write(0, &b_init).unwrap();
     let (mut ra, mut rb) = (a_init, b_init);
-    let remote = |off: u64| RemoteAddr { addr: p.b.mr.addr() + off, rkey: p.b.mr.rkey() };
+    let remote = |off: u64| RemoteAddr {
+        addr: p.b.mr.addr() + off,
+        rkey: p.b.mr.rkey(),
+    };
     let mut res_next = RES + SPAN / 2; // atomic results go above READ destinations
     let mut recv_next = RECV;
     let mut expected = Vec::new();
@@ -52,13 +101,21 @@ fn run(mtu: u8, seed: u64, ops: &[Op], fill: u8) {
         let id = i as u64;
         let sge;
         let wr = match *op {
-            Op::Write { src, dst, len, inline } => {
+            Op::Write {
+                src,
+                dst,
+                len,
+                inline,
+            } => {
                 let (s, d) = (src as usize, dst as usize);
-                rb[d..d + len as usize].copy_from_slice(&ra[SRC as usize + s..SRC as usize + s + len as usize]);
+                rb[d..d + len as usize]
+                    .copy_from_slice(&ra[SRC as usize + s..SRC as usize + s + len as usize]);
                 if inline {
                     let data = ra[s..s + len as usize].to_vec();
                     let wr_op = WrOp::Write(remote(dst));
-                    p.a.qp.post_send(&[SendWr::inline(id, wr_op, &data)]).unwrap();
+                    p.a.qp
+                        .post_send(&[SendWr::inline(id, wr_op, &data)])
+                        .unwrap();
                     expected.push((id, WcOpcode::RdmaWrite));
                     continue;
                 }
@@ -73,9 +130,15 @@ fn run(mtu: u8, seed: u64, ops: &[Op], fill: u8) {
             }
             Op::Send { src, len } => {
                 let d = recv_next as usize;
-                rb[d..d + len as usize].copy_from_slice(&ra[src as usize..(src + len as u64) as usize]);
+                rb[d..d + len as usize]
+                    .copy_from_slice(&ra[src as usize..(src + len as u64) as usize]);
                 let rs = [p.b.mr.sge(recv_next, len)];
-                p.b.qp.post_recv(&[RecvWr { wr_id: 1000 + id, sgl: &rs }]).unwrap();
+                p.b.qp
+                    .post_recv(&[RecvWr {
+                        wr_id: 1000 + id,
+                        sgl: &rs,
+                    }])
+                    .unwrap();
                 recv_next += len as u64;
                 sge = [p.a.mr.sge(SRC + src, len)];
                 SendWr::new(id, WrOp::Send, &sge)
@@ -87,7 +150,14 @@ fn run(mtu: u8, seed: u64, ops: &[Op], fill: u8) {
                 ra[res_next as usize..res_next as usize + 8].copy_from_slice(&old.to_le_bytes());
                 sge = [p.a.mr.sge(res_next, 8)];
                 res_next += 8;
-                SendWr::new(id, WrOp::FetchAdd { remote: remote(at), add }, &sge)
+                SendWr::new(
+                    id,
+                    WrOp::FetchAdd {
+                        remote: remote(at),
+                        add,
+                    },
+                    &sge,
+                )
             }
             Op::CmpSwap { at, hit, swap } => {
                 let a = at as usize;
@@ -99,7 +169,15 @@ fn run(mtu: u8, seed: u64, ops: &[Op], fill: u8) {
                 ra[res_next as usize..res_next as usize + 8].copy_from_slice(&old.to_le_bytes());
                 sge = [p.a.mr.sge(res_next, 8)];
                 res_next += 8;
-                SendWr::new(id, WrOp::CmpSwap { remote: remote(at), compare, swap }, &sge)
+                SendWr::new(
+                    id,
+                    WrOp::CmpSwap {
+                        remote: remote(at),
+                        compare,
+                        swap,
+                    },
+                    &sge,
+                )
             }
         };
         let opcode = match op {
@@ -117,17 +195,28 @@ fn run(mtu: u8, seed: u64, ops: &[Op], fill: u8) {
             assert_eq!(done[0].status, WcStatus::Success);
             expected.retain(|e| e.0 != done[0].wr_id);
             // Earlier WQEs completed before it in order.
-            assert!(expected.iter().all(|e| e.0 > done[0].wr_id), "out of order completion");
+            assert!(
+                expected.iter().all(|e| e.0 > done[0].wr_id),
+                "out of order completion"
+            );
         }
     }
     let wc = wait(&p.fabric, &mut p.a.cq, expected.len());
     let got: Vec<_> = wc.iter().map(|w| (w.wr_id, w.opcode)).collect();
-    assert_eq!(got, expected, "every operation completes once, in post order");
+    assert_eq!(
+        got, expected,
+        "every operation completes once, in post order"
+    );
     assert!(wc.iter().all(|w| w.status == WcStatus::Success), "{wc:?}");
     let sends = ops.iter().filter(|o| matches!(o, Op::Send { .. })).count();
     let rwc = wait(&p.fabric, &mut p.b.cq, sends);
-    assert!(rwc.iter().all(|w| w.status == WcStatus::Success && w.opcode == WcOpcode::Recv));
-    assert!(drain(&p.fabric, &mut p.a.cq).is_empty() && drain(&p.fabric, &mut p.b.cq).is_empty(), "no extra completions");
+    assert!(rwc
+        .iter()
+        .all(|w| w.status == WcStatus::Success && w.opcode == WcOpcode::Recv));
+    assert!(
+        drain(&p.fabric, &mut p.a.cq).is_empty() && drain(&p.fabric, &mut p.b.cq).is_empty(),
+        "no extra completions"
+    );
     let mut ma = vec![0u8; BUF];
     let mut mb = vec![0u8; BUF];
     p.a.buf.read(0, &mut ma).unwrap();

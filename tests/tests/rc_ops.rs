@@ -7,9 +7,14 @@ use ringbell_tests::*;
 fn write_lands_and_completes() {
     let mut p = pair();
     p.a.buf.write(0, b"hello, ringbell").unwrap();
-    let remote = RemoteAddr { addr: p.b.mr.addr() + 100, rkey: p.b.mr.rkey() };
+    let remote = RemoteAddr {
+        addr: p.b.mr.addr() + 100,
+        rkey: p.b.mr.rkey(),
+    };
     let sge = [p.a.mr.sge(0, 15)];
-    p.a.qp.post_send(&[SendWr::new(7, WrOp::Write(remote), &sge)]).unwrap();
+    p.a.qp
+        .post_send(&[SendWr::new(7, WrOp::Write(remote), &sge)])
+        .unwrap();
     let wc = wait(&p.fabric, &mut p.a.cq, 1);
     assert_eq!(wc[0].status, WcStatus::Success, "{wc:?}");
     assert_eq!(wc[0].wr_id, 7);
@@ -32,11 +37,22 @@ fn send_recv_with_immediate_across_mtus() {
         let data: Vec<u8> = (0..len).map(|i| (i * 7 + mtu as u32) as u8).collect();
         p.a.buf.write(0, &data).unwrap();
         let rs = recv_wr(&p.b, 1, 4096, 16384);
-        p.b.qp.post_recv(&[RecvWr { wr_id: 55, sgl: &rs }]).unwrap();
+        p.b.qp
+            .post_recv(&[RecvWr {
+                wr_id: 55,
+                sgl: &rs,
+            }])
+            .unwrap();
         let sge = [p.a.mr.sge(0, len)];
-        p.a.qp.post_send(&[SendWr::new(9, WrOp::SendImm(0xabcd), &sge).flags(SendFlags::SIGNALED | SendFlags::SOLICITED)]).unwrap();
+        p.a.qp
+            .post_send(&[SendWr::new(9, WrOp::SendImm(0xabcd), &sge)
+                .flags(SendFlags::SIGNALED | SendFlags::SOLICITED)])
+            .unwrap();
         let s = wait(&p.fabric, &mut p.a.cq, 1);
-        assert_eq!((s[0].wr_id, s[0].status, s[0].opcode), (9, WcStatus::Success, WcOpcode::Send));
+        assert_eq!(
+            (s[0].wr_id, s[0].status, s[0].opcode),
+            (9, WcStatus::Success, WcOpcode::Send)
+        );
         let r = wait(&p.fabric, &mut p.b.cq, 1);
         assert_eq!(r[0].wr_id, 55);
         assert_eq!(r[0].status, WcStatus::Success);
@@ -54,11 +70,22 @@ fn send_recv_with_immediate_across_mtus() {
 fn scatter_gather_send_into_multi_sge_receive() {
     let mut p = pair_with(2, 1, 4);
     for i in 0..600u32 {
-        p.a.buf.write(i as usize * 2, &[(i % 251) as u8, (i % 13) as u8]).unwrap();
+        p.a.buf
+            .write(i as usize * 2, &[(i % 251) as u8, (i % 13) as u8])
+            .unwrap();
     }
     // Gather three pieces, scatter into four.
-    let g = [p.a.mr.sge(0, 100), p.a.mr.sge(500, 300), p.a.mr.sge(1000, 200)];
-    let s = [p.b.mr.sge(10_000, 50), p.b.mr.sge(20_000, 350), p.b.mr.sge(30_000, 150), p.b.mr.sge(40_000, 100)];
+    let g = [
+        p.a.mr.sge(0, 100),
+        p.a.mr.sge(500, 300),
+        p.a.mr.sge(1000, 200),
+    ];
+    let s = [
+        p.b.mr.sge(10_000, 50),
+        p.b.mr.sge(20_000, 350),
+        p.b.mr.sge(30_000, 150),
+        p.b.mr.sge(40_000, 100),
+    ];
     p.b.qp.post_recv(&[RecvWr { wr_id: 1, sgl: &s }]).unwrap();
     p.a.qp.post_send(&[SendWr::new(2, WrOp::Send, &g)]).unwrap();
     let r = wait(&p.fabric, &mut p.b.cq, 1);
@@ -83,10 +110,20 @@ fn write_with_immediate_consumes_a_receive() {
     let mut p = pair_with(2, 3, 5);
     let data = vec![0x5au8; 3000];
     p.a.buf.write(0, &data).unwrap();
-    p.b.qp.post_recv(&[RecvWr { wr_id: 77, sgl: &[] }]).unwrap();
-    let remote = RemoteAddr { addr: p.b.mr.addr() + 8192, rkey: p.b.mr.rkey() };
+    p.b.qp
+        .post_recv(&[RecvWr {
+            wr_id: 77,
+            sgl: &[],
+        }])
+        .unwrap();
+    let remote = RemoteAddr {
+        addr: p.b.mr.addr() + 8192,
+        rkey: p.b.mr.rkey(),
+    };
     let sge = [p.a.mr.sge(0, 3000)];
-    p.a.qp.post_send(&[SendWr::new(1, WrOp::WriteImm(remote, 0x1234_5678), &sge)]).unwrap();
+    p.a.qp
+        .post_send(&[SendWr::new(1, WrOp::WriteImm(remote, 0x1234_5678), &sge)])
+        .unwrap();
     let r = wait(&p.fabric, &mut p.b.cq, 1);
     assert_eq!(r[0].wr_id, 77);
     assert_eq!(r[0].opcode, WcOpcode::RecvRdmaWithImm);
@@ -103,12 +140,26 @@ fn read_multi_packet_and_zero_length() {
     let mut p = pair_with(2, 2, 6);
     let data: Vec<u8> = (0..70_000u32).map(|i| (i ^ (i >> 8)) as u8).collect();
     p.b.buf.write(0, &data).unwrap();
-    let remote = RemoteAddr { addr: p.b.mr.addr(), rkey: p.b.mr.rkey() };
+    let remote = RemoteAddr {
+        addr: p.b.mr.addr(),
+        rkey: p.b.mr.rkey(),
+    };
     let sge = [p.a.mr.sge(100_000, 70_000)];
-    p.a.qp.post_send(&[SendWr::new(3, WrOp::Read(remote), &sge), SendWr::new(4, WrOp::Read(remote), &[])]).unwrap();
+    p.a.qp
+        .post_send(&[
+            SendWr::new(3, WrOp::Read(remote), &sge),
+            SendWr::new(4, WrOp::Read(remote), &[]),
+        ])
+        .unwrap();
     let wc = wait(&p.fabric, &mut p.a.cq, 2);
-    assert_eq!((wc[0].wr_id, wc[0].status, wc[0].opcode, wc[0].byte_len), (3, WcStatus::Success, WcOpcode::RdmaRead, 70_000));
-    assert_eq!((wc[1].wr_id, wc[1].status, wc[1].byte_len), (4, WcStatus::Success, 0));
+    assert_eq!(
+        (wc[0].wr_id, wc[0].status, wc[0].opcode, wc[0].byte_len),
+        (3, WcStatus::Success, WcOpcode::RdmaRead, 70_000)
+    );
+    assert_eq!(
+        (wc[1].wr_id, wc[1].status, wc[1].byte_len),
+        (4, WcStatus::Success, 0)
+    );
     let mut got = vec![0u8; 70_000];
     p.a.buf.read(100_000, &mut got).unwrap();
     assert_eq!(got, data);
@@ -118,15 +169,34 @@ fn read_multi_packet_and_zero_length() {
 fn atomics_compare_swap_and_fetch_add() {
     let mut p = pair();
     p.b.buf.write(64, &41u64.to_le_bytes()).unwrap();
-    let remote = RemoteAddr { addr: p.b.mr.addr() + 64, rkey: p.b.mr.rkey() };
+    let remote = RemoteAddr {
+        addr: p.b.mr.addr() + 64,
+        rkey: p.b.mr.rkey(),
+    };
     let r0 = [p.a.mr.sge(0, 8)];
     let r1 = [p.a.mr.sge(8, 8)];
     let r2 = [p.a.mr.sge(16, 8)];
     p.a.qp
         .post_send(&[
             SendWr::new(1, WrOp::FetchAdd { remote, add: 1 }, &r0),
-            SendWr::new(2, WrOp::CmpSwap { remote, compare: 42, swap: 1000 }, &r1),
-            SendWr::new(3, WrOp::CmpSwap { remote, compare: 42, swap: 5 }, &r2),
+            SendWr::new(
+                2,
+                WrOp::CmpSwap {
+                    remote,
+                    compare: 42,
+                    swap: 1000,
+                },
+                &r1,
+            ),
+            SendWr::new(
+                3,
+                WrOp::CmpSwap {
+                    remote,
+                    compare: 42,
+                    swap: 5,
+                },
+                &r2,
+            ),
         ])
         .unwrap();
     let wc = wait(&p.fabric, &mut p.a.cq, 3);
@@ -141,7 +211,11 @@ fn atomics_compare_swap_and_fetch_add() {
     );
     assert_eq!(p.a.buf.read_u64(0).unwrap(), 41);
     assert_eq!(p.a.buf.read_u64(8).unwrap(), 42);
-    assert_eq!(p.a.buf.read_u64(16).unwrap(), 1000, "failed compare returns the current value");
+    assert_eq!(
+        p.a.buf.read_u64(16).unwrap(),
+        1000,
+        "failed compare returns the current value"
+    );
     assert_eq!(p.b.buf.read_u64(64).unwrap(), 1000);
 }
 
@@ -149,20 +223,42 @@ fn atomics_compare_swap_and_fetch_add() {
 fn inline_send_and_write_and_unsignaled_batches() {
     let mut p = pair();
     let rs = [p.b.mr.sge(0, 4096)];
-    p.b.qp.post_recv(&[RecvWr { wr_id: 10, sgl: &rs }]).unwrap();
+    p.b.qp
+        .post_recv(&[RecvWr {
+            wr_id: 10,
+            sgl: &rs,
+        }])
+        .unwrap();
     let msg = [0xeeu8; 200];
-    let remote = RemoteAddr { addr: p.b.mr.addr() + 8000, rkey: p.b.mr.rkey() };
+    let remote = RemoteAddr {
+        addr: p.b.mr.addr() + 8000,
+        rkey: p.b.mr.rkey(),
+    };
     // 31 unsignaled inline writes and one signaled send: one completion frees all 32.
     let mut wrs = Vec::new();
     for i in 0..31u64 {
-        wrs.push(SendWr::inline(i, WrOp::Write(RemoteAddr { addr: remote.addr + i * 200, ..remote }), &msg).flags(SendFlags::empty()));
+        wrs.push(
+            SendWr::inline(
+                i,
+                WrOp::Write(RemoteAddr {
+                    addr: remote.addr + i * 200,
+                    ..remote
+                }),
+                &msg,
+            )
+            .flags(SendFlags::empty()),
+        );
     }
     wrs.push(SendWr::inline(99, WrOp::Send, b"inline-send"));
     let before = p.a.qp.sq_free();
     p.a.qp.post_send(&wrs).unwrap();
     let wc = wait(&p.fabric, &mut p.a.cq, 1);
     assert_eq!((wc[0].wr_id, wc[0].status), (99, WcStatus::Success));
-    assert_eq!(p.a.qp.sq_free(), before, "the signaled completion frees the unsignaled WQEs before it");
+    assert_eq!(
+        p.a.qp.sq_free(),
+        before,
+        "the signaled completion frees the unsignaled WQEs before it"
+    );
     let r = wait(&p.fabric, &mut p.b.cq, 1);
     assert_eq!(r[0].byte_len, 11);
     let mut got = [0u8; 11];
@@ -196,19 +292,34 @@ fn srq_shared_by_several_qps() {
     q2.connect(&s2.qp.endpoint(2), 2, &o).unwrap();
     s2.qp.connect(&q2.endpoint(2), 2, &o).unwrap();
     let sges: Vec<[Sge; 1]> = (0..8).map(|i| [mr.sge(i * 1024, 1024)]).collect();
-    let wrs: Vec<RecvWr> = sges.iter().enumerate().map(|(i, s)| RecvWr { wr_id: 100 + i as u64, sgl: s }).collect();
+    let wrs: Vec<RecvWr> = sges
+        .iter()
+        .enumerate()
+        .map(|(i, s)| RecvWr {
+            wr_id: 100 + i as u64,
+            sgl: s,
+        })
+        .collect();
     srq.post_recv(&wrs).unwrap();
     for k in 0..4u8 {
         s1.buf.write(0, &[1, k]).unwrap();
-        s1.qp.post_send(&[SendWr::new(k as u64, WrOp::Send, &[s1.mr.sge(0, 2)])]).unwrap();
+        s1.qp
+            .post_send(&[SendWr::new(k as u64, WrOp::Send, &[s1.mr.sge(0, 2)])])
+            .unwrap();
         s2.buf.write(0, &[2, k]).unwrap();
-        s2.qp.post_send(&[SendWr::new(k as u64, WrOp::Send, &[s2.mr.sge(0, 2)])]).unwrap();
+        s2.qp
+            .post_send(&[SendWr::new(k as u64, WrOp::Send, &[s2.mr.sge(0, 2)])])
+            .unwrap();
     }
     let mut cq = cq;
     let wc = wait(&fabric, &mut cq, 8);
     let mut ids: Vec<u64> = wc.iter().map(|w| w.wr_id).collect();
     ids.sort();
-    assert_eq!(ids, (100..108).collect::<Vec<_>>(), "every SRQ buffer used exactly once");
+    assert_eq!(
+        ids,
+        (100..108).collect::<Vec<_>>(),
+        "every SRQ buffer used exactly once"
+    );
     let mut from = [0usize; 3];
     for w in &wc {
         assert_eq!(w.status, WcStatus::Success);

@@ -27,14 +27,20 @@ fn readme_write_between_two_emulated_nodes() -> Result<(), ringbell::Error> {
 
     // RDMA WRITE 13 bytes from A's buffer into B's.
     buf_a.write(0, b"hello, remote")?;
-    let remote = RemoteAddr { addr: mr_b.addr(), rkey: mr_b.rkey() };
+    let remote = RemoteAddr {
+        addr: mr_b.addr(),
+        rkey: mr_b.rkey(),
+    };
     qp_a.post_send(&[SendWr::new(1, WrOp::Write(remote), &[mr_a.sge(0, 13)])])?;
 
     // Polling an empty CQ advances the simulation: the emulator runs in lockstep.
     let mut wc = [WorkCompletion::default(); 1];
     while cq_a.poll(&mut wc) == 0 {}
     assert_eq!(wc[0].status, WcStatus::Success);
-    println!("completed at {} µs of simulated time", wc[0].timestamp_ps as f64 / 1e6);
+    println!(
+        "completed at {} µs of simulated time",
+        wc[0].timestamp_ps as f64 / 1e6
+    );
 
     let mut got = [0u8; 13];
     buf_b.read(0, &mut got)?;
