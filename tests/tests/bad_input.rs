@@ -1,0 +1,654 @@
+//! Every bad input of ABI v1: each gets the exact status or event the ABI specifies, and the
+//! emulator keeps serving every other QP afterwards.
+
+use ringbell::*;
+use ringbell_specs::cmd::{CmdStatus, QpState};
+use ringbell_specs::cqe::{DoorbellError, EventType, VendorSyndrome};
+use ringbell_specs::regs;
+use ringbell_tests::*;
+
+fn all() -> Access {
+    Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::REMOTE_READ | Access::REMOTE_ATOMIC
+}
+
+/// After a fault on `p`, a fresh QP pair on the same devices still moves data correctly.
+fn still_serving(p: &mut Pair) {
+    let mut ia = QpInit::new(&p.a.cq, &p.a.cq);
+    ia.max_inline = 0;
+    let mut ib = QpInit::new(&p.b.cq, &p.b.cq);
+    ib.max_inline = 0;
+    let mut qa = p.a.pd.create_qp(&ia).unwrap();
+    let mut qb = p.b.pd.create_qp(&ib).unwrap();
+    let o = ConnectOptions::default();
+    qa.connect(&qb.endpoint(5), 5, &o).unwrap();
+    qb.connect(&qa.endpoint(5), 5, &o).unwrap();
+    drain(&p.fabric, &mut p.a.cq);
+    drain(&p.fabric, &mut p.b.cq);
+    p.a.buf.write(900_000, b"still serving").unwrap();
+    let remote = RemoteAddr {
+        addr: p.b.mr.addr() + 900_000,
+        rkey: p.b.mr.rkey(),
+    };
+    qa.post_send(&[SendWr::new(
+        4242,
+        WrOp::Write(remote),
+        &[p.a.mr.sge(900_000, 13)],
+    )])
+    .unwrap();
+    let wc = wait(&p.fabric, &mut p.a.cq, 1);
+    assert_eq!((wc[0].wr_id, wc[0].status), (4242, WcStatus::Success));
+    let mut got = [0u8; 13];
+    p.b.buf.read(900_000, &mut got).unwrap();
+    assert_eq!(&got, b"still serving");
+}
+
+fn qp_state(qp: &QueuePair) -> QpState {
+    QpState::from_u8(qp.query().unwrap().state).unwrap()
+}
+
+fn events(dev: &Device) -> Vec<AsyncEvent> {
+    std::iter::from_fn(|| dev.poll_event()).collect()
+}
+
+#[test]
+fn unknown_opcode_and_malformed_segments_are_local_qp_op_errors_and_flush_the_rest() {
+    for bad in [
+        // Unknown opcode 0x7f, one segment.
+        {
+            let mut w = [0u8; 16];
+            w[0] = 0x7f;
+            w[4] = 1;
+            w.to_vec()
+        },
+        // ds_count 0.
+        {
+            let mut w = [0u8; 16];
+            w[0] = 0x03;
+            w[4] = 0;
+            w.to_vec()
+        },
+        // WRITE with no room for its remote-address segment (ds_count 1).
+        {
+            let mut w = [0u8; 16];
+            w[0] = 0x03;
+            w[4] = 1;
+            w.to_vec()
+        },
+        // Inline flag without the inline mark.
+        {
+            let mut w = [0u8; 64];
+            w[0] = 0x01;
+            w[1] = 0x08 | 1;
+            w[4] = 2;
+            w.to_vec()
+        },
+    ] {
+        let mut p = pair();
+        let remote = RemoteAddr {
+            addr: p.b.mr.addr(),
+            rkey: p.b.mr.rkey(),
+        };
+        p.a.qp.post_raw_wqe(1, &bad).unwrap();
+        let sge = [p.a.mr.sge(0, 8)];
+        p.a.qp
+            .post_send(&[
+                SendWr::new(2, WrOp::Write(remote), &sge),
+                SendWr::new(3, WrOp::Send, &sge),
+            ])
+            .unwrap();
+        let wc = drain(&p.fabric, &mut p.a.cq);
+        let got: Vec<_> = wc.iter().map(|w| (w.wr_id, w.status)).collect();
+        assert_eq!(
+            got,
+            vec![
+                (1, WcStatus::LocQpOpErr),
+                (2, WcStatus::WrFlushErr),
+                (3, WcStatus::WrFlushErr)
+            ],
+            "{bad:02x?}"
+        );
+        assert_eq!(qp_state(&p.a.qp), QpState::Err);
+        assert_eq!(p.fabric.nic_stats(0).tx_frames, 0, "nothing was sent");
+        still_serving(&mut p);
+    }
+}
+
+#[test]
+fn bad_lkeys_are_local_protection_errors() {
+    for syndrome in [
+        VendorSyndrome::BadLkey,
+        VendorSyndrome::WrongPd,
+        VendorSyndrome::OutOfBounds,
+        VendorSyndrome::NoAccess,
+    ] {
+        let mut p = pair();
+        let other_pd = p.a.dev.alloc_pd().unwrap();
+        let foreign = other_pd.reg_mr(&p.a.buf, Access::LOCAL_WRITE).unwrap();
+        let readonly = p.a.pd.reg_mr(&p.a.buf, Access::empty()).unwrap();
+        let remote = RemoteAddr {
+            addr: p.b.mr.addr(),
+            rkey: p.b.mr.rkey(),
+        };
+        let (op, sge) = match syndrome {
+            VendorSyndrome::BadLkey => (
+                WrOp::Write(remote),
+                Sge {
+                    addr: p.a.mr.addr(),
+                    len: 8,
+                    lkey: 0xdead_0000,
+                },
+            ),
+            VendorSyndrome::WrongPd => (WrOp::Write(remote), foreign.sge(0, 8)),
+            VendorSyndrome::OutOfBounds => (WrOp::Write(remote), p.a.mr.sge(BUF as u64 - 4, 8)),
+            // A READ scatters into local memory: it needs LOCAL_WRITE.
+            _ => (WrOp::Read(remote), readonly.sge(0, 8)),
+        };
+        p.a.qp
+            .post_send(&[
+                SendWr::new(9, op, &[sge]),
+                SendWr::inline(10, WrOp::Send, b""),
+            ])
+            .unwrap();
+        let wc = drain(&p.fabric, &mut p.a.cq);
+        let got: Vec<_> = wc
+            .iter()
+            .map(|w| (w.wr_id, w.status, w.vendor_syndrome))
+            .collect();
+        assert_eq!(
+            got,
+            vec![
+                (9, WcStatus::LocProtErr, syndrome as u8),
+                (10, WcStatus::WrFlushErr, 0)
+            ],
+            "{syndrome:?}"
+        );
+        assert_eq!(qp_state(&p.a.qp), QpState::Err);
+        assert_eq!(
+            p.fabric.nic_stats(0).tx_frames,
+            0,
+            "{syndrome:?}: nothing was sent"
+        );
+        drop((foreign, readonly, other_pd));
+        still_serving(&mut p);
+    }
+}
+
+#[test]
+fn bad_receive_buffer_key_fails_both_sides_with_class_a() {
+    let mut p = pair();
+    let bad = [Sge {
+        addr: p.b.mr.addr(),
+        len: 64,
+        lkey: 0x1234_5600,
+    }];
+    p.b.qp
+        .post_recv(&[RecvWr {
+            wr_id: 5,
+            sgl: &bad,
+        }])
+        .unwrap();
+    p.a.qp
+        .post_send(&[SendWr::inline(6, WrOp::Send, b"x")])
+        .unwrap();
+    let s = drain(&p.fabric, &mut p.a.cq);
+    assert_eq!((s[0].wr_id, s[0].status), (6, WcStatus::RemOpErr));
+    let r = drain(&p.fabric, &mut p.b.cq);
+    assert_eq!((r[0].wr_id, r[0].status), (5, WcStatus::LocProtErr));
+    assert_eq!(qp_state(&p.a.qp), QpState::Err);
+    assert_eq!(qp_state(&p.b.qp), QpState::Err);
+    still_serving(&mut p);
+}
+
+#[test]
+fn bad_rkeys_are_remote_access_errors_and_leave_memory_untouched() {
+    let limited = [
+        Access::LOCAL_WRITE,
+        Access::LOCAL_WRITE | Access::REMOTE_READ,
+        Access::LOCAL_WRITE | Access::REMOTE_WRITE,
+    ];
+    for case in 0..6 {
+        let mut p = pair();
+        let mr =
+            p.b.pd
+                .reg_mr_range(&p.b.buf, 4096, 4096, limited[case % 3])
+                .unwrap();
+        p.b.buf.fill(0, BUF, 0xcc).unwrap();
+        let res = [p.a.mr.sge(0, 8)];
+        let src = [p.a.mr.sge(0, 64)];
+        let (op, sgl): (WrOp, &[Sge]) = match case {
+            0 => (
+                WrOp::Write(RemoteAddr {
+                    addr: mr.addr(),
+                    rkey: mr.rkey() ^ 0x100,
+                }),
+                &src,
+            ), // wrong key
+            1 => (
+                WrOp::Write(RemoteAddr {
+                    addr: mr.addr() + 4090,
+                    rkey: mr.rkey(),
+                }),
+                &src,
+            ), // out of bounds
+            2 => (
+                WrOp::Read(RemoteAddr {
+                    addr: mr.addr(),
+                    rkey: mr.rkey(),
+                }),
+                &src,
+            ), // LOCAL_WRITE|REMOTE_WRITE: no REMOTE_READ
+            3 => (
+                WrOp::Write(RemoteAddr {
+                    addr: mr.addr(),
+                    rkey: mr.rkey(),
+                }),
+                &src,
+            ), // no REMOTE_WRITE
+            4 => (
+                WrOp::FetchAdd {
+                    remote: RemoteAddr {
+                        addr: mr.addr(),
+                        rkey: mr.rkey(),
+                    },
+                    add: 1,
+                },
+                &res,
+            ), // no REMOTE_ATOMIC
+            _ => (
+                WrOp::Read(RemoteAddr {
+                    addr: mr.addr() - 8,
+                    rkey: mr.rkey(),
+                }),
+                &src,
+            ), // below the MR
+        };
+        let mr = if case == 2 {
+            p.b.pd
+                .reg_mr_range(
+                    &p.b.buf,
+                    4096,
+                    4096,
+                    Access::LOCAL_WRITE | Access::REMOTE_WRITE,
+                )
+                .unwrap()
+        } else {
+            mr
+        };
+        let op = match (case, op) {
+            (2, WrOp::Read(_)) => WrOp::Read(RemoteAddr {
+                addr: mr.addr(),
+                rkey: mr.rkey(),
+            }),
+            (_, o) => o,
+        };
+        p.a.qp
+            .post_send(&[SendWr::new(1, op, sgl), SendWr::new(2, WrOp::Send, sgl)])
+            .unwrap();
+        let wc = drain(&p.fabric, &mut p.a.cq);
+        let got: Vec<_> = wc.iter().map(|w| (w.wr_id, w.status)).collect();
+        assert_eq!(
+            got,
+            vec![(1, WcStatus::RemAccessErr), (2, WcStatus::WrFlushErr)],
+            "case {case}"
+        );
+        assert_eq!(qp_state(&p.a.qp), QpState::Err);
+        assert_eq!(
+            qp_state(&p.b.qp),
+            QpState::Err,
+            "the responder's QP goes to ERR too"
+        );
+        assert!(events(&p.b.dev)
+            .iter()
+            .any(|e| e.kind == EventType::QpAccessErr && e.obj == p.b.qp.qpn()));
+        let mut mem = vec![0u8; BUF];
+        p.b.buf.read(0, &mut mem).unwrap();
+        assert!(
+            mem.iter().all(|b| *b == 0xcc),
+            "case {case}: responder memory touched"
+        );
+        drop(mr);
+        still_serving(&mut p);
+    }
+}
+
+#[test]
+fn receive_buffer_too_small_is_a_local_length_error() {
+    let mut p = pair();
+    let small = [p.b.mr.sge(0, 100)];
+    p.b.qp
+        .post_recv(&[RecvWr {
+            wr_id: 8,
+            sgl: &small,
+        }])
+        .unwrap();
+    p.b.buf.fill(0, 4096, 0xcc).unwrap();
+    let big = [p.a.mr.sge(0, 5000)];
+    p.a.qp
+        .post_send(&[SendWr::new(9, WrOp::Send, &big)])
+        .unwrap();
+    let r = drain(&p.fabric, &mut p.b.cq);
+    assert_eq!((r[0].wr_id, r[0].status), (8, WcStatus::LocLenErr));
+    let s = drain(&p.fabric, &mut p.a.cq);
+    assert_eq!((s[0].wr_id, s[0].status), (9, WcStatus::RemInvReqErr));
+    still_serving(&mut p);
+}
+
+#[test]
+fn posting_beyond_the_ring_is_refused_before_touching_it() {
+    let mut p = pair();
+    let free = p.a.qp.sq_free();
+    let wrs: Vec<SendWr> = (0..free as u64 + 1)
+        .map(|i| SendWr::inline(i, WrOp::Send, b"").flags(SendFlags::empty()))
+        .collect();
+    let sent_before = p.fabric.nic_stats(0).tx_frames;
+    match p.a.qp.post_send(&wrs) {
+        Err(Error::QueueFull {
+            free: 0, needed: 1, ..
+        }) => {}
+        other => panic!("{other:?}"),
+    }
+    // The ones that fitted were posted; nothing beyond the ring was written.
+    assert_eq!(p.a.qp.sq_free(), 0);
+    let _ = sent_before;
+    // Receive queue too.
+    let rs = [p.b.mr.sge(0, 8)];
+    let many: Vec<RecvWr> = (0..300).map(|i| RecvWr { wr_id: i, sgl: &rs }).collect();
+    assert!(matches!(
+        p.b.qp.post_recv(&many),
+        Err(Error::QueueFull { .. })
+    ));
+}
+
+#[test]
+fn doorbell_beyond_what_was_posted_is_reported_and_reads_nothing() {
+    let mut p = pair();
+    let qpn = p.a.qp.qpn();
+    let db = regs::QP_DB_BASE + qpn as u64 * regs::DB_STRIDE + regs::DB_SQ;
+    // Further ahead than the ring holds.
+    p.a.dev.port().write32(db, 100_000);
+    settle(&p.fabric);
+    let ev = events(&p.a.dev);
+    assert!(
+        ev.iter().any(|e| e.kind == EventType::DoorbellError
+            && e.subtype == DoorbellError::IndexOutOfRange as u8
+            && e.obj == qpn),
+        "{ev:?}"
+    );
+    // Within the ring but over blocks never written.
+    p.a.dev.port().write32(db, 3);
+    settle(&p.fabric);
+    let ev = events(&p.a.dev);
+    assert!(
+        ev.iter()
+            .any(|e| e.kind == EventType::DoorbellError
+                && e.subtype == DoorbellError::StaleWqe as u8),
+        "{ev:?}"
+    );
+    assert_eq!(
+        p.fabric.nic_stats(0).tx_frames,
+        0,
+        "no stale WQE was executed"
+    );
+    assert!(drain(&p.fabric, &mut p.a.cq).is_empty());
+    // The QP itself still works: the device forgot the bad doorbell.
+    let remote = RemoteAddr {
+        addr: p.b.mr.addr(),
+        rkey: p.b.mr.rkey(),
+    };
+    p.a.qp
+        .post_send(&[SendWr::inline(1, WrOp::Write(remote), b"ok")])
+        .unwrap();
+    assert_eq!(wait(&p.fabric, &mut p.a.cq, 1)[0].status, WcStatus::Success);
+    // A doorbell for a QP that does not exist.
+    p.a.dev
+        .port()
+        .write32(regs::QP_DB_BASE + 4000 * regs::DB_STRIDE, 1);
+    settle(&p.fabric);
+    assert!(events(&p.a.dev)
+        .iter()
+        .any(|e| e.kind == EventType::DoorbellError
+            && e.subtype == DoorbellError::NoSuchObject as u8
+            && e.obj == 4000));
+    still_serving(&mut p);
+}
+
+#[test]
+fn dma_outside_every_mapping_is_an_iommu_fault() {
+    let mut p = pair();
+    let hole = 0x7000_0000_0000u64;
+    let ghost =
+        p.a.pd
+            .reg_mr_raw(hole, 4096, hole, Access::LOCAL_WRITE)
+            .unwrap();
+    let remote = RemoteAddr {
+        addr: p.b.mr.addr(),
+        rkey: p.b.mr.rkey(),
+    };
+    p.b.buf.fill(0, 4096, 0xcc).unwrap();
+    p.a.qp
+        .post_send(&[SendWr::new(1, WrOp::Write(remote), &[ghost.sge(0, 64)])])
+        .unwrap();
+    let wc = drain(&p.fabric, &mut p.a.cq);
+    assert_eq!(
+        (wc[0].status, wc[0].vendor_syndrome),
+        (WcStatus::GeneralErr, VendorSyndrome::IommuFault as u8)
+    );
+    let ev = events(&p.a.dev);
+    assert!(
+        ev.iter()
+            .any(|e| e.kind == EventType::IommuFault && e.info == hole),
+        "{ev:?}"
+    );
+    let mut mem = vec![0u8; 4096];
+    p.b.buf.read(0, &mut mem).unwrap();
+    assert!(mem.iter().all(|b| *b == 0xcc));
+    // The responder side: a remote MR over unmapped IOVA.
+    let mut p = pair();
+    let ghost_b = p.b.pd.reg_mr_raw(hole, 4096, hole, all()).unwrap();
+    let remote = RemoteAddr {
+        addr: hole,
+        rkey: ghost_b.rkey(),
+    };
+    p.a.qp
+        .post_send(&[SendWr::inline(2, WrOp::Write(remote), b"data")])
+        .unwrap();
+    let wc = drain(&p.fabric, &mut p.a.cq);
+    assert_eq!((wc[0].wr_id, wc[0].status), (2, WcStatus::RemOpErr));
+    assert!(events(&p.b.dev)
+        .iter()
+        .any(|e| e.kind == EventType::IommuFault && e.info == hole));
+    still_serving(&mut p);
+}
+
+#[test]
+fn cq_overflow_raises_the_cq_error_event() {
+    let mut p = pair();
+    let mut tiny = p.a.dev.create_cq(2).unwrap();
+    let mut init = QpInit::new(&tiny, &tiny);
+    init.max_inline = 64;
+    let mut qa = p.a.pd.create_qp(&init).unwrap();
+    let mut qb = p.b.pd.create_qp(&QpInit::new(&p.b.cq, &p.b.cq)).unwrap();
+    let o = ConnectOptions::default();
+    qa.connect(&qb.endpoint(1), 1, &o).unwrap();
+    qb.connect(&qa.endpoint(1), 1, &o).unwrap();
+    let remote = RemoteAddr {
+        addr: p.b.mr.addr(),
+        rkey: p.b.mr.rkey(),
+    };
+    let wrs: Vec<SendWr> = (0..5)
+        .map(|i| SendWr::inline(i, WrOp::Write(remote), b"z"))
+        .collect();
+    qa.post_send(&wrs).unwrap();
+    settle(&p.fabric);
+    let ev = events(&p.a.dev);
+    assert!(
+        ev.iter()
+            .any(|e| e.kind == EventType::CqError && e.obj == tiny.cqn()),
+        "{ev:?}"
+    );
+    assert!(tiny.query().unwrap().overflow);
+    assert_eq!(
+        drain(&p.fabric, &mut tiny).len(),
+        2,
+        "the ring holds what fitted"
+    );
+    drop(qa);
+    still_serving(&mut p);
+}
+
+#[test]
+fn malformed_commands_get_status_codes() {
+    let mut p = pair();
+    let dev = &p.a.dev;
+    let status = |r: Result<[u8; 112], Error>| match r {
+        Err(Error::Command { status, .. }) => Some(status as u8),
+        Err(Error::RawCommand { status, .. }) => Some(status),
+        Ok(_) => None,
+        Err(e) => panic!("{e}"),
+    };
+    assert_eq!(
+        status(dev.raw_command(0x7777, &[])),
+        Some(CmdStatus::BadOpcode as u8)
+    );
+    // Object numbers out of range.
+    for op in [0x11u16, 0x31, 0x32, 0x42, 0x43, 0x52] {
+        assert_eq!(
+            status(dev.raw_command(op, &0x00ff_ffffu32.to_le_bytes())),
+            Some(CmdStatus::BadResource as u8),
+            "op {op:#x}"
+        );
+    }
+    // CQ of size 0 and beyond the limit.
+    assert!(matches!(dev.create_cq(0), Err(Error::InvalidArgument(_))));
+    let mut cq_in = [0u8; 24];
+    cq_in[0] = 0;
+    assert_eq!(
+        status(dev.raw_command(0x30, &cq_in)),
+        Some(CmdStatus::BadSize as u8)
+    );
+    cq_in[0] = 31;
+    assert_eq!(
+        status(dev.raw_command(0x30, &cq_in)),
+        Some(CmdStatus::BadSize as u8)
+    );
+    // A QP naming a CQ that exists only on another device.
+    let other_cq = p.b.dev.create_cq(4096).unwrap();
+    let mut qp_in = [0u8; 48];
+    qp_in[0..4].copy_from_slice(&p.a.pd.pdn().to_le_bytes());
+    qp_in[4..8].copy_from_slice(&(other_cq.cqn() + 50).to_le_bytes());
+    qp_in[8..12].copy_from_slice(&(other_cq.cqn() + 50).to_le_bytes());
+    qp_in[16] = 4;
+    qp_in[17] = 4;
+    qp_in[18] = 4;
+    assert_eq!(
+        status(dev.raw_command(0x40, &qp_in)),
+        Some(CmdStatus::BadResource as u8)
+    );
+    // The typed API refuses another device's CQ outright.
+    assert!(matches!(
+        p.a.pd.create_qp(&QpInit::new(&other_cq, &other_cq)),
+        Err(Error::InvalidArgument(_))
+    ));
+    // Sizes 0 and beyond the limit for a QP.
+    qp_in[4..8].copy_from_slice(&p.a.cq.cqn().to_le_bytes());
+    qp_in[8..12].copy_from_slice(&p.a.cq.cqn().to_le_bytes());
+    qp_in[16] = 0;
+    assert_eq!(
+        status(dev.raw_command(0x40, &qp_in)),
+        Some(CmdStatus::BadSize as u8)
+    );
+    qp_in[16] = 30;
+    assert_eq!(
+        status(dev.raw_command(0x40, &qp_in)),
+        Some(CmdStatus::BadSize as u8)
+    );
+    // An MR of length 0, bad access flags (REMOTE_WRITE without LOCAL_WRITE).
+    assert!(matches!(
+        p.a.pd.reg_mr_raw(0x1000, 0, 0x1000, Access::LOCAL_WRITE),
+        Err(Error::Command {
+            status: CmdStatus::BadSize,
+            ..
+        })
+    ));
+    assert!(matches!(
+        p.a.pd.reg_mr_raw(0x1000, 64, 0x1000, Access::REMOTE_WRITE),
+        Err(Error::Command {
+            status: CmdStatus::BadParam,
+            ..
+        })
+    ));
+    // Illegal QP transition: RTS -> INIT.
+    let attr = ringbell_specs::cmd::QpAttr {
+        state: QpState::Init as u8,
+        ..Default::default()
+    };
+    assert!(matches!(
+        p.a.qp.modify(ringbell_specs::cmd::QpAttrMask::STATE, &attr),
+        Err(Error::Command {
+            status: CmdStatus::BadState,
+            ..
+        })
+    ));
+    // Freeing a PD still in use.
+    assert_eq!(
+        status(dev.raw_command(0x11, &p.a.pd.pdn().to_le_bytes())),
+        Some(CmdStatus::Busy as u8)
+    );
+    drop(other_cq);
+    still_serving(&mut p);
+}
+
+#[test]
+fn posting_in_the_wrong_state_and_the_drain_idiom() {
+    let f = ringbell_emu::Fabric::new(ringbell_emu::FabricConfig::new(2, 3));
+    let mut s = side(&f, 0, all());
+    assert!(matches!(
+        s.qp.post_send(&[SendWr::inline(1, WrOp::Send, b"")]),
+        Err(Error::InvalidState {
+            state: QpState::Reset,
+            ..
+        })
+    ));
+    assert!(matches!(
+        s.qp.post_recv(&[RecvWr { wr_id: 1, sgl: &[] }]),
+        Err(Error::InvalidState { .. })
+    ));
+    let mut p = pair();
+    p.a.qp.to_error().unwrap();
+    p.a.qp
+        .post_send(&[SendWr::inline(77, WrOp::Send, b"")])
+        .unwrap();
+    let rs = [p.a.mr.sge(0, 8)];
+    p.a.qp
+        .post_recv(&[RecvWr {
+            wr_id: 78,
+            sgl: &rs,
+        }])
+        .unwrap();
+    let wc = drain(&p.fabric, &mut p.a.cq);
+    let mut got: Vec<_> = wc.iter().map(|w| (w.wr_id, w.status)).collect();
+    got.sort_by_key(|g| g.0);
+    assert_eq!(
+        got,
+        vec![(77, WcStatus::WrFlushErr), (78, WcStatus::WrFlushErr)]
+    );
+    still_serving(&mut p);
+}
+
+#[test]
+fn garbage_frames_are_dropped_and_counted() {
+    let mut p = pair();
+    let before = p.fabric.nic_stats(1);
+    for frame in [vec![], vec![0u8; 10], vec![0xffu8; 200], {
+        let mut v = vec![0u8; 100];
+        v[12] = 0x08;
+        v
+    }] {
+        p.fabric.inject_frame(1, frame);
+    }
+    settle(&p.fabric);
+    let after = p.fabric.nic_stats(1);
+    assert_eq!(after.rx_malformed - before.rx_malformed, 4);
+    assert_eq!(after.tx_frames, before.tx_frames, "no answer to garbage");
+    still_serving(&mut p);
+}
