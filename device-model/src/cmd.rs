@@ -28,6 +28,7 @@ impl Nic {
     pub(crate) fn exec_command(&mut self, env: &mut dyn Env) {
         let token = self.cmd_status & 0xFFFF;
         let mut mbox = [0u8; MAILBOX_SIZE];
+        let mut want_event = false;
         let status = if !self.cmd_addr.is_multiple_of(256) {
             CmdStatus::BadParam
         } else if env.dma_read(self.cmd_addr, &mut mbox).is_err() {
@@ -35,6 +36,7 @@ impl Nic {
             CmdStatus::DmaFault
         } else {
             let hdr = CmdHeader::read_from_bytes(&mbox[..16]).unwrap_or_default();
+            want_event = hdr.flags.get() & CMD_FLAG_EVENT != 0;
             let input = &mbox[IN_OFFSET..IN_OFFSET + PARAMS_SIZE];
             let r = match CmdOpcode::from_u16(hdr.opcode.get()) {
                 None => Err(CmdStatus::BadOpcode),
@@ -63,7 +65,9 @@ impl Nic {
             }
         };
         self.cmd_status = ((status as u32) << 16) | token;
-        self.post_event(env, EventType::CmdDone, status as u8, token, 0);
+        if want_event {
+            self.post_event(env, EventType::CmdDone, status as u8, token, 0);
+        }
     }
 
     fn run(&mut self, env: &mut dyn Env, op: CmdOpcode, input: &[u8]) -> Outcome {

@@ -4,14 +4,15 @@
 //! Mailbox layout (all fields little-endian):
 //!
 //! ```text
-//! 0x00  CmdHeader   opcode:u16 rsvd:u16 token:u32 rsvd:u64
+//! 0x00  CmdHeader   opcode:u16 flags:u16 token:u32 rsvd:u64
 //! 0x10  input parameters (command specific, 112 bytes)
 //! 0x80  CmdResult   status:u8 rsvd:[u8;3] syndrome:u32 rsvd:u64
 //! 0x90  output parameters (command specific, 112 bytes)
 //! ```
 //!
 //! The device reads the whole mailbox, executes the command, writes the result half back and
-//! then sets `CMD_STATUS` (and, when the EQ is enabled, posts a command-completion EQE).
+//! then sets `CMD_STATUS` (and, when the header asks for it with [`CMD_FLAG_EVENT`], posts a
+//! command-completion EQE).
 
 use bitflags::bitflags;
 use zerocopy::little_endian::{U16, U32, U64};
@@ -147,9 +148,12 @@ impl CmdStatus {
 }
 
 abi_struct!(
-    /// Mailbox bytes 0x00..0x10.
-    CmdHeader, 16, { opcode: U16, rsvd0: U16, token: U32, rsvd1: U64 }
+    /// Mailbox bytes 0x00..0x10. `flags` holds [`CMD_FLAG_EVENT`]; other bits are 0.
+    CmdHeader, 16, { opcode: U16, flags: U16, token: U32, rsvd1: U64 }
 );
+/// Command header flag: post a CMD_DONE event when the command finishes (for drivers that
+/// sleep on the EQ instead of polling `CMD_STATUS`).
+pub const CMD_FLAG_EVENT: u16 = 1;
 abi_struct!(
     /// Mailbox bytes 0x80..0x90.
     CmdResult, 16, { status: u8, rsvd0: [u8; 3], syndrome: U32, rsvd1: U64 }
