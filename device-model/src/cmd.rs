@@ -290,9 +290,11 @@ impl Nic {
         {
             return Err(CmdStatus::BadParam);
         }
+        let gen = self.fresh_gen();
         let n = self
             .cqs
             .insert_with(|_| Cq {
+                gen,
                 ring_iova: p.ring_iova.get(),
                 db_iova: p.db_iova.get(),
                 log_size: p.log_size,
@@ -335,9 +337,11 @@ impl Nic {
         {
             return Err(CmdStatus::BadParam);
         }
+        let gen = self.fresh_gen();
         let n = self
             .qps
             .insert_with(|qpn| Qp {
+                gen,
                 qpn,
                 pdn,
                 state: QpState::Reset,

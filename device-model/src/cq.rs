@@ -19,6 +19,8 @@ pub(crate) struct Cq {
     pub(crate) armed: Option<bool>,
     pub(crate) overflow: bool,
     pub(crate) refs: u32,
+    /// Context generation, see [`crate::NicEvent::CqeWrite`].
+    pub(crate) gen: u64,
 }
 
 impl Nic {

@@ -30,11 +30,16 @@ pub enum NicEvent {
     SqProcess {
         /// The QP.
         qpn: u32,
+        /// Generation of the QP context the event was scheduled for; a QP destroyed (or a
+        /// device reset) since then makes the event void.
+        gen: u64,
     },
     /// A completion entry is written to a CQ.
     CqeWrite {
         /// The CQ.
         cqn: u32,
+        /// Generation of the CQ context (see `SqProcess::gen`).
+        gen: u64,
         /// The entry (owner bit filled in by the CQ).
         cqe: Box<Cqe>,
     },

@@ -74,8 +74,10 @@ pub struct NicStats {
     pub rx_malformed: u64,
     /// Frames dropped for addressing, QP or state reasons.
     pub rx_dropped: u64,
-    /// Sequence NAKs sent.
+    /// NAKs sent (sequence error, invalid request, remote access, remote operational).
     pub naks_sent: u64,
+    /// RNR NAKs sent.
+    pub rnr_naks_sent: u64,
     /// CQEs written.
     pub cqes: u64,
     /// Events written to the EQ.
@@ -159,6 +161,8 @@ pub struct Nic {
     pub(crate) qps: Table<Qp>,
     pub(crate) srqs: Table<Srq>,
     pub(crate) mr_tag: u8,
+    /// Source of context generations (never reset, so stale events never match).
+    pub(crate) next_gen: u64,
     pub(crate) cmd_addr: u64,
     pub(crate) cmd_status: u32,
     pub(crate) eq: EventRing,
@@ -194,6 +198,7 @@ impl Nic {
             srqs: Table::new(cfg.max_srq),
             cfg,
             mr_tag: 0,
+            next_gen: 1,
             cmd_addr: 0,
             cmd_status: 0,
             eq: EventRing::default(),
@@ -333,17 +338,31 @@ impl Nic {
     fn reset(&mut self) {
         let cfg = self.cfg.clone();
         let stats = std::mem::take(&mut self.stats);
+        let next_gen = self.next_gen;
         *self = Nic::new(cfg);
         self.stats = stats;
+        self.next_gen = next_gen;
     }
 
     /// Handles an event this NIC scheduled.
     pub fn handle(&mut self, env: &mut dyn Env, ev: NicEvent) {
         match ev {
             NicEvent::Mmio { offset, value } => self.mmio_write(env, offset, value),
-            NicEvent::CmdExec => self.exec_command(env),
-            NicEvent::SqProcess { qpn } => self.sq_process(env, qpn),
-            NicEvent::CqeWrite { cqn, cqe } => self.write_cqe(env, cqn, *cqe),
+            // A reset since the doorbell cancels the command.
+            NicEvent::CmdExec if self.cmd_status & regs::CMD_STATUS_BUSY != 0 => {
+                self.exec_command(env)
+            }
+            NicEvent::CmdExec => {}
+            NicEvent::SqProcess { qpn, gen } if self.qps.get(qpn).is_some_and(|q| q.gen == gen) => {
+                self.sq_process(env, qpn)
+            }
+            NicEvent::CqeWrite { cqn, gen, cqe }
+                if self.cqs.get(cqn).is_some_and(|c| c.gen == gen) =>
+            {
+                self.write_cqe(env, cqn, *cqe)
+            }
+            // Work for a context destroyed (or reset) after it was scheduled.
+            NicEvent::SqProcess { .. } | NicEvent::CqeWrite { .. } => {}
         }
     }
 
@@ -440,6 +459,12 @@ impl Nic {
                 self.dev_status |= regs::DEV_STATUS_EQ_OVERFLOW;
             }
         }
+    }
+
+    /// A generation number no context has had.
+    pub(crate) fn fresh_gen(&mut self) -> u64 {
+        self.next_gen += 1;
+        self.next_gen
     }
 
     /// When the egress link can start a frame ready at `ready`, and when it finishes.

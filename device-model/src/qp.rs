@@ -128,6 +128,8 @@ pub(crate) struct Qp {
     pub(crate) attr: QpAttr,
     pub(crate) req: Requester,
     pub(crate) resp: Responder,
+    /// Context generation, see [`crate::NicEvent::SqProcess`].
+    pub(crate) gen: u64,
 }
 
 impl Qp {
@@ -329,7 +331,10 @@ impl Nic {
         if let Some(qp) = self.qps.get_mut(qpn) {
             if !qp.req.scheduled {
                 qp.req.scheduled = true;
-                env.schedule(at.max(qp.req.busy_until), NicEvent::SqProcess { qpn });
+                env.schedule(
+                    at.max(qp.req.busy_until),
+                    NicEvent::SqProcess { qpn, gen: qp.gen },
+                );
             }
         }
     }
@@ -455,10 +460,12 @@ impl Nic {
     /// Queues a CQE write at `ready` plus the PCIe write and CQE-after-data delays.
     pub(crate) fn complete(&mut self, env: &mut dyn Env, cqn: u32, ready: SimTime, cqe: Cqe) {
         let t = self.reserve_pcie_write(ready, 64) + SimTime(self.cfg.timing.nic_cqe_after_data_ps);
+        let gen = self.cqs.get(cqn).map_or(0, |c| c.gen);
         env.schedule(
             t,
             NicEvent::CqeWrite {
                 cqn,
+                gen,
                 cqe: Box::new(cqe),
             },
         );

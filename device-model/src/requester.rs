@@ -457,12 +457,23 @@ impl Nic {
                             NakCode::RemoteAccessError => CqeStatus::RemAccessErr,
                             _ => CqeStatus::RemOpErr,
                         };
-                        if let Some(o) = qp
+                        // The NAK names the PSN of the failed request: charge the WQE whose
+                        // PSN range holds it (the oldest unfinished one if none does).
+                        let holds = |o: &Outstanding| {
+                            o.npsn > 0 && psn.diff(o.first_psn) >= 0 && o.last_psn().diff(psn) >= 0
+                        };
+                        let pos = qp
                             .req
                             .outstanding
-                            .iter_mut()
-                            .find(|o| !o.done && o.error.is_none())
-                        {
+                            .iter()
+                            .position(|o| !o.done && o.error.is_none() && holds(o));
+                        let pos = pos.or_else(|| {
+                            qp.req
+                                .outstanding
+                                .iter()
+                                .position(|o| !o.done && o.error.is_none())
+                        });
+                        if let Some(o) = pos.and_then(|i| qp.req.outstanding.get_mut(i)) {
                             o.error = Some((status, VendorSyndrome::None));
                         }
                     }
@@ -626,7 +637,13 @@ impl Nic {
             .saturating_sub(dropped.iter().filter(|o| o.is_rd_atomic()).count() as u32);
         if !qp.req.scheduled {
             qp.req.scheduled = true;
-            env.schedule(at, NicEvent::SqProcess { qpn: qp.qpn });
+            env.schedule(
+                at,
+                NicEvent::SqProcess {
+                    qpn: qp.qpn,
+                    gen: qp.gen,
+                },
+            );
         }
     }
 
@@ -687,7 +704,13 @@ impl Nic {
         }
         if freed && qp.fetch != qp.sq.pi && !qp.req.scheduled && qp.state == QpState::Rts {
             qp.req.scheduled = true;
-            env.schedule(ready, NicEvent::SqProcess { qpn: qp.qpn });
+            env.schedule(
+                ready,
+                NicEvent::SqProcess {
+                    qpn: qp.qpn,
+                    gen: qp.gen,
+                },
+            );
         }
     }
 }

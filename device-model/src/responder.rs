@@ -124,8 +124,10 @@ impl Nic {
             syndrome,
             msn: qp.resp.msn & 0x00FF_FFFF,
         });
-        if matches!(syndrome, AethSyndrome::Nak(_)) {
-            self.stats.naks_sent += 1;
+        match syndrome {
+            AethSyndrome::Nak(_) => self.stats.naks_sent += 1,
+            AethSyndrome::RnrNak { .. } => self.stats.rnr_naks_sent += 1,
+            AethSyndrome::Ack { .. } => {}
         }
         self.emit(env, &repr, &[], ready);
     }
@@ -178,6 +180,9 @@ impl Nic {
         match r {
             Ok(()) => {}
             Err(Fault::Rnr) => {
+                // The packets already behind this one are out of sequence now; the RNR NAK is
+                // the one NAK they get (the requester resends from this PSN after the timer).
+                qp.resp.nak_sent = true;
                 let timer = qp.attr.min_rnr_timer;
                 self.send_ack(env, qp, psn, AethSyndrome::RnrNak { timer }, ready);
             }
@@ -324,14 +329,13 @@ impl Nic {
     ) -> Result<(), Fault> {
         Self::check_sequence(qp, op, false)?;
         Self::mtu_check(qp, op, pkt.payload.len())?;
-        if op.is_first() {
+        // Every check comes before any side effect, so an RNR NAK or an error leaves the
+        // responder exactly as it was (the retried packet is checked afresh).
+        let (rkey, va, remaining, total) = if op.is_first() {
             let Some(reth) = pkt.repr.reth else {
                 return Err(Fault::Fatal(NakCode::InvalidRequest, None));
             };
-            if !qp.access().contains(Access::REMOTE_WRITE) {
-                return Err(Fault::Fatal(NakCode::InvalidRequest, None));
-            }
-            if reth.len > self.cfg.max_msg_size {
+            if !qp.access().contains(Access::REMOTE_WRITE) || reth.len > self.cfg.max_msg_size {
                 return Err(Fault::Fatal(NakCode::InvalidRequest, None));
             }
             self.check_key(
@@ -342,21 +346,29 @@ impl Nic {
                 Access::REMOTE_WRITE,
             )
             .map_err(|_| Fault::Fatal(NakCode::RemoteAccessError, None))?;
-            qp.resp.write = Some(WriteCtx {
-                rkey: reth.rkey,
-                va: reth.va,
-                remaining: reth.len,
-                total: reth.len,
-            });
-        }
-        let Some(w) = qp.resp.write.as_ref() else {
-            return Err(Fault::Fatal(NakCode::InvalidRequest, None));
+            (reth.rkey, reth.va, reth.len, reth.len)
+        } else {
+            let Some(w) = qp.resp.write.as_ref() else {
+                return Err(Fault::Fatal(NakCode::InvalidRequest, None));
+            };
+            (w.rkey, w.va, w.remaining, w.total)
         };
         let n = pkt.payload.len() as u32;
-        if n > w.remaining || (op.is_last() && n != w.remaining) {
+        if n > remaining || (op.is_last() && n != remaining) {
             return Err(Fault::Fatal(NakCode::InvalidRequest, None));
         }
-        let (rkey, va, total) = (w.rkey, w.va, w.total);
+        let iova = if n > 0 {
+            let iova = self
+                .check_key(qp.pdn, rkey, va, n as u64, Access::REMOTE_WRITE)
+                .map_err(|_| Fault::Fatal(NakCode::RemoteAccessError, None))?;
+            if let Err(f) = env.dma_check(iova, n as usize) {
+                self.iommu_fault(env, qp.qpn, f.iova);
+                return Err(Fault::Fatal(NakCode::RemoteOperationalError, None));
+            }
+            Some(iova)
+        } else {
+            None
+        };
         // WRITE with immediate needs a receive WQE before anything of its last packet lands.
         let recv = if op.has_immdt() {
             match self.take_recv_wqe(env, qp) {
@@ -370,25 +382,20 @@ impl Nic {
         } else {
             None
         };
-        if n > 0 {
-            let iova = self
-                .check_key(qp.pdn, rkey, va, n as u64, Access::REMOTE_WRITE)
-                .map_err(|_| Fault::Fatal(NakCode::RemoteAccessError, None))?;
+        if let Some(iova) = iova {
             // Written at once: a READ or atomic behind this WRITE must see it (PCIe reads do
-            // not pass posted writes).
-            if let Err(f) = env.dma_write(iova, pkt.payload) {
-                self.iommu_fault(env, qp.qpn, f.iova);
-                return Err(Fault::Fatal(NakCode::RemoteOperationalError, None));
-            }
+            // not pass posted writes). The range was checked above, so this cannot fault.
+            let _ = env.dma_write(iova, pkt.payload);
             self.reserve_pcie_write(ready, n as usize);
         }
         qp.resp.epsn = qp.resp.epsn.add(1);
-        if let Some(w) = qp.resp.write.as_mut() {
-            w.va = w.va.wrapping_add(n as u64);
-            w.remaining -= n;
-        }
+        qp.resp.write = (!op.is_last()).then(|| WriteCtx {
+            rkey,
+            va: va.wrapping_add(n as u64),
+            remaining: remaining - n,
+            total,
+        });
         if op.is_last() {
-            qp.resp.write = None;
             qp.resp.msn = qp.resp.msn.wrapping_add(1);
             if let Some((index, srqn, sges)) = recv {
                 let rc = RecvCtx {

@@ -652,3 +652,37 @@ fn garbage_frames_are_dropped_and_counted() {
     assert_eq!(after.tx_frames, before.tx_frames, "no answer to garbage");
     still_serving(&mut p);
 }
+
+#[test]
+fn completions_in_flight_do_not_reach_a_recreated_cq() {
+    let mut p = pair();
+    let cq = p.a.dev.create_cq(256).unwrap();
+    let cqn = cq.cqn();
+    let mut init = QpInit::new(&cq, &cq);
+    init.max_inline = 0;
+    let mut qa = p.a.pd.create_qp(&init).unwrap();
+    let mut qb = p.b.pd.create_qp(&QpInit::new(&p.b.cq, &p.b.cq)).unwrap();
+    let o = ConnectOptions::default();
+    qa.connect(&qb.endpoint(3), 3, &o).unwrap();
+    qb.connect(&qa.endpoint(3), 3, &o).unwrap();
+    let remote = RemoteAddr {
+        addr: p.b.mr.addr(),
+        rkey: p.b.mr.rkey(),
+    };
+    let sge = [p.a.mr.sge(0, 4096)];
+    let wrs: Vec<SendWr> = (0..64)
+        .map(|i| SendWr::new(i, WrOp::Write(remote), &sge))
+        .collect();
+    qa.post_send(&wrs).unwrap();
+    // Destroy QP and CQ while completions are still on their way, then take the same CQN.
+    drop(qa);
+    drop(cq);
+    let mut fresh = p.a.dev.create_cq(256).unwrap();
+    assert_eq!(fresh.cqn(), cqn, "the CQN is reused");
+    assert!(
+        drain(&p.fabric, &mut fresh).is_empty(),
+        "a stale completion reached the new CQ"
+    );
+    drop(qb);
+    still_serving(&mut p);
+}

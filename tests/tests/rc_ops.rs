@@ -331,3 +331,108 @@ fn srq_shared_by_several_qps() {
     assert_eq!(from, [0, 4, 4]);
     drop((q1, q2));
 }
+
+fn pair_opts(o: &ConnectOptions) -> Pair {
+    let fabric = ringbell_emu::Fabric::new(ringbell_emu::FabricConfig::new(2, 9));
+    let all =
+        Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::REMOTE_READ | Access::REMOTE_ATOMIC;
+    let mut a = side(&fabric, 0, all);
+    let mut b = side(&fabric, 1, all);
+    connect(&mut a, &mut b, o);
+    Pair { a, b, fabric }
+}
+
+#[test]
+fn rnr_waits_for_a_receive_then_delivers_once() {
+    // Infinite RNR retry, 10 µs timer: the SEND and the WRITE with immediate wait until the
+    // receives are posted, then each lands exactly once.
+    let mut p = pair_opts(&ConnectOptions {
+        rnr_retry: 7,
+        min_rnr_timer: 1,
+        ..Default::default()
+    });
+    let remote = RemoteAddr {
+        addr: p.b.mr.addr() + 64,
+        rkey: p.b.mr.rkey(),
+    };
+    p.a.qp
+        .post_send(&[
+            SendWr::inline(1, WrOp::Send, b"first"),
+            SendWr::inline(2, WrOp::WriteImm(remote, 7), b"second"),
+        ])
+        .unwrap();
+    // Let several RNR rounds pass with nothing posted.
+    let until = p.fabric.now().ps() + 50_000_000;
+    while p.fabric.now().ps() < until && p.fabric.step() {}
+    assert!(drain_ready(&mut p.b.cq).is_empty());
+    assert!(
+        drain_ready(&mut p.a.cq).is_empty(),
+        "no completion while the receiver is not ready"
+    );
+    let rs = [p.b.mr.sge(0, 64)];
+    p.b.qp
+        .post_recv(&[
+            RecvWr {
+                wr_id: 10,
+                sgl: &rs,
+            },
+            RecvWr {
+                wr_id: 11,
+                sgl: &rs,
+            },
+        ])
+        .unwrap();
+    let s = wait(&p.fabric, &mut p.a.cq, 2);
+    assert!(s.iter().all(|w| w.status == WcStatus::Success), "{s:?}");
+    let r = wait(&p.fabric, &mut p.b.cq, 2);
+    assert_eq!(
+        (r[0].wr_id, r[0].byte_len, r[0].opcode),
+        (10, 5, WcOpcode::Recv)
+    );
+    assert_eq!(
+        (r[1].wr_id, r[1].imm, r[1].opcode),
+        (11, Some(7), WcOpcode::RecvRdmaWithImm)
+    );
+    assert!(
+        drain(&p.fabric, &mut p.b.cq).is_empty(),
+        "nothing delivered twice"
+    );
+    let mut got = [0u8; 6];
+    p.b.buf.read(64, &mut got).unwrap();
+    assert_eq!(&got, b"second");
+}
+
+#[test]
+fn rnr_retries_exhausted() {
+    for rnr_retry in [0u8, 2] {
+        let mut p = pair_opts(&ConnectOptions {
+            rnr_retry,
+            min_rnr_timer: 1,
+            ..Default::default()
+        });
+        p.a.qp
+            .post_send(&[
+                SendWr::inline(1, WrOp::Send, b"nobody listens"),
+                SendWr::inline(2, WrOp::Send, b""),
+            ])
+            .unwrap();
+        let wc = drain(&p.fabric, &mut p.a.cq);
+        let got: Vec<_> = wc.iter().map(|w| (w.wr_id, w.status)).collect();
+        assert_eq!(
+            got,
+            vec![(1, WcStatus::RnrRetryExcErr), (2, WcStatus::WrFlushErr)]
+        );
+        assert_eq!(
+            QpState::from_u8(p.a.qp.query().unwrap().state),
+            Some(QpState::Err)
+        );
+        // rnr_retry + 1 attempts, each answered by one RNR NAK.
+        assert_eq!(p.fabric.nic_stats(1).rnr_naks_sent, rnr_retry as u64 + 1);
+    }
+}
+
+fn drain_ready(cq: &mut CompletionQueue) -> Vec<WorkCompletion> {
+    let mut wc = [WorkCompletion::default(); 16];
+    let n = cq.poll_ready(&mut wc);
+    wc[..n].to_vec()
+}
