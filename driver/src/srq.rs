@@ -174,3 +174,30 @@ impl Drop for SharedReceiveQueue {
         self.dev.inner.srqs.borrow_mut().remove(&self.srqn);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        /// Completions in any order return the right wr_id, and the consumer index only passes
+        /// a slot once every slot before it has completed.
+        #[test]
+        fn out_of_order_completion(order in Just((0u32..16).collect::<Vec<_>>()).prop_shuffle()) {
+            let r = SrqRings {
+                mask: 15,
+                wrid: (0..16).map(|i| Cell::new(100 + i)).collect(),
+                done: (0..16).map(|_| Cell::new(false)).collect(),
+                ci: Cell::new(0),
+            };
+            let mut finished = [false; 16];
+            for idx in order {
+                prop_assert_eq!(r.complete(idx as u16), 100 + idx as u64);
+                finished[idx as usize] = true;
+                let expect = finished.iter().take_while(|f| **f).count() as u32;
+                prop_assert_eq!(r.ci.get(), expect);
+            }
+        }
+    }
+}
