@@ -217,6 +217,11 @@ pub(crate) fn check_modify(
     } else {
         qp.state
     };
+    let (req, opt) = transition_masks(qp.state, to).ok_or(ModifyError::BadState)?;
+    let given = mask - M::STATE;
+    if !given.difference(req | opt).is_empty() || !given.contains(req) {
+        return Err(ModifyError::BadParam);
+    }
     if mask.contains(M::CUR_STATE) {
         if !matches!(
             qp.state,
@@ -227,11 +232,6 @@ pub(crate) fn check_modify(
         if QpState::from_u8(a.cur_state) != Some(qp.state) {
             return Err(ModifyError::BadState);
         }
-    }
-    let (req, opt) = transition_masks(qp.state, to).ok_or(ModifyError::BadState)?;
-    let given = mask - M::STATE;
-    if !given.difference(req | opt).is_empty() || !given.contains(req) {
-        return Err(ModifyError::BadParam);
     }
     let ok = (!mask.contains(M::PATH_MTU) || (1..=5).contains(&a.path_mtu))
         && (!mask.contains(M::TIMEOUT) || a.timeout <= 31)
@@ -581,5 +581,209 @@ impl Nic {
             ..Default::default()
         };
         self.complete(env, qp.recv_cqn, now, cqe);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn qp_in(state: QpState) -> Qp {
+        Qp {
+            qpn: 1,
+            pdn: 1,
+            state,
+            send_cqn: 1,
+            recv_cqn: 1,
+            srqn: 0,
+            sq: WorkQueue::default(),
+            rq: WorkQueue::default(),
+            fetch: 0,
+            attr: QpAttr::default(),
+            req: Requester::default(),
+            resp: Responder::default(),
+            gen: 1,
+        }
+    }
+
+    const STATES: [QpState; 7] = [
+        QpState::Reset,
+        QpState::Init,
+        QpState::Rtr,
+        QpState::Rts,
+        QpState::Sqd,
+        QpState::Sqe,
+        QpState::Err,
+    ];
+
+    fn valid_attr(to: QpState) -> QpAttr {
+        QpAttr {
+            state: to as u8,
+            path_mtu: 5,
+            timeout: 14,
+            retry_cnt: 7,
+            rnr_retry: 7,
+            min_rnr_timer: 12,
+            max_rd_atomic: 4,
+            max_dest_rd_atomic: 4,
+            dest_qpn: 9.into(),
+            ..Default::default()
+        }
+    }
+
+    /// Every transition of the table: exactly the required mask succeeds; dropping any
+    /// required bit or adding any bit outside required ∪ optional fails with BadParam; pairs
+    /// not in the table fail with BadState.
+    #[test]
+    fn transition_table_is_enforced_bit_by_bit() {
+        for from in STATES {
+            for to in STATES {
+                let qp = qp_in(from);
+                let a = QpAttr {
+                    cur_state: from as u8,
+                    ..valid_attr(to)
+                };
+                match transition_masks(from, to) {
+                    None => assert_eq!(
+                        check_modify(&qp, M::STATE, &a, 16),
+                        Err(ModifyError::BadState),
+                        "{from:?}->{to:?}"
+                    ),
+                    Some((req, opt)) => {
+                        assert_eq!(
+                            check_modify(&qp, M::STATE | req, &a, 16),
+                            Ok(to),
+                            "{from:?}->{to:?}"
+                        );
+                        assert_eq!(
+                            check_modify(&qp, M::STATE | req | opt, &a, 16),
+                            Ok(to),
+                            "{from:?}->{to:?} all optional"
+                        );
+                        for bit in req.iter() {
+                            assert_eq!(
+                                check_modify(&qp, M::STATE | (req - bit), &a, 16),
+                                Err(ModifyError::BadParam)
+                            );
+                        }
+                        for bit in M::all().iter() {
+                            if !(req | opt | M::STATE).contains(bit) {
+                                assert_eq!(
+                                    check_modify(&qp, M::STATE | req | bit, &a, 16),
+                                    Err(ModifyError::BadParam),
+                                    "{from:?}->{to:?} + {bit:?}"
+                                );
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn attribute_ranges_are_checked() {
+        let qp = qp_in(QpState::Init);
+        let req = M::STATE
+            | M::AV
+            | M::PATH_MTU
+            | M::DEST_QPN
+            | M::RQ_PSN
+            | M::MAX_DEST_RD_ATOMIC
+            | M::MIN_RNR_TIMER;
+        for bad in [
+            QpAttr {
+                path_mtu: 0,
+                ..valid_attr(QpState::Rtr)
+            },
+            QpAttr {
+                path_mtu: 6,
+                ..valid_attr(QpState::Rtr)
+            },
+            QpAttr {
+                min_rnr_timer: 32,
+                ..valid_attr(QpState::Rtr)
+            },
+            QpAttr {
+                max_dest_rd_atomic: 17,
+                ..valid_attr(QpState::Rtr)
+            },
+            QpAttr {
+                dest_qpn: 0.into(),
+                ..valid_attr(QpState::Rtr)
+            },
+            QpAttr {
+                dest_qpn: (1 << 24).into(),
+                ..valid_attr(QpState::Rtr)
+            },
+        ] {
+            assert_eq!(
+                check_modify(&qp, req, &bad, 16),
+                Err(ModifyError::BadParam),
+                "{bad:?}"
+            );
+        }
+        let qp = qp_in(QpState::Rtr);
+        let req =
+            M::STATE | M::TIMEOUT | M::RETRY_CNT | M::RNR_RETRY | M::SQ_PSN | M::MAX_QP_RD_ATOMIC;
+        for bad in [
+            QpAttr {
+                timeout: 32,
+                ..valid_attr(QpState::Rts)
+            },
+            QpAttr {
+                retry_cnt: 8,
+                ..valid_attr(QpState::Rts)
+            },
+            QpAttr {
+                rnr_retry: 8,
+                ..valid_attr(QpState::Rts)
+            },
+            QpAttr {
+                max_rd_atomic: 17,
+                ..valid_attr(QpState::Rts)
+            },
+        ] {
+            assert_eq!(
+                check_modify(&qp, req, &bad, 16),
+                Err(ModifyError::BadParam),
+                "{bad:?}"
+            );
+        }
+        // CUR_STATE must match, and is only legal from RTR, RTS, SQD, SQE.
+        let a = QpAttr {
+            cur_state: QpState::Rts as u8,
+            ..valid_attr(QpState::Rts)
+        };
+        assert_eq!(
+            check_modify(&qp, req | M::CUR_STATE, &a, 16),
+            Err(ModifyError::BadState)
+        );
+        let a = QpAttr {
+            cur_state: QpState::Rtr as u8,
+            ..valid_attr(QpState::Rts)
+        };
+        assert_eq!(
+            check_modify(&qp, req | M::CUR_STATE, &a, 16),
+            Ok(QpState::Rts)
+        );
+        let init = qp_in(QpState::Init);
+        let a = QpAttr {
+            cur_state: QpState::Init as u8,
+            ..valid_attr(QpState::Err)
+        };
+        assert_eq!(
+            check_modify(&init, M::STATE | M::CUR_STATE, &a, 16),
+            Err(ModifyError::BadParam)
+        );
+        // An unknown state byte.
+        let a = QpAttr {
+            state: 9,
+            ..Default::default()
+        };
+        assert_eq!(
+            check_modify(&init, M::STATE, &a, 16),
+            Err(ModifyError::BadParam)
+        );
     }
 }
