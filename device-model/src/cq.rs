@@ -1,6 +1,6 @@
 //! Completion queues: the ring, the owner bit, overflow detection and arming.
 
-use crate::env::Env;
+use crate::env::{write_owned_entry, Env};
 use crate::nic::Nic;
 use ringbell_specs::cmd::QpState;
 use ringbell_specs::cqe::{owner_bit, Cqe, EventType, CQE_SIZE};
@@ -108,11 +108,7 @@ impl Nic {
         cqe.owner = owner_bit(cq.pi, cq.log_size);
         cqe.timestamp = env.now().ps().into();
         let solicited = cqe.flags & ringbell_specs::cqe::CQE_FLAG_SOLICITED != 0 || cqe.status != 0;
-        let bytes = cqe.as_bytes();
-        let r = env
-            .dma_write(slot, &bytes[..CQE_SIZE - 1])
-            .and_then(|_| env.dma_write(slot + CQE_SIZE as u64 - 1, &bytes[CQE_SIZE - 1..]));
-        if let Err(f) = r {
+        if let Err(f) = write_owned_entry(env, slot, cqe.as_bytes()) {
             self.iommu_fault(env, cqe.qpn.get(), f.iova);
             return;
         }

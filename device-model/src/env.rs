@@ -62,3 +62,16 @@ pub trait Env {
     /// Raises interrupt `vector`.
     fn interrupt(&mut self, vector: u32);
 }
+
+/// Writes a ring entry whose last byte is its owner bit: the body first, the owner byte
+/// last, so a driver that sees the new owner bit sees the whole entry.
+pub(crate) fn write_owned_entry(env: &mut dyn Env, at: u64, entry: &[u8]) -> Result<(), DmaFault> {
+    let Some((owner, body)) = entry.split_last() else {
+        return Ok(());
+    };
+    env.dma_write(at, body)?;
+    env.dma_write(
+        at.wrapping_add(body.len() as u64),
+        std::slice::from_ref(owner),
+    )
+}

@@ -1,7 +1,7 @@
 //! The NIC: object tables, BAR0 registers, the event queue and event dispatch.
 
 use crate::cq::Cq;
-use crate::env::{Env, NicEvent};
+use crate::env::{write_owned_entry, Env, NicEvent};
 use crate::mem::{Mr, Pd};
 use crate::qp::{Qp, Srq};
 use crate::timing::TimingProfile;
@@ -441,12 +441,7 @@ impl Nic {
         let at = eq
             .iova
             .wrapping_add(((eq.pi & (size - 1)) as u64) * EQE_SIZE as u64);
-        let bytes = eqe.as_bytes();
-        // Body first, owner byte last.
-        let ok = env
-            .dma_write(at, &bytes[..EQE_SIZE - 1])
-            .and_then(|_| env.dma_write(at + EQE_SIZE as u64 - 1, &bytes[EQE_SIZE - 1..]));
-        match ok {
+        match write_owned_entry(env, at, eqe.as_bytes()) {
             Ok(()) => {
                 eq.pi = eq.pi.wrapping_add(1);
                 self.stats.eqes += 1;
