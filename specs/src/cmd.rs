@@ -386,10 +386,7 @@ mod tests {
         };
         let hex: String = m.as_bytes().iter().map(|b| format!("{b:02x}")).collect();
         // qpn 7 | mask STATE|PATH_MTU | state RTR, path_mtu 5 | ... | dest_qpn 0x12 | zeros
-        assert_eq!(
-            hex,
-            "0700000001010000020005000000000000000000000000001200000000000000000000000000000000000000000000000000000000000000"
-        );
+        assert_eq!(hex, crate::golden::MODIFY_QP);
         assert!(core::mem::size_of::<ModifyQpIn>() <= PARAMS_SIZE);
         assert!(core::mem::size_of::<QueryDeviceOut>() <= PARAMS_SIZE);
     }

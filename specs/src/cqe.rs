@@ -256,11 +256,7 @@ mod tests {
             ..Default::default()
         };
         let hex: String = cqe.as_bytes().iter().map(|b| format!("{b:02x}")).collect();
-        assert_eq!(
-            hex,
-            "800005001200000000100000efbeadde87d61200000000000100000000000000\
-             0000000000000000000000000000000000000000000000000000000000000001"
-        );
+        assert_eq!(hex, crate::golden::CQE);
         for v in 0..=255u8 {
             if let Some(s) = CqeStatus::from_u8(v) {
                 assert_eq!(s as u8, v);
@@ -285,9 +281,6 @@ mod tests {
             ..Default::default()
         };
         let hex: String = eqe.as_bytes().iter().map(|b| format!("{b:02x}")).collect();
-        assert_eq!(
-            hex,
-            "06000000030000000000adde000000002a000000000000000000000000000001"
-        );
+        assert_eq!(hex, crate::golden::EQE);
     }
 }

@@ -22,3 +22,32 @@ pub const ABI_MAJOR: u16 = 1;
 pub const ABI_MINOR: u16 = 0;
 /// The value of the `ABI_VERSION` register: major in bits 31:16, minor in bits 15:0.
 pub const ABI_VERSION: u32 = ((ABI_MAJOR as u32) << 16) | ABI_MINOR as u32;
+
+/// Golden vectors: hex dumps that pin the host-visible layouts. The unit tests of each module
+/// assert them byte for byte, and ABI.md must carry each of them.
+#[cfg(test)]
+mod golden {
+    pub(crate) const MODIFY_QP: &str = "0700000001010000020005000000000000000000000000001200000000000000000000000000000000000000000000000000000000000000";
+    pub(crate) const WRITE_WQE: &str = "030103000300000000000000000000000020001000000000050100000000000008000000040200000030000000000000";
+    pub(crate) const CQE: &str = "800005001200000000100000efbeadde87d612000000000001000000000000000000000000000000000000000000000000000000000000000000000000000001";
+    pub(crate) const EQE: &str = "06000000030000000000adde000000002a000000000000000000000000000001";
+
+    #[test]
+    fn abi_md_carries_every_golden_vector() {
+        let is_hex = |w: &str| w.chars().all(|c| c.is_ascii_hexdigit());
+        // The hex words of the indented dump lines, concatenated.
+        let dumps: String = include_str!("../ABI.md")
+            .lines()
+            .filter(|l| l.starts_with(' '))
+            .flat_map(|l| l.split_whitespace().filter(|w| is_hex(w)))
+            .collect();
+        for (name, v) in [
+            ("MODIFY_QP", MODIFY_QP),
+            ("WRITE_WQE", WRITE_WQE),
+            ("CQE", CQE),
+            ("EQE", EQE),
+        ] {
+            assert!(dumps.contains(v), "ABI.md lacks the {name} golden vector");
+        }
+    }
+}

@@ -158,12 +158,7 @@ mod tests {
         wqe.extend_from_slice(raddr.as_bytes());
         wqe.extend_from_slice(data.as_bytes());
         let hex: String = wqe.iter().map(|b| format!("{b:02x}")).collect();
-        assert_eq!(
-            hex,
-            "03010300030000000000000000000000\
-             00200010000000000501000000000000\
-             08000000040200000030000000000000"
-        );
+        assert_eq!(hex, crate::golden::WRITE_WQE);
     }
 
     #[test]
