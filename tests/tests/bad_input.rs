@@ -175,28 +175,54 @@ fn bad_lkeys_are_local_protection_errors() {
 
 #[test]
 fn bad_receive_buffer_key_fails_both_sides_with_class_a() {
-    let mut p = pair();
-    let bad = [Sge {
-        addr: p.b.mr.addr(),
-        len: 64,
-        lkey: 0x1234_5600,
-    }];
-    p.b.qp
-        .post_recv(&[RecvWr {
-            wr_id: 5,
-            sgl: &bad,
-        }])
-        .unwrap();
-    p.a.qp
-        .post_send(&[SendWr::inline(6, WrOp::Send, b"x")])
-        .unwrap();
-    let s = drain(&p.fabric, &mut p.a.cq);
-    assert_eq!((s[0].wr_id, s[0].status), (6, WcStatus::RemOpErr));
-    let r = drain(&p.fabric, &mut p.b.cq);
-    assert_eq!((r[0].wr_id, r[0].status), (5, WcStatus::LocProtErr));
-    assert_eq!(qp_state(&p.a.qp), QpState::Err);
-    assert_eq!(qp_state(&p.b.qp), QpState::Err);
-    still_serving(&mut p);
+    // A key that does not exist, one of another PD, one without LOCAL_WRITE.
+    for case in 0..3 {
+        let mut p = pair();
+        let other_pd = p.b.dev.alloc_pd().unwrap();
+        let foreign = other_pd.reg_mr(&p.b.buf, Access::LOCAL_WRITE).unwrap();
+        let readonly = p.b.pd.reg_mr(&p.b.buf, Access::empty()).unwrap();
+        let sge = match case {
+            0 => Sge {
+                addr: p.b.mr.addr(),
+                len: 64,
+                lkey: 0x1234_5600,
+            },
+            1 => foreign.sge(0, 64),
+            _ => readonly.sge(0, 64),
+        };
+        p.b.buf.fill(0, 64, 0xcc).unwrap();
+        p.b.qp
+            .post_recv(&[RecvWr {
+                wr_id: 5,
+                sgl: &[sge],
+            }])
+            .unwrap();
+        p.a.qp
+            .post_send(&[SendWr::inline(6, WrOp::Send, b"x")])
+            .unwrap();
+        let s = drain(&p.fabric, &mut p.a.cq);
+        assert_eq!(
+            (s[0].wr_id, s[0].status),
+            (6, WcStatus::RemOpErr),
+            "case {case}"
+        );
+        let r = drain(&p.fabric, &mut p.b.cq);
+        assert_eq!(
+            (r[0].wr_id, r[0].status),
+            (5, WcStatus::LocProtErr),
+            "case {case}"
+        );
+        assert_eq!(qp_state(&p.a.qp), QpState::Err);
+        assert_eq!(qp_state(&p.b.qp), QpState::Err);
+        let mut got = [0u8; 64];
+        p.b.buf.read(0, &mut got).unwrap();
+        assert!(
+            got.iter().all(|b| *b == 0xcc),
+            "case {case}: nothing written"
+        );
+        drop((foreign, readonly, other_pd));
+        still_serving(&mut p);
+    }
 }
 
 #[test]

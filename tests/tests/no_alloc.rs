@@ -35,7 +35,10 @@ static GLOBAL: Counting = Counting;
 #[test]
 fn post_send_post_recv_and_poll_do_not_allocate() {
     let mut p = pair();
-    let remote = RemoteAddr { addr: p.b.mr.addr(), rkey: p.b.mr.rkey() };
+    let remote = RemoteAddr {
+        addr: p.b.mr.addr(),
+        rkey: p.b.mr.rkey(),
+    };
     let sge = [p.a.mr.sge(0, 64), p.a.mr.sge(4096, 64)];
     let rs = [p.b.mr.sge(8192, 256)];
     let mut wc = [WorkCompletion::default(); 32];
@@ -47,7 +50,12 @@ fn post_send_post_recv_and_poll_do_not_allocate() {
             SendWr::new(2, WrOp::Write(remote), &sge).flags(SendFlags::empty()),
             SendWr::inline(3, WrOp::Send, b"ping"),
         ];
-        p.b.qp.post_recv(&[RecvWr { wr_id: round, sgl: &rs }]).unwrap();
+        p.b.qp
+            .post_recv(&[RecvWr {
+                wr_id: round,
+                sgl: &rs,
+            }])
+            .unwrap();
         p.a.qp.post_send(&batch).unwrap();
         let n = p.a.cq.poll_ready(&mut wc) + p.b.cq.poll_ready(&mut wc);
         let after = ALLOCS.load(Ordering::Relaxed);
