@@ -5,7 +5,7 @@
 //! driver. A mock implementation is enough to drive the model in unit tests and fuzzers.
 
 use ringbell_specs::cqe::Cqe;
-use ringbell_specs::SimTime;
+use ringbell_specs::{Psn, SimTime};
 
 /// A DMA address that no IOMMU mapping covers (or covers without the needed permission).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -34,6 +34,25 @@ pub enum NicEvent {
         /// device reset) since then makes the event void.
         gen: u64,
     },
+    /// A posted DMA write of received data becomes visible in host memory.
+    DmaWrite {
+        /// Destination IOVA (checked against the IOMMU when the write was posted).
+        iova: u64,
+        /// The bytes.
+        data: Vec<u8>,
+        /// QP on whose behalf it is written, for fault reporting.
+        qpn: u32,
+    },
+    /// The responder reads host memory for a READ or an atomic, once the writes posted
+    /// before it have landed (PCIe reads do not pass posted writes).
+    Respond {
+        /// The responder QP.
+        qpn: u32,
+        /// Its context generation.
+        gen: u64,
+        /// What to do.
+        work: Deferred,
+    },
     /// A completion entry is written to a CQ.
     CqeWrite {
         /// The CQ.
@@ -42,6 +61,37 @@ pub enum NicEvent {
         gen: u64,
         /// The entry (owner bit filled in by the CQ).
         cqe: Box<Cqe>,
+    },
+}
+
+/// Responder work that touches host memory after earlier writes.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Deferred {
+    /// Read `len` bytes at `iova` and send them as READ responses from PSN `first`.
+    Read {
+        /// PSN of the request (and of the first response).
+        first: Psn,
+        /// Translated address of the first byte.
+        iova: u64,
+        /// Bytes requested.
+        len: u32,
+        /// MSN to report.
+        msn: u32,
+    },
+    /// Perform an atomic on the 8 bytes at `iova` and answer PSN `psn`.
+    Atomic {
+        /// PSN of the request.
+        psn: Psn,
+        /// Translated address.
+        iova: u64,
+        /// Compare-and-swap (else fetch-and-add).
+        cas: bool,
+        /// Swap or add operand.
+        swap_add: u64,
+        /// Compare operand.
+        compare: u64,
+        /// MSN to report.
+        msn: u32,
     },
 }
 

@@ -20,6 +20,6 @@ mod responder;
 pub mod sim;
 pub mod timing;
 
-pub use env::{DmaFault, Env, NicEvent};
+pub use env::{Deferred, DmaFault, Env, NicEvent};
 pub use nic::{Nic, NicConfig, NicStats};
 pub use timing::TimingProfile;

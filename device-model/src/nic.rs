@@ -361,8 +361,19 @@ impl Nic {
             {
                 self.write_cqe(env, cqn, *cqe)
             }
+            NicEvent::DmaWrite { iova, data, qpn } => {
+                if let Err(f) = env.dma_write(iova, &data) {
+                    // Unmapped since the write was posted.
+                    self.iommu_fault(env, qpn, f.iova);
+                }
+            }
+            NicEvent::Respond { qpn, gen, work }
+                if self.qps.get(qpn).is_some_and(|q| q.gen == gen) =>
+            {
+                self.respond(env, qpn, work)
+            }
             // Work for a context destroyed (or reset) after it was scheduled.
-            NicEvent::SqProcess { .. } | NicEvent::CqeWrite { .. } => {}
+            NicEvent::SqProcess { .. } | NicEvent::CqeWrite { .. } | NicEvent::Respond { .. } => {}
         }
     }
 
@@ -476,6 +487,32 @@ impl Nic {
         let done = start + SimTime(self.cfg.timing.pcie_write_ps(len));
         self.pcie_write_free = done;
         done + SimTime(self.cfg.timing.dma_write_visible_ps)
+    }
+
+    /// Posts a DMA write of `data` (already checked against the IOMMU) issued at `ready`; it
+    /// lands after the PCIe transfer and posting delay. Writes land in the order posted.
+    pub(crate) fn post_dma_write(
+        &mut self,
+        env: &mut dyn Env,
+        ready: SimTime,
+        iova: u64,
+        data: &[u8],
+        qpn: u32,
+    ) {
+        let at = self.reserve_pcie_write(ready, data.len());
+        env.schedule(
+            at,
+            NicEvent::DmaWrite {
+                iova,
+                data: data.to_vec(),
+                qpn,
+            },
+        );
+    }
+
+    /// The earliest a read of host memory issued at `ready` sees every write posted so far.
+    pub(crate) fn after_posted_writes(&self, ready: SimTime) -> SimTime {
+        ready.max(self.pcie_write_free + SimTime(self.cfg.timing.dma_write_visible_ps))
     }
 
     /// Sends a frame built in `frame`, ready at `ready`.

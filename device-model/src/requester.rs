@@ -587,13 +587,11 @@ impl Nic {
             let iova = self
                 .check_key(pdn, s.lkey, s.addr + offset, n as u64, Access::LOCAL_WRITE)
                 .map_err(|e| (CqeStatus::LocProtErr, e.syndrome()))?;
-            // Data lands at once so that later reads of this memory (by this NIC or the
-            // host) are ordered after it; the PCIe write time is charged to the CQE behind it.
-            if let Err(f) = env.dma_write(iova, &data[done..done + n]) {
+            if let Err(f) = env.dma_check(iova, n) {
                 self.iommu_fault(env, qpn, f.iova);
                 return Err((CqeStatus::GeneralErr, VendorSyndrome::IommuFault));
             }
-            self.reserve_pcie_write(ready, n);
+            self.post_dma_write(env, ready, iova, &data[done..done + n], qpn);
             done += n;
             offset = 0;
         }

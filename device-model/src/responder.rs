@@ -1,7 +1,7 @@
 //! The receive path: frame validation, the responder (SEND, WRITE, READ, atomics, ACK/NAK
 //! generation) and the hand-off of responses to the requester.
 
-use crate::env::Env;
+use crate::env::{Deferred, Env, NicEvent};
 use crate::nic::Nic;
 use crate::qp::{Qp, RecvCtx, WriteCtx};
 use ringbell_specs::cmd::{Access, QpState};
@@ -187,18 +187,31 @@ impl Nic {
                 self.send_ack(env, qp, psn, AethSyndrome::RnrNak { timer }, ready);
             }
             Err(Fault::Fatal(code, status)) => {
-                self.send_ack(env, qp, psn, AethSyndrome::Nak(code), ready);
-                if let (Some((status, syndrome)), Some(rc)) = (status, qp.resp.recv.take()) {
-                    let mut cqe = recv_cqe(qp.qpn, &rc, status, 0);
-                    cqe.vendor_syndrome = syndrome as u8;
-                    self.complete(env, qp.recv_cqn, ready, cqe);
-                }
-                if code == NakCode::RemoteAccessError {
-                    self.post_event(env, EventType::QpAccessErr, 0, qp.qpn, 0);
-                }
-                self.flush(env, qp);
+                self.responder_fatal(env, qp, psn, code, status, ready)
             }
         }
+    }
+
+    /// A class A/C error: NAK, complete the receive WQE in progress with `status`, move to ERR.
+    fn responder_fatal(
+        &mut self,
+        env: &mut dyn Env,
+        qp: &mut Qp,
+        psn: Psn,
+        code: NakCode,
+        status: Option<(CqeStatus, VendorSyndrome)>,
+        ready: SimTime,
+    ) {
+        self.send_ack(env, qp, psn, AethSyndrome::Nak(code), ready);
+        if let (Some((status, syndrome)), Some(rc)) = (status, qp.resp.recv.take()) {
+            let mut cqe = recv_cqe(qp.qpn, &rc, status, 0);
+            cqe.vendor_syndrome = syndrome as u8;
+            self.complete(env, qp.recv_cqn, ready, cqe);
+        }
+        if code == NakCode::RemoteAccessError {
+            self.post_event(env, EventType::QpAccessErr, 0, qp.qpn, 0);
+        }
+        self.flush(env, qp);
     }
 
     /// Checks the opcode sequence: a FIRST/ONLY may not interrupt a message in progress, and
@@ -383,10 +396,7 @@ impl Nic {
             None
         };
         if let Some(iova) = iova {
-            // Written at once: a READ or atomic behind this WRITE must see it (PCIe reads do
-            // not pass posted writes). The range was checked above, so this cannot fault.
-            let _ = env.dma_write(iova, pkt.payload);
-            self.reserve_pcie_write(ready, n as usize);
+            self.post_dma_write(env, ready, iova, pkt.payload, qp.qpn);
         }
         qp.resp.epsn = qp.resp.epsn.add(1);
         qp.resp.write = (!op.is_last()).then(|| WriteCtx {
@@ -454,43 +464,16 @@ impl Nic {
                 Access::REMOTE_READ,
             )
             .map_err(|_| Fault::Fatal(NakCode::RemoteAccessError, None))?;
-        let mtu = qp.mtu();
-        let n = reth.len.div_ceil(mtu).max(1);
         let first = pkt.repr.bth.psn;
-        qp.resp.epsn = first.add(n);
+        qp.resp.epsn = first.add(reth.len.div_ceil(qp.mtu()).max(1));
         qp.resp.msn = qp.resp.msn.wrapping_add(1);
-        let t = &self.cfg.timing;
-        let start = ready + SimTime(t.dma_read_rtt_ps + t.nic_read_resp_extra_ps);
-        let mut payload = std::mem::take(&mut self.scratch);
-        for i in 0..n {
-            let off = (i * mtu) as u64;
-            let len = (reth.len - i * mtu).min(mtu) as usize;
-            payload.clear();
-            payload.resize(len, 0);
-            if len > 0 {
-                if let Err(f) = env.dma_read(iova + off, &mut payload) {
-                    self.scratch = payload;
-                    self.iommu_fault(env, qp.qpn, f.iova);
-                    return Err(Fault::Fatal(NakCode::RemoteOperationalError, None));
-                }
-            }
-            let opcode = match (i == 0, i + 1 == n) {
-                (true, true) => Opcode::ReadResponseOnly,
-                (true, false) => Opcode::ReadResponseFirst,
-                (false, false) => Opcode::ReadResponseMiddle,
-                (false, true) => Opcode::ReadResponseLast,
-            };
-            let mut repr = self.packet_repr(qp, opcode, first.add(i), false);
-            if opcode.has_aeth() {
-                repr.aeth = Some(Aeth {
-                    syndrome: AethSyndrome::Ack { credits: 0x1F },
-                    msn: qp.resp.msn & 0x00FF_FFFF,
-                });
-            }
-            let at = start + SimTime(self.cfg.timing.pcie_read_ps(len));
-            self.emit(env, &repr, &payload, at);
-        }
-        self.scratch = payload;
+        let work = Deferred::Read {
+            first,
+            iova,
+            len: reth.len,
+            msn: qp.resp.msn,
+        };
+        self.defer(env, qp, work, ready);
         Ok(())
     }
 
@@ -514,35 +497,155 @@ impl Nic {
         let iova = self
             .check_key(qp.pdn, a.rkey, a.va, 8, Access::REMOTE_ATOMIC)
             .map_err(|_| Fault::Fatal(NakCode::RemoteAccessError, None))?;
-        let mut cur = [0u8; 8];
-        if let Err(f) = env.dma_read(iova, &mut cur) {
-            self.iommu_fault(env, qp.qpn, f.iova);
-            return Err(Fault::Fatal(NakCode::RemoteOperationalError, None));
-        }
-        let orig = u64::from_le_bytes(cur);
-        let new = match op {
-            Opcode::CompareSwap => {
-                if orig == a.compare {
-                    a.swap_add
-                } else {
-                    orig
-                }
-            }
-            _ => orig.wrapping_add(a.swap_add),
-        };
-        if let Err(f) = env.dma_write(iova, &new.to_le_bytes()) {
-            self.iommu_fault(env, qp.qpn, f.iova);
-            return Err(Fault::Fatal(NakCode::RemoteOperationalError, None));
-        }
         qp.resp.epsn = qp.resp.epsn.add(1);
         qp.resp.msn = qp.resp.msn.wrapping_add(1);
-        let mut repr = self.packet_repr(qp, Opcode::AtomicAcknowledge, pkt.repr.bth.psn, false);
+        let work = Deferred::Atomic {
+            psn: pkt.repr.bth.psn,
+            iova,
+            cas: op == Opcode::CompareSwap,
+            swap_add: a.swap_add,
+            compare: a.compare,
+            msn: qp.resp.msn,
+        };
+        self.defer(env, qp, work, ready);
+        Ok(())
+    }
+
+    /// Schedules a READ or atomic to touch memory once every write posted before it landed.
+    fn defer(&mut self, env: &mut dyn Env, qp: &Qp, work: Deferred, ready: SimTime) {
+        let at = self.after_posted_writes(ready);
+        env.schedule(
+            at,
+            NicEvent::Respond {
+                qpn: qp.qpn,
+                gen: qp.gen,
+                work,
+            },
+        );
+    }
+
+    /// Runs deferred responder work: reads memory and sends the responses.
+    pub(crate) fn respond(&mut self, env: &mut dyn Env, qpn: u32, work: Deferred) {
+        let Some(mut qp) = self.qps.remove(qpn) else {
+            return;
+        };
+        if matches!(qp.state, QpState::Rtr | QpState::Rts | QpState::Sqd) {
+            let (psn, r) = match work {
+                Deferred::Read {
+                    first,
+                    iova,
+                    len,
+                    msn,
+                } => (
+                    first,
+                    self.send_read_responses(env, &qp, first, iova, len, msn),
+                ),
+                Deferred::Atomic {
+                    psn,
+                    iova,
+                    cas,
+                    swap_add,
+                    compare,
+                    msn,
+                } => (
+                    psn,
+                    self.execute_atomic(env, &qp, psn, iova, cas, swap_add, compare, msn),
+                ),
+            };
+            if let Err(f) = r {
+                self.iommu_fault(env, qpn, f);
+                let now = env.now();
+                self.responder_fatal(
+                    env,
+                    &mut qp,
+                    psn,
+                    NakCode::RemoteOperationalError,
+                    None,
+                    now,
+                );
+            }
+        }
+        self.qps.restore(qpn, qp);
+    }
+
+    fn send_read_responses(
+        &mut self,
+        env: &mut dyn Env,
+        qp: &Qp,
+        first: Psn,
+        iova: u64,
+        len: u32,
+        msn: u32,
+    ) -> Result<(), u64> {
+        let mtu = qp.mtu();
+        let n = len.div_ceil(mtu).max(1);
+        let t = &self.cfg.timing;
+        let start = env.now() + SimTime(t.dma_read_rtt_ps + t.nic_read_resp_extra_ps);
+        // Check the whole range first so a fault sends nothing.
+        if len > 0 {
+            env.dma_check(iova, len as usize).map_err(|f| f.iova)?;
+        }
+        let mut payload = std::mem::take(&mut self.scratch);
+        for i in 0..n {
+            let off = (i * mtu) as u64;
+            let plen = (len - i * mtu).min(mtu) as usize;
+            payload.clear();
+            payload.resize(plen, 0);
+            if plen > 0 {
+                if let Err(f) = env.dma_read(iova.wrapping_add(off), &mut payload) {
+                    self.scratch = payload;
+                    return Err(f.iova);
+                }
+            }
+            let opcode = match (i == 0, i + 1 == n) {
+                (true, true) => Opcode::ReadResponseOnly,
+                (true, false) => Opcode::ReadResponseFirst,
+                (false, false) => Opcode::ReadResponseMiddle,
+                (false, true) => Opcode::ReadResponseLast,
+            };
+            let mut repr = self.packet_repr(qp, opcode, first.add(i), false);
+            if opcode.has_aeth() {
+                repr.aeth = Some(Aeth {
+                    syndrome: AethSyndrome::Ack { credits: 0x1F },
+                    msn: msn & 0x00FF_FFFF,
+                });
+            }
+            let at = start + SimTime(self.cfg.timing.pcie_read_ps(plen));
+            self.emit(env, &repr, &payload, at);
+        }
+        self.scratch = payload;
+        Ok(())
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn execute_atomic(
+        &mut self,
+        env: &mut dyn Env,
+        qp: &Qp,
+        psn: Psn,
+        iova: u64,
+        cas: bool,
+        swap_add: u64,
+        compare: u64,
+        msn: u32,
+    ) -> Result<(), u64> {
+        let mut cur = [0u8; 8];
+        env.dma_read(iova, &mut cur).map_err(|f| f.iova)?;
+        let orig = u64::from_le_bytes(cur);
+        let new = match (cas, orig == compare) {
+            (true, true) => swap_add,
+            (true, false) => orig,
+            (false, _) => orig.wrapping_add(swap_add),
+        };
+        env.dma_write(iova, &new.to_le_bytes())
+            .map_err(|f| f.iova)?;
+        let mut repr = self.packet_repr(qp, Opcode::AtomicAcknowledge, psn, false);
         repr.aeth = Some(Aeth {
             syndrome: AethSyndrome::Ack { credits: 0x1F },
-            msn: qp.resp.msn & 0x00FF_FFFF,
+            msn: msn & 0x00FF_FFFF,
         });
         repr.atomic_ack = Some(orig);
-        let at = ready + SimTime(self.cfg.timing.dma_read_rtt_ps);
+        let at = env.now() + SimTime(self.cfg.timing.dma_read_rtt_ps);
         self.emit(env, &repr, &[], at);
         Ok(())
     }

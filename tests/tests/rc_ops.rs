@@ -436,3 +436,53 @@ fn drain_ready(cq: &mut CompletionQueue) -> Vec<WorkCompletion> {
     let n = cq.poll_ready(&mut wc);
     wc[..n].to_vec()
 }
+
+#[test]
+fn read_and_atomic_behind_a_write_see_its_data() {
+    let mut p = pair();
+    p.a.buf.write(0, &[0xab; 4096]).unwrap();
+    p.a.buf.write(8192, &5u64.to_le_bytes()).unwrap();
+    let remote = RemoteAddr {
+        addr: p.b.mr.addr() + 65536,
+        rkey: p.b.mr.rkey(),
+    };
+    let word = RemoteAddr {
+        addr: p.b.mr.addr() + 128,
+        rkey: p.b.mr.rkey(),
+    };
+    let src = [p.a.mr.sge(0, 4096)];
+    let w8 = [p.a.mr.sge(8192, 8)];
+    let dst = [p.a.mr.sge(16384, 4096)];
+    let res = [p.a.mr.sge(32768, 8)];
+    // Posted back to back: the READ and the FETCH_ADD reach the responder while the WRITEs'
+    // data is still on its way to host memory.
+    p.a.qp
+        .post_send(&[
+            SendWr::new(1, WrOp::Write(remote), &src).flags(SendFlags::empty()),
+            SendWr::new(2, WrOp::Write(word), &w8).flags(SendFlags::empty()),
+            SendWr::new(3, WrOp::Read(remote), &dst),
+            SendWr::new(
+                4,
+                WrOp::FetchAdd {
+                    remote: word,
+                    add: 10,
+                },
+                &res,
+            ),
+        ])
+        .unwrap();
+    let wc = wait(&p.fabric, &mut p.a.cq, 2);
+    assert!(wc.iter().all(|w| w.status == WcStatus::Success));
+    let mut got = vec![0u8; 4096];
+    p.a.buf.read(16384, &mut got).unwrap();
+    assert!(
+        got.iter().all(|b| *b == 0xab),
+        "the READ returned memory older than the WRITE before it"
+    );
+    assert_eq!(
+        p.a.buf.read_u64(32768).unwrap(),
+        5,
+        "the FETCH_ADD saw the written value"
+    );
+    assert_eq!(p.b.buf.read_u64(128).unwrap(), 15);
+}
