@@ -127,7 +127,14 @@ mod tests {
         m.write(10, b"abc").unwrap();
         m.read(10, &mut b[..3]).unwrap();
         assert_eq!(&b[..3], b"abc");
-        assert!(matches!(m.write(4095, b"xy"), Err(Error::OutOfBounds { offset: 4095, len: 2, size: 4096 })));
+        assert!(matches!(
+            m.write(4095, b"xy"),
+            Err(Error::OutOfBounds {
+                offset: 4095,
+                len: 2,
+                size: 4096
+            })
+        ));
         assert!(m.read(usize::MAX, &mut b).is_err());
         assert!(m.fill(4000, 97, 0).is_err());
         assert_eq!(m.load_acquire(11), b'b');
@@ -137,7 +144,10 @@ mod tests {
     fn the_memory_file_maps_the_same_pages() {
         let m = DmaMemory::new(8192).unwrap();
         m.write(5000, b"shared").unwrap();
-        let other = memmap2::MmapOptions::new().len(8192).map_raw(&m.file).unwrap();
+        let other = memmap2::MmapOptions::new()
+            .len(8192)
+            .map_raw(&m.file)
+            .unwrap();
         // SAFETY: the second mapping is 8192 bytes long; bytes 5000..5006 are in it.
         let got = unsafe { std::slice::from_raw_parts(other.as_ptr().add(5000), 6) };
         assert_eq!(got, b"shared");
