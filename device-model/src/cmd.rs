@@ -20,6 +20,12 @@ fn out<T: IntoBytes + zerocopy::Immutable>(v: &T) -> Outcome {
     Ok(v.as_bytes().to_vec())
 }
 
+/// Whether a ring of `len` bytes at `iova` stays below the top of the address space (slot
+/// addresses never wrap into another mapping).
+fn fits(iova: u64, len: u64) -> bool {
+    iova.checked_add(len).is_some()
+}
+
 fn obj(num: u32) -> Outcome {
     out(&ObjectOut { num: num.into() })
 }
@@ -158,7 +164,8 @@ impl Nic {
             }
             CmdOpcode::DestroyQp => {
                 let n = params::<ObjectIn>(input)?.num.get();
-                let qp = self.qps.remove(n).ok_or(CmdStatus::BadResource)?;
+                let mut qp = self.qps.remove(n).ok_or(CmdStatus::BadResource)?;
+                self.release_srq_wqe(env, &mut qp);
                 self.pd_unref(qp.pdn);
                 for c in [qp.send_cqn, qp.recv_cqn] {
                     if let Some(cq) = self.cqs.get_mut(c) {
@@ -287,6 +294,7 @@ impl Nic {
         if !p.ring_iova.get().is_multiple_of(64)
             || !p.db_iova.get().is_multiple_of(8)
             || p.eq_vector.get() != 0
+            || !fits(p.ring_iova.get(), size * 64)
         {
             return Err(CmdStatus::BadParam);
         }
@@ -334,6 +342,8 @@ impl Nic {
         if !p.sq_iova.get().is_multiple_of(64)
             || (srqn == 0 && !p.rq_iova.get().is_multiple_of(16))
             || !p.db_iova.get().is_multiple_of(8)
+            || !fits(p.sq_iova.get(), 64 << p.sq_log_size)
+            || (srqn == 0 && !fits(p.rq_iova.get(), 1 << (p.rq_log_size + p.rq_log_stride)))
         {
             return Err(CmdStatus::BadParam);
         }
@@ -395,7 +405,11 @@ impl Nic {
         {
             return Err(CmdStatus::BadSize);
         }
-        if !p.ring_iova.get().is_multiple_of(16) || p.limit.get() > (1 << p.log_size) {
+        if !p.ring_iova.get().is_multiple_of(16)
+            || !p.db_iova.get().is_multiple_of(4)
+            || p.limit.get() > (1 << p.log_size)
+            || !fits(p.ring_iova.get(), 1 << (p.log_size + p.log_stride))
+        {
             return Err(CmdStatus::BadParam);
         }
         let n = self

@@ -59,6 +59,8 @@ pub enum NicEvent {
         cqn: u32,
         /// Generation of the CQ context (see `SqProcess::gen`).
         gen: u64,
+        /// Generation of the QP the CQE reports on (0: written whatever became of the QP).
+        qp_gen: u64,
         /// The entry (owner bit filled in by the CQ).
         cqe: Box<Cqe>,
     },

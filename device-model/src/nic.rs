@@ -356,8 +356,14 @@ impl Nic {
             NicEvent::SqProcess { qpn, gen } if self.qps.get(qpn).is_some_and(|q| q.gen == gen) => {
                 self.sq_process(env, qpn)
             }
-            NicEvent::CqeWrite { cqn, gen, cqe }
-                if self.cqs.get(cqn).is_some_and(|c| c.gen == gen) =>
+            NicEvent::CqeWrite {
+                cqn,
+                gen,
+                qp_gen,
+                cqe,
+            } if self.cqs.get(cqn).is_some_and(|c| c.gen == gen)
+                && (qp_gen == 0
+                    || self.qps.get(cqe.qpn.get()).is_some_and(|q| q.gen == qp_gen)) =>
             {
                 self.write_cqe(env, cqn, *cqe)
             }

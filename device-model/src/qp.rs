@@ -90,7 +90,7 @@ pub(crate) struct RecvCtx {
     pub(crate) wqe_index: u32,
     pub(crate) srqn: u32,
     pub(crate) sges: Vec<Sge>,
-    pub(crate) offset: u32,
+    pub(crate) offset: u64,
 }
 
 /// A multi-packet RDMA WRITE in progress.
@@ -308,21 +308,52 @@ impl Nic {
         qp.state = to;
         qp.attr.state = to as u8;
         match to {
-            QpState::Reset => {
-                qp.sq.pi = 0;
-                qp.sq.ci = 0;
-                qp.rq.pi = 0;
-                qp.rq.ci = 0;
-                qp.fetch = 0;
-                qp.req = Requester::default();
-                qp.resp = Responder::default();
-            }
+            QpState::Reset => self.reset_qp(env, qpn),
             QpState::Err if from != QpState::Err => self.flush_qp(env, qpn),
             QpState::Rts => {
                 let now = env.now();
                 self.kick_sq(env, qpn, now)
             }
             _ => {}
+        }
+    }
+
+    /// RESET: every queue emptied without completions, transport state cleared, and a new
+    /// generation so that work scheduled for the old incarnation (send engine runs, deferred
+    /// responses, CQEs) dies with it.
+    pub(crate) fn reset_qp(&mut self, env: &mut dyn Env, qpn: u32) {
+        let gen = self.fresh_gen();
+        let Some(mut qp) = self.qps.remove(qpn) else {
+            return;
+        };
+        self.release_srq_wqe(env, &mut qp);
+        qp.sq.pi = 0;
+        qp.sq.ci = 0;
+        qp.rq.pi = 0;
+        qp.rq.ci = 0;
+        qp.fetch = 0;
+        qp.req = Requester::default();
+        qp.resp = Responder::default();
+        qp.gen = gen;
+        self.qps.restore(qpn, qp);
+    }
+
+    /// A receive WQE taken from an SRQ and not completed belongs to the SRQ, not to the QP:
+    /// when the QP lets go of it (reset, destroy) it completes with WR_FLUSH_ERR so the SRQ
+    /// slot is retired.
+    pub(crate) fn release_srq_wqe(&mut self, env: &mut dyn Env, qp: &mut Qp) {
+        if let Some(rc) = qp.resp.recv.take_if(|rc| rc.srqn != 0) {
+            let now = env.now();
+            let cqe = Cqe {
+                opcode: CqeOpcode::Recv as u8,
+                status: CqeStatus::WrFlushErr as u8,
+                wqe_counter: (rc.wqe_index as u16).into(),
+                qpn: qp.qpn.into(),
+                flags: CQE_FLAG_SRQ,
+                srqn: rc.srqn.into(),
+                ..Default::default()
+            };
+            self.complete(env, 0, qp.recv_cqn, now, cqe);
         }
     }
 
@@ -457,8 +488,16 @@ impl Nic {
         }
     }
 
-    /// Queues a CQE write at `ready` plus the PCIe write and CQE-after-data delays.
-    pub(crate) fn complete(&mut self, env: &mut dyn Env, cqn: u32, ready: SimTime, cqe: Cqe) {
+    /// Queues a CQE write at `ready` plus the PCIe write and CQE-after-data delays. The CQE is
+    /// dropped if the QP (generation `qp_gen`; 0: no QP check) is reset or destroyed first.
+    pub(crate) fn complete(
+        &mut self,
+        env: &mut dyn Env,
+        qp_gen: u64,
+        cqn: u32,
+        ready: SimTime,
+        cqe: Cqe,
+    ) {
         let t = self.reserve_pcie_write(ready, 64) + SimTime(self.cfg.timing.nic_cqe_after_data_ps);
         let gen = self.cqs.get(cqn).map_or(0, |c| c.gen);
         env.schedule(
@@ -466,6 +505,7 @@ impl Nic {
             NicEvent::CqeWrite {
                 cqn,
                 gen,
+                qp_gen,
                 cqe: Box::new(cqe),
             },
         );
@@ -513,7 +553,7 @@ impl Nic {
         let now = env.now();
         while let Some(o) = qp.req.outstanding.pop_front() {
             let cqe = Self::send_cqe(qpn, &o, CqeStatus::WrFlushErr, VendorSyndrome::None);
-            self.complete(env, qp.send_cqn, now, cqe);
+            self.complete(env, qp.gen, qp.send_cqn, now, cqe);
         }
         qp.req.rd_atomic = 0;
         // WQEs posted but never started: read each control segment to learn its size.
@@ -549,7 +589,7 @@ impl Nic {
                 done: false,
             };
             let cqe = Self::send_cqe(qpn, &o, CqeStatus::WrFlushErr, VendorSyndrome::None);
-            self.complete(env, qp.send_cqn, now, cqe);
+            self.complete(env, qp.gen, qp.send_cqn, now, cqe);
             if qp.sq.pi.wrapping_sub(qp.fetch) < nbb {
                 qp.fetch = qp.sq.pi;
             } else {
@@ -580,7 +620,7 @@ impl Nic {
             srqn: srqn.into(),
             ..Default::default()
         };
-        self.complete(env, qp.recv_cqn, now, cqe);
+        self.complete(env, qp.gen, qp.recv_cqn, now, cqe);
     }
 }
 

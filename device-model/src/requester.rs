@@ -680,7 +680,7 @@ impl Nic {
         while let Some(front) = qp.req.outstanding.front() {
             if let Some((status, syn)) = front.error {
                 let cqe = Self::send_cqe(qp.qpn, front, status, syn);
-                self.complete(env, qp.send_cqn, ready, cqe);
+                self.complete(env, qp.gen, qp.send_cqn, ready, cqe);
                 qp.req.outstanding.pop_front();
                 // The QP is in error: everything else is flushed.
                 self.flush(env, qp);
@@ -691,7 +691,7 @@ impl Nic {
             }
             if front.signaled {
                 let cqe = Self::send_cqe(qp.qpn, front, CqeStatus::Success, VendorSyndrome::None);
-                self.complete(env, qp.send_cqn, ready, cqe);
+                self.complete(env, qp.gen, qp.send_cqn, ready, cqe);
             }
             if front.is_rd_atomic() {
                 qp.req.rd_atomic = qp.req.rd_atomic.saturating_sub(1);

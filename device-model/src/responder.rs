@@ -206,7 +206,7 @@ impl Nic {
         if let (Some((status, syndrome)), Some(rc)) = (status, qp.resp.recv.take()) {
             let mut cqe = recv_cqe(qp.qpn, &rc, status, 0);
             cqe.vendor_syndrome = syndrome as u8;
-            self.complete(env, qp.recv_cqn, ready, cqe);
+            self.complete(env, qp.gen, qp.recv_cqn, ready, cqe);
         }
         if code == NakCode::RemoteAccessError {
             self.post_event(env, EventType::QpAccessErr, 0, qp.qpn, 0);
@@ -217,7 +217,7 @@ impl Nic {
     /// Checks the opcode sequence: a FIRST/ONLY may not interrupt a message in progress, and
     /// MIDDLE/LAST must continue one of the same kind.
     fn check_sequence(qp: &Qp, op: Opcode, is_send: bool) -> Result<(), Fault> {
-        let in_send = qp.resp.recv.as_ref().is_some_and(|r| r.offset != u32::MAX);
+        let in_send = qp.resp.recv.is_some();
         let in_progress = if is_send {
             in_send
         } else {
@@ -280,8 +280,15 @@ impl Nic {
             return Err(Fault::Fatal(NakCode::InvalidRequest, None));
         };
         let cap: u64 = rc.sges.iter().map(|s| s.len as u64).sum();
-        let offset = rc.offset as u64;
-        if offset + pkt.payload.len() as u64 > cap {
+        let offset = rc.offset;
+        let end = offset + pkt.payload.len() as u64;
+        if end > self.cfg.max_msg_size as u64 {
+            return Err(Fault::Fatal(
+                NakCode::InvalidRequest,
+                Some((CqeStatus::LocLenErr, VendorSyndrome::TooLong)),
+            ));
+        }
+        if end > cap {
             return Err(Fault::Fatal(
                 NakCode::InvalidRequest,
                 Some((CqeStatus::LocLenErr, VendorSyndrome::TooLong)),
@@ -298,7 +305,7 @@ impl Nic {
         let Some(rc) = qp.resp.recv.as_mut() else {
             return Ok(());
         };
-        rc.offset += pkt.payload.len() as u32;
+        rc.offset += pkt.payload.len() as u64;
         if op.is_last() {
             let Some(rc) = qp.resp.recv.take() else {
                 return Ok(());
@@ -313,12 +320,12 @@ impl Nic {
             if pkt.repr.bth.solicited {
                 flags |= CQE_FLAG_SOLICITED;
             }
-            let mut cqe = recv_cqe(qp.qpn, &rc, CqeStatus::Success, rc.offset);
+            let mut cqe = recv_cqe(qp.qpn, &rc, CqeStatus::Success, rc.offset as u32);
             cqe.flags |= flags;
             cqe.imm = imm.into();
             cqe.opcode = CqeOpcode::Recv as u8;
             let cqn = qp.recv_cqn;
-            self.complete(env, cqn, ready, cqe);
+            self.complete(env, qp.gen, cqn, ready, cqe);
         }
         if pkt.repr.bth.ack_req {
             self.send_ack(
@@ -424,7 +431,7 @@ impl Nic {
                     };
                 cqe.imm = pkt.repr.imm.unwrap_or(0).into();
                 let cqn = qp.recv_cqn;
-                self.complete(env, cqn, ready, cqe);
+                self.complete(env, qp.gen, cqn, ready, cqe);
             }
         }
         if pkt.repr.bth.ack_req {

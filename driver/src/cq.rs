@@ -164,6 +164,7 @@ impl CompletionQueue {
     /// Reads completions that are already in the ring, without progressing the device.
     pub fn poll_ready(&mut self, out: &mut [WorkCompletion]) -> usize {
         let mut n = 0;
+        let mut consumed = false;
         while n < out.len() {
             let slot = (self.ci & ((1 << self.log) - 1)) as usize * CQE_SIZE;
             // Acquire on the owner byte orders the reads of the entry after it.
@@ -177,11 +178,15 @@ impl CompletionQueue {
             let Ok(c) = Cqe::read_from_bytes(&raw) else {
                 break;
             };
-            out[n] = self.translate(&c);
             self.ci = self.ci.wrapping_add(1);
-            n += 1;
+            consumed = true;
+            // A completion for no live work request (a QP reset or destroyed since) is dropped.
+            if let Some(wc) = self.translate(&c) {
+                out[n] = wc;
+                n += 1;
+            }
         }
-        if n > 0 {
+        if consumed {
             self.db.mem().store_u32_release(0, self.ci);
             self.inner().port.write32(
                 regs::CQ_DB_BASE + self.cqn as u64 * regs::DB_STRIDE + regs::DB_CQ_CI,
@@ -205,7 +210,7 @@ impl CompletionQueue {
         );
     }
 
-    fn translate(&self, c: &Cqe) -> WorkCompletion {
+    fn translate(&self, c: &Cqe) -> Option<WorkCompletion> {
         let opcode = CqeOpcode::from_u8(c.opcode).unwrap_or(CqeOpcode::Send);
         let status = CqeStatus::from_u8(c.status).unwrap_or(CqeStatus::GeneralErr);
         let qpn = c.qpn.get();
@@ -214,16 +219,18 @@ impl CompletionQueue {
             self.inner()
                 .srqs
                 .borrow()
-                .get(&c.srqn.get())
-                .map_or(0, |s| s.complete(counter))
+                .get(&c.srqn.get())?
+                .complete(counter)?
         } else {
-            match self.inner().qps.borrow().get(&qpn) {
-                Some(q) if opcode.is_recv() => q.complete_recv(counter),
-                Some(q) => q.complete_send(counter),
-                None => 0,
+            let qps = self.inner().qps.borrow();
+            let q = qps.get(&qpn)?;
+            if opcode.is_recv() {
+                q.complete_recv(counter)?
+            } else {
+                q.complete_send(counter)?
             }
         };
-        WorkCompletion {
+        Some(WorkCompletion {
             wr_id,
             status,
             opcode,
@@ -233,7 +240,7 @@ impl CompletionQueue {
             solicited: c.flags & cqe::CQE_FLAG_SOLICITED != 0,
             timestamp_ps: c.timestamp.get(),
             vendor_syndrome: c.vendor_syndrome,
-        }
+        })
     }
 }
 

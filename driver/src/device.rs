@@ -91,12 +91,15 @@ impl std::fmt::Debug for DevInner {
 
 impl DevInner {
     /// Reserves an IOVA range for `len` bytes.
-    pub(crate) fn alloc_iova(&self, len: usize) -> u64 {
+    pub(crate) fn alloc_iova(&self, len: usize) -> Result<u64, Error> {
         let iova = self.next_iova.get();
         // A guard page between mappings turns an overrun into an IOMMU fault.
-        self.next_iova
-            .set(iova + len.next_multiple_of(4096) as u64 + 4096);
-        iova
+        let next = (len as u64)
+            .checked_next_multiple_of(4096)
+            .and_then(|l| iova.checked_add(l)?.checked_add(4096))
+            .ok_or_else(|| Error::Memory("device address space exhausted".into()))?;
+        self.next_iova.set(next);
+        Ok(iova)
     }
 
     /// Runs a command and returns its output parameters.
@@ -222,11 +225,11 @@ impl Device {
             qps: RefCell::new(BTreeMap::new()),
             srqs: RefCell::new(BTreeMap::new()),
         };
-        let mb_iova = inner.alloc_iova(inner.mailbox.len());
+        let mb_iova = inner.alloc_iova(inner.mailbox.len())?;
         inner
             .port
             .dma_map(inner.mailbox.fd(), inner.mailbox.len() as u64, mb_iova)?;
-        let eq_iova = inner.alloc_iova(inner.eq.len());
+        let eq_iova = inner.alloc_iova(inner.eq.len())?;
         inner
             .port
             .dma_map(inner.eq.fd(), inner.eq.len() as u64, eq_iova)?;
@@ -249,7 +252,8 @@ impl Device {
             max_srq: q.max_srq.get(),
             max_mr: q.max_mr.get(),
             max_pd: q.max_pd.get(),
-            max_qp_wr: q.max_qp_wr.get(),
+            // Completions name WQEs by a 16-bit counter: larger rings cannot be told apart.
+            max_qp_wr: q.max_qp_wr.get().min(1 << 15),
             max_cqe: q.max_cqe.get(),
             max_sge: q.max_sge.get(),
             max_inline: q.max_inline.get(),
@@ -280,7 +284,7 @@ impl Device {
     /// Allocates `len` bytes of DMA memory (rounded up to 4 KiB) mapped for the device.
     pub fn alloc_dma(&self, len: usize) -> Result<DmaBuffer, Error> {
         let mem = DmaMemory::new(len)?;
-        let iova = self.inner.alloc_iova(mem.len());
+        let iova = self.inner.alloc_iova(mem.len())?;
         self.inner.port.dma_map(mem.fd(), mem.len() as u64, iova)?;
         Ok(DmaBuffer {
             dev: self.clone(),

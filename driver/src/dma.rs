@@ -23,7 +23,11 @@ pub struct DmaMemory {
 impl DmaMemory {
     /// Allocates `len` bytes (rounded up to 4 KiB).
     pub fn new(len: usize) -> Result<DmaMemory, Error> {
-        let len = len.max(1).next_multiple_of(4096);
+        let len = len
+            .max(1)
+            .checked_next_multiple_of(4096)
+            .filter(|l| *l <= isize::MAX as usize)
+            .ok_or_else(|| Error::Memory(format!("{len} bytes is more than can be mapped")))?;
         let fd = memfd_create(c"ringbell-dma", MemFdCreateFlag::MFD_CLOEXEC)
             .map_err(|e| Error::Memory(e.to_string()))?;
         let file = File::from(fd);

@@ -124,7 +124,7 @@ impl MemoryRegion {
     /// A scatter/gather entry for `len` bytes at `offset` into the region.
     pub fn sge(&self, offset: u64, len: u32) -> Sge {
         Sge {
-            addr: self.addr + offset,
+            addr: self.addr.wrapping_add(offset),
             len,
             lkey: self.lkey,
         }

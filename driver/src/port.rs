@@ -33,9 +33,12 @@ pub enum PortError {
 
 /// A connection to one device.
 pub trait Port {
-    /// Reads the 32-bit register at `offset` in BAR0.
+    /// Reads the 32-bit register at `offset` in BAR0. A read does not pass earlier writes.
     fn read32(&self, offset: u64) -> u32;
-    /// Writes the 32-bit register at `offset` in BAR0. Stores are posted and stay ordered.
+    /// Writes the 32-bit register at `offset` in BAR0. Stores are posted and stay ordered,
+    /// and every memory store the CPU made before the call is visible to the device before
+    /// this one (on hardware the implementation issues the I/O write barrier its architecture
+    /// needs, e.g. `dmb oshst` on Arm; x86 stores are ordered already).
     fn write32(&self, offset: u64, value: u32);
     /// Maps `len` bytes of the memory file `fd` (from offset 0) at `iova` for device DMA.
     fn dma_map(&self, fd: BorrowedFd<'_>, len: u64, iova: u64) -> Result<(), PortError>;

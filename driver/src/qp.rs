@@ -218,28 +218,39 @@ pub(crate) struct QpRings {
     sq_wrid: Box<[Cell<u64>]>,
     sq_nbb: Box<[Cell<u8>]>,
     sq_ci: Cell<u32>,
+    sq_pi: Cell<u32>,
     rq_mask: u32,
     rq_wrid: Box<[Cell<u64>]>,
     rq_ci: Cell<u32>,
+    rq_pi: Cell<u32>,
 }
 
 impl QpRings {
-    /// A send CQE for the WQE at `counter`: returns its wr_id and frees it and everything
-    /// before it (unsignaled WQEs complete implicitly).
-    pub(crate) fn complete_send(&self, counter: u16) -> u64 {
+    /// A send CQE for the WQE at `counter`: its wr_id, and everything up to and including it
+    /// is free again (unsignaled WQEs complete implicitly). `None` for a counter outside the
+    /// posted window (a completion of an earlier incarnation of the QP): it is skipped.
+    pub(crate) fn complete_send(&self, counter: u16) -> Option<u64> {
         let ci = self.sq_ci.get();
         let idx = ci.wrapping_add(counter.wrapping_sub(ci as u16) as u32);
+        if idx.wrapping_sub(ci) >= self.sq_pi.get().wrapping_sub(ci) {
+            return None;
+        }
         let slot = (idx & self.sq_mask) as usize;
         self.sq_ci
             .set(idx.wrapping_add(self.sq_nbb[slot].get().max(1) as u32));
-        self.sq_wrid[slot].get()
+        Some(self.sq_wrid[slot].get())
     }
-    /// A receive CQE for RQ entry `counter`.
-    pub(crate) fn complete_recv(&self, counter: u16) -> u64 {
-        self.rq_ci.set(self.rq_ci.get().wrapping_add(1));
+    /// A receive CQE for RQ entry `counter`; receives complete in order, so anything but the
+    /// oldest posted entry is skipped (`None`).
+    pub(crate) fn complete_recv(&self, counter: u16) -> Option<u64> {
+        let ci = self.rq_ci.get();
+        if ci == self.rq_pi.get() || counter != ci as u16 {
+            return None;
+        }
+        self.rq_ci.set(ci.wrapping_add(1));
         self.rq_wrid
-            .get((counter as u32 & self.rq_mask) as usize)
-            .map_or(0, Cell::get)
+            .get((ci & self.rq_mask) as usize)
+            .map(Cell::get)
     }
 }
 
@@ -341,9 +352,11 @@ impl ProtectionDomain {
             sq_wrid: cells(1 << sq_log),
             sq_nbb: (0..1u32 << sq_log).map(|_| Cell::new(1u8)).collect(),
             sq_ci: Cell::new(0),
+            sq_pi: Cell::new(0),
             rq_mask: (1u32 << rq_log) - 1,
             rq_wrid: cells(1 << rq_log),
             rq_ci: Cell::new(0),
+            rq_pi: Cell::new(0),
         });
         self.dev.inner.qps.borrow_mut().insert(qpn, rings.clone());
         Ok(QueuePair {
@@ -406,6 +419,8 @@ impl QueuePair {
                 self.rq_pi = 0;
                 self.rings.sq_ci.set(0);
                 self.rings.rq_ci.set(0);
+                self.rings.sq_pi.set(0);
+                self.rings.rq_pi.set(0);
             }
         }
         Ok(())
@@ -558,6 +573,7 @@ impl QueuePair {
         self.rings.sq_wrid[slot].set(wr_id);
         self.rings.sq_nbb[slot].set(nbb as u8);
         self.sq_pi = self.sq_pi.wrapping_add(nbb);
+        self.rings.sq_pi.set(self.sq_pi);
         self.db.mem().store_u32_release(4, self.sq_pi);
         self.dev.inner.port.write32(
             regs::QP_DB_BASE + self.qpn as u64 * regs::DB_STRIDE + regs::DB_SQ,
@@ -677,6 +693,7 @@ impl QueuePair {
         self.rings.sq_wrid[slot].set(wr.wr_id);
         self.rings.sq_nbb[slot].set(nbb as u8);
         self.sq_pi = self.sq_pi.wrapping_add(nbb);
+        self.rings.sq_pi.set(self.sq_pi);
         Ok(())
     }
 
@@ -719,6 +736,7 @@ impl QueuePair {
             }
             self.rings.rq_wrid[slot].set(wr.wr_id);
             self.rq_pi = self.rq_pi.wrapping_add(1);
+            self.rings.rq_pi.set(self.rq_pi);
         }
         if self.rq_pi != start {
             self.db.mem().store_u32_release(0, self.rq_pi);
@@ -783,9 +801,11 @@ mod tests {
             sq_wrid: (0..1u32 << sq_log).map(|_| Cell::new(0)).collect(),
             sq_nbb: (0..1u32 << sq_log).map(|_| Cell::new(1)).collect(),
             sq_ci: Cell::new(0),
+            sq_pi: Cell::new(0),
             rq_mask: 7,
             rq_wrid: (0..8).map(|_| Cell::new(0)).collect(),
             rq_ci: Cell::new(0),
+            rq_pi: Cell::new(0),
         }
     }
 
@@ -797,6 +817,7 @@ mod tests {
         fn send_completion_bookkeeping(start in 0u32..200_000, sizes in proptest::collection::vec((1u32..=4, any::<bool>()), 1..400)) {
             let r = rings(6);
             r.sq_ci.set(start);
+            r.sq_pi.set(start);
             let mut pi = start;
             let mut pending: Vec<(u32, u32, u64, bool)> = Vec::new();
             for (i, (nbb, signaled)) in sizes.iter().enumerate() {
@@ -804,7 +825,7 @@ mod tests {
                 while pi.wrapping_sub(r.sq_ci.get()) + nbb > 64 {
                     let pos = pending.iter().position(|p| p.3).expect("ring full of unsignaled WQEs");
                     let (idx, n, wr_id, _) = pending[pos];
-                    prop_assert_eq!(r.complete_send(idx as u16), wr_id);
+                    prop_assert_eq!(r.complete_send(idx as u16), Some(wr_id));
                     prop_assert_eq!(r.sq_ci.get(), idx.wrapping_add(n));
                     pending.drain(..=pos);
                 }
@@ -813,6 +834,10 @@ mod tests {
                 r.sq_nbb[slot].set(*nbb as u8);
                 pending.push((pi, *nbb, i as u64, *signaled || pending.len() > 8));
                 pi = pi.wrapping_add(*nbb);
+                r.sq_pi.set(pi);
+                // A counter outside [ci, pi) is not ours.
+                prop_assert_eq!(r.complete_send(pi as u16), None);
+                prop_assert_eq!(r.complete_send(r.sq_ci.get().wrapping_sub(1) as u16), None);
             }
         }
     }

@@ -19,21 +19,29 @@ pub(crate) struct SrqRings {
     wrid: Box<[Cell<u64>]>,
     done: Box<[Cell<bool>]>,
     ci: Cell<u32>,
+    pi: Cell<u32>,
 }
 
 impl SrqRings {
-    pub(crate) fn complete(&self, counter: u16) -> u64 {
-        let slot = (counter as u32 & self.mask) as usize;
+    /// An SRQ CQE for entry `counter`: its wr_id, or `None` for an entry that is not posted
+    /// or already completed (the CQE is skipped).
+    pub(crate) fn complete(&self, counter: u16) -> Option<u64> {
+        let ci = self.ci.get();
+        let idx = ci.wrapping_add(counter.wrapping_sub(ci as u16) as u32);
+        let slot = (idx & self.mask) as usize;
+        if idx.wrapping_sub(ci) >= self.pi.get().wrapping_sub(ci) || self.done[slot].get() {
+            return None;
+        }
         self.done[slot].set(true);
         loop {
             let s = (self.ci.get() & self.mask) as usize;
-            if !self.done[s].get() {
+            if self.ci.get() == self.pi.get() || !self.done[s].get() {
                 break;
             }
             self.done[s].set(false);
             self.ci.set(self.ci.get().wrapping_add(1));
         }
-        self.wrid[slot].get()
+        Some(self.wrid[slot].get())
     }
 }
 
@@ -87,6 +95,7 @@ impl ProtectionDomain {
             wrid: (0..1u32 << log).map(|_| Cell::new(0)).collect(),
             done: (0..1u32 << log).map(|_| Cell::new(false)).collect(),
             ci: Cell::new(0),
+            pi: Cell::new(0),
         });
         self.dev.inner.srqs.borrow_mut().insert(srqn, rings.clone());
         Ok(SharedReceiveQueue {
@@ -144,6 +153,7 @@ impl SharedReceiveQueue {
             }
             self.rings.wrid[slot].set(wr.wr_id);
             self.pi = self.pi.wrapping_add(1);
+            self.rings.pi.set(self.pi);
         }
         if self.pi != start {
             self.db.mem().store_u32_release(0, self.pi);
@@ -190,10 +200,12 @@ mod tests {
                 wrid: (0..16).map(|i| Cell::new(100 + i)).collect(),
                 done: (0..16).map(|_| Cell::new(false)).collect(),
                 ci: Cell::new(0),
+                pi: Cell::new(16),
             };
             let mut finished = [false; 16];
             for idx in order {
-                prop_assert_eq!(r.complete(idx as u16), 100 + idx as u64);
+                prop_assert_eq!(r.complete(idx as u16), Some(100 + idx as u64));
+                prop_assert_eq!(r.complete(idx as u16), None, "completed twice");
                 finished[idx as usize] = true;
                 let expect = finished.iter().take_while(|f| **f).count() as u32;
                 prop_assert_eq!(r.ci.get(), expect);

@@ -90,6 +90,8 @@ pub(crate) struct Inner {
     pub(crate) nodes: Vec<Node>,
     macs: BTreeMap<[u8; 6], usize>,
     switch_free: Vec<SimTime>,
+    /// Register writes of each node still on their way to the device.
+    pending_mmio: Vec<u32>,
     cfg: FabricConfig,
     digest: Digest,
     stats: FabricStats,
@@ -184,6 +186,9 @@ impl Inner {
     }
 
     pub(crate) fn mmio_read(&mut self, node: usize, offset: u64) -> u32 {
+        // A read does not pass earlier writes (PCIe ordering): the CPU stalls until they
+        // have reached the device, and simulated time moves on meanwhile.
+        while self.pending_mmio[node] > 0 && self.step() {}
         let now = self.queue.now();
         self.nodes[node].nic.mmio_read(now, offset)
     }
@@ -194,6 +199,7 @@ impl Inner {
         let at = self.queue.now() + SimTime(t.host_doorbell_ps + t.mmio_post_ps);
         self.queue
             .push(at, Event::Nic(node, NicEvent::Mmio { offset, value }));
+        self.pending_mmio[node] += 1;
     }
 
     /// Processes the next event. Returns `false` if none is pending.
@@ -207,6 +213,7 @@ impl Inner {
             Event::Nic(node, ev) => {
                 self.digest.feed(&(node as u32).to_le_bytes());
                 if let NicEvent::Mmio { offset, value } = &ev {
+                    self.pending_mmio[node] = self.pending_mmio[node].saturating_sub(1);
                     self.digest.feed(&offset.to_le_bytes());
                     self.digest.feed(&value.to_le_bytes());
                 }
@@ -265,6 +272,7 @@ impl Fabric {
         let inner = Inner {
             queue: EventQueue::new(),
             switch_free: vec![SimTime::ZERO; cfg.nodes],
+            pending_mmio: vec![0; cfg.nodes],
             nodes,
             macs,
             digest: Digest(0xCBF2_9CE4_8422_2325),

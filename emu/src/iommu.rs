@@ -9,7 +9,7 @@ use std::collections::BTreeMap;
 use std::fs::File;
 use std::os::fd::BorrowedFd;
 
-/// Largest single mapping accepted (1 TiB of IOVA space is absurd for an emulated host).
+/// Largest single mapping accepted (64 GiB: more is absurd for an emulated host).
 pub const MAX_MAPPING: u64 = 1 << 36;
 
 #[derive(Debug)]

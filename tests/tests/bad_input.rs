@@ -712,3 +712,116 @@ fn completions_in_flight_do_not_reach_a_recreated_cq() {
     drop(qb);
     still_serving(&mut p);
 }
+
+#[test]
+fn reset_with_completions_in_flight_then_reuse() {
+    // SENDs stuck behind RNR, then ERR (flush), then RESET while flush CQEs are on their way:
+    // the driver skips completions of the old incarnation and the QP works again after a
+    // fresh connect.
+    let mut p = pair();
+    let wrs: Vec<SendWr> = (0..8)
+        .map(|i| SendWr::inline(i, WrOp::Send, b"early"))
+        .collect();
+    p.a.qp.post_send(&wrs).unwrap();
+    for _ in 0..40 {
+        p.fabric.step();
+    }
+    p.a.qp.to_error().unwrap();
+    let attr = ringbell_specs::cmd::QpAttr {
+        state: QpState::Reset as u8,
+        ..Default::default()
+    };
+    p.a.qp
+        .modify(ringbell_specs::cmd::QpAttrMask::STATE, &attr)
+        .unwrap();
+    let stale = drain(&p.fabric, &mut p.a.cq);
+    assert!(
+        stale
+            .iter()
+            .all(|w| w.status == WcStatus::WrFlushErr && w.wr_id < 8),
+        "{stale:?}"
+    );
+    assert_eq!(
+        p.a.qp.sq_free(),
+        256 * 4 / 4 * 4,
+        "the ring is whole again after RESET"
+    );
+    // Reconnect A (B's receive side expects A's PSN 100 onwards: B never got anything).
+    let eb = p.b.qp.endpoint(9000);
+    p.a.qp
+        .connect(&eb, 100, &ConnectOptions::default())
+        .unwrap();
+    let rs = [p.b.mr.sge(0, 64)];
+    p.b.qp.post_recv(&[RecvWr { wr_id: 1, sgl: &rs }]).unwrap();
+    p.a.qp
+        .post_send(&[SendWr::inline(50, WrOp::Send, b"again")])
+        .unwrap();
+    let wc = wait(&p.fabric, &mut p.a.cq, 1);
+    assert_eq!((wc[0].wr_id, wc[0].status), (50, WcStatus::Success));
+    assert_eq!(wait(&p.fabric, &mut p.b.cq, 1)[0].byte_len, 5);
+}
+
+#[test]
+fn srq_slot_is_retired_when_its_qp_resets_mid_message() {
+    let fabric = ringbell_emu::Fabric::new(ringbell_emu::FabricConfig::new(2, 5));
+    let mut a = side(&fabric, 0, all());
+    let dev = Device::open(Box::new(fabric.port(1))).unwrap();
+    let pd = dev.alloc_pd().unwrap();
+    let buf = dev.alloc_dma(1 << 20).unwrap();
+    let mr = pd.reg_mr(&buf, all()).unwrap();
+    let mut cq = dev.create_cq(64).unwrap();
+    let mut srq = pd.create_srq(4, 1, 0).unwrap();
+    let mut init = QpInit::new(&cq, &cq);
+    init.srq = Some(&srq);
+    let mut qb = pd.create_qp(&init).unwrap();
+    let o = ConnectOptions {
+        path_mtu: 1,
+        ..Default::default()
+    };
+    qb.connect(&a.qp.endpoint(1), 1, &o).unwrap();
+    a.qp.connect(&qb.endpoint(1), 1, &o).unwrap();
+    let sges: Vec<[Sge; 1]> = (0..4).map(|i| [mr.sge(i * 65536, 65536)]).collect();
+    let wrs: Vec<RecvWr> = sges
+        .iter()
+        .enumerate()
+        .map(|(i, s)| RecvWr {
+            wr_id: i as u64,
+            sgl: s,
+        })
+        .collect();
+    srq.post_recv(&wrs).unwrap();
+    // A 64 KiB SEND at MTU 256 is 256 packets; reset B after the first few.
+    a.qp.post_send(&[SendWr::new(1, WrOp::Send, &[a.mr.sge(0, 65536)])])
+        .unwrap();
+    while fabric.nic_stats(1).rx_frames < 10 {
+        assert!(fabric.step());
+    }
+    let attr = ringbell_specs::cmd::QpAttr {
+        state: QpState::Reset as u8,
+        ..Default::default()
+    };
+    qb.modify(ringbell_specs::cmd::QpAttrMask::STATE, &attr)
+        .unwrap();
+    let wc = drain(&fabric, &mut cq);
+    assert_eq!(wc.len(), 1, "{wc:?}");
+    assert_eq!((wc[0].wr_id, wc[0].status), (0, WcStatus::WrFlushErr));
+    // The SRQ has all four slots again.
+    let more: Vec<RecvWr> = sges
+        .iter()
+        .map(|s| RecvWr { wr_id: 9, sgl: s })
+        .take(1)
+        .collect();
+    srq.post_recv(&more).unwrap();
+    drop(qb);
+}
+
+#[test]
+fn a_register_read_sees_the_writes_before_it() {
+    let p = pair();
+    let port = p.a.dev.port();
+    let old = port.read32(regs::CMD_ADDR_LO);
+    port.write32(regs::CMD_ADDR_LO, 0x1234_5600);
+    assert_eq!(port.read32(regs::CMD_ADDR_LO), 0x1234_5600);
+    port.write32(regs::CMD_ADDR_LO, old);
+    assert_eq!(port.read32(regs::CMD_ADDR_LO), old);
+}
