@@ -69,13 +69,26 @@ pub struct CqAttr {
     pub overflow: bool,
 }
 
-/// A completion queue.
+/// The device object behind a CQ and its memory. QPs that report to the CQ hold it too, so
+/// the CQ is destroyed (and its ring unmapped) only after the last of them.
 #[derive(Debug)]
-pub struct CompletionQueue {
+pub(crate) struct CqObject {
     dev: Device,
     cqn: u32,
     ring: DmaBuffer,
     db: DmaBuffer,
+}
+
+impl Drop for CqObject {
+    fn drop(&mut self) {
+        let _ = self.dev.inner.destroy(CmdOpcode::DestroyCq, self.cqn);
+    }
+}
+
+/// A completion queue.
+#[derive(Debug)]
+pub struct CompletionQueue {
+    obj: Rc<CqObject>,
     log: u8,
     ci: u32,
 }
@@ -98,10 +111,12 @@ impl Device {
         };
         let cqn = self.inner.create(CmdOpcode::CreateCq, input.as_bytes())?;
         Ok(CompletionQueue {
-            dev: self.clone(),
-            cqn,
-            ring,
-            db,
+            obj: Rc::new(CqObject {
+                dev: self.clone(),
+                cqn,
+                ring,
+                db,
+            }),
             log,
             ci: 0,
         })
@@ -111,7 +126,7 @@ impl Device {
 impl CompletionQueue {
     /// The CQ number.
     pub fn cqn(&self) -> u32 {
-        self.cqn
+        self.obj.cqn
     }
 
     /// Number of entries.
@@ -119,13 +134,18 @@ impl CompletionQueue {
         1 << self.log
     }
 
+    /// A handle that keeps the CQ alive (held by the QPs that use it).
+    pub(crate) fn keepalive(&self) -> Rc<CqObject> {
+        self.obj.clone()
+    }
+
     fn inner(&self) -> &Rc<DevInner> {
-        &self.dev.inner
+        &self.obj.dev.inner
     }
 
     /// Whether this CQ lives on `dev` (CQ numbers are per device).
     pub(crate) fn belongs_to(&self, dev: &Device) -> bool {
-        Rc::ptr_eq(&self.dev.inner, &dev.inner)
+        Rc::ptr_eq(&self.obj.dev.inner, &dev.inner)
     }
 
     /// Reads the CQ's state from the device, including whether it overflowed.
@@ -133,7 +153,7 @@ impl CompletionQueue {
         let out = self.inner().command(
             CmdOpcode::QueryCq,
             ObjectIn {
-                num: self.cqn.into(),
+                num: self.obj.cqn.into(),
             }
             .as_bytes(),
         )?;
@@ -155,7 +175,7 @@ impl CompletionQueue {
     pub fn poll(&mut self, out: &mut [WorkCompletion]) -> usize {
         let mut n = self.poll_ready(out);
         if n == 0 && !out.is_empty() {
-            self.dev.inner.port.progress();
+            self.obj.dev.inner.port.progress();
             n = self.poll_ready(out);
         }
         n
@@ -168,11 +188,12 @@ impl CompletionQueue {
         while n < out.len() {
             let slot = (self.ci & ((1 << self.log) - 1)) as usize * CQE_SIZE;
             // Acquire on the owner byte orders the reads of the entry after it.
-            if self.ring.mem().load_acquire(slot + CQE_SIZE - 1) != owner_bit(self.ci, self.log) {
+            if self.obj.ring.mem().load_acquire(slot + CQE_SIZE - 1) != owner_bit(self.ci, self.log)
+            {
                 break;
             }
             let mut raw = [0u8; CQE_SIZE];
-            if self.ring.read(slot, &mut raw).is_err() {
+            if self.obj.ring.read(slot, &mut raw).is_err() {
                 break;
             }
             let Ok(c) = Cqe::read_from_bytes(&raw) else {
@@ -187,9 +208,9 @@ impl CompletionQueue {
             }
         }
         if consumed {
-            self.db.mem().store_u32_release(0, self.ci);
+            self.obj.db.mem().store_u32_release(0, self.ci);
             self.inner().port.write32(
-                regs::CQ_DB_BASE + self.cqn as u64 * regs::DB_STRIDE + regs::DB_CQ_CI,
+                regs::CQ_DB_BASE + self.obj.cqn as u64 * regs::DB_STRIDE + regs::DB_CQ_CI,
                 self.ci,
             );
         }
@@ -205,7 +226,7 @@ impl CompletionQueue {
                 0
             };
         self.inner().port.write32(
-            regs::CQ_DB_BASE + self.cqn as u64 * regs::DB_STRIDE + regs::DB_CQ_ARM,
+            regs::CQ_DB_BASE + self.obj.cqn as u64 * regs::DB_STRIDE + regs::DB_CQ_ARM,
             v,
         );
     }
@@ -241,11 +262,5 @@ impl CompletionQueue {
             timestamp_ps: c.timestamp.get(),
             vendor_syndrome: c.vendor_syndrome,
         })
-    }
-}
-
-impl Drop for CompletionQueue {
-    fn drop(&mut self) {
-        let _ = self.dev.inner.destroy(CmdOpcode::DestroyCq, self.cqn);
     }
 }

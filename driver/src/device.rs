@@ -278,6 +278,7 @@ impl Device {
         Ok(ProtectionDomain {
             dev: self.clone(),
             pdn,
+            obj: crate::mr::PdObject::new(self.clone(), pdn),
         })
     }
 

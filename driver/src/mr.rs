@@ -3,6 +3,7 @@
 use crate::device::{Device, DmaBuffer};
 use crate::error::Error;
 use ringbell_specs::cmd::{Access, CmdOpcode, RegMrIn, RegMrOut};
+use std::rc::Rc;
 use zerocopy::{FromBytes, IntoBytes};
 
 /// A protection domain: QPs, SRQs and MRs that may be used together.
@@ -10,6 +11,27 @@ use zerocopy::{FromBytes, IntoBytes};
 pub struct ProtectionDomain {
     pub(crate) dev: Device,
     pub(crate) pdn: u32,
+    pub(crate) obj: Rc<PdObject>,
+}
+
+/// The device object behind a PD. MRs, QPs and SRQs of the PD hold it too, so the PD is
+/// freed only after the last of them.
+#[derive(Debug)]
+pub(crate) struct PdObject {
+    dev: Device,
+    pdn: u32,
+}
+
+impl PdObject {
+    pub(crate) fn new(dev: Device, pdn: u32) -> Rc<PdObject> {
+        Rc::new(PdObject { dev, pdn })
+    }
+}
+
+impl Drop for PdObject {
+    fn drop(&mut self) {
+        let _ = self.dev.inner.destroy(CmdOpcode::FreePd, self.pdn);
+    }
 }
 
 impl ProtectionDomain {
@@ -76,6 +98,7 @@ impl ProtectionDomain {
             .unwrap_or_default();
         Ok(MemoryRegion {
             dev: self.dev.clone(),
+            _pd: self.obj.clone(),
             lkey: o.lkey.get(),
             rkey: o.rkey.get(),
             addr: va,
@@ -84,16 +107,11 @@ impl ProtectionDomain {
     }
 }
 
-impl Drop for ProtectionDomain {
-    fn drop(&mut self) {
-        let _ = self.dev.inner.destroy(CmdOpcode::FreePd, self.pdn);
-    }
-}
-
 /// A registered memory region.
 #[derive(Debug)]
 pub struct MemoryRegion {
     dev: Device,
+    _pd: Rc<PdObject>,
     lkey: u32,
     rkey: u32,
     addr: u64,

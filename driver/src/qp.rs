@@ -3,10 +3,12 @@
 //! doorbell per batch: release fence, doorbell record, then the MMIO store.
 
 use crate::cq::CompletionQueue;
+use crate::cq::CqObject;
 use crate::device::{Device, DmaBuffer};
 use crate::error::Error;
-use crate::mr::{ProtectionDomain, Sge};
+use crate::mr::{PdObject, ProtectionDomain, Sge};
 use crate::srq::SharedReceiveQueue;
+use crate::srq::SrqObject;
 use bitflags::bitflags;
 use ringbell_specs::cmd::{
     Access, CmdOpcode, CreateQpIn, ModifyQpIn, ObjectIn, QpAttr, QpAttrMask, QpState,
@@ -272,6 +274,13 @@ pub struct QueuePair {
     max_recv_sge: u32,
     max_inline: u32,
     state: QpState,
+    /// The objects the device QP refers to stay alive at least as long as it.
+    _uses: (
+        Rc<PdObject>,
+        Rc<CqObject>,
+        Rc<CqObject>,
+        Option<Rc<SrqObject>>,
+    ),
 }
 
 impl ProtectionDomain {
@@ -375,6 +384,12 @@ impl ProtectionDomain {
             max_recv_sge: init.max_recv_sge,
             max_inline: init.max_inline,
             state: QpState::Reset,
+            _uses: (
+                self.obj.clone(),
+                init.send_cq.keepalive(),
+                init.recv_cq.keepalive(),
+                init.srq.map(|s| s.keepalive()),
+            ),
         })
     }
 }

@@ -2,7 +2,7 @@
 
 use crate::device::{Device, DmaBuffer};
 use crate::error::Error;
-use crate::mr::ProtectionDomain;
+use crate::mr::{PdObject, ProtectionDomain};
 use crate::qp::{write_recv_wqe, RecvWr};
 use ringbell_specs::cmd::{ArmSrqIn, CmdOpcode, CreateSrqIn};
 use ringbell_specs::regs;
@@ -48,10 +48,7 @@ impl SrqRings {
 /// A shared receive queue.
 #[derive(Debug)]
 pub struct SharedReceiveQueue {
-    dev: Device,
-    srqn: u32,
-    ring: DmaBuffer,
-    db: DmaBuffer,
+    obj: Rc<SrqObject>,
     log: u8,
     stride_log: u8,
     max_sge: u32,
@@ -98,11 +95,15 @@ impl ProtectionDomain {
             pi: Cell::new(0),
         });
         self.dev.inner.srqs.borrow_mut().insert(srqn, rings.clone());
-        Ok(SharedReceiveQueue {
+        let obj = Rc::new(SrqObject {
             dev: self.dev.clone(),
             srqn,
             ring,
             db,
+            _pd: self.obj.clone(),
+        });
+        Ok(SharedReceiveQueue {
+            obj,
             log,
             stride_log,
             max_sge,
@@ -115,12 +116,17 @@ impl ProtectionDomain {
 impl SharedReceiveQueue {
     /// The SRQ number.
     pub fn srqn(&self) -> u32 {
-        self.srqn
+        self.obj.srqn
     }
 
     /// Whether this SRQ lives on `dev` (SRQ numbers are per device).
     pub(crate) fn belongs_to(&self, dev: &Device) -> bool {
-        Rc::ptr_eq(&self.dev.inner, &dev.inner)
+        Rc::ptr_eq(&self.obj.dev.inner, &dev.inner)
+    }
+
+    /// A handle that keeps the SRQ alive (held by the QPs that use it).
+    pub(crate) fn keepalive(&self) -> Rc<SrqObject> {
+        self.obj.clone()
     }
 
     /// Posts receive requests and rings the doorbell once.
@@ -143,7 +149,7 @@ impl SharedReceiveQueue {
             }
             let slot = (self.pi & ((1 << self.log) - 1)) as usize;
             if let Err(e) = write_recv_wqe(
-                &self.ring,
+                &self.obj.ring,
                 slot << self.stride_log,
                 1 << self.stride_log,
                 wr.sgl,
@@ -156,9 +162,9 @@ impl SharedReceiveQueue {
             self.rings.pi.set(self.pi);
         }
         if self.pi != start {
-            self.db.mem().store_u32_release(0, self.pi);
-            self.dev.inner.port.write32(
-                regs::SRQ_DB_BASE + self.srqn as u64 * regs::DB_STRIDE,
+            self.obj.db.mem().store_u32_release(0, self.pi);
+            self.obj.dev.inner.port.write32(
+                regs::SRQ_DB_BASE + self.obj.srqn as u64 * regs::DB_STRIDE,
                 self.pi,
             );
         }
@@ -168,17 +174,28 @@ impl SharedReceiveQueue {
     /// Arms the SRQ_LIMIT event: it fires once fewer than `limit` WQEs remain.
     pub fn arm(&self, limit: u32) -> Result<(), Error> {
         let input = ArmSrqIn {
-            srqn: self.srqn.into(),
+            srqn: self.obj.srqn.into(),
             limit: limit.into(),
         };
-        self.dev
+        self.obj
+            .dev
             .inner
             .command(CmdOpcode::ArmSrq, input.as_bytes())
             .map(|_| ())
     }
 }
 
-impl Drop for SharedReceiveQueue {
+/// The device object behind an SRQ and its memory; QPs on the SRQ hold it too.
+#[derive(Debug)]
+pub(crate) struct SrqObject {
+    dev: Device,
+    srqn: u32,
+    ring: DmaBuffer,
+    db: DmaBuffer,
+    _pd: Rc<PdObject>,
+}
+
+impl Drop for SrqObject {
     fn drop(&mut self) {
         let _ = self.dev.inner.destroy(CmdOpcode::DestroySrq, self.srqn);
         self.dev.inner.srqs.borrow_mut().remove(&self.srqn);

@@ -486,3 +486,35 @@ fn read_and_atomic_behind_a_write_see_its_data() {
     );
     assert_eq!(p.b.buf.read_u64(128).unwrap(), 15);
 }
+
+#[test]
+fn objects_can_be_dropped_in_any_order() {
+    let fabric = ringbell_emu::Fabric::new(ringbell_emu::FabricConfig::new(2, 12));
+    let dev = Device::open(Box::new(fabric.port(0))).unwrap();
+    let pd = dev.alloc_pd().unwrap();
+    let cq = dev.create_cq(16).unwrap();
+    let srq = pd.create_srq(4, 1, 0).unwrap();
+    let mut init = QpInit::new(&cq, &cq);
+    init.srq = Some(&srq);
+    let qp = pd.create_qp(&init).unwrap();
+    let (pdn, cqn, srqn, qpn) = (pd.pdn(), cq.cqn(), srq.srqn(), qp.qpn());
+    let query = |op: u16, n: u32| dev.raw_command(op, &n.to_le_bytes());
+    // Dropping the PD, CQ and SRQ handles first: the QP still refers to them on the device.
+    drop((pd, cq, srq));
+    assert!(query(0x31, cqn).is_ok(), "the CQ lives while its QP does");
+    assert!(query(0x42, qpn).is_ok());
+    drop(qp);
+    // Now everything is gone on the device: QP, then SRQ, CQ and PD.
+    for (op, n) in [(0x42u16, qpn), (0x31, cqn), (0x52, srqn), (0x11, pdn)] {
+        assert!(
+            matches!(
+                query(op, n),
+                Err(Error::Command {
+                    status: ringbell_specs::cmd::CmdStatus::BadResource,
+                    ..
+                })
+            ),
+            "object {n} of command {op:#x} still exists"
+        );
+    }
+}
