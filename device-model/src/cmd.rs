@@ -379,6 +379,7 @@ impl Nic {
                 },
                 req: Default::default(),
                 resp: Default::default(),
+                stats: Default::default(),
             })
             .ok_or(CmdStatus::Exhausted)?;
         let _ = self.pd_ref(pdn);

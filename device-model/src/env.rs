@@ -5,7 +5,7 @@
 //! driver. A mock implementation is enough to drive the model in unit tests and fuzzers.
 
 use ringbell_specs::cqe::Cqe;
-use ringbell_specs::{Psn, SimTime};
+use ringbell_specs::SimTime;
 
 /// A DMA address that no IOMMU mapping covers (or covers without the needed permission).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -43,15 +43,21 @@ pub enum NicEvent {
         /// QP on whose behalf it is written, for fault reporting.
         qpn: u32,
     },
-    /// The responder reads host memory for a READ or an atomic, once the writes posted
-    /// before it have landed (PCIe reads do not pass posted writes).
+    /// The responder engine of a QP sends the responses it owes, in PSN order.
     Respond {
         /// The responder QP.
         qpn: u32,
         /// Its context generation.
         gen: u64,
-        /// What to do.
-        work: Deferred,
+    },
+    /// The local ACK timer of a QP expires.
+    AckTimer {
+        /// The QP.
+        qpn: u32,
+        /// Its context generation.
+        gen: u64,
+        /// Timer generation: a timer re-armed or cancelled since makes this event void.
+        timer: u64,
     },
     /// A completion entry is written to a CQ.
     CqeWrite {
@@ -63,37 +69,6 @@ pub enum NicEvent {
         qp_gen: u64,
         /// The entry (owner bit filled in by the CQ).
         cqe: Box<Cqe>,
-    },
-}
-
-/// Responder work that touches host memory after earlier writes.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Deferred {
-    /// Read `len` bytes at `iova` and send them as READ responses from PSN `first`.
-    Read {
-        /// PSN of the request (and of the first response).
-        first: Psn,
-        /// Translated address of the first byte.
-        iova: u64,
-        /// Bytes requested.
-        len: u32,
-        /// MSN to report.
-        msn: u32,
-    },
-    /// Perform an atomic on the 8 bytes at `iova` and answer PSN `psn`.
-    Atomic {
-        /// PSN of the request.
-        psn: Psn,
-        /// Translated address.
-        iova: u64,
-        /// Compare-and-swap (else fetch-and-add).
-        cas: bool,
-        /// Swap or add operand.
-        swap_add: u64,
-        /// Compare operand.
-        compare: u64,
-        /// MSN to report.
-        msn: u32,
     },
 }
 

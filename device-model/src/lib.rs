@@ -20,6 +20,7 @@ mod responder;
 pub mod sim;
 pub mod timing;
 
-pub use env::{Deferred, DmaFault, Env, NicEvent};
+pub use env::{DmaFault, Env, NicEvent};
 pub use nic::{Nic, NicConfig, NicStats};
+pub use qp::QpStats;
 pub use timing::TimingProfile;

@@ -373,13 +373,19 @@ impl Nic {
                     self.iommu_fault(env, qpn, f.iova);
                 }
             }
-            NicEvent::Respond { qpn, gen, work }
+            NicEvent::Respond { qpn, gen } if self.qps.get(qpn).is_some_and(|q| q.gen == gen) => {
+                self.respond(env, qpn)
+            }
+            NicEvent::AckTimer { qpn, gen, timer }
                 if self.qps.get(qpn).is_some_and(|q| q.gen == gen) =>
             {
-                self.respond(env, qpn, work)
+                self.ack_timer(env, qpn, timer)
             }
             // Work for a context destroyed (or reset) after it was scheduled.
-            NicEvent::SqProcess { .. } | NicEvent::CqeWrite { .. } | NicEvent::Respond { .. } => {}
+            NicEvent::SqProcess { .. }
+            | NicEvent::CqeWrite { .. }
+            | NicEvent::Respond { .. }
+            | NicEvent::AckTimer { .. } => {}
         }
     }
 

@@ -7,7 +7,8 @@ use ringbell_specs::cmd::{Access, QpAttr, QpAttrMask as M, QpState};
 use ringbell_specs::cqe::{
     Cqe, CqeOpcode, CqeStatus, DoorbellError, EventType, VendorSyndrome, CQE_FLAG_SRQ,
 };
-use ringbell_specs::wqe::{CtrlSeg, DataSeg, SendOpcode, RECV_LKEY_END, SEG, WQEBB};
+use ringbell_specs::wire::{AethSyndrome, NakCode};
+use ringbell_specs::wqe::{CtrlSeg, DataSeg, SendOpcode, WqeFlags, RECV_LKEY_END, SEG, WQEBB};
 use ringbell_specs::{regs, Psn, SimTime};
 use std::collections::VecDeque;
 use zerocopy::FromBytes;
@@ -34,7 +35,7 @@ impl WorkQueue {
     }
 }
 
-/// A local buffer the requester scatters into (READ data, atomic result).
+/// A scatter/gather entry as the device reads it from a WQE.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Sge {
     pub(crate) lkey: u32,
@@ -42,27 +43,39 @@ pub(crate) struct Sge {
     pub(crate) len: u32,
 }
 
-/// A send WQE that has been started and not yet completed.
-#[derive(Debug)]
-pub(crate) struct Outstanding {
-    pub(crate) wqe_index: u32,
+/// A decoded, validated send WQE.
+#[derive(Debug, Clone)]
+pub(crate) struct SendWqe {
     pub(crate) op: SendOpcode,
-    pub(crate) signaled: bool,
-    pub(crate) first_psn: Psn,
-    /// PSNs the message uses.
-    pub(crate) npsn: u32,
-    pub(crate) len: u32,
-    /// Local scatter list (READ, atomics).
+    pub(crate) flags: WqeFlags,
+    pub(crate) imm: u32,
+    pub(crate) nbb: u32,
+    pub(crate) raddr: u64,
+    pub(crate) rkey: u32,
+    /// (swap or add, compare).
+    pub(crate) atomic: (u64, u64),
+    /// Gather list (SEND/WRITE) or scatter list (READ, atomic result); empty when inline.
     pub(crate) sges: Vec<Sge>,
-    /// Set when the WQE failed; it completes with this status when it reaches the head.
-    pub(crate) error: Option<(CqeStatus, VendorSyndrome)>,
-    /// READ/atomic: the response has arrived. SEND/WRITE: the ACK has arrived.
-    pub(crate) done: bool,
+    /// Inline payload.
+    pub(crate) inline: Vec<u8>,
+    pub(crate) len: u64,
 }
 
-impl Outstanding {
-    pub(crate) fn last_psn(&self) -> Psn {
-        self.first_psn.add(self.npsn.saturating_sub(1))
+impl SendWqe {
+    /// A placeholder for a WQE that could not be decoded (it only ever completes in error).
+    pub(crate) fn broken(op: SendOpcode) -> SendWqe {
+        SendWqe {
+            op,
+            flags: WqeFlags::SIGNALED,
+            imm: 0,
+            nbb: 1,
+            raddr: 0,
+            rkey: 0,
+            atomic: (0, 0),
+            sges: Vec::new(),
+            inline: Vec::new(),
+            len: 0,
+        }
     }
     pub(crate) fn is_rd_atomic(&self) -> bool {
         matches!(
@@ -72,16 +85,98 @@ impl Outstanding {
     }
 }
 
+/// A send WQE that has been started and not yet completed.
+#[derive(Debug)]
+pub(crate) struct Outstanding {
+    pub(crate) wqe_index: u32,
+    pub(crate) wqe: SendWqe,
+    pub(crate) first_psn: Psn,
+    /// PSNs the message uses (a READ uses one per response packet).
+    pub(crate) npsn: u32,
+    /// PSNs put on the wire in the current pass (READ and atomics: the request covers all).
+    pub(crate) sent: u32,
+    /// Most PSNs ever sent: anything below it that goes out again is a retransmission.
+    pub(crate) sent_max: u32,
+    /// PSNs known to have arrived: acknowledged (SEND/WRITE) or answered (READ responses).
+    pub(crate) acked: u32,
+    /// Earliest time the next packet's data is in the NIC.
+    pub(crate) ready_at: SimTime,
+    /// Set when the WQE failed; it completes with this status when it reaches the head.
+    pub(crate) error: Option<(CqeStatus, VendorSyndrome)>,
+    /// Finished: acknowledged, or its response arrived.
+    pub(crate) done: bool,
+}
+
+impl Outstanding {
+    pub(crate) fn last_psn(&self) -> Psn {
+        self.first_psn.add(self.npsn.saturating_sub(1))
+    }
+    /// Whether `psn` belongs to this message.
+    pub(crate) fn holds(&self, psn: Psn) -> bool {
+        self.npsn > 0 && psn.diff(self.first_psn) >= 0 && self.last_psn().diff(psn) >= 0
+    }
+    pub(crate) fn is_rd_atomic(&self) -> bool {
+        self.wqe.is_rd_atomic()
+    }
+    /// Still waiting for the network (not finished, not failed).
+    pub(crate) fn pending(&self) -> bool {
+        !self.done && self.error.is_none()
+    }
+}
+
 /// Requester (send side) state.
 #[derive(Debug, Default)]
 pub(crate) struct Requester {
+    /// PSN of the next new message.
     pub(crate) next_psn: Psn,
     pub(crate) outstanding: VecDeque<Outstanding>,
+    /// READ and atomic WQEs outstanding.
     pub(crate) rd_atomic: u32,
     pub(crate) scheduled: bool,
     /// Earliest time the per-QP processing unit takes the next WQE.
     pub(crate) busy_until: SimTime,
-    pub(crate) rnr_left: u8,
+    /// Transport retries used since the last forward progress.
+    pub(crate) retries_used: u8,
+    /// RNR retries used since the last forward progress.
+    pub(crate) rnr_used: u8,
+    /// No transmission before this time (an RNR NAK asked us to wait).
+    pub(crate) rnr_until: SimTime,
+    /// Generation of the ACK timer: a timer event with another value is stale.
+    pub(crate) timer_gen: u64,
+    pub(crate) timer_armed: bool,
+    /// Packets sent since the last one that asked for an ACK.
+    pub(crate) since_ack_req: u32,
+}
+
+/// Per-QP transport counters.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct QpStats {
+    /// Request packets sent (first transmissions and retransmissions).
+    pub packets_sent: u64,
+    /// Request packets sent again (go-back-N after a NAK, a timeout or an RNR NAK).
+    pub retransmitted: u64,
+    /// Local ACK timeouts.
+    pub timeouts: u64,
+    /// Sequence-error NAKs received.
+    pub seq_naks_received: u64,
+    /// RNR NAKs received.
+    pub rnr_naks_received: u64,
+    /// Other NAKs received (invalid request, remote access, remote operational).
+    pub naks_received: u64,
+    /// Sequence-error NAKs sent.
+    pub seq_naks_sent: u64,
+    /// RNR NAKs sent.
+    pub rnr_naks_sent: u64,
+    /// Other NAKs sent.
+    pub naks_sent: u64,
+    /// Duplicate requests received (re-acknowledged or replayed, never executed twice).
+    pub duplicates_received: u64,
+    /// Out-of-sequence requests dropped.
+    pub out_of_sequence: u64,
+    /// READs answered again from the responder resources.
+    pub read_replays: u64,
+    /// Atomics answered again from the saved result.
+    pub atomic_replays: u64,
 }
 
 /// A receive WQE being filled by a multi-packet SEND.
@@ -102,6 +197,62 @@ pub(crate) struct WriteCtx {
     pub(crate) total: u32,
 }
 
+/// A response the responder owes, in PSN order.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Reply {
+    /// READ responses from PSN `first`: `len` bytes at `va` through `rkey` (looked up again for
+    /// every packet), `next` packets already sent.
+    Read {
+        first: Psn,
+        va: u64,
+        rkey: u32,
+        len: u32,
+        next: u32,
+        msn: u32,
+        not_before: SimTime,
+    },
+    /// An atomic to execute and answer.
+    Atomic {
+        psn: Psn,
+        iova: u64,
+        cas: bool,
+        swap_add: u64,
+        compare: u64,
+        msn: u32,
+        not_before: SimTime,
+    },
+    /// An atomic answered again with its saved original value.
+    AtomicReplay { psn: Psn, orig: u64, msn: u32 },
+    /// An acknowledgement or NAK.
+    Ack {
+        psn: Psn,
+        syndrome: AethSyndrome,
+        msn: u32,
+    },
+    /// A fatal error found after earlier requests were accepted: NAK, then ERR.
+    Fatal {
+        psn: Psn,
+        code: NakCode,
+        status: Option<(CqeStatus, VendorSyndrome)>,
+    },
+}
+
+/// A READ or atomic the responder remembers, to answer a duplicate of it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Resource {
+    Read {
+        first: Psn,
+        last: Psn,
+        va: u64,
+        rkey: u32,
+        len: u32,
+    },
+    Atomic {
+        psn: Psn,
+        orig: Option<u64>,
+    },
+}
+
 /// Responder (receive side) state.
 #[derive(Debug, Default)]
 pub(crate) struct Responder {
@@ -110,6 +261,13 @@ pub(crate) struct Responder {
     pub(crate) recv: Option<RecvCtx>,
     pub(crate) write: Option<WriteCtx>,
     pub(crate) nak_sent: bool,
+    /// Responses not yet sent, in PSN order.
+    pub(crate) queue: VecDeque<Reply>,
+    pub(crate) engine_scheduled: bool,
+    /// A fatal error is queued: further requests are dropped.
+    pub(crate) dead: bool,
+    /// The last `max_dest_rd_atomic` READs and atomics.
+    pub(crate) resources: VecDeque<Resource>,
 }
 
 /// An RC queue pair.
@@ -128,6 +286,7 @@ pub(crate) struct Qp {
     pub(crate) attr: QpAttr,
     pub(crate) req: Requester,
     pub(crate) resp: Responder,
+    pub(crate) stats: QpStats,
     /// Context generation, see [`crate::NicEvent::SqProcess`].
     pub(crate) gen: u64,
 }
@@ -514,11 +673,12 @@ impl Nic {
     /// Builds a send-side CQE.
     pub(crate) fn send_cqe(
         qpn: u32,
-        o: &Outstanding,
+        wqe_index: u32,
+        wqe: &SendWqe,
         status: CqeStatus,
         syndrome: VendorSyndrome,
     ) -> Cqe {
-        let opcode = match o.op {
+        let opcode = match wqe.op {
             SendOpcode::Send | SendOpcode::SendImm => CqeOpcode::Send,
             SendOpcode::Write | SendOpcode::WriteImm => CqeOpcode::RdmaWrite,
             SendOpcode::Read => CqeOpcode::RdmaRead,
@@ -528,9 +688,9 @@ impl Nic {
         Cqe {
             opcode: opcode as u8,
             status: status as u8,
-            wqe_counter: (o.wqe_index as u16).into(),
+            wqe_counter: (wqe_index as u16).into(),
             qpn: qpn.into(),
-            byte_len: o.len.into(),
+            byte_len: (wqe.len as u32).into(),
             vendor_syndrome: syndrome as u8,
             ..Default::default()
         }
@@ -552,10 +712,20 @@ impl Nic {
         qp.attr.state = QpState::Err as u8;
         let now = env.now();
         while let Some(o) = qp.req.outstanding.pop_front() {
-            let cqe = Self::send_cqe(qpn, &o, CqeStatus::WrFlushErr, VendorSyndrome::None);
+            let cqe = Self::send_cqe(
+                qpn,
+                o.wqe_index,
+                &o.wqe,
+                CqeStatus::WrFlushErr,
+                VendorSyndrome::None,
+            );
             self.complete(env, qp.gen, qp.send_cqn, now, cqe);
         }
         qp.req.rd_atomic = 0;
+        qp.req.timer_gen += 1;
+        qp.req.timer_armed = false;
+        qp.resp.queue.clear();
+        qp.resp.dead = false;
         // WQEs posted but never started: read each control segment to learn its size.
         let mut guard = 0;
         while qp.fetch != qp.sq.pi && guard <= qp.sq.size() {
@@ -577,18 +747,13 @@ impl Nic {
                 }
                 _ => (SendOpcode::Send, 1),
             };
-            let o = Outstanding {
-                wqe_index: qp.fetch,
-                op,
-                signaled: true,
-                first_psn: Psn::new(0),
-                npsn: 0,
-                len: 0,
-                sges: Vec::new(),
-                error: None,
-                done: false,
-            };
-            let cqe = Self::send_cqe(qpn, &o, CqeStatus::WrFlushErr, VendorSyndrome::None);
+            let cqe = Self::send_cqe(
+                qpn,
+                qp.fetch,
+                &SendWqe::broken(op),
+                CqeStatus::WrFlushErr,
+                VendorSyndrome::None,
+            );
             self.complete(env, qp.gen, qp.send_cqn, now, cqe);
             if qp.sq.pi.wrapping_sub(qp.fetch) < nbb {
                 qp.fetch = qp.sq.pi;
@@ -642,6 +807,7 @@ mod tests {
             attr: QpAttr::default(),
             req: Requester::default(),
             resp: Responder::default(),
+            stats: QpStats::default(),
             gen: 1,
         }
     }

@@ -1,13 +1,16 @@
 //! The requester: fetches send WQEs, validates them, segments messages at the path MTU into
-//! RoCEv2 packets, and completes WQEs in order as ACKs and responses arrive.
+//! RoCEv2 packets (lazily, a few frames ahead of the wire), and completes WQEs in order as
+//! ACKs and responses arrive. Reliability: the local ACK timer with `retry_cnt`, go-back-N
+//! after a sequence NAK or a timeout (READs resume where their responses stopped), implied
+//! ACKs, RNR waits with `rnr_retry`, and the `max_rd_atomic`, fence and PSN-window limits.
 
 use crate::env::{Env, NicEvent};
 use crate::mem::KeyError;
 use crate::nic::Nic;
-use crate::qp::{Outstanding, Qp, Sge};
+use crate::qp::{Outstanding, Qp, SendWqe, Sge};
 use ringbell_specs::cmd::{Access, QpState};
 use ringbell_specs::cqe::{CqeStatus, DoorbellError, VendorSyndrome};
-use ringbell_specs::wire::{AethSyndrome, NakCode, Opcode, Packet};
+use ringbell_specs::wire::{self, AethSyndrome, AtomicEth, NakCode, Opcode, Packet, Reth};
 use ringbell_specs::wqe::{
     self, AtomicSeg, CtrlSeg, DataSeg, RaddrSeg, SendOpcode, WqeFlags, INLINE_MARK, MAX_DS, SEG,
     WQEBB,
@@ -15,50 +18,75 @@ use ringbell_specs::wqe::{
 use ringbell_specs::{Psn, SimTime};
 use zerocopy::FromBytes;
 
-/// A decoded send WQE.
-struct SendWqe {
-    op: SendOpcode,
-    flags: WqeFlags,
-    imm: u32,
-    nbb: u32,
-    raddr: u64,
-    rkey: u32,
-    atomic: (u64, u64),
-    /// Gather/scatter list (empty when inline).
-    sges: Vec<Sge>,
-    /// Inline payload.
-    inline: Vec<u8>,
-    len: u64,
-}
-
 /// Why a WQE could not be started.
 type WqeError = (CqeStatus, VendorSyndrome);
 
+/// How far ahead of the wire the send engine builds frames.
+const HORIZON: SimTime = SimTime(2_000_000);
+/// A packet asks for an ACK at least this often (and always at the end of a message).
+const ACK_REQ_EVERY: u32 = 16;
+/// Most PSNs a QP has unacknowledged: far enough below 2^23 that PSN comparisons stay exact.
+pub(crate) const MAX_UNACKED_PSNS: u32 = 1 << 22;
+
+/// The local ACK timeout for attribute `timeout`: 4.096 µs × 2^timeout; 0 is infinite.
+pub(crate) fn ack_timeout(timeout: u8) -> Option<SimTime> {
+    (timeout != 0).then(|| SimTime(4_096_000u64 << timeout.min(31)))
+}
+
 impl Nic {
-    /// The send engine: starts at most one WQE, then reschedules itself.
+    /// The send engine: sends at most one packet (continuing or resending a started message,
+    /// else starting the next WQE), then reschedules itself.
     pub(crate) fn sq_process(&mut self, env: &mut dyn Env, qpn: u32) {
         let Some(mut qp) = self.qps.remove(qpn) else {
             return;
         };
         qp.req.scheduled = false;
-        let again = self.start_next_wqe(env, &mut qp);
-        let busy = qp.req.busy_until;
+        let again = self.send_engine(env, &mut qp);
         self.qps.restore(qpn, qp);
-        if again {
-            // Do not run further ahead of the wire than a few frames.
-            let horizon = self.egress_free - SimTime(2_000_000);
-            self.kick_sq(env, qpn, busy.max(horizon));
+        if let Some(at) = again {
+            self.kick_sq(env, qpn, at);
         }
     }
 
-    /// Returns whether more work may be startable.
-    fn start_next_wqe(&mut self, env: &mut dyn Env, qp: &mut Qp) -> bool {
-        if qp.state != QpState::Rts || qp.fetch == qp.sq.pi {
-            return false;
+    /// One step of the send engine; returns when to run again, if there is more to do now.
+    fn send_engine(&mut self, env: &mut dyn Env, qp: &mut Qp) -> Option<SimTime> {
+        let now = env.now();
+        if !matches!(qp.state, QpState::Rts | QpState::Sqd) {
+            return None;
         }
+        if now < qp.req.rnr_until {
+            return Some(qp.req.rnr_until);
+        }
+        // A failed WQE stops the queue until it completes (then the QP is in ERR).
         if qp.req.outstanding.iter().any(|o| o.error.is_some()) {
-            return false;
+            return None;
         }
+        let next =
+            |nic: &Nic, qp: &Qp| Some(now.max(qp.req.busy_until).max(nic.egress_free - HORIZON));
+        if let Some(i) = qp
+            .req
+            .outstanding
+            .iter()
+            .position(|o| o.pending() && o.sent < o.npsn)
+        {
+            self.send_packet(env, qp, i);
+            return next(self, qp);
+        }
+        // New work starts only in RTS (SQD finishes what it started).
+        if qp.state != QpState::Rts || qp.fetch == qp.sq.pi {
+            return None;
+        }
+        if self.start_wqe(env, qp) {
+            let i = qp.req.outstanding.len() - 1;
+            self.send_packet(env, qp, i);
+            return next(self, qp);
+        }
+        None
+    }
+
+    /// Starts the WQE at the fetch index: validates it and queues it as outstanding. Returns
+    /// false when nothing was started (stale WQE, a limit reached, or the WQE failed).
+    fn start_wqe(&mut self, env: &mut dyn Env, qp: &mut Qp) -> bool {
         let now = env.now();
         let index = qp.fetch;
         let wqe = match self.read_send_wqe(env, qp, index) {
@@ -69,15 +97,29 @@ impl Nic {
                 return false;
             }
         };
-        let rd_atomic = matches!(
-            wqe.op,
-            SendOpcode::Read | SendOpcode::CmpSwap | SendOpcode::FetchAdd
-        );
+        let rd_atomic = wqe.is_rd_atomic();
+        // Resumed when the outstanding READs/atomics complete.
         if wqe.flags.contains(WqeFlags::FENCE) && qp.req.rd_atomic > 0 {
-            return false; // resumed when the outstanding READs/atomics complete
+            return false;
         }
         if rd_atomic && qp.req.rd_atomic >= (qp.attr.max_rd_atomic as u32).max(1) {
             return false;
+        }
+        let mtu = qp.mtu();
+        let npsn = match wqe.op {
+            SendOpcode::CmpSwap | SendOpcode::FetchAdd => 1,
+            _ => (wqe.len as u32).div_ceil(mtu).max(1),
+        };
+        // Keep the unacknowledged PSN span well inside the comparison window.
+        if let Some(front) = qp.req.outstanding.front() {
+            let span = qp
+                .req
+                .next_psn
+                .add(npsn)
+                .diff(front.first_psn.add(front.acked));
+            if span < 0 || span as u32 > MAX_UNACKED_PSNS {
+                return false;
+            }
         }
         if let Err(e) = self.check_local(env, qp, &wqe) {
             self.fail_wqe(env, qp, index, wqe.nbb, e);
@@ -91,74 +133,147 @@ impl Nic {
         } else {
             fetched
         };
-        let ready = data_at + SimTime(t.nic_tx_wqe_ps);
         let first_psn = qp.req.next_psn;
-        let mtu = qp.mtu();
-        let npsn = match wqe.op {
-            SendOpcode::Read => (wqe.len as u32).div_ceil(mtu).max(1),
-            SendOpcode::CmpSwap | SendOpcode::FetchAdd => 1,
-            _ => {
-                let n = (wqe.len as u32).div_ceil(mtu).max(1);
-                if let Err(f) = self.emit_data_packets(env, qp, &wqe, first_psn, ready) {
-                    self.iommu_fault(env, qp.qpn, f);
-                    self.fail_wqe(
-                        env,
-                        qp,
-                        index,
-                        wqe.nbb,
-                        (CqeStatus::GeneralErr, VendorSyndrome::IommuFault),
-                    );
-                    return false;
-                }
-                n
-            }
-        };
-        match wqe.op {
-            SendOpcode::Read => {
-                let reth = ringbell_specs::wire::Reth {
-                    va: wqe.raddr,
-                    rkey: wqe.rkey,
-                    len: wqe.len as u32,
-                };
-                let mut repr = self.packet_repr(qp, Opcode::ReadRequest, first_psn, true);
-                repr.reth = Some(reth);
-                self.emit(env, &repr, &[], ready);
-            }
-            SendOpcode::CmpSwap | SendOpcode::FetchAdd => {
-                let opc = if wqe.op == SendOpcode::CmpSwap {
-                    Opcode::CompareSwap
-                } else {
-                    Opcode::FetchAdd
-                };
-                let mut repr = self.packet_repr(qp, opc, first_psn, true);
-                repr.atomic_eth = Some(ringbell_specs::wire::AtomicEth {
-                    va: wqe.raddr,
-                    rkey: wqe.rkey,
-                    swap_add: wqe.atomic.0,
-                    compare: wqe.atomic.1,
-                });
-                self.emit(env, &repr, &[], ready);
-            }
-            _ => {}
-        }
         qp.req.next_psn = first_psn.add(npsn);
         if rd_atomic {
             qp.req.rd_atomic += 1;
         }
+        qp.fetch = index.wrapping_add(wqe.nbb);
+        qp.req.busy_until = now + SimTime(t.nic_per_qp_wqe_ps);
         qp.req.outstanding.push_back(Outstanding {
             wqe_index: index,
-            op: wqe.op,
-            signaled: wqe.flags.contains(WqeFlags::SIGNALED),
+            wqe,
             first_psn,
             npsn,
-            len: wqe.len as u32,
-            sges: if rd_atomic { wqe.sges } else { Vec::new() },
+            sent: 0,
+            sent_max: 0,
+            acked: 0,
+            ready_at: data_at + SimTime(t.nic_tx_wqe_ps),
             error: None,
             done: false,
         });
-        qp.fetch = index.wrapping_add(wqe.nbb);
-        qp.req.busy_until = now + SimTime(self.cfg.timing.nic_per_qp_wqe_ps);
-        qp.fetch != qp.sq.pi
+        true
+    }
+
+    /// Puts the next packet of outstanding WQE `i` on the wire.
+    fn send_packet(&mut self, env: &mut dyn Env, qp: &mut Qp, i: usize) {
+        let now = env.now();
+        let mtu = qp.mtu();
+        let pdn = qp.pdn;
+        let o = &qp.req.outstanding[i];
+        let ready = o.ready_at.max(now);
+        let (first_psn, npsn, k, acked) = (o.first_psn, o.npsn, o.sent, o.acked);
+        let retransmit = k < o.sent_max;
+        let w = &o.wqe;
+        let mut next_ready = ready;
+        let psn;
+        match w.op {
+            SendOpcode::Read => {
+                // One request for everything not answered yet (all of it the first time).
+                let done = acked as u64 * mtu as u64;
+                psn = first_psn.add(acked);
+                let mut repr = self.packet_repr(qp, Opcode::ReadRequest, psn, true);
+                repr.reth = Some(Reth {
+                    va: w.raddr.wrapping_add(done),
+                    rkey: w.rkey,
+                    len: (w.len.saturating_sub(done)) as u32,
+                });
+                self.emit(env, &repr, &[], ready);
+                qp.req.since_ack_req = 0;
+                let o = &mut qp.req.outstanding[i];
+                o.sent = npsn;
+            }
+            SendOpcode::CmpSwap | SendOpcode::FetchAdd => {
+                psn = first_psn;
+                let opcode = if w.op == SendOpcode::CmpSwap {
+                    Opcode::CompareSwap
+                } else {
+                    Opcode::FetchAdd
+                };
+                let mut repr = self.packet_repr(qp, opcode, psn, true);
+                repr.atomic_eth = Some(AtomicEth {
+                    va: w.raddr,
+                    rkey: w.rkey,
+                    swap_add: w.atomic.0,
+                    compare: w.atomic.1,
+                });
+                self.emit(env, &repr, &[], ready);
+                qp.req.since_ack_req = 0;
+                qp.req.outstanding[i].sent = 1;
+            }
+            _ => {
+                psn = first_psn.add(k);
+                let off = k as u64 * mtu as u64;
+                let len = (w.len.saturating_sub(off)).min(mtu as u64) as usize;
+                let mut payload = std::mem::take(&mut self.scratch);
+                payload.clear();
+                payload.resize(len, 0);
+                let gathered = if w.sges.is_empty() {
+                    let end = (off as usize + len).min(w.inline.len());
+                    payload[..end - off as usize].copy_from_slice(&w.inline[off as usize..end]);
+                    Ok(())
+                } else {
+                    next_ready = ready + SimTime(self.cfg.timing.pcie_read_ps(len));
+                    let sges = w.sges.clone();
+                    self.gather(env, pdn, &sges, off, &mut payload)
+                };
+                if let Err(iova) = gathered {
+                    self.scratch = payload;
+                    self.iommu_fault(env, qp.qpn, iova);
+                    qp.req.outstanding[i].error =
+                        Some((CqeStatus::GeneralErr, VendorSyndrome::IommuFault));
+                    self.complete_in_order(env, qp);
+                    return;
+                }
+                let w = &qp.req.outstanding[i].wqe;
+                let is_send = matches!(w.op, SendOpcode::Send | SendOpcode::SendImm);
+                let (first, last) = (k == 0, k + 1 == npsn);
+                let opcode = match (is_send, first, last, w.op.has_imm()) {
+                    (true, true, true, false) => Opcode::SendOnly,
+                    (true, true, true, true) => Opcode::SendOnlyImm,
+                    (true, true, false, _) => Opcode::SendFirst,
+                    (true, false, false, _) => Opcode::SendMiddle,
+                    (true, false, true, false) => Opcode::SendLast,
+                    (true, false, true, true) => Opcode::SendLastImm,
+                    (false, true, true, false) => Opcode::WriteOnly,
+                    (false, true, true, true) => Opcode::WriteOnlyImm,
+                    (false, true, false, _) => Opcode::WriteFirst,
+                    (false, false, false, _) => Opcode::WriteMiddle,
+                    (false, false, true, false) => Opcode::WriteLast,
+                    (false, false, true, true) => Opcode::WriteLastImm,
+                };
+                qp.req.since_ack_req += 1;
+                let ack_req = last || qp.req.since_ack_req >= ACK_REQ_EVERY;
+                if ack_req {
+                    qp.req.since_ack_req = 0;
+                }
+                let w = &qp.req.outstanding[i].wqe;
+                let mut repr = self.packet_repr(qp, opcode, psn, ack_req);
+                repr.bth.solicited = last && w.flags.contains(WqeFlags::SOLICITED);
+                if opcode.has_reth() {
+                    repr.reth = Some(Reth {
+                        va: w.raddr,
+                        rkey: w.rkey,
+                        len: w.len as u32,
+                    });
+                }
+                if opcode.has_immdt() {
+                    repr.imm = Some(w.imm);
+                }
+                self.emit(env, &repr, &payload, ready);
+                self.scratch = payload;
+                qp.req.outstanding[i].sent = k + 1;
+            }
+        }
+        let _ = psn;
+        let o = &mut qp.req.outstanding[i];
+        o.ready_at = next_ready;
+        o.sent_max = o.sent_max.max(o.sent);
+        qp.stats.packets_sent += 1;
+        if retransmit {
+            qp.stats.retransmitted += 1;
+        }
+        self.arm_ack_timer(env, qp);
     }
 
     /// Reads and decodes WQE `index`. `Ok(None)`: the WQE is stale (doorbell error raised).
@@ -344,89 +459,159 @@ impl Nic {
         Ok(())
     }
 
-    /// Segments a SEND or WRITE into packets and puts them on the wire.
-    fn emit_data_packets(
-        &mut self,
-        env: &mut dyn Env,
-        qp: &Qp,
-        w: &SendWqe,
-        first_psn: Psn,
-        ready: SimTime,
-    ) -> Result<(), u64> {
-        let mtu = qp.mtu() as u64;
-        let n = w.len.div_ceil(mtu).max(1);
-        let is_send = matches!(w.op, SendOpcode::Send | SendOpcode::SendImm);
-        let mut payload = std::mem::take(&mut self.scratch);
-        let mut at = ready;
-        for i in 0..n {
-            let off = i * mtu;
-            let len = (w.len - off).min(mtu) as usize;
-            payload.clear();
-            payload.resize(len, 0);
-            if w.sges.is_empty() {
-                payload.copy_from_slice(&w.inline[off as usize..off as usize + len]);
-            } else {
-                self.gather(env, qp.pdn, &w.sges, off, &mut payload)?;
-                at = at.max(ready + SimTime(self.cfg.timing.pcie_read_ps(len)));
-            }
-            let (first, last) = (i == 0, i + 1 == n);
-            let opcode = match (is_send, first, last, w.op.has_imm()) {
-                (true, true, true, false) => Opcode::SendOnly,
-                (true, true, true, true) => Opcode::SendOnlyImm,
-                (true, true, false, _) => Opcode::SendFirst,
-                (true, false, false, _) => Opcode::SendMiddle,
-                (true, false, true, false) => Opcode::SendLast,
-                (true, false, true, true) => Opcode::SendLastImm,
-                (false, true, true, false) => Opcode::WriteOnly,
-                (false, true, true, true) => Opcode::WriteOnlyImm,
-                (false, true, false, _) => Opcode::WriteFirst,
-                (false, false, false, _) => Opcode::WriteMiddle,
-                (false, false, true, false) => Opcode::WriteLast,
-                (false, false, true, true) => Opcode::WriteLastImm,
-            };
-            let mut repr = self.packet_repr(qp, opcode, first_psn.add(i as u32), last);
-            repr.bth.solicited = last && w.flags.contains(WqeFlags::SOLICITED);
-            if opcode.has_reth() {
-                repr.reth = Some(ringbell_specs::wire::Reth {
-                    va: w.raddr,
-                    rkey: w.rkey,
-                    len: w.len as u32,
-                });
-            }
-            if opcode.has_immdt() {
-                repr.imm = Some(w.imm);
-            }
-            self.emit(env, &repr, &payload, at);
-        }
-        self.scratch = payload;
-        Ok(())
-    }
-
     /// Fails WQE `index` (it completes with `e` once everything before it has completed).
     fn fail_wqe(&mut self, env: &mut dyn Env, qp: &mut Qp, index: u32, nbb: u32, e: WqeError) {
+        // Keep the opcode the WQE had, if it can be read, for the error CQE.
+        let mut b = [0u8; 16];
+        let op = env
+            .dma_read(qp.sq.slot_iova(index, WQEBB as u64), &mut b)
+            .ok()
+            .and_then(|_| CtrlSeg::read_from_bytes(&b).ok())
+            .and_then(|c| SendOpcode::from_u8(c.opcode))
+            .unwrap_or(SendOpcode::Send);
         qp.req.outstanding.push_back(Outstanding {
             wqe_index: index,
-            op: SendOpcode::Send,
-            signaled: true,
+            wqe: SendWqe::broken(op),
             first_psn: qp.req.next_psn,
             npsn: 0,
-            len: 0,
-            sges: Vec::new(),
+            sent: 0,
+            sent_max: 0,
+            acked: 0,
+            ready_at: env.now(),
             error: Some(e),
             done: false,
         });
-        // Keep the opcode the WQE had, if it could be read, for the error CQE.
-        let mut b = [0u8; 16];
-        if env
-            .dma_read(qp.sq.slot_iova(index, WQEBB as u64), &mut b)
-            .is_ok()
+        qp.fetch = index.wrapping_add(nbb.max(1));
+        self.complete_in_order(env, qp);
+    }
+
+    /// Arms the local ACK timer unless it runs already (or the QP's timeout is infinite).
+    fn arm_ack_timer(&mut self, env: &mut dyn Env, qp: &mut Qp) {
+        if qp.req.timer_armed {
+            return;
+        }
+        if let Some(t) = ack_timeout(qp.attr.timeout) {
+            qp.req.timer_gen += 1;
+            qp.req.timer_armed = true;
+            let at = env.now() + t;
+            env.schedule(
+                at,
+                NicEvent::AckTimer {
+                    qpn: qp.qpn,
+                    gen: qp.gen,
+                    timer: qp.req.timer_gen,
+                },
+            );
+        }
+    }
+
+    /// Forward progress: the retry counters reload and the timer restarts for what is left.
+    fn progress(&mut self, env: &mut dyn Env, qp: &mut Qp) {
+        qp.req.retries_used = 0;
+        qp.req.rnr_used = 0;
+        qp.req.timer_gen += 1;
+        qp.req.timer_armed = false;
+        if qp.req.outstanding.iter().any(|o| o.pending() && o.sent > 0) {
+            self.arm_ack_timer(env, qp);
+        }
+    }
+
+    /// The local ACK timer of `qpn` fired.
+    pub(crate) fn ack_timer(&mut self, env: &mut dyn Env, qpn: u32, timer: u64) {
+        let Some(mut qp) = self.qps.remove(qpn) else {
+            return;
+        };
+        if qp.req.timer_armed
+            && qp.req.timer_gen == timer
+            && matches!(qp.state, QpState::Rts | QpState::Sqd)
         {
-            if let (Ok(c), Some(o)) = (CtrlSeg::read_from_bytes(&b), qp.req.outstanding.back_mut())
-            {
-                o.op = SendOpcode::from_u8(c.opcode).unwrap_or(SendOpcode::Send);
+            qp.req.timer_armed = false;
+            // An RNR wait has its own timer; the ACK timer must not cut it short.
+            let waiting = env.now() < qp.req.rnr_until;
+            if let Some(una) = self.oldest_unanswered(&qp).filter(|_| !waiting) {
+                qp.stats.timeouts += 1;
+                self.retry_from(env, &mut qp, una);
             }
         }
-        qp.fetch = index.wrapping_add(nbb.max(1));
+        self.qps.restore(qpn, qp);
+    }
+
+    /// The PSN of the oldest request not yet answered, if any was sent.
+    fn oldest_unanswered(&self, qp: &Qp) -> Option<Psn> {
+        let o = qp.req.outstanding.iter().find(|o| o.pending())?;
+        (o.sent > 0 || o.sent_max > 0).then(|| o.first_psn.add(o.acked))
+    }
+
+    /// A transport retry (timeout, sequence NAK, lost READ response): go back to `psn`, or
+    /// fail its WQE with RETRY_EXC_ERR when `retry_cnt` retries are used up.
+    fn retry_from(&mut self, env: &mut dyn Env, qp: &mut Qp, psn: Psn) {
+        if qp.req.retries_used >= qp.attr.retry_cnt {
+            self.fail_at(env, qp, psn, CqeStatus::RetryExcErr);
+            return;
+        }
+        qp.req.retries_used += 1;
+        let now = env.now();
+        self.rewind(env, qp, psn, now);
+    }
+
+    /// Go-back-N: every unfinished message from the one holding `psn` is sent again, that
+    /// one from `psn` (a READ from its first unanswered response). Runs at `at`.
+    fn rewind(&mut self, env: &mut dyn Env, qp: &mut Qp, psn: Psn, at: SimTime) {
+        let Some(i) = qp
+            .req
+            .outstanding
+            .iter()
+            .position(|o| o.pending() && o.last_psn().diff(psn) >= 0)
+        else {
+            return;
+        };
+        let t = &self.cfg.timing;
+        // The data is fetched from host memory again.
+        let ready = at + SimTime(t.dma_read_rtt_ps + t.nic_tx_wqe_ps);
+        for (j, o) in qp.req.outstanding.iter_mut().enumerate().skip(i) {
+            if !o.pending() {
+                continue;
+            }
+            o.sent = match o.wqe.op {
+                SendOpcode::Read | SendOpcode::CmpSwap | SendOpcode::FetchAdd => 0,
+                _ if j == i => (psn.diff(o.first_psn).max(0) as u32)
+                    .max(o.acked)
+                    .min(o.npsn),
+                _ => o.acked,
+            };
+            o.ready_at = ready;
+        }
+        qp.req.since_ack_req = 0;
+        qp.req.timer_gen += 1;
+        qp.req.timer_armed = false;
+        self.kick_qp_sq(env, qp, at);
+    }
+
+    /// Schedules the send engine of a QP that is out of the table.
+    fn kick_qp_sq(&mut self, env: &mut dyn Env, qp: &mut Qp, at: SimTime) {
+        if !qp.req.scheduled {
+            qp.req.scheduled = true;
+            env.schedule(
+                at.max(qp.req.busy_until),
+                NicEvent::SqProcess {
+                    qpn: qp.qpn,
+                    gen: qp.gen,
+                },
+            );
+        }
+    }
+
+    /// Fails the WQE holding `psn` (the oldest unfinished one if none holds it).
+    fn fail_at(&mut self, env: &mut dyn Env, qp: &mut Qp, psn: Psn, status: CqeStatus) {
+        let pos = qp
+            .req
+            .outstanding
+            .iter()
+            .position(|o| o.pending() && o.holds(psn));
+        let pos = pos.or_else(|| qp.req.outstanding.iter().position(|o| o.pending()));
+        if let Some(o) = pos.and_then(|i| qp.req.outstanding.get_mut(i)) {
+            o.error = Some((status, VendorSyndrome::None));
+        }
         self.complete_in_order(env, qp);
     }
 
@@ -441,41 +626,51 @@ impl Nic {
             return;
         };
         let ready = env.now() + SimTime(self.cfg.timing.nic_rx_pkt_ps);
+        let mut progressed;
         match op {
             Opcode::Acknowledge => {
                 let Some(aeth) = pkt.repr.aeth else { return };
                 match aeth.syndrome {
-                    AethSyndrome::Ack { .. } => self.ack_through(qp, psn, true),
-                    AethSyndrome::RnrNak { timer } => self.rnr_nak(env, qp, psn, timer),
+                    AethSyndrome::Ack { .. } => {
+                        progressed = self.ack_through(qp, psn, true);
+                        progressed |= self.lost_responses(env, qp, psn);
+                    }
+                    AethSyndrome::RnrNak { timer } => {
+                        qp.stats.rnr_naks_received += 1;
+                        progressed = self.ack_through(qp, psn, false);
+                        if progressed {
+                            self.progress(env, qp);
+                        }
+                        self.rnr_nak(env, qp, psn, timer);
+                        self.complete_in_order_at(env, qp, ready);
+                        return;
+                    }
                     AethSyndrome::Nak(NakCode::PsnSequenceError) => {
-                        self.rewind(env, qp, psn, ready)
+                        qp.stats.seq_naks_received += 1;
+                        progressed = self.ack_through(qp, psn, false);
+                        if progressed {
+                            self.progress(env, qp);
+                        }
+                        if qp
+                            .req
+                            .outstanding
+                            .iter()
+                            .any(|o| o.pending() && o.holds(psn))
+                        {
+                            self.retry_from(env, qp, psn);
+                        }
+                        self.complete_in_order_at(env, qp, ready);
+                        return;
                     }
                     AethSyndrome::Nak(code) => {
-                        self.ack_through(qp, psn, false);
+                        qp.stats.naks_received += 1;
+                        progressed = self.ack_through(qp, psn, false);
                         let status = match code {
                             NakCode::InvalidRequest => CqeStatus::RemInvReqErr,
                             NakCode::RemoteAccessError => CqeStatus::RemAccessErr,
                             _ => CqeStatus::RemOpErr,
                         };
-                        // The NAK names the PSN of the failed request: charge the WQE whose
-                        // PSN range holds it (the oldest unfinished one if none does).
-                        let holds = |o: &Outstanding| {
-                            o.npsn > 0 && psn.diff(o.first_psn) >= 0 && o.last_psn().diff(psn) >= 0
-                        };
-                        let pos = qp
-                            .req
-                            .outstanding
-                            .iter()
-                            .position(|o| !o.done && o.error.is_none() && holds(o));
-                        let pos = pos.or_else(|| {
-                            qp.req
-                                .outstanding
-                                .iter()
-                                .position(|o| !o.done && o.error.is_none())
-                        });
-                        if let Some(o) = pos.and_then(|i| qp.req.outstanding.get_mut(i)) {
-                            o.error = Some((status, VendorSyndrome::None));
-                        }
+                        self.fail_at(env, qp, psn, status);
                     }
                 }
             }
@@ -483,82 +678,134 @@ impl Nic {
             | Opcode::ReadResponseMiddle
             | Opcode::ReadResponseLast
             | Opcode::ReadResponseOnly => {
-                self.ack_through(qp, psn, false);
-                let mtu = qp.mtu() as u64;
-                let pdn = qp.pdn;
-                let Some(o) = qp.req.outstanding.iter_mut().find(|o| {
-                    o.op == SendOpcode::Read
-                        && !o.done
-                        && psn.diff(o.first_psn) >= 0
-                        && o.last_psn().diff(psn) >= 0
-                }) else {
-                    return;
-                };
-                let offset = psn.diff(o.first_psn) as u64 * mtu;
-                let payload = pkt.payload;
-                if offset + payload.len() as u64 > o.len as u64 {
-                    o.error = Some((CqeStatus::BadRespErr, VendorSyndrome::TooLong));
-                } else {
-                    let sges = o.sges.clone();
-                    let is_last = op.is_last();
-                    let qpn = qp.qpn;
-                    match self.scatter(env, pdn, qpn, &sges, offset, payload, ready) {
-                        Ok(_) => {}
-                        Err(e) => {
-                            if let Some(o) = qp
-                                .req
-                                .outstanding
-                                .iter_mut()
-                                .find(|o| o.op == SendOpcode::Read && !o.done)
-                            {
-                                o.error = Some(e);
-                            }
-                        }
-                    }
-                    if is_last {
-                        if let Some(o) = qp
-                            .req
-                            .outstanding
-                            .iter_mut()
-                            .find(|o| o.op == SendOpcode::Read && !o.done && o.error.is_none())
-                        {
-                            o.done = true;
-                        }
-                    }
-                }
+                progressed = self.ack_through(qp, psn, false);
+                progressed |= self.read_response(env, qp, pkt, op, ready);
+                progressed |= self.lost_responses(env, qp, psn);
             }
             Opcode::AtomicAcknowledge => {
-                self.ack_through(qp, psn, false);
-                let Some(orig) = pkt.repr.atomic_ack else {
-                    return;
-                };
-                let pdn = qp.pdn;
-                let qpn = qp.qpn;
-                let Some(o) = qp
-                    .req
-                    .outstanding
-                    .iter_mut()
-                    .find(|o| o.op.is_atomic() && o.first_psn == psn && !o.done)
-                else {
-                    return;
-                };
-                let sges = o.sges.clone();
-                let r = self.scatter(env, pdn, qpn, &sges, 0, &orig.to_le_bytes(), ready);
-                if let Some(o) = qp
-                    .req
-                    .outstanding
-                    .iter_mut()
-                    .find(|o| o.op.is_atomic() && o.first_psn == psn && !o.done)
-                {
-                    match r {
-                        Ok(()) => o.done = true,
-                        Err(e) => o.error = Some(e),
-                    }
-                }
+                progressed = self.ack_through(qp, psn, false);
+                progressed |= self.atomic_ack(env, qp, pkt, ready);
+                progressed |= self.lost_responses(env, qp, psn);
             }
-            _ => {}
+            _ => return,
+        }
+        if progressed {
+            self.progress(env, qp);
         }
         self.complete_in_order_at(env, qp, ready);
+    }
+
+    /// A READ response: accepted only at the PSN the READ expects next.
+    fn read_response(
+        &mut self,
+        env: &mut dyn Env,
+        qp: &mut Qp,
+        pkt: &Packet<'_>,
+        op: Opcode,
+        ready: SimTime,
+    ) -> bool {
+        let psn = pkt.repr.bth.psn;
+        let mtu = qp.mtu() as u64;
+        let (pdn, qpn) = (qp.pdn, qp.qpn);
+        let Some(i) = qp
+            .req
+            .outstanding
+            .iter()
+            .position(|o| o.pending() && o.holds(psn))
+        else {
+            return false;
+        };
+        let o = &qp.req.outstanding[i];
+        if o.wqe.op != SendOpcode::Read {
+            qp.req.outstanding[i].error = Some((CqeStatus::BadRespErr, VendorSyndrome::None));
+            return false;
+        }
+        if o.first_psn.add(o.acked) != psn {
+            // A duplicate, or one after a lost response: the timer or a retry deals with it.
+            return false;
+        }
+        let offset = o.acked as u64 * mtu;
+        let remaining = o.wqe.len.saturating_sub(offset);
+        let last = psn == o.last_psn();
+        let len = pkt.payload.len() as u64;
+        let aeth_ok = !op.has_aeth()
+            || pkt
+                .repr
+                .aeth
+                .is_some_and(|a| matches!(a.syndrome, AethSyndrome::Ack { .. }));
+        let shape_ok = if last {
+            op.is_last() && len == remaining
+        } else {
+            !op.is_last() && len == mtu
+        };
+        if !aeth_ok || !shape_ok {
+            qp.req.outstanding[i].error = Some((CqeStatus::BadRespErr, VendorSyndrome::None));
+            return false;
+        }
+        let sges = o.wqe.sges.clone();
+        if let Err(e) = self.scatter(env, pdn, qpn, &sges, offset, pkt.payload, ready) {
+            qp.req.outstanding[i].error = Some(e);
+            return false;
+        }
+        let o = &mut qp.req.outstanding[i];
+        o.acked += 1;
+        o.done = last;
+        true
+    }
+
+    /// An atomic ACK: the original value lands in the WQE's buffer.
+    fn atomic_ack(
+        &mut self,
+        env: &mut dyn Env,
+        qp: &mut Qp,
+        pkt: &Packet<'_>,
+        ready: SimTime,
+    ) -> bool {
+        let psn = pkt.repr.bth.psn;
+        let (pdn, qpn) = (qp.pdn, qp.qpn);
+        let Some(i) = qp
+            .req
+            .outstanding
+            .iter()
+            .position(|o| o.pending() && o.holds(psn))
+        else {
+            return false;
+        };
+        let (Some(orig), true) = (
+            pkt.repr.atomic_ack,
+            qp.req.outstanding[i].wqe.op.is_atomic(),
+        ) else {
+            qp.req.outstanding[i].error = Some((CqeStatus::BadRespErr, VendorSyndrome::None));
+            return false;
+        };
+        let sges = qp.req.outstanding[i].wqe.sges.clone();
+        let r = self.scatter(env, pdn, qpn, &sges, 0, &orig.to_le_bytes(), ready);
+        let o = &mut qp.req.outstanding[i];
+        match r {
+            Ok(()) => {
+                o.acked = 1;
+                o.done = true;
+                true
+            }
+            Err(e) => {
+                o.error = Some(e);
+                false
+            }
+        }
+    }
+
+    /// A response for `psn` proves every READ/atomic before it was executed: one still
+    /// unanswered lost its responses, and is asked again (a transport retry).
+    fn lost_responses(&mut self, env: &mut dyn Env, qp: &mut Qp, psn: Psn) -> bool {
+        let lost =
+            qp.req.outstanding.iter().find(|o| {
+                o.pending() && o.is_rd_atomic() && o.sent > 0 && o.last_psn().diff(psn) < 0
+            });
+        if let Some(o) = lost {
+            let at = o.first_psn.add(o.acked);
+            self.retry_from(env, qp, at);
+        }
+        false
     }
 
     /// Writes response data into a local scatter list (the writes land after the PCIe delay).
@@ -601,71 +848,40 @@ impl Nic {
         Ok(())
     }
 
-    /// Marks SEND/WRITE WQEs whose last PSN is before `psn` (or at it, when `inclusive`) acked.
-    fn ack_through(&mut self, qp: &mut Qp, psn: Psn, inclusive: bool) {
+    /// Marks SEND/WRITE packets up to `psn` (inclusive or not) acknowledged; returns whether
+    /// anything new was acknowledged.
+    fn ack_through(&mut self, qp: &mut Qp, psn: Psn, inclusive: bool) -> bool {
+        let mut progressed = false;
         for o in qp.req.outstanding.iter_mut() {
-            if o.is_rd_atomic() || o.error.is_some() || o.npsn == 0 {
+            if o.is_rd_atomic() || !o.pending() || o.npsn == 0 {
                 continue;
             }
-            let d = psn.diff(o.last_psn());
-            if d > 0 || (inclusive && d == 0) {
-                o.done = true;
+            let upto = psn.diff(o.first_psn) + inclusive as i32;
+            if upto <= 0 {
+                break;
+            }
+            let acked = (upto as u32).min(o.npsn).min(o.sent_max);
+            if acked > o.acked {
+                o.acked = acked;
+                o.done = acked == o.npsn;
+                progressed = true;
             }
         }
+        progressed
     }
 
-    /// Go back to the WQE holding `psn` and send again from there.
-    fn rewind(&mut self, env: &mut dyn Env, qp: &mut Qp, psn: Psn, at: SimTime) {
-        self.ack_through(qp, psn, false);
-        let Some(pos) = qp
-            .req
-            .outstanding
-            .iter()
-            .position(|o| !o.done && o.error.is_none())
-        else {
-            return;
-        };
-        let o = &qp.req.outstanding[pos];
-        qp.fetch = o.wqe_index;
-        qp.req.next_psn = o.first_psn;
-        let dropped = qp.req.outstanding.split_off(pos);
-        qp.req.rd_atomic = qp
-            .req
-            .rd_atomic
-            .saturating_sub(dropped.iter().filter(|o| o.is_rd_atomic()).count() as u32);
-        if !qp.req.scheduled {
-            qp.req.scheduled = true;
-            env.schedule(
-                at,
-                NicEvent::SqProcess {
-                    qpn: qp.qpn,
-                    gen: qp.gen,
-                },
-            );
-        }
-    }
-
+    /// An RNR NAK for `psn`: wait the NAK's time and send again from `psn`, or fail with
+    /// RNR_RETRY_EXC_ERR when `rnr_retry` is used up (7 is infinite).
     fn rnr_nak(&mut self, env: &mut dyn Env, qp: &mut Qp, psn: Psn, timer: u8) {
         if qp.attr.rnr_retry != 7 {
-            if qp.req.rnr_left == 0 {
-                qp.req.rnr_left = qp.attr.rnr_retry + 1;
-            }
-            qp.req.rnr_left -= 1;
-            if qp.req.rnr_left == 0 {
-                self.ack_through(qp, psn, false);
-                if let Some(o) = qp
-                    .req
-                    .outstanding
-                    .iter_mut()
-                    .find(|o| !o.done && o.error.is_none())
-                {
-                    o.error = Some((CqeStatus::RnrRetryExcErr, VendorSyndrome::None));
-                }
+            if qp.req.rnr_used >= qp.attr.rnr_retry {
+                self.fail_at(env, qp, psn, CqeStatus::RnrRetryExcErr);
                 return;
             }
+            qp.req.rnr_used += 1;
         }
-        let wait = SimTime(ringbell_specs::wire::rnr_timer_ps(timer));
-        let at = env.now() + wait;
+        let at = env.now() + SimTime(wire::rnr_timer_ps(timer));
+        qp.req.rnr_until = at;
         self.rewind(env, qp, psn, at);
     }
 
@@ -679,7 +895,7 @@ impl Nic {
         let mut freed = false;
         while let Some(front) = qp.req.outstanding.front() {
             if let Some((status, syn)) = front.error {
-                let cqe = Self::send_cqe(qp.qpn, front, status, syn);
+                let cqe = Self::send_cqe(qp.qpn, front.wqe_index, &front.wqe, status, syn);
                 self.complete(env, qp.gen, qp.send_cqn, ready, cqe);
                 qp.req.outstanding.pop_front();
                 // The QP is in error: everything else is flushed.
@@ -689,26 +905,25 @@ impl Nic {
             if !front.done {
                 break;
             }
-            if front.signaled {
-                let cqe = Self::send_cqe(qp.qpn, front, CqeStatus::Success, VendorSyndrome::None);
+            if front.wqe.flags.contains(WqeFlags::SIGNALED) {
+                let cqe = Self::send_cqe(
+                    qp.qpn,
+                    front.wqe_index,
+                    &front.wqe,
+                    CqeStatus::Success,
+                    VendorSyndrome::None,
+                );
                 self.complete(env, qp.gen, qp.send_cqn, ready, cqe);
             }
             if front.is_rd_atomic() {
                 qp.req.rd_atomic = qp.req.rd_atomic.saturating_sub(1);
-                freed = true;
             }
-            qp.req.rnr_left = 0;
+            freed = true;
             qp.req.outstanding.pop_front();
         }
-        if freed && qp.fetch != qp.sq.pi && !qp.req.scheduled && qp.state == QpState::Rts {
-            qp.req.scheduled = true;
-            env.schedule(
-                ready,
-                NicEvent::SqProcess {
-                    qpn: qp.qpn,
-                    gen: qp.gen,
-                },
-            );
+        // Completions may unblock a fence, the READ/atomic limit or the PSN window.
+        if freed && qp.fetch != qp.sq.pi && qp.state == QpState::Rts {
+            self.kick_qp_sq(env, qp, ready);
         }
     }
 }

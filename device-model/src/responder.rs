@@ -1,9 +1,9 @@
 //! The receive path: frame validation, the responder (SEND, WRITE, READ, atomics, ACK/NAK
 //! generation) and the hand-off of responses to the requester.
 
-use crate::env::{Deferred, Env, NicEvent};
+use crate::env::{Env, NicEvent};
 use crate::nic::Nic;
-use crate::qp::{Qp, RecvCtx, WriteCtx};
+use crate::qp::{Qp, RecvCtx, Reply, Resource, WriteCtx};
 use ringbell_specs::cmd::{Access, QpState};
 use ringbell_specs::cqe::{
     Cqe, CqeOpcode, CqeStatus, EventType, VendorSyndrome, CQE_FLAG_IMM, CQE_FLAG_SOLICITED,
@@ -111,22 +111,51 @@ impl Nic {
         self.send_frame(env, ready, frame);
     }
 
+    /// Acknowledges (or NAKs) `psn`. Responses leave in PSN order: while READ or atomic
+    /// responses are still owed, the ACK queues behind them.
     fn send_ack(
         &mut self,
         env: &mut dyn Env,
-        qp: &Qp,
+        qp: &mut Qp,
         psn: Psn,
         syndrome: AethSyndrome,
+        ready: SimTime,
+    ) {
+        let msn = qp.resp.msn;
+        if qp.resp.queue.is_empty() {
+            self.emit_ack(env, qp, psn, syndrome, msn, ready);
+        } else {
+            qp.resp.queue.push_back(Reply::Ack { psn, syndrome, msn });
+        }
+    }
+
+    fn emit_ack(
+        &mut self,
+        env: &mut dyn Env,
+        qp: &mut Qp,
+        psn: Psn,
+        syndrome: AethSyndrome,
+        msn: u32,
         ready: SimTime,
     ) {
         let mut repr = self.packet_repr(qp, Opcode::Acknowledge, psn, false);
         repr.aeth = Some(Aeth {
             syndrome,
-            msn: qp.resp.msn & 0x00FF_FFFF,
+            msn: msn & 0x00FF_FFFF,
         });
         match syndrome {
-            AethSyndrome::Nak(_) => self.stats.naks_sent += 1,
-            AethSyndrome::RnrNak { .. } => self.stats.rnr_naks_sent += 1,
+            AethSyndrome::Nak(NakCode::PsnSequenceError) => {
+                self.stats.naks_sent += 1;
+                qp.stats.seq_naks_sent += 1;
+            }
+            AethSyndrome::Nak(_) => {
+                self.stats.naks_sent += 1;
+                qp.stats.naks_sent += 1;
+            }
+            AethSyndrome::RnrNak { .. } => {
+                self.stats.rnr_naks_sent += 1;
+                qp.stats.rnr_naks_sent += 1;
+            }
             AethSyndrome::Ack { .. } => {}
         }
         self.emit(env, &repr, &[], ready);
@@ -134,15 +163,20 @@ impl Nic {
 
     fn handle_request(&mut self, env: &mut dyn Env, qp: &mut Qp, pkt: &Packet<'_>) {
         let ready = env.now() + SimTime(self.cfg.timing.nic_rx_pkt_ps);
+        if qp.resp.dead {
+            // A fatal error is queued behind earlier responses: nothing more is accepted.
+            self.stats.rx_dropped += 1;
+            return;
+        }
         let psn = pkt.repr.bth.psn;
         let d = psn.diff(qp.resp.epsn);
         if d < 0 {
-            // Duplicate: acknowledge again what we have, never deliver twice.
-            let last = qp.resp.epsn.add(Psn::MASK);
-            self.send_ack(env, qp, last, AethSyndrome::Ack { credits: 0x1F }, ready);
+            qp.stats.duplicates_received += 1;
+            self.duplicate_request(env, qp, pkt, ready);
             return;
         }
         if d > 0 {
+            qp.stats.out_of_sequence += 1;
             if !qp.resp.nak_sent {
                 qp.resp.nak_sent = true;
                 let e = qp.resp.epsn;
@@ -185,6 +219,11 @@ impl Nic {
                 qp.resp.nak_sent = true;
                 let timer = qp.attr.min_rnr_timer;
                 self.send_ack(env, qp, psn, AethSyndrome::RnrNak { timer }, ready);
+            }
+            Err(Fault::Fatal(code, status)) if !qp.resp.queue.is_empty() => {
+                // Requests accepted before this one are answered first.
+                qp.resp.dead = true;
+                qp.resp.queue.push_back(Reply::Fatal { psn, code, status });
             }
             Err(Fault::Fatal(code, status)) => {
                 self.responder_fatal(env, qp, psn, code, status, ready)
@@ -459,28 +498,49 @@ impl Nic {
         let Some(reth) = pkt.repr.reth else {
             return Err(Fault::Fatal(NakCode::InvalidRequest, None));
         };
-        if !qp.access().contains(Access::REMOTE_READ) || reth.len > self.cfg.max_msg_size {
+        if !qp.access().contains(Access::REMOTE_READ)
+            || reth.len > self.cfg.max_msg_size
+            || qp.attr.max_dest_rd_atomic == 0
+        {
             return Err(Fault::Fatal(NakCode::InvalidRequest, None));
         }
-        let iova = self
-            .check_key(
-                qp.pdn,
-                reth.rkey,
-                reth.va,
-                reth.len as u64,
-                Access::REMOTE_READ,
-            )
-            .map_err(|_| Fault::Fatal(NakCode::RemoteAccessError, None))?;
+        self.check_key(
+            qp.pdn,
+            reth.rkey,
+            reth.va,
+            reth.len as u64,
+            Access::REMOTE_READ,
+        )
+        .map_err(|_| Fault::Fatal(NakCode::RemoteAccessError, None))?;
         let first = pkt.repr.bth.psn;
-        qp.resp.epsn = first.add(reth.len.div_ceil(qp.mtu()).max(1));
+        let n = reth.len.div_ceil(qp.mtu()).max(1);
+        qp.resp.epsn = first.add(n);
         qp.resp.msn = qp.resp.msn.wrapping_add(1);
-        let work = Deferred::Read {
-            first,
-            iova,
-            len: reth.len,
-            msn: qp.resp.msn,
-        };
-        self.defer(env, qp, work, ready);
+        self.remember(
+            qp,
+            Resource::Read {
+                first,
+                last: first.add(n - 1),
+                va: reth.va,
+                rkey: reth.rkey,
+                len: reth.len,
+            },
+        );
+        let not_before = self.after_posted_writes(ready);
+        let msn = qp.resp.msn;
+        self.queue_reply(
+            env,
+            qp,
+            Reply::Read {
+                first,
+                va: reth.va,
+                rkey: reth.rkey,
+                len: reth.len,
+                next: 0,
+                msn,
+                not_before,
+            },
+        );
         Ok(())
     }
 
@@ -498,163 +558,315 @@ impl Nic {
         let Some(a) = pkt.repr.atomic_eth else {
             return Err(Fault::Fatal(NakCode::InvalidRequest, None));
         };
-        if !qp.access().contains(Access::REMOTE_ATOMIC) || a.va % 8 != 0 {
+        if !qp.access().contains(Access::REMOTE_ATOMIC)
+            || a.va % 8 != 0
+            || qp.attr.max_dest_rd_atomic == 0
+        {
             return Err(Fault::Fatal(NakCode::InvalidRequest, None));
         }
         let iova = self
             .check_key(qp.pdn, a.rkey, a.va, 8, Access::REMOTE_ATOMIC)
             .map_err(|_| Fault::Fatal(NakCode::RemoteAccessError, None))?;
+        let psn = pkt.repr.bth.psn;
         qp.resp.epsn = qp.resp.epsn.add(1);
         qp.resp.msn = qp.resp.msn.wrapping_add(1);
-        let work = Deferred::Atomic {
-            psn: pkt.repr.bth.psn,
+        self.remember(qp, Resource::Atomic { psn, orig: None });
+        let reply = Reply::Atomic {
+            psn,
             iova,
             cas: op == Opcode::CompareSwap,
             swap_add: a.swap_add,
             compare: a.compare,
             msn: qp.resp.msn,
+            not_before: self.after_posted_writes(ready),
         };
-        self.defer(env, qp, work, ready);
+        self.queue_reply(env, qp, reply);
         Ok(())
     }
 
-    /// Schedules a READ or atomic to touch memory once every write posted before it landed.
-    fn defer(&mut self, env: &mut dyn Env, qp: &Qp, work: Deferred, ready: SimTime) {
-        let at = self.after_posted_writes(ready);
-        env.schedule(
-            at,
-            NicEvent::Respond {
-                qpn: qp.qpn,
-                gen: qp.gen,
-                work,
-            },
-        );
+    /// Keeps a READ/atomic for duplicates; the oldest is forgotten beyond `max_dest_rd_atomic`.
+    fn remember(&mut self, qp: &mut Qp, r: Resource) {
+        let cap = (qp.attr.max_dest_rd_atomic as usize).max(1);
+        while qp.resp.resources.len() >= cap {
+            qp.resp.resources.pop_front();
+        }
+        qp.resp.resources.push_back(r);
     }
 
-    /// Runs deferred responder work: reads memory and sends the responses.
-    pub(crate) fn respond(&mut self, env: &mut dyn Env, qpn: u32, work: Deferred) {
+    /// A request behind the expected PSN. SEND/WRITE are acknowledged again and never
+    /// executed twice; a READ is read again from memory (its rkey checked again); an atomic is
+    /// answered with the value saved when it ran. Anything not remembered is dropped.
+    fn duplicate_request(
+        &mut self,
+        env: &mut dyn Env,
+        qp: &mut Qp,
+        pkt: &Packet<'_>,
+        ready: SimTime,
+    ) {
+        let psn = pkt.repr.bth.psn;
+        let msn = qp.resp.msn;
+        match Opcode::from_u8(pkt.repr.bth.opcode) {
+            Some(Opcode::ReadRequest) => {
+                let Some(reth) = pkt.repr.reth else { return };
+                let mtu = qp.mtu() as u64;
+                let found = qp.resp.resources.iter().find_map(|r| match *r {
+                    Resource::Read {
+                        first,
+                        last,
+                        va,
+                        rkey,
+                        len,
+                    } if psn.diff(first) >= 0 && last.diff(psn) >= 0 && rkey == reth.rkey => {
+                        // The request must ask for what the original's remaining responses
+                        // carried: the same bytes from this PSN on, or fewer.
+                        let skip = psn.diff(first) as u64 * mtu;
+                        let ok = reth.va == va.wrapping_add(skip)
+                            && reth.len as u64 <= (len as u64).saturating_sub(skip);
+                        ok.then_some(())
+                    }
+                    _ => None,
+                });
+                if found.is_some() {
+                    qp.stats.read_replays += 1;
+                    let not_before = self.after_posted_writes(ready);
+                    self.queue_reply(
+                        env,
+                        qp,
+                        Reply::Read {
+                            first: psn,
+                            va: reth.va,
+                            rkey: reth.rkey,
+                            len: reth.len,
+                            next: 0,
+                            msn,
+                            not_before,
+                        },
+                    );
+                }
+            }
+            Some(Opcode::CompareSwap | Opcode::FetchAdd) => {
+                let saved = qp.resp.resources.iter().find_map(|r| match *r {
+                    Resource::Atomic { psn: p, orig } if p == psn => Some(orig),
+                    _ => None,
+                });
+                // Not executed yet: its answer is still to come.
+                if let Some(Some(orig)) = saved {
+                    qp.stats.atomic_replays += 1;
+                    self.queue_reply(env, qp, Reply::AtomicReplay { psn, orig, msn });
+                }
+            }
+            Some(op) if op.is_request() => {
+                let last = qp.resp.epsn.add(Psn::MASK);
+                self.send_ack(env, qp, last, AethSyndrome::Ack { credits: 0x1F }, ready);
+            }
+            _ => {}
+        }
+    }
+
+    /// Queues a response and makes sure the responder engine runs.
+    fn queue_reply(&mut self, env: &mut dyn Env, qp: &mut Qp, reply: Reply) {
+        qp.resp.queue.push_back(reply);
+        if !qp.resp.engine_scheduled {
+            qp.resp.engine_scheduled = true;
+            let at = env.now();
+            env.schedule(
+                at,
+                NicEvent::Respond {
+                    qpn: qp.qpn,
+                    gen: qp.gen,
+                },
+            );
+        }
+    }
+
+    /// The responder engine: sends what the head of the queue owes (one READ response packet
+    /// at a time, a few frames ahead of the wire), then reschedules itself.
+    pub(crate) fn respond(&mut self, env: &mut dyn Env, qpn: u32) {
         let Some(mut qp) = self.qps.remove(qpn) else {
             return;
         };
-        if matches!(qp.state, QpState::Rtr | QpState::Rts | QpState::Sqd) {
-            let (psn, r) = match work {
-                Deferred::Read {
-                    first,
-                    iova,
-                    len,
-                    msn,
-                } => (
-                    first,
-                    self.send_read_responses(env, &qp, first, iova, len, msn),
-                ),
-                Deferred::Atomic {
-                    psn,
-                    iova,
-                    cas,
-                    swap_add,
-                    compare,
-                    msn,
-                } => (
-                    psn,
-                    self.execute_atomic(env, &qp, psn, iova, cas, swap_add, compare, msn),
-                ),
-            };
-            if let Err(f) = r {
-                self.iommu_fault(env, qpn, f);
-                let now = env.now();
-                self.responder_fatal(
-                    env,
-                    &mut qp,
-                    psn,
-                    NakCode::RemoteOperationalError,
-                    None,
-                    now,
-                );
+        qp.resp.engine_scheduled = false;
+        let again = self.respond_one(env, &mut qp);
+        if let Some(at) = again {
+            if !qp.resp.engine_scheduled {
+                qp.resp.engine_scheduled = true;
+                env.schedule(at, NicEvent::Respond { qpn, gen: qp.gen });
             }
         }
         self.qps.restore(qpn, qp);
     }
 
-    fn send_read_responses(
-        &mut self,
-        env: &mut dyn Env,
-        qp: &Qp,
-        first: Psn,
-        iova: u64,
-        len: u32,
-        msn: u32,
-    ) -> Result<(), u64> {
-        let mtu = qp.mtu();
-        let n = len.div_ceil(mtu).max(1);
-        let t = &self.cfg.timing;
-        let start = env.now() + SimTime(t.dma_read_rtt_ps + t.nic_read_resp_extra_ps);
-        // Check the whole range first so a fault sends nothing.
-        if len > 0 {
-            env.dma_check(iova, len as usize).map_err(|f| f.iova)?;
+    fn respond_one(&mut self, env: &mut dyn Env, qp: &mut Qp) -> Option<SimTime> {
+        let now = env.now();
+        if !matches!(qp.state, QpState::Rtr | QpState::Rts | QpState::Sqd) {
+            qp.resp.queue.clear();
+            return None;
         }
-        let mut payload = std::mem::take(&mut self.scratch);
-        for i in 0..n {
-            let off = (i * mtu) as u64;
-            let plen = (len - i * mtu).min(mtu) as usize;
-            payload.clear();
-            payload.resize(plen, 0);
-            if plen > 0 {
-                if let Err(f) = env.dma_read(iova.wrapping_add(off), &mut payload) {
-                    self.scratch = payload;
-                    return Err(f.iova);
+        let front = qp.resp.queue.front()?.clone();
+        let t = &self.cfg.timing;
+        let (rtt, extra) = (t.dma_read_rtt_ps, t.nic_read_resp_extra_ps);
+        match front {
+            Reply::Read { not_before, .. } | Reply::Atomic { not_before, .. }
+                if not_before > now =>
+            {
+                return Some(not_before)
+            }
+            Reply::Read {
+                first,
+                va,
+                rkey,
+                len,
+                next,
+                msn,
+                ..
+            } => {
+                let mtu = qp.mtu();
+                let n = len.div_ceil(mtu).max(1);
+                let off = next as u64 * mtu as u64;
+                let plen = (len as u64 - off.min(len as u64)).min(mtu as u64) as usize;
+                // The MR is looked up again for every packet: it may be gone by now.
+                let iova = if plen > 0 {
+                    match self.check_key(
+                        qp.pdn,
+                        rkey,
+                        va.wrapping_add(off),
+                        plen as u64,
+                        Access::REMOTE_READ,
+                    ) {
+                        Ok(iova) => Some(iova),
+                        Err(_) => {
+                            qp.resp.queue.pop_front();
+                            self.fatal_now(env, qp, first.add(next), NakCode::RemoteAccessError);
+                            return None;
+                        }
+                    }
+                } else {
+                    None
+                };
+                let mut payload = std::mem::take(&mut self.scratch);
+                payload.clear();
+                payload.resize(plen, 0);
+                if let Some(iova) = iova {
+                    if let Err(f) = env.dma_read(iova, &mut payload) {
+                        self.scratch = payload;
+                        self.iommu_fault(env, qp.qpn, f.iova);
+                        qp.resp.queue.pop_front();
+                        self.fatal_now(env, qp, first.add(next), NakCode::RemoteOperationalError);
+                        return None;
+                    }
+                }
+                let opcode = match (next == 0, next + 1 == n) {
+                    (true, true) => Opcode::ReadResponseOnly,
+                    (true, false) => Opcode::ReadResponseFirst,
+                    (false, false) => Opcode::ReadResponseMiddle,
+                    (false, true) => Opcode::ReadResponseLast,
+                };
+                let mut repr = self.packet_repr(qp, opcode, first.add(next), false);
+                if opcode.has_aeth() {
+                    repr.aeth = Some(Aeth {
+                        syndrome: AethSyndrome::Ack { credits: 0x1F },
+                        msn: msn & 0x00FF_FFFF,
+                    });
+                }
+                // The first packet pays the DMA read round trip and the response set-up;
+                // later ones stream behind it.
+                let at = if next == 0 {
+                    now + SimTime(rtt + extra)
+                } else {
+                    now
+                } + SimTime(self.cfg.timing.pcie_read_ps(plen));
+                self.emit(env, &repr, &payload, at);
+                self.scratch = payload;
+                if next + 1 < n {
+                    if let Some(Reply::Read { next: nx, .. }) = qp.resp.queue.front_mut() {
+                        *nx += 1;
+                    }
+                } else {
+                    qp.resp.queue.pop_front();
                 }
             }
-            let opcode = match (i == 0, i + 1 == n) {
-                (true, true) => Opcode::ReadResponseOnly,
-                (true, false) => Opcode::ReadResponseFirst,
-                (false, false) => Opcode::ReadResponseMiddle,
-                (false, true) => Opcode::ReadResponseLast,
-            };
-            let mut repr = self.packet_repr(qp, opcode, first.add(i), false);
-            if opcode.has_aeth() {
-                repr.aeth = Some(Aeth {
-                    syndrome: AethSyndrome::Ack { credits: 0x1F },
-                    msn: msn & 0x00FF_FFFF,
+            Reply::Atomic {
+                psn,
+                iova,
+                cas,
+                swap_add,
+                compare,
+                msn,
+                ..
+            } => {
+                qp.resp.queue.pop_front();
+                let mut cur = [0u8; 8];
+                let r = env.dma_read(iova, &mut cur).and_then(|_| {
+                    let orig = u64::from_le_bytes(cur);
+                    let new = match (cas, orig == compare) {
+                        (true, true) => swap_add,
+                        (true, false) => orig,
+                        (false, _) => orig.wrapping_add(swap_add),
+                    };
+                    env.dma_write(iova, &new.to_le_bytes()).map(|_| orig)
                 });
+                match r {
+                    Ok(orig) => {
+                        for res in qp.resp.resources.iter_mut() {
+                            if let Resource::Atomic { psn: p, orig: o } = res {
+                                if *p == psn {
+                                    *o = Some(orig);
+                                }
+                            }
+                        }
+                        self.emit_atomic_ack(env, qp, psn, orig, msn, now + SimTime(rtt));
+                    }
+                    Err(f) => {
+                        self.iommu_fault(env, qp.qpn, f.iova);
+                        self.fatal_now(env, qp, psn, NakCode::RemoteOperationalError);
+                        return None;
+                    }
+                }
             }
-            let at = start + SimTime(self.cfg.timing.pcie_read_ps(plen));
-            self.emit(env, &repr, &payload, at);
+            Reply::AtomicReplay { psn, orig, msn } => {
+                qp.resp.queue.pop_front();
+                self.emit_atomic_ack(env, qp, psn, orig, msn, now);
+            }
+            Reply::Ack { psn, syndrome, msn } => {
+                qp.resp.queue.pop_front();
+                self.emit_ack(env, qp, psn, syndrome, msn, now);
+            }
+            Reply::Fatal { psn, code, status } => {
+                qp.resp.queue.pop_front();
+                self.responder_fatal(env, qp, psn, code, status, now);
+                return None;
+            }
         }
-        self.scratch = payload;
-        Ok(())
+        if qp.resp.queue.is_empty() {
+            None
+        } else {
+            Some(now.max(self.egress_free - SimTime(2_000_000)))
+        }
     }
 
-    #[allow(clippy::too_many_arguments)]
-    fn execute_atomic(
+    fn emit_atomic_ack(
         &mut self,
         env: &mut dyn Env,
-        qp: &Qp,
+        qp: &mut Qp,
         psn: Psn,
-        iova: u64,
-        cas: bool,
-        swap_add: u64,
-        compare: u64,
+        orig: u64,
         msn: u32,
-    ) -> Result<(), u64> {
-        let mut cur = [0u8; 8];
-        env.dma_read(iova, &mut cur).map_err(|f| f.iova)?;
-        let orig = u64::from_le_bytes(cur);
-        let new = match (cas, orig == compare) {
-            (true, true) => swap_add,
-            (true, false) => orig,
-            (false, _) => orig.wrapping_add(swap_add),
-        };
-        env.dma_write(iova, &new.to_le_bytes())
-            .map_err(|f| f.iova)?;
+        at: SimTime,
+    ) {
         let mut repr = self.packet_repr(qp, Opcode::AtomicAcknowledge, psn, false);
         repr.aeth = Some(Aeth {
             syndrome: AethSyndrome::Ack { credits: 0x1F },
             msn: msn & 0x00FF_FFFF,
         });
         repr.atomic_ack = Some(orig);
-        let at = env.now() + SimTime(self.cfg.timing.dma_read_rtt_ps);
         self.emit(env, &repr, &[], at);
-        Ok(())
+    }
+
+    /// A fatal error found while answering: NAK it and move to ERR at once.
+    fn fatal_now(&mut self, env: &mut dyn Env, qp: &mut Qp, psn: Psn, code: NakCode) {
+        let now = env.now();
+        qp.resp.queue.clear();
+        self.responder_fatal(env, qp, psn, code, None, now);
     }
 }
 

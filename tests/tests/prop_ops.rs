@@ -97,6 +97,10 @@ fn run(mtu: u8, seed: u64, ops: &[Op], fill: u8) {
     let mut res_next = RES + SPAN / 2; // atomic results go above READ destinations
     let mut recv_next = RECV;
     let mut expected = Vec::new();
+    // Source ranges of the READs posted so far. RC lets a READ's responses carry data written
+    // by a WRITE posted after it unless that WRITE is fenced: like a correct application, the
+    // test fences a WRITE that overlaps an earlier READ.
+    let mut read_srcs: Vec<(u64, u64)> = Vec::new();
     for (i, op) in ops.iter().enumerate() {
         let id = i as u64;
         let sge;
@@ -110,21 +114,30 @@ fn run(mtu: u8, seed: u64, ops: &[Op], fill: u8) {
                 let (s, d) = (src as usize, dst as usize);
                 rb[d..d + len as usize]
                     .copy_from_slice(&ra[SRC as usize + s..SRC as usize + s + len as usize]);
+                let fence = if read_srcs
+                    .iter()
+                    .any(|&(a, b)| dst < b && a < dst + len as u64)
+                {
+                    SendFlags::SIGNALED | SendFlags::FENCE
+                } else {
+                    SendFlags::SIGNALED
+                };
                 if inline {
                     let data = ra[s..s + len as usize].to_vec();
                     let wr_op = WrOp::Write(remote(dst));
                     p.a.qp
-                        .post_send(&[SendWr::inline(id, wr_op, &data)])
+                        .post_send(&[SendWr::inline(id, wr_op, &data).flags(fence)])
                         .unwrap();
                     expected.push((id, WcOpcode::RdmaWrite));
                     continue;
                 }
                 sge = [p.a.mr.sge(SRC + src, len)];
-                SendWr::new(id, WrOp::Write(remote(dst)), &sge)
+                SendWr::new(id, WrOp::Write(remote(dst)), &sge).flags(fence)
             }
             Op::Read { dst, src, len } => {
                 let (s, d) = (src as usize, (RES + dst) as usize);
                 ra[d..d + len as usize].copy_from_slice(&rb[s..s + len as usize]);
+                read_srcs.push((src, src + len as u64));
                 sge = [p.a.mr.sge(RES + dst, len)];
                 SendWr::new(id, WrOp::Read(remote(src)), &sge)
             }

@@ -518,3 +518,138 @@ fn objects_can_be_dropped_in_any_order() {
         );
     }
 }
+
+#[test]
+fn a_fatal_nak_comes_after_the_responses_owed_before_it() {
+    for atomic in [false, true] {
+        let mut p = pair();
+        let remote = RemoteAddr {
+            addr: p.b.mr.addr(),
+            rkey: p.b.mr.rkey(),
+        };
+        let sge = [p.a.mr.sge(0, 8)];
+        let first = if atomic {
+            SendWr::new(1, WrOp::FetchAdd { remote, add: 1 }, &sge)
+        } else {
+            SendWr::new(1, WrOp::Read(remote), &sge)
+        };
+        let bad = RemoteAddr {
+            addr: p.b.mr.addr(),
+            rkey: p.b.mr.rkey() ^ 0x100,
+        };
+        p.a.qp
+            .post_send(&[first, SendWr::inline(2, WrOp::Write(bad), b"x")])
+            .unwrap();
+        let wc = drain(&p.fabric, &mut p.a.cq);
+        let got: Vec<_> = wc.iter().map(|w| (w.wr_id, w.status)).collect();
+        assert_eq!(
+            got,
+            vec![(1, WcStatus::Success), (2, WcStatus::RemAccessErr)],
+            "atomic {atomic}"
+        );
+    }
+}
+
+#[test]
+fn an_rnr_nak_does_not_overtake_read_responses() {
+    for atomic in [false, true] {
+        let mut p = pair();
+        let remote = RemoteAddr {
+            addr: p.b.mr.addr(),
+            rkey: p.b.mr.rkey(),
+        };
+        let w = [p.a.mr.sge(0, 4096)];
+        let r = if atomic {
+            [p.a.mr.sge(8192, 8)]
+        } else {
+            [p.a.mr.sge(8192, 4096)]
+        };
+        let second = if atomic {
+            SendWr::new(2, WrOp::FetchAdd { remote, add: 1 }, &r)
+        } else {
+            SendWr::new(2, WrOp::Read(remote), &r)
+        };
+        p.a.qp
+            .post_send(&[
+                SendWr::new(1, WrOp::Write(remote), &w),
+                second,
+                SendWr::inline(3, WrOp::Send, b"late"),
+            ])
+            .unwrap();
+        // Nobody receives yet: the SEND is RNR-NAKed behind the WRITE and the READ/atomic.
+        let until = p.fabric.now().ps() + 30_000_000;
+        while p.fabric.now().ps() < until && p.fabric.step() {}
+        let rs = [p.b.mr.sge(100_000, 64)];
+        p.b.qp.post_recv(&[RecvWr { wr_id: 9, sgl: &rs }]).unwrap();
+        let wc = wait(&p.fabric, &mut p.a.cq, 3);
+        let got: Vec<_> = wc.iter().map(|w| (w.wr_id, w.status)).collect();
+        assert_eq!(
+            got,
+            vec![
+                (1, WcStatus::Success),
+                (2, WcStatus::Success),
+                (3, WcStatus::Success)
+            ],
+            "atomic {atomic}"
+        );
+        assert_eq!(wait(&p.fabric, &mut p.b.cq, 1)[0].wr_id, 9);
+    }
+}
+
+#[test]
+fn the_rnr_wait_is_not_cut_short() {
+    // min_rnr_timer 14 = 1.28 ms: a stream of SENDs to a receiver without buffers gets one
+    // RNR NAK, then nothing until the timer has run.
+    let mut p = pair_opts(&ConnectOptions {
+        rnr_retry: 7,
+        min_rnr_timer: 14,
+        ..Default::default()
+    });
+    let sge = [p.a.mr.sge(0, 4096)];
+    let wrs: Vec<SendWr> = (0..60).map(|i| SendWr::new(i, WrOp::Send, &sge)).collect();
+    p.a.qp.post_send(&wrs).unwrap();
+    let start = p.fabric.now().ps();
+    while p.fabric.now().ps() < start + 1_200_000_000 && p.fabric.step() {}
+    assert_eq!(
+        p.fabric.nic_stats(1).rnr_naks_sent,
+        1,
+        "a retry came before the RNR timer ran out"
+    );
+    while p.fabric.now().ps() < start + 1_400_000_000 && p.fabric.step() {}
+    assert_eq!(
+        p.fabric.nic_stats(1).rnr_naks_sent,
+        2,
+        "the retry after 1.28 ms"
+    );
+}
+
+#[test]
+fn rnr_exhaustion_fails_the_wqe_that_was_nakked() {
+    let mut p = pair_opts(&ConnectOptions {
+        rnr_retry: 0,
+        ..Default::default()
+    });
+    let remote = RemoteAddr {
+        addr: p.b.mr.addr(),
+        rkey: p.b.mr.rkey(),
+    };
+    let w = [p.a.mr.sge(0, 64)];
+    let r = [p.a.mr.sge(4096, 64)];
+    p.a.qp
+        .post_send(&[
+            SendWr::new(1, WrOp::Write(remote), &w),
+            SendWr::new(2, WrOp::Read(remote), &r),
+            SendWr::inline(3, WrOp::Send, b"x"),
+        ])
+        .unwrap();
+    let wc = drain(&p.fabric, &mut p.a.cq);
+    let got: Vec<_> = wc.iter().map(|w| (w.wr_id, w.status)).collect();
+    assert_eq!(
+        got,
+        vec![
+            (1, WcStatus::Success),
+            (2, WcStatus::Success),
+            (3, WcStatus::RnrRetryExcErr)
+        ]
+    );
+}
