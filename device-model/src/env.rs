@@ -50,14 +50,21 @@ pub enum NicEvent {
         /// Its context generation.
         gen: u64,
     },
+    /// A responder executes an atomic it accepted (its answer waits for its turn).
+    AtomicExec {
+        /// The responder QP.
+        qpn: u32,
+        /// Its context generation.
+        gen: u64,
+        /// PSN of the atomic.
+        psn: ringbell_specs::Psn,
+    },
     /// The local ACK timer of a QP expires.
     AckTimer {
         /// The QP.
         qpn: u32,
         /// Its context generation.
         gen: u64,
-        /// Timer generation: a timer re-armed or cancelled since makes this event void.
-        timer: u64,
     },
     /// A completion entry is written to a CQ.
     CqeWrite {

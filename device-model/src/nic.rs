@@ -376,15 +376,19 @@ impl Nic {
             NicEvent::Respond { qpn, gen } if self.qps.get(qpn).is_some_and(|q| q.gen == gen) => {
                 self.respond(env, qpn)
             }
-            NicEvent::AckTimer { qpn, gen, timer }
+            NicEvent::AtomicExec { qpn, gen, psn }
                 if self.qps.get(qpn).is_some_and(|q| q.gen == gen) =>
             {
-                self.ack_timer(env, qpn, timer)
+                self.atomic_exec(env, qpn, psn)
+            }
+            NicEvent::AckTimer { qpn, gen } if self.qps.get(qpn).is_some_and(|q| q.gen == gen) => {
+                self.ack_timer(env, qpn)
             }
             // Work for a context destroyed (or reset) after it was scheduled.
             NicEvent::SqProcess { .. }
             | NicEvent::CqeWrite { .. }
             | NicEvent::Respond { .. }
+            | NicEvent::AtomicExec { .. }
             | NicEvent::AckTimer { .. } => {}
         }
     }

@@ -141,9 +141,10 @@ pub(crate) struct Requester {
     pub(crate) rnr_used: u8,
     /// No transmission before this time (an RNR NAK asked us to wait).
     pub(crate) rnr_until: SimTime,
-    /// Generation of the ACK timer: a timer event with another value is stale.
-    pub(crate) timer_gen: u64,
-    pub(crate) timer_armed: bool,
+    /// When the local ACK timer expires, if it runs.
+    pub(crate) timer_deadline: Option<SimTime>,
+    /// An ACK-timer event is scheduled.
+    pub(crate) timer_event: bool,
     /// Packets sent since the last one that asked for an ACK.
     pub(crate) since_ack_req: u32,
 }
@@ -211,7 +212,8 @@ pub(crate) enum Reply {
         msn: u32,
         not_before: SimTime,
     },
-    /// An atomic to execute and answer.
+    /// An atomic, executed at `not_before` (in arrival order with the writes around it) and
+    /// answered when its turn in the queue comes.
     Atomic {
         psn: Psn,
         iova: u64,
@@ -220,6 +222,8 @@ pub(crate) enum Reply {
         compare: u64,
         msn: u32,
         not_before: SimTime,
+        /// `None` until executed; then the original value, or the IOVA that faulted.
+        result: Option<Result<u64, u64>>,
     },
     /// An atomic answered again with its saved original value.
     AtomicReplay { psn: Psn, orig: u64, msn: u32 },
@@ -722,8 +726,7 @@ impl Nic {
             self.complete(env, qp.gen, qp.send_cqn, now, cqe);
         }
         qp.req.rd_atomic = 0;
-        qp.req.timer_gen += 1;
-        qp.req.timer_armed = false;
+        qp.req.timer_deadline = None;
         qp.resp.queue.clear();
         qp.resp.dead = false;
         // WQEs posted but never started: read each control segment to learn its size.

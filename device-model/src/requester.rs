@@ -486,52 +486,66 @@ impl Nic {
     }
 
     /// Arms the local ACK timer unless it runs already (or the QP's timeout is infinite).
+    /// One timer event per QP is in flight at most: moving the deadline later only updates
+    /// it, and the event, when it fires early, sleeps again until the deadline.
     fn arm_ack_timer(&mut self, env: &mut dyn Env, qp: &mut Qp) {
-        if qp.req.timer_armed {
+        if qp.req.timer_deadline.is_some() {
             return;
         }
         if let Some(t) = ack_timeout(qp.attr.timeout) {
-            qp.req.timer_gen += 1;
-            qp.req.timer_armed = true;
-            let at = env.now() + t;
-            env.schedule(
-                at,
-                NicEvent::AckTimer {
-                    qpn: qp.qpn,
-                    gen: qp.gen,
-                    timer: qp.req.timer_gen,
-                },
-            );
+            let deadline = env.now() + t;
+            qp.req.timer_deadline = Some(deadline);
+            if !qp.req.timer_event {
+                qp.req.timer_event = true;
+                env.schedule(
+                    deadline,
+                    NicEvent::AckTimer {
+                        qpn: qp.qpn,
+                        gen: qp.gen,
+                    },
+                );
+            }
         }
+    }
+
+    /// Stops the ACK timer (its event, if any, fires into nothing).
+    fn stop_ack_timer(qp: &mut Qp) {
+        qp.req.timer_deadline = None;
     }
 
     /// Forward progress: the retry counters reload and the timer restarts for what is left.
     fn progress(&mut self, env: &mut dyn Env, qp: &mut Qp) {
         qp.req.retries_used = 0;
         qp.req.rnr_used = 0;
-        qp.req.timer_gen += 1;
-        qp.req.timer_armed = false;
+        Self::stop_ack_timer(qp);
         if qp.req.outstanding.iter().any(|o| o.pending() && o.sent > 0) {
             self.arm_ack_timer(env, qp);
         }
     }
 
-    /// The local ACK timer of `qpn` fired.
-    pub(crate) fn ack_timer(&mut self, env: &mut dyn Env, qpn: u32, timer: u64) {
+    /// The ACK timer event of `qpn` fired.
+    pub(crate) fn ack_timer(&mut self, env: &mut dyn Env, qpn: u32) {
         let Some(mut qp) = self.qps.remove(qpn) else {
             return;
         };
-        if qp.req.timer_armed
-            && qp.req.timer_gen == timer
-            && matches!(qp.state, QpState::Rts | QpState::Sqd)
-        {
-            qp.req.timer_armed = false;
-            // An RNR wait has its own timer; the ACK timer must not cut it short.
-            let waiting = env.now() < qp.req.rnr_until;
-            if let Some(una) = self.oldest_unanswered(&qp).filter(|_| !waiting) {
-                qp.stats.timeouts += 1;
-                self.retry_from(env, &mut qp, una);
+        qp.req.timer_event = false;
+        let now = env.now();
+        match qp.req.timer_deadline {
+            Some(d) if d > now => {
+                // Re-armed since this event was scheduled: sleep until the new deadline.
+                qp.req.timer_event = true;
+                env.schedule(d, NicEvent::AckTimer { qpn, gen: qp.gen });
             }
+            Some(_) if matches!(qp.state, QpState::Rts | QpState::Sqd) => {
+                qp.req.timer_deadline = None;
+                // An RNR wait has its own timer; the ACK timer must not cut it short.
+                let waiting = now < qp.req.rnr_until;
+                if let Some(una) = self.oldest_unanswered(&qp).filter(|_| !waiting) {
+                    qp.stats.timeouts += 1;
+                    self.retry_from(env, &mut qp, una);
+                }
+            }
+            _ => qp.req.timer_deadline = None,
         }
         self.qps.restore(qpn, qp);
     }
@@ -582,8 +596,7 @@ impl Nic {
             o.ready_at = ready;
         }
         qp.req.since_ack_req = 0;
-        qp.req.timer_gen += 1;
-        qp.req.timer_armed = false;
+        Self::stop_ack_timer(qp);
         self.kick_qp_sq(env, qp, at);
     }
 

@@ -571,6 +571,7 @@ impl Nic {
         qp.resp.epsn = qp.resp.epsn.add(1);
         qp.resp.msn = qp.resp.msn.wrapping_add(1);
         self.remember(qp, Resource::Atomic { psn, orig: None });
+        let not_before = self.after_posted_writes(ready);
         let reply = Reply::Atomic {
             psn,
             iova,
@@ -578,9 +579,20 @@ impl Nic {
             swap_add: a.swap_add,
             compare: a.compare,
             msn: qp.resp.msn,
-            not_before: self.after_posted_writes(ready),
+            not_before,
+            result: None,
         };
         self.queue_reply(env, qp, reply);
+        // The atomic itself runs as soon as the writes before it have landed, so writes
+        // arriving after it cannot slip in while its answer waits behind READ responses.
+        env.schedule(
+            not_before,
+            NicEvent::AtomicExec {
+                qpn: qp.qpn,
+                gen: qp.gen,
+                psn,
+            },
+        );
         Ok(())
     }
 
@@ -786,38 +798,20 @@ impl Nic {
                 }
             }
             Reply::Atomic {
-                psn,
-                iova,
-                cas,
-                swap_add,
-                compare,
-                msn,
-                ..
+                psn, msn, result, ..
             } => {
+                let result = match result {
+                    Some(r) => r,
+                    None => match self.execute_atomic(env, qp, 0) {
+                        Some(r) => r,
+                        None => return None,
+                    },
+                };
                 qp.resp.queue.pop_front();
-                let mut cur = [0u8; 8];
-                let r = env.dma_read(iova, &mut cur).and_then(|_| {
-                    let orig = u64::from_le_bytes(cur);
-                    let new = match (cas, orig == compare) {
-                        (true, true) => swap_add,
-                        (true, false) => orig,
-                        (false, _) => orig.wrapping_add(swap_add),
-                    };
-                    env.dma_write(iova, &new.to_le_bytes()).map(|_| orig)
-                });
-                match r {
-                    Ok(orig) => {
-                        for res in qp.resp.resources.iter_mut() {
-                            if let Resource::Atomic { psn: p, orig: o } = res {
-                                if *p == psn {
-                                    *o = Some(orig);
-                                }
-                            }
-                        }
-                        self.emit_atomic_ack(env, qp, psn, orig, msn, now + SimTime(rtt));
-                    }
-                    Err(f) => {
-                        self.iommu_fault(env, qp.qpn, f.iova);
+                match result {
+                    Ok(orig) => self.emit_atomic_ack(env, qp, psn, orig, msn, now + SimTime(rtt)),
+                    Err(iova) => {
+                        self.iommu_fault(env, qp.qpn, iova);
                         self.fatal_now(env, qp, psn, NakCode::RemoteOperationalError);
                         return None;
                     }
@@ -842,6 +836,69 @@ impl Nic {
         } else {
             Some(now.max(self.egress_free - SimTime(2_000_000)))
         }
+    }
+
+    /// Runs the atomic `psn` of a responder QP (the `AtomicExec` event).
+    pub(crate) fn atomic_exec(&mut self, env: &mut dyn Env, qpn: u32, psn: Psn) {
+        let Some(mut qp) = self.qps.remove(qpn) else {
+            return;
+        };
+        let pos = qp
+            .resp
+            .queue
+            .iter()
+            .position(|r| matches!(r, Reply::Atomic { psn: p, result: None, .. } if *p == psn));
+        if let Some(i) = pos {
+            self.execute_atomic(env, &mut qp, i);
+        }
+        self.qps.restore(qpn, qp);
+    }
+
+    /// Executes the (not yet executed) atomic at queue position `i` and records its result in
+    /// the queue and in the responder resources.
+    fn execute_atomic(
+        &mut self,
+        env: &mut dyn Env,
+        qp: &mut Qp,
+        i: usize,
+    ) -> Option<Result<u64, u64>> {
+        let Some(Reply::Atomic {
+            psn,
+            iova,
+            cas,
+            swap_add,
+            compare,
+            result,
+            ..
+        }) = qp.resp.queue.get_mut(i)
+        else {
+            return None;
+        };
+        let mut cur = [0u8; 8];
+        let r = env
+            .dma_read(*iova, &mut cur)
+            .and_then(|_| {
+                let orig = u64::from_le_bytes(cur);
+                let new = match (*cas, orig == *compare) {
+                    (true, true) => *swap_add,
+                    (true, false) => orig,
+                    (false, _) => orig.wrapping_add(*swap_add),
+                };
+                env.dma_write(*iova, &new.to_le_bytes()).map(|_| orig)
+            })
+            .map_err(|f| f.iova);
+        *result = Some(r);
+        let psn = *psn;
+        if let Ok(orig) = r {
+            for res in qp.resp.resources.iter_mut() {
+                if let Resource::Atomic { psn: p, orig: o } = res {
+                    if *p == psn {
+                        *o = Some(orig);
+                    }
+                }
+            }
+        }
+        Some(r)
     }
 
     fn emit_atomic_ack(

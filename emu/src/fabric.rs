@@ -90,6 +90,8 @@ pub(crate) struct Inner {
     pub(crate) nodes: Vec<Node>,
     macs: BTreeMap<[u8; 6], usize>,
     switch_free: Vec<SimTime>,
+    /// ACK-timer events pending (most are cancelled timers that fire into nothing).
+    timers: u64,
     /// Register writes of each node still on their way to the device.
     pending_mmio: Vec<u32>,
     cfg: FabricConfig,
@@ -111,6 +113,7 @@ struct NodeEnv<'a> {
     topology: Topology,
     stats: &'a mut FabricStats,
     interrupts: &'a mut u64,
+    timers: &'a mut u64,
 }
 
 impl Env for NodeEnv<'_> {
@@ -127,6 +130,9 @@ impl Env for NodeEnv<'_> {
         self.iommu.check(iova, len)
     }
     fn schedule(&mut self, at: SimTime, ev: NicEvent) {
+        if matches!(ev, NicEvent::AckTimer { .. }) {
+            *self.timers += 1;
+        }
         self.queue.push(at, Event::Nic(self.node, ev));
     }
     fn transmit(&mut self, at: SimTime, frame: Vec<u8>) {
@@ -181,6 +187,7 @@ impl Inner {
             topology,
             stats: &mut self.stats,
             interrupts,
+            timers: &mut self.timers,
         };
         f(nic, &mut env)
     }
@@ -211,6 +218,9 @@ impl Inner {
         self.digest.feed(&at.ps().to_le_bytes());
         match ev {
             Event::Nic(node, ev) => {
+                if matches!(ev, NicEvent::AckTimer { .. }) {
+                    self.timers -= 1;
+                }
                 self.digest.feed(&(node as u32).to_le_bytes());
                 if let NicEvent::Mmio { offset, value } = &ev {
                     self.pending_mmio[node] = self.pending_mmio[node].saturating_sub(1);
@@ -273,6 +283,7 @@ impl Fabric {
             queue: EventQueue::new(),
             switch_free: vec![SimTime::ZERO; cfg.nodes],
             pending_mmio: vec![0; cfg.nodes],
+            timers: 0,
             nodes,
             macs,
             digest: Digest(0xCBF2_9CE4_8422_2325),
@@ -325,6 +336,22 @@ impl Fabric {
             n += 1;
         }
         n
+    }
+
+    /// Runs until nothing but ACK timers is pending: the fabric is quiet unless a timer finds
+    /// work to do (a lost packet). Returns the number of events run.
+    pub fn run_until_quiet(&self) -> u64 {
+        let mut n = 0;
+        loop {
+            let quiet = {
+                let s = self.shared.borrow();
+                s.queue.len() as u64 <= s.timers
+            };
+            if quiet || !self.step() {
+                return n;
+            }
+            n += 1;
+        }
     }
 
     /// Digest of every event processed so far.

@@ -224,7 +224,7 @@ impl PerfPair {
 
     /// Runs the fabric until idle and reaps every completion left from earlier runs.
     fn quiesce(&mut self) -> Result<(), Error> {
-        self.fabric.run_until_idle(u64::MAX);
+        self.fabric.run_until_quiet();
         let mut wc = [WorkCompletion::default(); 32];
         for cq in [&mut self.a.cq, &mut self.b.cq] {
             loop {

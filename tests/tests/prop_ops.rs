@@ -70,6 +70,15 @@ fn op() -> impl Strategy<Value = Op> {
     ]
 }
 
+/// SIGNALED, plus FENCE when `[at, at + len)` overlaps the source of an earlier READ.
+fn fenced(read_srcs: &[(u64, u64)], at: u64, len: u64) -> SendFlags {
+    if read_srcs.iter().any(|&(a, b)| at < b && a < at + len) {
+        SendFlags::SIGNALED | SendFlags::FENCE
+    } else {
+        SendFlags::SIGNALED
+    }
+}
+
 fn run(mtu: u8, seed: u64, ops: &[Op], fill: u8) {
     let mut p = pair_with(2, mtu, seed);
     // Distinct, position-dependent contents so misplaced bytes show.
@@ -98,8 +107,8 @@ fn run(mtu: u8, seed: u64, ops: &[Op], fill: u8) {
     let mut recv_next = RECV;
     let mut expected = Vec::new();
     // Source ranges of the READs posted so far. RC lets a READ's responses carry data written
-    // by a WRITE posted after it unless that WRITE is fenced: like a correct application, the
-    // test fences a WRITE that overlaps an earlier READ.
+    // by a WRITE or atomic posted after it unless that request is fenced: like a correct
+    // application, the test fences a request that overlaps an earlier READ.
     let mut read_srcs: Vec<(u64, u64)> = Vec::new();
     for (i, op) in ops.iter().enumerate() {
         let id = i as u64;
@@ -171,6 +180,7 @@ fn run(mtu: u8, seed: u64, ops: &[Op], fill: u8) {
                     },
                     &sge,
                 )
+                .flags(fenced(&read_srcs, at, 8))
             }
             Op::CmpSwap { at, hit, swap } => {
                 let a = at as usize;
@@ -191,6 +201,7 @@ fn run(mtu: u8, seed: u64, ops: &[Op], fill: u8) {
                     },
                     &sge,
                 )
+                .flags(fenced(&read_srcs, at, 8))
             }
         };
         let opcode = match op {
