@@ -802,10 +802,7 @@ impl Nic {
             } => {
                 let result = match result {
                     Some(r) => r,
-                    None => match self.execute_atomic(env, qp, 0) {
-                        Some(r) => r,
-                        None => return None,
-                    },
+                    None => self.execute_atomic(env, qp, 0)?,
                 };
                 qp.resp.queue.pop_front();
                 match result {
