@@ -79,6 +79,18 @@ impl Nic {
     fn run(&mut self, env: &mut dyn Env, op: CmdOpcode, input: &[u8]) -> Outcome {
         match op {
             CmdOpcode::QueryDevice => self.query_device(),
+            CmdOpcode::QueryPortStats => {
+                let mut out = vec![0u8; ringbell_specs::stats::PortStats::SIZE];
+                self.stats.encode(&mut out);
+                Ok(out)
+            }
+            CmdOpcode::QueryQpStats => {
+                let n = params::<ObjectIn>(input)?.num.get();
+                let qp = self.qps.get(n).ok_or(CmdStatus::BadResource)?;
+                let mut out = vec![0u8; ringbell_specs::stats::QpStats::SIZE];
+                qp.stats.encode(&mut out);
+                Ok(out)
+            }
             CmdOpcode::AllocPd => obj(self
                 .pds
                 .insert_with(|_| Pd::default())

@@ -63,32 +63,8 @@ impl NicConfig {
     }
 }
 
-/// Counters a NIC keeps about itself.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct NicStats {
-    /// Frames put on the link.
-    pub tx_frames: u64,
-    /// Frames received.
-    pub rx_frames: u64,
-    /// Frames dropped because they did not parse or failed the ICRC.
-    pub rx_malformed: u64,
-    /// Frames dropped for addressing, QP or state reasons.
-    pub rx_dropped: u64,
-    /// NAKs sent (sequence error, invalid request, remote access, remote operational).
-    pub naks_sent: u64,
-    /// RNR NAKs sent.
-    pub rnr_naks_sent: u64,
-    /// CQEs written.
-    pub cqes: u64,
-    /// Events written to the EQ.
-    pub eqes: u64,
-    /// Events lost because the EQ was full or disabled.
-    pub eqes_lost: u64,
-    /// IOMMU faults.
-    pub iommu_faults: u64,
-    /// Guest programming errors (bad register access, bad doorbell).
-    pub guest_errors: u64,
-}
+/// Counters a NIC keeps about itself (the port counters of the ABI).
+pub type NicStats = ringbell_specs::stats::PortStats;
 
 /// A fixed-capacity table of objects numbered 1..=capacity.
 #[derive(Debug)]

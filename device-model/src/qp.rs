@@ -149,36 +149,7 @@ pub(crate) struct Requester {
     pub(crate) since_ack_req: u32,
 }
 
-/// Per-QP transport counters.
-#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
-pub struct QpStats {
-    /// Request packets sent (first transmissions and retransmissions).
-    pub packets_sent: u64,
-    /// Request packets sent again (go-back-N after a NAK, a timeout or an RNR NAK).
-    pub retransmitted: u64,
-    /// Local ACK timeouts.
-    pub timeouts: u64,
-    /// Sequence-error NAKs received.
-    pub seq_naks_received: u64,
-    /// RNR NAKs received.
-    pub rnr_naks_received: u64,
-    /// Other NAKs received (invalid request, remote access, remote operational).
-    pub naks_received: u64,
-    /// Sequence-error NAKs sent.
-    pub seq_naks_sent: u64,
-    /// RNR NAKs sent.
-    pub rnr_naks_sent: u64,
-    /// Other NAKs sent.
-    pub naks_sent: u64,
-    /// Duplicate requests received (re-acknowledged or replayed, never executed twice).
-    pub duplicates_received: u64,
-    /// Out-of-sequence requests dropped.
-    pub out_of_sequence: u64,
-    /// READs answered again from the responder resources.
-    pub read_replays: u64,
-    /// Atomics answered again from the saved result.
-    pub atomic_replays: u64,
-}
+pub use ringbell_specs::stats::QpStats;
 
 /// A receive WQE being filled by a multi-packet SEND.
 #[derive(Debug)]

@@ -29,6 +29,10 @@ impl Nic {
         self.stats.rx_frames += 1;
         let pkt = match wire::parse_packet(frame) {
             Ok(p) => p,
+            Err(wire::WireError::BadIcrc) => {
+                self.stats.rx_icrc_errors += 1;
+                return;
+            }
             Err(_) => {
                 self.stats.rx_malformed += 1;
                 return;

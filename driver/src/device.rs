@@ -11,6 +11,7 @@ use ringbell_specs::cmd::{
 };
 use ringbell_specs::cqe::{owner_bit, Eqe, EventType, EQE_SIZE};
 use ringbell_specs::regs;
+use ringbell_specs::stats::PortStats;
 use std::cell::{Cell, RefCell};
 use std::collections::BTreeMap;
 use std::rc::Rc;
@@ -304,6 +305,12 @@ impl Device {
     /// Lets the device make progress once (see [`Port::progress`]).
     pub fn progress(&self) -> bool {
         self.inner.port.progress()
+    }
+
+    /// The port counters (frames, drops, ICRC errors, NAKs sent, ...).
+    pub fn port_stats(&self) -> Result<PortStats, Error> {
+        let out = self.inner.command(CmdOpcode::QueryPortStats, &[])?;
+        Ok(PortStats::decode(&out))
     }
 
     /// Reads the next asynchronous event, if one is waiting.

@@ -37,4 +37,5 @@ pub use qp::{
     ConnectOptions, Endpoint, QpInit, QueuePair, RecvWr, RemoteAddr, SendFlags, SendWr, WrOp,
 };
 pub use ringbell_specs::cmd::{Access, QpState};
+pub use ringbell_specs::stats::{PortStats, QpStats};
 pub use srq::SharedReceiveQueue;

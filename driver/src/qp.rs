@@ -14,6 +14,7 @@ use ringbell_specs::cmd::{
     Access, CmdOpcode, CreateQpIn, ModifyQpIn, ObjectIn, QpAttr, QpAttrMask, QpState,
 };
 use ringbell_specs::regs;
+use ringbell_specs::stats::QpStats;
 use ringbell_specs::wqe::{
     self, AtomicSeg, CtrlSeg, DataSeg, RaddrSeg, SendOpcode, WqeFlags, INLINE_MARK, RECV_LKEY_END,
     SEG, WQEBB,
@@ -453,6 +454,18 @@ impl QueuePair {
         Ok(QpAttr::read_from_prefix(&out)
             .map(|(a, _)| a)
             .unwrap_or_default())
+    }
+
+    /// The QP's transport counters (retransmissions, NAKs, RNR events, duplicates, ...).
+    pub fn stats(&self) -> Result<QpStats, Error> {
+        let out = self.dev.inner.command(
+            CmdOpcode::QueryQpStats,
+            ObjectIn {
+                num: self.qpn.into(),
+            }
+            .as_bytes(),
+        )?;
+        Ok(QpStats::decode(&out))
     }
 
     /// Moves the QP to ERR: outstanding work is flushed with WR_FLUSH_ERR completions.

@@ -1,5 +1,6 @@
 //! The fabric: nodes, links, the switch, and the one event queue that orders them all.
 
+use crate::faults::{FaultPlan, FaultRule, FaultStats, Faults};
 use crate::iommu::Iommu;
 use crate::port::EmuPort;
 use rand_core::SeedableRng;
@@ -31,6 +32,8 @@ pub struct FabricConfig {
     pub topology: Topology,
     /// Timing profile for NICs and links.
     pub timing: TimingProfile,
+    /// Faults injected on the links.
+    pub faults: FaultPlan,
 }
 
 impl FabricConfig {
@@ -41,6 +44,7 @@ impl FabricConfig {
             seed,
             topology: Topology::Switch,
             timing: TimingProfile::default(),
+            faults: FaultPlan::default(),
         }
     }
 }
@@ -90,6 +94,7 @@ pub(crate) struct Inner {
     pub(crate) nodes: Vec<Node>,
     macs: BTreeMap<[u8; 6], usize>,
     switch_free: Vec<SimTime>,
+    faults: Faults,
     /// ACK-timer events pending (most are cancelled timers that fire into nothing).
     timers: u64,
     /// Register writes of each node still on their way to the device.
@@ -114,6 +119,7 @@ struct NodeEnv<'a> {
     stats: &'a mut FabricStats,
     interrupts: &'a mut u64,
     timers: &'a mut u64,
+    faults: &'a mut Faults,
 }
 
 impl Env for NodeEnv<'_> {
@@ -160,7 +166,26 @@ impl Env for NodeEnv<'_> {
                 start + ser + hop
             }
         };
-        self.queue.push(arrival, Event::Frame(dst, frame));
+        if self.faults.inactive() {
+            self.queue.push(arrival, Event::Frame(dst, frame));
+            return;
+        }
+        let v = self.faults.decide(self.node, dst, at, &frame);
+        let mut frame = frame;
+        if let Some(bit) = v.flip {
+            if let Some(b) = frame.get_mut(bit / 8) {
+                *b ^= 1 << (bit % 8);
+            }
+        }
+        let mut copies = v.copies.into_iter().peekable();
+        while let Some(extra) = copies.next() {
+            let f = if copies.peek().is_some() {
+                frame.clone()
+            } else {
+                std::mem::take(&mut frame)
+            };
+            self.queue.push(arrival + extra, Event::Frame(dst, f));
+        }
     }
     fn interrupt(&mut self, _vector: u32) {
         *self.interrupts += 1;
@@ -188,6 +213,7 @@ impl Inner {
             stats: &mut self.stats,
             interrupts,
             timers: &mut self.timers,
+            faults: &mut self.faults,
         };
         f(nic, &mut env)
     }
@@ -284,6 +310,7 @@ impl Fabric {
             switch_free: vec![SimTime::ZERO; cfg.nodes],
             pending_mmio: vec![0; cfg.nodes],
             timers: 0,
+            faults: Faults::new(cfg.faults.clone(), cfg.nodes, cfg.seed),
             nodes,
             macs,
             digest: Digest(0xCBF2_9CE4_8422_2325),
@@ -377,6 +404,21 @@ impl Fabric {
     /// The timing profile.
     pub fn timing(&self) -> TimingProfile {
         self.shared.borrow().cfg.timing.clone()
+    }
+
+    /// Replaces the fault plan (rule counters restart; the random streams go on).
+    pub fn set_faults(&self, plan: FaultPlan) {
+        self.shared.borrow_mut().faults.set_plan(plan);
+    }
+
+    /// Adds a targeted fault rule.
+    pub fn add_fault_rule(&self, rule: FaultRule) {
+        self.shared.borrow_mut().faults.add_rule(rule);
+    }
+
+    /// What fault injection has done so far.
+    pub fn fault_stats(&self) -> FaultStats {
+        self.shared.borrow().faults.stats.clone()
     }
 
     /// Injects a raw frame towards `node` at the current time (tests and fuzzing).

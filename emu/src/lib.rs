@@ -8,10 +8,14 @@
 //! runs the CLI prints.
 
 mod fabric;
+pub mod faults;
 mod iommu;
 pub mod perf;
 mod port;
 
 pub use fabric::{stream_seed, Fabric, FabricConfig, FabricStats, Topology};
+pub use faults::{
+    FaultAction, FaultPlan, FaultRule, FaultStats, FrameKind, FrameMatch, LinkFaults,
+};
 pub use iommu::Iommu;
 pub use port::EmuPort;

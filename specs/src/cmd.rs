@@ -46,6 +46,8 @@ pub(crate) use abi_struct;
 pub enum CmdOpcode {
     /// Report the device's capabilities and limits.
     QueryDevice = 0x01,
+    /// Read the port counters (`stats::PortStats`). ABI 1.1.
+    QueryPortStats = 0x02,
     /// Allocate a protection domain.
     AllocPd = 0x10,
     /// Free a protection domain.
@@ -68,6 +70,8 @@ pub enum CmdOpcode {
     QueryQp = 0x42,
     /// Destroy a queue pair.
     DestroyQp = 0x43,
+    /// Read a QP's transport counters (`stats::QpStats`). ABI 1.1.
+    QueryQpStats = 0x44,
     /// Create a shared receive queue.
     CreateSrq = 0x50,
     /// Set an SRQ's limit and arm the limit event.
@@ -82,6 +86,7 @@ impl CmdOpcode {
         use CmdOpcode::*;
         Some(match v {
             0x01 => QueryDevice,
+            0x02 => QueryPortStats,
             0x10 => AllocPd,
             0x11 => FreePd,
             0x20 => RegMr,
@@ -93,6 +98,7 @@ impl CmdOpcode {
             0x41 => ModifyQp,
             0x42 => QueryQp,
             0x43 => DestroyQp,
+            0x44 => QueryQpStats,
             0x50 => CreateSrq,
             0x51 => ArmSrq,
             0x52 => DestroySrq,

@@ -1,0 +1,123 @@
+//! Transport counters the device keeps per QP and per port, as returned by QUERY_QP_STATS and
+//! QUERY_PORT_STATS: each a sequence of little-endian u64 in the order declared here.
+
+macro_rules! counters {
+    ($(#[$m:meta])* $name:ident { $( $(#[$fm:meta])* $f:ident, )* }) => {
+        $(#[$m])*
+        #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+        pub struct $name { $( $(#[$fm])* pub $f: u64, )* }
+
+        impl $name {
+            /// Field names in wire order.
+            pub const NAMES: &'static [&'static str] = &[$(stringify!($f)),*];
+            /// Encoded size in bytes.
+            pub const SIZE: usize = Self::NAMES.len() * 8;
+
+            /// The counters in wire order.
+            pub fn values(&self) -> impl Iterator<Item = (&'static str, u64)> {
+                [$((stringify!($f), self.$f)),*].into_iter()
+            }
+
+            /// Encodes into `out` (at least [`Self::SIZE`] bytes).
+            pub fn encode(&self, out: &mut [u8]) {
+                for (i, (_, v)) in self.values().enumerate() {
+                    if let Some(dst) = out.get_mut(i * 8..i * 8 + 8) {
+                        dst.copy_from_slice(&v.to_le_bytes());
+                    }
+                }
+            }
+
+            /// Decodes from `b`; missing bytes read as zero.
+            pub fn decode(b: &[u8]) -> Self {
+                let mut it = b.chunks(8).map(|c| {
+                    let mut w = [0u8; 8];
+                    w[..c.len()].copy_from_slice(c);
+                    u64::from_le_bytes(w)
+                });
+                $name { $( $f: it.next().unwrap_or(0), )* }
+            }
+        }
+    };
+}
+
+counters!(
+    /// Per-QP transport counters.
+    QpStats {
+        /// Request packets sent (first transmissions and retransmissions).
+        packets_sent,
+        /// Request packets sent again (go-back-N after a NAK, a timeout or an RNR NAK).
+        retransmitted,
+        /// Local ACK timeouts.
+        timeouts,
+        /// Sequence-error NAKs received.
+        seq_naks_received,
+        /// RNR NAKs received.
+        rnr_naks_received,
+        /// Other NAKs received (invalid request, remote access, remote operational).
+        naks_received,
+        /// Sequence-error NAKs sent.
+        seq_naks_sent,
+        /// RNR NAKs sent.
+        rnr_naks_sent,
+        /// Other NAKs sent.
+        naks_sent,
+        /// Duplicate requests received (re-acknowledged or replayed, never executed twice).
+        duplicates_received,
+        /// Out-of-sequence requests dropped.
+        out_of_sequence,
+        /// READs answered again from the responder resources.
+        read_replays,
+        /// Atomics answered again from the saved result.
+        atomic_replays,
+    }
+);
+
+counters!(
+    /// Per-port (per-NIC) counters.
+    PortStats {
+        /// Frames put on the link.
+        tx_frames,
+        /// Frames received.
+        rx_frames,
+        /// Frames dropped because they did not parse.
+        rx_malformed,
+        /// Frames dropped because their ICRC was wrong.
+        rx_icrc_errors,
+        /// Frames dropped for addressing, QP or state reasons.
+        rx_dropped,
+        /// NAKs sent (sequence error, invalid request, remote access, remote operational).
+        naks_sent,
+        /// RNR NAKs sent.
+        rnr_naks_sent,
+        /// CQEs written.
+        cqes,
+        /// Events written to the EQ.
+        eqes,
+        /// Events lost because the EQ was full or disabled.
+        eqes_lost,
+        /// IOMMU faults.
+        iommu_faults,
+        /// Guest programming errors (bad register access, bad doorbell).
+        guest_errors,
+    }
+);
+
+const _: () =
+    assert!(QpStats::SIZE <= crate::cmd::PARAMS_SIZE && PortStats::SIZE <= crate::cmd::PARAMS_SIZE);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn encode_decode_round_trip() {
+        let mut s = QpStats::default();
+        s.retransmitted = 7;
+        s.atomic_replays = u64::MAX;
+        let mut b = [0u8; QpStats::SIZE];
+        s.encode(&mut b);
+        assert_eq!(QpStats::decode(&b), s);
+        assert_eq!(&b[8..16], &7u64.to_le_bytes());
+        assert_eq!(QpStats::NAMES[1], "retransmitted");
+    }
+}
