@@ -111,9 +111,11 @@ mod tests {
 
     #[test]
     fn encode_decode_round_trip() {
-        let mut s = QpStats::default();
-        s.retransmitted = 7;
-        s.atomic_replays = u64::MAX;
+        let s = QpStats {
+            retransmitted: 7,
+            atomic_replays: u64::MAX,
+            ..Default::default()
+        };
         let mut b = [0u8; QpStats::SIZE];
         s.encode(&mut b);
         assert_eq!(QpStats::decode(&b), s);
