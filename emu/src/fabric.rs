@@ -393,7 +393,7 @@ impl Fabric {
 
     /// A node's NIC counters.
     pub fn nic_stats(&self, node: usize) -> NicStats {
-        self.shared.borrow().nodes[node].nic.stats().clone()
+        *self.shared.borrow().nodes[node].nic.stats()
     }
 
     /// Interrupts node `node` has raised.
