@@ -137,6 +137,8 @@ pub(crate) struct Requester {
     pub(crate) busy_until: SimTime,
     /// Transport retries used since the last forward progress.
     pub(crate) retries_used: u8,
+    /// A transport retry is under way and no progress has been made since.
+    pub(crate) retrying: bool,
     /// RNR retries used since the last forward progress.
     pub(crate) rnr_used: u8,
     /// No transmission before this time (an RNR NAK asked us to wait).

@@ -516,6 +516,7 @@ impl Nic {
     /// Forward progress: the retry counters reload and the timer restarts for what is left.
     fn progress(&mut self, env: &mut dyn Env, qp: &mut Qp) {
         qp.req.retries_used = 0;
+        qp.req.retrying = false;
         qp.req.rnr_used = 0;
         Self::stop_ack_timer(qp);
         if qp.req.outstanding.iter().any(|o| o.pending() && o.sent > 0) {
@@ -564,6 +565,7 @@ impl Nic {
             return;
         }
         qp.req.retries_used += 1;
+        qp.req.retrying = true;
         let now = env.now();
         self.rewind(env, qp, psn, now);
     }
@@ -720,11 +722,14 @@ impl Nic {
         let psn = pkt.repr.bth.psn;
         let mtu = qp.mtu() as u64;
         let (pdn, qpn) = (qp.pdn, qp.qpn);
+        // Responses are taken in order: only for the oldest unfinished WQE. One for a later
+        // READ or atomic means an earlier response was lost; the retry asks for it again.
         let Some(i) = qp
             .req
             .outstanding
             .iter()
-            .position(|o| o.pending() && o.holds(psn))
+            .position(|o| o.pending())
+            .filter(|&i| qp.req.outstanding[i].holds(psn))
         else {
             return false;
         };
@@ -776,11 +781,14 @@ impl Nic {
     ) -> bool {
         let psn = pkt.repr.bth.psn;
         let (pdn, qpn) = (qp.pdn, qp.qpn);
+        // Responses are taken in order: only for the oldest unfinished WQE. One for a later
+        // READ or atomic means an earlier response was lost; the retry asks for it again.
         let Some(i) = qp
             .req
             .outstanding
             .iter()
-            .position(|o| o.pending() && o.holds(psn))
+            .position(|o| o.pending())
+            .filter(|&i| qp.req.outstanding[i].holds(psn))
         else {
             return false;
         };
@@ -810,6 +818,11 @@ impl Nic {
     /// A response for `psn` proves every READ/atomic before it was executed: one still
     /// unanswered lost its responses, and is asked again (a transport retry).
     fn lost_responses(&mut self, env: &mut dyn Env, qp: &mut Qp, psn: Psn) -> bool {
+        // Right after a retry, responses to the requests before it (duplicate ACKs among
+        // them) are still on their way: they prove nothing new until progress is made.
+        if qp.req.retrying {
+            return false;
+        }
         let lost =
             qp.req.outstanding.iter().find(|o| {
                 o.pending() && o.is_rd_atomic() && o.sent > 0 && o.last_psn().diff(psn) < 0

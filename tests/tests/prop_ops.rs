@@ -4,6 +4,7 @@
 
 use proptest::prelude::*;
 use ringbell::*;
+use ringbell_emu::{Fabric, FabricConfig, FaultPlan, LinkFaults};
 use ringbell_tests::*;
 
 /// A's gather source: never written by the NIC.
@@ -79,8 +80,25 @@ fn fenced(read_srcs: &[(u64, u64)], at: u64, len: u64) -> SendFlags {
     }
 }
 
-fn run(mtu: u8, seed: u64, ops: &[Op], fill: u8) {
-    let mut p = pair_with(2, mtu, seed);
+fn run(mtu: u8, seed: u64, ops: &[Op], fill: u8, faults: FaultPlan) {
+    let mut cfg = FabricConfig::new(2, seed);
+    cfg.faults = faults;
+    let fabric = Fabric::new(cfg);
+    let all =
+        Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::REMOTE_READ | Access::REMOTE_ATOMIC;
+    let mut a = side(&fabric, 0, all);
+    let mut b = side(&fabric, 1, all);
+    // A short ACK timeout (1 ms) keeps lossy runs short in simulated time.
+    connect(
+        &mut a,
+        &mut b,
+        &ConnectOptions {
+            path_mtu: mtu,
+            timeout: 8,
+            ..Default::default()
+        },
+    );
+    let mut p = Pair { a, b, fabric };
     // Distinct, position-dependent contents so misplaced bytes show.
     let a_init: Vec<u8> = (0..BUF)
         .map(|i| {
@@ -258,6 +276,30 @@ proptest! {
         fill in any::<u8>(),
         ops in proptest::collection::vec(op(), 1..60),
     ) {
-        run(mtu, seed, &ops, fill);
+        run(mtu, seed, &ops, fill, FaultPlan::default());
+    }
+
+    /// The same under random faults drawn from `seed` (printed with any failure, it replays
+    /// the run exactly): loss, duplication, reordering and corruption on both links.
+    #[test]
+    fn random_operation_mixes_survive_random_faults(
+        mtu in 1u8..=5,
+        seed in any::<u64>(),
+        fill in any::<u8>(),
+        drop in 0u32..30_000,
+        duplicate in 0u32..10_000,
+        reorder in 0u32..10_000,
+        corrupt in 0u32..10_000,
+        ops in proptest::collection::vec(op(), 1..40),
+    ) {
+        let links = LinkFaults {
+            drop_ppm: drop,
+            duplicate_ppm: duplicate,
+            reorder_ppm: reorder,
+            reorder_delay: ringbell_specs::SimTime(3_000_000),
+            corrupt_ppm: corrupt,
+            down: Vec::new(),
+        };
+        run(mtu, seed, &ops, fill, FaultPlan { links, ..Default::default() });
     }
 }
