@@ -12,6 +12,7 @@ pub mod faults;
 mod iommu;
 pub mod perf;
 mod port;
+mod scenario;
 
 pub use fabric::{stream_seed, Fabric, FabricConfig, FabricStats, Topology};
 pub use faults::{
@@ -19,3 +20,4 @@ pub use faults::{
 };
 pub use iommu::Iommu;
 pub use port::EmuPort;
+pub use scenario::{Scenario, ScenarioError};

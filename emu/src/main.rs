@@ -1,8 +1,10 @@
 //! `ringbell-emu`: runs workloads through the real driver on emulated NICs.
 
 use clap::{Parser, Subcommand, ValueEnum};
+use ringbell::ConnectOptions;
+use ringbell_emu::faults::{ppm, LinkFaults, PPM};
 use ringbell_emu::perf::{PerfOp, PerfPair};
-use ringbell_emu::Topology;
+use ringbell_emu::{FabricConfig, Scenario, Topology};
 use std::time::Instant;
 
 #[derive(Parser)]
@@ -24,8 +26,58 @@ enum Wiring {
     Switch,
 }
 
+#[derive(Clone, Copy, ValueEnum)]
+enum BenchOp {
+    /// RDMA WRITE.
+    Write,
+    /// SEND/RECV.
+    Send,
+    /// RDMA READ.
+    Read,
+}
+
 #[derive(Subcommand)]
 enum Cmd {
+    /// A bandwidth run on two nodes, optionally over a lossy fabric: goodput, retransmissions
+    /// and every transport counter.
+    Bench {
+        /// Root seed (faults included); a scenario file's seed wins when it sets one.
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
+        /// Probability that a frame is lost on a link (0..1).
+        #[arg(long, default_value_t = 0.0)]
+        loss: f64,
+        /// Probability that a frame arrives twice.
+        #[arg(long, default_value_t = 0.0)]
+        duplicate: f64,
+        /// Probability that a frame is held back up to 2 µs (reordering).
+        #[arg(long, default_value_t = 0.0)]
+        reorder: f64,
+        /// Probability that a frame is corrupted (dropped by the receiver's ICRC check).
+        #[arg(long, default_value_t = 0.0)]
+        corrupt: f64,
+        /// A scenario file (TOML) with the seed and faults; see the README.
+        #[arg(long)]
+        scenario: Option<String>,
+        /// The operation.
+        #[arg(long, value_enum, default_value_t = BenchOp::Write)]
+        op: BenchOp,
+        /// Message size in bytes.
+        #[arg(long, default_value_t = 65536)]
+        size: u32,
+        /// Messages.
+        #[arg(long, default_value_t = 2000)]
+        count: u32,
+        /// Messages outstanding.
+        #[arg(long, default_value_t = 128)]
+        depth: u32,
+        /// Local ACK timeout exponent (4.096 µs × 2^n; 0 = infinite).
+        #[arg(long, default_value_t = 14)]
+        timeout: u8,
+        /// Transport retries.
+        #[arg(long, default_value_t = 7)]
+        retry_cnt: u8,
+    },
     /// Two nodes through the real driver: latency (WRITE, SEND, READ; 8 B..64 KiB) and
     /// bandwidth, in simulated time, plus the wall-clock emulation speed.
     Demo {
@@ -43,18 +95,160 @@ enum Cmd {
 
 fn main() {
     let cli = Cli::parse();
-    match cli.cmd {
+    let r = match cli.cmd {
         Cmd::Demo {
             seed,
             iters,
             wiring,
+        } => demo(seed, iters, wiring).map_err(|e| e.to_string()),
+        Cmd::Bench {
+            seed,
+            loss,
+            duplicate,
+            reorder,
+            corrupt,
+            scenario,
+            op,
+            size,
+            count,
+            depth,
+            timeout,
+            retry_cnt,
         } => {
-            if let Err(e) = demo(seed, iters, wiring) {
-                eprintln!("ringbell-emu: {e}");
-                std::process::exit(1);
-            }
+            let links = LinkFaults {
+                drop_ppm: ppm(loss),
+                duplicate_ppm: ppm(duplicate),
+                reorder_ppm: ppm(reorder),
+                reorder_delay: ringbell_specs::SimTime(2_000_000),
+                corrupt_ppm: ppm(corrupt),
+                down: Vec::new(),
+            };
+            bench(BenchArgs {
+                seed,
+                links,
+                scenario,
+                op,
+                size,
+                count,
+                depth,
+                timeout,
+                retry_cnt,
+            })
         }
+    };
+    if let Err(e) = r {
+        eprintln!("ringbell-emu: {e}");
+        std::process::exit(1);
     }
+}
+
+struct BenchArgs {
+    seed: u64,
+    links: LinkFaults,
+    scenario: Option<String>,
+    op: BenchOp,
+    size: u32,
+    count: u32,
+    depth: u32,
+    timeout: u8,
+    retry_cnt: u8,
+}
+
+fn pct(p: u32) -> String {
+    format!("{:.3}%", p as f64 * 100.0 / PPM as f64)
+}
+
+fn bench(a: BenchArgs) -> Result<(), String> {
+    let mut cfg = FabricConfig::new(2, a.seed);
+    cfg.faults.links = a.links;
+    if let Some(path) = &a.scenario {
+        let s = Scenario::load(path).map_err(|e| e.to_string())?;
+        if let Some(seed) = s.seed {
+            cfg.seed = seed;
+        }
+        // The scenario adds its per-node links and rules; its default link applies unless
+        // the flags set one.
+        let l = &cfg.faults.links;
+        if l.drop_ppm == 0 && l.duplicate_ppm == 0 && l.reorder_ppm == 0 && l.corrupt_ppm == 0 {
+            cfg.faults.links = s.faults.links;
+        }
+        cfg.faults.per_node = s.faults.per_node;
+        cfg.faults.rules = s.faults.rules;
+    }
+    println!("seed {}", cfg.seed);
+    let l = &cfg.faults.links;
+    println!(
+        "faults: loss {} duplicate {} reorder {} corrupt {} on every link; {} node overrides, {} rules",
+        pct(l.drop_ppm),
+        pct(l.duplicate_ppm),
+        pct(l.reorder_ppm),
+        pct(l.corrupt_ppm),
+        cfg.faults.per_node.len(),
+        cfg.faults.rules.len()
+    );
+    let (op, name) = match a.op {
+        BenchOp::Write => (PerfOp::Write, "write"),
+        BenchOp::Send => (PerfOp::Send, "send"),
+        BenchOp::Read => (PerfOp::Read, "read"),
+    };
+    println!(
+        "bench: {name} {} B x {}, {} outstanding, two switched nodes, ACK timeout {}, retry_cnt {}",
+        a.size, a.count, a.depth, a.timeout, a.retry_cnt
+    );
+    let wall = Instant::now();
+    let opts = ConnectOptions {
+        timeout: a.timeout,
+        retry_cnt: a.retry_cnt,
+        ..Default::default()
+    };
+    let mut p = PerfPair::with(cfg, &opts).map_err(|e| e.to_string())?;
+    let start = p.fabric().now();
+    let bw = p.bandwidth(op, a.size, a.count, a.depth);
+    let sim = p.fabric().now() - start;
+    let el = wall.elapsed().as_secs_f64();
+    match &bw {
+        Ok(bw) => println!(
+            "goodput: {:.2} Gb/s of simulated time ({} messages in {:.3} simulated ms)",
+            bw / 1e9,
+            a.count,
+            sim.as_us_f64() / 1e3
+        ),
+        Err(e) => println!("run failed: {e}"),
+    }
+    let (qa, qb, pa, pb) = p.stats().map_err(|e| e.to_string())?;
+    let line = |title: &str, it: &mut dyn Iterator<Item = (&'static str, u64)>| {
+        let parts: Vec<String> = it
+            .filter(|(_, v)| *v != 0)
+            .map(|(n, v)| format!("{n} {v}"))
+            .collect();
+        println!(
+            "{title}: {}",
+            if parts.is_empty() {
+                "-".to_string()
+            } else {
+                parts.join(", ")
+            }
+        );
+    };
+    line("requester QP", &mut qa.values());
+    line("responder QP", &mut qb.values());
+    line("port 0", &mut pa.values());
+    line("port 1", &mut pb.values());
+    let f = p.fabric().fault_stats();
+    println!(
+        "injected: {} dropped, {} duplicated, {} held back, {} corrupted, {} lost to link-down, {} rule hits",
+        f.dropped, f.duplicated, f.delayed, f.corrupted, f.link_down, f.rule_hits
+    );
+    let st = p.fabric().stats();
+    println!(
+        "emulation: {:.3} simulated ms in {:.2} wall s; {:.2} M events/s, {:.2} M frames/s",
+        p.fabric().now().as_us_f64() / 1e3,
+        el,
+        st.events as f64 / el / 1e6,
+        st.frames_delivered as f64 / el / 1e6
+    );
+    println!("trace digest {:016x}", p.fabric().trace_digest());
+    bw.map(|_| ()).map_err(|e| e.to_string())
 }
 
 fn demo(seed: u64, iters: u32, wiring: Wiring) -> Result<(), ringbell::Error> {

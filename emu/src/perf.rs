@@ -89,16 +89,20 @@ impl PerfPair {
     pub fn new(seed: u64, topology: Topology) -> Result<PerfPair, Error> {
         let mut cfg = FabricConfig::new(2, seed);
         cfg.topology = topology;
+        Self::with(cfg, &ConnectOptions::default())
+    }
+
+    /// Two nodes of a fabric built from `cfg` (which must have two nodes), connected with `o`.
+    pub fn with(cfg: FabricConfig, o: &ConnectOptions) -> Result<PerfPair, Error> {
         let fabric = Fabric::new(cfg);
         let mut a = open(&fabric, 0)?;
         let mut b = open(&fabric, 1)?;
         use rand_core::RngCore;
         let mut rng = fabric.rng(1);
         let (pa, pb) = (rng.next_u32() & 0xFF_FFFF, rng.next_u32() & 0xFF_FFFF);
-        let o = ConnectOptions::default();
         let (ea, eb) = (a.qp.endpoint(pa), b.qp.endpoint(pb));
-        a.qp.connect(&eb, pa, &o)?;
-        b.qp.connect(&ea, pb, &o)?;
+        a.qp.connect(&eb, pa, o)?;
+        b.qp.connect(&ea, pb, o)?;
         let max_inline = a.dev.caps().max_inline;
         Ok(PerfPair {
             fabric,
@@ -106,6 +110,16 @@ impl PerfPair {
             b,
             max_inline,
         })
+    }
+
+    /// Transport counters of both QPs and both ports: (QP A, QP B, port A, port B).
+    pub fn stats(&self) -> Result<(QpStats, QpStats, PortStats, PortStats), Error> {
+        Ok((
+            self.a.qp.stats()?,
+            self.b.qp.stats()?,
+            self.a.dev.port_stats()?,
+            self.b.dev.port_stats()?,
+        ))
     }
 
     /// The fabric.
@@ -254,7 +268,7 @@ impl PerfPair {
         }
     }
 
-    /// Streams `count` `size`-byte messages of `op` (WRITE or SEND) from A to B with up to
+    /// Streams `count` `size`-byte messages of `op` (WRITE, SEND or READ) from A to B with up to
     /// `depth` outstanding, every 16th signaled; returns payload bandwidth in bits per
     /// second of simulated time.
     pub fn bandwidth(
@@ -294,6 +308,11 @@ impl PerfPair {
                 };
                 let wr_op = if op == PerfOp::Send {
                     WrOp::Send
+                } else if op == PerfOp::Read {
+                    WrOp::Read(RemoteAddr {
+                        addr: self.b.mr.addr(),
+                        rkey: self.b.mr.rkey(),
+                    })
                 } else {
                     WrOp::Write(remote)
                 };

@@ -58,3 +58,120 @@ fn bad_arguments_are_refused_with_usage() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("invalid value"));
 }
+
+fn bench(args: &[&str]) -> String {
+    let out = Command::new(env!("CARGO_BIN_EXE_ringbell-emu"))
+        .arg("bench")
+        .args(args)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).unwrap()
+}
+
+fn field(text: &str, line: &str, name: &str) -> u64 {
+    let l = text
+        .lines()
+        .find(|l| l.starts_with(line))
+        .unwrap_or_else(|| panic!("no {line} in {text}"));
+    l.split(", ")
+        .map(|p| p.trim_start_matches(&format!("{line}: ")))
+        .find_map(|p| p.strip_prefix(&format!("{name} ")))
+        .map_or(0, |v| v.parse().unwrap())
+}
+
+#[test]
+fn bench_at_one_percent_loss_prints_goodput_and_retransmissions() {
+    let args = [
+        "--loss",
+        "0.01",
+        "--seed",
+        "7",
+        "--count",
+        "300",
+        "--timeout",
+        "8",
+    ];
+    let text = bench(&args);
+    assert_eq!(text.lines().next(), Some("seed 7"));
+    assert!(text.contains("loss 1.000%"), "{text}");
+    let goodput: f64 = text
+        .lines()
+        .find_map(|l| l.strip_prefix("goodput: "))
+        .and_then(|l| l.split_whitespace().next())
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(goodput > 1.0 && goodput < 100.0, "{goodput}");
+    assert!(field(&text, "requester QP", "retransmitted") > 0, "{text}");
+    assert!(field(&text, "responder QP", "seq_naks_sent") > 0, "{text}");
+    let dropped: u64 = text
+        .lines()
+        .find_map(|l| l.strip_prefix("injected: "))
+        .unwrap()
+        .split(' ')
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(dropped > 0);
+    // Same seed, same run; another seed, another run.
+    let digest = |t: &str| {
+        t.lines()
+            .find(|l| l.starts_with("trace digest"))
+            .map(str::to_owned)
+    };
+    assert_eq!(digest(&text), digest(&bench(&args)));
+    let other = bench(&[
+        "--loss",
+        "0.01",
+        "--seed",
+        "8",
+        "--count",
+        "300",
+        "--timeout",
+        "8",
+    ]);
+    assert_ne!(digest(&text), digest(&other));
+}
+
+#[test]
+fn bench_reads_a_scenario_file() {
+    let dir = std::env::temp_dir().join(format!("ringbell-scenario-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("s.toml");
+    std::fs::write(
+        &path,
+        "seed = 11\n[faults]\ncorrupt = 0.01\n[[faults.rule]]\naction = \"drop\"\nkind = \"ack\"\nnth = 2\ntimes = 3\n",
+    )
+    .unwrap();
+    let text = bench(&[
+        "--scenario",
+        path.to_str().unwrap(),
+        "--count",
+        "200",
+        "--size",
+        "4096",
+        "--timeout",
+        "8",
+    ]);
+    assert_eq!(text.lines().next(), Some("seed 11"));
+    assert!(
+        text.contains("corrupt 1.000%") && text.contains("1 rules"),
+        "{text}"
+    );
+    assert!(text.contains("3 rule hits"), "{text}");
+    assert!(field(&text, "port 1", "rx_icrc_errors") > 0, "{text}");
+    let bad = dir.join("bad.toml");
+    std::fs::write(&bad, "[faults]\nloss = 2.0\n").unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_ringbell-emu"))
+        .args(["bench", "--scenario", bad.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("not a probability"));
+}
