@@ -722,15 +722,7 @@ impl Nic {
         let psn = pkt.repr.bth.psn;
         let mtu = qp.mtu() as u64;
         let (pdn, qpn) = (qp.pdn, qp.qpn);
-        // Responses are taken in order: only for the oldest unfinished WQE. One for a later
-        // READ or atomic means an earlier response was lost; the retry asks for it again.
-        let Some(i) = qp
-            .req
-            .outstanding
-            .iter()
-            .position(|o| o.pending())
-            .filter(|&i| qp.req.outstanding[i].holds(psn))
-        else {
+        let Some(i) = Self::oldest_holding(qp, psn) else {
             return false;
         };
         let o = &qp.req.outstanding[i];
@@ -771,6 +763,14 @@ impl Nic {
         true
     }
 
+    /// The oldest unfinished WQE, if `psn` belongs to it. Responses are taken in order: one
+    /// for a later READ or atomic means an earlier response was lost, and the retry asks for
+    /// it again.
+    fn oldest_holding(qp: &Qp, psn: Psn) -> Option<usize> {
+        let i = qp.req.outstanding.iter().position(|o| o.pending())?;
+        qp.req.outstanding[i].holds(psn).then_some(i)
+    }
+
     /// An atomic ACK: the original value lands in the WQE's buffer.
     fn atomic_ack(
         &mut self,
@@ -781,15 +781,7 @@ impl Nic {
     ) -> bool {
         let psn = pkt.repr.bth.psn;
         let (pdn, qpn) = (qp.pdn, qp.qpn);
-        // Responses are taken in order: only for the oldest unfinished WQE. One for a later
-        // READ or atomic means an earlier response was lost; the retry asks for it again.
-        let Some(i) = qp
-            .req
-            .outstanding
-            .iter()
-            .position(|o| o.pending())
-            .filter(|&i| qp.req.outstanding[i].holds(psn))
-        else {
+        let Some(i) = Self::oldest_holding(qp, psn) else {
             return false;
         };
         let (Some(orig), true) = (

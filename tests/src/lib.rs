@@ -120,3 +120,22 @@ pub fn drain(fabric: &Fabric, cq: &mut CompletionQueue) -> Vec<WorkCompletion> {
 pub fn settle(f: &Fabric) {
     f.run_until_idle(u64::MAX);
 }
+
+/// Runs the fabric to idle and returns (wr_id, status) of every completion left in `cq`.
+pub fn outcomes(fabric: &Fabric, cq: &mut CompletionQueue) -> Vec<(u64, WcStatus)> {
+    drain(fabric, cq)
+        .iter()
+        .map(|w| (w.wr_id, w.status))
+        .collect()
+}
+
+/// Receive requests with ids 0, 1, ... for single-SGE lists.
+pub fn recv_wrs(sgls: &[[Sge; 1]]) -> Vec<RecvWr<'_>> {
+    sgls.iter()
+        .enumerate()
+        .map(|(i, s)| RecvWr {
+            wr_id: i as u64,
+            sgl: s,
+        })
+        .collect()
+}

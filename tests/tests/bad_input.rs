@@ -96,8 +96,7 @@ fn unknown_opcode_and_malformed_segments_are_local_qp_op_errors_and_flush_the_re
                 SendWr::new(3, WrOp::Send, &sge),
             ])
             .unwrap();
-        let wc = drain(&p.fabric, &mut p.a.cq);
-        let got: Vec<_> = wc.iter().map(|w| (w.wr_id, w.status)).collect();
+        let got = outcomes(&p.fabric, &mut p.a.cq);
         assert_eq!(
             got,
             vec![
@@ -310,8 +309,7 @@ fn bad_rkeys_are_remote_access_errors_and_leave_memory_untouched() {
         p.a.qp
             .post_send(&[SendWr::new(1, op, sgl), SendWr::new(2, WrOp::Send, sgl)])
             .unwrap();
-        let wc = drain(&p.fabric, &mut p.a.cq);
-        let got: Vec<_> = wc.iter().map(|w| (w.wr_id, w.status)).collect();
+        let got = outcomes(&p.fabric, &mut p.a.cq);
         assert_eq!(
             got,
             vec![(1, WcStatus::RemAccessErr), (2, WcStatus::WrFlushErr)],
@@ -781,14 +779,7 @@ fn srq_slot_is_retired_when_its_qp_resets_mid_message() {
     qb.connect(&a.qp.endpoint(1), 1, &o).unwrap();
     a.qp.connect(&qb.endpoint(1), 1, &o).unwrap();
     let sges: Vec<[Sge; 1]> = (0..4).map(|i| [mr.sge(i * 65536, 65536)]).collect();
-    let wrs: Vec<RecvWr> = sges
-        .iter()
-        .enumerate()
-        .map(|(i, s)| RecvWr {
-            wr_id: i as u64,
-            sgl: s,
-        })
-        .collect();
+    let wrs = recv_wrs(&sges);
     srq.post_recv(&wrs).unwrap();
     // A 64 KiB SEND at MTU 256 is 256 packets; reset B after the first few.
     a.qp.post_send(&[SendWr::new(1, WrOp::Send, &[a.mr.sge(0, 65536)])])

@@ -416,8 +416,7 @@ fn rnr_retries_exhausted() {
                 SendWr::inline(2, WrOp::Send, b""),
             ])
             .unwrap();
-        let wc = drain(&p.fabric, &mut p.a.cq);
-        let got: Vec<_> = wc.iter().map(|w| (w.wr_id, w.status)).collect();
+        let got = outcomes(&p.fabric, &mut p.a.cq);
         assert_eq!(
             got,
             vec![(1, WcStatus::RnrRetryExcErr), (2, WcStatus::WrFlushErr)]
@@ -540,8 +539,7 @@ fn a_fatal_nak_comes_after_the_responses_owed_before_it() {
         p.a.qp
             .post_send(&[first, SendWr::inline(2, WrOp::Write(bad), b"x")])
             .unwrap();
-        let wc = drain(&p.fabric, &mut p.a.cq);
-        let got: Vec<_> = wc.iter().map(|w| (w.wr_id, w.status)).collect();
+        let got = outcomes(&p.fabric, &mut p.a.cq);
         assert_eq!(
             got,
             vec![(1, WcStatus::Success), (2, WcStatus::RemAccessErr)],
@@ -642,8 +640,7 @@ fn rnr_exhaustion_fails_the_wqe_that_was_nakked() {
             SendWr::inline(3, WrOp::Send, b"x"),
         ])
         .unwrap();
-    let wc = drain(&p.fabric, &mut p.a.cq);
-    let got: Vec<_> = wc.iter().map(|w| (w.wr_id, w.status)).collect();
+    let got = outcomes(&p.fabric, &mut p.a.cq);
     assert_eq!(
         got,
         vec![

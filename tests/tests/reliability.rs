@@ -201,8 +201,7 @@ fn retry_exhaustion_fails_the_oldest_and_flushes_the_rest() {
                 SendWr::inline(2, WrOp::Send, b""),
             ])
             .unwrap();
-        let wc = drain(&p.fabric, &mut p.a.cq);
-        let got: Vec<_> = wc.iter().map(|w| (w.wr_id, w.status)).collect();
+        let got = outcomes(&p.fabric, &mut p.a.cq);
         assert_eq!(
             got,
             vec![(1, WcStatus::RetryExcErr), (2, WcStatus::WrFlushErr)],
@@ -239,14 +238,7 @@ fn timeout_zero_never_fires() {
 fn duplicated_and_reordered_frames_change_nothing() {
     let mut p = lossy_pair(7, 8);
     let rs: Vec<[Sge; 1]> = (0..4).map(|i| [p.b.mr.sge(i * 8192, 8192)]).collect();
-    let wrs: Vec<RecvWr> = rs
-        .iter()
-        .enumerate()
-        .map(|(i, s)| RecvWr {
-            wr_id: i as u64,
-            sgl: s,
-        })
-        .collect();
+    let wrs = recv_wrs(&rs);
     p.b.qp.post_recv(&wrs).unwrap();
     // Every request is duplicated; the second packet of each message is held back 3 µs.
     p.fabric.add_fault_rule(FaultRule {
