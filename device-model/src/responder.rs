@@ -246,7 +246,11 @@ impl Nic {
         ready: SimTime,
     ) {
         self.send_ack(env, qp, psn, AethSyndrome::Nak(code), ready);
-        if let (Some((status, syndrome)), Some(rc)) = (status, qp.resp.recv.take()) {
+        // The receive WQE the failed message was filling completes in error (an invalid
+        // request without a more precise status: LOC_QP_OP_ERR, as rdmavt reports it).
+        if let Some(rc) = qp.resp.recv.take() {
+            let (status, syndrome) =
+                status.unwrap_or((CqeStatus::LocQpOpErr, VendorSyndrome::None));
             let mut cqe = recv_cqe(qp.qpn, &rc, status, 0);
             cqe.vendor_syndrome = syndrome as u8;
             self.complete(env, qp.gen, qp.recv_cqn, ready, cqe);
@@ -285,7 +289,12 @@ impl Nic {
 
     fn mtu_check(qp: &Qp, op: Opcode, len: usize) -> Result<(), Fault> {
         let mtu = qp.mtu() as usize;
-        let ok = if op.is_last() { len <= mtu } else { len == mtu };
+        // FIRST and MIDDLE carry exactly one MTU; LAST carries 1..=MTU; ONLY 0..=MTU.
+        let ok = match (op.is_first(), op.is_last()) {
+            (true, true) => len <= mtu,
+            (false, true) => (1..=mtu).contains(&len),
+            _ => len == mtu,
+        };
         if ok {
             Ok(())
         } else {

@@ -816,3 +816,154 @@ fn a_register_read_sees_the_writes_before_it() {
     port.write32(regs::CMD_ADDR_LO, old);
     assert_eq!(port.read32(regs::CMD_ADDR_LO), old);
 }
+
+/// A request frame from node 0's QP to node 1's QP, built by hand.
+fn raw_request(
+    p: &Pair,
+    opcode: ringbell_specs::wire::Opcode,
+    psn: u32,
+    payload: &[u8],
+    reth: Option<ringbell_specs::wire::Reth>,
+) -> Vec<u8> {
+    use ringbell_specs::wire::{BthRepr, Endpoint, PacketRepr};
+    let (ea, eb) = (p.a.qp.endpoint(0), p.b.qp.endpoint(0));
+    let repr = PacketRepr {
+        src: Endpoint {
+            mac: ea.mac,
+            ip: ea.ip,
+        },
+        dst: Endpoint {
+            mac: eb.mac,
+            ip: eb.ip,
+        },
+        udp_src_port: 0xC000,
+        ip_id: 1,
+        tos: 0,
+        ttl: 64,
+        bth: BthRepr {
+            opcode: opcode as u8,
+            solicited: false,
+            mig_req: false,
+            pad: 0,
+            tver: 0,
+            pkey: 0xFFFF,
+            fecn: false,
+            becn: false,
+            dest_qp: ringbell_specs::Qpn::from_bits(eb.qpn),
+            ack_req: true,
+            psn: ringbell_specs::Psn::new(psn),
+        },
+        reth,
+        aeth: None,
+        atomic_eth: None,
+        atomic_ack: None,
+        imm: None,
+    };
+    let mut f = Vec::new();
+    repr.emit(payload, &mut f);
+    f
+}
+
+#[test]
+fn packet_length_rules_are_enforced_by_the_responder() {
+    use ringbell_specs::wire::{Opcode, Reth};
+    // (opcode, payload length, RETH length): each breaks one rule at MTU 4096.
+    let cases: [(Opcode, usize, Option<u32>); 4] = [
+        (Opcode::WriteFirst, 100, Some(9000)), // FIRST shorter than the MTU
+        (Opcode::SendFirst, 4097, None),       // FIRST longer than the MTU
+        (Opcode::WriteOnly, 4097, Some(4097)), // ONLY longer than the MTU
+        (Opcode::WriteOnly, 10, Some(20)),     // payload differs from the RETH length
+    ];
+    for (op, len, rlen) in cases {
+        let mut p = pair();
+        let rs = [p.b.mr.sge(0, 8192)];
+        p.b.qp.post_recv(&[RecvWr { wr_id: 1, sgl: &rs }]).unwrap();
+        p.b.buf.fill(0, 8192, 0xcc).unwrap();
+        settle(&p.fabric);
+        let reth = rlen.map(|l| Reth {
+            va: p.b.mr.addr(),
+            rkey: p.b.mr.rkey(),
+            len: l,
+        });
+        let f = raw_request(&p, op, 100, &vec![0xab; len], reth);
+        p.fabric.inject_frame(1, f);
+        settle(&p.fabric);
+        assert_eq!(qp_state(&p.b.qp), QpState::Err, "{op:?} {len}");
+        assert_eq!(
+            p.b.qp.stats().unwrap().naks_sent,
+            1,
+            "{op:?}: one NAK (invalid request)"
+        );
+        let mut mem = vec![0u8; 8192];
+        p.b.buf.read(0, &mut mem).unwrap();
+        assert!(mem.iter().all(|b| *b == 0xcc), "{op:?}: nothing written");
+    }
+    // A LAST packet with no payload is illegal too.
+    let mut p = pair();
+    let rs = [p.b.mr.sge(0, 16384)];
+    p.b.qp.post_recv(&[RecvWr { wr_id: 1, sgl: &rs }]).unwrap();
+    settle(&p.fabric);
+    p.fabric.inject_frame(
+        1,
+        raw_request(&p, Opcode::SendFirst, 100, &[1u8; 4096], None),
+    );
+    p.fabric
+        .inject_frame(1, raw_request(&p, Opcode::SendLast, 101, &[], None));
+    settle(&p.fabric);
+    assert_eq!(qp_state(&p.b.qp), QpState::Err);
+    let r = drain(&p.fabric, &mut p.b.cq);
+    assert_eq!(r.len(), 1, "the receive WQE completes in error: {r:?}");
+    assert_ne!(r[0].status, WcStatus::Success);
+}
+
+#[test]
+fn an_mr_deregistered_while_a_read_streams_ends_it_with_a_remote_access_error() {
+    let mut p = pair_with(2, 1, 3);
+    let mr =
+        p.b.pd
+            .reg_mr(&p.b.buf, Access::LOCAL_WRITE | Access::REMOTE_READ)
+            .unwrap();
+    let remote = RemoteAddr {
+        addr: mr.addr(),
+        rkey: mr.rkey(),
+    };
+    // 512 KiB at MTU 256: 2048 response packets, sent a few at a time.
+    p.a.qp
+        .post_send(&[SendWr::new(
+            1,
+            WrOp::Read(remote),
+            &[p.a.mr.sge(0, 512 * 1024)],
+        )])
+        .unwrap();
+    while p.fabric.nic_stats(0).rx_frames < 20 {
+        assert!(p.fabric.step());
+    }
+    drop(mr);
+    let got = outcomes(&p.fabric, &mut p.a.cq);
+    assert_eq!(got, vec![(1, WcStatus::RemAccessErr)]);
+    assert_eq!(qp_state(&p.b.qp), QpState::Err);
+    assert!(
+        p.fabric.nic_stats(1).tx_frames < 2048,
+        "the stream stopped when the key went away"
+    );
+}
+
+#[test]
+fn zero_length_read_and_write_ignore_the_rkey() {
+    let mut p = pair();
+    let junk = RemoteAddr {
+        addr: 0xdead_beef,
+        rkey: 0x1234_5678,
+    };
+    p.a.qp
+        .post_send(&[
+            SendWr::new(1, WrOp::Write(junk), &[]),
+            SendWr::new(2, WrOp::Read(junk), &[]),
+        ])
+        .unwrap();
+    assert_eq!(
+        outcomes(&p.fabric, &mut p.a.cq),
+        vec![(1, WcStatus::Success), (2, WcStatus::Success)]
+    );
+    assert_eq!(qp_state(&p.b.qp), QpState::Rts);
+}
