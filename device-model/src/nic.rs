@@ -206,7 +206,7 @@ impl Nic {
 
     /// Capabilities reported in `CAPS`.
     pub fn caps(&self) -> Caps {
-        Caps::RC | Caps::SRQ | Caps::ATOMICS | Caps::INLINE | Caps::CQE_TIMESTAMP
+        Caps::RC | Caps::SRQ | Caps::ATOMICS | Caps::INLINE | Caps::CQE_TIMESTAMP | Caps::COUNTERS
     }
 
     /// A 32-bit register read. Never fails: unknown offsets read 0 and are counted.

@@ -139,14 +139,16 @@ pub(crate) struct Requester {
     pub(crate) retries_used: u8,
     /// A transport retry is under way and no progress has been made since.
     pub(crate) retrying: bool,
+    /// The PSN the last go-back-N resent from, until progress is made.
+    pub(crate) rewound_to: Option<Psn>,
     /// RNR retries used since the last forward progress.
     pub(crate) rnr_used: u8,
     /// No transmission before this time (an RNR NAK asked us to wait).
     pub(crate) rnr_until: SimTime,
     /// When the local ACK timer expires, if it runs.
     pub(crate) timer_deadline: Option<SimTime>,
-    /// An ACK-timer event is scheduled.
-    pub(crate) timer_event: bool,
+    /// When the earliest scheduled ACK-timer event fires.
+    pub(crate) timer_event: Option<SimTime>,
     /// Packets sent since the last one that asked for an ACK.
     pub(crate) since_ack_req: u32,
 }
@@ -227,6 +229,8 @@ pub(crate) enum Resource {
     Atomic {
         psn: Psn,
         orig: Option<u64>,
+        /// The request itself (opcode, va, rkey, operands): a duplicate must match it.
+        request: (u8, u64, u32, u64, u64),
     },
 }
 

@@ -57,23 +57,24 @@ impl Nic {
         if now < qp.req.rnr_until {
             return Some(qp.req.rnr_until);
         }
-        // A failed WQE stops the queue until it completes (then the QP is in ERR).
-        if qp.req.outstanding.iter().any(|o| o.error.is_some()) {
-            return None;
-        }
         let next =
             |nic: &Nic, qp: &Qp| Some(now.max(qp.req.busy_until).max(nic.egress_free - HORIZON));
+        // A failed WQE completes once everything before it has; until then the WQEs before it
+        // still go out (and again, on a retry), and nothing after it does.
+        let failed = qp.req.outstanding.iter().position(|o| o.error.is_some());
+        let before = failed.unwrap_or(qp.req.outstanding.len());
         if let Some(i) = qp
             .req
             .outstanding
             .iter()
+            .take(before)
             .position(|o| o.pending() && o.sent < o.npsn)
         {
             self.send_packet(env, qp, i);
             return next(self, qp);
         }
         // New work starts only in RTS (SQD finishes what it started).
-        if qp.state != QpState::Rts || qp.fetch == qp.sq.pi {
+        if failed.is_some() || qp.state != QpState::Rts || qp.fetch == qp.sq.pi {
             return None;
         }
         if self.start_wqe(env, qp) {
@@ -215,13 +216,11 @@ impl Nic {
                 } else {
                     next_ready = ready + SimTime(self.cfg.timing.pcie_read_ps(len));
                     let sges = w.sges.clone();
-                    self.gather(env, pdn, &sges, off, &mut payload)
+                    self.gather(env, qp.qpn, pdn, &sges, off, &mut payload)
                 };
-                if let Err(iova) = gathered {
+                if let Err(e) = gathered {
                     self.scratch = payload;
-                    self.iommu_fault(env, qp.qpn, iova);
-                    qp.req.outstanding[i].error =
-                        Some((CqeStatus::GeneralErr, VendorSyndrome::IommuFault));
+                    qp.req.outstanding[i].error = Some(e);
                     self.complete_in_order(env, qp);
                     return;
                 }
@@ -429,14 +428,17 @@ impl Nic {
     }
 
     /// Copies `out.len()` message bytes starting at `offset` out of a gather list.
+    /// A key that no longer checks out is a local protection error; an address the IOMMU
+    /// does not map raises IOMMU_FAULT and fails the WQE with GENERAL_ERR.
     pub(crate) fn gather(
-        &self,
+        &mut self,
         env: &mut dyn Env,
+        qpn: u32,
         pdn: u32,
         sges: &[Sge],
         mut offset: u64,
         out: &mut [u8],
-    ) -> Result<(), u64> {
+    ) -> Result<(), WqeError> {
         let mut done = 0;
         for s in sges {
             if done == out.len() {
@@ -449,10 +451,18 @@ impl Nic {
             }
             let n = ((len - offset) as usize).min(out.len() - done);
             let iova = self
-                .check_key(pdn, s.lkey, s.addr + offset, n as u64, Access::empty())
-                .map_err(|_| s.addr)?;
-            env.dma_read(iova, &mut out[done..done + n])
-                .map_err(|f| f.iova)?;
+                .check_key(
+                    pdn,
+                    s.lkey,
+                    s.addr.wrapping_add(offset),
+                    n as u64,
+                    Access::empty(),
+                )
+                .map_err(|e| (CqeStatus::LocProtErr, e.syndrome()))?;
+            if let Err(f) = env.dma_read(iova, &mut out[done..done + n]) {
+                self.iommu_fault(env, qpn, f.iova);
+                return Err((CqeStatus::GeneralErr, VendorSyndrome::IommuFault));
+            }
             done += n;
             offset = 0;
         }
@@ -495,8 +505,10 @@ impl Nic {
         if let Some(t) = ack_timeout(qp.attr.timeout) {
             let deadline = env.now() + t;
             qp.req.timer_deadline = Some(deadline);
-            if !qp.req.timer_event {
-                qp.req.timer_event = true;
+            // A new event only when none is due by the deadline (the timeout may have been
+            // lowered since the pending one was scheduled).
+            if qp.req.timer_event.is_none_or(|at| at > deadline) {
+                qp.req.timer_event = Some(deadline);
                 env.schedule(
                     deadline,
                     NicEvent::AckTimer {
@@ -517,6 +529,7 @@ impl Nic {
     fn progress(&mut self, env: &mut dyn Env, qp: &mut Qp) {
         qp.req.retries_used = 0;
         qp.req.retrying = false;
+        qp.req.rewound_to = None;
         qp.req.rnr_used = 0;
         Self::stop_ack_timer(qp);
         if qp.req.outstanding.iter().any(|o| o.pending() && o.sent > 0) {
@@ -529,13 +542,17 @@ impl Nic {
         let Some(mut qp) = self.qps.remove(qpn) else {
             return;
         };
-        qp.req.timer_event = false;
         let now = env.now();
+        if qp.req.timer_event.is_some_and(|at| at <= now) {
+            qp.req.timer_event = None;
+        }
         match qp.req.timer_deadline {
             Some(d) if d > now => {
                 // Re-armed since this event was scheduled: sleep until the new deadline.
-                qp.req.timer_event = true;
-                env.schedule(d, NicEvent::AckTimer { qpn, gen: qp.gen });
+                if qp.req.timer_event.is_none_or(|at| at > d) {
+                    qp.req.timer_event = Some(d);
+                    env.schedule(d, NicEvent::AckTimer { qpn, gen: qp.gen });
+                }
             }
             Some(_) if matches!(qp.state, QpState::Rts | QpState::Sqd) => {
                 qp.req.timer_deadline = None;
@@ -573,6 +590,7 @@ impl Nic {
     /// Go-back-N: every unfinished message from the one holding `psn` is sent again, that
     /// one from `psn` (a READ from its first unanswered response). Runs at `at`.
     fn rewind(&mut self, env: &mut dyn Env, qp: &mut Qp, psn: Psn, at: SimTime) {
+        qp.req.rewound_to = Some(psn);
         let Some(i) = qp
             .req
             .outstanding
@@ -666,11 +684,14 @@ impl Nic {
                         if progressed {
                             self.progress(env, qp);
                         }
-                        if qp
-                            .req
-                            .outstanding
-                            .iter()
-                            .any(|o| o.pending() && o.holds(psn))
+                        // A copy of a NAK already acted on (no progress since) is not a new loss.
+                        let repeat = qp.req.rewound_to == Some(psn);
+                        if !repeat
+                            && qp
+                                .req
+                                .outstanding
+                                .iter()
+                                .any(|o| o.pending() && o.holds(psn))
                         {
                             self.retry_from(env, qp, psn);
                         }
@@ -891,6 +912,17 @@ impl Nic {
     /// An RNR NAK for `psn`: wait the NAK's time and send again from `psn`, or fail with
     /// RNR_RETRY_EXC_ERR when `rnr_retry` is used up (7 is infinite).
     fn rnr_nak(&mut self, env: &mut dyn Env, qp: &mut Qp, psn: Psn, timer: u8) {
+        // A stale RNR NAK (nothing outstanding holds its PSN), or a copy of the one we are
+        // already waiting on, changes nothing.
+        let stale = !qp
+            .req
+            .outstanding
+            .iter()
+            .any(|o| o.pending() && o.holds(psn));
+        let repeat = env.now() < qp.req.rnr_until && qp.req.rewound_to == Some(psn);
+        if stale || repeat {
+            return;
+        }
         if qp.attr.rnr_retry != 7 {
             if qp.req.rnr_used >= qp.attr.rnr_retry {
                 self.fail_at(env, qp, psn, CqeStatus::RnrRetryExcErr);

@@ -583,7 +583,15 @@ impl Nic {
         let psn = pkt.repr.bth.psn;
         qp.resp.epsn = qp.resp.epsn.add(1);
         qp.resp.msn = qp.resp.msn.wrapping_add(1);
-        self.remember(qp, Resource::Atomic { psn, orig: None });
+        let request = (op as u8, a.va, a.rkey, a.swap_add, a.compare);
+        self.remember(
+            qp,
+            Resource::Atomic {
+                psn,
+                orig: None,
+                request,
+            },
+        );
         let not_before = self.after_posted_writes(ready);
         let reply = Reply::Atomic {
             psn,
@@ -670,8 +678,17 @@ impl Nic {
                 }
             }
             Some(Opcode::CompareSwap | Opcode::FetchAdd) => {
+                // The same PSN with other operands is not a duplicate: it is dropped.
+                let request = pkt
+                    .repr
+                    .atomic_eth
+                    .map(|a| (pkt.repr.bth.opcode, a.va, a.rkey, a.swap_add, a.compare));
                 let saved = qp.resp.resources.iter().find_map(|r| match *r {
-                    Resource::Atomic { psn: p, orig } if p == psn => Some(orig),
+                    Resource::Atomic {
+                        psn: p,
+                        orig,
+                        request: q,
+                    } if p == psn && Some(q) == request => Some(orig),
                     _ => None,
                 });
                 // Not executed yet: its answer is still to come.
@@ -901,7 +918,10 @@ impl Nic {
         let psn = *psn;
         if let Ok(orig) = r {
             for res in qp.resp.resources.iter_mut() {
-                if let Resource::Atomic { psn: p, orig: o } = res {
+                if let Resource::Atomic {
+                    psn: p, orig: o, ..
+                } = res
+                {
                     if *p == psn {
                         *o = Some(orig);
                     }

@@ -156,6 +156,8 @@ bitflags! {
         const INLINE = 1 << 3;
         /// Timestamps in CQEs.
         const CQE_TIMESTAMP = 1 << 4;
+        /// QUERY_PORT_STATS and QUERY_QP_STATS (ABI 1.1).
+        const COUNTERS = 1 << 5;
     }
 }
 

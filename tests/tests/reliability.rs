@@ -449,3 +449,124 @@ fn a_link_down_interval_is_ridden_out_by_retries() {
     assert!(fabric.fault_stats().link_down >= 1);
     let _ = &mut b;
 }
+
+#[test]
+fn a_failed_wqe_waits_for_the_retries_of_the_work_before_it() {
+    // The ACK of the first WRITE is lost; the second WRITE has a bad lkey. The first must
+    // still be resent and complete before the second fails.
+    let mut p = lossy_pair(7, 8);
+    p.fabric
+        .add_fault_rule(FaultRule::drop_nth(to_a_qp(&p, FrameKind::Ack), 1));
+    let remote = RemoteAddr {
+        addr: p.b.mr.addr(),
+        rkey: p.b.mr.rkey(),
+    };
+    let bad = [Sge {
+        addr: p.a.mr.addr(),
+        len: 8,
+        lkey: 0xdead_0000,
+    }];
+    p.a.qp
+        .post_send(&[
+            SendWr::inline(1, WrOp::Write(remote), b"first"),
+            SendWr::new(2, WrOp::Write(remote), &bad),
+        ])
+        .unwrap();
+    assert_eq!(
+        outcomes(&p.fabric, &mut p.a.cq),
+        vec![(1, WcStatus::Success), (2, WcStatus::LocProtErr)]
+    );
+    assert_eq!(p.a.qp.stats().unwrap().timeouts, 1);
+    // The same behind an RNR wait: the SEND is resent once a receive is posted.
+    let mut p = lossy_pair(7, 8);
+    p.a.qp
+        .post_send(&[
+            SendWr::inline(1, WrOp::Send, b"first"),
+            SendWr::new(
+                2,
+                WrOp::Send,
+                &[Sge {
+                    addr: p.a.mr.addr(),
+                    len: 8,
+                    lkey: 0xdead_0000,
+                }],
+            ),
+        ])
+        .unwrap();
+    for _ in 0..200 {
+        p.fabric.step();
+    }
+    let rs = [p.b.mr.sge(0, 64)];
+    p.b.qp.post_recv(&[RecvWr { wr_id: 7, sgl: &rs }]).unwrap();
+    assert_eq!(
+        outcomes(&p.fabric, &mut p.a.cq),
+        vec![(1, WcStatus::Success), (2, WcStatus::LocProtErr)]
+    );
+}
+
+#[test]
+fn copies_of_a_nak_do_not_use_up_retries() {
+    // retry_cnt 1 and every NAK delivered twice: one lost packet needs one retry, not two.
+    let mut p = lossy_pair(1, 8);
+    p.fabric.add_fault_rule(FaultRule::drop_nth(to_b_qp(&p), 2));
+    p.fabric.add_fault_rule(FaultRule {
+        when: to_a_qp(&p, FrameKind::Ack),
+        nth: 1,
+        times: 0,
+        action: FaultAction::Duplicate,
+    });
+    let remote = RemoteAddr {
+        addr: p.b.mr.addr(),
+        rkey: p.b.mr.rkey(),
+    };
+    p.a.qp
+        .post_send(&[SendWr::new(
+            1,
+            WrOp::Write(remote),
+            &[p.a.mr.sge(0, 4 * 1024)],
+        )])
+        .unwrap();
+    assert_eq!(
+        outcomes(&p.fabric, &mut p.a.cq),
+        vec![(1, WcStatus::Success)]
+    );
+    assert_eq!(
+        p.a.qp.stats().unwrap().seq_naks_received,
+        2,
+        "the NAK and its copy"
+    );
+    // rnr_retry 1 and every RNR NAK delivered twice: the one retry is still sent.
+    let fabric = Fabric::new(FabricConfig::new(2, 22));
+    let all = Access::LOCAL_WRITE | Access::REMOTE_WRITE;
+    let mut a = side(&fabric, 0, all);
+    let mut b = side(&fabric, 1, all);
+    connect(
+        &mut a,
+        &mut b,
+        &ConnectOptions {
+            rnr_retry: 1,
+            min_rnr_timer: 1,
+            ..Default::default()
+        },
+    );
+    let p = Pair { a, b, fabric };
+    p.fabric.add_fault_rule(FaultRule {
+        when: to_a_qp(&p, FrameKind::Ack),
+        nth: 1,
+        times: 0,
+        action: FaultAction::Duplicate,
+    });
+    let mut p = p;
+    p.a.qp
+        .post_send(&[SendWr::inline(1, WrOp::Send, b"x")])
+        .unwrap();
+    assert_eq!(
+        outcomes(&p.fabric, &mut p.a.cq),
+        vec![(1, WcStatus::RnrRetryExcErr)]
+    );
+    assert_eq!(
+        p.b.qp.stats().unwrap().rnr_naks_sent,
+        2,
+        "the first try and the one retry"
+    );
+}
