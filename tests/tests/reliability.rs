@@ -305,6 +305,13 @@ fn a_corrupted_frame_is_dropped_by_the_icrc_check_and_resent() {
     let mut got = [0u8; 6];
     p.b.buf.read(0, &mut got).unwrap();
     assert_eq!(&got, b"intact");
+    assert!(
+        p.b.dev
+            .caps()
+            .caps
+            .contains(ringbell_specs::regs::Caps::COUNTERS),
+        "the counters are announced"
+    );
     assert_eq!(p.b.dev.port_stats().unwrap().rx_icrc_errors, 1);
     assert_eq!(p.a.qp.stats().unwrap().timeouts, 1);
 }
