@@ -189,7 +189,8 @@ impl Nic {
                 }
                 Ok(Vec::new())
             }
-            CmdOpcode::CreateSrq => self.create_srq(params(input)?),
+            CmdOpcode::CreateSrq => self.create_srq(params(input)?, None),
+            CmdOpcode::CreateTmSrq => self.create_tm_srq(params(input)?),
             CmdOpcode::ArmSrq => {
                 let a: ArmSrqIn = params(input)?;
                 let srq = self
@@ -209,8 +210,12 @@ impl Nic {
                     Some(s) if s.refs > 0 => Err(CmdStatus::Busy),
                     Some(s) => {
                         let pdn = s.pdn;
+                        let tm_cq = s.tm.as_ref().map(|t| t.cqn);
                         self.srqs.remove(n);
                         self.pd_unref(pdn);
+                        if let Some(cq) = tm_cq.and_then(|c| self.cqs.get_mut(c)) {
+                            cq.refs = cq.refs.saturating_sub(1);
+                        }
                         Ok(Vec::new())
                     }
                 }
@@ -250,6 +255,10 @@ impl Nic {
             mac: c.mac,
             mtu_caps: 0b11_1110.into(),
             ipv4: c.ip,
+            max_num_tags: c.max_num_tags.into(),
+            max_tm_ops: c.max_tm_ops.into(),
+            max_rndv_hdr_size: ringbell_specs::tm::MAX_RNDV_HDR_SIZE.into(),
+            tm_max_sge: ringbell_specs::tm::TM_MAX_SGE.into(),
         })
     }
 
@@ -406,7 +415,46 @@ impl Nic {
         obj(n)
     }
 
-    fn create_srq(&mut self, p: CreateSrqIn) -> Outcome {
+    fn create_tm_srq(&mut self, p: CreateTmSrqIn) -> Outcome {
+        let (cqn, tags, log_ops, ops_iova) = (
+            p.cqn.get(),
+            p.max_num_tags.get(),
+            p.ops_log_size,
+            p.ops_iova.get(),
+        );
+        if self.cqs.get(cqn).is_none() {
+            return Err(CmdStatus::BadResource);
+        }
+        if tags == 0
+            || tags > self.cfg.max_num_tags
+            || log_ops == 0
+            || log_ops > 24
+            || (1u64 << log_ops) > self.cfg.max_tm_ops as u64
+        {
+            return Err(CmdStatus::BadSize);
+        }
+        if !ops_iova.is_multiple_of(64) || !fits(ops_iova, 64 << log_ops) {
+            return Err(CmdStatus::BadParam);
+        }
+        let tm = crate::tm::TmState::new(
+            cqn,
+            tags,
+            WorkQueue {
+                iova: ops_iova,
+                log_size: log_ops,
+                log_stride: 6,
+                pi: 0,
+                ci: 0,
+            },
+        );
+        let n = self.create_srq(p.srq, Some(Box::new(tm)))?;
+        if let Some(cq) = self.cqs.get_mut(cqn) {
+            cq.refs += 1;
+        }
+        Ok(n)
+    }
+
+    fn create_srq(&mut self, p: CreateSrqIn, tm: Option<Box<crate::tm::TmState>>) -> Outcome {
         let pdn = p.pdn.get();
         if self.pds.get(pdn).is_none() {
             return Err(CmdStatus::BadResource);
@@ -438,6 +486,7 @@ impl Nic {
                 },
                 limit: p.limit.get(),
                 refs: 0,
+                tm,
             })
             .ok_or(CmdStatus::Exhausted)?;
         let _ = self.pd_ref(pdn);

@@ -19,6 +19,7 @@ mod requester;
 mod responder;
 pub mod sim;
 pub mod timing;
+mod tm;
 
 pub use env::{DmaFault, Env, NicEvent};
 pub use nic::{Nic, NicConfig, NicStats};

@@ -37,6 +37,10 @@ pub struct NicConfig {
     pub max_rd_atomic: u32,
     /// Largest message.
     pub max_msg_size: u32,
+    /// Most tagged buffers in one TM-SRQ's matching list.
+    pub max_num_tags: u32,
+    /// Largest TM-SRQ list-operation ring.
+    pub max_tm_ops: u32,
     /// Timing profile.
     pub timing: TimingProfile,
 }
@@ -58,6 +62,8 @@ impl NicConfig {
             max_cqe: 1 << 22,
             max_rd_atomic: 16,
             max_msg_size: 1 << 30,
+            max_num_tags: 1024,
+            max_tm_ops: 1 << 15,
             timing: TimingProfile::default(),
         }
     }
@@ -206,7 +212,13 @@ impl Nic {
 
     /// Capabilities reported in `CAPS`.
     pub fn caps(&self) -> Caps {
-        Caps::RC | Caps::SRQ | Caps::ATOMICS | Caps::INLINE | Caps::CQE_TIMESTAMP | Caps::COUNTERS
+        Caps::RC
+            | Caps::SRQ
+            | Caps::ATOMICS
+            | Caps::INLINE
+            | Caps::CQE_TIMESTAMP
+            | Caps::COUNTERS
+            | Caps::TM_RC
     }
 
     /// A 32-bit register read. Never fails: unknown offsets read 0 and are counted.

@@ -105,6 +105,8 @@ pub(crate) struct Outstanding {
     pub(crate) error: Option<(CqeStatus, VendorSyndrome)>,
     /// Finished: acknowledged, or its response arrived.
     pub(crate) done: bool,
+    /// Set for the NIC's own work (no WQE, no send completion).
+    pub(crate) hw: Option<HwTask>,
 }
 
 impl Outstanding {
@@ -158,10 +160,46 @@ pub use ringbell_specs::stats::QpStats;
 /// A receive WQE being filled by a multi-packet SEND.
 #[derive(Debug)]
 pub(crate) struct RecvCtx {
+    /// RQ/SRQ entry, or the tagged slot of a matched message.
     pub(crate) wqe_index: u32,
     pub(crate) srqn: u32,
     pub(crate) sges: Vec<Sge>,
+    /// Message bytes received so far.
     pub(crate) offset: u64,
+    /// Leading message bytes that are not data (the TMH of a matched eager message).
+    pub(crate) strip: u64,
+    /// How a TM-SRQ took the message (None: an ordinary receive).
+    pub(crate) tm: Option<TmRecv>,
+}
+
+/// How a TM-SRQ took a message.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum TmRecv {
+    /// A tagged message nothing matched: whole, into an untagged buffer.
+    Unexpected,
+    /// NO_TAG or FIN: whole, into an untagged buffer.
+    NoTag,
+    /// An eager message that matched slot `handle`; `multi`: its MATCH completion went out
+    /// with the first packet.
+    Matched {
+        handle: u32,
+        tag: u64,
+        app_ctx: u32,
+        multi: bool,
+    },
+}
+
+/// Work the NIC does on a QP's send side for itself (rendezvous offload), with no WQE.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum HwTask {
+    /// The RDMA READ of a matched rendezvous into tagged slot `handle`; then the FIN.
+    RndvRead {
+        srqn: u32,
+        handle: u32,
+        fin: [u8; 32],
+    },
+    /// The FIN that tells the sender its buffer is free.
+    Fin,
 }
 
 /// A multi-packet RDMA WRITE in progress.
@@ -295,6 +333,8 @@ pub(crate) struct Srq {
     pub(crate) wq: WorkQueue,
     pub(crate) limit: u32,
     pub(crate) refs: u32,
+    /// Tag matching, for a TM-SRQ.
+    pub(crate) tm: Option<Box<crate::tm::TmState>>,
 }
 
 /// (required, optional) attribute masks of an RC transition, per the IBTA table.
@@ -484,6 +524,20 @@ impl Nic {
     pub(crate) fn release_srq_wqe(&mut self, env: &mut dyn Env, qp: &mut Qp) {
         if let Some(rc) = qp.resp.recv.take_if(|rc| rc.srqn != 0) {
             let now = env.now();
+            if rc.tm.is_some() {
+                // TM-SRQ completions are not tied to the QP: they are written regardless.
+                self.finish_recv(
+                    env,
+                    qp,
+                    rc,
+                    (CqeStatus::WrFlushErr, VendorSyndrome::None),
+                    0,
+                    0,
+                    0,
+                    now,
+                );
+                return;
+            }
             let cqe = Cqe {
                 opcode: CqeOpcode::Recv as u8,
                 status: CqeStatus::WrFlushErr as u8,
@@ -545,7 +599,11 @@ impl Nic {
         }
     }
 
-    pub(crate) fn srq_doorbell(&mut self, env: &mut dyn Env, srqn: u32, _which: u64, value: u32) {
+    pub(crate) fn srq_doorbell(&mut self, env: &mut dyn Env, srqn: u32, which: u64, value: u32) {
+        if which == regs::DB_SRQ_TM_OPS {
+            self.tm_ops_doorbell(env, srqn, value);
+            return;
+        }
         let Some(srq) = self.srqs.get_mut(srqn) else {
             self.doorbell_error(env, srqn, DoorbellError::NoSuchObject, value);
             return;
@@ -693,6 +751,16 @@ impl Nic {
         qp.attr.state = QpState::Err as u8;
         let now = env.now();
         while let Some(o) = qp.req.outstanding.pop_front() {
+            if o.hw.is_some() {
+                self.hw_task_done(
+                    env,
+                    qp,
+                    &o,
+                    (CqeStatus::WrFlushErr, VendorSyndrome::None),
+                    now,
+                );
+                continue;
+            }
             let cqe = Self::send_cqe(
                 qpn,
                 o.wqe_index,
@@ -743,7 +811,16 @@ impl Nic {
         }
         qp.fetch = qp.sq.pi;
         if let Some(rc) = qp.resp.recv.take() {
-            self.flush_recv(env, qp, rc.wqe_index, rc.srqn, now);
+            self.finish_recv(
+                env,
+                qp,
+                rc,
+                (CqeStatus::WrFlushErr, VendorSyndrome::None),
+                0,
+                0,
+                0,
+                now,
+            );
         }
         qp.resp.write = None;
         if qp.srqn == 0 {

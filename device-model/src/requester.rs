@@ -7,7 +7,7 @@
 use crate::env::{Env, NicEvent};
 use crate::mem::KeyError;
 use crate::nic::Nic;
-use crate::qp::{Outstanding, Qp, SendWqe, Sge};
+use crate::qp::{HwTask, Outstanding, Qp, SendWqe, Sge};
 use ringbell_specs::cmd::{Access, QpState};
 use ringbell_specs::cqe::{CqeStatus, DoorbellError, VendorSyndrome};
 use ringbell_specs::wire::{self, AethSyndrome, AtomicEth, NakCode, Opcode, Packet, Reth};
@@ -152,6 +152,7 @@ impl Nic {
             ready_at: data_at + SimTime(t.nic_tx_wqe_ps),
             error: None,
             done: false,
+            hw: None,
         });
         true
     }
@@ -469,6 +470,113 @@ impl Nic {
         Ok(())
     }
 
+    /// The NIC's own RDMA READ of a matched rendezvous: `rvh.len` bytes into the tagged buffer
+    /// `sge`, on this QP, behind whatever it is sending; the FIN follows its completion.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn start_rndv_read(
+        &mut self,
+        env: &mut dyn Env,
+        qp: &mut Qp,
+        srqn: u32,
+        handle: u32,
+        rvh: ringbell_specs::tm::Rvh,
+        sge: Sge,
+        fin: [u8; 32],
+        ready: SimTime,
+    ) {
+        let wqe = SendWqe {
+            op: SendOpcode::Read,
+            flags: WqeFlags::empty(),
+            imm: 0,
+            nbb: 0,
+            raddr: rvh.va,
+            rkey: rvh.rkey,
+            atomic: (0, 0),
+            sges: vec![Sge {
+                len: rvh.len,
+                ..sge
+            }],
+            inline: Vec::new(),
+            len: rvh.len as u64,
+        };
+        self.push_hw_task(env, qp, wqe, HwTask::RndvRead { srqn, handle, fin }, ready);
+    }
+
+    /// Queues work the NIC does for itself on `qp`'s send side (no WQE, no send CQE).
+    fn push_hw_task(
+        &mut self,
+        env: &mut dyn Env,
+        qp: &mut Qp,
+        wqe: SendWqe,
+        task: HwTask,
+        ready: SimTime,
+    ) {
+        let npsn = match wqe.op {
+            SendOpcode::CmpSwap | SendOpcode::FetchAdd => 1,
+            _ => (wqe.len as u32).div_ceil(qp.mtu()).max(1),
+        };
+        if wqe.is_rd_atomic() {
+            qp.req.rd_atomic += 1;
+        }
+        let first_psn = qp.req.next_psn;
+        qp.req.next_psn = first_psn.add(npsn);
+        qp.req.outstanding.push_back(Outstanding {
+            wqe_index: 0,
+            wqe,
+            first_psn,
+            npsn,
+            sent: 0,
+            sent_max: 0,
+            acked: 0,
+            ready_at: ready + SimTime(self.cfg.timing.nic_tx_wqe_ps),
+            error: None,
+            done: false,
+            hw: Some(task),
+        });
+        self.kick_qp_sq(env, qp, ready);
+    }
+
+    /// A task of the NIC's own finished (or failed, or was flushed with `status`).
+    pub(crate) fn hw_task_done(
+        &mut self,
+        env: &mut dyn Env,
+        qp: &mut Qp,
+        o: &Outstanding,
+        status: (CqeStatus, VendorSyndrome),
+        ready: SimTime,
+    ) {
+        if let Some(HwTask::RndvRead { srqn, handle, fin }) = o.hw {
+            let c = crate::tm::TmCompletion {
+                opcode: ringbell_specs::cqe::CqeOpcode::TmRecv as u8,
+                status: status.0 as u8,
+                syndrome: status.1 as u8,
+                flags: ringbell_specs::cqe::CQE_FLAG_TM_DATA_VALID,
+                counter: handle,
+                qpn: qp.qpn,
+                handle,
+                byte_len: o.wqe.len as u32,
+                ..Default::default()
+            };
+            self.tm_free_slot(srqn, handle);
+            self.tm_complete(env, srqn, c);
+            if status.0 == CqeStatus::Success {
+                let fin = SendWqe {
+                    op: SendOpcode::Send,
+                    flags: WqeFlags::empty(),
+                    imm: 0,
+                    nbb: 0,
+                    raddr: 0,
+                    rkey: 0,
+                    atomic: (0, 0),
+                    sges: Vec::new(),
+                    inline: fin.to_vec(),
+                    len: fin.len() as u64,
+                };
+                self.push_hw_task(env, qp, fin, HwTask::Fin, ready);
+            }
+        }
+    }
+
     /// Fails WQE `index` (it completes with `e` once everything before it has completed).
     fn fail_wqe(&mut self, env: &mut dyn Env, qp: &mut Qp, index: u32, nbb: u32, e: WqeError) {
         // Keep the opcode the WQE had, if it can be read, for the error CQE.
@@ -490,6 +598,7 @@ impl Nic {
             ready_at: env.now(),
             error: Some(e),
             done: false,
+            hw: None,
         });
         qp.fetch = index.wrapping_add(nbb.max(1));
         self.complete_in_order(env, qp);
@@ -945,9 +1054,15 @@ impl Nic {
         let mut freed = false;
         while let Some(front) = qp.req.outstanding.front() {
             if let Some((status, syn)) = front.error {
-                let cqe = Self::send_cqe(qp.qpn, front.wqe_index, &front.wqe, status, syn);
-                self.complete(env, qp.gen, qp.send_cqn, ready, cqe);
-                qp.req.outstanding.pop_front();
+                let Some(o) = qp.req.outstanding.pop_front() else {
+                    break;
+                };
+                if o.hw.is_some() {
+                    self.hw_task_done(env, qp, &o, (status, syn), ready);
+                } else {
+                    let cqe = Self::send_cqe(qp.qpn, o.wqe_index, &o.wqe, status, syn);
+                    self.complete(env, qp.gen, qp.send_cqn, ready, cqe);
+                }
                 // The QP is in error: everything else is flushed.
                 self.flush(env, qp);
                 return;
@@ -955,21 +1070,31 @@ impl Nic {
             if !front.done {
                 break;
             }
-            if front.wqe.flags.contains(WqeFlags::SIGNALED) {
+            let Some(o) = qp.req.outstanding.pop_front() else {
+                break;
+            };
+            if o.hw.is_some() {
+                self.hw_task_done(
+                    env,
+                    qp,
+                    &o,
+                    (CqeStatus::Success, VendorSyndrome::None),
+                    ready,
+                );
+            } else if o.wqe.flags.contains(WqeFlags::SIGNALED) {
                 let cqe = Self::send_cqe(
                     qp.qpn,
-                    front.wqe_index,
-                    &front.wqe,
+                    o.wqe_index,
+                    &o.wqe,
                     CqeStatus::Success,
                     VendorSyndrome::None,
                 );
                 self.complete(env, qp.gen, qp.send_cqn, ready, cqe);
             }
-            if front.is_rd_atomic() {
+            if o.is_rd_atomic() {
                 qp.req.rd_atomic = qp.req.rd_atomic.saturating_sub(1);
             }
             freed = true;
-            qp.req.outstanding.pop_front();
         }
         // Completions may unblock a fence, the READ/atomic limit or the PSN window.
         if freed && qp.fetch != qp.sq.pi && qp.state == QpState::Rts {

@@ -3,12 +3,14 @@
 
 use crate::env::{Env, NicEvent};
 use crate::nic::Nic;
-use crate::qp::{Qp, RecvCtx, Reply, Resource, WriteCtx};
+use crate::qp::{Qp, RecvCtx, Reply, Resource, TmRecv, WriteCtx};
+use crate::tm::{self, SlotState, TmCompletion};
 use ringbell_specs::cmd::{Access, QpState};
 use ringbell_specs::cqe::{
     Cqe, CqeOpcode, CqeStatus, EventType, VendorSyndrome, CQE_FLAG_IMM, CQE_FLAG_SOLICITED,
-    CQE_FLAG_SRQ,
+    CQE_FLAG_SRQ, CQE_FLAG_TM_DATA_VALID, CQE_FLAG_TM_MATCH,
 };
+use ringbell_specs::tm::{Rvh, Tmh, TmhOp, MAX_RNDV_HDR_SIZE, RVH_LEN, TMH_LEN};
 use ringbell_specs::wire::{
     self, Aeth, AethSyndrome, BthRepr, Endpoint, NakCode, Opcode, Packet, PacketRepr,
 };
@@ -249,11 +251,8 @@ impl Nic {
         // The receive WQE the failed message was filling completes in error (an invalid
         // request without a more precise status: LOC_QP_OP_ERR, as rdmavt reports it).
         if let Some(rc) = qp.resp.recv.take() {
-            let (status, syndrome) =
-                status.unwrap_or((CqeStatus::LocQpOpErr, VendorSyndrome::None));
-            let mut cqe = recv_cqe(qp.qpn, &rc, status, 0);
-            cqe.vendor_syndrome = syndrome as u8;
-            self.complete(env, qp.gen, qp.recv_cqn, ready, cqe);
+            let status = status.unwrap_or((CqeStatus::LocQpOpErr, VendorSyndrome::None));
+            self.finish_recv(env, qp, rc, status, 0, 0, 0, ready);
         }
         if code == NakCode::RemoteAccessError {
             self.post_event(env, EventType::QpAccessErr, 0, qp.qpn, 0);
@@ -313,71 +312,98 @@ impl Nic {
         Self::check_sequence(qp, op, true)?;
         Self::mtu_check(qp, op, pkt.payload.len())?;
         if op.is_first() {
-            let (index, srqn, sges) = match self.take_recv_wqe(env, qp) {
-                Ok(Some(w)) => w,
-                Ok(None) => return Err(Fault::Rnr),
-                Err(iova) => {
-                    self.iommu_fault(env, qp.qpn, iova);
-                    return Err(Fault::Fatal(NakCode::RemoteOperationalError, None));
+            let tm = self.srqs.get(qp.srqn).is_some_and(|s| s.tm.is_some());
+            let ctx = if tm {
+                match self.tm_first_packet(env, qp, pkt, op, ready)? {
+                    Some(ctx) => ctx,
+                    None => {
+                        // A rendezvous request, taken whole by tag matching.
+                        qp.resp.epsn = qp.resp.epsn.add(1);
+                        qp.resp.msn = qp.resp.msn.wrapping_add(1);
+                        if pkt.repr.bth.ack_req {
+                            self.send_ack(
+                                env,
+                                qp,
+                                pkt.repr.bth.psn,
+                                AethSyndrome::Ack { credits: 0x1F },
+                                ready,
+                            );
+                        }
+                        return Ok(());
+                    }
+                }
+            } else {
+                let (wqe_index, srqn, sges) = match self.take_recv_wqe(env, qp) {
+                    Ok(Some(w)) => w,
+                    Ok(None) => return Err(Fault::Rnr),
+                    Err(iova) => {
+                        self.iommu_fault(env, qp.qpn, iova);
+                        return Err(Fault::Fatal(NakCode::RemoteOperationalError, None));
+                    }
+                };
+                RecvCtx {
+                    wqe_index,
+                    srqn,
+                    sges,
+                    offset: 0,
+                    strip: 0,
+                    tm: None,
                 }
             };
-            qp.resp.recv = Some(RecvCtx {
-                wqe_index: index,
-                srqn,
-                sges,
-                offset: 0,
-            });
+            qp.resp.recv = Some(ctx);
         }
         let Some(rc) = qp.resp.recv.as_ref() else {
             return Err(Fault::Fatal(NakCode::InvalidRequest, None));
         };
+        // The TMH of a matched eager message is not data: it is not written.
+        let skip = rc
+            .strip
+            .saturating_sub(rc.offset)
+            .min(pkt.payload.len() as u64) as usize;
+        let data = &pkt.payload[skip..];
+        let dst = rc.offset + skip as u64 - rc.strip;
         let cap: u64 = rc.sges.iter().map(|s| s.len as u64).sum();
-        let offset = rc.offset;
-        let end = offset + pkt.payload.len() as u64;
-        if end > self.cfg.max_msg_size as u64 {
-            return Err(Fault::Fatal(
-                NakCode::InvalidRequest,
-                Some((CqeStatus::LocLenErr, VendorSyndrome::TooLong)),
-            ));
-        }
-        if end > cap {
-            return Err(Fault::Fatal(
-                NakCode::InvalidRequest,
-                Some((CqeStatus::LocLenErr, VendorSyndrome::TooLong)),
-            ));
+        let end = rc.offset + pkt.payload.len() as u64;
+        let too_long = Fault::Fatal(
+            NakCode::InvalidRequest,
+            Some((CqeStatus::LocLenErr, VendorSyndrome::TooLong)),
+        );
+        if end > self.cfg.max_msg_size as u64 || dst + data.len() as u64 > cap {
+            return Err(too_long);
         }
         let sges = rc.sges.clone();
-        self.scatter(env, qp.pdn, qp.qpn, &sges, offset, pkt.payload, ready)
+        self.scatter(env, qp.pdn, qp.qpn, &sges, dst, data, ready)
             .map_err(|(s, syn)| match s {
                 CqeStatus::LocLenErr => Fault::Fatal(NakCode::InvalidRequest, Some((s, syn))),
                 // A bad receive WQE (key, PD, rights) or an unreachable buffer: class A.
                 _ => Fault::Fatal(NakCode::RemoteOperationalError, Some((s, syn))),
             })?;
         qp.resp.epsn = qp.resp.epsn.add(1);
-        let Some(rc) = qp.resp.recv.as_mut() else {
-            return Ok(());
-        };
-        rc.offset += pkt.payload.len() as u64;
+        if let Some(rc) = qp.resp.recv.as_mut() {
+            rc.offset += pkt.payload.len() as u64;
+        }
         if op.is_last() {
-            let Some(rc) = qp.resp.recv.take() else {
-                return Ok(());
-            };
-            qp.resp.msn = qp.resp.msn.wrapping_add(1);
-            let mut flags = 0;
-            let mut imm = 0;
-            if let Some(i) = pkt.repr.imm {
-                flags |= CQE_FLAG_IMM;
-                imm = i;
+            if let Some(rc) = qp.resp.recv.take() {
+                qp.resp.msn = qp.resp.msn.wrapping_add(1);
+                let mut flags = 0;
+                if pkt.repr.imm.is_some() {
+                    flags |= CQE_FLAG_IMM;
+                }
+                if pkt.repr.bth.solicited {
+                    flags |= CQE_FLAG_SOLICITED;
+                }
+                let len = (rc.offset - rc.strip) as u32;
+                self.finish_recv(
+                    env,
+                    qp,
+                    rc,
+                    (CqeStatus::Success, VendorSyndrome::None),
+                    len,
+                    flags,
+                    pkt.repr.imm.unwrap_or(0),
+                    ready,
+                );
             }
-            if pkt.repr.bth.solicited {
-                flags |= CQE_FLAG_SOLICITED;
-            }
-            let mut cqe = recv_cqe(qp.qpn, &rc, CqeStatus::Success, rc.offset as u32);
-            cqe.flags |= flags;
-            cqe.imm = imm.into();
-            cqe.opcode = CqeOpcode::Recv as u8;
-            let cqn = qp.recv_cqn;
-            self.complete(env, qp.gen, cqn, ready, cqe);
         }
         if pkt.repr.bth.ack_req {
             self.send_ack(
@@ -389,6 +415,207 @@ impl Nic {
             );
         }
         Ok(())
+    }
+
+    /// Completes a receive WQE (ordinary, untagged on a TM-SRQ, or a matched tagged buffer).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn finish_recv(
+        &mut self,
+        env: &mut dyn Env,
+        qp: &Qp,
+        rc: RecvCtx,
+        (status, syndrome): (CqeStatus, VendorSyndrome),
+        byte_len: u32,
+        flags: u8,
+        imm: u32,
+        ready: SimTime,
+    ) {
+        let mut c = TmCompletion {
+            status: status as u8,
+            syndrome: syndrome as u8,
+            counter: rc.wqe_index,
+            qpn: qp.qpn,
+            byte_len,
+            imm,
+            ..Default::default()
+        };
+        match rc.tm {
+            None => {
+                let mut cqe = recv_cqe(qp.qpn, &rc, status, byte_len);
+                cqe.flags |= flags;
+                cqe.imm = imm.into();
+                cqe.vendor_syndrome = syndrome as u8;
+                self.complete(env, qp.gen, qp.recv_cqn, ready, cqe);
+                return;
+            }
+            Some(TmRecv::Unexpected) | Some(TmRecv::NoTag) => {
+                c.opcode = if rc.tm == Some(TmRecv::NoTag) {
+                    CqeOpcode::TmNoTag
+                } else {
+                    CqeOpcode::TmRecv
+                } as u8;
+                c.flags = tm::UNTAGGED | flags;
+            }
+            Some(TmRecv::Matched {
+                handle,
+                tag,
+                app_ctx,
+                multi,
+            }) => {
+                c.opcode = CqeOpcode::TmRecv as u8;
+                c.handle = handle;
+                c.flags = flags
+                    | if multi {
+                        CQE_FLAG_TM_DATA_VALID
+                    } else {
+                        tm::MATCHED_DATA
+                    };
+                if !multi {
+                    (c.tag, c.app_ctx) = (tag, app_ctx);
+                }
+                self.tm_free_slot(rc.srqn, handle);
+            }
+        }
+        self.tm_complete(env, rc.srqn, c);
+    }
+
+    /// The first packet of a message on a TM-SRQ: match it, or take an untagged buffer.
+    /// `Ok(None)`: a rendezvous request, consumed here.
+    fn tm_first_packet(
+        &mut self,
+        env: &mut dyn Env,
+        qp: &mut Qp,
+        pkt: &Packet<'_>,
+        op: Opcode,
+        ready: SimTime,
+    ) -> Result<Option<RecvCtx>, Fault> {
+        let srqn = qp.srqn;
+        let p = pkt.payload;
+        let tmh = Tmh::parse(p);
+        let kind = match tmh.map(|t| TmhOp::from_u8(t.opcode)) {
+            None => TmRecv::NoTag,
+            Some(None) => return Err(Fault::Fatal(NakCode::InvalidRequest, None)),
+            Some(Some(TmhOp::NoTag | TmhOp::Fin)) => TmRecv::NoTag,
+            Some(Some(_)) => TmRecv::Unexpected,
+        };
+        let tmh = tmh.unwrap_or_default();
+        let rndv = tmh.opcode == TmhOp::Rndv as u8;
+        // A rendezvous request the device cannot take (longer than max_rndv_hdr_size, no
+        // RVH, more than one packet) is never matched: software gets it unexpected.
+        let matchable = kind == TmRecv::Unexpected
+            && (!rndv
+                || (op.is_last()
+                    && p.len() >= TMH_LEN + RVH_LEN
+                    && p.len() <= MAX_RNDV_HDR_SIZE as usize));
+        if matchable {
+            let Some(tm) = self.srqs.get(srqn).and_then(|s| s.tm.as_ref()) else {
+                return Ok(None);
+            };
+            let (hit, compared) = tm.find(tmh.tag);
+            let t = &self.cfg.timing;
+            let ready =
+                ready + SimTime(t.tm_match_fixed_ps + t.tm_match_per_entry_ps * compared as u64);
+            if let Some(h) = hit {
+                let slot = tm.slots[h];
+                let handle = h as u32;
+                let matched = TmCompletion {
+                    opcode: CqeOpcode::TmRecv as u8,
+                    flags: CQE_FLAG_TM_MATCH,
+                    counter: handle,
+                    qpn: qp.qpn,
+                    handle,
+                    tag: tmh.tag,
+                    app_ctx: tmh.app_ctx,
+                    ..Default::default()
+                };
+                self.set_slot(srqn, handle, SlotState::Busy);
+                if rndv {
+                    let rvh = Rvh::parse(&p[TMH_LEN..]).unwrap_or_default();
+                    if rvh.len as u64 <= slot.sge.len as u64 {
+                        let mut fin = [0u8; 32];
+                        fin[..TMH_LEN].copy_from_slice(
+                            &Tmh {
+                                opcode: TmhOp::Fin as u8,
+                                ..tmh
+                            }
+                            .to_bytes(),
+                        );
+                        fin[TMH_LEN..].copy_from_slice(&p[TMH_LEN..TMH_LEN + RVH_LEN]);
+                        self.tm_complete(env, srqn, matched);
+                        self.start_rndv_read(env, qp, srqn, handle, rvh, slot.sge, fin, ready);
+                    } else {
+                        // Too small for the data: the request goes into the buffer and
+                        // software finishes the transfer.
+                        let n = p.len().min(slot.sge.len as usize);
+                        let r = self.scatter(env, qp.pdn, qp.qpn, &[slot.sge], 0, &p[..n], ready);
+                        let status = match r {
+                            Ok(()) => (CqeStatus::TmRndvIncomplete, VendorSyndrome::None),
+                            Err(e) => e,
+                        };
+                        let c = TmCompletion {
+                            status: status.0 as u8,
+                            syndrome: status.1 as u8,
+                            flags: tm::MATCHED_DATA,
+                            byte_len: p.len() as u32,
+                            ..matched
+                        };
+                        self.tm_free_slot(srqn, handle);
+                        self.tm_complete(env, srqn, c);
+                    }
+                    return Ok(None);
+                }
+                let multi = !op.is_last();
+                if multi {
+                    self.tm_complete(env, srqn, matched);
+                }
+                let tm = TmRecv::Matched {
+                    handle,
+                    tag: tmh.tag,
+                    app_ctx: tmh.app_ctx,
+                    multi,
+                };
+                return Ok(Some(RecvCtx {
+                    wqe_index: handle,
+                    srqn,
+                    sges: vec![slot.sge],
+                    offset: 0,
+                    strip: TMH_LEN as u64,
+                    tm: Some(tm),
+                }));
+            }
+        }
+        let (wqe_index, srqn, sges) = match self.take_recv_wqe(env, qp) {
+            Ok(Some(w)) => w,
+            Ok(None) => return Err(Fault::Rnr),
+            Err(iova) => {
+                self.iommu_fault(env, qp.qpn, iova);
+                return Err(Fault::Fatal(NakCode::RemoteOperationalError, None));
+            }
+        };
+        if kind == TmRecv::Unexpected {
+            if let Some(tm) = self.srqs.get_mut(srqn).and_then(|s| s.tm.as_mut()) {
+                tm.count_unexpected();
+            }
+        }
+        Ok(Some(RecvCtx {
+            wqe_index,
+            srqn,
+            sges,
+            offset: 0,
+            strip: 0,
+            tm: Some(kind),
+        }))
+    }
+
+    fn set_slot(&mut self, srqn: u32, handle: u32, state: SlotState) {
+        if let Some(s) = self
+            .srqs
+            .get_mut(srqn)
+            .and_then(|s| s.tm.as_mut())
+            .and_then(|t| t.slots.get_mut(handle as usize))
+        {
+            s.state = state;
+        }
     }
 
     fn rx_write(
@@ -472,6 +699,8 @@ impl Nic {
                     srqn,
                     sges,
                     offset: 0,
+                    strip: 0,
+                    tm: None,
                 };
                 let mut cqe = recv_cqe(qp.qpn, &rc, CqeStatus::Success, total);
                 cqe.opcode = CqeOpcode::RecvRdmaWithImm as u8;

@@ -46,6 +46,10 @@ pub struct TimingProfile {
     pub link_frame_overhead_bytes: u64,
     /// Switch cut-through latency (250 ns).
     pub switch_cut_through_ps: u64,
+    /// Tag matching: fixed cost of a match decision (50 ns, no public figure).
+    pub tm_match_fixed_ps: u64,
+    /// Tag matching: cost per list entry compared (2 ns, the in-cache compare cost).
+    pub tm_match_per_entry_ps: u64,
 }
 
 impl Default for TimingProfile {
@@ -77,6 +81,8 @@ impl TimingProfile {
             link_prop_ps: 10_000,
             link_frame_overhead_bytes: 24,
             switch_cut_through_ps: 250_000,
+            tm_match_fixed_ps: 50_000,
+            tm_match_per_entry_ps: 2_000,
         }
     }
 

@@ -78,6 +78,8 @@ pub enum CmdOpcode {
     ArmSrq = 0x51,
     /// Destroy a shared receive queue.
     DestroySrq = 0x52,
+    /// Create a tag-matching SRQ. ABI 1.2.
+    CreateTmSrq = 0x53,
 }
 
 impl CmdOpcode {
@@ -102,6 +104,7 @@ impl CmdOpcode {
             0x50 => CreateSrq,
             0x51 => ArmSrq,
             0x52 => DestroySrq,
+            0x53 => CreateTmSrq,
             _ => return None,
         })
     }
@@ -167,11 +170,12 @@ abi_struct!(
 
 abi_struct!(
     /// QUERY_DEVICE output.
-    QueryDeviceOut, 68, {
+    QueryDeviceOut, 84, {
         abi_version: U32, device_id: U32, caps: U32, max_qp: U32,
         max_cq: U32, max_srq: U32, max_mr: U32, max_pd: U32,
         max_qp_wr: U32, max_cqe: U32, max_sge: U32, max_inline: U32,
         max_msg_size: U32, max_rd_atomic: U32, mac: [u8; 6], mtu_caps: U16, ipv4: [u8; 4],
+        max_num_tags: U32, max_tm_ops: U32, max_rndv_hdr_size: U32, tm_max_sge: U32,
     }
 );
 abi_struct!(
@@ -236,6 +240,16 @@ abi_struct!(
     CreateSrqIn, 32, {
         pdn: U32, log_size: u8, log_stride: u8, rsvd0: U16, limit: U32, rsvd1: U32,
         ring_iova: U64, db_iova: U64,
+    }
+);
+abi_struct!(
+    /// CREATE_TM_SRQ input (ABI 1.2): an SRQ (untagged ring as in CREATE_SRQ) plus a
+    /// matching list of `max_num_tags` tagged buffers, a list-operation ring of
+    /// `1 << ops_log_size` 64-byte entries, and the CQ that receives every completion of the
+    /// TM-SRQ (receives, matches and list operations).
+    CreateTmSrqIn, 56, {
+        srq: CreateSrqIn, cqn: U32, max_num_tags: U32, ops_log_size: u8, rsvd0: [u8; 7],
+        ops_iova: U64,
     }
 );
 abi_struct!(

@@ -27,9 +27,19 @@ abi_struct!(
         opcode: u8, status: u8, wqe_counter: U16, qpn: U32,
         byte_len: U32, imm: U32, timestamp: U64,
         flags: u8, vendor_syndrome: u8, rsvd0: U16, srqn: U32,
-        rsvd1: [u8; 31], owner: u8,
+        tm_tag: U64, tm_app_ctx: U32, tm_handle: U32, tm_hw_cnt: U16,
+        rsvd1: [u8; 13], owner: u8,
     }
 );
+
+/// CQE flag (TM-SRQ): a list operation ran while the unexpected counts disagreed; software
+/// should report its count with a SYNC.
+pub const CQE_FLAG_TM_SYNC_REQ: u8 = 1 << 3;
+/// CQE flag (TM-SRQ): the message matched a tagged buffer (`tm_tag`, `tm_app_ctx`,
+/// `tm_handle` are valid).
+pub const CQE_FLAG_TM_MATCH: u8 = 1 << 4;
+/// CQE flag (TM-SRQ): the tagged buffer holds the message's data.
+pub const CQE_FLAG_TM_DATA_VALID: u8 = 1 << 5;
 
 /// CQE flag: `imm` holds immediate data.
 pub const CQE_FLAG_IMM: u8 = 1 << 0;
@@ -56,6 +66,16 @@ pub enum CqeOpcode {
     Recv = 128,
     /// An RDMA WRITE with immediate consumed a receive WQE.
     RecvRdmaWithImm = 129,
+    /// TM-SRQ: an ADD list operation completed.
+    TmAdd = 130,
+    /// TM-SRQ: a DEL list operation completed.
+    TmDel = 131,
+    /// TM-SRQ: a SYNC list operation completed.
+    TmSync = 132,
+    /// TM-SRQ: a tagged message was received (matched, or unexpected without flags).
+    TmRecv = 133,
+    /// TM-SRQ: a message without a tag (NO_TAG or FIN) was received.
+    TmNoTag = 134,
 }
 
 impl CqeOpcode {
@@ -70,12 +90,24 @@ impl CqeOpcode {
             4 => FetchAdd,
             128 => Recv,
             129 => RecvRdmaWithImm,
+            130 => TmAdd,
+            131 => TmDel,
+            132 => TmSync,
+            133 => TmRecv,
+            134 => TmNoTag,
             _ => return None,
         })
     }
-    /// Whether the completion belongs to the receive side.
+    /// Whether the completion belongs to the receive side (or a TM-SRQ).
     pub fn is_recv(self) -> bool {
         (self as u8) & 0x80 != 0
+    }
+    /// Whether the completion is a TM-SRQ list operation.
+    pub fn is_tm_op(self) -> bool {
+        matches!(
+            self,
+            CqeOpcode::TmAdd | CqeOpcode::TmDel | CqeOpcode::TmSync
+        )
     }
 }
 
@@ -111,6 +143,12 @@ pub enum CqeStatus {
     FatalErr = 19,
     /// General error; `vendor_syndrome` says more (see [`VendorSyndrome`]).
     GeneralErr = 21,
+    /// TM-SRQ: the list operation failed (DEL of an entry already consumed or never added,
+    /// ADD into a slot in use, a handle beyond the list).
+    TmErr = 22,
+    /// TM-SRQ: a rendezvous matched a tagged buffer too small for its data; the request is
+    /// in the buffer and software finishes the transfer.
+    TmRndvIncomplete = 23,
 }
 
 impl CqeStatus {
@@ -132,6 +170,8 @@ impl CqeStatus {
             13 => RnrRetryExcErr,
             19 => FatalErr,
             21 => GeneralErr,
+            22 => TmErr,
+            23 => TmRndvIncomplete,
             _ => return None,
         })
     }

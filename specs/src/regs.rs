@@ -108,7 +108,8 @@ pub const DB_PER_PAGE: u64 = 4096 / DB_STRIDE;
 /// QP doorbells: `QP_DB_BASE + qpn * 8`; +0 send queue producer index, +4 receive queue
 /// producer index.
 pub const QP_DB_BASE: u64 = DB_BASE;
-/// SRQ doorbells: `SRQ_DB_BASE + srqn * 8`; +0 producer index.
+/// SRQ doorbells: `SRQ_DB_BASE + srqn * 8`; +0 producer index of the untagged ring, +4 (a
+/// TM-SRQ) producer index of the list-operation ring.
 pub const SRQ_DB_BASE: u64 = DB_BASE + 0x4_0000;
 /// CQ doorbells: `CQ_DB_BASE + cqn * 8`; +0 consumer index, +4 arm request.
 pub const CQ_DB_BASE: u64 = DB_BASE + 0x6_0000;
@@ -116,6 +117,8 @@ pub const CQ_DB_BASE: u64 = DB_BASE + 0x6_0000;
 pub const DB_SQ: u64 = 0;
 /// Offset of the receive doorbell within a QP's doorbell slot.
 pub const DB_RQ: u64 = 4;
+/// Offset of the list-operation doorbell within a TM-SRQ's slot.
+pub const DB_SRQ_TM_OPS: u64 = 4;
 /// Offset of the consumer-index doorbell within a CQ's slot.
 pub const DB_CQ_CI: u64 = 0;
 /// Offset of the arm doorbell within a CQ's slot.
@@ -158,6 +161,8 @@ bitflags! {
         const CQE_TIMESTAMP = 1 << 4;
         /// QUERY_PORT_STATS and QUERY_QP_STATS (ABI 1.1).
         const COUNTERS = 1 << 5;
+        /// Tag-matching SRQs with rendezvous offload on RC (ABI 1.2).
+        const TM_RC = 1 << 6;
     }
 }
 
