@@ -36,6 +36,18 @@ pub struct WorkCompletion {
     pub timestamp_ps: u64,
     /// Device detail for error completions.
     pub vendor_syndrome: u8,
+    /// Tag matching: the TMH tag of a matched message (0 otherwise).
+    pub tag: u64,
+    /// Tag matching: the TMH app_ctx of a matched message (0 otherwise).
+    pub app_ctx: u32,
+    /// Tag matching: the message matched a tagged buffer.
+    pub tm_match: bool,
+    /// Tag matching: the tagged buffer holds the data.
+    pub tm_data_valid: bool,
+    /// Tag matching: the device asks software to report its unexpected count.
+    pub tm_sync_req: bool,
+    /// Tag matching: the device's count of unexpected messages when it wrote this.
+    pub tm_hw_count: u16,
 }
 
 impl Default for WorkCompletion {
@@ -50,6 +62,12 @@ impl Default for WorkCompletion {
             solicited: false,
             timestamp_ps: 0,
             vendor_syndrome: 0,
+            tag: 0,
+            app_ctx: 0,
+            tm_match: false,
+            tm_data_valid: false,
+            tm_sync_req: false,
+            tm_hw_count: 0,
         }
     }
 }
@@ -236,12 +254,27 @@ impl CompletionQueue {
         let status = CqeStatus::from_u8(c.status).unwrap_or(CqeStatus::GeneralErr);
         let qpn = c.qpn.get();
         let counter = c.wqe_counter.get();
+        let tm = matches!(
+            opcode,
+            CqeOpcode::TmAdd
+                | CqeOpcode::TmDel
+                | CqeOpcode::TmSync
+                | CqeOpcode::TmRecv
+                | CqeOpcode::TmNoTag
+        );
         let wr_id = if c.flags & cqe::CQE_FLAG_SRQ != 0 {
             self.inner()
                 .srqs
                 .borrow()
                 .get(&c.srqn.get())?
                 .complete(counter)?
+        } else if tm {
+            crate::tm::tm_completion(
+                self.inner().srqs.borrow().get(&c.srqn.get())?,
+                c,
+                opcode,
+                status,
+            )?
         } else {
             let qps = self.inner().qps.borrow();
             let q = qps.get(&qpn)?;
@@ -261,6 +294,12 @@ impl CompletionQueue {
             solicited: c.flags & cqe::CQE_FLAG_SOLICITED != 0,
             timestamp_ps: c.timestamp.get(),
             vendor_syndrome: c.vendor_syndrome,
+            tag: c.tm_tag.get(),
+            app_ctx: c.tm_app_ctx.get(),
+            tm_match: c.flags & cqe::CQE_FLAG_TM_MATCH != 0,
+            tm_data_valid: c.flags & cqe::CQE_FLAG_TM_DATA_VALID != 0,
+            tm_sync_req: c.flags & cqe::CQE_FLAG_TM_SYNC_REQ != 0,
+            tm_hw_count: if tm { c.tm_hw_cnt.get() } else { 0 },
         })
     }
 }

@@ -46,6 +46,12 @@ pub struct DeviceCaps {
     pub max_msg_size: u32,
     /// Largest max_rd_atomic.
     pub max_rd_atomic: u32,
+    /// Most tagged buffers in a TM-SRQ (0: no tag matching).
+    pub max_num_tags: u32,
+    /// Largest TM-SRQ list-operation ring.
+    pub max_tm_ops: u32,
+    /// Largest rendezvous request the device matches.
+    pub max_rndv_hdr_size: u32,
     /// Port MAC address.
     pub mac: [u8; 6],
     /// Port IPv4 address.
@@ -215,6 +221,9 @@ impl Device {
                 max_inline: 0,
                 max_msg_size: 0,
                 max_rd_atomic: 0,
+                max_num_tags: 0,
+                max_tm_ops: 0,
+                max_rndv_hdr_size: 0,
                 mac: [0; 6],
                 ip: [0; 4],
             },
@@ -260,6 +269,9 @@ impl Device {
             max_inline: q.max_inline.get(),
             max_msg_size: q.max_msg_size.get(),
             max_rd_atomic: q.max_rd_atomic.get(),
+            max_num_tags: q.max_num_tags.get(),
+            max_tm_ops: q.max_tm_ops.get(),
+            max_rndv_hdr_size: q.max_rndv_hdr_size.get(),
             mac: q.mac,
             ip: q.ipv4,
         };

@@ -20,6 +20,8 @@ pub(crate) struct SrqRings {
     done: Box<[Cell<bool>]>,
     ci: Cell<u32>,
     pi: Cell<u32>,
+    /// Tag-matching bookkeeping, for a TM-SRQ.
+    pub(crate) tm: Option<crate::tm::TmRings>,
 }
 
 impl SrqRings {
@@ -48,12 +50,14 @@ impl SrqRings {
 /// A shared receive queue.
 #[derive(Debug)]
 pub struct SharedReceiveQueue {
-    obj: Rc<SrqObject>,
+    pub(crate) obj: Rc<SrqObject>,
     log: u8,
     stride_log: u8,
     max_sge: u32,
     pi: u32,
-    rings: Rc<SrqRings>,
+    pub(crate) rings: Rc<SrqRings>,
+    /// The list-operation ring of a TM-SRQ.
+    pub(crate) tm_ops: Option<crate::tm::TmOps>,
 }
 
 impl ProtectionDomain {
@@ -64,6 +68,18 @@ impl ProtectionDomain {
         max_wr: u32,
         max_sge: u32,
         limit: u32,
+    ) -> Result<SharedReceiveQueue, Error> {
+        self.create_srq_inner(max_wr, max_sge, limit, None)
+    }
+
+    /// Creates an SRQ, or (with `tm`) a TM-SRQ whose list operations and every completion
+    /// go through `tm`.
+    pub(crate) fn create_srq_inner(
+        &self,
+        max_wr: u32,
+        max_sge: u32,
+        limit: u32,
+        tm: Option<crate::tm::TmCreate<'_>>,
     ) -> Result<SharedReceiveQueue, Error> {
         if max_wr == 0 || max_wr > self.dev.caps().max_qp_wr || max_sge == 0 || max_sge > 32 {
             return Err(Error::InvalidArgument("SRQ size or SGE count out of range"));
@@ -83,16 +99,26 @@ impl ProtectionDomain {
             db_iova: db.iova().into(),
             ..Default::default()
         };
-        let srqn = self
-            .dev
-            .inner
-            .create(CmdOpcode::CreateSrq, input.as_bytes())?;
+        let (srqn, tm_rings, tm_ops) = match tm {
+            None => (
+                self.dev
+                    .inner
+                    .create(CmdOpcode::CreateSrq, input.as_bytes())?,
+                None,
+                None,
+            ),
+            Some(t) => {
+                let (n, rings, ops) = crate::tm::create(self, input, &t)?;
+                (n, Some(rings), Some(ops))
+            }
+        };
         let rings = Rc::new(SrqRings {
             mask: (1 << log) - 1,
             wrid: (0..1u32 << log).map(|_| Cell::new(0)).collect(),
             done: (0..1u32 << log).map(|_| Cell::new(false)).collect(),
             ci: Cell::new(0),
             pi: Cell::new(0),
+            tm: tm_rings,
         });
         self.dev.inner.srqs.borrow_mut().insert(srqn, rings.clone());
         let obj = Rc::new(SrqObject {
@@ -109,6 +135,7 @@ impl ProtectionDomain {
             max_sge,
             pi: 0,
             rings,
+            tm_ops,
         })
     }
 }
@@ -188,8 +215,8 @@ impl SharedReceiveQueue {
 /// The device object behind an SRQ and its memory; QPs on the SRQ hold it too.
 #[derive(Debug)]
 pub(crate) struct SrqObject {
-    dev: Device,
-    srqn: u32,
+    pub(crate) dev: Device,
+    pub(crate) srqn: u32,
     ring: DmaBuffer,
     db: DmaBuffer,
     _pd: Rc<PdObject>,
@@ -218,6 +245,7 @@ mod tests {
                 done: (0..16).map(|_| Cell::new(false)).collect(),
                 ci: Cell::new(0),
                 pi: Cell::new(16),
+                tm: None,
             };
             let mut finished = [false; 16];
             for idx in order {
