@@ -26,6 +26,7 @@ mod mr;
 mod port;
 mod qp;
 mod srq;
+pub mod tagmatch;
 pub mod tm;
 
 pub use cq::{CompletionQueue, CqAttr, WcOpcode, WcStatus, WorkCompletion};

@@ -1,0 +1,380 @@
+//! The software tag-matching layer (`ringbell::tagmatch`) end to end on two emulated nodes,
+//! and a property test of its matching order against a plain MPI matching model while the
+//! receiver's software lags behind the hardware.
+
+use proptest::prelude::*;
+use ringbell::tagmatch::{TagConfig, TagEvent, TagMatcher};
+use ringbell::*;
+use ringbell_emu::{Fabric, FabricConfig, FaultPlan, LinkFaults};
+use std::collections::{BTreeMap, VecDeque};
+
+/// Bytes of one operation's region in the user buffer.
+const REGION: u64 = 1 << 16;
+
+struct Two {
+    fabric: Fabric,
+    a: TagMatcher,
+    b: TagMatcher,
+    _devs: (Device, Device),
+}
+
+fn two(cfg: TagConfig, faults: FaultPlan, seed: u64) -> Two {
+    let mut fc = FabricConfig::new(2, seed);
+    fc.faults = faults;
+    let fabric = Fabric::new(fc);
+    let da = Device::open(Box::new(fabric.port(0))).unwrap();
+    let db = Device::open(Box::new(fabric.port(1))).unwrap();
+    let mut a = TagMatcher::new(&da, cfg).unwrap();
+    let mut b = TagMatcher::new(&db, cfg).unwrap();
+    let (ca, ea) = a.add_conn().unwrap();
+    let (cb, eb) = b.add_conn().unwrap();
+    let opts = ConnectOptions {
+        path_mtu: 3,
+        rnr_retry: 7,
+        ..Default::default()
+    };
+    a.connect(ca, &eb, &opts).unwrap();
+    b.connect(cb, &ea, &opts).unwrap();
+    Two {
+        fabric,
+        a,
+        b,
+        _devs: (da, db),
+    }
+}
+
+/// Runs the fabric and the given sides' progress until nothing moves; returns the events.
+fn run(t: &mut Two, progress_b: bool) -> (Vec<TagEvent>, Vec<TagEvent>) {
+    let (mut ea, mut eb) = (Vec::new(), Vec::new());
+    loop {
+        t.fabric.run_until_idle(u64::MAX);
+        let mut n = t.a.progress().unwrap();
+        if progress_b {
+            n += t.b.progress().unwrap();
+        }
+        ea.extend(std::iter::from_fn(|| t.a.next_event()));
+        eb.extend(std::iter::from_fn(|| t.b.next_event()));
+        if n == 0 && !t.fabric.step() {
+            return (ea, eb);
+        }
+    }
+}
+
+fn pattern(id: u64, len: u32) -> Vec<u8> {
+    (0..len as u64)
+        .map(|i| (i.wrapping_mul(31) ^ id.wrapping_mul(0x9E37_79B9) >> 3) as u8)
+        .collect()
+}
+
+fn put(m: &TagMatcher, off: u64, data: &[u8]) {
+    m.user().write(off as usize, data).unwrap();
+}
+
+fn get(m: &TagMatcher, off: u64, len: u32) -> Vec<u8> {
+    let mut v = vec![0u8; len as usize];
+    m.user().read(off as usize, &mut v).unwrap();
+    v
+}
+
+#[test]
+fn eager_and_rendezvous_expected_and_unexpected() {
+    let mut t = two(TagConfig::default(), FaultPlan::default(), 3);
+    // Expected eager into the hardware list (the buffer holds any eager message).
+    t.b.recv(1, 0x55, u64::MAX, 0, 8192).unwrap();
+    assert_eq!(t.b.hw_posted(), 1);
+    put(&t.a, 0, &pattern(10, 2000));
+    t.a.send(10, 0, 0x55, 0, 2000).unwrap();
+    let (ea, eb) = run(&mut t, true);
+    assert_eq!(ea, vec![TagEvent::Send { id: 10 }]);
+    assert_eq!(
+        eb,
+        vec![TagEvent::Recv {
+            id: 1,
+            tag: 0x55,
+            len: 2000,
+            truncated: false,
+            conn: 0
+        }]
+    );
+    assert_eq!(get(&t.b, 0, 2000), pattern(10, 2000));
+    assert_eq!(t.b.hw_posted(), 0);
+
+    // Expected rendezvous (40 KiB): the NIC reads, then FINs; the send completes on the FIN.
+    t.b.recv(2, 0x77, u64::MAX, REGION, 50_000).unwrap();
+    put(&t.a, REGION, &pattern(11, 40_000));
+    t.a.send(11, 0, 0x77, REGION, 40_000).unwrap();
+    let (ea, eb) = run(&mut t, true);
+    assert_eq!(ea, vec![TagEvent::Send { id: 11 }]);
+    assert_eq!(
+        eb,
+        vec![TagEvent::Recv {
+            id: 2,
+            tag: 0x77,
+            len: 40_000,
+            truncated: false,
+            conn: 0
+        }]
+    );
+    assert_eq!(get(&t.b, REGION, 40_000), pattern(11, 40_000));
+
+    // Unexpected rendezvous: nothing posted, so it waits; the receive finishes it in
+    // software (READ then FIN) and the send completes only then.
+    put(&t.a, 2 * REGION, &pattern(12, 30_000));
+    t.a.send(12, 0, 0x99, 2 * REGION, 30_000).unwrap();
+    let (ea, eb) = run(&mut t, true);
+    assert!(ea.is_empty() && eb.is_empty(), "{ea:?} {eb:?}");
+    assert_eq!(t.b.unexpected_len(), 1);
+    t.b.recv(3, 0x90, 0xf0, 2 * REGION, 30_000).unwrap();
+    assert_eq!(t.b.unexpected_len(), 0);
+    let (ea, eb) = run(&mut t, true);
+    assert_eq!(ea, vec![TagEvent::Send { id: 12 }]);
+    assert_eq!(
+        eb,
+        vec![TagEvent::Recv {
+            id: 3,
+            tag: 0x99,
+            len: 30_000,
+            truncated: false,
+            conn: 0
+        }]
+    );
+    assert_eq!(get(&t.b, 2 * REGION, 30_000), pattern(12, 30_000));
+
+    // Unexpected eager, then a receive smaller than the message: truncated.
+    put(&t.a, 3 * REGION, &pattern(13, 3000));
+    t.a.send(13, 0, 0x42, 3 * REGION, 3000).unwrap();
+    run(&mut t, true);
+    t.b.recv(4, 0x42, u64::MAX, 3 * REGION, 1000).unwrap();
+    let (_, eb) = run(&mut t, true);
+    assert_eq!(
+        eb,
+        vec![TagEvent::Recv {
+            id: 4,
+            tag: 0x42,
+            len: 1000,
+            truncated: true,
+            conn: 0
+        }]
+    );
+    assert_eq!(get(&t.b, 3 * REGION, 1000), pattern(13, 3000)[..1000]);
+    let s = t.b.stats();
+    assert_eq!(
+        (s.hw_posted, s.hw_matched, s.sw_matched, s.sw_rndv),
+        (2, 2, 2, 1)
+    );
+}
+
+#[test]
+fn software_takes_back_a_disabled_hardware_entry() {
+    let mut t = two(TagConfig::default(), FaultPlan::default(), 5);
+    // The message reaches the receiver's NIC before the receive is posted, and the
+    // receiver's software has not seen it when it posts: the entry goes to hardware with a
+    // stale count, so hardware keeps it disabled and reports the message unexpected.
+    put(&t.a, 0, &pattern(1, 5000));
+    t.a.send(1, 0, 9, 0, 5000).unwrap();
+    run(&mut t, false);
+    t.b.recv(2, 9, u64::MAX, REGION, 9000).unwrap();
+    t.b.recv(3, 9, u64::MAX, 2 * REGION, 9000).unwrap();
+    assert_eq!(t.b.hw_posted(), 2);
+    let (_, eb) = run(&mut t, true);
+    assert_eq!(
+        eb,
+        vec![TagEvent::Recv {
+            id: 2,
+            tag: 9,
+            len: 5000,
+            truncated: false,
+            conn: 0
+        }]
+    );
+    assert_eq!(t.b.stats().taken_back, 1);
+    assert_eq!(t.b.hw_posted(), 1);
+    // After the SYNC the remaining entry is live: the next message is matched by hardware.
+    put(&t.a, REGION, &pattern(4, 6000));
+    t.a.send(4, 0, 9, REGION, 6000).unwrap();
+    let (_, eb) = run(&mut t, true);
+    assert_eq!(
+        eb,
+        vec![TagEvent::Recv {
+            id: 3,
+            tag: 9,
+            len: 6000,
+            truncated: false,
+            conn: 0
+        }]
+    );
+    assert_eq!(get(&t.b, 2 * REGION, 6000), pattern(4, 6000));
+    assert_eq!(t.b.stats().hw_matched, 1);
+}
+
+#[test]
+fn bad_input_is_refused() {
+    let mut t = two(TagConfig::default(), FaultPlan::default(), 4);
+    let size = t.b.user().len() as u64;
+    assert!(t.b.recv(1, 0, 0, size - 10, 11).is_err());
+    assert!(t.b.recv(1 << 60, 0, 0, 0, 1).is_err());
+    assert!(t.a.send(1, 5, 0, 0, 1).is_err());
+    assert!(t.a.send(1, 0, 0, size, 1).is_err());
+    t.b.recv(7, 1, u64::MAX, 0, 10).unwrap();
+    assert!(t.b.recv(7, 1, u64::MAX, 0, 10).is_err());
+}
+
+#[derive(Clone, Debug)]
+enum Op {
+    Send { tag: u64, len: u32 },
+    Recv { tag: u64, wild: bool, len: u32 },
+    Progress,
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    let len = prop_oneof![0u32..64, 1024u32..3000, 9000u32..20_000];
+    prop_oneof![
+        4 => (0u64..4, len.clone()).prop_map(|(tag, len)| Op::Send { tag, len }),
+        4 => (0u64..4, any::<bool>(), len).prop_map(|(tag, wild, len)| Op::Recv { tag, wild, len }),
+        1 => Just(Op::Progress),
+    ]
+}
+
+/// MPI matching: a message goes to the earliest posted receive it matches, a receive to the
+/// earliest unexpected message it matches. Returns receive id -> send id.
+fn oracle(ops: &[Op]) -> BTreeMap<u64, u64> {
+    let mut posted: Vec<(u64, u64, u64)> = Vec::new();
+    let mut unexpected: VecDeque<(u64, u64)> = VecDeque::new();
+    let mut out = BTreeMap::new();
+    for (i, o) in ops.iter().enumerate() {
+        let i = i as u64;
+        match *o {
+            Op::Send { tag, .. } => match posted.iter().position(|&(_, t, m)| tag & m == t & m) {
+                Some(p) => {
+                    out.insert(posted.remove(p).0, i);
+                }
+                None => unexpected.push_back((i, tag)),
+            },
+            Op::Recv { tag, wild, .. } => {
+                let m = if wild { 0xfff0 } else { u64::MAX };
+                match unexpected.iter().position(|&(_, t)| t & m == tag & m) {
+                    Some(p) => {
+                        out.insert(i, unexpected.remove(p).unwrap().0);
+                    }
+                    None => posted.push((i, tag, m)),
+                }
+            }
+            Op::Progress => {}
+        }
+    }
+    out
+}
+
+fn check(ops: &[Op], cfg: TagConfig, faults: FaultPlan, seed: u64) {
+    let mut t = two(cfg, faults, seed);
+    let (mut sent, mut got) = (Vec::new(), Vec::new());
+    for (i, o) in ops.iter().enumerate() {
+        let (i, off) = (i as u64, i as u64 * REGION);
+        match *o {
+            Op::Send { tag, len } => {
+                put(&t.a, off, &pattern(i, len));
+                t.a.send(i, 0, tag, off, len).unwrap();
+                // Delivered to the receiver's NIC, but the receiver's software does not look.
+                let (ea, eb) = run(&mut t, false);
+                sent.extend(ea);
+                got.extend(eb);
+            }
+            Op::Recv { tag, wild, len } => {
+                let m = if wild { 0xfff0 } else { u64::MAX };
+                t.b.recv(i, tag, m, off, len).unwrap();
+            }
+            Op::Progress => {
+                let (ea, eb) = run(&mut t, true);
+                sent.extend(ea);
+                got.extend(eb);
+            }
+        }
+    }
+    let (ea, eb) = run(&mut t, true);
+    sent.extend(ea);
+    got.extend(eb);
+
+    let want = oracle(ops);
+    let mut seen = BTreeMap::new();
+    for e in &got {
+        let TagEvent::Recv {
+            id,
+            tag,
+            len,
+            truncated,
+            conn,
+        } = *e
+        else {
+            panic!("receiver event {e:?}");
+        };
+        assert_eq!(conn, 0);
+        let Some(&s) = want.get(&id) else {
+            panic!("receive {id} completed but the model leaves it unmatched; events {got:?}")
+        };
+        let (Op::Send { tag: st, len: sl }, Op::Recv { len: rl, .. }) =
+            (&ops[s as usize], &ops[id as usize])
+        else {
+            unreachable!()
+        };
+        assert_eq!(tag, *st, "receive {id}: tag");
+        assert_eq!(len, (*sl).min(*rl), "receive {id}: length (from send {s})");
+        assert_eq!(truncated, sl > rl, "receive {id}: truncation");
+        assert_eq!(
+            get(&t.b, id * REGION, len),
+            pattern(s, *sl)[..len as usize],
+            "receive {id}: data of send {s}"
+        );
+        assert!(seen.insert(id, s).is_none(), "receive {id} completed twice");
+    }
+    assert_eq!(seen, want, "matching differs from MPI order");
+    // Every eager send completes; a rendezvous send completes once its receiver read it.
+    let matched: Vec<u64> = want.values().copied().collect();
+    for (i, o) in ops.iter().enumerate() {
+        if let Op::Send { len, .. } = *o {
+            let done = sent.contains(&TagEvent::Send { id: i as u64 });
+            let should = len <= cfg.eager_max || matched.contains(&(i as u64));
+            assert_eq!(done, should, "send {i} ({len} bytes) completion; {sent:?}");
+        }
+    }
+    assert_eq!(
+        sent.len(),
+        sent.iter()
+            .filter(|e| matches!(e, TagEvent::Send { .. }))
+            .count()
+    );
+}
+
+fn small_hw() -> TagConfig {
+    TagConfig {
+        hw_tags: 4,
+        user_bytes: 64 << 16,
+        ..TagConfig::default()
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 48, ..ProptestConfig::default() })]
+
+    #[test]
+    fn matching_follows_mpi_order(ops in proptest::collection::vec(op(), 1..40), seed in any::<u64>()) {
+        check(&ops, small_hw(), FaultPlan::default(), seed);
+    }
+
+    #[test]
+    fn matching_follows_mpi_order_in_software_only(ops in proptest::collection::vec(op(), 1..30)) {
+        check(&ops, TagConfig { hw_tags: 0, ..small_hw() }, FaultPlan::default(), 1);
+    }
+
+    #[test]
+    fn matching_follows_mpi_order_under_loss(
+        ops in proptest::collection::vec(op(), 1..25),
+        seed in any::<u64>(),
+        drop in 0u32..30_000,
+    ) {
+        let faults = FaultPlan {
+            links: LinkFaults { drop_ppm: drop, ..Default::default() },
+            ..Default::default()
+        };
+        check(&ops, small_hw(), faults, seed);
+    }
+}
