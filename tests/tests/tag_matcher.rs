@@ -11,48 +11,68 @@ use std::collections::{BTreeMap, VecDeque};
 /// Bytes of one operation's region in the user buffer.
 const REGION: u64 = 1 << 16;
 
+/// Senders `a` (and `c`, when there are three nodes) connected to receiver `b`; `b`'s
+/// connection `i` goes to sender `i`.
 struct Two {
     fabric: Fabric,
     a: TagMatcher,
     b: TagMatcher,
-    _devs: (Device, Device),
+    c: Option<TagMatcher>,
+    _devs: Vec<Device>,
 }
 
-fn two(cfg: TagConfig, faults: FaultPlan, seed: u64) -> Two {
-    let mut fc = FabricConfig::new(2, seed);
+fn net(nodes: usize, cfg: TagConfig, faults: FaultPlan, seed: u64) -> Two {
+    let mut fc = FabricConfig::new(nodes, seed);
     fc.faults = faults;
     let fabric = Fabric::new(fc);
-    let da = Device::open(Box::new(fabric.port(0))).unwrap();
-    let db = Device::open(Box::new(fabric.port(1))).unwrap();
-    let mut a = TagMatcher::new(&da, cfg).unwrap();
-    let mut b = TagMatcher::new(&db, cfg).unwrap();
-    let (ca, ea) = a.add_conn().unwrap();
-    let (cb, eb) = b.add_conn().unwrap();
+    let devs: Vec<Device> = (0..nodes)
+        .map(|n| Device::open(Box::new(fabric.port(n))).unwrap())
+        .collect();
+    let mut b = TagMatcher::new(&devs[0], cfg).unwrap();
     let opts = ConnectOptions {
         path_mtu: 3,
         rnr_retry: 7,
         ..Default::default()
     };
-    a.connect(ca, &eb, &opts).unwrap();
-    b.connect(cb, &ea, &opts).unwrap();
+    let mut senders = Vec::new();
+    for d in &devs[1..] {
+        let mut s = TagMatcher::new(d, cfg).unwrap();
+        let (cs, es) = s.add_conn().unwrap();
+        let (cb, eb) = b.add_conn().unwrap();
+        s.connect(cs, &eb, &opts).unwrap();
+        b.connect(cb, &es, &opts).unwrap();
+        senders.push(s);
+    }
+    let c = (nodes > 2).then(|| senders.pop().unwrap());
     Two {
         fabric,
-        a,
+        a: senders.pop().unwrap(),
         b,
-        _devs: (da, db),
+        c,
+        _devs: devs,
     }
 }
 
-/// Runs the fabric and the given sides' progress until nothing moves; returns the events.
+fn two(cfg: TagConfig, faults: FaultPlan, seed: u64) -> Two {
+    net(2, cfg, faults, seed)
+}
+
+/// Runs the fabric and the senders' (and, if asked, the receiver's) progress until nothing
+/// moves; returns the senders' and the receiver's events.
 fn run(t: &mut Two, progress_b: bool) -> (Vec<TagEvent>, Vec<TagEvent>) {
     let (mut ea, mut eb) = (Vec::new(), Vec::new());
     loop {
         t.fabric.run_until_idle(u64::MAX);
         let mut n = t.a.progress().unwrap();
+        ea.extend(std::iter::from_fn(|| t.a.next_event()));
+        if let Some(c) = t.c.as_mut() {
+            n += c.progress().unwrap();
+            // Operation ids are unique across senders, so their events can share a list.
+            ea.extend(std::iter::from_fn(|| c.next_event()));
+        }
         if progress_b {
             n += t.b.progress().unwrap();
         }
-        ea.extend(std::iter::from_fn(|| t.a.next_event()));
         eb.extend(std::iter::from_fn(|| t.b.next_event()));
         if n == 0 && !t.fabric.step() {
             return (ea, eb);
@@ -221,7 +241,7 @@ fn bad_input_is_refused() {
 
 #[derive(Clone, Debug)]
 enum Op {
-    Send { tag: u64, len: u32 },
+    Send { from: usize, tag: u64, len: u32 },
     Recv { tag: u64, wild: bool, len: u32 },
     Progress,
 }
@@ -229,7 +249,7 @@ enum Op {
 fn op() -> impl Strategy<Value = Op> {
     let len = prop_oneof![0u32..64, 1024u32..3000, 9000u32..20_000];
     prop_oneof![
-        4 => (0u64..4, len.clone()).prop_map(|(tag, len)| Op::Send { tag, len }),
+        4 => (0usize..2, 0u64..4, len.clone()).prop_map(|(from, tag, len)| Op::Send { from, tag, len }),
         4 => (0u64..4, any::<bool>(), len).prop_map(|(tag, wild, len)| Op::Recv { tag, wild, len }),
         1 => Just(Op::Progress),
     ]
@@ -266,14 +286,19 @@ fn oracle(ops: &[Op]) -> BTreeMap<u64, u64> {
 }
 
 fn check(ops: &[Op], cfg: TagConfig, faults: FaultPlan, seed: u64) {
-    let mut t = two(cfg, faults, seed);
+    let mut t = net(3, cfg, faults, seed);
     let (mut sent, mut got) = (Vec::new(), Vec::new());
     for (i, o) in ops.iter().enumerate() {
         let (i, off) = (i as u64, i as u64 * REGION);
         match *o {
-            Op::Send { tag, len } => {
-                put(&t.a, off, &pattern(i, len));
-                t.a.send(i, 0, tag, off, len).unwrap();
+            Op::Send { from, tag, len } => {
+                let s = if from == 0 {
+                    &mut t.a
+                } else {
+                    t.c.as_mut().unwrap()
+                };
+                put(s, off, &pattern(i, len));
+                s.send(i, 0, tag, off, len).unwrap();
                 // Delivered to the receiver's NIC, but the receiver's software does not look.
                 let (ea, eb) = run(&mut t, false);
                 sent.extend(ea);
@@ -307,15 +332,21 @@ fn check(ops: &[Op], cfg: TagConfig, faults: FaultPlan, seed: u64) {
         else {
             panic!("receiver event {e:?}");
         };
-        assert_eq!(conn, 0);
         let Some(&s) = want.get(&id) else {
             panic!("receive {id} completed but the model leaves it unmatched; events {got:?}")
         };
-        let (Op::Send { tag: st, len: sl }, Op::Recv { len: rl, .. }) =
-            (&ops[s as usize], &ops[id as usize])
+        let (
+            Op::Send {
+                from,
+                tag: st,
+                len: sl,
+            },
+            Op::Recv { len: rl, .. },
+        ) = (&ops[s as usize], &ops[id as usize])
         else {
             unreachable!()
         };
+        assert_eq!(conn, *from, "receive {id}: connection");
         assert_eq!(tag, *st, "receive {id}: tag");
         assert_eq!(len, (*sl).min(*rl), "receive {id}: length (from send {s})");
         assert_eq!(truncated, sl > rl, "receive {id}: truncation");
