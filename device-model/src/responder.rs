@@ -307,14 +307,14 @@ impl Nic {
         qp: &mut Qp,
         pkt: &Packet<'_>,
         op: Opcode,
-        ready: SimTime,
+        mut ready: SimTime,
     ) -> Result<(), Fault> {
         Self::check_sequence(qp, op, true)?;
         Self::mtu_check(qp, op, pkt.payload.len())?;
         if op.is_first() {
             let tm = self.srqs.get(qp.srqn).is_some_and(|s| s.tm.is_some());
             let ctx = if tm {
-                match self.tm_first_packet(env, qp, pkt, op, ready)? {
+                match self.tm_first_packet(env, qp, pkt, op, &mut ready)? {
                     Some(ctx) => ctx,
                     None => {
                         // A rendezvous request, taken whole by tag matching.
@@ -480,14 +480,14 @@ impl Nic {
     }
 
     /// The first packet of a message on a TM-SRQ: match it, or take an untagged buffer.
-    /// `Ok(None)`: a rendezvous request, consumed here.
+    /// `Ok(None)`: a rendezvous request, consumed here. The list walk delays `ready`.
     fn tm_first_packet(
         &mut self,
         env: &mut dyn Env,
         qp: &mut Qp,
         pkt: &Packet<'_>,
         op: Opcode,
-        ready: SimTime,
+        ready: &mut SimTime,
     ) -> Result<Option<RecvCtx>, Fault> {
         let srqn = qp.srqn;
         let p = pkt.payload;
@@ -513,8 +513,9 @@ impl Nic {
             };
             let (hit, compared) = tm.find(tmh.tag);
             let t = &self.cfg.timing;
-            let ready =
-                ready + SimTime(t.tm_match_fixed_ps + t.tm_match_per_entry_ps * compared as u64);
+            *ready =
+                *ready + SimTime(t.tm_match_fixed_ps + t.tm_match_per_entry_ps * compared as u64);
+            let ready = *ready;
             if let Some(h) = hit {
                 let slot = tm.slots[h];
                 let handle = h as u32;

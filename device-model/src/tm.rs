@@ -100,19 +100,30 @@ impl TmState {
         }
     }
 
-    /// The oldest enabled entry matching `tag`, and how many entries the search compared.
+    /// The oldest enabled entry matching `tag`, and how many entries a walk of the list in
+    /// order compares to find it (all enabled entries on a miss).
     pub(crate) fn find(&self, tag: u64) -> (Option<usize>, usize) {
         let mut best: Option<usize> = None;
-        let mut compared = 0;
+        let mut enabled = 0;
         for (i, s) in self.slots.iter().enumerate() {
             if s.state != SlotState::Listed || !s.enabled {
                 continue;
             }
-            compared += 1;
+            enabled += 1;
             if tag_matches(tag, s.tag, s.mask) && best.is_none_or(|b| self.slots[b].seq > s.seq) {
                 best = Some(i);
             }
         }
+        let compared = match best {
+            Some(b) => {
+                let seq = self.slots[b].seq;
+                self.slots
+                    .iter()
+                    .filter(|s| s.state == SlotState::Listed && s.enabled && s.seq <= seq)
+                    .count()
+            }
+            None => enabled,
+        };
         (best, compared)
     }
 

@@ -199,6 +199,7 @@ pub struct TagMatcher {
     next_send_ctx: u32,
     wc: Vec<WorkCompletion>,
     stats: TagStats,
+    syncs: u32,
 }
 
 impl TagMatcher {
@@ -207,7 +208,13 @@ impl TagMatcher {
         let pd = dev.alloc_pd()?;
         let cq = dev.create_cq(4096)?;
         let tags = cfg.hw_tags.clamp(1, dev.caps().max_num_tags.max(1));
-        let mut srq = pd.create_tm_srq(&cq, cfg.staging_slots.max(2), 1, tags, 4 * tags + 16)?;
+        let mut srq = pd.create_tm_srq(
+            &cq,
+            cfg.staging_slots.max(2),
+            1,
+            tags,
+            (4 * tags + 16).max(256),
+        )?;
         let all = Access::LOCAL_WRITE | Access::REMOTE_READ | Access::REMOTE_WRITE;
         let user = dev.alloc_dma(cfg.user_bytes)?;
         let user_mr = pd.reg_mr(&user, all)?;
@@ -248,6 +255,7 @@ impl TagMatcher {
             next_send_ctx: 1,
             wc: vec![WorkCompletion::default(); 32],
             stats: TagStats::default(),
+            syncs: 0,
         })
     }
 
@@ -302,6 +310,11 @@ impl TagMatcher {
             .iter()
             .filter(|p| matches!(p.at, Where::Hw(_)))
             .count()
+    }
+
+    /// The QP of connection `conn` (for its counters and state).
+    pub fn conn(&self, conn: usize) -> Option<&QueuePair> {
+        self.conns.get(conn)
     }
 
     /// Counts of what this matcher did.
@@ -443,8 +456,24 @@ impl TagMatcher {
     /// Polls the CQ once (letting the device progress if it is empty) and handles what came;
     /// returns how many completions were handled.
     pub fn progress(&mut self) -> Result<usize, Error> {
+        self.handle_completions(true)
+    }
+
+    /// Handles the completions already in the CQ without progressing the device: for
+    /// callers that drive an emulated fabric themselves (several matchers on one fabric, or
+    /// measurements in simulated time, where a poll of an empty CQ would run the fabric
+    /// ahead while another matcher still has work).
+    pub fn progress_ready(&mut self) -> Result<usize, Error> {
+        self.handle_completions(false)
+    }
+
+    fn handle_completions(&mut self, progress_device: bool) -> Result<usize, Error> {
         let mut wc = std::mem::take(&mut self.wc);
-        let n = self.cq.poll(&mut wc);
+        let n = if progress_device {
+            self.cq.poll(&mut wc)
+        } else {
+            self.cq.poll_ready(&mut wc)
+        };
         let mut r = Ok(n);
         for w in &wc[..n] {
             if let Err(e) = self.handle(w) {
@@ -462,10 +491,7 @@ impl TagMatcher {
             CqeOpcode::TmAdd | CqeOpcode::TmDel | CqeOpcode::TmSync => {
                 // Only failures and SYNC requests are delivered for list operations.
                 if w.opcode == CqeOpcode::TmAdd && w.tm_sync_req {
-                    self.srq.post_tm_ops(&mut [TmOp {
-                        signaled: false,
-                        ..TmOp::sync(wr(K_OP, 0), self.unexp_cnt)
-                    }])?;
+                    self.sync()?;
                 }
                 Ok(())
             }
@@ -628,14 +654,25 @@ impl TagMatcher {
                 } else {
                     self.unexpected.push_back(u);
                 }
-                self.srq.post_tm_ops(&mut [TmOp {
-                    signaled: false,
-                    ..TmOp::sync(wr(K_OP, 0), self.unexp_cnt)
-                }])?;
+                self.sync()?;
                 Ok(())
             }
             _ => self.repost(slot),
         }
+    }
+
+    /// Tells the hardware how many unexpected messages software has seen. Nothing to tell
+    /// when software matches alone. Every 16th SYNC is signaled: ring slots of unsignaled
+    /// operations come back only with a later completion.
+    fn sync(&mut self) -> Result<(), Error> {
+        if self.cfg.hw_tags == 0 {
+            return Ok(());
+        }
+        self.syncs = self.syncs.wrapping_add(1);
+        self.srq.post_tm_ops(&mut [TmOp {
+            signaled: self.syncs.is_multiple_of(16),
+            ..TmOp::sync(wr(K_OP, 0), self.unexp_cnt)
+        }])
     }
 
     fn repost(&mut self, slot: u32) -> Result<(), Error> {

@@ -5,7 +5,7 @@
 //! latency. One event queue orders everything by (time, sequence); one seed is the root of
 //! every random stream. [`Fabric::port`] gives the driver an in-process [`ringbell::Port`]
 //! that runs the simulation in lockstep with its caller. [`perf`] holds the perftest-style
-//! runs the CLI prints.
+//! runs the CLI prints, [`tmbench`] the tag-matching ones.
 
 mod fabric;
 pub mod faults;
@@ -13,6 +13,7 @@ mod iommu;
 pub mod perf;
 mod port;
 mod scenario;
+pub mod tmbench;
 
 pub use fabric::{stream_seed, Fabric, FabricConfig, FabricStats, Topology};
 pub use faults::{

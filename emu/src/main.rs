@@ -34,6 +34,10 @@ enum BenchOp {
     Send,
     /// RDMA READ.
     Read,
+    /// Tag matching through the software layer over a TM-SRQ: matching latency and rate
+    /// against posted-list depth (hardware list and software), rendezvous bandwidth
+    /// 8 KiB..4 MiB. Uses --count (capped at 2000) messages per figure; ignores --size.
+    Tag,
 }
 
 #[derive(Subcommand)]
@@ -190,6 +194,7 @@ fn bench(a: BenchArgs) -> Result<(), String> {
         BenchOp::Write => (PerfOp::Write, "write"),
         BenchOp::Send => (PerfOp::Send, "send"),
         BenchOp::Read => (PerfOp::Read, "read"),
+        BenchOp::Tag => return tag_bench(&cfg, a.count.min(2000)),
     };
     println!(
         "bench: {name} {} B x {}, {} outstanding, two switched nodes, ACK timeout {}, retry_cnt {}",
@@ -249,6 +254,51 @@ fn bench(a: BenchArgs) -> Result<(), String> {
     );
     println!("trace digest {:016x}", p.fabric().trace_digest());
     bw.map(|_| ()).map_err(|e| e.to_string())
+}
+
+fn tag_bench(cfg: &FabricConfig, count: u32) -> Result<(), String> {
+    use ringbell_emu::tmbench::{matching, rendezvous, Matching};
+    let wall = Instant::now();
+    println!("tag matching: 64 B eager messages, {count} per figure, receives of 8 KiB");
+    println!("  depth = receives that do not match, posted ahead of each matching one");
+    println!(
+        "  {:>6}  {:>8} {:>11} {:>9}   {:>8} {:>11} {:>12}",
+        "depth", "hw lat", "hw rate", "hw match", "sw lat", "sw rate", "sw host/msg"
+    );
+    for depth in [0u32, 16, 64, 256, 1023, 1024] {
+        let hw = matching(cfg, Matching::Hardware, depth, 64, count).map_err(|e| e.to_string())?;
+        let sw = matching(cfg, Matching::Software, depth, 64, count).map_err(|e| e.to_string())?;
+        println!(
+            "  {:>6}  {:>5.3} µs {:>7.2} M/s {:>8.0}%   {:>5.3} µs {:>7.2} M/s {:>9.2} µs",
+            depth,
+            hw.latency.ps() as f64 / 1e6,
+            hw.rate / 1e6,
+            hw.hw_matched as f64 * 50.0 / count as f64,
+            sw.latency.ps() as f64 / 1e6,
+            sw.rate / 1e6,
+            sw.host_per_msg.as_secs_f64() * 1e6,
+        );
+    }
+    println!("  (simulated time; 'sw host/msg' is the receiver's software time per message on this machine)");
+    println!(
+        "rendezvous bandwidth (8 in flight; hw: receive posted first, the NIC reads and FINs;"
+    );
+    println!("  sw: the request arrives unexpected, software reads and FINs)");
+    let mut size = 8192u32;
+    while size <= 4 << 20 {
+        let n = count.min(((64u64 << 20) / size as u64).max(16) as u32);
+        let hw = rendezvous(cfg, Matching::Hardware, size, n).map_err(|e| e.to_string())?;
+        let sw = rendezvous(cfg, Matching::Software, size, n).map_err(|e| e.to_string())?;
+        println!(
+            "  {:>8} B  hw {:>7.2} Gb/s   sw {:>7.2} Gb/s",
+            size,
+            hw / 1e9,
+            sw / 1e9
+        );
+        size *= 2;
+    }
+    println!("wall {:.2} s", wall.elapsed().as_secs_f64());
+    Ok(())
 }
 
 fn demo(seed: u64, iters: u32, wiring: Wiring) -> Result<(), ringbell::Error> {
