@@ -47,3 +47,56 @@ fn readme_write_between_two_emulated_nodes() -> Result<(), ringbell::Error> {
     assert_eq!(&got, b"hello, remote");
     Ok(())
 }
+
+#[test]
+fn readme_tag_matching_rendezvous() -> Result<(), ringbell::Error> {
+    use ringbell::tagmatch::{TagConfig, TagEvent, TagMatcher};
+    use ringbell::*;
+    use ringbell_emu::{Fabric, FabricConfig};
+
+    let fabric = Fabric::new(FabricConfig::new(2, 1));
+    let (da, db) = (
+        Device::open(Box::new(fabric.port(0)))?,
+        Device::open(Box::new(fabric.port(1)))?,
+    );
+    let (mut a, mut b) = (
+        TagMatcher::new(&da, TagConfig::default())?,
+        TagMatcher::new(&db, TagConfig::default())?,
+    );
+    let ((ca, ea), (cb, eb)) = (a.add_conn()?, b.add_conn()?);
+    a.connect(ca, &eb, &ConnectOptions::default())?;
+    b.connect(cb, &ea, &ConnectOptions::default())?;
+
+    // 64 KiB with tag 0x42 (rendezvous: above the 8 KiB eager limit) into a receive posted
+    // for any tag 0x40..0x4f; the receive goes to the NIC's list, which matches it.
+    a.user().write(0, &[7u8; 65536])?;
+    b.recv(1, 0x40, !0xf, 0, 65536)?;
+    a.send(2, ca, 0x42, 0, 65536)?;
+    let (mut got, mut sent) = (None, None);
+    while got.is_none() || sent.is_none() {
+        a.progress()?;
+        b.progress()?;
+        while let Some(e) = b.next_event() {
+            got = Some(e);
+        }
+        while let Some(e) = a.next_event() {
+            sent = Some(e);
+        }
+    }
+    assert_eq!(
+        got,
+        Some(TagEvent::Recv {
+            id: 1,
+            tag: 0x42,
+            len: 65536,
+            truncated: false,
+            conn: cb
+        })
+    );
+    assert_eq!(sent, Some(TagEvent::Send { id: 2 })); // after the FIN: the buffer is free
+    assert_eq!(b.stats().hw_matched, 1);
+    let mut data = vec![0u8; 65536];
+    b.user().read(0, &mut data)?;
+    assert!(data.iter().all(|&x| x == 7));
+    Ok(())
+}
