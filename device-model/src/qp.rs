@@ -319,9 +319,11 @@ impl Qp {
     }
     /// Oldest send WQEBB the device has not completed.
     pub(crate) fn sq_tail(&self) -> u32 {
+        // The NIC's own work (rendezvous READ, FIN) holds no SQ slot.
         self.req
             .outstanding
-            .front()
+            .iter()
+            .find(|o| o.hw.is_none())
             .map_or(self.fetch, |o| o.wqe_index)
     }
 }
@@ -522,6 +524,23 @@ impl Nic {
     /// when the QP lets go of it (reset, destroy) it completes with WR_FLUSH_ERR so the SRQ
     /// slot is retired.
     pub(crate) fn release_srq_wqe(&mut self, env: &mut dyn Env, qp: &mut Qp) {
+        // The NIC's own rendezvous work holds tagged buffers of the SRQ: they complete with
+        // WR_FLUSH_ERR and go back to the list's free slots.
+        let now = env.now();
+        let (hw, own): (VecDeque<Outstanding>, VecDeque<Outstanding>) =
+            std::mem::take(&mut qp.req.outstanding)
+                .into_iter()
+                .partition(|o| o.hw.is_some());
+        qp.req.outstanding = own;
+        for o in &hw {
+            self.hw_task_done(
+                env,
+                qp,
+                o,
+                (CqeStatus::WrFlushErr, VendorSyndrome::None),
+                now,
+            );
+        }
         if let Some(rc) = qp.resp.recv.take_if(|rc| rc.srqn != 0) {
             let now = env.now();
             if rc.tm.is_some() {

@@ -501,10 +501,12 @@ impl Nic {
         let tmh = tmh.unwrap_or_default();
         let rndv = tmh.opcode == TmhOp::Rndv as u8;
         // A rendezvous request the device cannot take (longer than max_rndv_hdr_size, no
-        // RVH, more than one packet) is never matched: software gets it unexpected.
+        // RVH, more than one packet, or arriving before the QP can send its READ: RTR) is
+        // never matched: software gets it unexpected.
         let matchable = kind == TmRecv::Unexpected
             && (!rndv
                 || (op.is_last()
+                    && qp.state == QpState::Rts
                     && p.len() >= TMH_LEN + RVH_LEN
                     && p.len() <= MAX_RNDV_HDR_SIZE as usize));
         if matchable {

@@ -5,16 +5,28 @@
 //! way `driver/src/device.rs` does. Setup (parameters drawn from the first input bytes, always
 //! valid): event queue, two PDs, three MRs (all access over the whole memory; remote-read-only
 //! at another VA; one in the second PD), one CQ, one RC QP with a send and a receive ring,
-//! moved RESET → INIT → RTR → RTS towards a fake peer (10.0.0.2, QPN 5).
+//! moved RESET → INIT → RTR → RTS towards a fake peer (10.0.0.2, QPN 5). Then hardware tag
+//! matching (ABI 1.2, after checking `TM_RC` in QUERY_DEVICE's caps): a second CQ, a TM-SRQ
+//! (CREATE_TM_SRQ: untagged ring, matching list, list-operation ring) and a second RC QP on
+//! it, moved to RTS towards the same peer's QPN 6.
 //!
-//! The rest of the input is a program of actions: raw or structured send WQEs copied into the
-//! SQ ring (with a valid or arbitrary `wqe_index`), SQ/RQ doorbells with valid or arbitrary
-//! producer indices (now, or later through the PCIe-latency path), receive WQEs, frames from
-//! the wire (raw bytes, or valid headers addressed to the QP built with
+//! The rest of the input is a program of actions: raw or structured send WQEs copied into
+//! either SQ ring (with a valid or arbitrary `wqe_index`), SQ/RQ doorbells with valid or
+//! arbitrary producer indices (now, or later through the PCIe-latency path), receive WQEs,
+//! frames from the wire to either QP (raw bytes, or valid headers built with
 //! `wire::PacketRepr::emit` so they pass the ICRC, with fuzzed opcode/PSN/payload/RETH/AETH/
-//! AtomicETH, optionally corrupted), CQ/EQ consumption, arming, arbitrary register accesses
-//! and arbitrary commands. A mock peer answers the frames the NIC sends (ACK, READ responses,
-//! atomic ACKs) according to a fuzzed policy (answer, drop, RNR NAK, NAK).
+//! AtomicETH, optionally corrupted), CQ/EQ consumption, arming, arbitrary register accesses,
+//! MODIFY_QP and arbitrary commands, reconnecting a QP. Tag matching adds: list operations
+//! (ADD/DEL/SYNC built from the driver's view of the list, or raw 64-byte entries) and the
+//! list-operation doorbell, untagged SRQ receives, and tagged messages to the TM QP (TMH with
+//! a fuzzed opcode, tag and app_ctx, an RVH naming the peer's buffer or not, eager and
+//! rendezvous sizes around `max_rndv_hdr_size`, one or several packets).
+//!
+//! A mock peer answers the frames the NIC sends on both connections (ACKs, READ responses,
+//! atomic ACKs) according to a fuzzed policy (answer, drop, RNR NAK, NAK); on the TM
+//! connection it answers the hardware-rendezvous READs from its own buffer (a remote access
+//! NAK outside it) and ACKs the FIN. It resumes its requests where the NIC's PSN sequence or
+//! RNR NAKs tell it to.
 //!
 //! The event queue runs for at most `MAX_EVENTS` events per input, so no input hangs.
 //!
@@ -29,12 +41,17 @@ use libfuzzer_sys::fuzz_target;
 use ringbell_model::sim::EventQueue;
 use ringbell_model::{DmaFault, Env, Nic, NicConfig, NicEvent};
 use ringbell_specs::cmd::{
-    Access, CmdHeader, CmdOpcode, CreateCqIn, CreateQpIn, ModifyQpIn, ObjectOut, QpAttr,
-    QpAttrMask as M, QpState, RegMrIn, IN_OFFSET, MAILBOX_SIZE, OUT_OFFSET, PARAMS_SIZE,
-    RESULT_OFFSET,
+    Access, ArmSrqIn, CmdHeader, CmdOpcode, CreateCqIn, CreateQpIn, CreateSrqIn, CreateTmSrqIn,
+    ModifyQpIn, ObjectIn, ObjectOut, QpAttr, QpAttrMask as M, QpState, QueryDeviceOut, RegMrIn,
+    IN_OFFSET, MAILBOX_SIZE, OUT_OFFSET, PARAMS_SIZE, RESULT_OFFSET,
 };
-use ringbell_specs::cqe::{owner_bit, CQE_SIZE, EQE_SIZE};
+use ringbell_specs::cqe::{
+    owner_bit, Cqe, CqeOpcode, CQE_FLAG_TM_DATA_VALID, CQE_FLAG_TM_MATCH, CQE_SIZE, EQE_SIZE,
+};
 use ringbell_specs::regs;
+use ringbell_specs::tm::{
+    Rvh, TmOpEntry, TmOpcode, Tmh, TmhOp, RVH_LEN, TMH_LEN, TM_OP_SIGNALED, TM_OP_SIZE, TM_OP_SYNC,
+};
 use ringbell_specs::wire::{
     self, Aeth, AethSyndrome, AtomicEth, BthRepr, Endpoint, NakCode, Opcode, PacketRepr, Reth,
 };
@@ -68,7 +85,17 @@ const CQ_DB: u64 = MEM_BASE + 0x4000;
 const QP_DB: u64 = MEM_BASE + 0x4040;
 const SQ_RING: u64 = MEM_BASE + 0x5000; // up to 64 x 64 B = 4 KiB
 const RQ_RING: u64 = MEM_BASE + 0x6000; // up to 32 x 64 B = 2 KiB
-const DATA: u64 = MEM_BASE + 0x8000;
+
+// Tag matching: the TM-SRQ's CQ, the TM QP's SQ, the untagged SRQ ring, the list-operation
+// ring and their doorbell records.
+const TM_CQ_RING: u64 = MEM_BASE + 0x8000; // up to 128 x 64 B = 8 KiB
+const TM_CQ_DB: u64 = MEM_BASE + 0xA000;
+const TM_QP_DB: u64 = MEM_BASE + 0xA040;
+const SRQ_DB: u64 = MEM_BASE + 0xA080;
+const TM_SQ_RING: u64 = MEM_BASE + 0xB000; // up to 64 x 64 B = 4 KiB
+const SRQ_RING: u64 = MEM_BASE + 0xC000; // up to 32 x 64 B = 2 KiB
+const TM_OPS_RING: u64 = MEM_BASE + 0xD000; // up to 64 x 64 B = 4 KiB
+const DATA: u64 = MEM_BASE + 0x1_0000;
 const DATA_LEN: u64 = MEM_END - DATA;
 /// VA of the remote-read-only MR (backed by `DATA`).
 const RO_VA: u64 = 0x4000_0000;
@@ -76,7 +103,18 @@ const RO_LEN: u64 = 0x1_0000;
 
 const PEER_IP: [u8; 4] = [10, 0, 0, 2];
 const PEER_MAC: [u8; 6] = [0x02, 0, 0, 0, 0, 2];
+/// The peer's QPN of the main connection and of the tag-matching connection.
 const PEER_QPN: u32 = 5;
+const TM_PEER_QPN: u32 = 6;
+/// The peer's send buffer a valid rendezvous header names: READs inside it are answered with
+/// data, others with a remote access NAK.
+const PEER_VA: u64 = 0x7F00_0000_0000;
+const PEER_LEN: u64 = 1 << 20;
+const PEER_RKEY: u32 = 0x00AB_CD01;
+
+/// Index of the main QP (and its connection, CQ) and of the tag-matching one.
+const MAIN: usize = 0;
+const TM: usize = 1;
 
 /// Everything on the harness's event queue.
 #[derive(Debug)]
@@ -169,11 +207,11 @@ enum PeerAction {
     Nak,
 }
 
-/// The fake remote end of the connection.
-struct Peer {
-    /// Two bits per answer, cycled: see [`PeerAction`].
-    policy: u8,
-    counter: u32,
+/// The peer's side of one connection.
+struct Conn {
+    /// The peer's QPN and the NIC's.
+    peer_qpn: u32,
+    nic_qpn: u32,
     msn: u32,
     /// Next PSN the NIC's responder expects from the peer (the peer's send PSN).
     next_psn: Psn,
@@ -181,8 +219,19 @@ struct Peer {
     last_req_psn: Psn,
     /// Path MTU in bytes.
     mtu: u32,
+}
+
+/// The fake remote end of both connections.
+struct Peer {
+    /// Two bits per answer, cycled: see [`PeerAction`].
+    policy: u8,
+    counter: u32,
+    conns: [Conn; 2],
     /// Answers given so far, by [`PeerAction`] (for the debug summary).
     answers: [u64; 4],
+    /// READs of the peer's rendezvous buffer answered with data, FINs seen (debug summary).
+    rndv_reads: u64,
+    fins: u64,
 }
 
 impl Peer {
@@ -203,15 +252,71 @@ impl Peer {
     }
 }
 
-/// The values setup produced.
-struct Objects {
+/// The mock driver's view of a send queue.
+struct SendQueue {
     qpn: u32,
+    ring: u64,
+    log: u8,
+    /// Doorbell record: receive PI, then send PI.
+    db_rec: u64,
+    pi: u32,
+}
+
+/// The mock driver's view of a CQ.
+struct CompQueue {
     cqn: u32,
-    keys: [u32; 3],
-    sq_log: u8,
-    rq_log: u8,
-    rq_log_stride: u8,
-    cq_log: u8,
+    ring: u64,
+    db_rec: u64,
+    log: u8,
+    ci: u32,
+}
+
+/// A tagged buffer the mock driver believes is in the matching list.
+#[derive(Clone, Copy, Debug)]
+struct Tagged {
+    handle: u32,
+    tag: u64,
+    mask: u64,
+    len: u32,
+}
+
+/// The mock driver's view of the TM-SRQ.
+struct TmDriver {
+    srqn: u32,
+    srq_log: u8,
+    srq_log_stride: u8,
+    srq_pi: u32,
+    ops_log: u8,
+    ops_pi: u32,
+    num_tags: u32,
+    max_rndv: u32,
+    /// ADDed and neither DELeted nor consumed, as far as the driver knows.
+    listed: Vec<Tagged>,
+    /// Handles recently deleted or consumed (for stale DELs).
+    stale: Vec<u32>,
+    /// Unexpected tagged messages polled (software's count).
+    unexpected: u32,
+    /// `tm_hw_cnt` of the last TM completion polled.
+    hw_cnt: u16,
+    /// Debug summary: list operations and tagged messages sent, TM completions by opcode
+    /// (ADD, DEL, SYNC, RECV, NO_TAG), matched ones, failed ones.
+    ops_posted: u64,
+    msgs: u64,
+    cqes: [u64; 5],
+    matched: u64,
+    failed: u64,
+}
+
+impl TmDriver {
+    fn forget(&mut self, handle: u32) {
+        if let Some(i) = self.listed.iter().position(|t| t.handle == handle) {
+            self.listed.swap_remove(i);
+        }
+        if self.stale.len() >= 16 {
+            self.stale.remove(0);
+        }
+        self.stale.push(handle);
+    }
 }
 
 struct Harness {
@@ -220,18 +325,22 @@ struct Harness {
     peer: Peer,
     steps: u64,
     token: u16,
-    obj: Objects,
+    keys: [u32; 3],
     nic_ip: [u8; 4],
     nic_mac: [u8; 6],
-    /// The mock driver's producer indices and consumer indices.
-    sq_pi: u32,
+    /// The mock driver's queues, indexed by [`MAIN`] and [`TM`].
+    sqs: [SendQueue; 2],
+    cqs: [CompQueue; 2],
     rq_pi: u32,
-    cq_ci: u32,
+    rq_log: u8,
+    rq_log_stride: u8,
     eq_ci: u32,
+    tm: TmDriver,
 }
 
-/// The path MTU, QP limits and PSNs used for one run.
-struct Params {
+/// The attributes one connection is brought up with.
+#[derive(Clone, Copy)]
+struct ConnAttrs {
     path_mtu: u8,
     max_rd_atomic: u8,
     max_dest_rd_atomic: u8,
@@ -241,11 +350,26 @@ struct Params {
     timeout: u8,
     sq_psn: u32,
     rq_psn: u32,
+}
+
+/// The path MTU, QP limits, PSNs and ring sizes used for one run.
+struct Params {
+    main: ConnAttrs,
     sq_log: u8,
     rq_log: u8,
     rq_log_stride: u8,
     cq_log: u8,
     peer_policy: u8,
+    tm: ConnAttrs,
+    tm_sq_log: u8,
+    tm_cq_log: u8,
+    srq_log: u8,
+    srq_log_stride: u8,
+    ops_log: u8,
+    num_tags: u32,
+    /// Which CQs the TM-SRQ and the TM QP use (bit 0: TM QP send CQ is the TM CQ; 2: the
+    /// TM-SRQ shares the main CQ).
+    cq_mode: u8,
 }
 
 fn byte(u: &mut Unstructured<'_>) -> u8 {
@@ -261,15 +385,18 @@ fn u64_(u: &mut Unstructured<'_>) -> u64 {
     u.arbitrary().unwrap_or(0)
 }
 fn range(u: &mut Unstructured<'_>, lo: u32, hi: u32) -> u32 {
+    if hi <= lo {
+        return lo;
+    }
     u.int_in_range(lo..=hi).unwrap_or(lo)
 }
 fn flag(u: &mut Unstructured<'_>) -> bool {
     byte(u) & 1 != 0
 }
 
-impl Params {
-    fn read(u: &mut Unstructured<'_>) -> Params {
-        Params {
+impl ConnAttrs {
+    fn read(u: &mut Unstructured<'_>) -> ConnAttrs {
+        ConnAttrs {
             path_mtu: range(u, 1, 5) as u8,
             max_rd_atomic: range(u, 0, 16) as u8,
             max_dest_rd_atomic: range(u, 0, 16) as u8,
@@ -279,11 +406,31 @@ impl Params {
             timeout: range(u, 0, 31) as u8,
             sq_psn: u32_(u) & Psn::MASK,
             rq_psn: u32_(u) & Psn::MASK,
+        }
+    }
+}
+
+impl Params {
+    fn read(u: &mut Unstructured<'_>) -> Params {
+        Params {
+            main: ConnAttrs::read(u),
             sq_log: range(u, 1, 6) as u8,
             rq_log: range(u, 1, 5) as u8,
             rq_log_stride: range(u, 4, 6) as u8,
             cq_log: range(u, 1, 7) as u8,
             peer_policy: byte(u),
+            tm: ConnAttrs::read(u),
+            tm_sq_log: range(u, 1, 6) as u8,
+            tm_cq_log: range(u, 1, 7) as u8,
+            srq_log: range(u, 1, 5) as u8,
+            srq_log_stride: range(u, 4, 6) as u8,
+            ops_log: range(u, 1, 6) as u8,
+            num_tags: if byte(u) < 224 {
+                range(u, 1, 16)
+            } else {
+                range(u, 1, 1024)
+            },
+            cq_mode: byte(u) % 4,
         }
     }
 }
@@ -292,6 +439,14 @@ impl Harness {
     fn new(p: &Params) -> Harness {
         let cfg = NicConfig::for_node(0);
         let (nic_ip, nic_mac) = (cfg.ip, cfg.mac);
+        let conn = |peer_qpn: u32, a: &ConnAttrs| Conn {
+            peer_qpn,
+            nic_qpn: 0,
+            msn: 0,
+            next_psn: Psn::new(a.rq_psn),
+            last_req_psn: Psn::new(a.sq_psn),
+            mtu: ringbell_specs::cmd::mtu_bytes(a.path_mtu).unwrap_or(256),
+        };
         let mut h = Harness {
             nic: Nic::new(cfg),
             host: Host {
@@ -303,29 +458,71 @@ impl Harness {
             peer: Peer {
                 policy: p.peer_policy,
                 counter: 0,
-                msn: 0,
-                next_psn: Psn::new(p.rq_psn),
-                last_req_psn: Psn::new(p.sq_psn),
-                mtu: ringbell_specs::cmd::mtu_bytes(p.path_mtu).unwrap_or(256),
+                conns: [conn(PEER_QPN, &p.main), conn(TM_PEER_QPN, &p.tm)],
                 answers: [0; 4],
+                rndv_reads: 0,
+                fins: 0,
             },
             steps: 0,
             token: 0,
-            obj: Objects {
-                qpn: 0,
-                cqn: 0,
-                keys: [0; 3],
-                sq_log: p.sq_log,
-                rq_log: p.rq_log,
-                rq_log_stride: p.rq_log_stride,
-                cq_log: p.cq_log,
-            },
+            keys: [0; 3],
             nic_ip,
             nic_mac,
-            sq_pi: 0,
+            sqs: [
+                SendQueue {
+                    qpn: 0,
+                    ring: SQ_RING,
+                    log: p.sq_log,
+                    db_rec: QP_DB,
+                    pi: 0,
+                },
+                SendQueue {
+                    qpn: 0,
+                    ring: TM_SQ_RING,
+                    log: p.tm_sq_log,
+                    db_rec: TM_QP_DB,
+                    pi: 0,
+                },
+            ],
+            cqs: [
+                CompQueue {
+                    cqn: 0,
+                    ring: CQ_RING,
+                    db_rec: CQ_DB,
+                    log: p.cq_log,
+                    ci: 0,
+                },
+                CompQueue {
+                    cqn: 0,
+                    ring: TM_CQ_RING,
+                    db_rec: TM_CQ_DB,
+                    log: p.tm_cq_log,
+                    ci: 0,
+                },
+            ],
             rq_pi: 0,
-            cq_ci: 0,
+            rq_log: p.rq_log,
+            rq_log_stride: p.rq_log_stride,
             eq_ci: 0,
+            tm: TmDriver {
+                srqn: 0,
+                srq_log: p.srq_log,
+                srq_log_stride: p.srq_log_stride,
+                srq_pi: 0,
+                ops_log: p.ops_log,
+                ops_pi: 0,
+                num_tags: p.num_tags,
+                max_rndv: 0,
+                listed: Vec::new(),
+                stale: Vec::new(),
+                unexpected: 0,
+                hw_cnt: 0,
+                ops_posted: 0,
+                msgs: 0,
+                cqes: [0; 5],
+                matched: 0,
+                failed: 0,
+            },
         };
         h.setup(p);
         h
@@ -419,7 +616,24 @@ impl Harness {
         self.mmio_write(regs::EQ_ADDR_LO, EQ_RING as u32);
         self.mmio_write(regs::EQ_ADDR_HI, (EQ_RING >> 32) as u32);
         self.mmio_write(regs::EQ_LOG_SIZE, EQ_LOG as u32);
-        self.must(CmdOpcode::QueryDevice, &[]);
+        let out = self.must(CmdOpcode::QueryDevice, &[]);
+        let dev = QueryDeviceOut::read_from_prefix(&out)
+            .map(|(d, _)| d)
+            .unwrap_or_default();
+        let caps = regs::Caps::from_bits_truncate(dev.caps.get());
+        assert!(
+            caps.contains(regs::Caps::TM_RC),
+            "harness setup: QUERY_DEVICE reports no TM_RC ({caps:?})"
+        );
+        assert!(
+            dev.max_num_tags.get() >= 1 && dev.max_tm_ops.get() >= 2,
+            "harness setup: no room for tag matching ({dev:?})"
+        );
+        self.tm.num_tags = self.tm.num_tags.min(dev.max_num_tags.get());
+        self.tm.max_rndv = dev.max_rndv_hdr_size.get();
+        while (1u32 << self.tm.ops_log) > dev.max_tm_ops.get() {
+            self.tm.ops_log -= 1;
+        }
         let pd = self.must_create(CmdOpcode::AllocPd, &[]);
         let pd2 = self.must_create(CmdOpcode::AllocPd, &[]);
         let all = Access::LOCAL_WRITE
@@ -451,19 +665,22 @@ impl Harness {
         ];
         for (i, mr) in mrs.iter().enumerate() {
             let out = self.must(CmdOpcode::RegMr, mr.as_bytes());
-            self.obj.keys[i] = u32::from_le_bytes(out[..4].try_into().unwrap());
+            self.keys[i] = u32::from_le_bytes(out[..4].try_into().unwrap());
         }
-        let cq = CreateCqIn {
-            log_size: p.cq_log,
-            ring_iova: CQ_RING.into(),
-            db_iova: CQ_DB.into(),
-            ..Default::default()
-        };
-        self.obj.cqn = self.must_create(CmdOpcode::CreateCq, cq.as_bytes());
+        for k in [MAIN, TM] {
+            let cq = CreateCqIn {
+                log_size: self.cqs[k].log,
+                ring_iova: self.cqs[k].ring.into(),
+                db_iova: self.cqs[k].db_rec.into(),
+                ..Default::default()
+            };
+            self.cqs[k].cqn = self.must_create(CmdOpcode::CreateCq, cq.as_bytes());
+        }
+        let cqn = self.cqs[MAIN].cqn;
         let qp = CreateQpIn {
             pdn: pd.into(),
-            send_cqn: self.obj.cqn.into(),
-            recv_cqn: self.obj.cqn.into(),
+            send_cqn: cqn.into(),
+            recv_cqn: cqn.into(),
             sq_log_size: p.sq_log,
             rq_log_size: p.rq_log,
             rq_log_stride: p.rq_log_stride,
@@ -472,65 +689,138 @@ impl Harness {
             db_iova: QP_DB.into(),
             ..Default::default()
         };
-        self.obj.qpn = self.must_create(CmdOpcode::CreateQp, qp.as_bytes());
-        let qpn = self.obj.qpn;
-        let init = QpAttr {
-            state: QpState::Init as u8,
-            access: all.bits().into(),
+        self.sqs[MAIN].qpn = self.must_create(CmdOpcode::CreateQp, qp.as_bytes());
+        // The TM-SRQ, the way driver/src/srq.rs and driver/src/tm.rs create one.
+        let tm_cqn = self.cqs[TM].cqn;
+        let srq_cqn = if p.cq_mode == 2 { cqn } else { tm_cqn };
+        let srq = CreateTmSrqIn {
+            srq: CreateSrqIn {
+                pdn: pd.into(),
+                log_size: p.srq_log,
+                log_stride: p.srq_log_stride,
+                ring_iova: SRQ_RING.into(),
+                db_iova: SRQ_DB.into(),
+                ..Default::default()
+            },
+            cqn: srq_cqn.into(),
+            max_num_tags: self.tm.num_tags.into(),
+            ops_log_size: self.tm.ops_log,
+            ops_iova: TM_OPS_RING.into(),
             ..Default::default()
         };
-        self.modify_must(
-            qpn,
-            M::STATE | M::PKEY_INDEX | M::PORT | M::ACCESS_FLAGS,
-            init,
-        );
-        let rtr = QpAttr {
-            state: QpState::Rtr as u8,
-            path_mtu: p.path_mtu,
-            dest_qpn: PEER_QPN.into(),
-            rq_psn: p.rq_psn.into(),
-            max_dest_rd_atomic: p.max_dest_rd_atomic,
-            min_rnr_timer: p.min_rnr_timer,
-            dest_mac: PEER_MAC,
-            dest_ip: PEER_IP,
+        self.tm.srqn = self.must_create(CmdOpcode::CreateTmSrq, srq.as_bytes());
+        let qp = CreateQpIn {
+            pdn: pd.into(),
+            send_cqn: if p.cq_mode & 1 != 0 { tm_cqn } else { cqn }.into(),
+            recv_cqn: tm_cqn.into(),
+            srqn: self.tm.srqn.into(),
+            sq_log_size: p.tm_sq_log,
+            sq_iova: TM_SQ_RING.into(),
+            db_iova: TM_QP_DB.into(),
             ..Default::default()
         };
-        self.modify_must(
-            qpn,
-            M::STATE
-                | M::AV
-                | M::PATH_MTU
-                | M::DEST_QPN
-                | M::RQ_PSN
-                | M::MAX_DEST_RD_ATOMIC
-                | M::MIN_RNR_TIMER,
-            rtr,
-        );
-        let rts = QpAttr {
-            state: QpState::Rts as u8,
-            timeout: p.timeout,
-            retry_cnt: p.retry_cnt,
-            rnr_retry: p.rnr_retry,
-            sq_psn: p.sq_psn.into(),
-            max_rd_atomic: p.max_rd_atomic,
-            ..Default::default()
-        };
-        self.modify_must(
-            qpn,
-            M::STATE | M::TIMEOUT | M::RETRY_CNT | M::RNR_RETRY | M::SQ_PSN | M::MAX_QP_RD_ATOMIC,
-            rts,
-        );
+        self.sqs[TM].qpn = self.must_create(CmdOpcode::CreateQp, qp.as_bytes());
+        for c in [MAIN, TM] {
+            self.peer.conns[c].nic_qpn = self.sqs[c].qpn;
+        }
+        self.connect(MAIN, &p.main, true);
+        self.connect(TM, &p.tm, true);
         // Consume the command-completion events so the EQ starts empty.
         self.consume_eq();
     }
 
-    fn modify_must(&mut self, qpn: u32, mask: M, attr: QpAttr) {
+    /// Sends MODIFY_QP; the status (`None`: the command never finished).
+    fn modify(&mut self, qpn: u32, mask: M, attr: QpAttr, flags: u16) -> Option<u8> {
         let m = ModifyQpIn {
             qpn: qpn.into(),
             attr_mask: mask.bits().into(),
             attr,
         };
-        self.must(CmdOpcode::ModifyQp, m.as_bytes());
+        self.command(CmdOpcode::ModifyQp as u16, m.as_bytes(), flags)
+            .map(|(s, _)| s)
+    }
+
+    /// Moves QP `q` INIT → RTR → RTS towards its peer (from RESET first unless `setup`, where
+    /// every step must succeed). On success both ends start over.
+    fn connect(&mut self, q: usize, a: &ConnAttrs, setup: bool) -> bool {
+        let qpn = self.sqs[q].qpn;
+        let all = Access::LOCAL_WRITE
+            | Access::REMOTE_WRITE
+            | Access::REMOTE_READ
+            | Access::REMOTE_ATOMIC;
+        let reset = QpAttr {
+            state: QpState::Reset as u8,
+            ..Default::default()
+        };
+        let init = QpAttr {
+            state: QpState::Init as u8,
+            access: all.bits().into(),
+            ..Default::default()
+        };
+        let rtr = QpAttr {
+            state: QpState::Rtr as u8,
+            path_mtu: a.path_mtu,
+            dest_qpn: self.peer.conns[q].peer_qpn.into(),
+            rq_psn: a.rq_psn.into(),
+            max_dest_rd_atomic: a.max_dest_rd_atomic,
+            min_rnr_timer: a.min_rnr_timer,
+            dest_mac: PEER_MAC,
+            dest_ip: PEER_IP,
+            ..Default::default()
+        };
+        let rts = QpAttr {
+            state: QpState::Rts as u8,
+            timeout: a.timeout,
+            retry_cnt: a.retry_cnt,
+            rnr_retry: a.rnr_retry,
+            sq_psn: a.sq_psn.into(),
+            max_rd_atomic: a.max_rd_atomic,
+            ..Default::default()
+        };
+        let mut steps = vec![
+            (M::STATE | M::PKEY_INDEX | M::PORT | M::ACCESS_FLAGS, init),
+            (
+                M::STATE
+                    | M::AV
+                    | M::PATH_MTU
+                    | M::DEST_QPN
+                    | M::RQ_PSN
+                    | M::MAX_DEST_RD_ATOMIC
+                    | M::MIN_RNR_TIMER,
+                rtr,
+            ),
+            (
+                M::STATE
+                    | M::TIMEOUT
+                    | M::RETRY_CNT
+                    | M::RNR_RETRY
+                    | M::SQ_PSN
+                    | M::MAX_QP_RD_ATOMIC,
+                rts,
+            ),
+        ];
+        if !setup {
+            steps.insert(0, (M::STATE, reset));
+        }
+        for (mask, attr) in steps {
+            let status = self.modify(qpn, mask, attr, 0);
+            if setup && status != Some(0) {
+                panic!("harness setup: MODIFY_QP {mask:?} of QP {qpn} failed: {status:?}");
+            }
+            if status != Some(0) {
+                return false;
+            }
+        }
+        self.sqs[q].pi = 0;
+        if q == MAIN {
+            self.rq_pi = 0;
+        }
+        let c = &mut self.peer.conns[q];
+        c.next_psn = Psn::new(a.rq_psn);
+        c.last_req_psn = Psn::new(a.sq_psn);
+        c.mtu = ringbell_specs::cmd::mtu_bytes(a.path_mtu).unwrap_or(256);
+        c.msn = 0;
+        true
     }
 
     // ---- the mock peer ----------------------------------------------------------------
@@ -557,24 +847,46 @@ impl Harness {
                 pkt.repr.src.mac, self.nic_mac,
                 "the NIC transmitted a frame from another MAC"
             );
-            if pkt.repr.dst.ip != PEER_IP || pkt.repr.bth.dest_qp.get() != PEER_QPN {
+            let dest = pkt.repr.bth.dest_qp.get();
+            let Some(c) = self.peer.conns.iter().position(|c| c.peer_qpn == dest) else {
+                continue;
+            };
+            if pkt.repr.dst.ip != PEER_IP {
                 continue;
             }
             let Some(op) = Opcode::from_u8(pkt.repr.bth.opcode) else {
                 continue;
             };
-            if op.is_response() {
-                continue; // the NIC's responder answering the peer: nothing to do
-            }
             let psn = pkt.repr.bth.psn;
-            self.peer.last_req_psn = psn;
+            if op.is_response() {
+                // The NIC's responder answering the peer. A PSN sequence NAK names the PSN
+                // it expects and an RNR NAK the request it did not take: the peer's next
+                // requests start there, as a real requester's retransmission would.
+                if let Some(
+                    AethSyndrome::Nak(NakCode::PsnSequenceError) | AethSyndrome::RnrNak { .. },
+                ) = pkt.repr.aeth.map(|a| a.syndrome)
+                {
+                    self.peer.conns[c].next_psn = psn;
+                }
+                continue;
+            }
+            if c == TM
+                && op == Opcode::SendOnly
+                && pkt.payload.len() == TMH_LEN + RVH_LEN
+                && pkt.payload[0] == TmhOp::Fin as u8
+            {
+                self.peer.fins += 1;
+            }
+            self.peer.conns[c].last_req_psn = psn;
             if !(pkt.repr.bth.ack_req || op == Opcode::ReadRequest || op.is_atomic()) {
                 continue;
             }
             let arrive = *at + SimTime(500_000);
             match self.peer.next_action() {
                 PeerAction::Drop => {}
-                PeerAction::RnrNak => self.peer_ack(arrive, psn, AethSyndrome::RnrNak { timer: 1 }),
+                PeerAction::RnrNak => {
+                    self.peer_ack(c, arrive, psn, AethSyndrome::RnrNak { timer: 1 })
+                }
                 PeerAction::Nak => {
                     let code = match psn.get() % 4 {
                         0 => NakCode::PsnSequenceError,
@@ -582,26 +894,45 @@ impl Harness {
                         2 => NakCode::RemoteAccessError,
                         _ => NakCode::RemoteOperationalError,
                     };
-                    self.peer_ack(arrive, psn, AethSyndrome::Nak(code));
+                    self.peer_ack(c, arrive, psn, AethSyndrome::Nak(code));
                 }
                 PeerAction::Answer => match op {
                     Opcode::ReadRequest => {
-                        let len = pkt.repr.reth.map_or(0, |r| r.len);
-                        self.peer_read_response(arrive, psn, len);
+                        let (va, rkey, len) =
+                            pkt.repr.reth.map_or((0, 0, 0), |r| (r.va, r.rkey, r.len));
+                        // On the TM connection the peer serves only its own send buffer
+                        // (what a rendezvous names).
+                        let inside = rkey == PEER_RKEY
+                            && va >= PEER_VA
+                            && va
+                                .checked_add(len as u64)
+                                .is_some_and(|end| end <= PEER_VA + PEER_LEN);
+                        if c == TM && !inside {
+                            let nak = AethSyndrome::Nak(NakCode::RemoteAccessError);
+                            self.peer_ack(c, arrive, psn, nak);
+                        } else {
+                            if c == TM {
+                                self.peer.rndv_reads += 1;
+                            }
+                            self.peer_read_response(c, arrive, psn, len);
+                        }
                     }
                     Opcode::CompareSwap | Opcode::FetchAdd => {
-                        self.peer.msn = self.peer.msn.wrapping_add(1);
-                        let mut r = self.peer_repr(Opcode::AtomicAcknowledge, psn);
+                        let conn = &mut self.peer.conns[c];
+                        conn.msn = conn.msn.wrapping_add(1);
+                        let msn = conn.msn;
+                        let mut r = self.peer_repr(c, Opcode::AtomicAcknowledge, psn);
                         r.aeth = Some(Aeth {
                             syndrome: AethSyndrome::Ack { credits: 0x1F },
-                            msn: self.peer.msn & 0xFF_FFFF,
+                            msn: msn & 0xFF_FFFF,
                         });
                         r.atomic_ack = Some(0x1122_3344_5566_7788 ^ psn.get() as u64);
                         self.send_from_peer(arrive, &r, &[]);
                     }
                     _ => {
-                        self.peer.msn = self.peer.msn.wrapping_add(1);
-                        self.peer_ack(arrive, psn, AethSyndrome::Ack { credits: 0x1F });
+                        let conn = &mut self.peer.conns[c];
+                        conn.msn = conn.msn.wrapping_add(1);
+                        self.peer_ack(c, arrive, psn, AethSyndrome::Ack { credits: 0x1F });
                     }
                 },
             }
@@ -614,7 +945,9 @@ impl Harness {
         }
     }
 
-    fn peer_repr(&self, opcode: Opcode, psn: Psn) -> PacketRepr {
+    /// A packet from the peer on connection `c`.
+    fn peer_repr(&self, c: usize, opcode: Opcode, psn: Psn) -> PacketRepr {
+        let conn = &self.peer.conns[c];
         PacketRepr {
             src: Endpoint {
                 mac: PEER_MAC,
@@ -625,8 +958,8 @@ impl Harness {
                 ip: self.nic_ip,
             },
             udp_src_port: wire::udp_src_port(
-                Qpn::from_bits(PEER_QPN),
-                Qpn::from_bits(self.obj.qpn),
+                Qpn::from_bits(conn.peer_qpn),
+                Qpn::from_bits(conn.nic_qpn),
             ),
             ip_id: psn.get() as u16,
             tos: 0,
@@ -640,7 +973,7 @@ impl Harness {
                 pkey: wire::DEFAULT_PKEY,
                 fecn: false,
                 becn: false,
-                dest_qp: Qpn::from_bits(self.obj.qpn),
+                dest_qp: Qpn::from_bits(conn.nic_qpn),
                 ack_req: false,
                 psn,
             },
@@ -652,20 +985,22 @@ impl Harness {
         }
     }
 
-    fn peer_ack(&mut self, at: SimTime, psn: Psn, syndrome: AethSyndrome) {
-        let mut r = self.peer_repr(Opcode::Acknowledge, psn);
+    fn peer_ack(&mut self, c: usize, at: SimTime, psn: Psn, syndrome: AethSyndrome) {
+        let mut r = self.peer_repr(c, Opcode::Acknowledge, psn);
         r.aeth = Some(Aeth {
             syndrome,
-            msn: self.peer.msn & 0xFF_FFFF,
+            msn: self.peer.conns[c].msn & 0xFF_FFFF,
         });
         self.send_from_peer(at, &r, &[]);
     }
 
-    fn peer_read_response(&mut self, at: SimTime, first: Psn, len: u32) {
-        let mtu = self.peer.mtu;
+    fn peer_read_response(&mut self, c: usize, at: SimTime, first: Psn, len: u32) {
+        let conn = &mut self.peer.conns[c];
+        let mtu = conn.mtu;
         // Cap the work per READ: a longer one is answered only in part (and never completes).
         let n = len.div_ceil(mtu).clamp(1, 64);
-        self.peer.msn = self.peer.msn.wrapping_add(1);
+        conn.msn = conn.msn.wrapping_add(1);
+        let msn = conn.msn;
         let full = len.div_ceil(mtu).max(1);
         let mut payload = Vec::new();
         for i in 0..n {
@@ -678,11 +1013,11 @@ impl Harness {
             let plen = (len - i * mtu).min(mtu) as usize;
             payload.clear();
             payload.extend((0..plen).map(|k| (k as u8) ^ (i as u8)));
-            let mut r = self.peer_repr(opcode, first.add(i));
+            let mut r = self.peer_repr(c, opcode, first.add(i));
             if opcode.has_aeth() {
                 r.aeth = Some(Aeth {
                     syndrome: AethSyndrome::Ack { credits: 0x1F },
-                    msn: self.peer.msn & 0xFF_FFFF,
+                    msn: msn & 0xFF_FFFF,
                 });
             }
             self.send_from_peer(at + SimTime(i as u64 * 30_000), &r, &payload);
@@ -697,32 +1032,37 @@ impl Harness {
 
     // ---- the mock driver ----------------------------------------------------------------
 
-    fn sq_size(&self) -> u32 {
-        1 << self.obj.sq_log
+    /// Which QP (and connection) an action is about: mostly the main one.
+    fn pick_qp(u: &mut Unstructured<'_>) -> usize {
+        if byte(u) < 176 {
+            MAIN
+        } else {
+            TM
+        }
     }
 
-    fn sq_slot(&self, index: u32) -> u64 {
-        SQ_RING + (index & (self.sq_size() - 1)) as u64 * WQEBB as u64
+    fn sq_slot(&self, q: usize, index: u32) -> u64 {
+        let sq = &self.sqs[q];
+        sq.ring + (index & ((1 << sq.log) - 1)) as u64 * WQEBB as u64
     }
 
-    /// Copies a WQE of whole blocks into the ring at the driver's producer index.
-    fn put_wqe(&mut self, wqe: &[u8]) {
+    /// Copies a WQE of whole blocks into SQ `q` at the driver's producer index.
+    fn put_wqe(&mut self, q: usize, wqe: &[u8]) {
         for (b, chunk) in wqe.chunks(WQEBB).enumerate() {
             let mut block = [0u8; WQEBB];
             block[..chunk.len()].copy_from_slice(chunk);
-            let at = self.sq_slot(self.sq_pi.wrapping_add(b as u32));
+            let at = self.sq_slot(q, self.sqs[q].pi.wrapping_add(b as u32));
             self.host.write(at, &block);
         }
-        self.sq_pi = self
-            .sq_pi
-            .wrapping_add(wqe.len().div_ceil(WQEBB).max(1) as u32);
+        let sq = &mut self.sqs[q];
+        sq.pi = sq.pi.wrapping_add(wqe.len().div_ceil(WQEBB).max(1) as u32);
     }
 
     fn pick_key(&self, u: &mut Unstructured<'_>) -> u32 {
         match byte(u) % 8 {
-            0..=3 => self.obj.keys[0],
-            4 => self.obj.keys[1],
-            5 => self.obj.keys[2],
+            0..=3 => self.keys[0],
+            4 => self.keys[1],
+            5 => self.keys[2],
             6 => 0,
             _ => u32_(u),
         }
@@ -742,19 +1082,21 @@ impl Harness {
         }
     }
 
-    fn pick_len(&self, u: &mut Unstructured<'_>) -> u32 {
+    /// A length for connection `c` (around its path MTU).
+    fn pick_len(&self, u: &mut Unstructured<'_>, c: usize) -> u32 {
+        let mtu = self.peer.conns[c].mtu;
         match byte(u) % 8 {
             0..=2 => byte(u) as u32,
             3 => 8,
-            4 => range(u, 0, 3 * self.peer.mtu + 1),
-            5 => self.peer.mtu,
+            4 => range(u, 0, 3 * mtu + 1),
+            5 => mtu,
             6 => range(u, 0, 0x2_0000),
             _ => u32_(u),
         }
     }
 
-    /// A send WQE built segment by segment, mostly valid.
-    fn build_wqe(&self, u: &mut Unstructured<'_>) -> Vec<u8> {
+    /// A send WQE for SQ `q` built segment by segment, mostly valid.
+    fn build_wqe(&self, u: &mut Unstructured<'_>, q: usize) -> Vec<u8> {
         let opcode = if byte(u) < 240 {
             range(u, 1, 7) as u8
         } else {
@@ -811,7 +1153,7 @@ impl Harness {
                 let len = if is_atomic && byte(u) < 200 {
                     8
                 } else {
-                    self.pick_len(u)
+                    self.pick_len(u, q)
                 };
                 let d = DataSeg {
                     byte_count: len.into(),
@@ -826,7 +1168,7 @@ impl Harness {
             ds = byte(u);
         }
         let wqe_index = if byte(u) < 240 {
-            self.sq_pi as u16
+            self.sqs[q].pi as u16
         } else {
             u16_(u)
         };
@@ -842,12 +1184,13 @@ impl Harness {
         segs
     }
 
-    /// Action: put a send WQE into the SQ ring.
+    /// Action: put a send WQE into an SQ ring.
     fn act_sq_wqe(&mut self, u: &mut Unstructured<'_>) {
+        let q = Self::pick_qp(u);
         let mode = byte(u) % 4;
         if mode == 3 {
-            let wqe = self.build_wqe(u);
-            self.put_wqe(&wqe);
+            let wqe = self.build_wqe(u, q);
+            self.put_wqe(q, &wqe);
             return;
         }
         // Raw blocks from the input.
@@ -857,7 +1200,7 @@ impl Harness {
         wqe[..take.len()].copy_from_slice(take);
         if mode >= 1 {
             // Keep the wqe_index valid.
-            wqe[2..4].copy_from_slice(&(self.sq_pi as u16).to_le_bytes());
+            wqe[2..4].copy_from_slice(&(self.sqs[q].pi as u16).to_le_bytes());
         }
         if mode == 2 {
             // Keep the opcode known, the flags defined and the segment count consistent.
@@ -865,21 +1208,23 @@ impl Harness {
             wqe[1] &= 0xF;
             wqe[4] = (wqe[4] as usize % (nbb * 4)) as u8 + 1;
         }
-        self.put_wqe(&wqe);
+        self.put_wqe(q, &wqe);
     }
 
-    /// Action: ring the SQ doorbell.
+    /// Action: ring an SQ doorbell.
     fn act_sq_doorbell(&mut self, u: &mut Unstructured<'_>) {
+        let q = Self::pick_qp(u);
+        let pi = self.sqs[q].pi;
         let value = match byte(u) % 8 {
-            0..=4 => self.sq_pi,
-            5 => self.sq_pi.wrapping_add((byte(u) as i8) as u32),
+            0..=4 => pi,
+            5 => pi.wrapping_add((byte(u) as i8) as u32),
             _ => u32_(u),
         };
-        let offset = regs::QP_DB_BASE + self.obj.qpn as u64 * regs::DB_STRIDE + regs::DB_SQ;
+        let offset = regs::QP_DB_BASE + self.sqs[q].qpn as u64 * regs::DB_STRIDE + regs::DB_SQ;
         self.doorbell(u, offset, value);
         // Also keep the doorbell record up to date, as the driver does.
-        let rec = self.sq_pi.to_le_bytes();
-        self.host.write(QP_DB + 4, &rec);
+        let rec = pi.to_le_bytes();
+        self.host.write(self.sqs[q].db_rec + 4, &rec);
     }
 
     /// Writes a doorbell now, or sends it on its way through the PCIe posting latency.
@@ -894,9 +1239,9 @@ impl Harness {
         }
     }
 
-    /// Action: post a receive WQE (and usually ring the RQ doorbell).
-    fn act_recv(&mut self, u: &mut Unstructured<'_>) {
-        let stride = 1usize << self.obj.rq_log_stride;
+    /// A receive WQE of `stride` bytes: raw bytes, or SGEs (lengths around connection `c`'s
+    /// MTU) ended by the end mark when they do not fill it.
+    fn recv_wqe(&self, u: &mut Unstructured<'_>, stride: usize, c: usize) -> Vec<u8> {
         let mut wqe = vec![0u8; stride];
         if byte(u) < 40 {
             let take = u.bytes(stride.min(u.len())).unwrap_or(&[]);
@@ -905,7 +1250,7 @@ impl Harness {
             let n = range(u, 0, (stride / SEG) as u32) as usize;
             for i in 0..n {
                 let d = DataSeg {
-                    byte_count: self.pick_len(u).into(),
+                    byte_count: self.pick_len(u, c).into(),
                     lkey: self.pick_key(u).into(),
                     addr: self.pick_addr(u).into(),
                 };
@@ -919,7 +1264,14 @@ impl Harness {
                 wqe[n * SEG..(n + 1) * SEG].copy_from_slice(end.as_bytes());
             }
         }
-        let size = 1u32 << self.obj.rq_log;
+        wqe
+    }
+
+    /// Action: post a receive WQE (and usually ring the RQ doorbell).
+    fn act_recv(&mut self, u: &mut Unstructured<'_>) {
+        let stride = 1usize << self.rq_log_stride;
+        let wqe = self.recv_wqe(u, stride, MAIN);
+        let size = 1u32 << self.rq_log;
         let at = RQ_RING + (self.rq_pi & (size - 1)) as u64 * stride as u64;
         self.host.write(at, &wqe);
         self.rq_pi = self.rq_pi.wrapping_add(1);
@@ -929,12 +1281,30 @@ impl Harness {
             6 => return, // post without a doorbell (a later one covers it)
             _ => u32_(u),
         };
-        let offset = regs::QP_DB_BASE + self.obj.qpn as u64 * regs::DB_STRIDE + regs::DB_RQ;
+        let offset = regs::QP_DB_BASE + self.sqs[MAIN].qpn as u64 * regs::DB_STRIDE + regs::DB_RQ;
         self.doorbell(u, offset, value);
     }
 
-    /// A frame with valid headers addressed to the QP, fuzzed fields.
-    fn build_frame(&mut self, u: &mut Unstructured<'_>) -> Vec<u8> {
+    /// Action: post an untagged receive WQE to the TM-SRQ (and usually ring its doorbell).
+    fn act_srq_recv(&mut self, u: &mut Unstructured<'_>) {
+        let stride = 1usize << self.tm.srq_log_stride;
+        let wqe = self.recv_wqe(u, stride, TM);
+        let size = 1u32 << self.tm.srq_log;
+        let at = SRQ_RING + (self.tm.srq_pi & (size - 1)) as u64 * stride as u64;
+        self.host.write(at, &wqe);
+        self.tm.srq_pi = self.tm.srq_pi.wrapping_add(1);
+        self.host.write(SRQ_DB, &self.tm.srq_pi.to_le_bytes());
+        let value = match byte(u) % 8 {
+            0..=5 => self.tm.srq_pi,
+            6 => return,
+            _ => u32_(u),
+        };
+        let offset = regs::SRQ_DB_BASE + self.tm.srqn as u64 * regs::DB_STRIDE;
+        self.doorbell(u, offset, value);
+    }
+
+    /// A frame with valid headers addressed to QP `c`, fuzzed fields.
+    fn build_frame(&mut self, u: &mut Unstructured<'_>, c: usize) -> Vec<u8> {
         let opcode = if byte(u) < 240 {
             range(u, 0, 0x14) as u8
         } else {
@@ -942,20 +1312,20 @@ impl Harness {
         };
         let op = Opcode::from_u8(opcode);
         let is_response = op.is_some_and(|o| o.is_response());
+        let (next_psn, last_req_psn, mtu) = {
+            let conn = &self.peer.conns[c];
+            (conn.next_psn, conn.last_req_psn, conn.mtu)
+        };
         let psn = match byte(u) % 8 {
-            0..=3 if !is_response => self.peer.next_psn,
-            0..=3 => self.peer.last_req_psn,
+            0..=3 if !is_response => next_psn,
+            0..=3 => last_req_psn,
             4 | 5 => {
-                let base = if is_response {
-                    self.peer.last_req_psn
-                } else {
-                    self.peer.next_psn
-                };
+                let base = if is_response { last_req_psn } else { next_psn };
                 base.add((byte(u) as i8) as u32)
             }
             _ => Psn::new(u32_(u)),
         };
-        let mut r = self.peer_repr(Opcode::SendOnly, psn);
+        let mut r = self.peer_repr(c, Opcode::SendOnly, psn);
         r.bth.opcode = opcode;
         r.bth.ack_req = flag(u);
         r.bth.solicited = flag(u);
@@ -970,7 +1340,7 @@ impl Harness {
             r.reth = Some(Reth {
                 va: self.pick_addr(u),
                 rkey: self.pick_key(u),
-                len: self.pick_len(u),
+                len: self.pick_len(u, c),
             });
         }
         if op.is_some_and(|o| o.has_aeth()) {
@@ -1000,7 +1370,7 @@ impl Harness {
         if op.is_some_and(|o| o.has_immdt()) {
             r.imm = Some(u32_(u));
         }
-        let mtu = self.peer.mtu as usize;
+        let mtu = mtu as usize;
         let plen = match byte(u) % 8 {
             0 | 1 => 0,
             2 | 3 => mtu,
@@ -1015,26 +1385,30 @@ impl Harness {
         let take = u.bytes(plen.min(16).min(u.len())).unwrap_or(&[]);
         payload[..take.len()].copy_from_slice(take);
         // An in-sequence request moves the peer's PSN on.
-        if op.is_some_and(|o| o.is_request()) && psn == self.peer.next_psn {
+        if op.is_some_and(|o| o.is_request()) && psn == next_psn {
             let n = if op == Some(Opcode::ReadRequest) {
-                r.reth.map_or(1, |x| x.len.div_ceil(self.peer.mtu).max(1))
+                r.reth.map_or(1, |x| x.len.div_ceil(mtu as u32).max(1))
             } else {
                 1
             };
-            self.peer.next_psn = psn.add(n);
+            self.peer.conns[c].next_psn = psn.add(n);
         }
         let mut frame = Vec::with_capacity(r.frame_len(payload.len()));
         r.emit(&payload, &mut frame);
-        // Sometimes corrupt one byte (the ICRC or a header check then rejects it).
+        Self::damage(u, &mut frame);
+        frame
+    }
+
+    /// Sometimes corrupts one byte of a frame (the ICRC or a header check then rejects it)
+    /// or adds Ethernet padding.
+    fn damage(u: &mut Unstructured<'_>, frame: &mut Vec<u8>) {
         if byte(u) >= 248 && !frame.is_empty() {
             let pos = u16_(u) as usize % frame.len();
             frame[pos] ^= byte(u) | 1;
         }
-        // Sometimes trailing Ethernet padding.
         if byte(u) >= 248 {
             frame.resize(frame.len() + byte(u) as usize % 64, 0);
         }
-        frame
     }
 
     /// Action: a frame arrives from the wire.
@@ -1043,43 +1417,426 @@ impl Harness {
             let n = range(u, 0, 1600) as usize;
             u.bytes(n.min(u.len())).unwrap_or(&[]).to_vec()
         } else {
-            self.build_frame(u)
+            let c = Self::pick_qp(u);
+            self.build_frame(u, c)
         };
+        self.deliver(u, vec![frame]);
+    }
+
+    /// Frames arrive now one after the other, or later spread out in time.
+    fn deliver(&mut self, u: &mut Unstructured<'_>, frames: Vec<Vec<u8>>) {
         if flag(u) {
-            self.nic.receive(&mut self.host, &frame);
-            self.drain_tx();
+            for f in frames {
+                self.nic.receive(&mut self.host, &f);
+                self.drain_tx();
+            }
         } else {
             let at = self.host.queue.now() + SimTime(byte(u) as u64 * 10_000);
-            self.host.queue.push(at, Ev::Frame(frame));
+            let gap = byte(u) as u64 * 2_000;
+            for (i, f) in frames.into_iter().enumerate() {
+                self.host
+                    .queue
+                    .push(at + SimTime(i as u64 * gap), Ev::Frame(f));
+            }
         }
     }
 
-    /// Polls the CQ like a driver and reports the consumer index (record and/or doorbell).
-    fn act_cq(&mut self, u: &mut Unstructured<'_>) {
-        let log = self.obj.cq_log;
+    // ---- tag matching -------------------------------------------------------------------
+
+    /// A tag for a message: one an entry of the list matches (exactly or through its mask),
+    /// a small one (collisions), or any.
+    fn pick_tag(&self, u: &mut Unstructured<'_>) -> u64 {
+        let sel = byte(u) % 8;
+        if sel < 4 && !self.tm.listed.is_empty() {
+            let t = self.tm.listed[byte(u) as usize % self.tm.listed.len()];
+            return if sel < 2 {
+                t.tag
+            } else {
+                t.tag ^ (u64_(u) & !t.mask)
+            };
+        }
+        match sel {
+            4 | 5 => byte(u) as u64 % 16,
+            _ => u64_(u),
+        }
+    }
+
+    /// A rendezvous header: mostly the peer's buffer with a length that fits a listed
+    /// buffer, sometimes too long, outside the peer's buffer, or a NIC MR.
+    fn pick_rvh(&self, u: &mut Unstructured<'_>) -> Rvh {
+        let mtu = self.peer.conns[TM].mtu;
+        let listed_len = if self.tm.listed.is_empty() {
+            None
+        } else {
+            Some(self.tm.listed[byte(u) as usize % self.tm.listed.len()].len)
+        };
+        let len = match (byte(u) % 8, listed_len) {
+            (0 | 1, Some(l)) => l.saturating_sub(range(u, 0, 16)),
+            (2, Some(l)) => l.saturating_add(range(u, 1, 64)),
+            (0..=3, _) => range(u, 0, 64),
+            (4, _) => range(u, 0, 4 * mtu),
+            (5, _) => 0,
+            (6, _) => self.pick_len(u, TM),
+            _ => u32_(u),
+        };
+        let (va, rkey) = match byte(u) % 8 {
+            0..=4 => {
+                let room = PEER_LEN.saturating_sub(len as u64);
+                (PEER_VA + u32_(u) as u64 % (room + 1), PEER_RKEY)
+            }
+            // Crossing the end of the peer's buffer.
+            5 => (PEER_VA + PEER_LEN - (u16_(u) as u64 % 0x1000), PEER_RKEY),
+            6 => (self.pick_addr(u), self.pick_key(u)),
+            _ => (u64_(u), u32_(u)),
+        };
+        Rvh { va, rkey, len }
+    }
+
+    /// An unexpected count for a list operation: software's, the hardware's last reported
+    /// one, nearby or any.
+    fn pick_count(&self, u: &mut Unstructured<'_>) -> u32 {
+        match byte(u) % 8 {
+            0..=3 => self.tm.unexpected,
+            4 | 5 => self.tm.hw_cnt as u32,
+            6 => self.tm.unexpected.wrapping_add((byte(u) as i8) as u32),
+            _ => u32_(u),
+        }
+    }
+
+    /// A list-operation entry at the driver's producer index of the operation ring.
+    fn build_tm_op(&mut self, u: &mut Unstructured<'_>) -> [u8; TM_OP_SIZE] {
+        let index = self.tm.ops_pi as u16;
+        let kind = byte(u) % 16;
+        if kind >= 14 {
+            // Raw bytes, with a valid index or not.
+            let mut raw = [0u8; TM_OP_SIZE];
+            let take = u.bytes(TM_OP_SIZE.min(u.len())).unwrap_or(&[]);
+            raw[..take.len()].copy_from_slice(take);
+            if kind == 14 {
+                raw[2..4].copy_from_slice(&index.to_le_bytes());
+            }
+            return raw;
+        }
+        let mut e = TmOpEntry {
+            index: index.into(),
+            ..Default::default()
+        };
+        // The driver asks for a completion of every ADD and DEL; SYNCs only sometimes.
+        let mut flags = if kind <= 9 || flag(u) {
+            TM_OP_SIGNALED
+        } else {
+            0
+        };
+        let tags = self.tm.num_tags;
+        match kind {
+            0..=6 => {
+                let handle = match byte(u) % 8 {
+                    // One the driver believes free (if any is).
+                    0..=3 => {
+                        let start = range(u, 0, tags - 1);
+                        (0..tags)
+                            .map(|i| (start + i) % tags)
+                            .find(|h| self.tm.listed.iter().all(|t| t.handle != *h))
+                            .unwrap_or(start)
+                    }
+                    4 | 5 => range(u, 0, tags - 1),
+                    6 => tags,
+                    _ => u32_(u),
+                };
+                let tag = match byte(u) % 4 {
+                    0 | 1 => byte(u) as u64 % 16,
+                    2 if !self.tm.listed.is_empty() => {
+                        self.tm.listed[byte(u) as usize % self.tm.listed.len()].tag
+                    }
+                    _ => u64_(u),
+                };
+                let mask = match byte(u) % 8 {
+                    0..=3 => u64::MAX,
+                    4 => 0,
+                    5 => 0xF,
+                    6 => !0xF,
+                    _ => u64_(u),
+                };
+                let mtu = self.peer.conns[TM].mtu;
+                let len = match byte(u) % 8 {
+                    0 | 1 => range(u, 0, 64),
+                    2 => 0,
+                    3 => range(u, 0, 4 * mtu),
+                    4 => mtu,
+                    5 => range(u, 0, 0x1_0000),
+                    6 => self.pick_len(u, TM),
+                    _ => u32_(u),
+                };
+                let (addr, lkey) = (self.pick_addr(u), self.pick_key(u));
+                e.opcode = TmOpcode::Add as u8;
+                e.handle = handle.into();
+                e.tag = tag.into();
+                e.mask = mask.into();
+                e.addr = addr.into();
+                e.lkey = lkey.into();
+                e.len = len.into();
+                if handle < tags && self.tm.listed.iter().all(|t| t.handle != handle) {
+                    self.tm.listed.push(Tagged {
+                        handle,
+                        tag,
+                        mask,
+                        len,
+                    });
+                }
+            }
+            7..=9 => {
+                let handle = match byte(u) % 8 {
+                    0..=3 if !self.tm.listed.is_empty() => {
+                        self.tm.listed[byte(u) as usize % self.tm.listed.len()].handle
+                    }
+                    4 if !self.tm.stale.is_empty() => {
+                        self.tm.stale[byte(u) as usize % self.tm.stale.len()]
+                    }
+                    0..=5 => range(u, 0, tags - 1),
+                    6 => tags,
+                    _ => u32_(u),
+                };
+                e.opcode = TmOpcode::Del as u8;
+                e.handle = handle.into();
+                self.tm.forget(handle);
+            }
+            10 | 11 => {
+                e.opcode = TmOpcode::Sync as u8;
+                if byte(u) < 192 {
+                    flags |= TM_OP_SYNC;
+                }
+            }
+            // Not written yet (opcode 0): the device must stop there.
+            12 => {}
+            _ => e.opcode = byte(u),
+        }
+        if flags & TM_OP_SYNC != 0 || byte(u) < 48 {
+            flags |= TM_OP_SYNC;
+            e.unexpected_cnt = self.pick_count(u).into();
+        }
+        e.flags = if byte(u) >= 248 { byte(u) } else { flags };
+        if byte(u) >= 248 {
+            e.index = u16_(u).into();
+        }
+        let mut raw = [0u8; TM_OP_SIZE];
+        raw.copy_from_slice(e.as_bytes());
+        raw
+    }
+
+    /// Action: post one to four list operations and usually ring the list-operation doorbell.
+    fn act_tm_ops(&mut self, u: &mut Unstructured<'_>) {
+        let n = range(u, 1, 4);
+        let size = 1u32 << self.tm.ops_log;
+        for _ in 0..n {
+            let entry = self.build_tm_op(u);
+            let at = TM_OPS_RING + (self.tm.ops_pi & (size - 1)) as u64 * TM_OP_SIZE as u64;
+            self.host.write(at, &entry);
+            self.tm.ops_pi = self.tm.ops_pi.wrapping_add(1);
+            self.tm.ops_posted += 1;
+        }
+        if byte(u) % 8 < 6 {
+            self.tm_ops_doorbell(u);
+        }
+    }
+
+    /// Action: the list-operation doorbell (at SRQ doorbell + 4) with a valid or arbitrary
+    /// producer index, sometimes for another SRQ or at the untagged ring's doorbell.
+    fn tm_ops_doorbell(&mut self, u: &mut Unstructured<'_>) {
+        let pi = self.tm.ops_pi;
+        let value = match byte(u) % 8 {
+            0..=4 => pi,
+            5 => pi.wrapping_add((byte(u) as i8) as u32),
+            6 => pi.wrapping_add(1 << self.tm.ops_log),
+            _ => u32_(u),
+        };
+        let srqn = match byte(u) {
+            0..=239 => self.tm.srqn,
+            240..=247 => self.tm.srqn + 1,
+            _ => u32_(u) % regs::DB_MAX_SRQ as u32,
+        };
+        let which = if byte(u) < 240 {
+            regs::DB_SRQ_TM_OPS
+        } else {
+            0
+        };
+        let offset = regs::SRQ_DB_BASE + srqn as u64 * regs::DB_STRIDE + which;
+        self.doorbell(u, offset, value);
+    }
+
+    /// Action: a tagged message (or something that looks like one) to the TM QP, in one or
+    /// several packets.
+    fn act_tm_message(&mut self, u: &mut Unstructured<'_>) {
+        let opcode = match byte(u) % 16 {
+            0..=6 => TmhOp::Eager as u8,
+            7..=11 => TmhOp::Rndv as u8,
+            12 => TmhOp::NoTag as u8,
+            13 => TmhOp::Fin as u8,
+            _ => byte(u),
+        };
+        let tmh = Tmh {
+            opcode,
+            app_ctx: u32_(u),
+            tag: self.pick_tag(u),
+        };
+        let mut payload = tmh.to_bytes().to_vec();
+        let rndv = opcode == TmhOp::Rndv as u8;
+        if rndv || byte(u) < 16 {
+            payload.extend_from_slice(&self.pick_rvh(u).to_bytes());
+        }
+        let mtu = self.peer.conns[TM].mtu;
+        let max = self.tm.max_rndv;
+        let hdrs = (TMH_LEN + RVH_LEN) as u32;
+        let len = if rndv {
+            match byte(u) % 8 {
+                0..=3 => range(u, hdrs, max),
+                4 => max,
+                5 => range(u, max + 1, max + 16),
+                6 => range(u, 0, hdrs - 1),
+                _ => range(u, 0, 3 * mtu),
+            }
+        } else {
+            match byte(u) % 8 {
+                0 | 1 => range(u, TMH_LEN as u32, max),
+                2 => TMH_LEN as u32,
+                3 => range(u, 0, TMH_LEN as u32 - 1),
+                4 => mtu,
+                5 => range(u, mtu - 16, mtu + 16),
+                _ => range(u, 0, 4 * mtu),
+            }
+        } as usize;
+        // User bytes after the headers: a pattern, the first few from the input.
+        let hdr = payload.len().min(len);
+        let seed = byte(u);
+        payload.resize(len, 0);
+        for (i, b) in payload[hdr..].iter_mut().enumerate() {
+            *b = (i as u8).wrapping_mul(13) ^ seed;
+        }
+        let take = u.bytes((len - hdr).min(16).min(u.len())).unwrap_or(&[]);
+        payload[hdr..hdr + take.len()].copy_from_slice(take);
+        // Packets of one MTU, the last one shorter.
+        let chunks: Vec<&[u8]> = if payload.is_empty() {
+            vec![&[]]
+        } else {
+            payload.chunks(mtu as usize).collect()
+        };
+        let n = chunks.len() as u32;
+        let next = self.peer.conns[TM].next_psn;
+        let first = match byte(u) % 8 {
+            0..=5 => next,
+            6 => next.add((byte(u) as i8) as u32),
+            _ => Psn::new(u32_(u)),
+        };
+        if first == next {
+            self.peer.conns[TM].next_psn = next.add(n);
+        }
+        let imm = (byte(u) < 32).then(|| u32_(u));
+        let solicited = flag(u);
+        let ack_every = byte(u) < 32;
+        let mut frames = Vec::with_capacity(chunks.len());
+        for (i, chunk) in chunks.iter().enumerate() {
+            let last = i + 1 == chunks.len();
+            let op = match (i == 0, last, imm.is_some()) {
+                (true, true, false) => Opcode::SendOnly,
+                (true, true, true) => Opcode::SendOnlyImm,
+                (true, false, _) => Opcode::SendFirst,
+                (false, false, _) => Opcode::SendMiddle,
+                (false, true, false) => Opcode::SendLast,
+                (false, true, true) => Opcode::SendLastImm,
+            };
+            let mut r = self.peer_repr(TM, op, first.add(i as u32));
+            r.bth.ack_req = last || ack_every;
+            r.bth.solicited = last && solicited;
+            if last {
+                r.imm = imm;
+            }
+            let mut frame = Vec::with_capacity(r.frame_len(chunk.len()));
+            r.emit(chunk, &mut frame);
+            Self::damage(u, &mut frame);
+            frames.push(frame);
+        }
+        // Sometimes a packet is lost, duplicated or overtaken.
+        if frames.len() > 1 {
+            let n = frames.len();
+            let i = byte(u) as usize % n;
+            match byte(u) % 16 {
+                0 => {
+                    frames.remove(i);
+                }
+                1 => frames.insert(i, frames[i].clone()),
+                2 => frames.swap(i, (i + 1) % n),
+                _ => {}
+            }
+        }
+        self.tm.msgs += 1;
+        self.deliver(u, frames);
+    }
+
+    /// Reads what a polled CQE tells the driver about the matching list.
+    fn note_cqe(&mut self, cqe: &Cqe) {
+        let Some(op) = CqeOpcode::from_u8(cqe.opcode) else {
+            return;
+        };
+        let t = &mut self.tm;
+        let i = match op {
+            CqeOpcode::TmAdd => 0,
+            CqeOpcode::TmDel => 1,
+            CqeOpcode::TmSync => 2,
+            CqeOpcode::TmRecv => 3,
+            CqeOpcode::TmNoTag => 4,
+            _ => return,
+        };
+        t.cqes[i] += 1;
+        t.hw_cnt = cqe.tm_hw_cnt.get();
+        let ok = cqe.status == 0;
+        if !ok {
+            t.failed += 1;
+        }
+        let handle = cqe.tm_handle.get();
+        match op {
+            CqeOpcode::TmAdd if !ok => t.forget(handle),
+            CqeOpcode::TmRecv if cqe.flags & (CQE_FLAG_TM_MATCH | CQE_FLAG_TM_DATA_VALID) != 0 => {
+                if cqe.flags & CQE_FLAG_TM_MATCH != 0 {
+                    t.matched += 1;
+                }
+                t.forget(handle);
+            }
+            CqeOpcode::TmRecv => t.unexpected = t.unexpected.wrapping_add(1),
+            _ => {}
+        }
+    }
+
+    /// Polls up to `limit` CQEs of CQ `k` like a driver (noting TM completions).
+    fn poll_cq(&mut self, k: usize, limit: u32) {
+        let (ring, log) = (self.cqs[k].ring, self.cqs[k].log);
         let size = 1u32 << log;
-        let mut polled = 0;
-        let limit = range(u, 0, size);
-        while polled < limit {
-            let slot = CQ_RING + (self.cq_ci & (size - 1)) as u64 * CQE_SIZE as u64;
-            let mut owner = [0u8; 1];
-            self.host.read(slot + CQE_SIZE as u64 - 1, &mut owner);
-            if owner[0] != owner_bit(self.cq_ci, log) {
+        for _ in 0..limit.min(size) {
+            let ci = self.cqs[k].ci;
+            let slot = ring + (ci & (size - 1)) as u64 * CQE_SIZE as u64;
+            let mut raw = [0u8; CQE_SIZE];
+            self.host.read(slot, &mut raw);
+            if raw[CQE_SIZE - 1] != owner_bit(ci, log) {
                 break;
             }
-            self.cq_ci = self.cq_ci.wrapping_add(1);
-            polled += 1;
+            if let Ok(cqe) = Cqe::read_from_bytes(&raw) {
+                self.note_cqe(&cqe);
+            }
+            self.cqs[k].ci = ci.wrapping_add(1);
         }
-        self.host.write(CQ_DB, &self.cq_ci.to_le_bytes());
-        let base = regs::CQ_DB_BASE + self.obj.cqn as u64 * regs::DB_STRIDE;
+    }
+
+    /// Polls a CQ like a driver and reports the consumer index (record and/or doorbell).
+    fn act_cq(&mut self, u: &mut Unstructured<'_>) {
+        let k = if flag(u) { MAIN } else { TM };
+        let (log, db_rec, cqn) = (self.cqs[k].log, self.cqs[k].db_rec, self.cqs[k].cqn);
+        let limit = range(u, 0, 1 << log);
+        self.poll_cq(k, limit);
+        let ci = self.cqs[k].ci;
+        self.host.write(db_rec, &ci.to_le_bytes());
+        let base = regs::CQ_DB_BASE + cqn as u64 * regs::DB_STRIDE;
         match byte(u) % 8 {
-            0..=2 => self.doorbell(u, base + regs::DB_CQ_CI, self.cq_ci),
-            3 => self.doorbell(u, base + regs::DB_CQ_ARM, self.cq_ci),
-            4 => self.doorbell(
-                u,
-                base + regs::DB_CQ_ARM,
-                self.cq_ci | regs::CQ_ARM_SOLICITED,
-            ),
+            0..=2 => self.doorbell(u, base + regs::DB_CQ_CI, ci),
+            3 => self.doorbell(u, base + regs::DB_CQ_ARM, ci),
+            4 => self.doorbell(u, base + regs::DB_CQ_ARM, ci | regs::CQ_ARM_SOLICITED),
             5 => {
                 let v = u32_(u);
                 let which = if flag(u) {
@@ -1108,9 +1865,12 @@ impl Harness {
         self.mmio_write(regs::EQ_CI, self.eq_ci);
     }
 
-    /// Action: a MODIFY_QP with fuzzed mask and attributes, or any command from raw bytes.
+    /// Action: a MODIFY_QP with fuzzed mask and attributes, a tag-matching command, or any
+    /// command from raw bytes.
     fn act_command(&mut self, u: &mut Unstructured<'_>) {
-        if byte(u) < 160 {
+        let sel = byte(u);
+        if sel < 160 {
+            let q = Self::pick_qp(u);
             let to = if byte(u) < 200 {
                 range(u, 0, 6) as u8
             } else {
@@ -1141,27 +1901,40 @@ impl Harness {
                 attr.max_dest_rd_atomic %= 17;
                 attr.pkey_index = 0.into();
                 attr.access = (attr.access.get() & 0xF).into();
-                attr.dest_qpn = PEER_QPN.into();
+                attr.dest_qpn = self.peer.conns[q].peer_qpn.into();
                 attr.dest_ip = PEER_IP;
                 attr.dest_mac = PEER_MAC;
             }
-            let qpn = if byte(u) < 240 { self.obj.qpn } else { u32_(u) };
-            let m = ModifyQpIn {
-                qpn: qpn.into(),
-                attr_mask: mask.bits().into(),
-                attr,
-            };
-            let _ = self.command(CmdOpcode::ModifyQp as u16, m.as_bytes(), u16_(u) & 3);
-            // After a successful RESET/INIT the rings start over at 0 on both sides.
-            let state = self.query_state();
-            if state == Some(QpState::Reset as u8) {
-                self.sq_pi = 0;
-                self.rq_pi = 0;
+            let own = self.sqs[q].qpn;
+            let qpn = if byte(u) < 240 { own } else { u32_(u) };
+            let status = self.modify(qpn, mask, attr, u16_(u) & 3);
+            if status == Some(0) && qpn == own {
+                // The peer follows what the QP was told.
+                let conn = &mut self.peer.conns[q];
+                if mask.contains(M::RQ_PSN) {
+                    conn.next_psn = Psn::new(attr.rq_psn.get());
+                }
+                if mask.contains(M::SQ_PSN) {
+                    conn.last_req_psn = Psn::new(attr.sq_psn.get());
+                }
+                if mask.contains(M::PATH_MTU) {
+                    conn.mtu = ringbell_specs::cmd::mtu_bytes(attr.path_mtu).unwrap_or(conn.mtu);
+                }
             }
+            // After a successful RESET/INIT the rings start over at 0 on both sides.
+            let state = self.query_state(own);
+            if state == Some(QpState::Reset as u8) {
+                self.sqs[q].pi = 0;
+                if q == MAIN {
+                    self.rq_pi = 0;
+                }
+            }
+        } else if sel < 192 {
+            self.tm_command(u);
         } else {
-            const OPS: [u16; 16] = [
-                0x01, 0x10, 0x11, 0x20, 0x21, 0x30, 0x31, 0x32, 0x40, 0x41, 0x42, 0x43, 0x50, 0x51,
-                0x52, 0x99,
+            const OPS: [u16; 20] = [
+                0x01, 0x02, 0x10, 0x11, 0x20, 0x21, 0x30, 0x31, 0x32, 0x40, 0x41, 0x42, 0x43, 0x44,
+                0x50, 0x51, 0x52, 0x53, 0x54, 0x99,
             ];
             let op = OPS[byte(u) as usize % OPS.len()];
             let mut input = [0u8; PARAMS_SIZE];
@@ -1172,9 +1945,92 @@ impl Harness {
         self.consume_eq();
     }
 
-    fn query_state(&mut self) -> Option<u8> {
-        let qpn = self.obj.qpn.to_le_bytes();
-        match self.command(CmdOpcode::QueryQp as u16, &qpn, 0) {
+    /// A command about tag matching: ARM_SRQ, CREATE_TM_SRQ with mostly valid parameters,
+    /// DESTROY_SRQ of the TM-SRQ (busy while its QP lives), or a query.
+    fn tm_command(&mut self, u: &mut Unstructured<'_>) {
+        let srqn = if byte(u) < 224 { self.tm.srqn } else { u32_(u) };
+        match byte(u) % 4 {
+            0 => {
+                let a = ArmSrqIn {
+                    srqn: srqn.into(),
+                    limit: range(u, 0, (1 << self.tm.srq_log) + 1).into(),
+                };
+                let _ = self.command(CmdOpcode::ArmSrq as u16, a.as_bytes(), 0);
+            }
+            1 => {
+                let max_tags = self.nic.config().max_num_tags;
+                let max_ops = self.nic.config().max_tm_ops;
+                let addr = |u: &mut Unstructured<'_>, align: u64| match byte(u) % 8 {
+                    0..=5 => DATA + (u32_(u) as u64 % DATA_LEN) / align * align,
+                    6 => u64::MAX - (u16_(u) as u64),
+                    _ => u64_(u),
+                };
+                let input = CreateTmSrqIn {
+                    srq: CreateSrqIn {
+                        pdn: range(u, 0, 3).into(),
+                        log_size: range(u, 0, 6) as u8,
+                        log_stride: range(u, 3, 10) as u8,
+                        limit: range(u, 0, 64).into(),
+                        ring_iova: addr(u, 16).into(),
+                        db_iova: addr(u, 4).into(),
+                        ..Default::default()
+                    },
+                    cqn: match byte(u) % 4 {
+                        0 | 1 => self.cqs[TM].cqn,
+                        2 => self.cqs[MAIN].cqn,
+                        _ => u32_(u),
+                    }
+                    .into(),
+                    max_num_tags: match byte(u) % 8 {
+                        0..=4 => range(u, 1, 64),
+                        5 => max_tags,
+                        6 => max_tags + 1,
+                        _ => u32_(u),
+                    }
+                    .into(),
+                    ops_log_size: match byte(u) % 8 {
+                        0..=5 => range(u, 1, 8) as u8,
+                        6 => (max_ops.max(1).ilog2() + 1) as u8,
+                        _ => byte(u),
+                    },
+                    ops_iova: addr(u, 64).into(),
+                    ..Default::default()
+                };
+                let mut bytes = input.as_bytes().to_vec();
+                if byte(u) >= 240 {
+                    // Reserved bytes set.
+                    let i = byte(u) as usize % bytes.len();
+                    bytes[i] ^= byte(u);
+                }
+                let _ = self.command(CmdOpcode::CreateTmSrq as u16, &bytes, 0);
+            }
+            2 => {
+                let o = ObjectIn { num: srqn.into() };
+                let _ = self.command(CmdOpcode::DestroySrq as u16, o.as_bytes(), 0);
+            }
+            _ => {
+                let (op, num) = match byte(u) % 3 {
+                    0 => (CmdOpcode::QueryQp, self.sqs[TM].qpn),
+                    1 => (CmdOpcode::QueryQpStats, self.sqs[TM].qpn),
+                    _ => (CmdOpcode::QueryCq, self.cqs[TM].cqn),
+                };
+                let o = ObjectIn { num: num.into() };
+                let _ = self.command(op as u16, o.as_bytes(), 0);
+            }
+        }
+    }
+
+    /// Action: bring a QP back up (RESET → INIT → RTR → RTS) with fresh valid attributes;
+    /// after a fatal error, the only way its connection carries traffic again.
+    fn act_reconnect(&mut self, u: &mut Unstructured<'_>) {
+        let q = Self::pick_qp(u);
+        let a = ConnAttrs::read(u);
+        self.connect(q, &a, false);
+        self.consume_eq();
+    }
+
+    fn query_state(&mut self, qpn: u32) -> Option<u8> {
+        match self.command(CmdOpcode::QueryQp as u16, &qpn.to_le_bytes(), 0) {
             Some((0, out)) => Some(out[0]),
             _ => None,
         }
@@ -1212,7 +2068,7 @@ fuzz_target!(|data: &[u8]| {
     let mut actions = 0;
     while !u.is_empty() && actions < MAX_ACTIONS {
         actions += 1;
-        match byte(&mut u) % 16 {
+        match byte(&mut u) % 24 {
             0..=2 => h.act_sq_wqe(&mut u),
             3 | 4 => h.act_sq_doorbell(&mut u),
             5 | 6 => h.act_recv(&mut u),
@@ -1224,13 +2080,19 @@ fuzz_target!(|data: &[u8]| {
             12 => h.act_cq(&mut u),
             13 => h.consume_eq(),
             14 => h.act_command(&mut u),
-            _ => {
+            15 => {
                 if byte(&mut u) < 128 {
                     h.act_mmio(&mut u);
                 } else {
                     h.peer.policy = byte(&mut u);
                 }
             }
+            16 | 17 => h.act_tm_ops(&mut u),
+            18 => h.tm_ops_doorbell(&mut u),
+            19 => h.act_srq_recv(&mut u),
+            20 | 21 => h.act_tm_message(&mut u),
+            22 => h.act_reconnect(&mut u),
+            _ => h.act_cq(&mut u),
         }
     }
     // Let everything in flight finish (bounded).
@@ -1241,22 +2103,44 @@ fuzz_target!(|data: &[u8]| {
     }
     // With RINGBELL_FUZZ_DEBUG set, print what the input reached (to judge a corpus).
     if debug_enabled() {
+        // What is left in the CQs counts too.
+        h.poll_cq(MAIN, u32::MAX);
+        h.poll_cq(TM, u32::MAX);
+        let t = &h.tm;
         eprintln!(
-            "actions={actions} events={} sq_pi={} rq_pi={} cq_ci={} eq_ci={} irqs={} cq_db_rec={} \
-             rnr_retry={} retry_cnt={} peer_answer={} peer_drop={} peer_rnr_nak={} peer_nak={} {:?}",
+            "actions={actions} events={} sq_pi={} tm_sq_pi={} rq_pi={} cq_ci={} tm_cq_ci={} \
+             eq_ci={} irqs={} cq_db_rec={} rnr_retry={} retry_cnt={} peer_answer={} \
+             peer_drop={} peer_rnr_nak={} peer_nak={} tm_ops={} tm_msgs={} srq_pi={} \
+             tm_add={} tm_del={} tm_sync={} tm_recv={} tm_notag={} tm_matched={} \
+             tm_unexpected={} tm_failed={} rndv_reads={} fins={} {:?}",
             h.steps,
-            h.sq_pi,
+            h.sqs[MAIN].pi,
+            h.sqs[TM].pi,
             h.rq_pi,
-            h.cq_ci,
+            h.cqs[MAIN].ci,
+            h.cqs[TM].ci,
             h.eq_ci,
             h.host.interrupts,
             h.host.u32_at(CQ_DB),
-            params.rnr_retry,
-            params.retry_cnt,
+            params.main.rnr_retry,
+            params.main.retry_cnt,
             h.peer.answers[0],
             h.peer.answers[1],
             h.peer.answers[2],
             h.peer.answers[3],
+            t.ops_posted,
+            t.msgs,
+            t.srq_pi,
+            t.cqes[0],
+            t.cqes[1],
+            t.cqes[2],
+            t.cqes[3],
+            t.cqes[4],
+            t.matched,
+            t.unexpected,
+            t.failed,
+            h.peer.rndv_reads,
+            h.peer.fins,
             h.nic.stats()
         );
     }

@@ -765,3 +765,187 @@ fn bad_tagged_input_leaves_the_srq_serving() {
     t.s_buf.read(0, &mut got).unwrap();
     assert_eq!(&got, b"still serving");
 }
+
+#[test]
+fn a_send_posted_while_the_nic_reads_a_rendezvous_goes_out_behind_it() {
+    let mut t = setup(16, 16);
+    // Move the server's send queue index well past its ring size first.
+    let remote = RemoteAddr {
+        addr: t.c_mr.addr() + 30000,
+        rkey: t.c_mr.rkey(),
+    };
+    for i in 0..300 {
+        t.s_qp
+            .post_send(&[SendWr::new(i, WrOp::Write(remote), &[t.s_mr.sge(0, 8)])])
+            .unwrap();
+        assert_eq!(t.poll(true).status, WcStatus::Success);
+    }
+    add(&mut t, 1, 0x66, u64::MAX, 0, 16384, None);
+    rndv_request(&mut t, 0x66, 12000);
+    // The NIC's READ is at the head of the server's send side now: a SEND posted meanwhile
+    // must still be taken (the NIC's own work holds no send-queue slot).
+    t.s_buf.write(20000, b"behind the read").unwrap();
+    t.s_qp
+        .post_send(&[SendWr::new(77, WrOp::Send, &[t.s_mr.sge(20000, 15)])])
+        .unwrap();
+    let mut seen = Vec::new();
+    while seen.len() < 3 {
+        let wc = t.poll(true);
+        assert_eq!(wc.status, WcStatus::Success, "{wc:?}");
+        seen.push((wc.wr_id, wc.opcode, wc.tm_data_valid));
+    }
+    assert_eq!(
+        seen,
+        vec![
+            (1, WcOpcode::TmRecv, false),
+            (1, WcOpcode::TmRecv, true),
+            (77, WcOpcode::Send, false)
+        ]
+    );
+    // The client gets the SEND, then the FIN: the NIC queues the FIN when its READ is done,
+    // behind the SEND posted while the READ was under way.
+    let (s, f) = (t.poll(false), t.poll(false));
+    assert_eq!((s.opcode, s.byte_len, f.byte_len), (WcOpcode::Recv, 15, 32));
+    let mut got = vec![0u8; 12000];
+    t.s_buf.read(0, &mut got).unwrap();
+    assert!(got.iter().enumerate().all(|(i, b)| *b == (i % 251) as u8));
+}
+
+#[test]
+fn a_rendezvous_arriving_before_rts_is_left_to_software() {
+    let fabric = Fabric::new(FabricConfig::new(2, 78));
+    let (cd, sd) = (
+        Device::open(Box::new(fabric.port(0))).unwrap(),
+        Device::open(Box::new(fabric.port(1))).unwrap(),
+    );
+    let (cp, sp) = (cd.alloc_pd().unwrap(), sd.alloc_pd().unwrap());
+    let access = Access::LOCAL_WRITE | Access::REMOTE_READ | Access::REMOTE_WRITE;
+    let (c_buf, s_buf) = (
+        cd.alloc_dma(1 << 16).unwrap(),
+        sd.alloc_dma(1 << 16).unwrap(),
+    );
+    let (c_mr, s_mr) = (
+        cp.reg_mr(&c_buf, access).unwrap(),
+        sp.reg_mr(&s_buf, access).unwrap(),
+    );
+    let (mut c_cq, mut s_cq) = (cd.create_cq(64).unwrap(), sd.create_cq(64).unwrap());
+    let mut srq = sp.create_tm_srq(&s_cq, 16, 1, 16, 16).unwrap();
+    let mut c_qp = cp.create_qp(&QpInit::new(&c_cq, &c_cq)).unwrap();
+    let mut si = QpInit::new(&s_cq, &s_cq);
+    si.srq = Some(&srq);
+    let mut s_qp = sp.create_qp(&si).unwrap();
+    srq.post_recv(&[RecvWr {
+        wr_id: 5,
+        sgl: &[s_mr.sge(0, 1024)],
+    }])
+    .unwrap();
+    let mut op = [TmOp::add(1, 1, s_mr.sge(4096, 8192), 0x77, u64::MAX)];
+    srq.post_tm_ops(&mut op).unwrap();
+    // The server stops at RTR; the client is RTS and sends a rendezvous request.
+    let o = ConnectOptions {
+        path_mtu: 3,
+        ..Default::default()
+    };
+    c_qp.connect(&s_qp.endpoint(10), 20, &o).unwrap();
+    use ringbell_specs::cmd::{QpAttr, QpAttrMask as M};
+    let init = QpAttr {
+        state: QpState::Init as u8,
+        access: access.bits().into(),
+        ..Default::default()
+    };
+    s_qp.modify(M::STATE | M::PKEY_INDEX | M::PORT | M::ACCESS_FLAGS, &init)
+        .unwrap();
+    let c = c_qp.endpoint(20);
+    let rtr = QpAttr {
+        state: QpState::Rtr as u8,
+        path_mtu: 3,
+        dest_qpn: c.qpn.into(),
+        rq_psn: c.psn.into(),
+        max_dest_rd_atomic: 1,
+        min_rnr_timer: 12,
+        dest_mac: c.mac,
+        dest_ip: c.ip,
+        ..Default::default()
+    };
+    let m = M::STATE | M::AV | M::PATH_MTU | M::DEST_QPN | M::RQ_PSN;
+    s_qp.modify(m | M::MAX_DEST_RD_ATOMIC | M::MIN_RNR_TIMER, &rtr)
+        .unwrap();
+    c_buf
+        .write(
+            0,
+            &Tmh {
+                opcode: TmhOp::Rndv as u8,
+                app_ctx: 3,
+                tag: 0x77,
+            }
+            .to_bytes(),
+        )
+        .unwrap();
+    c_buf
+        .write(
+            16,
+            &Rvh {
+                va: c_mr.addr() + 8192,
+                rkey: c_mr.rkey(),
+                len: 5000,
+            }
+            .to_bytes(),
+        )
+        .unwrap();
+    c_qp.post_send(&[SendWr::new(1, WrOp::Send, &[c_mr.sge(0, 32)])])
+        .unwrap();
+    let mut wc = [WorkCompletion::default(); 4];
+    let mut got = Vec::new();
+    while got.len() < 2 {
+        let n = s_cq.poll_ready(&mut wc);
+        got.extend_from_slice(&wc[..n]);
+        if n == 0 {
+            assert!(fabric.step(), "fabric idle: {got:?}");
+        }
+    }
+    // The ADD, then the request as an unexpected message in the untagged buffer.
+    assert_eq!(got[0].opcode, WcOpcode::TmAdd);
+    assert_eq!(
+        (
+            got[1].wr_id,
+            got[1].opcode,
+            got[1].tm_match,
+            got[1].byte_len
+        ),
+        (5, WcOpcode::TmRecv, false, 32)
+    );
+    let _ = c_cq.poll_ready(&mut wc);
+}
+
+#[test]
+fn resetting_the_qp_during_a_hardware_rendezvous_flushes_its_tagged_buffer() {
+    let mut t = setup(16, 16);
+    add(&mut t, 1, 0x67, u64::MAX, 0, 60000, None);
+    assert_eq!(t.srq.tm_free_tags(), 15);
+    rndv_request(&mut t, 0x67, 50000);
+    let m = t.poll(true);
+    assert_eq!((m.wr_id, m.tm_match, m.tm_data_valid), (1, true, false));
+    // The NIC's READ is under way; the QP goes back to RESET.
+    t.s_qp
+        .modify(
+            ringbell_specs::cmd::QpAttrMask::STATE,
+            &ringbell_specs::cmd::QpAttr {
+                state: QpState::Reset as u8,
+                ..Default::default()
+            },
+        )
+        .unwrap();
+    let wc = t.poll(true);
+    assert_eq!(
+        (wc.wr_id, wc.opcode, wc.status),
+        (1, WcOpcode::TmRecv, WcStatus::WrFlushErr)
+    );
+    assert_eq!(
+        t.srq.tm_free_tags(),
+        16,
+        "the tagged buffer's slot is free again"
+    );
+    // Nothing else comes: no FIN, no second completion.
+    t.fabric.run_until_idle(u64::MAX);
+    assert_eq!(t.s_cq.poll_ready(&mut [WorkCompletion::default(); 4]), 0);
+}
