@@ -546,15 +546,20 @@ impl Nic {
         ready: SimTime,
     ) {
         if let Some(HwTask::RndvRead { srqn, handle, fin }) = o.hw {
+            let ok = status.0 == CqeStatus::Success;
             let c = crate::tm::TmCompletion {
                 opcode: ringbell_specs::cqe::CqeOpcode::TmRecv as u8,
                 status: status.0 as u8,
                 syndrome: status.1 as u8,
-                flags: ringbell_specs::cqe::CQE_FLAG_TM_DATA_VALID,
+                flags: if ok {
+                    ringbell_specs::cqe::CQE_FLAG_TM_DATA_VALID
+                } else {
+                    0
+                },
                 counter: handle,
                 qpn: qp.qpn,
                 handle,
-                byte_len: o.wqe.len as u32,
+                byte_len: if ok { o.wqe.len as u32 } else { 0 },
                 ..Default::default()
             };
             self.tm_free_slot(srqn, handle);

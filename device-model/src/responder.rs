@@ -435,7 +435,11 @@ impl Nic {
             syndrome: syndrome as u8,
             counter: rc.wqe_index,
             qpn: qp.qpn,
-            byte_len,
+            byte_len: if status == CqeStatus::Success {
+                byte_len
+            } else {
+                0
+            },
             imm,
             ..Default::default()
         };
@@ -464,14 +468,17 @@ impl Nic {
             }) => {
                 c.opcode = CqeOpcode::TmRecv as u8;
                 c.handle = handle;
-                c.flags = flags
-                    | if multi {
+                c.flags = flags;
+                // An error completion carries no match and no valid data (7.1: byte_len 0).
+                if status == CqeStatus::Success {
+                    c.flags |= if multi {
                         CQE_FLAG_TM_DATA_VALID
                     } else {
                         tm::MATCHED_DATA
                     };
-                if !multi {
-                    (c.tag, c.app_ctx) = (tag, app_ctx);
+                    if !multi {
+                        (c.tag, c.app_ctx) = (tag, app_ctx);
+                    }
                 }
                 self.tm_free_slot(rc.srqn, handle);
             }

@@ -46,6 +46,9 @@ pub struct TagStats {
     pub taken_back: u64,
     /// Rendezvous finished by software (READ and FIN from here).
     pub sw_rndv: u64,
+    /// Unexpected arrivals dropped: rendezvous requests without a whole RVH, and untagged
+    /// buffers that completed in error.
+    pub dropped: u64,
 }
 
 /// Tuning of a [`TagMatcher`].
@@ -618,11 +621,24 @@ impl TagMatcher {
                 }
                 self.repost(slot)
             }
+            (CqeOpcode::TmRecv, _) if w.status != CqeStatus::Success => {
+                // The device counted it when it took the buffer; its bytes are not a message.
+                self.unexp_cnt = self.unexp_cnt.wrapping_add(1);
+                self.stats.dropped += 1;
+                self.repost(slot)?;
+                self.sync()
+            }
             (CqeOpcode::TmRecv, Some(t)) => {
                 self.unexp_cnt = self.unexp_cnt.wrapping_add(1);
                 let rndv = (t.opcode == TmhOp::Rndv as u8)
                     .then(|| Rvh::parse(&hdr[TMH_LEN..n]))
                     .flatten();
+                if t.opcode == TmhOp::Rndv as u8 && rndv.is_none() {
+                    // A rendezvous request without a whole RVH names no data to read.
+                    self.stats.dropped += 1;
+                    self.repost(slot)?;
+                    return self.sync();
+                }
                 let u = Unexpected {
                     tag: t.tag,
                     conn,

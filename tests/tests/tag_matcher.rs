@@ -447,3 +447,57 @@ fn unexpected_messages_beyond_the_staging_buffers_wait_for_rnr_retries() {
         assert_eq!(get(&t.b, (id - 50) * 4096, 3000), pattern(id - 50, 3000));
     }
 }
+
+#[test]
+fn a_rendezvous_request_without_its_header_is_dropped_and_matching_goes_on() {
+    use ringbell::tm::{Tmh, TmhOp};
+    let fabric = Fabric::new(FabricConfig::new(2, 9));
+    let all = Access::LOCAL_WRITE | Access::REMOTE_READ | Access::REMOTE_WRITE;
+    let mut raw = ringbell_tests::side(&fabric, 0, all);
+    let dev = Device::open(Box::new(fabric.port(1))).unwrap();
+    let mut m = TagMatcher::new(&dev, TagConfig::default()).unwrap();
+    let (c, ep) = m.add_conn().unwrap();
+    let opts = ConnectOptions::default();
+    raw.qp.connect(&ep, 5, &opts).unwrap();
+    m.connect(c, &raw.qp.endpoint(5), &opts).unwrap();
+    // A RNDV request 20 bytes long: a TMH and no RVH.
+    let tmh = |op: TmhOp, tag| {
+        Tmh {
+            opcode: op as u8,
+            app_ctx: 0,
+            tag,
+        }
+        .to_bytes()
+    };
+    raw.buf.write(0, &tmh(TmhOp::Rndv, 3)).unwrap();
+    raw.buf.write(100, &tmh(TmhOp::Eager, 4)).unwrap();
+    raw.buf.write(116, b"still here").unwrap();
+    raw.qp
+        .post_send(&[
+            SendWr::new(1, WrOp::Send, &[raw.mr.sge(0, 20)]),
+            SendWr::new(2, WrOp::Send, &[raw.mr.sge(100, 26)]),
+        ])
+        .unwrap();
+    m.recv(7, 4, u64::MAX, 0, 100).unwrap();
+    let mut got = Vec::new();
+    for _ in 0..10_000 {
+        m.progress().unwrap();
+        got.extend(std::iter::from_fn(|| m.next_event()));
+        if !got.is_empty() && !fabric.step() {
+            break;
+        }
+    }
+    assert_eq!(m.stats().dropped, 1);
+    assert_eq!(m.unexpected_len(), 0);
+    assert_eq!(
+        got,
+        vec![TagEvent::Recv {
+            id: 7,
+            tag: 4,
+            len: 10,
+            truncated: false,
+            conn: c
+        }]
+    );
+    assert_eq!(get(&m, 0, 10), b"still here");
+}

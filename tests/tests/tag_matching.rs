@@ -665,9 +665,10 @@ fn bad_tagged_input_leaves_the_srq_serving() {
     let m = t.poll(true);
     assert!(m.tm_match);
     let e = t.poll(true);
+    // An error completion: no valid data, byte_len 0.
     assert_eq!(
-        (e.wr_id, e.status, e.tm_data_valid),
-        (1, WcStatus::RemAccessErr, true)
+        (e.wr_id, e.status, e.tm_data_valid, e.tm_match, e.byte_len),
+        (1, WcStatus::RemAccessErr, false, false, 0)
     );
     assert!(
         t.server_bytes(4096).iter().all(|b| *b == 0xee),
@@ -937,8 +938,14 @@ fn resetting_the_qp_during_a_hardware_rendezvous_flushes_its_tagged_buffer() {
         .unwrap();
     let wc = t.poll(true);
     assert_eq!(
-        (wc.wr_id, wc.opcode, wc.status),
-        (1, WcOpcode::TmRecv, WcStatus::WrFlushErr)
+        (
+            wc.wr_id,
+            wc.opcode,
+            wc.status,
+            wc.tm_data_valid,
+            wc.byte_len
+        ),
+        (1, WcOpcode::TmRecv, WcStatus::WrFlushErr, false, 0)
     );
     assert_eq!(
         t.srq.tm_free_tags(),
