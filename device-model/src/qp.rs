@@ -134,6 +134,8 @@ pub(crate) struct Requester {
     pub(crate) outstanding: VecDeque<Outstanding>,
     /// READ and atomic WQEs outstanding.
     pub(crate) rd_atomic: u32,
+    /// The NIC's own READs waiting for `max_rd_atomic` to allow them (PSNs not yet taken).
+    pub(crate) hw_waiting: VecDeque<Outstanding>,
     pub(crate) scheduled: bool,
     /// Earliest time the per-QP processing unit takes the next WQE.
     pub(crate) busy_until: SimTime,
@@ -527,11 +529,12 @@ impl Nic {
         // The NIC's own rendezvous work holds tagged buffers of the SRQ: they complete with
         // WR_FLUSH_ERR and go back to the list's free slots.
         let now = env.now();
-        let (hw, own): (VecDeque<Outstanding>, VecDeque<Outstanding>) =
+        let (mut hw, own): (VecDeque<Outstanding>, VecDeque<Outstanding>) =
             std::mem::take(&mut qp.req.outstanding)
                 .into_iter()
                 .partition(|o| o.hw.is_some());
         qp.req.outstanding = own;
+        hw.append(&mut qp.req.hw_waiting);
         for o in &hw {
             self.hw_task_done(
                 env,
@@ -788,6 +791,15 @@ impl Nic {
                 VendorSyndrome::None,
             );
             self.complete(env, qp.gen, qp.send_cqn, now, cqe);
+        }
+        for o in std::mem::take(&mut qp.req.hw_waiting) {
+            self.hw_task_done(
+                env,
+                qp,
+                &o,
+                (CqeStatus::WrFlushErr, VendorSyndrome::None),
+                now,
+            );
         }
         qp.req.rd_atomic = 0;
         qp.req.timer_deadline = None;

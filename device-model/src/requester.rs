@@ -502,7 +502,8 @@ impl Nic {
         self.push_hw_task(env, qp, wqe, HwTask::RndvRead { srqn, handle, fin }, ready);
     }
 
-    /// Queues work the NIC does for itself on `qp`'s send side (no WQE, no send CQE).
+    /// Queues work the NIC does for itself on `qp`'s send side (no WQE, no send CQE). Its
+    /// READs obey `max_rd_atomic` as posted READs do: past the limit they wait, in order.
     fn push_hw_task(
         &mut self,
         env: &mut dyn Env,
@@ -511,29 +512,58 @@ impl Nic {
         task: HwTask,
         ready: SimTime,
     ) {
-        let npsn = match wqe.op {
-            SendOpcode::CmpSwap | SendOpcode::FetchAdd => 1,
-            _ => (wqe.len as u32).div_ceil(qp.mtu()).max(1),
-        };
-        if wqe.is_rd_atomic() {
-            qp.req.rd_atomic += 1;
-        }
-        let first_psn = qp.req.next_psn;
-        qp.req.next_psn = first_psn.add(npsn);
-        qp.req.outstanding.push_back(Outstanding {
+        let o = Outstanding {
             wqe_index: 0,
             wqe,
-            first_psn,
-            npsn,
+            first_psn: Psn::default(),
+            npsn: 0,
             sent: 0,
             sent_max: 0,
             acked: 0,
-            ready_at: ready + SimTime(self.cfg.timing.nic_tx_wqe_ps),
+            ready_at: ready,
             error: None,
             done: false,
             hw: Some(task),
-        });
+        };
+        let limit = (qp.attr.max_rd_atomic as u32).max(1);
+        if o.is_rd_atomic() && (qp.req.rd_atomic >= limit || !qp.req.hw_waiting.is_empty()) {
+            qp.req.hw_waiting.push_back(o);
+            return;
+        }
+        self.start_hw_task(env, qp, o, ready);
+    }
+
+    /// Numbers a task of the NIC's own and puts it behind the send side's outstanding work.
+    fn start_hw_task(
+        &mut self,
+        env: &mut dyn Env,
+        qp: &mut Qp,
+        mut o: Outstanding,
+        ready: SimTime,
+    ) {
+        o.npsn = match o.wqe.op {
+            SendOpcode::CmpSwap | SendOpcode::FetchAdd => 1,
+            _ => (o.wqe.len as u32).div_ceil(qp.mtu()).max(1),
+        };
+        if o.is_rd_atomic() {
+            qp.req.rd_atomic += 1;
+        }
+        o.first_psn = qp.req.next_psn;
+        qp.req.next_psn = o.first_psn.add(o.npsn);
+        o.ready_at = ready + SimTime(self.cfg.timing.nic_tx_wqe_ps);
+        qp.req.outstanding.push_back(o);
         self.kick_qp_sq(env, qp, ready);
+    }
+
+    /// Starts the NIC's waiting READs as far as `max_rd_atomic` allows.
+    fn start_waiting_hw(&mut self, env: &mut dyn Env, qp: &mut Qp, ready: SimTime) {
+        let limit = (qp.attr.max_rd_atomic as u32).max(1);
+        while qp.req.rd_atomic < limit {
+            let Some(o) = qp.req.hw_waiting.pop_front() else {
+                break;
+            };
+            self.start_hw_task(env, qp, o, ready);
+        }
     }
 
     /// A task of the NIC's own finished (or failed, or was flushed with `status`).
@@ -1101,7 +1131,11 @@ impl Nic {
             }
             freed = true;
         }
-        // Completions may unblock a fence, the READ/atomic limit or the PSN window.
+        // Completions may unblock a fence, the READ/atomic limit or the PSN window. The
+        // NIC's own waiting READs go first: they were queued before anything posted now.
+        if freed && qp.state == QpState::Rts && !qp.req.hw_waiting.is_empty() {
+            self.start_waiting_hw(env, qp, ready);
+        }
         if freed && qp.fetch != qp.sq.pi && qp.state == QpState::Rts {
             self.kick_qp_sq(env, qp, ready);
         }

@@ -956,3 +956,57 @@ fn resetting_the_qp_during_a_hardware_rendezvous_flushes_its_tagged_buffer() {
     t.fabric.run_until_idle(u64::MAX);
     assert_eq!(t.s_cq.poll_ready(&mut [WorkCompletion::default(); 4]), 0);
 }
+
+#[test]
+fn the_nics_reads_wait_for_max_rd_atomic() {
+    // max_rd_atomic is 1 on both sides: the second rendezvous READ waits for the first.
+    let mut t = setup(16, 16);
+    add(&mut t, 1, 0x71, u64::MAX, 0, 8192, None);
+    add(&mut t, 2, 0x72, u64::MAX, 16384, 8192, None);
+    let data: Vec<u8> = (0..8000u32).map(|i| (i % 253) as u8).collect();
+    t.c_buf.write(4096, &data).unwrap();
+    for (at, tag) in [(0usize, 0x71u64), (64, 0x72)] {
+        let mut req = [0u8; 32];
+        req[..16].copy_from_slice(
+            &Tmh {
+                opcode: TmhOp::Rndv as u8,
+                app_ctx: tag as u32,
+                tag,
+            }
+            .to_bytes(),
+        );
+        req[16..].copy_from_slice(
+            &Rvh {
+                va: t.c_mr.addr() + 4096,
+                rkey: t.c_mr.rkey(),
+                len: 8000,
+            }
+            .to_bytes(),
+        );
+        t.c_buf.write(at, &req).unwrap();
+    }
+    let fins = [[t.c_mr.sge(20000, 64)], [t.c_mr.sge(20064, 64)]];
+    t.c_qp.post_recv(&ringbell_tests::recv_wrs(&fins)).unwrap();
+    t.c_qp
+        .post_send(&[
+            SendWr::new(1, WrOp::Send, &[t.c_mr.sge(0, 32)]),
+            SendWr::new(2, WrOp::Send, &[t.c_mr.sge(64, 32)]),
+        ])
+        .unwrap();
+    let mut data_done = Vec::new();
+    while data_done.len() < 2 {
+        let wc = t.poll(true);
+        assert_eq!(wc.status, WcStatus::Success, "{wc:?}");
+        if wc.tm_data_valid {
+            data_done.push((wc.wr_id, wc.timestamp_ps));
+        }
+    }
+    assert_eq!((data_done[0].0, data_done[1].0), (1, 2));
+    // Pipelined, the second READ's data would follow the first's by its serialization
+    // (about 0.7 µs); waiting for the first READ's answer adds a round trip.
+    let gap = data_done[1].1 - data_done[0].1;
+    assert!(gap > 1_500_000, "gap {gap} ps");
+    let mut got = vec![0u8; 8000];
+    t.s_buf.read(16384, &mut got).unwrap();
+    assert_eq!(got, data);
+}
