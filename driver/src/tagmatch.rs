@@ -102,6 +102,11 @@ pub enum TagEvent {
         /// The send.
         id: u64,
     },
+    /// Receive `id` was cancelled before any message matched it.
+    Cancelled {
+        /// The receive.
+        id: u64,
+    },
     /// Operation `id` (a send, or a receive whose rendezvous read failed) ended in error.
     Failed {
         /// The operation.
@@ -168,6 +173,7 @@ const K_RNDV_REQ: u64 = 3; // rendezvous request send
 const K_READ: u64 = 4; // software rendezvous READ
 const K_FIN: u64 = 5; // software rendezvous FIN
 const K_OP: u64 = 6; // list operation
+const K_CANCEL: u64 = 7; // DEL of a cancelled receive
 
 fn wr(kind: u64, v: u64) -> u64 {
     kind << K_SHIFT | v & ((1 << K_SHIFT) - 1)
@@ -387,6 +393,29 @@ impl TagMatcher {
         Ok(())
     }
 
+    /// Cancels receive `id` if no message has matched it yet: a receive in software goes at
+    /// once, one in the hardware list with a DEL. [`TagEvent::Cancelled`] reports success;
+    /// if a message wins the race the receive completes as usual instead. Returns false when
+    /// `id` is not a posted receive (already matched, or never posted).
+    pub fn cancel(&mut self, id: u64) -> Result<bool, Error> {
+        let Some(i) = self.posted.iter().position(|p| p.id == id) else {
+            return Ok(false);
+        };
+        match self.posted[i].at {
+            Where::Sw => {
+                self.posted.remove(i);
+                self.events.push_back(TagEvent::Cancelled { id });
+            }
+            Where::Hw(h) => {
+                self.srq
+                    .post_tm_ops(&mut [TmOp::del(wr(K_CANCEL, id), h)])?;
+                self.posted[i].at = Where::Cancelled;
+            }
+            Where::Cancelled => return Ok(false),
+        }
+        Ok(true)
+    }
+
     /// Sends `len` bytes of the user region at `off` with `tag` on connection `conn`.
     pub fn send(
         &mut self,
@@ -492,9 +521,20 @@ impl TagMatcher {
         let (kind, v) = (w.wr_id >> K_SHIFT, w.wr_id & ((1 << K_SHIFT) - 1));
         match w.opcode {
             CqeOpcode::TmAdd | CqeOpcode::TmDel | CqeOpcode::TmSync => {
-                // Only failures and SYNC requests are delivered for list operations.
+                // Only failures, SYNC requests and cancelling DELs are delivered.
                 if w.opcode == CqeOpcode::TmAdd && w.tm_sync_req {
                     self.sync()?;
+                }
+                if w.opcode == CqeOpcode::TmDel
+                    && kind == K_CANCEL
+                    && w.status == CqeStatus::Success
+                {
+                    // Taken out before any message matched it. (On TM_ERR a message got
+                    // there first, and the receive completes as usual.)
+                    if let Some(i) = self.posted.iter().position(|p| p.id == v) {
+                        self.posted.remove(i);
+                        self.events.push_back(TagEvent::Cancelled { id: v });
+                    }
                 }
                 Ok(())
             }

@@ -94,7 +94,7 @@ impl Bench {
             match e {
                 TagEvent::Send { .. } => *sent += 1,
                 TagEvent::Failed { status, .. } => return Err(failed(status)),
-                TagEvent::Recv { .. } => {}
+                TagEvent::Recv { .. } | TagEvent::Cancelled { .. } => {}
             }
         }
         let t = Instant::now();

@@ -501,3 +501,47 @@ fn a_rendezvous_request_without_its_header_is_dropped_and_matching_goes_on() {
     );
     assert_eq!(get(&m, 0, 10), b"still here");
 }
+
+#[test]
+fn cancelled_receives_match_nothing() {
+    let mut t = two(TagConfig::default(), FaultPlan::default(), 10);
+    // One receive in the hardware list, one in software (too small for hardware).
+    t.b.recv(1, 5, u64::MAX, 0, 9000).unwrap();
+    t.b.recv(2, 6, u64::MAX, REGION, 100).unwrap();
+    assert_eq!(t.b.hw_posted(), 1);
+    assert!(t.b.cancel(1).unwrap());
+    assert!(t.b.cancel(2).unwrap());
+    assert!(!t.b.cancel(2).unwrap(), "already cancelled");
+    assert!(!t.b.cancel(99).unwrap(), "never posted");
+    let (_, eb) = run(&mut t, true);
+    let mut ids: Vec<u64> = eb
+        .iter()
+        .map(|e| match *e {
+            TagEvent::Cancelled { id } => id,
+            _ => panic!("{e:?}"),
+        })
+        .collect();
+    ids.sort();
+    assert_eq!(ids, vec![1, 2]);
+    assert_eq!(t.b.hw_posted(), 0);
+    // Messages for both tags now arrive unexpected and wait.
+    put(&t.a, 0, &pattern(3, 50));
+    t.a.send(3, 0, 5, 0, 50).unwrap();
+    t.a.send(4, 0, 6, 0, 50).unwrap();
+    let (_, eb) = run(&mut t, true);
+    assert!(eb.is_empty(), "{eb:?}");
+    assert_eq!(t.b.unexpected_len(), 2);
+    // A new receive takes the first.
+    t.b.recv(5, 5, u64::MAX, 2 * REGION, 100).unwrap();
+    assert_eq!(
+        t.b.next_event(),
+        Some(TagEvent::Recv {
+            id: 5,
+            tag: 5,
+            len: 50,
+            truncated: false,
+            conn: 0
+        })
+    );
+    assert_eq!(get(&t.b, 2 * REGION, 50), pattern(3, 50));
+}
