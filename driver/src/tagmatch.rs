@@ -393,6 +393,22 @@ impl TagMatcher {
         Ok(())
     }
 
+    /// The earliest message in the unexpected queue whose tag matches `tag` under `mask`, as
+    /// (tag, length in bytes, connection), without receiving it. Only messages software has
+    /// seen count: call [`TagMatcher::progress`] first.
+    pub fn probe(&self, tag: u64, mask: u64) -> Option<(u64, u32, usize)> {
+        self.unexpected
+            .iter()
+            .find(|u| tag_matches(u.tag, tag, mask))
+            .map(|u| {
+                let len = match u.rndv {
+                    Some(r) => r.len,
+                    None => u.len.saturating_sub(TMH_LEN as u32),
+                };
+                (u.tag, len, u.conn)
+            })
+    }
+
     /// Cancels receive `id` if no message has matched it yet: a receive in software goes at
     /// once, one in the hardware list with a DEL. [`TagEvent::Cancelled`] reports success;
     /// if a message wins the race the receive completes as usual instead. Returns false when

@@ -531,6 +531,21 @@ fn cancelled_receives_match_nothing() {
     let (_, eb) = run(&mut t, true);
     assert!(eb.is_empty(), "{eb:?}");
     assert_eq!(t.b.unexpected_len(), 2);
+    assert_eq!(t.b.probe(6, u64::MAX), Some((6, 50, 0)));
+    assert_eq!(
+        t.b.probe(4, 0xfff0),
+        Some((5, 50, 0)),
+        "the earliest that matches"
+    );
+    assert_eq!(t.b.probe(7, u64::MAX), None);
+    put(&t.a, REGION, &pattern(8, 20_000));
+    t.a.send(8, 0, 9, REGION, 20_000).unwrap();
+    run(&mut t, true);
+    assert_eq!(
+        t.b.probe(9, u64::MAX),
+        Some((9, 20_000, 0)),
+        "a rendezvous: its full length"
+    );
     // A new receive takes the first.
     t.b.recv(5, 5, u64::MAX, 2 * REGION, 100).unwrap();
     assert_eq!(
