@@ -181,6 +181,20 @@ fn wr(kind: u64, v: u64) -> u64 {
 
 /// Bytes of a send header slot (TMH + RVH).
 const HDR: u64 = 64;
+/// Send queue depth of a connection.
+const SQ_DEPTH: u32 = 256;
+/// Header slots per connection: twice the send queue, so a slot is written again only long
+/// after the send that used it completed (a retransmission gathers it again until then).
+const HDR_SLOTS: u64 = 2 * SQ_DEPTH as u64;
+
+/// A connection's ring of send headers (TMH, TMH + RVH, FIN).
+#[derive(Debug)]
+struct HdrRing {
+    mr: MemoryRegion,
+    buf: DmaBuffer,
+    /// Sends posted with a header so far.
+    next: u64,
+}
 
 /// A tag-matching endpoint.
 #[derive(Debug)]
@@ -195,8 +209,7 @@ pub struct TagMatcher {
     pd: ProtectionDomain,
     cfg: TagConfig,
     slot_bytes: u64,
-    hdr_base: u64,
-    hdr_next: u64,
+    hdrs: Vec<HdrRing>,
     posted: VecDeque<Posted>,
     unexpected: VecDeque<Unexpected>,
     unexp_cnt: u32,
@@ -228,8 +241,7 @@ impl TagMatcher {
         let user = dev.alloc_dma(cfg.user_bytes)?;
         let user_mr = pd.reg_mr(&user, all)?;
         let slot_bytes = (cfg.eager_max as u64 + TMH_LEN as u64).next_multiple_of(64);
-        let hdr_base = slot_bytes * cfg.staging_slots as u64;
-        let staging = dev.alloc_dma((hdr_base + HDR * 1024) as usize)?;
+        let staging = dev.alloc_dma((slot_bytes * cfg.staging_slots.max(2) as u64) as usize)?;
         let staging_mr = pd.reg_mr(&staging, all)?;
         for s in 0..cfg.staging_slots.max(2) {
             let sge = [staging_mr.sge(s as u64 * slot_bytes, slot_bytes as u32)];
@@ -252,8 +264,7 @@ impl TagMatcher {
                 ..cfg
             },
             slot_bytes,
-            hdr_base,
-            hdr_next: 0,
+            hdrs: Vec::new(),
             posted: VecDeque::new(),
             unexpected: VecDeque::new(),
             unexp_cnt: 0,
@@ -277,11 +288,14 @@ impl TagMatcher {
     pub fn add_conn(&mut self) -> Result<(usize, Endpoint), Error> {
         let mut init = QpInit::new(&self.cq, &self.cq);
         init.srq = Some(&self.srq);
-        init.max_send_wr = 256;
+        init.max_send_wr = SQ_DEPTH;
         init.max_send_sge = 2;
         let qp = self.pd.create_qp(&init)?;
+        let buf = self.pd.device().alloc_dma((HDR * HDR_SLOTS) as usize)?;
+        let mr = self.pd.reg_mr(&buf, Access::LOCAL_WRITE)?;
         let ep = qp.endpoint(self.conns.len() as u32 * 1000 + 1);
         self.conns.push(qp);
+        self.hdrs.push(HdrRing { mr, buf, next: 0 });
         Ok((self.conns.len() - 1, ep))
     }
 
@@ -455,24 +469,19 @@ impl TagMatcher {
                 size: self.user.len(),
             });
         }
-        let hdr = self.hdr_base + (self.hdr_next % 1024) * HDR;
-        self.hdr_next += 1;
         if len <= self.cfg.eager_max {
-            self.staging.write(
-                hdr as usize,
-                &Tmh {
-                    opcode: TmhOp::Eager as u8,
-                    app_ctx: 0,
-                    tag,
-                }
-                .to_bytes(),
-            )?;
+            let tmh = Tmh {
+                opcode: TmhOp::Eager as u8,
+                app_ctx: 0,
+                tag,
+            };
             let sgl = [
-                self.staging_mr.sge(hdr, TMH_LEN as u32),
+                self.header(conn, &tmh.to_bytes())?,
                 self.user_mr.sge(off, len),
             ];
             let n = if len == 0 { 1 } else { 2 };
             self.conns[conn].post_send(&[SendWr::new(wr(K_EAGER, id), WrOp::Send, &sgl[..n])])?;
+            self.hdrs[conn].next += 1;
         } else {
             let ctx = self.next_send_ctx;
             self.next_send_ctx = self.next_send_ctx.wrapping_add(1).max(1);
@@ -493,9 +502,9 @@ impl TagMatcher {
                 }
                 .to_bytes(),
             );
-            self.staging.write(hdr as usize, &req)?;
-            let sgl = [self.staging_mr.sge(hdr, req.len() as u32)];
+            let sgl = [self.header(conn, &req)?];
             self.conns[conn].post_send(&[SendWr::new(wr(K_RNDV_REQ, id), WrOp::Send, &sgl)])?;
+            self.hdrs[conn].next += 1;
             self.sends.insert(ctx as u64, id);
         }
         Ok(())
@@ -625,8 +634,6 @@ impl TagMatcher {
                         return Ok(());
                     };
                     // Data read: tell the sender its buffer is free.
-                    let hdr = self.hdr_base + (self.hdr_next % 1024) * HDR;
-                    self.hdr_next += 1;
                     let mut fin = [0u8; TMH_LEN + RVH_LEN];
                     fin[..TMH_LEN].copy_from_slice(
                         &Tmh {
@@ -636,9 +643,10 @@ impl TagMatcher {
                         .to_bytes(),
                     );
                     fin[TMH_LEN..].copy_from_slice(&s.rvh.to_bytes());
-                    self.staging.write(hdr as usize, &fin)?;
-                    let sgl = [self.staging_mr.sge(hdr, fin.len() as u32)];
-                    self.conns[s.conn].post_send(&[SendWr::new(wr(K_FIN, v), WrOp::Send, &sgl)])
+                    let sgl = [self.header(s.conn, &fin)?];
+                    self.conns[s.conn].post_send(&[SendWr::new(wr(K_FIN, v), WrOp::Send, &sgl)])?;
+                    self.hdrs[s.conn].next += 1;
+                    Ok(())
                 }
                 K_FIN => {
                     if let Some(s) = self.sw_rndv.remove(&v) {
@@ -656,6 +664,15 @@ impl TagMatcher {
                 _ => Ok(()),
             },
         }
+    }
+
+    /// Writes `bytes` into connection `conn`'s next header slot. The slot counts as used
+    /// once the send is posted (the caller advances `next`).
+    fn header(&self, conn: usize, bytes: &[u8]) -> Result<crate::mr::Sge, Error> {
+        let h = &self.hdrs[conn];
+        let at = (h.next % HDR_SLOTS) * HDR;
+        h.buf.write(at as usize, bytes)?;
+        Ok(h.mr.sge(at, bytes.len() as u32))
     }
 
     fn conn_of(&self, qpn: u32) -> usize {

@@ -560,3 +560,59 @@ fn cancelled_receives_match_nothing() {
     );
     assert_eq!(get(&t.b, 2 * REGION, 50), pattern(3, 50));
 }
+
+#[test]
+fn many_sends_in_flight_on_many_connections_keep_their_headers() {
+    // Five connections with 250 sends each in flight at once: every send's header must
+    // survive until the NIC has sent (and could resend) it.
+    let cfg = TagConfig {
+        staging_slots: 16,
+        ..TagConfig::default()
+    };
+    let fabric = Fabric::new(FabricConfig::new(2, 11));
+    let (da, db) = (
+        Device::open(Box::new(fabric.port(0))).unwrap(),
+        Device::open(Box::new(fabric.port(1))).unwrap(),
+    );
+    let (mut a, mut b) = (
+        TagMatcher::new(&da, cfg).unwrap(),
+        TagMatcher::new(&db, cfg).unwrap(),
+    );
+    let opts = ConnectOptions {
+        rnr_retry: 7,
+        ..Default::default()
+    };
+    for _ in 0..5 {
+        let ((ca, ea), (cb, eb)) = (a.add_conn().unwrap(), b.add_conn().unwrap());
+        a.connect(ca, &eb, &opts).unwrap();
+        b.connect(cb, &ea, &opts).unwrap();
+    }
+    let n = 1250u64;
+    for i in 0..n {
+        b.recv(i, i, u64::MAX, i * 8, 8).unwrap();
+    }
+    for i in 0..n {
+        a.user().write(i as usize * 8, &i.to_le_bytes()).unwrap();
+        a.send(i, (i % 5) as usize, i, i * 8, 8).unwrap();
+    }
+    let mut got = 0;
+    let mut sent = 0;
+    while got < n || sent < n {
+        a.progress().unwrap();
+        b.progress().unwrap();
+        while let Some(e) = a.next_event() {
+            assert!(matches!(e, TagEvent::Send { .. }), "{e:?}");
+            sent += 1;
+        }
+        while let Some(e) = b.next_event() {
+            let TagEvent::Recv { id, tag, len, .. } = e else {
+                panic!("{e:?}")
+            };
+            assert_eq!((tag, len), (id, 8));
+            let mut v = [0u8; 8];
+            b.user().read(id as usize * 8, &mut v).unwrap();
+            assert_eq!(u64::from_le_bytes(v), id);
+            got += 1;
+        }
+    }
+}
