@@ -15,6 +15,11 @@
 //!   (appended while hardware and software disagreed on the unexpected count, so the
 //!   hardware keeps it disabled), the entry is removed with a DEL *before* the SYNC that
 //!   would enable it, and the message is delivered to it.
+//! - **The unexpected queue** holds copies: an eager message's payload is copied out of its
+//!   staging buffer, which goes back to the NIC at once, so unexpected traffic does not pin
+//!   the staging buffers (and stall senders with RNR NAKs) until receives are posted.
+//! - **Own work** (software rendezvous READs and FINs) that finds a send queue full waits
+//!   and is posted as completions make room: never lost.
 //! - **Rendezvous** that hardware matched is finished by the NIC (READ, then FIN). One that
 //!   arrived unexpected, or whose buffer was too small, is finished here: RDMA READ, then FIN.
 //!
@@ -146,13 +151,13 @@ struct Posted {
     at: Where,
 }
 
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 struct Unexpected {
     tag: u64,
     conn: usize,
-    slot: u32,
-    /// Eager: the message length (TMH included). Rendezvous: the RVH.
-    len: u32,
+    /// Eager: the payload, copied out so that the staging buffer serves again at once.
+    data: Vec<u8>,
+    /// Rendezvous: where the data is.
     rndv: Option<Rvh>,
     tmh: Tmh,
 }
@@ -210,6 +215,8 @@ pub struct TagMatcher {
     cfg: TagConfig,
     slot_bytes: u64,
     hdrs: Vec<HdrRing>,
+    /// Own work waiting for room in a send queue.
+    deferred: VecDeque<(usize, Internal)>,
     posted: VecDeque<Posted>,
     unexpected: VecDeque<Unexpected>,
     unexp_cnt: u32,
@@ -265,6 +272,7 @@ impl TagMatcher {
             },
             slot_bytes,
             hdrs: Vec::new(),
+            deferred: VecDeque::new(),
             posted: VecDeque::new(),
             unexpected: VecDeque::new(),
             unexp_cnt: 0,
@@ -417,7 +425,7 @@ impl TagMatcher {
             .map(|u| {
                 let len = match u.rndv {
                     Some(r) => r.len,
-                    None => u.len.saturating_sub(TMH_LEN as u32),
+                    None => u.data.len() as u32,
                 };
                 (u.tag, len, u.conn)
             })
@@ -531,14 +539,19 @@ impl TagMatcher {
         } else {
             self.cq.poll_ready(&mut wc)
         };
+        // Every completion polled is handled even if one fails: the first error is returned.
         let mut r = Ok(n);
         for w in &wc[..n] {
-            if let Err(e) = self.handle(w) {
+            if let (Err(e), true) = (self.handle(w), r.is_ok()) {
                 r = Err(e);
-                break;
             }
         }
         self.wc = wc;
+        if n > 0 && !self.deferred.is_empty() {
+            if let (Err(e), true) = (self.retry_deferred(), r.is_ok()) {
+                r = Err(e);
+            }
+        }
         r
     }
 
@@ -643,10 +656,7 @@ impl TagMatcher {
                         .to_bytes(),
                     );
                     fin[TMH_LEN..].copy_from_slice(&s.rvh.to_bytes());
-                    let sgl = [self.header(s.conn, &fin)?];
-                    self.conns[s.conn].post_send(&[SendWr::new(wr(K_FIN, v), WrOp::Send, &sgl)])?;
-                    self.hdrs[s.conn].next += 1;
-                    Ok(())
+                    self.post_internal(s.conn, Internal::Fin { id: v, msg: fin })
                 }
                 K_FIN => {
                     if let Some(s) = self.sw_rndv.remove(&v) {
@@ -712,11 +722,17 @@ impl TagMatcher {
                     self.repost(slot)?;
                     return self.sync();
                 }
+                let mut data = Vec::new();
+                if rndv.is_none() {
+                    data.resize((w.byte_len as usize).saturating_sub(TMH_LEN), 0);
+                    let base = slot as u64 * self.slot_bytes;
+                    self.staging.read(base as usize + TMH_LEN, &mut data)?;
+                }
+                self.repost(slot)?;
                 let u = Unexpected {
                     tag: t.tag,
                     conn,
-                    slot,
-                    len: w.byte_len,
+                    data,
                     rndv,
                     tmh: t,
                 };
@@ -777,22 +793,16 @@ impl TagMatcher {
     /// Hands an unexpected message to receive `r`.
     fn deliver_unexpected(&mut self, r: Posted, u: Unexpected) -> Result<(), Error> {
         self.stats.sw_matched += 1;
-        let base = u.slot as u64 * self.slot_bytes;
         if let Some(rvh) = u.rndv {
-            self.repost(u.slot)?;
             return self.start_sw_rndv(r, u.conn, u.tmh, rvh);
         }
-        let data = (u.len as usize).saturating_sub(TMH_LEN);
-        let n = data.min(r.len as usize);
-        let mut buf = vec![0u8; n];
-        self.staging.read(base as usize + TMH_LEN, &mut buf)?;
-        self.user.write(r.off as usize, &buf)?;
-        self.repost(u.slot)?;
+        let n = u.data.len().min(r.len as usize);
+        self.user.write(r.off as usize, &u.data[..n])?;
         self.events.push_back(TagEvent::Recv {
             id: r.id,
             tag: u.tag,
             len: n as u32,
-            truncated: data > n,
+            truncated: u.data.len() > n,
             conn: u.conn,
         });
         Ok(())
@@ -815,7 +825,76 @@ impl TagMatcher {
             addr: rvh.va,
             rkey: rvh.rkey,
         };
-        let sgl = [self.user_mr.sge(r.off, n)];
-        self.conns[conn].post_send(&[SendWr::new(wr(K_READ, r.id), WrOp::Read(remote), &sgl)])
+        let read = Internal::Read {
+            id: r.id,
+            off: r.off,
+            len: n,
+            remote,
+        };
+        self.post_internal(conn, read)
     }
+
+    /// Posts work of the matcher's own. A full send queue does not lose it: it waits and
+    /// is posted, in order, as completions make room.
+    fn post_internal(&mut self, conn: usize, w: Internal) -> Result<(), Error> {
+        if self.deferred.is_empty() {
+            match self.try_post(conn, w) {
+                Err(Error::QueueFull { .. }) => {}
+                r => return r,
+            }
+        }
+        self.deferred.push_back((conn, w));
+        Ok(())
+    }
+
+    fn try_post(&mut self, conn: usize, w: Internal) -> Result<(), Error> {
+        match w {
+            Internal::Read {
+                id,
+                off,
+                len,
+                remote,
+            } => {
+                let sgl = [self.user_mr.sge(off, len)];
+                self.conns[conn].post_send(&[SendWr::new(wr(K_READ, id), WrOp::Read(remote), &sgl)])
+            }
+            Internal::Fin { id, msg } => {
+                let sgl = [self.header(conn, &msg)?];
+                self.conns[conn].post_send(&[SendWr::new(wr(K_FIN, id), WrOp::Send, &sgl)])?;
+                self.hdrs[conn].next += 1;
+                Ok(())
+            }
+        }
+    }
+
+    /// Posts what waited for room in a send queue.
+    fn retry_deferred(&mut self) -> Result<(), Error> {
+        while let Some(&(conn, w)) = self.deferred.front() {
+            match self.try_post(conn, w) {
+                Err(Error::QueueFull { .. }) => break,
+                r => {
+                    self.deferred.pop_front();
+                    r?;
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Work the matcher posts for itself.
+#[derive(Clone, Copy, Debug)]
+enum Internal {
+    /// The READ of a software rendezvous into receive `id`: `len` bytes at `off`.
+    Read {
+        id: u64,
+        off: u64,
+        len: u32,
+        remote: RemoteAddr,
+    },
+    /// The FIN of the software rendezvous into receive `id`.
+    Fin {
+        id: u64,
+        msg: [u8; TMH_LEN + RVH_LEN],
+    },
 }

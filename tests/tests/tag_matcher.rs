@@ -616,3 +616,58 @@ fn many_sends_in_flight_on_many_connections_keep_their_headers() {
         }
     }
 }
+
+#[test]
+fn a_rendezvous_read_waits_for_room_in_a_full_send_queue() {
+    let cfg = TagConfig {
+        staging_slots: 2,
+        ..TagConfig::default()
+    };
+    let mut t = two(cfg, FaultPlan::default(), 12);
+    let steps = |f: &Fabric, n: usize| {
+        for _ in 0..n {
+            if !f.step() {
+                break;
+            }
+        }
+    };
+    // An unexpected rendezvous request reaches B.
+    put(&t.a, 0, &pattern(1, 20_000));
+    t.a.send(1, 0, 3, 0, 20_000).unwrap();
+    steps(&t.fabric, 5000);
+    t.b.progress_ready().unwrap();
+    assert_eq!(t.b.unexpected_len(), 1);
+    // B fills its send queue with messages A (not looking, two staging buffers) RNR-NAKs.
+    let mut queued = 0;
+    while queued < 1000 {
+        match t.b.send(100 + queued, 0, 50, 0, 8) {
+            Ok(()) => queued += 1,
+            Err(Error::QueueFull { .. }) => break,
+            Err(e) => panic!("{e}"),
+        }
+    }
+    assert!(queued >= 200, "{queued}");
+    steps(&t.fabric, 2000);
+    // The receive matches; its READ cannot be posted yet, and is not lost.
+    t.b.recv(10, 3, u64::MAX, REGION, 20_000).unwrap();
+    let (mut ea, mut eb) = (Vec::new(), Vec::new());
+    for _ in 0..200_000 {
+        t.a.progress().unwrap();
+        t.b.progress().unwrap();
+        ea.extend(std::iter::from_fn(|| t.a.next_event()));
+        eb.extend(std::iter::from_fn(|| t.b.next_event()));
+        if ea.contains(&TagEvent::Send { id: 1 }) && eb.len() as u64 == queued + 1 {
+            break;
+        }
+    }
+    assert!(ea.contains(&TagEvent::Send { id: 1 }), "{ea:?}");
+    assert!(eb.contains(&TagEvent::Recv {
+        id: 10,
+        tag: 3,
+        len: 20_000,
+        truncated: false,
+        conn: 0
+    }));
+    assert_eq!(get(&t.b, REGION, 20_000), pattern(1, 20_000));
+    assert_eq!(t.a.unexpected_len() as u64, queued);
+}
