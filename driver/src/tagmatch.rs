@@ -179,6 +179,7 @@ const K_READ: u64 = 4; // software rendezvous READ
 const K_FIN: u64 = 5; // software rendezvous FIN
 const K_OP: u64 = 6; // list operation
 const K_CANCEL: u64 = 7; // DEL of a cancelled receive
+const K_TAKEBACK: u64 = 8; // DEL of a receive an unexpected message goes to
 
 fn wr(kind: u64, v: u64) -> u64 {
     kind << K_SHIFT | v & ((1 << K_SHIFT) - 1)
@@ -217,6 +218,8 @@ pub struct TagMatcher {
     hdrs: Vec<HdrRing>,
     /// Own work waiting for room in a send queue.
     deferred: VecDeque<(usize, Internal)>,
+    /// Unexpected messages waiting for the DEL of the hardware receive they go to.
+    reclaim: BTreeMap<u64, Unexpected>,
     posted: VecDeque<Posted>,
     unexpected: VecDeque<Unexpected>,
     unexp_cnt: u32,
@@ -273,6 +276,7 @@ impl TagMatcher {
             slot_bytes,
             hdrs: Vec::new(),
             deferred: VecDeque::new(),
+            reclaim: BTreeMap::new(),
             posted: VecDeque::new(),
             unexpected: VecDeque::new(),
             unexp_cnt: 0,
@@ -314,11 +318,11 @@ impl TagMatcher {
         remote: &Endpoint,
         opts: &ConnectOptions,
     ) -> Result<(), Error> {
-        let psn = conn as u32 * 1000 + 1;
         let qp = self
             .conns
             .get_mut(conn)
             .ok_or(Error::InvalidArgument("no such connection"))?;
+        let psn = conn as u32 * 1000 + 1;
         qp.connect(
             remote,
             psn,
@@ -563,6 +567,21 @@ impl TagMatcher {
                 if w.opcode == CqeOpcode::TmAdd && w.tm_sync_req {
                     self.sync()?;
                 }
+                if w.opcode == CqeOpcode::TmDel && kind == K_TAKEBACK {
+                    if let Some(u) = self.reclaim.remove(&v) {
+                        let i = self.posted.iter().position(|p| p.id == v);
+                        match (w.status, i) {
+                            (CqeStatus::Success, Some(i)) => {
+                                if let Some(p) = self.posted.remove(i) {
+                                    return self.deliver_unexpected(p, u);
+                                }
+                            }
+                            // The hardware matched the entry first: it completes as usual.
+                            _ => return self.match_unexpected(u),
+                        }
+                    }
+                    return Ok(());
+                }
                 if w.opcode == CqeOpcode::TmDel
                     && kind == K_CANCEL
                     && w.status == CqeStatus::Success
@@ -618,7 +637,10 @@ impl TagMatcher {
                 });
                 Ok(())
             }
-            _ if w.status != CqeStatus::Success && w.status != CqeStatus::WrFlushErr => {
+            // A receive buffer of the staging ring that completed some other way (a WRITE
+            // with immediate from the peer, say): it serves again.
+            _ if kind == K_SLOT => self.repost(v as u32),
+            _ if w.status != CqeStatus::Success => {
                 // A send, request, READ or FIN failed: report it against its operation.
                 let id = match kind {
                     K_READ | K_FIN => self.sw_rndv.remove(&v).map(|s| s.recv.id),
@@ -736,34 +758,49 @@ impl TagMatcher {
                     rndv,
                     tmh: t,
                 };
-                // MPI order: the earliest posted receive that matches, hardware or not.
-                let hit = self
-                    .posted
-                    .iter()
-                    .position(|p| p.at != Where::Cancelled && tag_matches(t.tag, p.tag, p.mask));
-                if let Some(i) = hit {
-                    let p = self.posted[i];
-                    if let Where::Hw(h) = p.at {
-                        // Appended out of sync, so still disabled: take it back before the
-                        // SYNC below could enable it.
-                        self.posted[i].at = Where::Cancelled;
-                        self.stats.taken_back += 1;
-                        self.srq.post_tm_ops(&mut [TmOp {
-                            signaled: false,
-                            ..TmOp::del(wr(K_OP, 0), h)
-                        }])?;
-                    }
-                    if let Some(p) = self.posted.remove(i) {
-                        self.deliver_unexpected(p, u)?;
-                    }
-                } else {
-                    self.unexpected.push_back(u);
-                }
-                self.sync()?;
-                Ok(())
+                let r = self.match_unexpected(u);
+                // The count goes to the device even if matching failed.
+                let synced = self.sync();
+                r.and(synced)
             }
             _ => self.repost(slot),
         }
+    }
+
+    /// Gives unexpected message `u` to the earliest posted receive it matches (MPI order),
+    /// or queues it. A receive the hardware is already filling (between its MATCH and data
+    /// completions) is not a candidate. A receive in the hardware list was appended while
+    /// hardware and software disagreed on the unexpected count, so the hardware keeps it
+    /// disabled: it is taken back with a DEL, posted before the SYNC that would enable it,
+    /// and `u` is delivered when the DEL succeeds. (Should the DEL fail because a message
+    /// got the entry after all, `u` is matched again.)
+    fn match_unexpected(&mut self, u: Unexpected) -> Result<(), Error> {
+        let hit = self.posted.iter().position(|p| {
+            p.at != Where::Cancelled
+                && !self.matched.contains_key(&p.id)
+                && tag_matches(u.tag, p.tag, p.mask)
+        });
+        let Some(i) = hit else {
+            self.unexpected.push_back(u);
+            return Ok(());
+        };
+        let p = self.posted[i];
+        if let Where::Hw(h) = p.at {
+            if let Err(e) = self
+                .srq
+                .post_tm_ops(&mut [TmOp::del(wr(K_TAKEBACK, p.id), h)])
+            {
+                // No DEL, no take-back: the message waits in the queue.
+                self.unexpected.push_back(u);
+                return Err(e);
+            }
+            self.posted[i].at = Where::Cancelled;
+            self.stats.taken_back += 1;
+            self.reclaim.insert(p.id, u);
+            return Ok(());
+        }
+        self.posted.remove(i);
+        self.deliver_unexpected(p, u)
     }
 
     /// Tells the hardware how many unexpected messages software has seen. Nothing to tell

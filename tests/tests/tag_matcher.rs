@@ -671,3 +671,86 @@ fn a_rendezvous_read_waits_for_room_in_a_full_send_queue() {
     assert_eq!(get(&t.b, REGION, 20_000), pattern(1, 20_000));
     assert_eq!(t.a.unexpected_len() as u64, queued);
 }
+
+#[test]
+fn a_receive_the_nic_is_filling_is_not_given_a_second_message() {
+    let mut t = two(TagConfig::default(), FaultPlan::default(), 13);
+    // A wildcard receive in the NIC's list takes a rendezvous; while the NIC reads it, an
+    // eager message that also matches arrives unexpected.
+    t.b.recv(1, 0, 0, 0, 50_000).unwrap();
+    assert_eq!(t.b.hw_posted(), 1);
+    put(&t.a, 0, &pattern(10, 40_000));
+    put(&t.a, REGION, &pattern(11, 100));
+    t.a.send(10, 0, 0x77, 0, 40_000).unwrap();
+    t.a.send(11, 0, 0x78, REGION, 100).unwrap();
+    let (ea, eb) = run(&mut t, true);
+    assert_eq!(
+        eb,
+        vec![TagEvent::Recv {
+            id: 1,
+            tag: 0x77,
+            len: 40_000,
+            truncated: false,
+            conn: 0
+        }]
+    );
+    assert_eq!(get(&t.b, 0, 40_000), pattern(10, 40_000));
+    assert_eq!(t.b.unexpected_len(), 1);
+    t.b.recv(2, 0, 0, REGION, 1000).unwrap();
+    assert_eq!(
+        t.b.next_event(),
+        Some(TagEvent::Recv {
+            id: 2,
+            tag: 0x78,
+            len: 100,
+            truncated: false,
+            conn: 0
+        })
+    );
+    let mut ea = ea;
+    ea.sort_by_key(|e| format!("{e:?}"));
+    assert_eq!(
+        ea,
+        vec![TagEvent::Send { id: 10 }, TagEvent::Send { id: 11 }]
+    );
+}
+
+#[test]
+fn work_flushed_by_a_broken_connection_is_reported_failed() {
+    // B's staging buffers hold 1 KiB eager messages; a 5000-byte one breaks the connection.
+    let small = TagConfig {
+        eager_max: 1024,
+        ..TagConfig::default()
+    };
+    let fabric = Fabric::new(FabricConfig::new(2, 14));
+    let (da, db) = (
+        Device::open(Box::new(fabric.port(0))).unwrap(),
+        Device::open(Box::new(fabric.port(1))).unwrap(),
+    );
+    let mut a = TagMatcher::new(&da, TagConfig::default()).unwrap();
+    let mut b = TagMatcher::new(&db, small).unwrap();
+    let ((ca, ea), (cb, eb)) = (a.add_conn().unwrap(), b.add_conn().unwrap());
+    a.connect(ca, &eb, &ConnectOptions::default()).unwrap();
+    b.connect(cb, &ea, &ConnectOptions::default()).unwrap();
+    a.send(1, ca, 1, 0, 5000).unwrap();
+    a.send(2, ca, 2, 0, 100).unwrap();
+    a.send(3, ca, 3, 0, 100).unwrap();
+    a.send(4, ca, 4, 0, 20_000).unwrap();
+    let mut events = Vec::new();
+    for _ in 0..100_000 {
+        a.progress().unwrap();
+        b.progress().unwrap();
+        events.extend(std::iter::from_fn(|| a.next_event()));
+        if events.len() == 4 {
+            break;
+        }
+    }
+    let ids: Vec<u64> = events
+        .iter()
+        .map(|e| match *e {
+            TagEvent::Failed { id, .. } => id,
+            _ => panic!("{events:?}"),
+        })
+        .collect();
+    assert_eq!(ids, vec![1, 2, 3, 4], "{events:?}");
+}
