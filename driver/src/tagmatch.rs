@@ -776,9 +776,12 @@ impl TagMatcher {
     /// got the entry after all, `u` is matched again.)
     fn match_unexpected(&mut self, u: Unexpected) -> Result<(), Error> {
         let hit = self.posted.iter().position(|p| {
-            p.at != Where::Cancelled
-                && !self.matched.contains_key(&p.id)
-                && tag_matches(u.tag, p.tag, p.mask)
+            tag_matches(u.tag, p.tag, p.mask)
+                && match p.at {
+                    Where::Sw => true,
+                    Where::Hw(_) => !self.matched.contains_key(&p.id),
+                    Where::Cancelled => false,
+                }
         });
         let Some(i) = hit else {
             self.unexpected.push_back(u);
