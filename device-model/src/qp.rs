@@ -198,7 +198,7 @@ pub(crate) enum HwTask {
     RndvRead {
         srqn: u32,
         handle: u32,
-        fin: [u8; 32],
+        fin: [u8; ringbell_specs::tm::RNDV_HDR_LEN],
     },
     /// The FIN that tells the sender its buffer is free.
     Fin,

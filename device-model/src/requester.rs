@@ -481,7 +481,7 @@ impl Nic {
         handle: u32,
         rvh: ringbell_specs::tm::Rvh,
         sge: Sge,
-        fin: [u8; 32],
+        fin: [u8; ringbell_specs::tm::RNDV_HDR_LEN],
         ready: SimTime,
     ) {
         let wqe = SendWqe {

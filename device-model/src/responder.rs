@@ -10,7 +10,7 @@ use ringbell_specs::cqe::{
     Cqe, CqeOpcode, CqeStatus, EventType, VendorSyndrome, CQE_FLAG_IMM, CQE_FLAG_SOLICITED,
     CQE_FLAG_SRQ, CQE_FLAG_TM_DATA_VALID, CQE_FLAG_TM_MATCH,
 };
-use ringbell_specs::tm::{Rvh, Tmh, TmhOp, MAX_RNDV_HDR_SIZE, RVH_LEN, TMH_LEN};
+use ringbell_specs::tm::{rndv_header, Rvh, Tmh, TmhOp, MAX_RNDV_HDR_SIZE, RNDV_HDR_LEN, TMH_LEN};
 use ringbell_specs::wire::{
     self, Aeth, AethSyndrome, BthRepr, Endpoint, NakCode, Opcode, Packet, PacketRepr,
 };
@@ -514,7 +514,7 @@ impl Nic {
             && (!rndv
                 || (op.is_last()
                     && qp.state == QpState::Rts
-                    && p.len() >= TMH_LEN + RVH_LEN
+                    && p.len() >= RNDV_HDR_LEN
                     && p.len() <= MAX_RNDV_HDR_SIZE as usize));
         if matchable {
             let Some(tm) = self.srqs.get(srqn).and_then(|s| s.tm.as_ref()) else {
@@ -542,15 +542,13 @@ impl Nic {
                 if rndv {
                     let rvh = Rvh::parse(&p[TMH_LEN..]).unwrap_or_default();
                     if rvh.len as u64 <= slot.sge.len as u64 {
-                        let mut fin = [0u8; 32];
-                        fin[..TMH_LEN].copy_from_slice(
+                        let fin = rndv_header(
                             &Tmh {
                                 opcode: TmhOp::Fin as u8,
                                 ..tmh
-                            }
-                            .to_bytes(),
+                            },
+                            &rvh,
                         );
-                        fin[TMH_LEN..].copy_from_slice(&p[TMH_LEN..TMH_LEN + RVH_LEN]);
                         self.tm_complete(env, srqn, matched);
                         self.start_rndv_read(env, qp, srqn, handle, rvh, slot.sge, fin, ready);
                     } else {

@@ -32,7 +32,7 @@ use crate::error::Error;
 use crate::mr::{MemoryRegion, ProtectionDomain};
 use crate::qp::{ConnectOptions, Endpoint, QpInit, QueuePair, RecvWr, RemoteAddr, SendWr, WrOp};
 use crate::srq::SharedReceiveQueue;
-use crate::tm::{Rvh, TmOp, Tmh, TmhOp, RVH_LEN, TMH_LEN};
+use crate::tm::{rndv_header, Rvh, TmOp, Tmh, TmhOp, RNDV_HDR_LEN, TMH_LEN};
 use ringbell_specs::cmd::Access;
 use ringbell_specs::cqe::{CqeOpcode, CqeStatus};
 use ringbell_specs::tm::tag_matches;
@@ -397,12 +397,13 @@ impl TagMatcher {
                 return self.deliver_unexpected(r, u);
             }
         }
-        let all_in_hw = self.posted.iter().all(|p| matches!(p.at, Where::Hw(_)));
+        // To hardware only behind receives that are all in hardware (so the list count is
+        // the posted count), and only while the list has room.
         if self.cfg.hw_tags > 0
-            && all_in_hw
             && len >= self.cfg.hw_min.max(self.cfg.eager_max)
-            && self.hw_posted() < self.cfg.hw_tags as usize
+            && self.posted.len() < self.cfg.hw_tags as usize
             && self.srq.tm_free_tags() > 0
+            && self.posted.iter().all(|p| matches!(p.at, Where::Hw(_)))
         {
             let sge = self.user_mr.sge(off, len);
             let mut op = [TmOp::add(wr(K_OP, id), id, sge, tag, mask).with_count(self.unexp_cnt)];
@@ -497,22 +498,17 @@ impl TagMatcher {
         } else {
             let ctx = self.next_send_ctx;
             self.next_send_ctx = self.next_send_ctx.wrapping_add(1).max(1);
-            let mut req = [0u8; TMH_LEN + RVH_LEN];
-            req[..TMH_LEN].copy_from_slice(
+            let req = rndv_header(
                 &Tmh {
                     opcode: TmhOp::Rndv as u8,
                     app_ctx: ctx,
                     tag,
-                }
-                .to_bytes(),
-            );
-            req[TMH_LEN..].copy_from_slice(
+                },
                 &Rvh {
                     va: self.user_mr.addr() + off,
                     rkey: self.user_mr.rkey(),
                     len,
-                }
-                .to_bytes(),
+                },
             );
             let sgl = [self.header(conn, &req)?];
             self.conns[conn].post_send(&[SendWr::new(wr(K_RNDV_REQ, id), WrOp::Send, &sgl)])?;
@@ -613,7 +609,7 @@ impl TagMatcher {
                 self.stats.hw_matched += 1;
                 if w.status == CqeStatus::TmRndvIncomplete {
                     // The request is at the start of the buffer: finish in software.
-                    let mut req = [0u8; TMH_LEN + RVH_LEN];
+                    let mut req = [0u8; RNDV_HDR_LEN];
                     self.user.read(p.off as usize, &mut req)?;
                     let (Some(tmh), Some(rvh)) = (Tmh::parse(&req), Rvh::parse(&req[TMH_LEN..]))
                     else {
@@ -669,15 +665,13 @@ impl TagMatcher {
                         return Ok(());
                     };
                     // Data read: tell the sender its buffer is free.
-                    let mut fin = [0u8; TMH_LEN + RVH_LEN];
-                    fin[..TMH_LEN].copy_from_slice(
+                    let fin = rndv_header(
                         &Tmh {
                             opcode: TmhOp::Fin as u8,
                             ..s.tmh
-                        }
-                        .to_bytes(),
+                        },
+                        &s.rvh,
                     );
-                    fin[TMH_LEN..].copy_from_slice(&s.rvh.to_bytes());
                     self.post_internal(s.conn, Internal::Fin { id: v, msg: fin })
                 }
                 K_FIN => {
@@ -714,7 +708,7 @@ impl TagMatcher {
     /// A message in staging slot `slot`: a FIN for one of our sends, or an unexpected one.
     fn untagged(&mut self, w: &WorkCompletion, slot: u32) -> Result<(), Error> {
         let base = slot as u64 * self.slot_bytes;
-        let mut hdr = [0u8; TMH_LEN + RVH_LEN];
+        let mut hdr = [0u8; RNDV_HDR_LEN];
         let n = (w.byte_len as usize).min(hdr.len());
         self.staging.read(base as usize, &mut hdr[..n])?;
         let tmh = Tmh::parse(&hdr[..n]);
@@ -933,8 +927,5 @@ enum Internal {
         remote: RemoteAddr,
     },
     /// The FIN of the software rendezvous into receive `id`.
-    Fin {
-        id: u64,
-        msg: [u8; TMH_LEN + RVH_LEN],
-    },
+    Fin { id: u64, msg: [u8; RNDV_HDR_LEN] },
 }

@@ -15,7 +15,9 @@ use crate::srq::{SharedReceiveQueue, SrqRings};
 use ringbell_specs::cmd::{CmdOpcode, CreateSrqIn, CreateTmSrqIn};
 use ringbell_specs::cqe::{Cqe, CqeOpcode, CqeStatus, CQE_FLAG_TM_DATA_VALID};
 use ringbell_specs::regs;
-pub use ringbell_specs::tm::{Rvh, Tmh, TmhOp, MAX_RNDV_HDR_SIZE, RVH_LEN, TMH_LEN};
+pub use ringbell_specs::tm::{
+    rndv_header, Rvh, Tmh, TmhOp, MAX_RNDV_HDR_SIZE, RNDV_HDR_LEN, RVH_LEN, TMH_LEN,
+};
 use ringbell_specs::tm::{TmOpEntry, TmOpcode, TM_OP_SIGNALED, TM_OP_SIZE, TM_OP_SYNC};
 use std::cell::{Cell, RefCell};
 use std::collections::VecDeque;

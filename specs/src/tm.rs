@@ -114,6 +114,17 @@ impl Rvh {
     }
 }
 
+/// Bytes of a rendezvous header: TMH then RVH (a request, or the FIN that answers it).
+pub const RNDV_HDR_LEN: usize = TMH_LEN + RVH_LEN;
+
+/// The wire bytes of a rendezvous request or FIN: `tmh` followed by `rvh`.
+pub fn rndv_header(tmh: &Tmh, rvh: &Rvh) -> [u8; RNDV_HDR_LEN] {
+    let mut b = [0u8; RNDV_HDR_LEN];
+    b[..TMH_LEN].copy_from_slice(&tmh.to_bytes());
+    b[TMH_LEN..].copy_from_slice(&rvh.to_bytes());
+    b
+}
+
 /// List-operation opcodes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[repr(u8)]

@@ -2,7 +2,7 @@
 //! tests/test_tag_matching.py, then the extra cases of the tag-matching reference (§13.3)
 //! and bad input.
 
-use ringbell::tm::{Rvh, TmOp, Tmh, TmhOp};
+use ringbell::tm::{rndv_header, Rvh, TmOp, Tmh, TmhOp};
 use ringbell::*;
 use ringbell_emu::{Fabric, FabricConfig};
 
@@ -513,31 +513,28 @@ fn software_rendezvous(t: &mut Tm, req: &[u8], into: u64) {
     assert_eq!((f.opcode, f.byte_len), (WcOpcode::Recv, 32));
 }
 
+/// Writes a rendezvous request (TMH then RVH) for `tag` into the client's buffer at `at`,
+/// naming `len` bytes at client offset `from`.
+fn write_rndv(t: &Tm, at: usize, tag: u64, app_ctx: u32, from: u64, len: u32) {
+    let req = rndv_header(
+        &Tmh {
+            opcode: TmhOp::Rndv as u8,
+            app_ctx,
+            tag,
+        },
+        &Rvh {
+            va: t.c_mr.addr() + from,
+            rkey: t.c_mr.rkey(),
+            len,
+        },
+    );
+    t.c_buf.write(at, &req).unwrap();
+}
+
 fn rndv_request(t: &mut Tm, tag: u64, len: u32) {
     let data: Vec<u8> = (0..len).map(|i| (i % 251) as u8).collect();
     t.c_buf.write(4096, &data).unwrap();
-    t.c_buf
-        .write(
-            0,
-            &Tmh {
-                opcode: TmhOp::Rndv as u8,
-                app_ctx: 9,
-                tag,
-            }
-            .to_bytes(),
-        )
-        .unwrap();
-    t.c_buf
-        .write(
-            16,
-            &Rvh {
-                va: t.c_mr.addr() + 4096,
-                rkey: t.c_mr.rkey(),
-                len,
-            }
-            .to_bytes(),
-        )
-        .unwrap();
+    write_rndv(t, 0, tag, 9, 4096, len);
     let fin = [t.c_mr.sge(8192, 64)];
     t.c_qp
         .post_recv(&[RecvWr {
@@ -636,28 +633,7 @@ fn bad_tagged_input_leaves_the_srq_serving() {
     // An RVH pointing outside the sender's MR: the NIC's READ fails, the entry completes in
     // error, only that QP goes to ERR.
     add(&mut t, 1, 0x66, u64::MAX, 0, 4096, None);
-    t.c_buf
-        .write(
-            0,
-            &Tmh {
-                opcode: TmhOp::Rndv as u8,
-                app_ctx: 0,
-                tag: 0x66,
-            }
-            .to_bytes(),
-        )
-        .unwrap();
-    t.c_buf
-        .write(
-            16,
-            &Rvh {
-                va: t.c_mr.addr() + (1 << 20),
-                rkey: t.c_mr.rkey(),
-                len: 100,
-            }
-            .to_bytes(),
-        )
-        .unwrap();
+    write_rndv(&t, 0, 0x66, 0, 1 << 20, 100);
     t.s_buf.fill(0, 4096, 0xee).unwrap();
     t.c_qp
         .post_send(&[SendWr::new(1, WrOp::Send, &[t.c_mr.sge(0, 32)])])
@@ -678,28 +654,7 @@ fn bad_tagged_input_leaves_the_srq_serving() {
     // A rendezvous request longer than max_rndv_hdr_size is never matched.
     let mut t = setup(16, 16);
     add(&mut t, 1, 0x77, u64::MAX, 0, 4096, None);
-    t.c_buf
-        .write(
-            0,
-            &Tmh {
-                opcode: TmhOp::Rndv as u8,
-                app_ctx: 0,
-                tag: 0x77,
-            }
-            .to_bytes(),
-        )
-        .unwrap();
-    t.c_buf
-        .write(
-            16,
-            &Rvh {
-                va: t.c_mr.addr(),
-                rkey: t.c_mr.rkey(),
-                len: 100,
-            }
-            .to_bytes(),
-        )
-        .unwrap();
+    write_rndv(&t, 0, 0x77, 0, 0, 100);
     t.c_qp
         .post_send(&[SendWr::new(1, WrOp::Send, &[t.c_mr.sge(0, 65)])])
         .unwrap();
@@ -966,24 +921,7 @@ fn the_nics_reads_wait_for_max_rd_atomic() {
     let data: Vec<u8> = (0..8000u32).map(|i| (i % 253) as u8).collect();
     t.c_buf.write(4096, &data).unwrap();
     for (at, tag) in [(0usize, 0x71u64), (64, 0x72)] {
-        let mut req = [0u8; 32];
-        req[..16].copy_from_slice(
-            &Tmh {
-                opcode: TmhOp::Rndv as u8,
-                app_ctx: tag as u32,
-                tag,
-            }
-            .to_bytes(),
-        );
-        req[16..].copy_from_slice(
-            &Rvh {
-                va: t.c_mr.addr() + 4096,
-                rkey: t.c_mr.rkey(),
-                len: 8000,
-            }
-            .to_bytes(),
-        );
-        t.c_buf.write(at, &req).unwrap();
+        write_rndv(&t, at, tag, tag as u32, 4096, 8000);
     }
     let fins = [[t.c_mr.sge(20000, 64)], [t.c_mr.sge(20064, 64)]];
     t.c_qp.post_recv(&ringbell_tests::recv_wrs(&fins)).unwrap();
