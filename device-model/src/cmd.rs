@@ -113,7 +113,9 @@ impl Nic {
                 match self.mrs.get(idx) {
                     Some(mr) if mr.key == key => {
                         let pdn = mr.pdn;
+                        let cntrs = mr.cntrs;
                         self.mrs.remove(idx);
+                        self.unbind_all(&cntrs);
                         self.pd_unref(pdn);
                         Ok(Vec::new())
                     }
@@ -178,6 +180,8 @@ impl Nic {
                 let n = params::<ObjectIn>(input)?.num.get();
                 let mut qp = self.qps.remove(n).ok_or(CmdStatus::BadResource)?;
                 self.release_srq_wqe(env, &mut qp);
+                self.unbind_all(&qp.cntrs);
+                self.trig_discard_qp(n);
                 self.pd_unref(qp.pdn);
                 for c in [qp.send_cqn, qp.recv_cqn] {
                     if let Some(cq) = self.cqs.get_mut(c) {
@@ -191,6 +195,15 @@ impl Nic {
             }
             CmdOpcode::CreateSrq => self.create_srq(params(input)?, None),
             CmdOpcode::CreateTmSrq => self.create_tm_srq(params(input)?),
+            CmdOpcode::CreateCntr
+            | CmdOpcode::DestroyCntr
+            | CmdOpcode::UpdateCntr
+            | CmdOpcode::QueryCntr
+            | CmdOpcode::BindCntr
+            | CmdOpcode::ArmCntr
+            | CmdOpcode::PostTriggered
+            | CmdOpcode::CancelTriggered
+            | CmdOpcode::FlushTriggered => self.cntr_command(env, op, input),
             CmdOpcode::ArmSrq => {
                 let a: ArmSrqIn = params(input)?;
                 let srq = self
@@ -259,6 +272,8 @@ impl Nic {
             max_tm_ops: c.max_tm_ops.into(),
             max_rndv_hdr_size: ringbell_specs::tm::MAX_RNDV_HDR_SIZE.into(),
             tm_max_sge: ringbell_specs::tm::TM_MAX_SGE.into(),
+            max_cntr: c.max_cntr.into(),
+            max_triggered: c.max_triggered.into(),
         })
     }
 
@@ -292,6 +307,7 @@ impl Nic {
                 va,
                 len,
                 iova,
+                cntrs: Default::default(),
             })
             .ok_or(CmdStatus::Exhausted)?;
         // Key index must fit 24 bits.
@@ -401,6 +417,7 @@ impl Nic {
                 req: Default::default(),
                 resp: Default::default(),
                 stats: Default::default(),
+                cntrs: Default::default(),
             })
             .ok_or(CmdStatus::Exhausted)?;
         let _ = self.pd_ref(pdn);

@@ -66,6 +66,18 @@ pub enum NicEvent {
         /// Its context generation.
         gen: u64,
     },
+    /// One success or error is added to a counter (a completion or arrival it counts,
+    /// applied when the data it stands for is visible).
+    CntrUpdate {
+        /// The counter.
+        cntr: u32,
+        /// Its generation.
+        gen: u64,
+        /// Added to the success value.
+        success: u64,
+        /// Added to the error value.
+        error: u64,
+    },
     /// A completion entry is written to a CQ.
     CqeWrite {
         /// The CQ.

@@ -10,6 +10,7 @@
 #![forbid(unsafe_code)]
 
 mod cmd;
+mod counter;
 mod cq;
 mod env;
 mod mem;

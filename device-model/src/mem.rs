@@ -21,6 +21,8 @@ pub(crate) struct Mr {
     pub(crate) va: u64,
     pub(crate) len: u64,
     pub(crate) iova: u64,
+    /// Counters bound to remote accesses through this MR.
+    pub(crate) cntrs: crate::counter::EventCntrs,
 }
 
 /// Why a key check failed.

@@ -41,6 +41,10 @@ pub struct NicConfig {
     pub max_num_tags: u32,
     /// Largest TM-SRQ list-operation ring.
     pub max_tm_ops: u32,
+    /// Event counters (numbers 1..=max_cntr).
+    pub max_cntr: u32,
+    /// Entries of the triggered-operation table.
+    pub max_triggered: u32,
     /// Timing profile.
     pub timing: TimingProfile,
 }
@@ -64,6 +68,8 @@ impl NicConfig {
             max_msg_size: 1 << 30,
             max_num_tags: 1024,
             max_tm_ops: 1 << 15,
+            max_cntr: 4096,
+            max_triggered: 2048,
             timing: TimingProfile::default(),
         }
     }
@@ -142,6 +148,10 @@ pub struct Nic {
     pub(crate) cqs: Table<Cq>,
     pub(crate) qps: Table<Qp>,
     pub(crate) srqs: Table<Srq>,
+    pub(crate) cntrs: Table<crate::counter::Counter>,
+    pub(crate) trig: crate::counter::TriggerTable,
+    /// Values latched by the last read of a counter's `CNTR_SUCCESS_LO`.
+    pub(crate) cntr_latch: (u64, u64),
     pub(crate) mr_tag: u8,
     /// Source of context generations (never reset, so stale events never match).
     pub(crate) next_gen: u64,
@@ -166,10 +176,14 @@ impl Nic {
         let max_qp = cfg.max_qp.min(regs::DB_MAX_QP as u32 - 1);
         let max_cq = cfg.max_cq.min(regs::DB_MAX_CQ as u32 - 1);
         let max_srq = cfg.max_srq.min(regs::DB_MAX_SRQ as u32 - 1);
+        let max_cntr = cfg.max_cntr.min(regs::CNTR_MAX as u32 - 1);
+        let max_triggered = cfg.max_triggered.min(0xFFFF);
         let cfg = NicConfig {
             max_qp,
             max_cq,
             max_srq,
+            max_cntr,
+            max_triggered,
             ..cfg
         };
         Nic {
@@ -178,6 +192,9 @@ impl Nic {
             cqs: Table::new(cfg.max_cq),
             qps: Table::new(cfg.max_qp),
             srqs: Table::new(cfg.max_srq),
+            cntrs: Table::new(cfg.max_cntr),
+            trig: Default::default(),
+            cntr_latch: (0, 0),
             cfg,
             mr_tag: 0,
             next_gen: 1,
@@ -205,6 +222,12 @@ impl Nic {
         &self.stats
     }
 
+    /// Triggered operations waiting in the table (none leak: fired, cancelled and flushed
+    /// ones leave it).
+    pub fn triggered_in_use(&self) -> u32 {
+        self.trig.in_use()
+    }
+
     /// The timing profile.
     pub fn timing(&self) -> &TimingProfile {
         &self.cfg.timing
@@ -219,6 +242,7 @@ impl Nic {
             | Caps::CQE_TIMESTAMP
             | Caps::COUNTERS
             | Caps::TM_RC
+            | Caps::TRIGGERED
     }
 
     /// A 32-bit register read. Never fails: unknown offsets read 0 and are counted.
@@ -243,6 +267,17 @@ impl Nic {
             regs::TS_TICK_PS => 1,
             regs::MAX_MSG_SIZE => c.max_msg_size,
             regs::MAX_RD_ATOMIC => c.max_rd_atomic,
+            regs::MAX_CNTR => c.max_cntr,
+            regs::MAX_TRIGGERED => c.max_triggered,
+            o if (regs::CNTR_BASE..regs::CNTR_END).contains(&o) && o.is_multiple_of(4) => {
+                match self.cntr_mmio_read(o) {
+                    Some(v) => v,
+                    None => {
+                        self.guest_error(GuestError::BadOffset, o as u32);
+                        0
+                    }
+                }
+            }
             regs::CMD_ADDR_LO => self.cmd_addr as u32,
             regs::CMD_ADDR_HI => (self.cmd_addr >> 32) as u32,
             regs::CMD_STATUS => self.cmd_status,
@@ -281,6 +316,12 @@ impl Nic {
         }
         if (regs::DB_BASE..regs::DB_END).contains(&offset) {
             self.doorbell(env, offset, value);
+            return;
+        }
+        if (regs::CNTR_BASE..regs::CNTR_END).contains(&offset) {
+            if !self.cntr_mmio_write(env, offset, value) {
+                self.guest_error(GuestError::BadOffset, offset as u32);
+            }
             return;
         }
         match offset {
@@ -353,7 +394,25 @@ impl Nic {
                 && (qp_gen == 0
                     || self.qps.get(cqe.qpn.get()).is_some_and(|q| q.gen == qp_gen)) =>
             {
-                self.write_cqe(env, cqn, *cqe)
+                let counted = crate::counter::counts_as_recv(&cqe);
+                let (qpn, ok) = (cqe.qpn.get(), cqe.status == 0);
+                self.write_cqe(env, cqn, *cqe);
+                if counted {
+                    if let Some(c) = self.qps.get(qpn).map(|q| q.cntrs) {
+                        let now = env.now();
+                        self.qp_count(env, &c, ringbell_specs::cmd::CntrEvents::RECV, ok, now);
+                    }
+                }
+            }
+            NicEvent::CntrUpdate {
+                cntr,
+                gen,
+                success,
+                error,
+            } => {
+                if self.cntrs.get(cntr).is_some_and(|c| c.gen == gen) {
+                    self.cntr_apply(env, cntr, (success, false), (error, false));
+                }
             }
             NicEvent::DmaWrite { iova, data, qpn } => {
                 if let Err(f) = env.dma_write(iova, &data) {

@@ -110,6 +110,22 @@ pub(crate) struct Outstanding {
 }
 
 impl Outstanding {
+    /// A task of the NIC's own, not yet numbered.
+    pub(crate) fn task(wqe: SendWqe, task: HwTask, ready: SimTime) -> Outstanding {
+        Outstanding {
+            wqe_index: 0,
+            wqe,
+            first_psn: Psn::default(),
+            npsn: 0,
+            sent: 0,
+            sent_max: 0,
+            acked: 0,
+            ready_at: ready,
+            error: None,
+            done: false,
+            hw: Some(task),
+        }
+    }
     pub(crate) fn last_psn(&self) -> Psn {
         self.first_psn.add(self.npsn.saturating_sub(1))
     }
@@ -202,6 +218,15 @@ pub(crate) enum HwTask {
     },
     /// The FIN that tells the sender its buffer is free.
     Fin,
+    /// A triggered data transfer: its completion counts on `comp` (generation `comp_gen`)
+    /// and writes a CQE flagged TRIGGERED when `signaled` or on error.
+    Triggered {
+        handle: u32,
+        comp: u32,
+        comp_gen: u64,
+        signaled: bool,
+        wr_id: u64,
+    },
 }
 
 /// A multi-packet RDMA WRITE in progress.
@@ -310,6 +335,8 @@ pub(crate) struct Qp {
     pub(crate) stats: QpStats,
     /// Context generation, see [`crate::NicEvent::SqProcess`].
     pub(crate) gen: u64,
+    /// Counters bound to the QP's events.
+    pub(crate) cntrs: crate::counter::EventCntrs,
 }
 
 impl Qp {
@@ -791,6 +818,13 @@ impl Nic {
                 VendorSyndrome::None,
             );
             self.complete(env, qp.gen, qp.send_cqn, now, cqe);
+            self.qp_count(
+                env,
+                &qp.cntrs,
+                crate::counter::send_event(o.wqe.op),
+                false,
+                now,
+            );
         }
         for o in std::mem::take(&mut qp.req.hw_waiting) {
             self.hw_task_done(
@@ -834,6 +868,7 @@ impl Nic {
                 VendorSyndrome::None,
             );
             self.complete(env, qp.gen, qp.send_cqn, now, cqe);
+            self.qp_count(env, &qp.cntrs, crate::counter::send_event(op), false, now);
             if qp.sq.pi.wrapping_sub(qp.fetch) < nbb {
                 qp.fetch = qp.sq.pi;
             } else {
@@ -897,6 +932,7 @@ mod tests {
             resp: Responder::default(),
             stats: QpStats::default(),
             gen: 1,
+            cntrs: Default::default(),
         }
     }
 

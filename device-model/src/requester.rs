@@ -334,78 +334,12 @@ impl Nic {
                 return Err(((CqeStatus::GeneralErr, VendorSyndrome::IommuFault), nbb));
             }
         }
-        let bad = |s| Err(((CqeStatus::LocQpOpErr, s), nbb));
         let Some(op) = SendOpcode::from_u8(ctrl.opcode) else {
-            return bad(VendorSyndrome::BadOpcode);
+            return Err(((CqeStatus::LocQpOpErr, VendorSyndrome::BadOpcode), nbb));
         };
-        let Some(flags) = WqeFlags::from_bits(ctrl.flags) else {
-            return bad(VendorSyndrome::BadSegment);
-        };
-        let body = &raw[SEG..ds * SEG];
-        let mut w = SendWqe {
-            op,
-            flags,
-            imm: ctrl.imm.get(),
-            nbb,
-            raddr: 0,
-            rkey: 0,
-            atomic: (0, 0),
-            sges: Vec::new(),
-            inline: Vec::new(),
-            len: 0,
-        };
-        let mut rest = body;
-        if op.has_raddr() {
-            let Some((r, tail)) = split_seg::<RaddrSeg>(rest) else {
-                return bad(VendorSyndrome::BadSegment);
-            };
-            w.raddr = r.raddr.get();
-            w.rkey = r.rkey.get();
-            rest = tail;
-        }
-        if op.is_atomic() {
-            let Some((a, tail)) = split_seg::<AtomicSeg>(rest) else {
-                return bad(VendorSyndrome::BadSegment);
-            };
-            w.atomic = (a.swap_add.get(), a.compare.get());
-            rest = tail;
-        }
-        if flags.contains(WqeFlags::INLINE) {
-            if matches!(
-                op,
-                SendOpcode::Read | SendOpcode::CmpSwap | SendOpcode::FetchAdd
-            ) || rest.len() < 4
-            {
-                return bad(VendorSyndrome::BadSegment);
-            }
-            let bc = u32::from_le_bytes([rest[0], rest[1], rest[2], rest[3]]);
-            let n = (bc & !INLINE_MARK) as usize;
-            if bc & INLINE_MARK == 0 || n > rest.len() - 4 {
-                return bad(VendorSyndrome::BadSegment);
-            }
-            w.inline = rest[4..4 + n].to_vec();
-            w.len = n as u64;
-        } else {
-            for chunk in rest.chunks_exact(SEG) {
-                let d = DataSeg::read_from_bytes(chunk).unwrap_or_default();
-                w.sges.push(Sge {
-                    lkey: d.lkey.get(),
-                    addr: d.addr.get(),
-                    len: d.byte_count.get(),
-                });
-                w.len += d.byte_count.get() as u64;
-            }
-            if w.len > self.cfg.max_msg_size as u64 {
-                return Err(((CqeStatus::LocLenErr, VendorSyndrome::TooLong), nbb));
-            }
-            if op.is_atomic() && (w.sges.len() != 1 || w.len != 8) {
-                return bad(VendorSyndrome::BadSegment);
-            }
-        }
-        if op.is_atomic() {
-            w.len = 8;
-        }
-        Ok(Some(w))
+        decode_send_wqe(&ctrl, op, &raw[SEG..ds * SEG], nbb, self.cfg.max_msg_size)
+            .map(Some)
+            .map_err(|e| (e, nbb))
     }
 
     /// Checks the local keys of a WQE and that its buffers are reachable through the IOMMU.
@@ -512,19 +446,7 @@ impl Nic {
         task: HwTask,
         ready: SimTime,
     ) {
-        let o = Outstanding {
-            wqe_index: 0,
-            wqe,
-            first_psn: Psn::default(),
-            npsn: 0,
-            sent: 0,
-            sent_max: 0,
-            acked: 0,
-            ready_at: ready,
-            error: None,
-            done: false,
-            hw: Some(task),
-        };
+        let o = Outstanding::task(wqe, task, ready);
         let limit = (qp.attr.max_rd_atomic as u32).max(1);
         if o.is_rd_atomic() && (qp.req.rd_atomic >= limit || !qp.req.hw_waiting.is_empty()) {
             qp.req.hw_waiting.push_back(o);
@@ -566,6 +488,44 @@ impl Nic {
         }
     }
 
+    /// Starts a triggered data transfer that just fired on `qp`: as a task of the NIC's own
+    /// behind the send side's outstanding work, or, when it cannot start (`err`, bad local
+    /// keys, the QP not sending), as a failed one that completes in turn.
+    pub(crate) fn start_triggered(
+        &mut self,
+        env: &mut dyn Env,
+        qp: &mut Qp,
+        wqe: SendWqe,
+        task: HwTask,
+        err: Option<WqeError>,
+        ready: SimTime,
+    ) {
+        if !matches!(qp.state, QpState::Rts | QpState::Sqd) {
+            let o = Outstanding::task(wqe, task, ready);
+            self.hw_task_done(
+                env,
+                qp,
+                &o,
+                (CqeStatus::WrFlushErr, VendorSyndrome::None),
+                ready,
+            );
+            return;
+        }
+        let err = match err {
+            Some(e) => Some(e),
+            None => self.check_local(env, qp, &wqe).err(),
+        };
+        if let Some(e) = err {
+            let mut o = Outstanding::task(wqe, task, ready);
+            o.first_psn = qp.req.next_psn;
+            o.error = Some(e);
+            qp.req.outstanding.push_back(o);
+            self.complete_in_order_at(env, qp, ready);
+            return;
+        }
+        self.push_hw_task(env, qp, wqe, task, ready);
+    }
+
     /// A task of the NIC's own finished (or failed, or was flushed with `status`).
     pub(crate) fn hw_task_done(
         &mut self,
@@ -575,6 +535,22 @@ impl Nic {
         status: (CqeStatus, VendorSyndrome),
         ready: SimTime,
     ) {
+        if let Some(HwTask::Triggered {
+            handle,
+            comp,
+            comp_gen,
+            signaled,
+            wr_id,
+        }) = o.hw
+        {
+            let ok = status.0 == CqeStatus::Success;
+            if signaled || !ok {
+                let cqe = Self::trig_cqe(qp.qpn, &o.wqe, handle, wr_id, status);
+                self.complete(env, qp.gen, qp.send_cqn, ready, cqe);
+            }
+            self.trig_count(env, comp, comp_gen, ok, ready);
+            return;
+        }
         if let Some(HwTask::RndvRead { srqn, handle, fin }) = o.hw {
             let ok = status.0 == CqeStatus::Success;
             let c = crate::tm::TmCompletion {
@@ -1097,6 +1073,8 @@ impl Nic {
                 } else {
                     let cqe = Self::send_cqe(qp.qpn, o.wqe_index, &o.wqe, status, syn);
                     self.complete(env, qp.gen, qp.send_cqn, ready, cqe);
+                    let ev = crate::counter::send_event(o.wqe.op);
+                    self.qp_count(env, &qp.cntrs, ev, false, ready);
                 }
                 // The QP is in error: everything else is flushed.
                 self.flush(env, qp);
@@ -1116,15 +1094,19 @@ impl Nic {
                     (CqeStatus::Success, VendorSyndrome::None),
                     ready,
                 );
-            } else if o.wqe.flags.contains(WqeFlags::SIGNALED) {
-                let cqe = Self::send_cqe(
-                    qp.qpn,
-                    o.wqe_index,
-                    &o.wqe,
-                    CqeStatus::Success,
-                    VendorSyndrome::None,
-                );
-                self.complete(env, qp.gen, qp.send_cqn, ready, cqe);
+            } else {
+                if o.wqe.flags.contains(WqeFlags::SIGNALED) {
+                    let cqe = Self::send_cqe(
+                        qp.qpn,
+                        o.wqe_index,
+                        &o.wqe,
+                        CqeStatus::Success,
+                        VendorSyndrome::None,
+                    );
+                    self.complete(env, qp.gen, qp.send_cqn, ready, cqe);
+                }
+                let ev = crate::counter::send_event(o.wqe.op);
+                self.qp_count(env, &qp.cntrs, ev, true, ready);
             }
             if o.is_rd_atomic() {
                 qp.req.rd_atomic = qp.req.rd_atomic.saturating_sub(1);
@@ -1140,6 +1122,85 @@ impl Nic {
             self.kick_qp_sq(env, qp, ready);
         }
     }
+}
+
+/// Decodes a send WQE from its control segment, opcode and the segments after the control
+/// segment (`nbb` blocks in all). Shared by the send queue and triggered operations.
+pub(crate) fn decode_send_wqe(
+    ctrl: &CtrlSeg,
+    op: SendOpcode,
+    body: &[u8],
+    nbb: u32,
+    max_msg: u32,
+) -> Result<SendWqe, WqeError> {
+    let bad = |s| Err((CqeStatus::LocQpOpErr, s));
+    let Some(flags) = WqeFlags::from_bits(ctrl.flags) else {
+        return bad(VendorSyndrome::BadSegment);
+    };
+    let mut w = SendWqe {
+        op,
+        flags,
+        imm: ctrl.imm.get(),
+        nbb,
+        raddr: 0,
+        rkey: 0,
+        atomic: (0, 0),
+        sges: Vec::new(),
+        inline: Vec::new(),
+        len: 0,
+    };
+    let mut rest = body;
+    if op.has_raddr() {
+        let Some((r, tail)) = split_seg::<RaddrSeg>(rest) else {
+            return bad(VendorSyndrome::BadSegment);
+        };
+        w.raddr = r.raddr.get();
+        w.rkey = r.rkey.get();
+        rest = tail;
+    }
+    if op.is_atomic() {
+        let Some((a, tail)) = split_seg::<AtomicSeg>(rest) else {
+            return bad(VendorSyndrome::BadSegment);
+        };
+        w.atomic = (a.swap_add.get(), a.compare.get());
+        rest = tail;
+    }
+    if flags.contains(WqeFlags::INLINE) {
+        if matches!(
+            op,
+            SendOpcode::Read | SendOpcode::CmpSwap | SendOpcode::FetchAdd
+        ) || rest.len() < 4
+        {
+            return bad(VendorSyndrome::BadSegment);
+        }
+        let bc = u32::from_le_bytes([rest[0], rest[1], rest[2], rest[3]]);
+        let n = (bc & !INLINE_MARK) as usize;
+        if bc & INLINE_MARK == 0 || n > rest.len() - 4 {
+            return bad(VendorSyndrome::BadSegment);
+        }
+        w.inline = rest[4..4 + n].to_vec();
+        w.len = n as u64;
+    } else {
+        for chunk in rest.chunks_exact(SEG) {
+            let d = DataSeg::read_from_bytes(chunk).unwrap_or_default();
+            w.sges.push(Sge {
+                lkey: d.lkey.get(),
+                addr: d.addr.get(),
+                len: d.byte_count.get(),
+            });
+            w.len += d.byte_count.get() as u64;
+        }
+        if w.len > max_msg as u64 {
+            return Err((CqeStatus::LocLenErr, VendorSyndrome::TooLong));
+        }
+        if op.is_atomic() && (w.sges.len() != 1 || w.len != 8) {
+            return bad(VendorSyndrome::BadSegment);
+        }
+    }
+    if op.is_atomic() {
+        w.len = 8;
+    }
+    Ok(w)
 }
 
 fn split_seg<T: FromBytes>(b: &[u8]) -> Option<(T, &[u8])> {

@@ -5,7 +5,7 @@ use crate::env::{Env, NicEvent};
 use crate::nic::Nic;
 use crate::qp::{Qp, RecvCtx, Reply, Resource, TmRecv, WriteCtx};
 use crate::tm::{self, SlotState, TmCompletion};
-use ringbell_specs::cmd::{Access, QpState};
+use ringbell_specs::cmd::{Access, CntrEvents, QpState};
 use ringbell_specs::cqe::{
     Cqe, CqeOpcode, CqeStatus, EventType, VendorSyndrome, CQE_FLAG_IMM, CQE_FLAG_SOLICITED,
     CQE_FLAG_SRQ, CQE_FLAG_TM_DATA_VALID, CQE_FLAG_TM_MATCH,
@@ -701,6 +701,9 @@ impl Nic {
         });
         if op.is_last() {
             qp.resp.msn = qp.resp.msn.wrapping_add(1);
+            let c = qp.cntrs;
+            self.qp_count(env, &c, CntrEvents::REMOTE_WRITE, true, ready);
+            self.mr_count(env, rkey, CntrEvents::REMOTE_WRITE, ready);
             if let Some((index, srqn, sges)) = recv {
                 let rc = RecvCtx {
                     wqe_index: index,
@@ -778,6 +781,9 @@ impl Nic {
         );
         let not_before = self.after_posted_writes(ready);
         let msn = qp.resp.msn;
+        let c = qp.cntrs;
+        self.qp_count(env, &c, CntrEvents::REMOTE_READ, true, ready);
+        self.mr_count(env, reth.rkey, CntrEvents::REMOTE_READ, ready);
         self.queue_reply(
             env,
             qp,
@@ -851,6 +857,10 @@ impl Nic {
                 psn,
             },
         );
+        // Counted after it ran (same time, scheduled later).
+        let c = qp.cntrs;
+        self.qp_count(env, &c, CntrEvents::REMOTE_WRITE, true, not_before);
+        self.mr_count(env, a.rkey, CntrEvents::REMOTE_WRITE, not_before);
         Ok(())
     }
 

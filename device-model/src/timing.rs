@@ -50,6 +50,10 @@ pub struct TimingProfile {
     pub tm_match_fixed_ps: u64,
     /// Tag matching: cost per list entry compared (2 ns, the in-cache compare cost).
     pub tm_match_per_entry_ps: u64,
+    /// Triggered operations: from the counter update that releases a data transfer to the
+    /// transfer entering the send pipeline (50 ns; no public figure exists, see
+    /// triggered-ops reference §4.5, so it is a calibration parameter).
+    pub trig_dispatch_ps: u64,
 }
 
 impl Default for TimingProfile {
@@ -83,6 +87,7 @@ impl TimingProfile {
             switch_cut_through_ps: 250_000,
             tm_match_fixed_ps: 50_000,
             tm_match_per_entry_ps: 2_000,
+            trig_dispatch_ps: 50_000,
         }
     }
 

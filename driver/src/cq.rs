@@ -48,6 +48,9 @@ pub struct WorkCompletion {
     pub tm_sync_req: bool,
     /// Tag matching: the device's count of unexpected messages when it wrote this.
     pub tm_hw_count: u16,
+    /// The completion of a triggered transfer: its handle (`wr_id` is the one it was
+    /// posted with).
+    pub trigger: Option<crate::TriggerHandle>,
 }
 
 impl Default for WorkCompletion {
@@ -68,6 +71,7 @@ impl Default for WorkCompletion {
             tm_data_valid: false,
             tm_sync_req: false,
             tm_hw_count: 0,
+            trigger: None,
         }
     }
 }
@@ -262,7 +266,11 @@ impl CompletionQueue {
                 | CqeOpcode::TmRecv
                 | CqeOpcode::TmNoTag
         );
-        let wr_id = if c.flags & cqe::CQE_FLAG_SRQ != 0 {
+        let triggered = c.flags & cqe::CQE_FLAG_TRIGGERED != 0;
+        let wr_id = if triggered {
+            // Held by the device, not in the send queue's ring.
+            c.tm_tag.get()
+        } else if c.flags & cqe::CQE_FLAG_SRQ != 0 {
             self.inner()
                 .srqs
                 .borrow()
@@ -294,12 +302,13 @@ impl CompletionQueue {
             solicited: c.flags & cqe::CQE_FLAG_SOLICITED != 0,
             timestamp_ps: c.timestamp.get(),
             vendor_syndrome: c.vendor_syndrome,
-            tag: c.tm_tag.get(),
+            tag: if triggered { 0 } else { c.tm_tag.get() },
             app_ctx: c.tm_app_ctx.get(),
             tm_match: c.flags & cqe::CQE_FLAG_TM_MATCH != 0,
             tm_data_valid: c.flags & cqe::CQE_FLAG_TM_DATA_VALID != 0,
             tm_sync_req: c.flags & cqe::CQE_FLAG_TM_SYNC_REQ != 0,
             tm_hw_count: if tm { c.tm_hw_cnt.get() } else { 0 },
+            trigger: triggered.then(|| crate::TriggerHandle(c.tm_handle.get())),
         })
     }
 }

@@ -52,6 +52,10 @@ pub struct DeviceCaps {
     pub max_tm_ops: u32,
     /// Largest rendezvous request the device matches.
     pub max_rndv_hdr_size: u32,
+    /// Event counters (0: no counters or triggered operations).
+    pub max_cntr: u32,
+    /// Entries of the triggered-operation table.
+    pub max_triggered: u32,
     /// Port MAC address.
     pub mac: [u8; 6],
     /// Port IPv4 address.
@@ -88,6 +92,10 @@ pub(crate) struct DevInner {
     pub(crate) qps: RefCell<BTreeMap<u32, Rc<QpRings>>>,
     /// Receive bookkeeping of every live SRQ.
     pub(crate) srqs: RefCell<BTreeMap<u32, Rc<SrqRings>>>,
+    /// Events read from the EQ while looking for another one, oldest first.
+    pub(crate) events: RefCell<std::collections::VecDeque<AsyncEvent>>,
+    /// Counters whose DESTROY_CNTR was refused (still referenced); retried later.
+    pub(crate) parked_cntrs: RefCell<Vec<u32>>,
 }
 
 impl std::fmt::Debug for DevInner {
@@ -107,6 +115,47 @@ impl DevInner {
             .ok_or_else(|| Error::Memory("device address space exhausted".into()))?;
         self.next_iova.set(next);
         Ok(iova)
+    }
+
+    /// Reads the EQE at the consumer index: `None` when there is none, `Some(None)` for one
+    /// of a kind this driver does not know (consumed and skipped).
+    fn read_eqe(&self) -> Option<Option<AsyncEvent>> {
+        let ci = self.eq_ci.get();
+        let slot = (ci & ((1 << EQ_LOG) - 1)) as usize * EQE_SIZE;
+        if self.eq.load_acquire(slot + EQE_SIZE - 1) != owner_bit(ci, EQ_LOG) {
+            return None;
+        }
+        let mut b = [0u8; EQE_SIZE];
+        self.eq.read(slot, &mut b).ok()?;
+        let e = Eqe::read_from_bytes(&b).ok()?;
+        self.eq_ci.set(ci.wrapping_add(1));
+        self.port.write32(regs::EQ_CI, ci.wrapping_add(1));
+        Some(EventType::from_u8(e.event_type).map(|kind| AsyncEvent {
+            kind,
+            subtype: e.subtype,
+            obj: e.obj.get(),
+            info: e.info.get(),
+            timestamp: e.timestamp.get(),
+        }))
+    }
+
+    /// Takes the oldest event that `want` accepts, reading the EQ as far as needed; the
+    /// events passed over stay for [`Device::poll_event`].
+    pub(crate) fn take_event(&self, want: impl Fn(&AsyncEvent) -> bool) -> Option<AsyncEvent> {
+        {
+            let mut q = self.events.borrow_mut();
+            if let Some(i) = q.iter().position(&want) {
+                return q.remove(i);
+            }
+        }
+        while let Some(e) = self.read_eqe() {
+            match e {
+                Some(e) if want(&e) => return Some(e),
+                Some(e) => self.events.borrow_mut().push_back(e),
+                None => {}
+            }
+        }
+        None
     }
 
     /// Runs a command and returns its output parameters.
@@ -224,6 +273,8 @@ impl Device {
                 max_num_tags: 0,
                 max_tm_ops: 0,
                 max_rndv_hdr_size: 0,
+                max_cntr: 0,
+                max_triggered: 0,
                 mac: [0; 6],
                 ip: [0; 4],
             },
@@ -234,6 +285,8 @@ impl Device {
             eq_ci: Cell::new(0),
             qps: RefCell::new(BTreeMap::new()),
             srqs: RefCell::new(BTreeMap::new()),
+            events: RefCell::new(std::collections::VecDeque::new()),
+            parked_cntrs: RefCell::new(Vec::new()),
         };
         let mb_iova = inner.alloc_iova(inner.mailbox.len())?;
         inner
@@ -272,6 +325,8 @@ impl Device {
             max_num_tags: q.max_num_tags.get(),
             max_tm_ops: q.max_tm_ops.get(),
             max_rndv_hdr_size: q.max_rndv_hdr_size.get(),
+            max_cntr: q.max_cntr.get(),
+            max_triggered: q.max_triggered.get(),
             mac: q.mac,
             ip: q.ipv4,
         };
@@ -327,23 +382,15 @@ impl Device {
 
     /// Reads the next asynchronous event, if one is waiting.
     pub fn poll_event(&self) -> Option<AsyncEvent> {
-        let ci = self.inner.eq_ci.get();
-        let slot = (ci & ((1 << EQ_LOG) - 1)) as usize * EQE_SIZE;
-        if self.inner.eq.load_acquire(slot + EQE_SIZE - 1) != owner_bit(ci, EQ_LOG) {
-            return None;
+        if let Some(e) = self.inner.events.borrow_mut().pop_front() {
+            return Some(e);
         }
-        let mut b = [0u8; EQE_SIZE];
-        self.inner.eq.read(slot, &mut b).ok()?;
-        let e = Eqe::read_from_bytes(&b).ok()?;
-        self.inner.eq_ci.set(ci.wrapping_add(1));
-        self.inner.port.write32(regs::EQ_CI, ci.wrapping_add(1));
-        Some(AsyncEvent {
-            kind: EventType::from_u8(e.event_type)?,
-            subtype: e.subtype,
-            obj: e.obj.get(),
-            info: e.info.get(),
-            timestamp: e.timestamp.get(),
-        })
+        loop {
+            match self.inner.read_eqe()? {
+                Some(e) => return Some(e),
+                None => continue,
+            }
+        }
     }
 
     /// Testing hook: runs a command with any opcode and input bytes (at most 112 are used)
@@ -358,6 +405,11 @@ impl Device {
         self.inner
             .run_command(opcode, input)?
             .map_err(|status| Error::RawCommand { opcode, status })
+    }
+
+    /// Whether `other` is a handle to this same open device.
+    pub(crate) fn same_as(&self, other: &Device) -> bool {
+        Rc::ptr_eq(&self.inner, &other.inner)
     }
 
     /// The port (for tools that poke registers directly).

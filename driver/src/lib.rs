@@ -18,6 +18,7 @@
 //! # let _ = (mr, qp); Ok(()) }
 //! ```
 
+mod counter;
 mod cq;
 mod device;
 mod dma;
@@ -29,6 +30,7 @@ mod srq;
 pub mod tagmatch;
 pub mod tm;
 
+pub use counter::{Counter, CounterInfo, CounterWait, TriggerHandle, TriggerOpts};
 pub use cq::{CompletionQueue, CqAttr, WcOpcode, WcStatus, WorkCompletion};
 pub use device::{AsyncEvent, Device, DeviceCaps, DmaBuffer};
 pub use dma::DmaMemory;
@@ -38,6 +40,6 @@ pub use port::{Port, PortError};
 pub use qp::{
     ConnectOptions, Endpoint, QpInit, QueuePair, RecvWr, RemoteAddr, SendFlags, SendWr, WrOp,
 };
-pub use ringbell_specs::cmd::{Access, QpState};
+pub use ringbell_specs::cmd::{Access, CntrEvents, QpState};
 pub use ringbell_specs::stats::{PortStats, QpStats};
 pub use srq::SharedReceiveQueue;

@@ -97,6 +97,7 @@ impl ProtectionDomain {
             .map(|(o, _)| o)
             .unwrap_or_default();
         Ok(MemoryRegion {
+            cntrs: Default::default(),
             dev: self.dev.clone(),
             _pd: self.obj.clone(),
             lkey: o.lkey.get(),
@@ -110,6 +111,8 @@ impl ProtectionDomain {
 /// A registered memory region.
 #[derive(Debug)]
 pub struct MemoryRegion {
+    /// Counters bound to the MR live at least as long as it (dropped after DEREG_MR).
+    cntrs: std::cell::RefCell<Vec<Rc<crate::counter::CntrObject>>>,
     dev: Device,
     _pd: Rc<PdObject>,
     lkey: u32,
@@ -138,6 +141,12 @@ impl MemoryRegion {
     /// Whether the region is empty (never).
     pub fn is_empty(&self) -> bool {
         self.len == 0
+    }
+    pub(crate) fn belongs_to(&self, dev: &Device) -> bool {
+        self.dev.same_as(dev)
+    }
+    pub(crate) fn keep(&self, c: Rc<crate::counter::CntrObject>) {
+        self.cntrs.borrow_mut().push(c);
     }
     /// A scatter/gather entry for `len` bytes at `offset` into the region.
     pub fn sge(&self, offset: u64, len: u32) -> Sge {

@@ -275,6 +275,8 @@ pub struct QueuePair {
     max_recv_sge: u32,
     max_inline: u32,
     state: QpState,
+    /// Counters bound to the QP live at least as long as it (dropped after DESTROY_QP).
+    cntrs: std::cell::RefCell<Vec<Rc<crate::counter::CntrObject>>>,
     /// The objects the device QP refers to stay alive at least as long as it.
     _uses: (
         Rc<PdObject>,
@@ -385,6 +387,7 @@ impl ProtectionDomain {
             max_recv_sge: init.max_recv_sge,
             max_inline: init.max_inline,
             state: QpState::Reset,
+            cntrs: Default::default(),
             _uses: (
                 self.obj.clone(),
                 init.send_cq.keepalive(),
@@ -396,6 +399,32 @@ impl ProtectionDomain {
 }
 
 impl QueuePair {
+    pub(crate) fn device(&self) -> &Device {
+        &self.dev
+    }
+    pub(crate) fn belongs_to(&self, dev: &Device) -> bool {
+        self.dev.same_as(dev)
+    }
+    pub(crate) fn keep(&self, c: Rc<crate::counter::CntrObject>) {
+        self.cntrs.borrow_mut().push(c);
+    }
+
+    /// Encodes `wr` as the one-block WQE of a triggered operation (control segment with
+    /// index 0 first).
+    pub(crate) fn encode_triggered(&self, wr: &SendWr<'_>) -> Result<[u8; WQEBB], Error> {
+        let mut buf = [0u8; wqe::MAX_SEND_WQE];
+        let (ctrl, ds) = self.encode_send_wqe(wr, &mut buf)?;
+        if ds * SEG > WQEBB {
+            return Err(Error::InvalidArgument(
+                "a triggered work request must fit one 64-byte WQE block",
+            ));
+        }
+        buf[..SEG].copy_from_slice(ctrl.as_bytes());
+        let mut out = [0u8; WQEBB];
+        out.copy_from_slice(&buf[..WQEBB]);
+        Ok(out)
+    }
+
     /// The QP number.
     pub fn qpn(&self) -> u32 {
         self.qpn
@@ -612,6 +641,39 @@ impl QueuePair {
 
     fn write_send_wqe(&mut self, wr: &SendWr<'_>) -> Result<(), Error> {
         let mut buf = [0u8; wqe::MAX_SEND_WQE];
+        let (mut ctrl, ds) = self.encode_send_wqe(wr, &mut buf)?;
+        let nbb = wqe::wqebbs(ds) as u32;
+        let free = self.sq_free();
+        if nbb > free {
+            return Err(Error::QueueFull {
+                queue: "send queue",
+                needed: nbb,
+                free,
+            });
+        }
+        ctrl.wqe_index = (self.sq_pi as u16).into();
+        buf[..SEG].copy_from_slice(ctrl.as_bytes());
+        let mask = (1u32 << self.sq_log) - 1;
+        for b in 0..nbb {
+            let slot = (self.sq_pi.wrapping_add(b) & mask) as usize * WQEBB;
+            self.sq
+                .write(slot, &buf[b as usize * WQEBB..(b as usize + 1) * WQEBB])?;
+        }
+        let slot = (self.sq_pi & mask) as usize;
+        self.rings.sq_wrid[slot].set(wr.wr_id);
+        self.rings.sq_nbb[slot].set(nbb as u8);
+        self.sq_pi = self.sq_pi.wrapping_add(nbb);
+        self.rings.sq_pi.set(self.sq_pi);
+        Ok(())
+    }
+
+    /// Encodes the segments of `wr` after the control segment into `buf` and returns the
+    /// control segment (index 0) and the WQE's size in 16-byte segments.
+    fn encode_send_wqe(
+        &self,
+        wr: &SendWr<'_>,
+        buf: &mut [u8; wqe::MAX_SEND_WQE],
+    ) -> Result<(CtrlSeg, usize), Error> {
         let (opcode, raddr, atomic, imm) = match wr.op {
             WrOp::Send => (SendOpcode::Send, None, None, 0),
             WrOp::SendImm(i) => (SendOpcode::SendImm, None, None, i),
@@ -693,36 +755,14 @@ impl QueuePair {
             }
         }
         let ds = off / SEG;
-        let nbb = wqe::wqebbs(ds) as u32;
-        let free = self.sq_free();
-        if nbb > free {
-            return Err(Error::QueueFull {
-                queue: "send queue",
-                needed: nbb,
-                free,
-            });
-        }
         let ctrl = CtrlSeg {
             opcode: opcode as u8,
             flags: flags.bits(),
-            wqe_index: (self.sq_pi as u16).into(),
             ds_count: ds as u8,
             imm: imm.into(),
             ..Default::default()
         };
-        buf[..SEG].copy_from_slice(ctrl.as_bytes());
-        let mask = (1u32 << self.sq_log) - 1;
-        for b in 0..nbb {
-            let slot = (self.sq_pi.wrapping_add(b) & mask) as usize * WQEBB;
-            self.sq
-                .write(slot, &buf[b as usize * WQEBB..(b as usize + 1) * WQEBB])?;
-        }
-        let slot = (self.sq_pi & mask) as usize;
-        self.rings.sq_wrid[slot].set(wr.wr_id);
-        self.rings.sq_nbb[slot].set(nbb as u8);
-        self.sq_pi = self.sq_pi.wrapping_add(nbb);
-        self.rings.sq_pi.set(self.sq_pi);
-        Ok(())
+        Ok((ctrl, ds))
     }
 
     /// Posts receive requests (not for QPs on an SRQ).

@@ -80,6 +80,25 @@ pub enum CmdOpcode {
     DestroySrq = 0x52,
     /// Create a tag-matching SRQ. ABI 1.2.
     CreateTmSrq = 0x53,
+    /// Create an event counter. ABI 1.3.
+    CreateCntr = 0x60,
+    /// Destroy an event counter. ABI 1.3.
+    DestroyCntr = 0x61,
+    /// Add to or assign a counter's values. ABI 1.3.
+    UpdateCntr = 0x62,
+    /// Read a counter. ABI 1.3.
+    QueryCntr = 0x63,
+    /// Bind a counter to (or unbind it from) a QP's or an MR's events. ABI 1.3.
+    BindCntr = 0x64,
+    /// Arm a counter's wait: a COUNTER event when a threshold is reached. ABI 1.3.
+    ArmCntr = 0x65,
+    /// Post a triggered operation. ABI 1.3.
+    PostTriggered = 0x66,
+    /// Cancel one pending triggered operation. ABI 1.3.
+    CancelTriggered = 0x67,
+    /// Cancel every pending triggered operation of a PD, or those waiting on one counter.
+    /// ABI 1.3.
+    FlushTriggered = 0x68,
 }
 
 impl CmdOpcode {
@@ -105,6 +124,15 @@ impl CmdOpcode {
             0x51 => ArmSrq,
             0x52 => DestroySrq,
             0x53 => CreateTmSrq,
+            0x60 => CreateCntr,
+            0x61 => DestroyCntr,
+            0x62 => UpdateCntr,
+            0x63 => QueryCntr,
+            0x64 => BindCntr,
+            0x65 => ArmCntr,
+            0x66 => PostTriggered,
+            0x67 => CancelTriggered,
+            0x68 => FlushTriggered,
             _ => return None,
         })
     }
@@ -170,12 +198,13 @@ abi_struct!(
 
 abi_struct!(
     /// QUERY_DEVICE output.
-    QueryDeviceOut, 84, {
+    QueryDeviceOut, 92, {
         abi_version: U32, device_id: U32, caps: U32, max_qp: U32,
         max_cq: U32, max_srq: U32, max_mr: U32, max_pd: U32,
         max_qp_wr: U32, max_cqe: U32, max_sge: U32, max_inline: U32,
         max_msg_size: U32, max_rd_atomic: U32, mac: [u8; 6], mtu_caps: U16, ipv4: [u8; 4],
         max_num_tags: U32, max_tm_ops: U32, max_rndv_hdr_size: U32, tm_max_sge: U32,
+        max_cntr: U32, max_triggered: U32,
     }
 );
 abi_struct!(
@@ -255,6 +284,147 @@ abi_struct!(
 abi_struct!(
     /// ARM_SRQ input: raise SRQ_LIMIT once fewer than `limit` WQEs remain (0 disarms).
     ArmSrqIn, 8, { srqn: U32, limit: U32 }
+);
+
+abi_struct!(
+    /// CREATE_CNTR input (ABI 1.3). `wb_iova`, when not 0, is where the device writes the
+    /// counter's [`CntrWriteback`] after every change (16-byte aligned).
+    CreateCntrIn, 16, { pdn: U32, flags: U32, wb_iova: U64 }
+);
+abi_struct!(
+    /// The 16 bytes a counter writes back to host memory: success, then error.
+    CntrWriteback, 16, { success: U64, error: U64 }
+);
+abi_struct!(
+    /// UPDATE_CNTR input: each value is added, or assigned when its bit in `flags` is set
+    /// ([`CNTR_ASSIGN_SUCCESS`], [`CNTR_ASSIGN_ERROR`]).
+    UpdateCntrIn, 24, { cntr: U32, flags: U32, success: U64, error: U64 }
+);
+/// UPDATE_CNTR flag: assign `success` instead of adding it.
+pub const CNTR_ASSIGN_SUCCESS: u32 = 1;
+/// UPDATE_CNTR flag: assign `error` instead of adding it.
+pub const CNTR_ASSIGN_ERROR: u32 = 2;
+abi_struct!(
+    /// QUERY_CNTR output: the values, the owning PD, how many triggered operations wait on
+    /// the counter, and how many bindings and operations refer to it.
+    QueryCntrOut, 32, {
+        success: U64, error: U64, pdn: U32, pending: U32, refs: U32, rsvd0: U32,
+    }
+);
+abi_struct!(
+    /// BIND_CNTR input: count `events` ([`CntrEvents`]) of the QP (`kind` 1, `obj` the QPN)
+    /// or MR (`kind` 2, `obj` the lkey) on `cntr`; with [`CNTR_BIND_UNBIND`] in `flags` the
+    /// listed events stop being counted on it.
+    BindCntrIn, 16, { cntr: U32, kind: u8, flags: u8, rsvd0: U16, obj: U32, events: U32 }
+);
+/// BIND_CNTR `kind`: `obj` is a QPN.
+pub const CNTR_BIND_QP: u8 = 1;
+/// BIND_CNTR `kind`: `obj` is an MR's lkey.
+pub const CNTR_BIND_MR: u8 = 2;
+/// BIND_CNTR flag: unbind instead of bind.
+pub const CNTR_BIND_UNBIND: u8 = 1;
+
+bitflags! {
+    /// Events a counter can count (BIND_CNTR `events`). An MR only has the remote ones.
+    #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+    pub struct CntrEvents: u32 {
+        /// Posted SEND / SEND with immediate completed (success or error).
+        const SEND = 1 << 0;
+        /// A message (SEND, WRITE with immediate, tagged) was received on the QP.
+        const RECV = 1 << 1;
+        /// Posted READ, compare-and-swap or fetch-and-add completed.
+        const READ = 1 << 2;
+        /// Posted WRITE / WRITE with immediate completed.
+        const WRITE = 1 << 3;
+        /// A peer's READ was accepted at this QP / MR.
+        const REMOTE_READ = 1 << 4;
+        /// A peer's WRITE landed, or its atomic executed, at this QP / MR.
+        const REMOTE_WRITE = 1 << 5;
+    }
+}
+
+abi_struct!(
+    /// ARM_CNTR input: raise one COUNTER event when success reaches `threshold`, or when the
+    /// error value changes from what it is now. Arming again replaces the earlier wait.
+    ArmCntrIn, 16, { cntr: U32, rsvd0: U32, threshold: U64 }
+);
+
+abi_struct!(
+    /// POST_TRIGGERED input: a triggered operation held by the device until `trig_cntr`
+    /// reaches `threshold` (success + error, or success alone with
+    /// [`TrigFlags::SUCCESS_ONLY`]). `kind` is a [`TrigKind`]. For [`TrigKind::Wqe`],
+    /// `target` is the QPN, `body` one 64-byte send WQE (control segment first; its
+    /// `wqe_index` and SIGNALED flag are ignored), `comp_cntr` (0: none) counts its
+    /// completion and `wr_id` is reported in its CQE. For the counter kinds, `target` is the
+    /// counter changed and `body` holds [`CntrWriteback`]-shaped values; `comp_cntr` must be 0.
+    PostTriggeredIn, 112, {
+        trig_cntr: U32, comp_cntr: U32, threshold: U64,
+        kind: u8, flags: u8, rsvd0: U16, target: U32, wr_id: U64,
+        operand_addr: U64, operand_lkey: U32, rsvd1: U32,
+        body: [U64; 8],
+    }
+);
+
+impl PostTriggeredIn {
+    /// The 64 bytes of `body`.
+    pub fn body_bytes(&self) -> &[u8] {
+        self.body.as_bytes()
+    }
+    /// Copies up to 64 bytes into `body` (the rest is zeroed).
+    pub fn set_body(&mut self, bytes: &[u8]) {
+        let mut b = [0u8; 64];
+        let n = bytes.len().min(64);
+        b[..n].copy_from_slice(&bytes[..n]);
+        self.body = <[U64; 8]>::read_from_bytes(&b).unwrap_or_default();
+    }
+}
+
+/// What a triggered operation does.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
+pub enum TrigKind {
+    /// Post the send WQE in `body` on QP `target`.
+    Wqe = 0,
+    /// Add the values in `body` to counter `target`.
+    CntrAdd = 1,
+    /// Assign the values in `body` to counter `target`.
+    CntrSet = 2,
+}
+
+impl TrigKind {
+    /// Decodes a kind byte.
+    pub fn from_u8(v: u8) -> Option<TrigKind> {
+        Some(match v {
+            0 => TrigKind::Wqe,
+            1 => TrigKind::CntrAdd,
+            2 => TrigKind::CntrSet,
+            _ => return None,
+        })
+    }
+}
+
+bitflags! {
+    /// POST_TRIGGERED `flags`.
+    #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+    pub struct TrigFlags: u8 {
+        /// Write a CQE when the operation completes successfully (errors always write one).
+        const COMPLETION = 1 << 0;
+        /// Compare the threshold with the success value only (default: success + error).
+        const SUCCESS_ONLY = 1 << 1;
+        /// Atomics: read the 8-byte add (fetch-and-add) or swap (compare-and-swap) operand
+        /// from `operand_addr` through `operand_lkey` when the operation fires.
+        const OPERAND_FROM_MEM = 1 << 2;
+    }
+}
+
+abi_struct!(
+    /// FLUSH_TRIGGERED input: cancel the pending operations of PD `pdn` (`cntr` 0) or those
+    /// waiting on counter `cntr`.
+    FlushTriggeredIn, 8, { pdn: U32, cntr: U32 }
+);
+abi_struct!(
+    /// FLUSH_TRIGGERED output: how many operations were cancelled.
+    FlushTriggeredOut, 4, { flushed: U32 }
 );
 
 /// QP states.

@@ -41,6 +41,11 @@ pub const CQE_FLAG_TM_MATCH: u8 = 1 << 4;
 /// CQE flag (TM-SRQ): the tagged buffer holds the message's data.
 pub const CQE_FLAG_TM_DATA_VALID: u8 = 1 << 5;
 
+/// CQE flag: the completion of a triggered operation (ABI 1.3). `tm_tag` holds the `wr_id`
+/// it was posted with and `tm_handle` its handle; `wqe_counter` means nothing (the send
+/// queue's ring is not involved).
+pub const CQE_FLAG_TRIGGERED: u8 = 1 << 6;
+
 /// CQE flag: `imm` holds immediate data.
 pub const CQE_FLAG_IMM: u8 = 1 << 0;
 /// CQE flag: the message had the solicited-event bit.
@@ -234,6 +239,19 @@ pub enum EventType {
     DoorbellError = 0x08,
     /// A QP in SQD has drained its send queue; `obj` is the QPN.
     SqDrained = 0x09,
+    /// An armed counter wait ended (ABI 1.3); `obj` is the counter, `subtype` a
+    /// [`CntrWaitEnd`], `info` the success value then.
+    Counter = 0x0A,
+}
+
+/// Why a counter wait ended (`subtype` of a [`EventType::Counter`] EQE).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
+pub enum CntrWaitEnd {
+    /// The success value reached the threshold.
+    Reached = 0,
+    /// The error value changed.
+    ErrorChanged = 1,
 }
 
 impl EventType {
@@ -251,6 +269,7 @@ impl EventType {
             0x07 => CmdDone,
             0x08 => DoorbellError,
             0x09 => SqDrained,
+            0x0A => Counter,
             _ => return None,
         })
     }

@@ -76,6 +76,8 @@ registers! {
     TS_TICK_PS = 0x03C, Ro, 1, "Picoseconds per CQE/EQE timestamp tick.";
     MAX_MSG_SIZE = 0x040, Ro, 0, "Largest message in bytes.";
     MAX_RD_ATOMIC = 0x044, Ro, 0, "Largest max_rd_atomic / max_dest_rd_atomic per QP.";
+    MAX_CNTR = 0x048, Ro, 0, "Number of event counters; counter numbers are 1..MAX_CNTR (ABI 1.3).";
+    MAX_TRIGGERED = 0x04C, Ro, 0, "Entries of the triggered-operation table (ABI 1.3).";
     CMD_ADDR_LO = 0x080, Rw, 0, "Command mailbox IOVA, bits 31:0 (256-byte aligned).";
     CMD_ADDR_HI = 0x084, Rw, 0, "Command mailbox IOVA, bits 63:32.";
     CMD_DOORBELL = 0x088, Wo, 0, "Write a token to execute the command in the mailbox.";
@@ -136,6 +138,29 @@ pub const DB_MAX_SRQ: u64 = (CQ_DB_BASE - SRQ_DB_BASE) / DB_STRIDE;
 /// Most CQs the doorbell area can address.
 pub const DB_MAX_CQ: u64 = (DB_END - CQ_DB_BASE) / DB_STRIDE;
 
+/// Start of the counter area (ABI 1.3): `CNTR_BASE + cntr * CNTR_STRIDE` is counter `cntr`'s
+/// window of eight 32-bit registers (offsets `CNTR_*` below).
+pub const CNTR_BASE: u64 = DB_END;
+/// Bytes of register window per counter.
+pub const CNTR_STRIDE: u64 = 32;
+/// End of the counter area (exclusive).
+pub const CNTR_END: u64 = BAR0_SIZE;
+/// Most counters the counter area can address.
+pub const CNTR_MAX: u64 = (CNTR_END - CNTR_BASE) / CNTR_STRIDE;
+/// Counter window, write only: add the value to the success count.
+pub const CNTR_ADD_SUCCESS: u64 = 0x00;
+/// Counter window, write only: add the value to the error count.
+pub const CNTR_ADD_ERROR: u64 = 0x04;
+/// Counter window, read only: success bits 31:0; the read latches the other three.
+pub const CNTR_SUCCESS_LO: u64 = 0x08;
+/// Counter window, read only: success bits 63:32 as latched.
+pub const CNTR_SUCCESS_HI: u64 = 0x0C;
+/// Counter window, read only: error bits 31:0 as latched.
+pub const CNTR_ERROR_LO: u64 = 0x10;
+/// Counter window, read only: error bits 63:32 as latched.
+pub const CNTR_ERROR_HI: u64 = 0x14;
+const _: () = assert!(CNTR_BASE.is_multiple_of(4096) && CNTR_END <= BAR0_SIZE);
+
 /// Bits of `CMD_STATUS`.
 pub const CMD_STATUS_BUSY: u32 = 1 << 31;
 /// Bits of `DEV_STATUS`.
@@ -163,6 +188,8 @@ bitflags! {
         const COUNTERS = 1 << 5;
         /// Tag-matching SRQs with rendezvous offload on RC (ABI 1.2).
         const TM_RC = 1 << 6;
+        /// Event counters and triggered operations (ABI 1.3).
+        const TRIGGERED = 1 << 7;
     }
 }
 
