@@ -610,7 +610,14 @@ impl Nic {
                     signaled,
                     wr_id,
                 };
-                let ready = env.now() + SimTime(self.cfg.timing.trig_dispatch_ps);
+                let t = &self.cfg.timing;
+                // An operand read from host memory costs a DMA read first.
+                let fetch = if operand.is_some() {
+                    t.dma_read_rtt_ps
+                } else {
+                    0
+                };
+                let ready = env.now() + SimTime(t.trig_dispatch_ps + fetch);
                 let Some(mut qp) = self.qps.remove(qpn) else {
                     // The QP went away (a reset): nothing to report on, but the count moves.
                     self.trig_count(env, comp, comp_gen, false, ready);

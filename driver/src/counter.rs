@@ -349,6 +349,15 @@ impl Counter {
             }
             .as_bytes(),
         )?;
+        // The device takes its error snapshot when it executes ARM_CNTR, a command time after
+        // `err0` was read: a change in between raises no event, so look for one here.
+        let (success, error) = self.read();
+        if success >= threshold {
+            return Ok(CounterWait::Reached(success));
+        }
+        if error != err0 {
+            return Ok(CounterWait::ErrorChanged { success, error });
+        }
         loop {
             while let Some(e) = dev
                 .inner
@@ -492,5 +501,24 @@ impl QueuePair {
         };
         t.set_body(&body);
         trigger.post(&t)
+    }
+}
+
+impl Counter {
+    /// Arms the device's wait without waiting: one COUNTER event (see
+    /// [`Device::poll_event`]) when the success value reaches `threshold` or the error value
+    /// changes. Arming again replaces the earlier wait.
+    pub fn arm(&self, threshold: u64) -> Result<(), Error> {
+        self.inner()
+            .command(
+                CmdOpcode::ArmCntr,
+                ArmCntrIn {
+                    cntr: self.num().into(),
+                    threshold: threshold.into(),
+                    ..Default::default()
+                }
+                .as_bytes(),
+            )
+            .map(|_| ())
     }
 }

@@ -18,6 +18,7 @@
 //! # let _ = (mr, qp); Ok(()) }
 //! ```
 
+pub mod collective;
 mod counter;
 mod cq;
 mod device;

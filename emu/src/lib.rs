@@ -7,6 +7,7 @@
 //! that runs the simulation in lockstep with its caller. [`perf`] holds the perftest-style
 //! runs the CLI prints, [`tmbench`] the tag-matching ones.
 
+pub mod coll;
 mod fabric;
 pub mod faults;
 mod iommu;

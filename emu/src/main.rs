@@ -40,8 +40,51 @@ enum BenchOp {
     Tag,
 }
 
+#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum CollKind {
+    /// Barrier, binomial tree from rank 0.
+    Barrier,
+    /// Broadcast of --bytes from --root along the binomial tree.
+    Bcast,
+    /// Allreduce (sum) of --elems u64 values: NIC atomics up the tree, WRITEs down.
+    Allreduce,
+    /// All three.
+    All,
+}
+
 #[derive(Subcommand)]
 enum Cmd {
+    /// Offloaded collectives built only from triggered operations on N emulated NICs:
+    /// simulated latency per N, each result checked.
+    Coll {
+        /// Which collective.
+        #[arg(long, value_enum, default_value_t = CollKind::All)]
+        op: CollKind,
+        /// Rank counts (comma separated, each 2..=1024).
+        #[arg(long, value_delimiter = ',', default_values_t = vec![2, 4, 8, 16, 32, 64])]
+        nodes: Vec<usize>,
+        /// Broadcast root (taken modulo N).
+        #[arg(long, default_value_t = 0)]
+        root: usize,
+        /// Broadcast payload bytes.
+        #[arg(long, default_value_t = 4096)]
+        bytes: u32,
+        /// Allreduce elements (u64).
+        #[arg(long, default_value_t = 4)]
+        elems: usize,
+        /// Collectives run one after the other on the same set-up (counters reused).
+        #[arg(long, default_value_t = 3)]
+        iters: u32,
+        /// Root seed.
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
+        /// Probability that a frame is lost on a link (0..1).
+        #[arg(long, default_value_t = 0.0)]
+        loss: f64,
+        /// Local ACK timeout exponent (4.096 µs × 2^n).
+        #[arg(long, default_value_t = 14)]
+        timeout: u8,
+    },
     /// A bandwidth run on two nodes, optionally over a lossy fabric: goodput, retransmissions
     /// and every transport counter.
     Bench {
@@ -100,6 +143,27 @@ enum Cmd {
 fn main() {
     let cli = Cli::parse();
     let r = match cli.cmd {
+        Cmd::Coll {
+            op,
+            nodes,
+            root,
+            bytes,
+            elems,
+            iters,
+            seed,
+            loss,
+            timeout,
+        } => coll(CollArgs {
+            op,
+            nodes,
+            root,
+            bytes,
+            elems,
+            iters,
+            seed,
+            loss,
+            timeout,
+        }),
         Cmd::Demo {
             seed,
             iters,
@@ -143,6 +207,88 @@ fn main() {
     if let Err(e) = r {
         eprintln!("ringbell-emu: {e}");
         std::process::exit(1);
+    }
+}
+
+struct CollArgs {
+    op: CollKind,
+    nodes: Vec<usize>,
+    root: usize,
+    bytes: u32,
+    elems: usize,
+    iters: u32,
+    seed: u64,
+    loss: f64,
+    timeout: u8,
+}
+
+fn coll(a: CollArgs) -> Result<(), String> {
+    use ringbell_emu::coll::{run_checked, CollGroup, CollOp};
+    println!("seed {}", a.seed);
+    println!(
+        "offloaded collectives: triggered operations only between start and completion; loss {} per link; {} runs each",
+        pct(ppm(a.loss)),
+        a.iters.max(1)
+    );
+    println!(
+        "{:<10} {:>5} {:>5} {:>14} {:>10} {:>10} {:>9}",
+        "op", "N", "root", "latency (us)", "ops/rank", "ops total", "wall (s)"
+    );
+    let kinds: &[CollKind] = match a.op {
+        CollKind::All => &[CollKind::Barrier, CollKind::Bcast, CollKind::Allreduce],
+        k => std::slice::from_ref(match k {
+            CollKind::Barrier => &CollKind::Barrier,
+            CollKind::Bcast => &CollKind::Bcast,
+            _ => &CollKind::Allreduce,
+        }),
+    };
+    for &kind in kinds {
+        for &n in &a.nodes {
+            if !(2..=1024).contains(&n) {
+                return Err(format!("--nodes {n}: must be 2..=1024"));
+            }
+            let (op, name) = match kind {
+                CollKind::Barrier => (CollOp::Barrier, "barrier"),
+                CollKind::Bcast => (
+                    CollOp::Broadcast {
+                        root: a.root % n,
+                        bytes: a.bytes,
+                    },
+                    "bcast",
+                ),
+                _ => (CollOp::Allreduce { elems: a.elems }, "allreduce"),
+            };
+            let mut cfg = FabricConfig::new(n, a.seed);
+            cfg.faults.links = LinkFaults::loss(a.loss);
+            let opts = ConnectOptions {
+                timeout: a.timeout,
+                ..Default::default()
+            };
+            let capacity = (a.bytes as usize).max(a.elems * 8).next_multiple_of(8);
+            let wall = Instant::now();
+            let group = CollGroup::new(cfg, op_root(op), capacity, &opts)?;
+            let runs = run_checked(&group, op, a.iters.max(1))
+                .map_err(|e| format!("{name} on {n} ranks: {e}"))?;
+            let avg = runs.iter().map(|o| o.latency_ps).sum::<u64>() / runs.len() as u64;
+            println!(
+                "{:<10} {:>5} {:>5} {:>14.3} {:>10} {:>10} {:>9.2}",
+                name,
+                n,
+                op_root(op),
+                avg as f64 / 1e6,
+                runs[0].max_ops,
+                runs[0].total_ops,
+                wall.elapsed().as_secs_f64()
+            );
+        }
+    }
+    Ok(())
+}
+
+fn op_root(op: ringbell_emu::coll::CollOp) -> usize {
+    match op {
+        ringbell_emu::coll::CollOp::Broadcast { root, .. } => root,
+        _ => 0,
     }
 }
 

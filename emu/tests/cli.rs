@@ -175,3 +175,43 @@ fn bench_reads_a_scenario_file() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("not a probability"));
 }
+
+#[test]
+fn coll_prints_a_latency_per_collective_and_rank_count_growing_with_the_tree() {
+    let out = Command::new(env!("CARGO_BIN_EXE_ringbell-emu"))
+        .args(["coll", "--nodes", "2,16,64", "--iters", "1", "--root", "5"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8(out.stdout).unwrap();
+    assert_eq!(text.lines().next(), Some("seed 1"));
+    for op in ["barrier", "bcast", "allreduce"] {
+        let lat: Vec<f64> = text
+            .lines()
+            .filter(|l| l.starts_with(op))
+            .map(|l| l.split_whitespace().nth(3).unwrap().parse().unwrap())
+            .collect();
+        assert_eq!(lat.len(), 3, "{text}");
+        // A binomial tree: deeper with more ranks, and never free.
+        assert!(
+            lat[0] > 1.0 && lat[0] < lat[1] && lat[1] < lat[2],
+            "{op}: {lat:?}"
+        );
+    }
+    // The root is taken modulo N: rank 5 of 16 and 64, rank 1 of 2.
+    assert!(
+        text.lines()
+            .any(|l| l.starts_with("bcast") && l.contains(" 2     1 ")),
+        "{text}"
+    );
+    let bad = Command::new(env!("CARGO_BIN_EXE_ringbell-emu"))
+        .args(["coll", "--nodes", "1"])
+        .output()
+        .unwrap();
+    assert!(!bad.status.success());
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("2..=1024"));
+}
