@@ -1,11 +1,15 @@
 //! Wall-clock cost of the host-side paths, measured with criterion (`cargo bench -p
 //! ringbell-emu`): an 8-byte RDMA WRITE through the driver and the emulator from post to
-//! completion, and the software tag matcher's cost per message against list depth.
+//! completion, the software tag matcher's cost per message against list depth, a triggered
+//! WRITE from the counter add that fires it to its completion count, and a whole offloaded
+//! allreduce on 64 emulated NICs.
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
 use ringbell::tagmatch::{TagConfig, TagMatcher};
 use ringbell::*;
+use ringbell_emu::coll::{CollGroup, CollOp};
 use ringbell_emu::{Fabric, FabricConfig};
+use std::time::{Duration, Instant};
 
 /// One 8-byte WRITE, posted, run through both emulated NICs, and its completion polled.
 fn write_round_trip(c: &mut Criterion) {
@@ -89,5 +93,79 @@ fn software_matching(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, write_round_trip, software_matching);
+/// A triggered 8-byte WRITE, armed beforehand (not timed): from the host's counter add that
+/// releases it to its completion counter's writeback showing it done.
+fn triggered_fire(c: &mut Criterion) {
+    let fabric = Fabric::new(FabricConfig::new(2, 1));
+    let (a, b) = (
+        Device::open(Box::new(fabric.port(0))).unwrap(),
+        Device::open(Box::new(fabric.port(1))).unwrap(),
+    );
+    let (pa, pb) = (a.alloc_pd().unwrap(), b.alloc_pd().unwrap());
+    let (ba, bb) = (a.alloc_dma(4096).unwrap(), b.alloc_dma(4096).unwrap());
+    let ma = pa.reg_mr(&ba, Access::LOCAL_WRITE).unwrap();
+    let mb = pb
+        .reg_mr(&bb, Access::LOCAL_WRITE | Access::REMOTE_WRITE)
+        .unwrap();
+    let (ca, cb) = (a.create_cq(64).unwrap(), b.create_cq(64).unwrap());
+    let mut qa = pa.create_qp(&QpInit::new(&ca, &ca)).unwrap();
+    let mut qb = pb.create_qp(&QpInit::new(&cb, &cb)).unwrap();
+    let o = ConnectOptions::default();
+    let (ea, eb) = (qa.endpoint(1), qb.endpoint(2));
+    qa.connect(&eb, 1, &o).unwrap();
+    qb.connect(&ea, 2, &o).unwrap();
+    let remote = RemoteAddr {
+        addr: mb.addr(),
+        rkey: mb.rkey(),
+    };
+    let sge = [ma.sge(0, 8)];
+    let wr = SendWr::new(1, WrOp::Write(remote), &sge);
+    let (go, sent) = (pa.create_counter().unwrap(), pa.create_counter().unwrap());
+    let mut base = 0u64;
+    c.bench_function("triggered_write_add_to_completion", |bch| {
+        bch.iter_custom(|iters| {
+            let mut total = Duration::ZERO;
+            let mut left = iters;
+            while left > 0 {
+                let n = left.min(1000);
+                for i in 1..=n {
+                    let opts = TriggerOpts {
+                        completion: Some(&sent),
+                        ..Default::default()
+                    };
+                    qa.post_triggered(&go, base + i, &wr, opts).unwrap();
+                }
+                let start = Instant::now();
+                for i in 1..=n {
+                    go.add(1);
+                    while sent.get().0 < base + i {
+                        fabric.step();
+                    }
+                }
+                total += start.elapsed();
+                base += n;
+                left -= n;
+            }
+            total
+        })
+    });
+}
+
+/// One allreduce of four u64 sums on 64 emulated NICs: arming on every rank (64 × 9
+/// POST_TRIGGERED commands at most), the starts, and the NICs running it to completion.
+fn allreduce_64(c: &mut Criterion) {
+    let group =
+        CollGroup::new(FabricConfig::new(64, 1), 0, 64, &ConnectOptions::default()).unwrap();
+    c.bench_function("allreduce_4xu64_64_nics", |bch| {
+        bch.iter(|| group.run(CollOp::Allreduce { elems: 4 }).unwrap())
+    });
+}
+
+criterion_group!(
+    benches,
+    write_round_trip,
+    software_matching,
+    triggered_fire,
+    allreduce_64
+);
 criterion_main!(benches);

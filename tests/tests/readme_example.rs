@@ -100,3 +100,57 @@ fn readme_tag_matching_rendezvous() -> Result<(), ringbell::Error> {
     assert!(data.iter().all(|&x| x == 7));
     Ok(())
 }
+
+#[test]
+fn readme_triggered_write() -> Result<(), ringbell::Error> {
+    use ringbell::*;
+    use ringbell_emu::{Fabric, FabricConfig};
+
+    let fabric = Fabric::new(FabricConfig::new(2, 7));
+    let (a, b) = (
+        Device::open(Box::new(fabric.port(0)))?,
+        Device::open(Box::new(fabric.port(1)))?,
+    );
+    let (pd_a, pd_b) = (a.alloc_pd()?, b.alloc_pd()?);
+    let (buf_a, buf_b) = (a.alloc_dma(4096)?, b.alloc_dma(4096)?);
+    let mr_a = pd_a.reg_mr(&buf_a, Access::LOCAL_WRITE)?;
+    let mr_b = pd_b.reg_mr(&buf_b, Access::LOCAL_WRITE | Access::REMOTE_WRITE)?;
+    let (cq_a, cq_b) = (a.create_cq(16)?, b.create_cq(16)?);
+    let mut qp_a = pd_a.create_qp(&QpInit::new(&cq_a, &cq_a))?;
+    let mut qp_b = pd_b.create_qp(&QpInit::new(&cq_b, &cq_b))?;
+    let (ea, eb) = (qp_a.endpoint(1), qp_b.endpoint(2));
+    qp_a.connect(&eb, 1, &ConnectOptions::default())?;
+    qp_b.connect(&ea, 2, &ConnectOptions::default())?;
+
+    // B counts the WRITEs that land in its MR; A holds a WRITE until its counter reaches 2.
+    let (go, sent, landed) = (
+        pd_a.create_counter()?,
+        pd_a.create_counter()?,
+        pd_b.create_counter()?,
+    );
+    landed.bind_mr(&mr_b, CntrEvents::REMOTE_WRITE)?;
+    buf_a.write(0, b"fired by a counter")?;
+    let remote = RemoteAddr {
+        addr: mr_b.addr(),
+        rkey: mr_b.rkey(),
+    };
+    let sge = [mr_a.sge(0, 18)];
+    let wr = SendWr::new(9, WrOp::Write(remote), &sge);
+    qp_a.post_triggered(
+        &go,
+        2,
+        &wr,
+        TriggerOpts {
+            completion: Some(&sent),
+            ..Default::default()
+        },
+    )?;
+    go.add(1); // not yet
+    go.add(1); // fires: no host code runs from here on
+    assert_eq!(landed.wait(1, None)?, CounterWait::Reached(1));
+    assert_eq!(sent.wait(1, None)?, CounterWait::Reached(1));
+    let mut got = [0u8; 18];
+    buf_b.read(0, &mut got)?;
+    assert_eq!(&got, b"fired by a counter");
+    Ok(())
+}
