@@ -88,6 +88,11 @@ impl Nic {
     /// Starts the WQE at the fetch index: validates it and queues it as outstanding. Returns
     /// false when nothing was started (stale WQE, a limit reached, or the WQE failed).
     fn start_wqe(&mut self, env: &mut dyn Env, qp: &mut Qp) -> bool {
+        // The NIC's own waiting work (triggered transfers, rendezvous READs) was queued
+        // before this WQE is started: it goes first.
+        if !qp.req.hw_waiting.is_empty() {
+            return false;
+        }
         let now = env.now();
         let index = qp.fetch;
         let wqe = match self.read_send_wqe(env, qp, index) {
@@ -437,7 +442,8 @@ impl Nic {
     }
 
     /// Queues work the NIC does for itself on `qp`'s send side (no WQE, no send CQE). Its
-    /// READs obey `max_rd_atomic` as posted READs do: past the limit they wait, in order.
+    /// READs obey `max_rd_atomic` as posted READs do: past the limit they wait, and whatever
+    /// the NIC queues after a waiting task waits behind it, so its work starts in order.
     fn push_hw_task(
         &mut self,
         env: &mut dyn Env,
@@ -448,7 +454,7 @@ impl Nic {
     ) {
         let o = Outstanding::task(wqe, task, ready);
         let limit = (qp.attr.max_rd_atomic as u32).max(1);
-        if o.is_rd_atomic() && (qp.req.rd_atomic >= limit || !qp.req.hw_waiting.is_empty()) {
+        if !qp.req.hw_waiting.is_empty() || (o.is_rd_atomic() && qp.req.rd_atomic >= limit) {
             qp.req.hw_waiting.push_back(o);
             return;
         }
@@ -477,10 +483,13 @@ impl Nic {
         self.kick_qp_sq(env, qp, ready);
     }
 
-    /// Starts the NIC's waiting READs as far as `max_rd_atomic` allows.
+    /// Starts the NIC's waiting tasks in order, as far as `max_rd_atomic` allows.
     fn start_waiting_hw(&mut self, env: &mut dyn Env, qp: &mut Qp, ready: SimTime) {
         let limit = (qp.attr.max_rd_atomic as u32).max(1);
-        while qp.req.rd_atomic < limit {
+        while let Some(front) = qp.req.hw_waiting.front() {
+            if front.is_rd_atomic() && qp.req.rd_atomic >= limit {
+                break;
+            }
             let Some(o) = qp.req.hw_waiting.pop_front() else {
                 break;
             };

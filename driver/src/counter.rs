@@ -313,6 +313,10 @@ impl Counter {
 
     /// Stops counting `events` of `qp` on this counter.
     pub fn unbind_qp(&self, qp: &QueuePair, events: CntrEvents) -> Result<(), Error> {
+        // By number: another device's QP could name one of this device's.
+        if !qp.belongs_to(&self.obj.dev) {
+            return Err(Error::InvalidArgument("QP belongs to another device"));
+        }
         self.bind(CNTR_BIND_QP, CNTR_BIND_UNBIND, qp.qpn(), events)
     }
 
@@ -329,6 +333,9 @@ impl Counter {
 
     /// Stops counting `events` of `mr` on this counter.
     pub fn unbind_mr(&self, mr: &MemoryRegion, events: CntrEvents) -> Result<(), Error> {
+        if !mr.belongs_to(&self.obj.dev) {
+            return Err(Error::InvalidArgument("MR belongs to another device"));
+        }
         self.bind(CNTR_BIND_MR, CNTR_BIND_UNBIND, mr.lkey(), events)
     }
 
