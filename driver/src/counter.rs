@@ -471,8 +471,9 @@ impl Counter {
 impl QueuePair {
     /// Posts `wr` as a triggered transfer on this QP: the device holds it until `trigger`
     /// reaches `threshold` (at once if it has) and then sends it as if just posted, reading
-    /// its buffers then. The work request must fit one 64-byte WQE block (a WRITE or SEND
-    /// with up to two SGEs or 28 inline bytes; an atomic with its one SGE). Its `wr_id`
+    /// its buffers then. The work request must fit one 64-byte WQE block: a SEND with up to
+    /// three SGEs or 44 inline bytes, a WRITE with up to two SGEs or 28 inline bytes, a READ
+    /// with up to two SGEs, an atomic with its one SGE. Its `wr_id`
     /// comes back in the triggered CQE, if one is written.
     pub fn post_triggered(
         &self,
