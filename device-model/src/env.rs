@@ -24,6 +24,13 @@ pub enum NicEvent {
         /// Value written.
         value: u32,
     },
+    /// A write-combined store (a BlueFlame WQE) reaching the device.
+    MmioBlock {
+        /// BAR0 offset.
+        offset: u64,
+        /// The bytes.
+        data: Vec<u8>,
+    },
     /// Execute the command in the mailbox.
     CmdExec,
     /// The send engine of a QP looks for work.

@@ -152,6 +152,8 @@ pub struct Nic {
     pub(crate) trig: crate::counter::TriggerTable,
     /// Values latched by the last read of a counter's `CNTR_SUCCESS_LO`.
     pub(crate) cntr_latch: (u64, u64),
+    /// A BlueFlame slot being written with 32-bit stores: QPN, bytes, words written.
+    pub(crate) bf_partial: Option<(u32, Box<[u8; regs::BF_STRIDE as usize]>, u64)>,
     pub(crate) mr_tag: u8,
     /// Source of context generations (never reset, so stale events never match).
     pub(crate) next_gen: u64,
@@ -166,6 +168,10 @@ pub struct Nic {
     pub(crate) egress_free: SimTime,
     /// When the PCIe write path towards the host is free.
     pub(crate) pcie_write_free: SimTime,
+    /// When the PCIe read path (DMA reads of payload) is free.
+    pub(crate) pcie_read_free: SimTime,
+    /// When the NIC can take its next message (the whole-NIC message-rate cap).
+    pub(crate) msg_free: SimTime,
     pub(crate) stats: NicStats,
     pub(crate) scratch: Vec<u8>,
 }
@@ -195,6 +201,7 @@ impl Nic {
             cntrs: Table::new(cfg.max_cntr),
             trig: Default::default(),
             cntr_latch: (0, 0),
+            bf_partial: None,
             cfg,
             mr_tag: 0,
             next_gen: 1,
@@ -207,6 +214,8 @@ impl Nic {
             clock_latch: 0,
             egress_free: SimTime::ZERO,
             pcie_write_free: SimTime::ZERO,
+            pcie_read_free: SimTime::ZERO,
+            msg_free: SimTime::ZERO,
             stats: NicStats::default(),
             scratch: Vec::new(),
         }
@@ -243,6 +252,7 @@ impl Nic {
             | Caps::COUNTERS
             | Caps::TM_RC
             | Caps::TRIGGERED
+            | Caps::BLUEFLAME
     }
 
     /// A 32-bit register read. Never fails: unknown offsets read 0 and are counted.
@@ -318,6 +328,10 @@ impl Nic {
             self.doorbell(env, offset, value);
             return;
         }
+        if (regs::BF_BASE..regs::BF_END).contains(&offset) {
+            self.bf_word(env, offset, value);
+            return;
+        }
         if (regs::CNTR_BASE..regs::CNTR_END).contains(&offset) {
             if !self.cntr_mmio_write(env, offset, value) {
                 self.guest_error(GuestError::BadOffset, offset as u32);
@@ -364,6 +378,62 @@ impl Nic {
         }
     }
 
+    /// A write-combined store at `offset`: a BlueFlame WQE when it starts a slot and fits
+    /// it, otherwise the same as the 32-bit stores it is made of.
+    pub fn mmio_write_block(&mut self, env: &mut dyn Env, offset: u64, data: &[u8]) {
+        if (regs::BF_BASE..regs::BF_END).contains(&offset)
+            && offset.is_multiple_of(regs::BF_STRIDE)
+            && data.len() as u64 <= regs::BF_STRIDE
+        {
+            let qpn = ((offset - regs::BF_BASE) / regs::BF_STRIDE) as u32;
+            self.bf_partial = None;
+            self.bf_write(env, qpn, data);
+            return;
+        }
+        for (i, w) in data.chunks_exact(4).enumerate() {
+            let v = u32::from_le_bytes([w[0], w[1], w[2], w[3]]);
+            self.mmio_write(env, offset.wrapping_add(4 * i as u64), v);
+        }
+    }
+
+    /// A 32-bit store into a BlueFlame slot: collected until every word of the WQE (its
+    /// size from the control segment's `ds_count`) is written, in any order, then taken as
+    /// one BlueFlame write. A store to another slot first drops an incomplete one (counted as
+    /// a guest error).
+    fn bf_word(&mut self, env: &mut dyn Env, offset: u64, value: u32) {
+        let rel = offset - regs::BF_BASE;
+        let qpn = (rel / regs::BF_STRIDE) as u32;
+        let word = ((rel % regs::BF_STRIDE) / 4) as usize;
+        let (slot, mut bytes, mut mask) =
+            self.bf_partial
+                .take()
+                .unwrap_or((qpn, Box::new([0; regs::BF_STRIDE as usize]), 0));
+        if slot != qpn {
+            self.guest_error(GuestError::BadOffset, offset as u32);
+            bytes.fill(0);
+            mask = 0;
+        }
+        bytes[word * 4..word * 4 + 4].copy_from_slice(&value.to_le_bytes());
+        mask |= 1 << word;
+        // Word 1 holds ds_count: the WQE's blocks, each 16 words.
+        let words = if mask & 2 != 0 {
+            ringbell_specs::wqe::wqebbs((bytes[4] as usize).clamp(1, ringbell_specs::wqe::MAX_DS))
+                * 16
+        } else {
+            64
+        };
+        let need = if words >= 64 {
+            u64::MAX
+        } else {
+            (1u64 << words) - 1
+        };
+        if mask & need == need {
+            self.bf_write(env, qpn, &bytes[..words * 4]);
+        } else {
+            self.bf_partial = Some((qpn, bytes, mask));
+        }
+    }
+
     fn reset(&mut self) {
         let cfg = self.cfg.clone();
         let stats = std::mem::take(&mut self.stats);
@@ -377,6 +447,7 @@ impl Nic {
     pub fn handle(&mut self, env: &mut dyn Env, ev: NicEvent) {
         match ev {
             NicEvent::Mmio { offset, value } => self.mmio_write(env, offset, value),
+            NicEvent::MmioBlock { offset, data } => self.mmio_write_block(env, offset, &data),
             // A reset since the doorbell cancels the command.
             NicEvent::CmdExec if self.cmd_status & regs::CMD_STATUS_BUSY != 0 => {
                 self.exec_command(env)
@@ -542,6 +613,23 @@ impl Nic {
         let done = start + SimTime(self.cfg.timing.serialize_ps(frame_len));
         self.egress_free = done;
         done
+    }
+
+    /// When a DMA read of `len` payload bytes issued at `ready` has the data in the NIC,
+    /// behind the reads before it on the shared PCIe read path.
+    pub(crate) fn reserve_pcie_read(&mut self, ready: SimTime, len: usize) -> SimTime {
+        let start = ready.max(self.pcie_read_free);
+        let done = start + SimTime(self.cfg.timing.pcie_read_ps(len));
+        self.pcie_read_free = done;
+        done
+    }
+
+    /// The earliest the NIC takes a new message arriving at `ready`: messages of all QPs
+    /// share the NIC's message rate.
+    pub(crate) fn reserve_msg(&mut self, ready: SimTime) -> SimTime {
+        let start = ready.max(self.msg_free);
+        self.msg_free = start + SimTime(self.cfg.timing.nic_msg_ps);
+        start
     }
 
     /// When a DMA write of `len` bytes issued at `ready` is visible to the host.

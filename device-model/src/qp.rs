@@ -171,6 +171,9 @@ pub(crate) struct Requester {
     pub(crate) timer_event: Option<SimTime>,
     /// Packets sent since the last one that asked for an ACK.
     pub(crate) since_ack_req: u32,
+    /// The WQE last written through the QP's BlueFlame slot, with its index: the send
+    /// engine takes it from here instead of fetching it.
+    pub(crate) bf: Option<(u32, Vec<u8>)>,
 }
 
 pub use ringbell_specs::stats::QpStats;
@@ -611,6 +614,31 @@ impl Nic {
                 );
             }
         }
+    }
+
+    /// A BlueFlame write to QP `qpn`'s slot: the whole WQE at the send queue's producer
+    /// index, and the doorbell for it. Anything else (wrong index, no control segment, fewer
+    /// bytes than the WQE's blocks) is a stale-WQE doorbell error and is ignored.
+    pub(crate) fn bf_write(&mut self, env: &mut dyn Env, qpn: u32, data: &[u8]) {
+        let Some(qp) = self.qps.get_mut(qpn) else {
+            self.doorbell_error(env, qpn, DoorbellError::NoSuchObject, 0);
+            return;
+        };
+        let index = qp.sq.pi;
+        let ctrl = data
+            .get(..SEG)
+            .and_then(|c| CtrlSeg::read_from_bytes(c).ok())
+            .unwrap_or_default();
+        let ds = ctrl.ds_count as usize;
+        let nbb = ringbell_specs::wqe::wqebbs(ds.max(1)) as u32;
+        let whole =
+            (1..=ringbell_specs::wqe::MAX_DS).contains(&ds) && data.len() >= nbb as usize * WQEBB;
+        if ctrl == CtrlSeg::default() || ctrl.wqe_index.get() != index as u16 || !whole {
+            self.doorbell_error(env, qpn, DoorbellError::StaleWqe, index);
+            return;
+        }
+        qp.req.bf = Some((index, data[..nbb as usize * WQEBB].to_vec()));
+        self.qp_doorbell(env, qpn, regs::DB_SQ, index.wrapping_add(nbb));
     }
 
     pub(crate) fn qp_doorbell(&mut self, env: &mut dyn Env, qpn: u32, which: u64, value: u32) {

@@ -95,6 +95,8 @@ impl Nic {
         }
         let now = env.now();
         let index = qp.fetch;
+        // A WQE written through the BlueFlame slot is in the NIC already.
+        let in_nic = qp.req.bf.as_ref().is_some_and(|(i, _)| *i == index);
         let wqe = match self.read_send_wqe(env, qp, index) {
             Ok(Some(w)) => w,
             Ok(None) => return false,
@@ -132,7 +134,11 @@ impl Nic {
             return false;
         }
         let t = &self.cfg.timing;
-        let fetched = now + SimTime(t.dma_read_rtt_ps);
+        let fetched = if in_nic {
+            now
+        } else {
+            now + SimTime(t.dma_read_rtt_ps)
+        };
         let gathers = !wqe.sges.is_empty() && !rd_atomic;
         let data_at = if gathers {
             fetched + SimTime(t.dma_read_rtt_ps)
@@ -154,11 +160,16 @@ impl Nic {
             sent: 0,
             sent_max: 0,
             acked: 0,
-            ready_at: data_at + SimTime(t.nic_tx_wqe_ps),
+            ready_at: SimTime(0),
             error: None,
             done: false,
             hw: None,
         });
+        let tx = SimTime(self.cfg.timing.nic_tx_wqe_ps);
+        let issue = self.reserve_msg(data_at);
+        if let Some(o) = qp.req.outstanding.back_mut() {
+            o.ready_at = issue + tx;
+        }
         true
     }
 
@@ -220,7 +231,7 @@ impl Nic {
                     payload[..end - off as usize].copy_from_slice(&w.inline[off as usize..end]);
                     Ok(())
                 } else {
-                    next_ready = ready + SimTime(self.cfg.timing.pcie_read_ps(len));
+                    next_ready = self.reserve_pcie_read(ready, len);
                     let sges = w.sges.clone();
                     self.gather(env, qp.qpn, pdn, &sges, off, &mut payload)
                 };
@@ -290,9 +301,18 @@ impl Nic {
     ) -> Result<Option<SendWqe>, (WqeError, u32)> {
         let mut raw = [0u8; MAX_DS * SEG];
         let first = qp.sq.slot_iova(index, WQEBB as u64);
-        if let Err(f) = env.dma_read(first, &mut raw[..WQEBB]) {
-            self.iommu_fault(env, qp.qpn, f.iova);
-            return Err(((CqeStatus::GeneralErr, VendorSyndrome::IommuFault), 1));
+        let bf = match qp.req.bf.take() {
+            Some((i, wqe)) if i == index => Some(wqe),
+            _ => None,
+        };
+        match &bf {
+            Some(wqe) => raw[..wqe.len().min(WQEBB)].copy_from_slice(&wqe[..wqe.len().min(WQEBB)]),
+            None => {
+                if let Err(f) = env.dma_read(first, &mut raw[..WQEBB]) {
+                    self.iommu_fault(env, qp.qpn, f.iova);
+                    return Err(((CqeStatus::GeneralErr, VendorSyndrome::IommuFault), 1));
+                }
+            }
         }
         let ctrl = CtrlSeg::read_from_bytes(&raw[..SEG]).unwrap_or_default();
         // An all-zero control segment was never written (no opcode is 0). Without this check
@@ -334,6 +354,10 @@ impl Nic {
         for b in 1..nbb {
             let at = qp.sq.slot_iova(index.wrapping_add(b), WQEBB as u64);
             let s = b as usize * WQEBB;
+            if let Some(wqe) = bf.as_ref().filter(|w| w.len() >= s + WQEBB) {
+                raw[s..s + WQEBB].copy_from_slice(&wqe[s..s + WQEBB]);
+                continue;
+            }
             if let Err(f) = env.dma_read(at, &mut raw[s..s + WQEBB]) {
                 self.iommu_fault(env, qp.qpn, f.iova);
                 return Err(((CqeStatus::GeneralErr, VendorSyndrome::IommuFault), nbb));
@@ -478,7 +502,7 @@ impl Nic {
         }
         o.first_psn = qp.req.next_psn;
         qp.req.next_psn = o.first_psn.add(o.npsn);
-        o.ready_at = ready + SimTime(self.cfg.timing.nic_tx_wqe_ps);
+        o.ready_at = self.reserve_msg(ready) + SimTime(self.cfg.timing.nic_tx_wqe_ps);
         qp.req.outstanding.push_back(o);
         self.kick_qp_sq(env, qp, ready);
     }

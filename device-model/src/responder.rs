@@ -1059,11 +1059,12 @@ impl Nic {
                 }
                 // The first packet pays the DMA read round trip and the response set-up;
                 // later ones stream behind it.
-                let at = if next == 0 {
+                let from = if next == 0 {
                     now + SimTime(rtt + extra)
                 } else {
                     now
-                } + SimTime(self.cfg.timing.pcie_read_ps(plen));
+                };
+                let at = self.reserve_pcie_read(from, plen);
                 self.emit(env, &repr, &payload, at);
                 self.scratch = payload;
                 if next + 1 < n {

@@ -274,6 +274,8 @@ pub struct QueuePair {
     max_send_sge: u32,
     max_recv_sge: u32,
     max_inline: u32,
+    /// The device has a BlueFlame slot for this QP.
+    bf: bool,
     state: QpState,
     /// Counters bound to the QP live at least as long as it (dropped after DESTROY_QP).
     cntrs: std::cell::RefCell<Vec<Rc<crate::counter::CntrObject>>>,
@@ -387,6 +389,7 @@ impl ProtectionDomain {
             max_recv_sge: init.max_recv_sge,
             max_inline: init.max_inline,
             state: QpState::Reset,
+            bf: caps.caps.contains(regs::Caps::BLUEFLAME) && (qpn as u64) < regs::BF_MAX_QP,
             cntrs: Default::default(),
             _uses: (
                 self.obj.clone(),
@@ -582,12 +585,36 @@ impl QueuePair {
         }
         if self.sq_pi != start {
             self.db.mem().store_u32_release(4, self.sq_pi);
-            self.dev.inner.port.write32(
-                regs::QP_DB_BASE + self.qpn as u64 * regs::DB_STRIDE + regs::DB_SQ,
-                self.sq_pi,
-            );
+            self.ring_sq(start);
         }
         result
+    }
+
+    /// Tells the device about the WQEs from `start` to the producer index: a single WQE goes
+    /// through the QP's BlueFlame slot (the device need not fetch it), more take the send
+    /// doorbell.
+    fn ring_sq(&self, start: u32) {
+        let port = &self.dev.inner.port;
+        let mask = (1u32 << self.sq_log) - 1;
+        let nbb = self.sq_pi.wrapping_sub(start);
+        let single = self.rings.sq_nbb[(start & mask) as usize].get() as u32 == nbb;
+        // The WQE must be contiguous in the ring to be copied in one go.
+        if self.bf && single && (start & mask) + nbb <= mask + 1 {
+            let mut wqe = [0u8; wqe::MAX_SEND_WQE];
+            let len = nbb as usize * WQEBB;
+            let slot = (start & mask) as usize * WQEBB;
+            if self.sq.read(slot, &mut wqe[..len]).is_ok() {
+                port.write_block(
+                    regs::BF_BASE + self.qpn as u64 * regs::BF_STRIDE,
+                    &wqe[..len],
+                );
+                return;
+            }
+        }
+        port.write32(
+            regs::QP_DB_BASE + self.qpn as u64 * regs::DB_STRIDE + regs::DB_SQ,
+            self.sq_pi,
+        );
     }
 
     /// Testing hook: copies `bytes` (1..=256, a whole send WQE as the device reads it) into

@@ -29,6 +29,12 @@ impl Port for EmuPort {
             .mmio_write(self.node, offset, value)
     }
 
+    fn write_block(&self, offset: u64, data: &[u8]) {
+        self.shared
+            .borrow_mut()
+            .mmio_write_block(self.node, offset, data)
+    }
+
     fn dma_map(&self, fd: BorrowedFd<'_>, len: u64, iova: u64) -> Result<(), PortError> {
         self.shared.borrow_mut().nodes[self.node]
             .iommu

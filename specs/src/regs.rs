@@ -1,15 +1,17 @@
 //! The BAR0 register map.
 //!
-//! BAR0 is 1 MiB. The first page holds identification, capabilities, the command interface,
+//! BAR0 is 2 MiB. The first page holds identification, capabilities, the command interface,
 //! the event queue and device status; doorbells live in pages of their own from
-//! [`DB_BASE`] on, so a process can be given just the doorbell pages it needs. All registers
+//! [`DB_BASE`] on, so a process can be given just the doorbell pages it needs; counter
+//! windows follow from [`CNTR_BASE`], and the second MiB holds one 64-byte BlueFlame slot per
+//! QP from [`BF_BASE`] (ABI 1.4). All registers
 //! are 32 bits wide, little-endian, and accessed with aligned 32-bit loads and stores.
 //! [`REGISTERS`] is the one table that both the driver and the model decode from.
 
 use bitflags::bitflags;
 
-/// Size of BAR0 in bytes.
-pub const BAR0_SIZE: u64 = 1 << 20;
+/// Size of BAR0 in bytes (1 MiB up to ABI 1.3; the BlueFlame area doubled it in 1.4).
+pub const BAR0_SIZE: u64 = 2 << 20;
 /// The value of the `MAGIC` register: "RBEL" in little-endian ASCII.
 pub const MAGIC_VALUE: u32 = u32::from_le_bytes(*b"RBEL");
 /// PCI vendor id the device reports (the reserved experimental id).
@@ -144,7 +146,7 @@ pub const CNTR_BASE: u64 = DB_END;
 /// Bytes of register window per counter.
 pub const CNTR_STRIDE: u64 = 32;
 /// End of the counter area (exclusive).
-pub const CNTR_END: u64 = BAR0_SIZE;
+pub const CNTR_END: u64 = 0x10_0000;
 /// Most counters the counter area can address.
 pub const CNTR_MAX: u64 = (CNTR_END - CNTR_BASE) / CNTR_STRIDE;
 /// Counter window, write only: add the value to the success count.
@@ -160,6 +162,19 @@ pub const CNTR_ERROR_LO: u64 = 0x10;
 /// Counter window, read only: error bits 63:32 as latched.
 pub const CNTR_ERROR_HI: u64 = 0x14;
 const _: () = assert!(CNTR_BASE.is_multiple_of(4096) && CNTR_END <= BAR0_SIZE);
+
+/// Start of the BlueFlame area (ABI 1.4): `BF_BASE + qpn * BF_STRIDE` is QP `qpn`'s slot.
+/// Writing one whole send WQE (1 to 4 blocks, write-combined) there both hands the device
+/// the WQE at the send queue's producer index and rings the send doorbell for it, so the
+/// device starts it without fetching it from host memory.
+pub const BF_BASE: u64 = CNTR_END;
+/// Bytes of BlueFlame slot per QP: the largest send WQE.
+pub const BF_STRIDE: u64 = crate::wqe::MAX_SEND_WQE as u64;
+/// End of the BlueFlame area (exclusive).
+pub const BF_END: u64 = BAR0_SIZE;
+/// QPs with a BlueFlame slot: QPNs below this.
+pub const BF_MAX_QP: u64 = (BF_END - BF_BASE) / BF_STRIDE;
+const _: () = assert!(BF_BASE.is_multiple_of(4096) && BF_END <= BAR0_SIZE);
 
 /// Bits of `CMD_STATUS`.
 pub const CMD_STATUS_BUSY: u32 = 1 << 31;
@@ -190,6 +205,8 @@ bitflags! {
         const TM_RC = 1 << 6;
         /// Event counters and triggered operations (ABI 1.3).
         const TRIGGERED = 1 << 7;
+        /// BlueFlame: send WQEs written through BAR0 slots (ABI 1.4).
+        const BLUEFLAME = 1 << 8;
     }
 }
 
