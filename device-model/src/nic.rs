@@ -83,6 +83,8 @@ pub type NicStats = ringbell_specs::stats::PortStats;
 pub(crate) struct Table<T> {
     slots: Vec<Option<T>>,
     cap: u32,
+    /// Numbers below this are never given out.
+    min: u32,
 }
 
 impl<T> Table<T> {
@@ -90,11 +92,22 @@ impl<T> Table<T> {
         Table {
             slots: Vec::new(),
             cap,
+            min: 1,
         }
+    }
+    /// A table whose numbers start at `min` (QPNs: 0 and 1 are the management QPs of the
+    /// IBTA, which RC traffic never uses and tools such as Wireshark decode as such).
+    pub(crate) fn starting_at(cap: u32, min: u32) -> Self {
+        let mut t = Table::new(cap);
+        t.min = min.max(1);
+        t.slots.resize_with((t.min - 1) as usize, || None);
+        t
     }
     /// Inserts at the lowest free number.
     pub(crate) fn insert_with(&mut self, f: impl FnOnce(u32) -> T) -> Option<u32> {
-        let idx = match self.slots.iter().position(Option::is_none) {
+        let skip = (self.min - 1) as usize;
+        let free = self.slots.iter().skip(skip).position(Option::is_none);
+        let idx = match free.map(|i| i + skip) {
             Some(i) => i,
             None if (self.slots.len() as u32) < self.cap => {
                 self.slots.push(None);
@@ -179,7 +192,8 @@ pub struct Nic {
 impl Nic {
     /// A NIC in its reset state.
     pub fn new(cfg: NicConfig) -> Self {
-        let max_qp = cfg.max_qp.min(regs::DB_MAX_QP as u32 - 1);
+        // QPNs run from 2 to max_qp + 1, all inside the doorbell area.
+        let max_qp = cfg.max_qp.min(regs::DB_MAX_QP as u32 - 2);
         let max_cq = cfg.max_cq.min(regs::DB_MAX_CQ as u32 - 1);
         let max_srq = cfg.max_srq.min(regs::DB_MAX_SRQ as u32 - 1);
         let max_cntr = cfg.max_cntr.min(regs::CNTR_MAX as u32 - 1);
@@ -196,7 +210,7 @@ impl Nic {
             pds: Table::new(cfg.max_pd),
             mrs: Table::new(cfg.max_mr),
             cqs: Table::new(cfg.max_cq),
-            qps: Table::new(cfg.max_qp),
+            qps: Table::starting_at(cfg.max_qp + 1, 2),
             srqs: Table::new(cfg.max_srq),
             cntrs: Table::new(cfg.max_cntr),
             trig: Default::default(),

@@ -1,5 +1,6 @@
 //! The fabric: nodes, links, the switch, and the one event queue that orders them all.
 
+use crate::capture::{Capture, CaptureStats, Fate};
 use crate::faults::{FaultPlan, FaultRule, FaultStats, Faults};
 use crate::iommu::Iommu;
 use crate::port::EmuPort;
@@ -10,6 +11,8 @@ use ringbell_model::{DmaFault, Env, Nic, NicConfig, NicEvent, NicStats, TimingPr
 use ringbell_specs::SimTime;
 use std::cell::RefCell;
 use std::collections::BTreeMap;
+use std::io::{self, Write};
+use std::path::Path;
 use std::rc::Rc;
 
 /// How the nodes are wired.
@@ -102,6 +105,8 @@ pub(crate) struct Inner {
     cfg: FabricConfig,
     digest: Digest,
     stats: FabricStats,
+    /// The packet capture, when one runs.
+    capture: Option<Box<Capture>>,
 }
 
 pub(crate) type Shared = Rc<RefCell<Inner>>;
@@ -120,6 +125,7 @@ struct NodeEnv<'a> {
     interrupts: &'a mut u64,
     timers: &'a mut u64,
     faults: &'a mut Faults,
+    capture: &'a mut Option<Box<Capture>>,
 }
 
 impl Env for NodeEnv<'_> {
@@ -146,12 +152,17 @@ impl Env for NodeEnv<'_> {
         if let Some(m) = frame.get(..6) {
             dst_mac.copy_from_slice(m);
         }
-        let Some(&dst) = self.macs.get(&dst_mac) else {
-            self.stats.frames_unroutable += 1;
-            return;
-        };
         let t = self.timing;
         let ser = SimTime(t.serialize_ps(frame.len()));
+        // A capture stamps the frame when its first bit goes on the wire.
+        let first_bit = (at - ser).max(self.now);
+        let Some(&dst) = self.macs.get(&dst_mac) else {
+            self.stats.frames_unroutable += 1;
+            if let Some(c) = self.capture {
+                c.record(Some(self.node), None, first_bit, &frame, Fate::Unroutable);
+            }
+            return;
+        };
         let hop = SimTime(t.link_phy_mac_ps + t.link_prop_ps);
         self.stats.bytes_on_wire += frame.len() as u64;
         let arrival = match self.topology {
@@ -167,10 +178,24 @@ impl Env for NodeEnv<'_> {
             }
         };
         if self.faults.inactive() {
+            if let Some(c) = self.capture {
+                c.record(
+                    Some(self.node),
+                    Some(dst),
+                    first_bit,
+                    &frame,
+                    Fate::Delivered,
+                );
+            }
             self.queue.push(arrival, Event::Frame(dst, frame));
             return;
         }
+        let link_down = self.faults.stats.link_down;
         let v = self.faults.decide(self.node, dst, at, &frame);
+        if let Some(c) = self.capture {
+            let fate = Fate::of(&v, self.faults.stats.link_down > link_down);
+            c.record(Some(self.node), Some(dst), first_bit, &frame, fate);
+        }
         let mut frame = frame;
         if let Some(bit) = v.flip {
             if let Some(b) = frame.get_mut(bit / 8) {
@@ -214,6 +239,7 @@ impl Inner {
             interrupts,
             timers: &mut self.timers,
             faults: &mut self.faults,
+            capture: &mut self.capture,
         };
         f(nic, &mut env)
     }
@@ -261,6 +287,9 @@ impl Inner {
         };
         self.stats.events += 1;
         self.digest.feed(&at.ps().to_le_bytes());
+        if let Some(c) = &mut self.capture {
+            c.flush_until(at);
+        }
         match ev {
             Event::Nic(node, ev) => {
                 if matches!(ev, NicEvent::AckTimer { .. }) {
@@ -339,6 +368,7 @@ impl Fabric {
             macs,
             digest: Digest(0xCBF2_9CE4_8422_2325),
             stats: FabricStats::default(),
+            capture: None,
             cfg,
         };
         Fabric {
@@ -449,6 +479,45 @@ impl Fabric {
     pub fn inject_frame(&self, node: usize, frame: Vec<u8>) {
         let mut s = self.shared.borrow_mut();
         let now = s.queue.now();
+        if let Some(c) = &mut s.capture {
+            c.record(None, Some(node), now, &frame, Fate::Delivered);
+        }
         s.queue.push(now, Event::Frame(node, frame));
+    }
+
+    /// Starts a packet capture: every frame the fabric carries from now on is written to `out`
+    /// as pcapng, with simulated nanosecond timestamps and a comment per frame (see
+    /// [`crate::capture`] for the exact semantics). The section header and interfaces are
+    /// written at once. Fails if a capture already runs or `out` fails.
+    pub fn start_capture(&self, out: impl Write + 'static) -> io::Result<()> {
+        let mut s = self.shared.borrow_mut();
+        if s.capture.is_some() {
+            return Err(io::Error::new(
+                io::ErrorKind::AlreadyExists,
+                "a capture is already running on this fabric",
+            ));
+        }
+        let bits_per_s = s.cfg.timing.link_bits_per_us.saturating_mul(1_000_000);
+        let c = Capture::new(Box::new(out), s.nodes.len(), s.cfg.seed, bits_per_s)?;
+        s.capture = Some(Box::new(c));
+        Ok(())
+    }
+
+    /// Starts a packet capture into the file at `path` (created or truncated); see
+    /// [`Fabric::start_capture`].
+    pub fn capture_to_file(&self, path: impl AsRef<Path>) -> io::Result<()> {
+        let f = std::fs::File::create(path)?;
+        self.start_capture(io::BufWriter::with_capacity(1 << 20, f))
+    }
+
+    /// Ends the capture: writes the frames still held, flushes the output and returns what
+    /// was written, or the first write error. `Ok` with zero counts if none was running.
+    /// (Dropping the fabric also ends it, silently.)
+    pub fn stop_capture(&self) -> io::Result<CaptureStats> {
+        let c = self.shared.borrow_mut().capture.take();
+        match c {
+            Some(mut c) => c.finish(),
+            None => Ok(CaptureStats::default()),
+        }
     }
 }

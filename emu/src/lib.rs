@@ -7,15 +7,18 @@
 //! that runs the simulation in lockstep with its caller. [`perf`] holds the perftest-style
 //! runs the CLI prints, [`tmbench`] the tag-matching ones.
 
+pub mod capture;
 pub mod coll;
 mod fabric;
 pub mod faults;
 mod iommu;
 pub mod perf;
+pub mod profile;
 mod port;
 mod scenario;
 pub mod tmbench;
 
+pub use capture::CaptureStats;
 pub use fabric::{stream_seed, Fabric, FabricConfig, FabricStats, Topology};
 pub use faults::{
     FaultAction, FaultPlan, FaultRule, FaultStats, FrameKind, FrameMatch, LinkFaults,

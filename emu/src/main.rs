@@ -124,6 +124,9 @@ enum Cmd {
         /// Transport retries.
         #[arg(long, default_value_t = 7)]
         retry_cnt: u8,
+        /// Write every frame of the run to FILE as pcapng (simulated ns timestamps).
+        #[arg(long, value_name = "FILE")]
+        capture: Option<String>,
     },
     /// Two nodes through the real driver: latency (WRITE, SEND, READ; 8 B..64 KiB) and
     /// bandwidth, in simulated time, plus the wall-clock emulation speed.
@@ -137,6 +140,9 @@ enum Cmd {
         /// How the two nodes are wired.
         #[arg(long, value_enum, default_value_t = Wiring::B2b)]
         wiring: Wiring,
+        /// Write every frame of the run to FILE as pcapng (simulated ns timestamps).
+        #[arg(long, value_name = "FILE")]
+        capture: Option<String>,
     },
 }
 
@@ -168,7 +174,8 @@ fn main() {
             seed,
             iters,
             wiring,
-        } => demo(seed, iters, wiring).map_err(|e| e.to_string()),
+            capture,
+        } => demo(seed, iters, wiring, capture).map_err(|e| e.to_string()),
         Cmd::Bench {
             seed,
             loss,
@@ -182,6 +189,7 @@ fn main() {
             depth,
             timeout,
             retry_cnt,
+            capture,
         } => {
             let links = LinkFaults {
                 drop_ppm: ppm(loss),
@@ -201,6 +209,7 @@ fn main() {
                 depth,
                 timeout,
                 retry_cnt,
+                capture,
             })
         }
     };
@@ -302,6 +311,7 @@ struct BenchArgs {
     depth: u32,
     timeout: u8,
     retry_cnt: u8,
+    capture: Option<String>,
 }
 
 fn pct(p: u32) -> String {
@@ -340,6 +350,9 @@ fn bench(a: BenchArgs) -> Result<(), String> {
         BenchOp::Write => (PerfOp::Write, "write"),
         BenchOp::Send => (PerfOp::Send, "send"),
         BenchOp::Read => (PerfOp::Read, "read"),
+        BenchOp::Tag if a.capture.is_some() => {
+            return Err("--capture does not apply to --op tag (it runs many fabrics)".into())
+        }
         BenchOp::Tag => return tag_bench(&cfg, a.count.min(2000)),
     };
     println!(
@@ -353,6 +366,9 @@ fn bench(a: BenchArgs) -> Result<(), String> {
         ..Default::default()
     };
     let mut p = PerfPair::with(cfg, &opts).map_err(|e| e.to_string())?;
+    if let Some(path) = &a.capture {
+        start_capture(p.fabric(), path)?;
+    }
     let start = p.fabric().now();
     let bw = p.bandwidth(op, a.size, a.count, a.depth);
     let sim = p.fabric().now() - start;
@@ -399,7 +415,26 @@ fn bench(a: BenchArgs) -> Result<(), String> {
         st.frames_delivered as f64 / el / 1e6
     );
     println!("trace digest {:016x}", p.fabric().trace_digest());
+    if let Some(path) = &a.capture {
+        stop_capture(p.fabric(), path)?;
+    }
     bw.map(|_| ()).map_err(|e| e.to_string())
+}
+
+fn start_capture(f: &ringbell_emu::Fabric, path: &str) -> Result<(), String> {
+    f.capture_to_file(path)
+        .map_err(|e| format!("--capture {path}: {e}"))
+}
+
+fn stop_capture(f: &ringbell_emu::Fabric, path: &str) -> Result<(), String> {
+    let st = f
+        .stop_capture()
+        .map_err(|e| format!("--capture {path}: {e}"))?;
+    println!(
+        "capture: {} frames ({} never delivered) written to {path}",
+        st.frames, st.lost
+    );
+    Ok(())
 }
 
 fn tag_bench(cfg: &FabricConfig, count: u32) -> Result<(), String> {
@@ -447,7 +482,12 @@ fn tag_bench(cfg: &FabricConfig, count: u32) -> Result<(), String> {
     Ok(())
 }
 
-fn demo(seed: u64, iters: u32, wiring: Wiring) -> Result<(), ringbell::Error> {
+fn demo(
+    seed: u64,
+    iters: u32,
+    wiring: Wiring,
+    capture: Option<String>,
+) -> Result<(), Box<dyn std::error::Error>> {
     println!("seed {seed}");
     let topology = match wiring {
         Wiring::B2b => Topology::BackToBack,
@@ -455,6 +495,9 @@ fn demo(seed: u64, iters: u32, wiring: Wiring) -> Result<(), ringbell::Error> {
     };
     let wall = Instant::now();
     let mut p = PerfPair::new(seed, topology)?;
+    if let Some(path) = &capture {
+        start_capture(p.fabric(), path)?;
+    }
     let prof = p.fabric().timing();
     println!(
         "two nodes, {} wiring, timing profile {}, path MTU 4096, inline up to 220 B",
@@ -512,5 +555,8 @@ fn demo(seed: u64, iters: u32, wiring: Wiring) -> Result<(), ringbell::Error> {
         st.frames_delivered as f64 / el / 1e6
     );
     println!("trace digest {:016x}", p.fabric().trace_digest());
+    if let Some(path) = &capture {
+        stop_capture(p.fabric(), path)?;
+    }
     Ok(())
 }

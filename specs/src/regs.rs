@@ -64,7 +64,7 @@ registers! {
     ABI_VERSION = 0x004, Ro, crate::ABI_VERSION, "ABI version: major in 31:16, minor in 15:0.";
     DEVICE_ID = 0x008, Ro, 0, "Device instance id (node number on an emulated fabric).";
     CAPS = 0x00C, Ro, 0, "Capability flags, see [`Caps`].";
-    MAX_QP = 0x010, Ro, 0, "Number of QP contexts; QPNs are 1..MAX_QP.";
+    MAX_QP = 0x010, Ro, 0, "Number of QP contexts; QPNs are 2..=MAX_QP+1 (0 and 1 are the IBTA's management QPs, never given out; ABI 1.4).";
     MAX_CQ = 0x014, Ro, 0, "Number of CQ contexts; CQNs are 1..MAX_CQ.";
     MAX_SRQ = 0x018, Ro, 0, "Number of SRQ contexts; SRQNs are 1..MAX_SRQ.";
     MAX_MR = 0x01C, Ro, 0, "Number of memory regions.";
