@@ -38,6 +38,11 @@ enum BenchOp {
     /// against posted-list depth (hardware list and software), rendezvous bandwidth
     /// 8 KiB..4 MiB. Uses --count (capped at 2000) messages per figure; ignores --size.
     Tag,
+    /// The perftest-equivalent report on two back-to-back nodes: latency (min, median,
+    /// average, p99, p99.9) of WRITE, SEND, READ and atomics from 2 B to 64 KiB, then
+    /// bandwidth and message rate against size with 1 and 8 QPs, then the emulation speed.
+    /// Uses --count latency iterations per size (WRITE/SEND give two samples each).
+    Perftest,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -127,6 +132,9 @@ enum Cmd {
         /// Write every frame of the run to FILE as pcapng (simulated ns timestamps).
         #[arg(long, value_name = "FILE")]
         capture: Option<String>,
+        /// Timing profile: a built-in name (cx6-100g, cx7-400g) or a TOML file of overrides.
+        #[arg(long, default_value = "cx6-100g")]
+        profile: String,
     },
     /// Two nodes through the real driver: latency (WRITE, SEND, READ; 8 B..64 KiB) and
     /// bandwidth, in simulated time, plus the wall-clock emulation speed.
@@ -143,6 +151,15 @@ enum Cmd {
         /// Write every frame of the run to FILE as pcapng (simulated ns timestamps).
         #[arg(long, value_name = "FILE")]
         capture: Option<String>,
+        /// Timing profile: a built-in name (cx6-100g, cx7-400g) or a TOML file of overrides.
+        #[arg(long, default_value = "cx6-100g")]
+        profile: String,
+    },
+    /// Prints a timing profile: every parameter with its value and source.
+    Profile {
+        /// A built-in name (cx6-100g, cx7-400g) or a TOML file of overrides.
+        #[arg(default_value = "cx6-100g")]
+        profile: String,
     },
 }
 
@@ -170,12 +187,16 @@ fn main() {
             loss,
             timeout,
         }),
+        Cmd::Profile { profile } => ringbell_emu::profile::load(&profile)
+            .map(|p| print!("{}", ringbell_emu::profile::describe(&p)))
+            .map_err(|e| e.to_string()),
         Cmd::Demo {
             seed,
             iters,
             wiring,
             capture,
-        } => demo(seed, iters, wiring, capture).map_err(|e| e.to_string()),
+            profile,
+        } => demo(seed, iters, wiring, capture, &profile).map_err(|e| e.to_string()),
         Cmd::Bench {
             seed,
             loss,
@@ -190,6 +211,7 @@ fn main() {
             timeout,
             retry_cnt,
             capture,
+            profile,
         } => {
             let links = LinkFaults {
                 drop_ppm: ppm(loss),
@@ -210,6 +232,7 @@ fn main() {
                 timeout,
                 retry_cnt,
                 capture,
+                profile,
             })
         }
     };
@@ -312,6 +335,119 @@ struct BenchArgs {
     timeout: u8,
     retry_cnt: u8,
     capture: Option<String>,
+    profile: String,
+}
+
+/// Shows progress on stderr once a run has taken more than two seconds of wall time.
+struct Progress {
+    start: Instant,
+    shown: bool,
+}
+
+impl Progress {
+    fn new() -> Self {
+        Progress {
+            start: Instant::now(),
+            shown: false,
+        }
+    }
+    fn tick(&mut self, what: &str, done: usize, total: usize) {
+        if self.start.elapsed().as_secs_f64() > 2.0 {
+            eprint!("\r[{done}/{total}] {what:<40}");
+            self.shown = true;
+        }
+    }
+    fn finish(&self) {
+        if self.shown {
+            eprintln!("\r{:60}", "");
+        }
+    }
+}
+
+/// The perftest-equivalent report (`bench --op perftest`).
+fn perftest(cfg: FabricConfig, a: &BenchArgs) -> Result<(), String> {
+    use ringbell_specs::SimTime;
+    let e = |e: ringbell::Error| e.to_string();
+    let wall = Instant::now();
+    let mut cfg = cfg;
+    cfg.topology = Topology::BackToBack;
+    let prof = cfg.timing.name.clone();
+    let iters = a.count.clamp(10, 100_000);
+    println!("perftest: two back-to-back nodes, timing profile {prof}, path MTU 4096, {iters} iterations per size");
+    println!();
+    println!("latency (simulated µs; WRITE/SEND one-way, READ/atomic round trip)");
+    println!(
+        "{:<7} {:>7} {:>8} {:>8} {:>8} {:>8} {:>8}",
+        "op", "bytes", "min", "median", "avg", "p99", "p99.9"
+    );
+    let mut p = PerfPair::with(cfg.clone(), &ConnectOptions::default()).map_err(e)?;
+    let sizes: Vec<u32> = (1..=16).map(|k| 1u32 << k).collect();
+    let mut progress = Progress::new();
+    let mut sim_total = SimTime::ZERO;
+    let mut msgs = 0u64;
+    let total = 3 * sizes.len() + 1;
+    let mut done = 0;
+    for op in [PerfOp::Write, PerfOp::Send, PerfOp::Read, PerfOp::Atomic] {
+        let op_sizes: &[u32] = if op == PerfOp::Atomic { &[8] } else { &sizes };
+        for &size in op_sizes {
+            progress.tick(&format!("latency {} {size} B", op.name()), done, total);
+            let t0 = p.fabric().now();
+            let mut s = p.latency_samples(op, size, iters).map_err(e)?;
+            sim_total = sim_total + (p.fabric().now() - t0);
+            msgs += s.len() as u64;
+            s.sort_unstable();
+            let us = |t: SimTime| t.ps() as f64 / 1e6;
+            let q = |f: f64| s[((s.len() as f64 * f).ceil() as usize).clamp(1, s.len()) - 1];
+            let avg = s.iter().map(|t| t.ps()).sum::<u64>() / s.len() as u64;
+            println!(
+                "{:<7} {:>7} {:>8.3} {:>8.3} {:>8.3} {:>8.3} {:>8.3}",
+                op.name(),
+                size,
+                us(s[0]),
+                us(q(0.5)),
+                avg as f64 / 1e6,
+                us(q(0.99)),
+                us(q(0.999))
+            );
+            done += 1;
+        }
+    }
+    println!();
+    println!("bandwidth (simulated Gb/s) and message rate (simulated M/s), WRITE, 128 outstanding per QP, every 16th signaled");
+    println!(
+        "{:>9} {:>10} {:>10} {:>10} {:>10}",
+        "bytes", "1 QP Gb/s", "1 QP M/s", "8 QP Gb/s", "8 QP M/s"
+    );
+    let mut p1 = PerfPair::with_qps(cfg.clone(), &ConnectOptions::default(), 1).map_err(e)?;
+    let mut p8 = PerfPair::with_qps(cfg, &ConnectOptions::default(), 8).map_err(e)?;
+    for &size in &sizes {
+        progress.tick(&format!("bandwidth {size} B"), done, total);
+        let count = ((64u64 << 20) / size as u64).clamp(512, 20_000) as u32;
+        let mut row = Vec::new();
+        for pp in [&mut p1, &mut p8] {
+            let t0 = pp.fabric().now();
+            let (bps, mps) = pp.throughput(PerfOp::Write, size, count, 128).map_err(e)?;
+            sim_total = sim_total + (pp.fabric().now() - t0);
+            msgs += count as u64;
+            row.push((bps / 1e9, mps / 1e6));
+        }
+        println!(
+            "{:>9} {:>10.2} {:>10.2} {:>10.2} {:>10.2}",
+            size, row[0].0, row[0].1, row[1].0, row[1].1
+        );
+        done += 1;
+    }
+    progress.finish();
+    let el = wall.elapsed().as_secs_f64();
+    println!();
+    println!(
+        "emulation: {:.3} simulated ms in {:.2} wall s = {:.0} simulated µs per wall s; {:.3} M messages per wall s",
+        sim_total.as_us_f64() / 1e3,
+        el,
+        sim_total.as_us_f64() / el,
+        msgs as f64 / el / 1e6
+    );
+    Ok(())
 }
 
 fn pct(p: u32) -> String {
@@ -320,7 +456,8 @@ fn pct(p: u32) -> String {
 
 fn bench(a: BenchArgs) -> Result<(), String> {
     let mut cfg = FabricConfig::new(2, a.seed);
-    cfg.faults.links = a.links;
+    cfg.timing = ringbell_emu::profile::load(&a.profile).map_err(|e| e.to_string())?;
+    cfg.faults.links = a.links.clone();
     if let Some(path) = &a.scenario {
         let s = Scenario::load(path).map_err(|e| e.to_string())?;
         if let Some(seed) = s.seed {
@@ -354,6 +491,7 @@ fn bench(a: BenchArgs) -> Result<(), String> {
             return Err("--capture does not apply to --op tag (it runs many fabrics)".into())
         }
         BenchOp::Tag => return tag_bench(&cfg, a.count.min(2000)),
+        BenchOp::Perftest => return perftest(cfg, &a),
     };
     println!(
         "bench: {name} {} B x {}, {} outstanding, two switched nodes, ACK timeout {}, retry_cnt {}",
@@ -487,6 +625,7 @@ fn demo(
     iters: u32,
     wiring: Wiring,
     capture: Option<String>,
+    profile: &str,
 ) -> Result<(), Box<dyn std::error::Error>> {
     println!("seed {seed}");
     let topology = match wiring {
@@ -494,7 +633,10 @@ fn demo(
         Wiring::Switch => Topology::Switch,
     };
     let wall = Instant::now();
-    let mut p = PerfPair::new(seed, topology)?;
+    let mut cfg = FabricConfig::new(2, seed);
+    cfg.topology = topology;
+    cfg.timing = ringbell_emu::profile::load(profile)?;
+    let mut p = PerfPair::with(cfg, &ConnectOptions::default())?;
     if let Some(path) = &capture {
         start_capture(p.fabric(), path)?;
     }

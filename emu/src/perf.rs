@@ -15,6 +15,8 @@ pub enum PerfOp {
     Send,
     /// RDMA READ (latency: round trip to the completion).
     Read,
+    /// 8-byte fetch-and-add (latency: round trip to the completion; size is always 8).
+    Atomic,
 }
 
 impl PerfOp {
@@ -24,13 +26,15 @@ impl PerfOp {
             PerfOp::Write => "write",
             PerfOp::Send => "send",
             PerfOp::Read => "read",
+            PerfOp::Atomic => "atomic",
         }
     }
 }
 
 /// One node of a perf run.
 struct Node {
-    qp: QueuePair,
+    /// The first QP (latency runs) and the others (multi-QP bandwidth).
+    qps: Vec<QueuePair>,
     cq: CompletionQueue,
     mr: MemoryRegion,
     buf: DmaBuffer,
@@ -57,13 +61,13 @@ impl std::fmt::Debug for PerfPair {
 /// Bytes of each node's buffer.
 pub const PERF_BUF: usize = 4 << 20;
 
-fn open(fabric: &Fabric, node: usize) -> Result<Node, Error> {
+fn open(fabric: &Fabric, node: usize, nqps: usize) -> Result<Node, Error> {
     let dev = Device::open(Box::new(fabric.port(node)))?;
     let pd = dev.alloc_pd()?;
     let buf = dev.alloc_dma(PERF_BUF)?;
     let mr = pd.reg_mr(
         &buf,
-        Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::REMOTE_READ,
+        Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::REMOTE_READ | Access::REMOTE_ATOMIC,
     )?;
     let cq = dev.create_cq(4096)?;
     let mut init = QpInit::new(&cq, &cq);
@@ -72,9 +76,11 @@ fn open(fabric: &Fabric, node: usize) -> Result<Node, Error> {
     init.max_send_sge = 1;
     init.max_recv_sge = 1;
     init.max_inline = dev.caps().max_inline;
-    let qp = pd.create_qp(&init)?;
+    let qps = (0..nqps.max(1))
+        .map(|_| pd.create_qp(&init))
+        .collect::<Result<Vec<_>, _>>()?;
     Ok(Node {
-        qp,
+        qps,
         cq,
         mr,
         buf,
@@ -94,15 +100,23 @@ impl PerfPair {
 
     /// Two nodes of a fabric built from `cfg` (which must have two nodes), connected with `o`.
     pub fn with(cfg: FabricConfig, o: &ConnectOptions) -> Result<PerfPair, Error> {
+        Self::with_qps(cfg, o, 1)
+    }
+
+    /// As [`PerfPair::with`], with `nqps` connected QP pairs (bandwidth runs spread their
+    /// messages over all of them; latency runs use the first).
+    pub fn with_qps(cfg: FabricConfig, o: &ConnectOptions, nqps: usize) -> Result<PerfPair, Error> {
         let fabric = Fabric::new(cfg);
-        let mut a = open(&fabric, 0)?;
-        let mut b = open(&fabric, 1)?;
+        let mut a = open(&fabric, 0, nqps)?;
+        let mut b = open(&fabric, 1, nqps)?;
         use rand_core::RngCore;
         let mut rng = fabric.rng(1);
-        let (pa, pb) = (rng.next_u32() & 0xFF_FFFF, rng.next_u32() & 0xFF_FFFF);
-        let (ea, eb) = (a.qp.endpoint(pa), b.qp.endpoint(pb));
-        a.qp.connect(&eb, pa, o)?;
-        b.qp.connect(&ea, pb, o)?;
+        for (qa, qb) in a.qps.iter_mut().zip(b.qps.iter_mut()) {
+            let (pa, pb) = (rng.next_u32() & 0xFF_FFFF, rng.next_u32() & 0xFF_FFFF);
+            let (ea, eb) = (qa.endpoint(pa), qb.endpoint(pb));
+            qa.connect(&eb, pa, o)?;
+            qb.connect(&ea, pb, o)?;
+        }
         let max_inline = a.dev.caps().max_inline;
         Ok(PerfPair {
             fabric,
@@ -115,8 +129,8 @@ impl PerfPair {
     /// Transport counters of both QPs and both ports: (QP A, QP B, port A, port B).
     pub fn stats(&self) -> Result<(QpStats, QpStats, PortStats, PortStats), Error> {
         Ok((
-            self.a.qp.stats()?,
-            self.b.qp.stats()?,
+            self.a.qps[0].stats()?,
+            self.b.qps[0].stats()?,
             self.a.dev.port_stats()?,
             self.b.dev.port_stats()?,
         ))
@@ -139,38 +153,56 @@ impl PerfPair {
         }
     }
 
-    /// Mean one-way latency (WRITE, SEND) or round-trip latency (READ) of `size`-byte
-    /// messages over `iters` iterations, in simulated time.
+    /// Mean one-way latency (WRITE, SEND) or round-trip latency (READ, atomic) of
+    /// `size`-byte messages over `iters` iterations, in simulated time.
     pub fn latency(&mut self, op: PerfOp, size: u32, iters: u32) -> Result<SimTime, Error> {
+        let s = self.latency_samples(op, size, iters)?;
+        let sum: u64 = s.iter().map(|t| t.ps()).sum();
+        Ok(SimTime(sum / s.len().max(1) as u64))
+    }
+
+    /// One latency per iteration: one-way for WRITE and SEND (ping-pong: both directions are
+    /// samples, `2 * iters` of them), round trip for READ and atomics.
+    pub fn latency_samples(
+        &mut self,
+        op: PerfOp,
+        size: u32,
+        iters: u32,
+    ) -> Result<Vec<SimTime>, Error> {
         let size = size.clamp(1, (PERF_BUF / 2) as u32);
         self.quiesce()?;
-        let start = self.now();
+        let mut out = Vec::with_capacity(2 * iters as usize);
         match op {
-            PerfOp::Read => {
+            PerfOp::Read | PerfOp::Atomic => {
                 for i in 0..iters {
+                    let start = self.now();
                     let remote = RemoteAddr {
                         addr: self.b.mr.addr(),
                         rkey: self.b.mr.rkey(),
                     };
-                    let sge = [self.a.mr.sge(0, size)];
-                    self.a
-                        .qp
-                        .post_send(&[SendWr::new(i as u64, WrOp::Read(remote), &sge)])?;
+                    let (wr_op, len) = if op == PerfOp::Read {
+                        (WrOp::Read(remote), size)
+                    } else {
+                        (WrOp::FetchAdd { remote, add: 1 }, 8)
+                    };
+                    let sge = [self.a.mr.sge(0, len)];
+                    self.a.qps[0].post_send(&[SendWr::new(i as u64, wr_op, &sge)])?;
                     self.wait_cq(true)?;
+                    out.push(self.now() - start);
                 }
-                Ok(SimTime((self.now() - start).ps() / iters.max(1) as u64))
             }
             PerfOp::Write | PerfOp::Send => {
                 for i in 0..iters {
                     let tag = (i % 255) as u8 + 1;
-                    self.one_way(op, size, tag, true)?;
-                    self.one_way(op, size, tag, false)?;
+                    for forward in [true, false] {
+                        let start = self.now();
+                        self.one_way(op, size, tag, forward)?;
+                        out.push(self.now() - start);
+                    }
                 }
-                Ok(SimTime(
-                    (self.now() - start).ps() / (2 * iters.max(1) as u64),
-                ))
             }
         }
+        Ok(out)
     }
 
     /// Sends one message from A to B (`forward`) or back, and waits until the receiver sees it.
@@ -194,7 +226,7 @@ impl PerfPair {
         let wr_op = match op {
             PerfOp::Send => {
                 let rs = [dst.mr.sge(PERF_BUF as u64 / 2, size)];
-                dst.qp.post_recv(&[RecvWr { wr_id: 0, sgl: &rs }])?;
+                dst.qps[0].post_recv(&[RecvWr { wr_id: 0, sgl: &rs }])?;
                 WrOp::Send
             }
             _ => WrOp::Write(RemoteAddr {
@@ -206,7 +238,7 @@ impl PerfPair {
             Some(d) => SendWr::inline(0, wr_op, d),
             None => SendWr::new(0, wr_op, &sge),
         };
-        src.qp.post_send(&[wr])?;
+        src.qps[0].post_send(&[wr])?;
         // The receiver spins: on the last byte (WRITE) or on its receive CQ (SEND).
         let mut wc = [WorkCompletion::default(); 4];
         loop {
@@ -278,55 +310,81 @@ impl PerfPair {
         count: u32,
         depth: u32,
     ) -> Result<f64, Error> {
+        Ok(self.throughput(op, size, count, depth)?.0)
+    }
+
+    /// As [`PerfPair::bandwidth`], spread round-robin over every QP pair (`depth` outstanding
+    /// on each): payload bits per second and messages per second of simulated time.
+    pub fn throughput(
+        &mut self,
+        op: PerfOp,
+        size: u32,
+        count: u32,
+        depth: u32,
+    ) -> Result<(f64, f64), Error> {
         let size = size.clamp(1, (PERF_BUF / 2) as u32);
         let depth = depth.clamp(16, 256);
         self.quiesce()?;
+        let nq = self.a.qps.len() as u32;
         let start = self.now();
-        let (mut posted, mut completed) = (0u32, 0u32);
-        let mut recv_posted = 0u32;
+        // Per QP: its share of the messages, posted, completed, receives posted.
+        let quota: Vec<u32> = (0..nq)
+            .map(|q| count / nq + u32::from(q < count % nq))
+            .collect();
+        let (mut posted, mut completed) = (vec![0u32; nq as usize], vec![0u32; nq as usize]);
+        let mut recv_posted = vec![0u32; nq as usize];
         let mut wc = [WorkCompletion::default(); 32];
         let sge = [self.a.mr.sge(0, size)];
         let remote = RemoteAddr {
             addr: self.b.mr.addr() + PERF_BUF as u64 / 2,
             rkey: self.b.mr.rkey(),
         };
+        let qpn_index: std::collections::BTreeMap<u32, usize> = self
+            .a
+            .qps
+            .iter()
+            .enumerate()
+            .map(|(i, q)| (q.qpn(), i))
+            .collect();
         let mut last_done = start;
-        while completed < count {
-            if op == PerfOp::Send {
-                while recv_posted < count && recv_posted < completed + 2 * depth {
-                    let rs = [self.b.mr.sge(PERF_BUF as u64 / 2, size)];
-                    self.b.qp.post_recv(&[RecvWr { wr_id: 0, sgl: &rs }])?;
-                    recv_posted += 1;
+        let total = |v: &[u32]| v.iter().sum::<u32>();
+        while total(&completed) < count {
+            for q in 0..nq as usize {
+                if op == PerfOp::Send {
+                    while recv_posted[q] < quota[q] && recv_posted[q] < completed[q] + 2 * depth {
+                        let rs = [self.b.mr.sge(PERF_BUF as u64 / 2, size)];
+                        self.b.qps[q].post_recv(&[RecvWr { wr_id: 0, sgl: &rs }])?;
+                        recv_posted[q] += 1;
+                    }
                 }
-            }
-            while posted < count && posted - completed < depth {
-                let signaled = posted % 16 == 15 || posted + 1 == count;
-                let flags = if signaled {
-                    SendFlags::SIGNALED
-                } else {
-                    SendFlags::empty()
-                };
-                let wr_op = if op == PerfOp::Send {
-                    WrOp::Send
-                } else if op == PerfOp::Read {
-                    WrOp::Read(RemoteAddr {
-                        addr: self.b.mr.addr(),
-                        rkey: self.b.mr.rkey(),
-                    })
-                } else {
-                    WrOp::Write(remote)
-                };
-                self.a
-                    .qp
-                    .post_send(&[SendWr::new(posted as u64, wr_op, &sge).flags(flags)])?;
-                posted += 1;
+                while posted[q] < quota[q] && posted[q] - completed[q] < depth {
+                    let signaled = posted[q] % 16 == 15 || posted[q] + 1 == quota[q];
+                    let flags = if signaled {
+                        SendFlags::SIGNALED
+                    } else {
+                        SendFlags::empty()
+                    };
+                    let wr_op = match op {
+                        PerfOp::Send => WrOp::Send,
+                        PerfOp::Read => WrOp::Read(RemoteAddr {
+                            addr: self.b.mr.addr(),
+                            rkey: self.b.mr.rkey(),
+                        }),
+                        _ => WrOp::Write(remote),
+                    };
+                    self.a.qps[q]
+                        .post_send(&[SendWr::new(posted[q] as u64, wr_op, &sge).flags(flags)])?;
+                    posted[q] += 1;
+                }
             }
             let n = self.a.cq.poll_ready(&mut wc);
             for w in &wc[..n] {
                 if w.status != WcStatus::Success {
                     return Err(Error::InvalidArgument(status_text(w.status)));
                 }
-                completed = w.wr_id as u32 + 1;
+                if let Some(&q) = qpn_index.get(&w.qpn) {
+                    completed[q] = w.wr_id as u32 + 1;
+                }
                 last_done = SimTime(w.timestamp_ps);
             }
             let m = self.b.cq.poll_ready(&mut wc);
@@ -337,8 +395,8 @@ impl PerfPair {
                 self.step()?;
             }
         }
-        let secs = (last_done - start).ps() as f64 / 1e12;
-        Ok(count as f64 * size as f64 * 8.0 / secs.max(1e-12))
+        let secs = ((last_done - start).ps() as f64 / 1e12).max(1e-12);
+        Ok((count as f64 * size as f64 * 8.0 / secs, count as f64 / secs))
     }
 }
 

@@ -215,3 +215,103 @@ fn coll_prints_a_latency_per_collective_and_rank_count_growing_with_the_tree() {
     assert!(!bad.status.success());
     assert!(String::from_utf8_lossy(&bad.stderr).contains("2..=1024"));
 }
+
+#[test]
+fn bench_perftest_reports_latency_percentiles_bandwidth_and_speed() {
+    let out = Command::new(env!("CARGO_BIN_EXE_ringbell-emu"))
+        .args(["bench", "--op", "perftest", "--count", "10"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8(out.stdout).unwrap();
+    let rows = |op: &str| -> Vec<Vec<f64>> {
+        text.lines()
+            .filter(|l| l.split_whitespace().next() == Some(op))
+            .map(|l| {
+                l.split_whitespace()
+                    .skip(1)
+                    .map(|w| w.parse().unwrap())
+                    .collect()
+            })
+            .collect()
+    };
+    for op in ["write", "send", "read"] {
+        let r = rows(op);
+        assert_eq!(r.len(), 16, "{op}: 2 B .. 64 KiB");
+        for row in &r {
+            // bytes, min <= median <= p99 <= p99.9, and min <= avg <= p99.9.
+            assert!(
+                row[1] <= row[2] && row[2] <= row[4] && row[4] <= row[5],
+                "{row:?}"
+            );
+            assert!(row[1] <= row[3] && row[3] <= row[5], "{row:?}");
+        }
+        assert!(r[15][1] > r[0][1] + 5.0, "{op}: 64 KiB costs more than 2 B");
+    }
+    assert_eq!(rows("atomic").len(), 1);
+    // Bandwidth rows: 8 QPs never below 1 QP, and large messages near line rate.
+    let bw: Vec<Vec<f64>> = text
+        .lines()
+        .skip_while(|l| !l.contains("1 QP Gb/s"))
+        .skip(1)
+        .take(16)
+        .map(|l| l.split_whitespace().map(|w| w.parse().unwrap()).collect())
+        .collect();
+    assert_eq!(bw.len(), 16);
+    for row in &bw {
+        assert!(row[3] >= row[1] * 0.99, "{row:?}");
+    }
+    assert!(bw[15][1] > 95.0 && bw[15][1] < 100.0, "{:?}", bw[15]);
+    assert!(
+        bw[0][4] > 5.0 * bw[0][2],
+        "8 QPs lift the small-message rate: {:?}",
+        bw[0]
+    );
+    assert!(text.contains("simulated µs per wall s"));
+}
+
+#[test]
+fn profiles_print_and_load_from_files() {
+    let out = Command::new(env!("CARGO_BIN_EXE_ringbell-emu"))
+        .args(["profile", "cx7-400g"])
+        .output()
+        .unwrap();
+    let text = String::from_utf8(out.stdout).unwrap();
+    assert!(text.starts_with("timing profile cx7-400g"), "{text}");
+    assert!(text.contains("link_bits_per_us") && text.contains("400000"));
+    let dir = std::env::temp_dir().join(format!("rb-prof-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let f = dir.join("slow.toml");
+    std::fs::write(&f, "name = \"slow-mmio\"\nmmio_post_ps = 1200000\n").unwrap();
+    let run = |profile: &str| {
+        Command::new(env!("CARGO_BIN_EXE_ringbell-emu"))
+            .args(["demo", "--iters", "2", "--profile", profile])
+            .output()
+            .unwrap()
+    };
+    let slow = String::from_utf8(run(f.to_str().unwrap()).stdout).unwrap();
+    assert!(slow.contains("timing profile slow-mmio"), "{slow}");
+    let lat = |t: &str| -> f64 {
+        let row = t
+            .lines()
+            .find(|l| l.trim_start().starts_with("8 "))
+            .unwrap();
+        row.split_whitespace().nth(1).unwrap().parse().unwrap()
+    };
+    let base = String::from_utf8(run("cx6-100g").stdout).unwrap();
+    // One microsecond more per MMIO store shows in the one-way WRITE latency.
+    assert!(
+        (lat(&slow) - lat(&base) - 1.0).abs() < 0.01,
+        "{} vs {}",
+        lat(&slow),
+        lat(&base)
+    );
+    let bad = run("no-such-profile");
+    assert!(!bad.status.success());
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("cx6-100g, cx7-400g"));
+    std::fs::remove_dir_all(&dir).ok();
+}
