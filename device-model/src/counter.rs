@@ -16,7 +16,7 @@
 //! task of the NIC's own on its QP's send side; its completion adds one to its completion
 //! counter (success or error) and writes a CQE flagged TRIGGERED when asked or on error.
 
-use crate::env::{Env, NicEvent};
+use crate::env::{trace, Env, NicEvent, Stage, TraceEvent};
 use crate::mem::key_index;
 use crate::nic::Nic;
 use crate::qp::{HwTask, SendWqe};
@@ -618,6 +618,14 @@ impl Nic {
                     0
                 };
                 let ready = env.now() + SimTime(t.trig_dispatch_ps + fetch);
+                let now = env.now();
+                trace(env, || {
+                    TraceEvent::new(Stage::TriggerDispatch, now, ready)
+                        .qpn(qpn)
+                        .obj(handle)
+                        .op(wqe.op as u8)
+                        .bytes(wqe.len as usize)
+                });
                 let Some(mut qp) = self.qps.remove(qpn) else {
                     // The QP went away (a reset): nothing to report on, but the count moves.
                     self.trig_count(env, comp, comp_gen, false, ready);
@@ -713,6 +721,14 @@ impl Nic {
             c.success.wrapping_add(s.0)
         };
         c.error = if e.1 { e.0 } else { c.error.wrapping_add(e.0) };
+        let (success, error) = (c.success, c.error);
+        let now = env.now();
+        trace(env, || {
+            TraceEvent::at(Stage::CounterUpdate, now)
+                .obj(n)
+                .psn(success as u32)
+                .bytes(error as usize)
+        });
         self.cntr_writeback(env, n);
         self.cntr_check_wait(env, n);
         self.cntr_release(n);

@@ -1,6 +1,6 @@
 //! Completion queues: the ring, the owner bit, overflow detection and arming.
 
-use crate::env::{write_owned_entry, Env};
+use crate::env::{trace, write_owned_entry, Env, Stage, TraceEvent};
 use crate::nic::Nic;
 use ringbell_specs::cmd::QpState;
 use ringbell_specs::cqe::{owner_bit, Cqe, EventType, CQE_SIZE};
@@ -117,6 +117,16 @@ impl Nic {
         };
         cq.pi = cq.pi.wrapping_add(1);
         self.stats.cqes += 1;
+        let now = env.now();
+        trace(env, || {
+            TraceEvent::at(Stage::CqeWrite, now)
+                .qpn(cqe.qpn.get())
+                .obj(cqn)
+                .psn(cqe.wqe_counter.get() as u32)
+                .op(cqe.opcode)
+                .status(cqe.status)
+                .bytes(cqe.byte_len.get() as usize)
+        });
         let fire = match cq.armed {
             Some(only_solicited) => !only_solicited || solicited,
             None => false,

@@ -22,7 +22,7 @@ pub mod sim;
 pub mod timing;
 mod tm;
 
-pub use env::{DmaFault, Env, NicEvent};
+pub use env::{DmaFault, Env, NicEvent, Stage, TraceEvent};
 pub use nic::{Nic, NicConfig, NicStats};
 pub use qp::QpStats;
 pub use timing::TimingProfile;

@@ -1,7 +1,7 @@
 //! The NIC: object tables, BAR0 registers, the event queue and event dispatch.
 
 use crate::cq::Cq;
-use crate::env::{write_owned_entry, Env, NicEvent};
+use crate::env::{trace, write_owned_entry, Env, NicEvent, Stage, TraceEvent};
 use crate::mem::{Mr, Pd};
 use crate::qp::{Qp, Srq};
 use crate::timing::TimingProfile;
@@ -363,6 +363,10 @@ impl Nic {
                 } else {
                     self.cmd_status = regs::CMD_STATUS_BUSY | (value & 0xFFFF);
                     let at = env.now() + SimTime(self.cfg.timing.cmd_exec_ps);
+                    let now = env.now();
+                    trace(env, || {
+                        TraceEvent::new(Stage::Command, now, at).obj(value & 0xFFFF)
+                    });
                     env.schedule(at, NicEvent::CmdExec);
                 }
             }
@@ -604,6 +608,13 @@ impl Nic {
             Ok(()) => {
                 eq.pi = eq.pi.wrapping_add(1);
                 self.stats.eqes += 1;
+                let now = env.now();
+                trace(env, || {
+                    TraceEvent::at(Stage::AsyncEvent, now)
+                        .qpn(obj)
+                        .op(ty as u8)
+                        .status(subtype)
+                });
                 env.interrupt(0);
             }
             Err(_) => {
@@ -664,7 +675,14 @@ impl Nic {
         data: &[u8],
         qpn: u32,
     ) {
+        let start = ready.max(self.pcie_write_free);
         let at = self.reserve_pcie_write(ready, data.len());
+        if env.tracing() {
+            let done = self.pcie_write_free;
+            let ev = |s, a, b| TraceEvent::new(s, a, b).qpn(qpn).bytes(data.len());
+            env.trace(ev(Stage::DmaWrite, start, done));
+            env.trace(ev(Stage::Visible, done, at));
+        }
         env.schedule(
             at,
             NicEvent::DmaWrite {

@@ -1,7 +1,7 @@
 //! Queue pairs and shared receive queues: contexts, the RC state machine, receive WQE
 //! fetching and the flush of outstanding work on error.
 
-use crate::env::{Env, NicEvent};
+use crate::env::{Env, NicEvent, Stage, TraceEvent};
 use crate::nic::Nic;
 use ringbell_specs::cmd::{Access, QpAttr, QpAttrMask as M, QpState};
 use ringbell_specs::cqe::{
@@ -773,7 +773,25 @@ impl Nic {
         ready: SimTime,
         cqe: Cqe,
     ) {
+        let start = ready.max(self.pcie_write_free);
         let t = self.reserve_pcie_write(ready, 64) + SimTime(self.cfg.timing.nic_cqe_after_data_ps);
+        if env.tracing() {
+            let (done, vis) = (
+                self.pcie_write_free,
+                t - SimTime(self.cfg.timing.nic_cqe_after_data_ps),
+            );
+            let ev = |s, a, b| {
+                TraceEvent::new(s, a, b)
+                    .qpn(cqe.qpn.get())
+                    .obj(cqn)
+                    .psn(cqe.wqe_counter.get() as u32)
+                    .op(cqe.opcode)
+                    .status(cqe.status)
+            };
+            env.trace(ev(Stage::CqeDma, start, done).bytes(64));
+            env.trace(ev(Stage::CqeVisible, done, vis));
+            env.trace(ev(Stage::CqeOrder, vis, t));
+        }
         let gen = self.cqs.get(cqn).map_or(0, |c| c.gen);
         env.schedule(
             t,

@@ -4,7 +4,7 @@
 //! after a sequence NAK or a timeout (READs resume where their responses stopped), implied
 //! ACKs, RNR waits with `rnr_retry`, and the `max_rd_atomic`, fence and PSN-window limits.
 
-use crate::env::{Env, NicEvent};
+use crate::env::{trace, Env, NicEvent, Stage, TraceEvent};
 use crate::mem::KeyError;
 use crate::nic::Nic;
 use crate::qp::{HwTask, Outstanding, Qp, SendWqe, Sge};
@@ -147,6 +147,7 @@ impl Nic {
         };
         let first_psn = qp.req.next_psn;
         qp.req.next_psn = first_psn.add(npsn);
+        let (op, len) = (wqe.op as u8, wqe.len as usize);
         if rd_atomic {
             qp.req.rd_atomic += 1;
         }
@@ -169,6 +170,26 @@ impl Nic {
         let issue = self.reserve_msg(data_at);
         if let Some(o) = qp.req.outstanding.back_mut() {
             o.ready_at = issue + tx;
+        }
+        if env.tracing() {
+            let ev = |s, a, b| {
+                TraceEvent::new(s, a, b)
+                    .qpn(qp.qpn)
+                    .psn(index)
+                    .op(op)
+                    .bytes(len)
+            };
+            env.trace(match in_nic {
+                true => ev(Stage::BlueFlameWqe, now, now),
+                false => ev(Stage::WqeFetch, now, fetched),
+            });
+            if gathers {
+                env.trace(ev(Stage::PayloadFetch, fetched, data_at));
+            }
+            if issue > data_at {
+                env.trace(ev(Stage::MsgRateWait, data_at, issue));
+            }
+            env.trace(ev(Stage::TxBuild, issue, issue + tx));
         }
         true
     }
@@ -196,7 +217,7 @@ impl Nic {
                     rkey: w.rkey,
                     len: (w.len.saturating_sub(done)) as u32,
                 });
-                self.emit(env, &repr, &[], ready);
+                self.emit(env, qp.qpn, &repr, &[], ready);
                 qp.req.since_ack_req = 0;
                 let o = &mut qp.req.outstanding[i];
                 o.sent = npsn;
@@ -215,7 +236,7 @@ impl Nic {
                     swap_add: w.atomic.0,
                     compare: w.atomic.1,
                 });
-                self.emit(env, &repr, &[], ready);
+                self.emit(env, qp.qpn, &repr, &[], ready);
                 qp.req.since_ack_req = 0;
                 qp.req.outstanding[i].sent = 1;
             }
@@ -231,7 +252,14 @@ impl Nic {
                     payload[..end - off as usize].copy_from_slice(&w.inline[off as usize..end]);
                     Ok(())
                 } else {
+                    let start = ready.max(self.pcie_read_free);
                     next_ready = self.reserve_pcie_read(ready, len);
+                    trace(env, || {
+                        TraceEvent::new(Stage::PayloadRead, start, next_ready)
+                            .qpn(qp.qpn)
+                            .psn(psn.get())
+                            .bytes(len)
+                    });
                     let sges = w.sges.clone();
                     self.gather(env, qp.qpn, pdn, &sges, off, &mut payload)
                 };
@@ -276,7 +304,7 @@ impl Nic {
                 if opcode.has_immdt() {
                     repr.imm = Some(w.imm);
                 }
-                self.emit(env, &repr, &payload, ready);
+                self.emit(env, qp.qpn, &repr, &payload, ready);
                 self.scratch = payload;
                 qp.req.outstanding[i].sent = k + 1;
             }
@@ -713,6 +741,11 @@ impl Nic {
                 let waiting = now < qp.req.rnr_until;
                 if let Some(una) = self.oldest_unanswered(&qp).filter(|_| !waiting) {
                     qp.stats.timeouts += 1;
+                    trace(env, || {
+                        TraceEvent::at(Stage::AckTimeout, now)
+                            .qpn(qpn)
+                            .psn(una.get())
+                    });
                     self.retry_from(env, &mut qp, una);
                 }
             }
@@ -743,6 +776,10 @@ impl Nic {
     /// Go-back-N: every unfinished message from the one holding `psn` is sent again, that
     /// one from `psn` (a READ from its first unanswered response). Runs at `at`.
     fn rewind(&mut self, env: &mut dyn Env, qp: &mut Qp, psn: Psn, at: SimTime) {
+        let now = env.now();
+        trace(env, || {
+            TraceEvent::at(Stage::Retry, now).qpn(qp.qpn).psn(psn.get())
+        });
         qp.req.rewound_to = Some(psn);
         let Some(i) = qp
             .req
@@ -1085,6 +1122,12 @@ impl Nic {
         }
         let at = env.now() + SimTime(wire::rnr_timer_ps(timer));
         qp.req.rnr_until = at;
+        let now = env.now();
+        trace(env, || {
+            TraceEvent::new(Stage::RnrWait, now, at)
+                .qpn(qp.qpn)
+                .psn(psn.get())
+        });
         self.rewind(env, qp, psn, at);
     }
 

@@ -1,7 +1,7 @@
 //! The receive path: frame validation, the responder (SEND, WRITE, READ, atomics, ACK/NAK
 //! generation) and the hand-off of responses to the requester.
 
-use crate::env::{Env, NicEvent};
+use crate::env::{trace, Env, NicEvent, Stage, TraceEvent};
 use crate::nic::Nic;
 use crate::qp::{Qp, RecvCtx, Reply, Resource, TmRecv, WriteCtx};
 use crate::tm::{self, SlotState, TmCompletion};
@@ -45,6 +45,17 @@ impl Nic {
             return;
         }
         let qpn = pkt.repr.bth.dest_qp.get();
+        if env.tracing() {
+            let now = env.now();
+            let end = now + SimTime(self.cfg.timing.nic_rx_pkt_ps);
+            env.trace(
+                TraceEvent::new(Stage::Rx, now, end)
+                    .qpn(qpn)
+                    .psn(pkt.repr.bth.psn.get())
+                    .op(pkt.repr.bth.opcode)
+                    .bytes(frame.len()),
+            );
+        }
         let Some(mut qp) = self.qps.remove(qpn) else {
             self.stats.rx_dropped += 1;
             return;
@@ -104,17 +115,27 @@ impl Nic {
         }
     }
 
-    /// Builds a frame and sends it once `ready`.
+    /// Builds a frame of QP `qpn` and sends it once `ready`.
     pub(crate) fn emit(
         &mut self,
         env: &mut dyn Env,
+        qpn: u32,
         repr: &PacketRepr,
         payload: &[u8],
         ready: SimTime,
     ) {
         let mut frame = Vec::with_capacity(repr.frame_len(payload.len()));
         repr.emit(payload, &mut frame);
+        let (len, start) = (frame.len(), ready.max(self.egress_free));
         self.send_frame(env, ready, frame);
+        let done = self.egress_free;
+        trace(env, || {
+            TraceEvent::new(Stage::Serialize, start, done)
+                .qpn(qpn)
+                .psn(repr.bth.psn.get())
+                .op(repr.bth.opcode)
+                .bytes(len)
+        });
     }
 
     /// Acknowledges (or NAKs) `psn`. Responses leave in PSN order: while READ or atomic
@@ -164,7 +185,7 @@ impl Nic {
             }
             AethSyndrome::Ack { .. } => {}
         }
-        self.emit(env, &repr, &[], ready);
+        self.emit(env, qp.qpn, &repr, &[], ready);
     }
 
     fn handle_request(&mut self, env: &mut dyn Env, qp: &mut Qp, pkt: &Packet<'_>) {
@@ -522,9 +543,17 @@ impl Nic {
             };
             let (hit, compared) = tm.find(tmh.tag);
             let t = &self.cfg.timing;
+            let before = *ready;
             *ready =
                 *ready + SimTime(t.tm_match_fixed_ps + t.tm_match_per_entry_ps * compared as u64);
             let ready = *ready;
+            trace(env, || {
+                TraceEvent::new(Stage::TagMatch, before, ready)
+                    .qpn(qp.qpn)
+                    .obj(srqn)
+                    .psn(pkt.repr.bth.psn.get())
+                    .bytes(compared)
+            });
             if let Some(h) = hit {
                 let slot = tm.slots[h];
                 let handle = h as u32;
@@ -780,6 +809,13 @@ impl Nic {
             },
         );
         let not_before = self.after_posted_writes(ready);
+        if not_before > ready {
+            trace(env, || {
+                TraceEvent::new(Stage::RespWait, ready, not_before)
+                    .qpn(qp.qpn)
+                    .psn(first.get())
+            });
+        }
         let msn = qp.resp.msn;
         let c = qp.cntrs;
         self.qp_count(env, &c, CntrEvents::REMOTE_READ, true, ready);
@@ -836,6 +872,13 @@ impl Nic {
             },
         );
         let not_before = self.after_posted_writes(ready);
+        if not_before > ready {
+            trace(env, || {
+                TraceEvent::new(Stage::RespWait, ready, not_before)
+                    .qpn(qp.qpn)
+                    .psn(psn.get())
+            });
+        }
         let reply = Reply::Atomic {
             psn,
             iova,
@@ -1064,8 +1107,19 @@ impl Nic {
                 } else {
                     now
                 };
+                let start = from.max(self.pcie_read_free);
                 let at = self.reserve_pcie_read(from, plen);
-                self.emit(env, &repr, &payload, at);
+                if env.tracing() {
+                    let psn = first.add(next).get();
+                    let ev = |s, a, b| TraceEvent::new(s, a, b).qpn(qp.qpn).psn(psn);
+                    if next == 0 {
+                        env.trace(ev(Stage::ReadRespSetup, now, from).bytes(len as usize));
+                    }
+                    if plen > 0 {
+                        env.trace(ev(Stage::PayloadRead, start, at).bytes(plen));
+                    }
+                }
+                self.emit(env, qp.qpn, &repr, &payload, at);
                 self.scratch = payload;
                 if next + 1 < n {
                     if let Some(Reply::Read { next: nx, .. }) = qp.resp.queue.front_mut() {
@@ -1084,7 +1138,15 @@ impl Nic {
                 };
                 qp.resp.queue.pop_front();
                 match result {
-                    Ok(orig) => self.emit_atomic_ack(env, qp, psn, orig, msn, now + SimTime(rtt)),
+                    Ok(orig) => {
+                        trace(env, || {
+                            TraceEvent::new(Stage::AtomicFetch, now, now + SimTime(rtt))
+                                .qpn(qp.qpn)
+                                .psn(psn.get())
+                                .bytes(8)
+                        });
+                        self.emit_atomic_ack(env, qp, psn, orig, msn, now + SimTime(rtt))
+                    }
                     Err(iova) => {
                         self.iommu_fault(env, qp.qpn, iova);
                         self.fatal_now(env, qp, psn, NakCode::RemoteOperationalError);
@@ -1194,7 +1256,7 @@ impl Nic {
             msn: msn & 0x00FF_FFFF,
         });
         repr.atomic_ack = Some(orig);
-        self.emit(env, &repr, &[], at);
+        self.emit(env, qp.qpn, &repr, &[], at);
     }
 
     /// A fatal error found while answering: NAK it and move to ERR at once.

@@ -4,10 +4,13 @@ use crate::capture::{Capture, CaptureStats, Fate};
 use crate::faults::{FaultPlan, FaultRule, FaultStats, Faults};
 use crate::iommu::Iommu;
 use crate::port::EmuPort;
+use crate::timeline::{Timeline, TimelineStats};
 use rand_core::SeedableRng;
 use rand_pcg::Pcg64Mcg;
 use ringbell_model::sim::EventQueue;
-use ringbell_model::{DmaFault, Env, Nic, NicConfig, NicEvent, NicStats, TimingProfile};
+use ringbell_model::{
+    DmaFault, Env, Nic, NicConfig, NicEvent, NicStats, Stage, TimingProfile, TraceEvent,
+};
 use ringbell_specs::SimTime;
 use std::cell::RefCell;
 use std::collections::BTreeMap;
@@ -107,6 +110,8 @@ pub(crate) struct Inner {
     stats: FabricStats,
     /// The packet capture, when one runs.
     capture: Option<Box<Capture>>,
+    /// The timeline being recorded, when one is.
+    timeline: Option<Box<Timeline>>,
 }
 
 pub(crate) type Shared = Rc<RefCell<Inner>>;
@@ -126,6 +131,36 @@ struct NodeEnv<'a> {
     timers: &'a mut u64,
     faults: &'a mut Faults,
     capture: &'a mut Option<Box<Capture>>,
+    timeline: &'a mut Option<Box<Timeline>>,
+}
+
+impl NodeEnv<'_> {
+    /// Records the flight of `frame` (sent by this node, last bit out at `at`) towards `dst`,
+    /// arriving at `arrival`, with fate `status` (see [`Stage::Flight`]).
+    fn trace_flight(
+        &mut self,
+        frame: &[u8],
+        dst: Option<usize>,
+        at: SimTime,
+        arrival: SimTime,
+        status: u8,
+    ) {
+        if let Some(t) = self.timeline {
+            let stage = match self.topology {
+                Topology::BackToBack => Stage::Flight,
+                Topology::Switch => Stage::SwitchedFlight,
+            };
+            let (op, dqpn, psn) = crate::timeline::bth_of(frame);
+            let ev = TraceEvent::new(stage, at, arrival)
+                .obj(dst.map_or(u32::MAX, |d| d as u32))
+                .qpn(dqpn)
+                .psn(psn)
+                .op(op)
+                .status(status)
+                .bytes(frame.len());
+            t.record(self.node, ev);
+        }
+    }
 }
 
 impl Env for NodeEnv<'_> {
@@ -156,14 +191,15 @@ impl Env for NodeEnv<'_> {
         let ser = SimTime(t.serialize_ps(frame.len()));
         // A capture stamps the frame when its first bit goes on the wire.
         let first_bit = (at - ser).max(self.now);
+        let hop = SimTime(t.link_phy_mac_ps + t.link_prop_ps);
         let Some(&dst) = self.macs.get(&dst_mac) else {
+            self.trace_flight(&frame, None, at, at + hop, 3);
             self.stats.frames_unroutable += 1;
             if let Some(c) = self.capture {
                 c.record(Some(self.node), None, first_bit, &frame, Fate::Unroutable);
             }
             return;
         };
-        let hop = SimTime(t.link_phy_mac_ps + t.link_prop_ps);
         self.stats.bytes_on_wire += frame.len() as u64;
         let arrival = match self.topology {
             Topology::BackToBack => at + hop,
@@ -178,6 +214,7 @@ impl Env for NodeEnv<'_> {
             }
         };
         if self.faults.inactive() {
+            self.trace_flight(&frame, Some(dst), at, arrival, 0);
             if let Some(c) = self.capture {
                 c.record(
                     Some(self.node),
@@ -192,6 +229,21 @@ impl Env for NodeEnv<'_> {
         }
         let link_down = self.faults.stats.link_down;
         let v = self.faults.decide(self.node, dst, at, &frame);
+        if self.timeline.is_some() {
+            match v.copies.as_slice() {
+                [] => {
+                    let lost = 1 + (self.faults.stats.link_down > link_down) as u8;
+                    self.trace_flight(&frame, Some(dst), at, arrival, lost);
+                }
+                copies => {
+                    let plain = copies.len() == 1 && copies[0] == SimTime::ZERO && v.flip.is_none();
+                    for extra in copies {
+                        let status = if plain { 0 } else { 4 };
+                        self.trace_flight(&frame, Some(dst), at, arrival + *extra, status);
+                    }
+                }
+            }
+        }
         if let Some(c) = self.capture {
             let fate = Fate::of(&v, self.faults.stats.link_down > link_down);
             c.record(Some(self.node), Some(dst), first_bit, &frame, fate);
@@ -214,6 +266,14 @@ impl Env for NodeEnv<'_> {
     }
     fn interrupt(&mut self, _vector: u32) {
         *self.interrupts += 1;
+    }
+    fn tracing(&self) -> bool {
+        self.timeline.is_some()
+    }
+    fn trace(&mut self, ev: TraceEvent) {
+        if let Some(t) = self.timeline {
+            t.record(self.node, ev);
+        }
     }
 }
 
@@ -240,6 +300,7 @@ impl Inner {
             timers: &mut self.timers,
             faults: &mut self.faults,
             capture: &mut self.capture,
+            timeline: &mut self.timeline,
         };
         f(nic, &mut env)
     }
@@ -255,7 +316,11 @@ impl Inner {
     /// A CPU store to BAR0: it reaches the device after the host and PCIe posting costs.
     pub(crate) fn mmio_write(&mut self, node: usize, offset: u64, value: u32) {
         let t = &self.cfg.timing;
-        let at = self.queue.now() + SimTime(t.host_doorbell_ps + t.mmio_post_ps);
+        let now = self.queue.now();
+        let at = now + SimTime(t.host_doorbell_ps + t.mmio_post_ps);
+        if let Some(tl) = &mut self.timeline {
+            tl.record_host_store(node, offset, 4, now, now + SimTime(t.host_doorbell_ps), at);
+        }
         self.queue
             .push(at, Event::Nic(node, NicEvent::Mmio { offset, value }));
         self.pending_mmio[node] += 1;
@@ -265,8 +330,12 @@ impl Inner {
     /// host the post, then it travels as one posted write.
     pub(crate) fn mmio_write_block(&mut self, node: usize, offset: u64, data: &[u8]) {
         let t = &self.cfg.timing;
-        let at =
-            self.queue.now() + SimTime(t.host_post_wqe_ps + t.host_doorbell_ps + t.mmio_post_ps);
+        let now = self.queue.now();
+        let stored = now + SimTime(t.host_post_wqe_ps + t.host_doorbell_ps);
+        let at = stored + SimTime(t.mmio_post_ps);
+        if let Some(tl) = &mut self.timeline {
+            tl.record_host_store(node, offset, data.len(), now, stored, at);
+        }
         self.queue.push(
             at,
             Event::Nic(
@@ -369,6 +438,7 @@ impl Fabric {
             digest: Digest(0xCBF2_9CE4_8422_2325),
             stats: FabricStats::default(),
             capture: None,
+            timeline: None,
             cfg,
         };
         Fabric {
@@ -519,5 +589,51 @@ impl Fabric {
             Some(mut c) => c.finish(),
             None => Ok(CaptureStats::default()),
         }
+    }
+
+    /// Starts recording a timeline of the simulated pipeline (see [`crate::timeline`]): every
+    /// stage of every message from now on, the first `max_events` of them (later ones are
+    /// counted, not kept). Recording changes no simulated result. Fails if one already runs.
+    pub fn start_timeline(&self, max_events: usize) -> io::Result<()> {
+        let mut s = self.shared.borrow_mut();
+        if s.timeline.is_some() {
+            return Err(io::Error::new(
+                io::ErrorKind::AlreadyExists,
+                "a timeline is already being recorded on this fabric",
+            ));
+        }
+        let t = Timeline::new(
+            s.nodes.len(),
+            s.cfg.seed,
+            s.cfg.timing.name.clone(),
+            s.cfg.topology == Topology::BackToBack,
+            max_events,
+        );
+        s.timeline = Some(Box::new(t));
+        Ok(())
+    }
+
+    /// Whether a timeline is being recorded.
+    pub fn timeline_running(&self) -> bool {
+        self.shared.borrow().timeline.is_some()
+    }
+
+    /// Ends the timeline and returns what it recorded (`None` if none was running).
+    pub fn take_timeline(&self) -> Option<Timeline> {
+        self.shared.borrow_mut().timeline.take().map(|t| *t)
+    }
+
+    /// Ends the timeline and writes it to the file at `path` (created or truncated) as
+    /// Trace Event Format JSON; see [`Timeline::write_json`]. `Ok` with zero counts and no
+    /// file if none was running.
+    pub fn write_timeline(&self, path: impl AsRef<Path>) -> io::Result<TimelineStats> {
+        let Some(t) = self.take_timeline() else {
+            return Ok(TimelineStats::default());
+        };
+        let f = std::fs::File::create(path)?;
+        let mut w = io::BufWriter::with_capacity(1 << 20, f);
+        let st = t.write_json(&mut w)?;
+        w.flush()?;
+        Ok(st)
     }
 }

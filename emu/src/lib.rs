@@ -16,6 +16,7 @@ pub mod perf;
 pub mod profile;
 mod port;
 mod scenario;
+pub mod timeline;
 pub mod tmbench;
 
 pub use capture::CaptureStats;
@@ -26,3 +27,4 @@ pub use faults::{
 pub use iommu::Iommu;
 pub use port::EmuPort;
 pub use scenario::{Scenario, ScenarioError};
+pub use timeline::{Timeline, TimelineStats};

@@ -1,6 +1,6 @@
 //! `ringbell-emu`: runs workloads through the real driver on emulated NICs.
 
-use clap::{Parser, Subcommand, ValueEnum};
+use clap::{Args, Parser, Subcommand, ValueEnum};
 use ringbell::ConnectOptions;
 use ringbell_emu::faults::{ppm, LinkFaults, PPM};
 use ringbell_emu::perf::{PerfOp, PerfPair};
@@ -135,6 +135,8 @@ enum Cmd {
         /// Timing profile: a built-in name (cx6-100g, cx7-400g) or a TOML file of overrides.
         #[arg(long, default_value = "cx6-100g")]
         profile: String,
+        #[command(flatten)]
+        timeline: TimelineArgs,
     },
     /// Two nodes through the real driver: latency (WRITE, SEND, READ; 8 B..64 KiB) and
     /// bandwidth, in simulated time, plus the wall-clock emulation speed.
@@ -154,6 +156,8 @@ enum Cmd {
         /// Timing profile: a built-in name (cx6-100g, cx7-400g) or a TOML file of overrides.
         #[arg(long, default_value = "cx6-100g")]
         profile: String,
+        #[command(flatten)]
+        timeline: TimelineArgs,
     },
     /// Prints a timing profile: every parameter with its value and source.
     Profile {
@@ -161,10 +165,46 @@ enum Cmd {
         #[arg(default_value = "cx6-100g")]
         profile: String,
     },
+    /// Where the latency of one small message goes: a WRITE, a SEND and a READ on two nodes,
+    /// each traced, with every stage of its critical path (offset, duration, node, the timing
+    /// parameters it comes from) adding up to the measured latency.
+    Breakdown {
+        /// Root seed.
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
+        /// Message size in bytes (one packet: 1..=4096).
+        #[arg(long, default_value_t = 8)]
+        size: u32,
+        /// How the two nodes are wired.
+        #[arg(long, value_enum, default_value_t = Wiring::B2b)]
+        wiring: Wiring,
+        /// Timing profile: a built-in name (cx6-100g, cx7-400g) or a TOML file of overrides.
+        #[arg(long, default_value = "cx6-100g")]
+        profile: String,
+    },
 }
+
+/// `--timeline FILE` (demo, bench).
+#[derive(Args, Clone, Default)]
+struct TimelineArgs {
+    /// Write a Chrome/Perfetto timeline (Trace Event Format JSON, simulated time) of the run
+    /// to FILE: every stage of every message, one process per node, one track per resource.
+    #[arg(long, value_name = "FILE")]
+    timeline: Option<String>,
+    /// Most stages the timeline keeps (the first ones; the rest are counted).
+    #[arg(long, value_name = "N", default_value_t = ringbell_emu::timeline::DEFAULT_MAX_EVENTS)]
+    timeline_max: usize,
+}
+
+/// The `--timeline` of the command being run.
+static TIMELINE: std::sync::OnceLock<TimelineArgs> = std::sync::OnceLock::new();
 
 fn main() {
     let cli = Cli::parse();
+    if let Err(e) = timeline_args(&cli.cmd) {
+        eprintln!("ringbell-emu: {e}");
+        std::process::exit(1);
+    }
     let r = match cli.cmd {
         Cmd::Coll {
             op,
@@ -196,7 +236,14 @@ fn main() {
             wiring,
             capture,
             profile,
+            timeline: _,
         } => demo(seed, iters, wiring, capture, &profile).map_err(|e| e.to_string()),
+        Cmd::Breakdown {
+            seed,
+            size,
+            wiring,
+            profile,
+        } => breakdown(seed, size, wiring, &profile),
         Cmd::Bench {
             seed,
             loss,
@@ -212,6 +259,7 @@ fn main() {
             retry_cnt,
             capture,
             profile,
+            timeline: _,
         } => {
             let links = LinkFaults {
                 drop_ppm: ppm(loss),
@@ -507,6 +555,7 @@ fn bench(a: BenchArgs) -> Result<(), String> {
     if let Some(path) = &a.capture {
         start_capture(p.fabric(), path)?;
     }
+    start_timeline(p.fabric())?;
     let start = p.fabric().now();
     let bw = p.bandwidth(op, a.size, a.count, a.depth);
     let sim = p.fabric().now() - start;
@@ -556,6 +605,7 @@ fn bench(a: BenchArgs) -> Result<(), String> {
     if let Some(path) = &a.capture {
         stop_capture(p.fabric(), path)?;
     }
+    write_timeline(p.fabric())?;
     bw.map(|_| ()).map_err(|e| e.to_string())
 }
 
@@ -640,6 +690,7 @@ fn demo(
     if let Some(path) = &capture {
         start_capture(p.fabric(), path)?;
     }
+    start_timeline(p.fabric())?;
     let prof = p.fabric().timing();
     println!(
         "two nodes, {} wiring, timing profile {}, path MTU 4096, inline up to 220 B",
@@ -700,5 +751,98 @@ fn demo(
     if let Some(path) = &capture {
         stop_capture(p.fabric(), path)?;
     }
+    write_timeline(p.fabric())?;
     Ok(())
+}
+
+/// Checks and keeps the `--timeline` of `cmd` for [`start_timeline`].
+fn timeline_args(cmd: &Cmd) -> Result<(), String> {
+    let t = match cmd {
+        Cmd::Demo { timeline, .. } => timeline.clone(),
+        Cmd::Bench {
+            timeline,
+            op: BenchOp::Tag | BenchOp::Perftest,
+            ..
+        } if timeline.timeline.is_some() => {
+            return Err("--timeline applies to --op write, send and read".into())
+        }
+        Cmd::Bench { timeline, .. } => timeline.clone(),
+        _ => TimelineArgs::default(),
+    };
+    if t.timeline.is_some() && t.timeline_max == 0 {
+        return Err("--timeline-max must be at least 1".into());
+    }
+    let _ = TIMELINE.set(t);
+    Ok(())
+}
+
+/// Starts recording the timeline `--timeline` asked for, if any.
+fn start_timeline(f: &ringbell_emu::Fabric) -> Result<(), String> {
+    match TIMELINE.get() {
+        Some(TimelineArgs {
+            timeline: Some(path),
+            timeline_max,
+        }) => f
+            .start_timeline(*timeline_max)
+            .map_err(|e| format!("--timeline {path}: {e}")),
+        _ => Ok(()),
+    }
+}
+
+/// Writes the timeline being recorded to the `--timeline` file, and says what it holds.
+fn write_timeline(f: &ringbell_emu::Fabric) -> Result<(), String> {
+    let Some(path) = TIMELINE.get().and_then(|t| t.timeline.as_ref()) else {
+        return Ok(());
+    };
+    let st = f
+        .write_timeline(path)
+        .map_err(|e| format!("--timeline {path}: {e}"))?;
+    let cap = TIMELINE.get().map_or(0, |t| t.timeline_max);
+    println!(
+        "timeline: {} stages on {} tracks, {:.1} MB, written to {path}{}",
+        st.events,
+        st.tracks,
+        st.bytes as f64 / 1e6,
+        if st.dropped > 0 {
+            format!(
+                " (the first {cap} stages only: {} more not recorded; raise --timeline-max)",
+                st.dropped
+            )
+        } else {
+            String::new()
+        }
+    );
+    Ok(())
+}
+
+/// `ringbell-emu breakdown`.
+fn breakdown(seed: u64, size: u32, wiring: Wiring, profile: &str) -> Result<(), String> {
+    let timing = ringbell_emu::profile::load(profile).map_err(|e| e.to_string())?;
+    let topology = match wiring {
+        Wiring::B2b => Topology::BackToBack,
+        Wiring::Switch => Topology::Switch,
+    };
+    println!("seed {seed}");
+    println!(
+        "latency breakdown: two {} nodes, timing profile {}, path MTU 4096; each message traced, \
+         its critical path read from the timeline (simulated ns)",
+        if topology == Topology::BackToBack {
+            "back-to-back"
+        } else {
+            "switched"
+        },
+        timing.name
+    );
+    let all = ringbell_emu::timeline::breakdown_all(seed, topology, timing.clone(), size)?;
+    for b in &all {
+        println!();
+        print!("{}", b.render(&timing));
+    }
+    match all.iter().find(|b| !b.matches_measurement()) {
+        Some(b) => Err(format!(
+            "the stages of {} do not add up to the measured latency",
+            b.op.name()
+        )),
+        None => Ok(()),
+    }
 }
