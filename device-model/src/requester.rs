@@ -304,7 +304,9 @@ impl Nic {
                 if opcode.has_immdt() {
                     repr.imm = Some(w.imm);
                 }
-                self.emit(env, qp.qpn, &repr, &payload, ready);
+                // The packet leaves once its payload has crossed PCIe (the reads of later
+                // packets overlap its transmission on the shared read path).
+                self.emit(env, qp.qpn, &repr, &payload, next_ready);
                 self.scratch = payload;
                 qp.req.outstanding[i].sent = k + 1;
             }
