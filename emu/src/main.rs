@@ -89,6 +89,9 @@ enum Cmd {
         /// Local ACK timeout exponent (4.096 µs × 2^n).
         #[arg(long, default_value_t = 14)]
         timeout: u8,
+        /// Timing profile: a built-in name (cx6-100g, cx7-400g) or a TOML file of overrides.
+        #[arg(long, default_value = "cx6-100g")]
+        profile: String,
     },
     /// A bandwidth run on two nodes, optionally over a lossy fabric: goodput, retransmissions
     /// and every transport counter.
@@ -216,6 +219,7 @@ fn main() {
             seed,
             loss,
             timeout,
+            profile,
         } => coll(CollArgs {
             op,
             nodes,
@@ -226,6 +230,7 @@ fn main() {
             seed,
             loss,
             timeout,
+            profile,
         }),
         Cmd::Profile { profile } => ringbell_emu::profile::load(&profile)
             .map(|p| print!("{}", ringbell_emu::profile::describe(&p)))
@@ -300,13 +305,16 @@ struct CollArgs {
     seed: u64,
     loss: f64,
     timeout: u8,
+    profile: String,
 }
 
 fn coll(a: CollArgs) -> Result<(), String> {
     use ringbell_emu::coll::{run_checked, CollGroup, CollOp};
+    let timing = ringbell_emu::profile::load(&a.profile).map_err(|e| e.to_string())?;
     println!("seed {}", a.seed);
     println!(
-        "offloaded collectives: triggered operations only between start and completion; loss {} per link; {} runs each",
+        "offloaded collectives: triggered operations only between start and completion; timing profile {}; loss {} per link; {} runs each",
+        timing.name,
         pct(ppm(a.loss)),
         a.iters.max(1)
     );
@@ -340,6 +348,7 @@ fn coll(a: CollArgs) -> Result<(), String> {
             };
             let mut cfg = FabricConfig::new(n, a.seed);
             cfg.faults.links = LinkFaults::loss(a.loss);
+            cfg.timing = timing.clone();
             let opts = ConnectOptions {
                 timeout: a.timeout,
                 ..Default::default()
