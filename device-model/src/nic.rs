@@ -396,18 +396,10 @@ impl Nic {
         }
     }
 
-    /// A write-combined store at `offset`: a BlueFlame WQE when it starts a slot and fits
-    /// it, otherwise the same as the 32-bit stores it is made of.
+    /// A write-combined store at `offset`: the same as the 32-bit stores it is made of, so a
+    /// BlueFlame WQE may arrive in one burst or in several (a CPU's write-combining buffer
+    /// holds 64 bytes), in any order.
     pub fn mmio_write_block(&mut self, env: &mut dyn Env, offset: u64, data: &[u8]) {
-        if (regs::BF_BASE..regs::BF_END).contains(&offset)
-            && offset.is_multiple_of(regs::BF_STRIDE)
-            && data.len() as u64 <= regs::BF_STRIDE
-        {
-            let qpn = ((offset - regs::BF_BASE) / regs::BF_STRIDE) as u32;
-            self.bf_partial = None;
-            self.bf_write(env, qpn, data);
-            return;
-        }
         for (i, w) in data.chunks_exact(4).enumerate() {
             let v = u32::from_le_bytes([w[0], w[1], w[2], w[3]]);
             self.mmio_write(env, offset.wrapping_add(4 * i as u64), v);

@@ -105,6 +105,8 @@ pub(crate) struct Inner {
     timers: u64,
     /// Register writes of each node still on their way to the device.
     pending_mmio: Vec<u32>,
+    /// When each node's last posted store reaches its device.
+    mmio_last: Vec<SimTime>,
     cfg: FabricConfig,
     digest: Digest,
     stats: FabricStats,
@@ -315,24 +317,37 @@ impl Inner {
 
     /// A CPU store to BAR0: it reaches the device after the host and PCIe posting costs.
     pub(crate) fn mmio_write(&mut self, node: usize, offset: u64, value: u32) {
-        let t = &self.cfg.timing;
+        let (db, mmio) = (
+            self.cfg.timing.host_doorbell_ps,
+            self.cfg.timing.mmio_post_ps,
+        );
         let now = self.queue.now();
-        let at = now + SimTime(t.host_doorbell_ps + t.mmio_post_ps);
+        let at = self.in_order(node, now + SimTime(db + mmio));
         if let Some(tl) = &mut self.timeline {
-            tl.record_host_store(node, offset, 4, now, now + SimTime(t.host_doorbell_ps), at);
+            tl.record_host_store(node, offset, 4, now, now + SimTime(db), at);
         }
         self.queue
             .push(at, Event::Nic(node, NicEvent::Mmio { offset, value }));
         self.pending_mmio[node] += 1;
     }
 
+    /// Posted stores reach the device in the order the CPU made them: a store never arrives
+    /// before an earlier one from the same node (a BlueFlame store costs more than a
+    /// doorbell, so a doorbell right behind it would otherwise overtake it).
+    fn in_order(&mut self, node: usize, at: SimTime) -> SimTime {
+        let at = at.max(self.mmio_last[node]);
+        self.mmio_last[node] = at;
+        at
+    }
+
     /// A write-combined store of up to 256 bytes to BAR0 (BlueFlame): the WQE copy costs the
     /// host the post, then it travels as one posted write.
     pub(crate) fn mmio_write_block(&mut self, node: usize, offset: u64, data: &[u8]) {
         let t = &self.cfg.timing;
+        let (post, mmio) = (t.host_post_wqe_ps + t.host_doorbell_ps, t.mmio_post_ps);
         let now = self.queue.now();
-        let stored = now + SimTime(t.host_post_wqe_ps + t.host_doorbell_ps);
-        let at = stored + SimTime(t.mmio_post_ps);
+        let stored = now + SimTime(post);
+        let at = self.in_order(node, stored + SimTime(mmio));
         if let Some(tl) = &mut self.timeline {
             tl.record_host_store(node, offset, data.len(), now, stored, at);
         }
@@ -431,6 +446,7 @@ impl Fabric {
             queue: EventQueue::new(),
             switch_free: vec![SimTime::ZERO; cfg.nodes],
             pending_mmio: vec![0; cfg.nodes],
+            mmio_last: vec![SimTime::ZERO; cfg.nodes],
             timers: 0,
             faults: Faults::new(cfg.faults.clone(), cfg.nodes, cfg.seed),
             nodes,

@@ -140,3 +140,65 @@ fn one_wqe_saves_the_fetch_and_a_batch_takes_the_doorbell() {
         "single {single} ps, second of a batch {batch} ps"
     );
 }
+
+#[test]
+fn a_doorbell_right_behind_a_blueflame_store_does_not_overtake_it() {
+    let mut p = pair();
+    let remote = RemoteAddr {
+        addr: p.b.mr.addr(),
+        rkey: p.b.mr.rkey(),
+    };
+    let d = [7u8; 8];
+    // One WQE (BlueFlame), then at the same instant a batch of two (send doorbell).
+    p.a.qp
+        .post_send(&[SendWr::inline(1, WrOp::Write(remote), &d)])
+        .unwrap();
+    p.a.qp
+        .post_send(&[
+            SendWr::inline(2, WrOp::Write(remote), &d),
+            SendWr::inline(3, WrOp::Write(remote), &d),
+        ])
+        .unwrap();
+    let wc = wait(&p.fabric, &mut p.a.cq, 3);
+    let ids: Vec<u64> = wc.iter().map(|w| w.wr_id).collect();
+    assert_eq!(ids, [1, 2, 3]);
+    assert!(wc.iter().all(|w| w.status == WcStatus::Success));
+    settle(&p.fabric);
+    assert_eq!(p.a.dev.poll_event(), None, "no stale-WQE event");
+}
+
+#[test]
+fn a_two_block_wqe_may_arrive_in_two_bursts_in_either_order() {
+    let p = pair();
+    let remote = RemoteAddr {
+        addr: p.b.mr.addr() + 256,
+        rkey: p.b.mr.rkey(),
+    };
+    // An inline WRITE of 40 bytes: 16 + 16 + 4 + 40 = 76 bytes, five segments, two blocks.
+    let data: Vec<u8> = (0..40u8).collect();
+    let mut w = [0u8; 128];
+    let ctrl = CtrlSeg {
+        opcode: SendOpcode::Write as u8,
+        flags: WqeFlags::INLINE.bits(),
+        wqe_index: 0.into(),
+        ds_count: 5,
+        ..Default::default()
+    };
+    w[..SEG].copy_from_slice(ctrl.as_bytes());
+    let r = RaddrSeg {
+        raddr: remote.addr.into(),
+        rkey: remote.rkey.into(),
+        ..Default::default()
+    };
+    w[SEG..2 * SEG].copy_from_slice(r.as_bytes());
+    w[2 * SEG..2 * SEG + 4].copy_from_slice(&(40 | INLINE_MARK).to_le_bytes());
+    w[2 * SEG + 4..2 * SEG + 44].copy_from_slice(&data);
+    let port = p.a.dev.port();
+    port.write_block(slot(&p) + 64, &w[64..]);
+    port.write_block(slot(&p), &w[..64]);
+    settle(&p.fabric);
+    let mut got = [0u8; 40];
+    p.b.buf.read(256, &mut got).unwrap();
+    assert_eq!(&got[..], &data[..]);
+    assert_eq!(p.a.dev.poll_event(), None);
+}
