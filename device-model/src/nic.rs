@@ -75,6 +75,11 @@ impl NicConfig {
     }
 }
 
+/// Words of a send WQE whose control segment says `ds_count` (0 counts as 1 block).
+fn bf_wqe_words(ds_count: u8) -> usize {
+    ringbell_specs::wqe::wqebbs((ds_count as usize).clamp(1, ringbell_specs::wqe::MAX_DS)) * 16
+}
+
 /// Counters a NIC keeps about itself (the port counters of the ABI).
 pub type NicStats = ringbell_specs::stats::PortStats;
 
@@ -165,6 +170,9 @@ pub struct Nic {
     pub(crate) trig: crate::counter::TriggerTable,
     /// Values latched by the last read of a counter's `CNTR_SUCCESS_LO`.
     pub(crate) cntr_latch: (u64, u64),
+    /// The slot and size (words) of the last WQE taken from the BlueFlame area: stores past
+    /// its end are padding.
+    pub(crate) bf_tail: Option<(u32, usize)>,
     /// A BlueFlame slot being written with 32-bit stores: QPN, bytes, words written.
     pub(crate) bf_partial: Option<(u32, Box<[u8; regs::BF_STRIDE as usize]>, u64)>,
     pub(crate) mr_tag: u8,
@@ -216,6 +224,7 @@ impl Nic {
             trig: Default::default(),
             cntr_latch: (0, 0),
             bf_partial: None,
+            bf_tail: None,
             cfg,
             mr_tag: 0,
             next_gen: 1,
@@ -396,10 +405,25 @@ impl Nic {
         }
     }
 
-    /// A write-combined store at `offset`: the same as the 32-bit stores it is made of, so a
-    /// BlueFlame WQE may arrive in one burst or in several (a CPU's write-combining buffer
-    /// holds 64 bytes), in any order.
+    /// A write-combined store at `offset`. In the BlueFlame area, a burst that starts at a
+    /// slot and holds the whole WQE (by its own `ds_count`) is the WQE, and the bytes after it
+    /// are padding; any other burst counts as the 32-bit stores it is made of, so a WQE may
+    /// also arrive in several bursts (a CPU's write-combining buffer holds 64 bytes), in any
+    /// order. Elsewhere a burst is its 32-bit stores.
     pub fn mmio_write_block(&mut self, env: &mut dyn Env, offset: u64, data: &[u8]) {
+        let at_slot = (regs::BF_BASE..regs::BF_END).contains(&offset)
+            && offset.is_multiple_of(regs::BF_STRIDE)
+            && data.len() as u64 <= regs::BF_STRIDE;
+        if at_slot {
+            let words = bf_wqe_words(data.get(4).copied().unwrap_or(0));
+            if data.len() >= words * 4 {
+                let qpn = ((offset - regs::BF_BASE) / regs::BF_STRIDE) as u32;
+                self.bf_partial = None;
+                self.bf_tail = Some((qpn, words));
+                self.bf_write(env, qpn, &data[..words * 4]);
+                return;
+            }
+        }
         for (i, w) in data.chunks_exact(4).enumerate() {
             let v = u32::from_le_bytes([w[0], w[1], w[2], w[3]]);
             self.mmio_write(env, offset.wrapping_add(4 * i as u64), v);
@@ -409,11 +433,16 @@ impl Nic {
     /// A 32-bit store into a BlueFlame slot: collected until every word of the WQE (its
     /// size from the control segment's `ds_count`) is written, in any order, then taken as
     /// one BlueFlame write. A store to another slot first drops an incomplete one (counted as
-    /// a guest error).
+    /// a guest error). After a WQE is taken, stores to its slot past its end are padding and
+    /// are ignored, until a store lands inside the WQE's size again.
     fn bf_word(&mut self, env: &mut dyn Env, offset: u64, value: u32) {
         let rel = offset - regs::BF_BASE;
         let qpn = (rel / regs::BF_STRIDE) as u32;
         let word = ((rel % regs::BF_STRIDE) / 4) as usize;
+        match self.bf_tail {
+            Some((q, end)) if q == qpn && word >= end && self.bf_partial.is_none() => return,
+            _ => self.bf_tail = None,
+        }
         let (slot, mut bytes, mut mask) =
             self.bf_partial
                 .take()
@@ -427,8 +456,7 @@ impl Nic {
         mask |= 1 << word;
         // Word 1 holds ds_count: the WQE's blocks, each 16 words.
         let words = if mask & 2 != 0 {
-            ringbell_specs::wqe::wqebbs((bytes[4] as usize).clamp(1, ringbell_specs::wqe::MAX_DS))
-                * 16
+            bf_wqe_words(bytes[4])
         } else {
             64
         };
@@ -438,6 +466,7 @@ impl Nic {
             (1u64 << words) - 1
         };
         if mask & need == need {
+            self.bf_tail = Some((qpn, words));
             self.bf_write(env, qpn, &bytes[..words * 4]);
         } else {
             self.bf_partial = Some((qpn, bytes, mask));

@@ -639,6 +639,13 @@ impl Nic {
         }
         qp.req.bf = Some((index, data[..nbb as usize * WQEBB].to_vec()));
         self.qp_doorbell(env, qpn, regs::DB_SQ, index.wrapping_add(nbb));
+        // A refused doorbell (the ring is full) refuses the copy too: a later doorbell over
+        // this index must run what the ring holds then.
+        if let Some(qp) = self.qps.get_mut(qpn) {
+            if qp.sq.pi == index {
+                qp.req.bf = None;
+            }
+        }
     }
 
     pub(crate) fn qp_doorbell(&mut self, env: &mut dyn Env, qpn: u32, which: u64, value: u32) {

@@ -57,6 +57,11 @@ impl Nic {
         if now < qp.req.rnr_until {
             return Some(qp.req.rnr_until);
         }
+        // Waiting tasks of the NIC's own may start now (credits freed while the QP was in
+        // SQD, or a larger max_rd_atomic).
+        if qp.state == QpState::Rts && !qp.req.hw_waiting.is_empty() {
+            self.start_waiting_hw(env, qp, now);
+        }
         let next =
             |nic: &Nic, qp: &Qp| Some(now.max(qp.req.busy_until).max(nic.egress_free - HORIZON));
         // A failed WQE completes once everything before it has; until then the WQEs before it
@@ -537,17 +542,31 @@ impl Nic {
         self.kick_qp_sq(env, qp, ready);
     }
 
-    /// Starts the NIC's waiting tasks in order, as far as `max_rd_atomic` allows.
+    /// Starts the NIC's waiting tasks in order, as far as `max_rd_atomic` allows. A task that
+    /// failed before it could start takes its place in the outstanding list and completes
+    /// (in error) in turn.
     fn start_waiting_hw(&mut self, env: &mut dyn Env, qp: &mut Qp, ready: SimTime) {
         let limit = (qp.attr.max_rd_atomic as u32).max(1);
+        let mut failed = false;
         while let Some(front) = qp.req.hw_waiting.front() {
-            if front.is_rd_atomic() && qp.req.rd_atomic >= limit {
+            let ok = front.error.is_none();
+            if ok && front.is_rd_atomic() && qp.req.rd_atomic >= limit {
                 break;
             }
-            let Some(o) = qp.req.hw_waiting.pop_front() else {
+            let Some(mut o) = qp.req.hw_waiting.pop_front() else {
                 break;
             };
-            self.start_hw_task(env, qp, o, ready);
+            if ok {
+                self.start_hw_task(env, qp, o, ready);
+            } else {
+                o.first_psn = qp.req.next_psn;
+                qp.req.outstanding.push_back(o);
+                failed = true;
+                break;
+            }
+        }
+        if failed {
+            self.complete_in_order_at(env, qp, ready);
         }
     }
 
@@ -580,8 +599,13 @@ impl Nic {
         };
         if let Some(e) = err {
             let mut o = Outstanding::task(wqe, task, ready);
-            o.first_psn = qp.req.next_psn;
             o.error = Some(e);
+            if !qp.req.hw_waiting.is_empty() {
+                // It fired after the tasks still waiting: it fails in its turn, behind them.
+                qp.req.hw_waiting.push_back(o);
+                return;
+            }
+            o.first_psn = qp.req.next_psn;
             qp.req.outstanding.push_back(o);
             self.complete_in_order_at(env, qp, ready);
             return;

@@ -900,10 +900,7 @@ impl Nic {
                 psn,
             },
         );
-        // Counted after it ran (same time, scheduled later).
-        let c = qp.cntrs;
-        self.qp_count(env, &c, CntrEvents::REMOTE_WRITE, true, not_before);
-        self.mr_count(env, a.rkey, CntrEvents::REMOTE_WRITE, not_before);
+
         Ok(())
     }
 
@@ -1227,15 +1224,25 @@ impl Nic {
         *result = Some(r);
         let psn = *psn;
         if let Ok(orig) = r {
+            let mut rkey = None;
             for res in qp.resp.resources.iter_mut() {
                 if let Resource::Atomic {
-                    psn: p, orig: o, ..
+                    psn: p,
+                    orig: o,
+                    request,
                 } = res
                 {
                     if *p == psn {
                         *o = Some(orig);
+                        rkey = Some(request.2);
                     }
                 }
+            }
+            // Counted once it has executed; one that faults is NAKed and counts nothing.
+            let (c, now) = (qp.cntrs, env.now());
+            self.qp_count(env, &c, CntrEvents::REMOTE_WRITE, true, now);
+            if let Some(rkey) = rkey {
+                self.mr_count(env, rkey, CntrEvents::REMOTE_WRITE, now);
             }
         }
         Some(r)

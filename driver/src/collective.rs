@@ -9,10 +9,12 @@
 //! Every rank has one [`CollMember`]: a buffer registered for remote writes and atomics whose
 //! remote accesses count on the member's `arrivals` counter, and a `sends` counter that
 //! counts the completions of its own triggered transfers. The start is a host add of 1 to
-//! `arrivals`, so thresholds are counts of "start + arrivals". Thresholds are taken relative
-//! to the counters' values when the collective is armed, so one member serves any number of
-//! collectives one after the other (cumulative thresholds, reference §5.9); the next one may
-//! be armed once [`Armed::is_done`] holds on every rank.
+//! `arrivals`, so thresholds are counts of "start + arrivals". Thresholds are cumulative
+//! (reference §5.9): each collective's sit on top of the counts all earlier ones add, so one
+//! member serves any number of collectives one after the other. Every rank must arm a
+//! collective (and write its inputs) before any rank starts it, and the next one may be
+//! armed once [`Armed::is_done`] holds on every rank; a peer that starts early then only
+//! adds to counts this rank already expects.
 //!
 //! | Collective | Triggered operations per rank | Done when |
 //! |---|---|---|
@@ -89,6 +91,9 @@ pub struct CollMember {
     mr: MemoryRegion,
     buf: DmaBuffer,
     capacity: usize,
+    /// What `arrivals` and `sends` reach when every collective armed so far is done: the
+    /// base of the next one's thresholds.
+    expect: std::cell::Cell<(u64, u64)>,
 }
 
 /// A collective armed on one rank.
@@ -123,6 +128,7 @@ impl CollMember {
             mr,
             buf,
             capacity,
+            expect: std::cell::Cell::new((0, 0)),
         })
     }
 
@@ -172,15 +178,17 @@ impl CollMember {
             .collect()
     }
 
+    /// The thresholds' base: the counts every earlier collective adds, not the counters'
+    /// values now (a peer may already have started the next collective and counted here).
     fn bases(&self) -> Result<(u64, u64), Error> {
-        let (a, ae) = self.arrivals.get();
-        let (s, se) = self.sends.get();
+        let (_, ae) = self.arrivals.get();
+        let (_, se) = self.sends.get();
         if ae != 0 || se != 0 {
             return Err(Error::InvalidArgument(
                 "a collective counter has errors: an earlier collective failed",
             ));
         }
-        Ok((a, s))
+        Ok(self.expect.get())
     }
 
     fn write_to(
@@ -221,6 +229,7 @@ impl CollMember {
     }
 
     fn armed(&self, handles: Vec<TriggerHandle>, arrivals: u64, sends: u64) -> Armed {
+        self.expect.set((arrivals, sends));
         Armed {
             start: self.arrivals.clone(),
             done: vec![

@@ -38,13 +38,27 @@ pub(crate) struct CntrObject {
     dev: Device,
     num: u32,
     pdn: u32,
-    wb: DmaBuffer,
+    /// The writeback; `None` only while the object is dropped.
+    wb: Option<DmaBuffer>,
+    /// Triggered operations posted with this counter as their trigger, completion counter or
+    /// target: dropping the counter cancels those still pending.
+    ops: std::cell::RefCell<Vec<TriggerHandle>>,
+    /// The PD outlives its counters.
+    _pd: Rc<crate::mr::PdObject>,
 }
+
+/// How many times dropping a counter lets the device progress while completions that still
+/// name it are in flight.
+const DROP_PROGRESS: u32 = 1_000_000;
 
 impl Drop for CntrObject {
     fn drop(&mut self) {
         let inner = &self.dev.inner;
-        // Operations still waiting on it cannot fire any more: take them back first.
+        // Operations that name it cannot run correctly any more: take them back first
+        // (those that fired already are unknown to the device and refuse the cancel).
+        for h in self.ops.borrow().iter() {
+            let _ = inner.destroy(CmdOpcode::CancelTriggered, h.0);
+        }
         let _ = inner.command(
             CmdOpcode::FlushTriggered,
             FlushTriggeredIn {
@@ -53,10 +67,18 @@ impl Drop for CntrObject {
             }
             .as_bytes(),
         );
-        if inner.destroy(CmdOpcode::DestroyCntr, self.num).is_err() {
-            // Still named by another counter's pending operation or an in-flight completion:
-            // destroyed when the device is next asked for a counter.
-            inner.parked_cntrs.borrow_mut().push(self.num);
+        // A transfer that fired holds the counter until it completes: let it.
+        let mut tries = 0;
+        while inner.destroy(CmdOpcode::DestroyCntr, self.num).is_err() {
+            tries += 1;
+            if tries > DROP_PROGRESS || !inner.port.progress() {
+                // The device still names the counter (it would write its writeback): keep
+                // the writeback mapped for as long as the device lives, and the number to
+                // retry at the next CREATE_CNTR.
+                std::mem::forget(self.wb.take());
+                inner.parked_cntrs.borrow_mut().push(self.num);
+                return;
+            }
         }
     }
 }
@@ -135,7 +157,9 @@ impl ProtectionDomain {
                 dev: dev.clone(),
                 num,
                 pdn: self.pdn(),
-                wb,
+                wb: Some(wb),
+                ops: Default::default(),
+                _pd: self.obj.clone(),
             }),
         })
     }
@@ -202,9 +226,20 @@ impl Counter {
     /// Success and error as last written back to host memory: no device access, so the
     /// cheap way to poll (the device writes back after every change).
     pub fn get(&self) -> (u64, u64) {
-        let s = self.obj.wb.read_u64(0).unwrap_or(0);
-        let e = self.obj.wb.read_u64(8).unwrap_or(0);
-        (s, e)
+        let Some(wb) = &self.obj.wb else {
+            return (0, 0);
+        };
+        (wb.read_u64(0).unwrap_or(0), wb.read_u64(8).unwrap_or(0))
+    }
+
+    /// Remembers that operation `h` names this counter.
+    fn named_by(&self, h: TriggerHandle) {
+        let mut ops = self.obj.ops.borrow_mut();
+        // Keep the list short: forget handles the device no longer knows only when it grows.
+        if ops.len() >= 4096 {
+            ops.clear();
+        }
+        ops.push(h);
     }
 
     /// Success and error read from the device's registers (exact at the time of the read).
@@ -388,15 +423,19 @@ impl Counter {
         }
     }
 
-    fn post(&self, t: &PostTriggeredIn) -> Result<TriggerHandle, Error> {
+    fn post(&self, t: &PostTriggeredIn, others: &[&Counter]) -> Result<TriggerHandle, Error> {
         let out = self
             .inner()
             .command(CmdOpcode::PostTriggered, t.as_bytes())?;
-        Ok(TriggerHandle(
+        let h = TriggerHandle(
             ObjectOut::read_from_prefix(&out)
                 .map(|(o, _)| o.num.get())
                 .unwrap_or(0),
-        ))
+        );
+        for c in others {
+            c.named_by(h);
+        }
+        Ok(h)
     }
 
     fn post_cntr_op(
@@ -429,7 +468,7 @@ impl Counter {
             }
             .as_bytes(),
         );
-        self.post(&t)
+        self.post(&t, &[target])
     }
 
     /// When this counter reaches `threshold`, adds `success` and `error` to `target` (which
@@ -508,7 +547,10 @@ impl QueuePair {
             ..Default::default()
         };
         t.set_body(&body);
-        trigger.post(&t)
+        match opts.completion {
+            Some(c) => trigger.post(&t, &[c]),
+            None => trigger.post(&t, &[]),
+        }
     }
 }
 
