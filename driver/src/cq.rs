@@ -8,7 +8,7 @@ use ringbell_specs::cmd::{
 use ringbell_specs::cqe::{self, owner_bit, Cqe, CqeOpcode, CqeStatus, CQE_SIZE};
 use ringbell_specs::regs;
 use std::rc::Rc;
-use zerocopy::{FromBytes, IntoBytes};
+use zerocopy::{FromBytes, FromZeros, IntoBytes};
 
 /// Completion status (the libibverbs values).
 pub type WcStatus = CqeStatus;
@@ -214,13 +214,12 @@ impl CompletionQueue {
             {
                 break;
             }
-            let mut raw = [0u8; CQE_SIZE];
-            if self.obj.ring.read(slot, &mut raw).is_err() {
+            // One copy, straight into the entry's type: copying into a byte array and then
+            // into a `Cqe` made narrower stores that the field loads could not forward from.
+            let mut c = Cqe::new_zeroed();
+            if self.obj.ring.read(slot, c.as_mut_bytes()).is_err() {
                 break;
             }
-            let Ok(c) = Cqe::read_from_bytes(&raw) else {
-                break;
-            };
             self.ci = self.ci.wrapping_add(1);
             consumed = true;
             // A completion for no live work request (a QP reset or destroyed since) is dropped.
