@@ -1,6 +1,7 @@
 //! BlueFlame (ABI 1.4): a send WQE written through the QP's BAR0 slot is executed from the
 //! copy the NIC received, without a fetch from the send queue in host memory; a slot write
-//! that is not the WQE at the producer index is refused as a stale WQE.
+//! that is not the WQE at the producer index is refused as a stale WQE; padding, leftovers,
+//! refused writes and store ordering.
 
 use ringbell::*;
 use ringbell_specs::cqe::{DoorbellError, EventType};
@@ -9,14 +10,16 @@ use ringbell_specs::wqe::{CtrlSeg, RaddrSeg, SendOpcode, WqeFlags, INLINE_MARK, 
 use ringbell_tests::*;
 use zerocopy::IntoBytes;
 
-/// An inline 8-byte WRITE of `data` to `remote`, as WQE index `index`.
-fn inline_write(index: u16, remote: RemoteAddr, data: &[u8; 8]) -> [u8; 64] {
-    let mut w = [0u8; 64];
+/// An inline WRITE of `data` to `remote` as WQE index `index`, padded to whole blocks:
+/// control, remote-address and inline segments, `2 + ceil((4 + len) / 16)` segments.
+fn inline_write_wqe(index: u16, remote: RemoteAddr, data: &[u8]) -> Vec<u8> {
+    let ds = 2 + (4 + data.len()).div_ceil(SEG);
+    let mut w = vec![0u8; ds.div_ceil(4) * 64];
     let ctrl = CtrlSeg {
         opcode: SendOpcode::Write as u8,
-        flags: (WqeFlags::INLINE).bits(),
+        flags: (WqeFlags::INLINE | WqeFlags::SIGNALED).bits(),
         wqe_index: index.into(),
-        ds_count: 3,
+        ds_count: ds as u8,
         ..Default::default()
     };
     w[..SEG].copy_from_slice(ctrl.as_bytes());
@@ -26,13 +29,33 @@ fn inline_write(index: u16, remote: RemoteAddr, data: &[u8; 8]) -> [u8; 64] {
         ..Default::default()
     };
     w[SEG..2 * SEG].copy_from_slice(r.as_bytes());
-    w[2 * SEG..2 * SEG + 4].copy_from_slice(&(8 | INLINE_MARK).to_le_bytes());
-    w[2 * SEG + 4..2 * SEG + 12].copy_from_slice(data);
+    w[2 * SEG..2 * SEG + 4].copy_from_slice(&(data.len() as u32 | INLINE_MARK).to_le_bytes());
+    w[2 * SEG + 4..2 * SEG + 4 + data.len()].copy_from_slice(data);
     w
 }
 
-fn slot(p: &Pair) -> u64 {
-    regs::BF_BASE + p.a.qp.qpn() as u64 * regs::BF_STRIDE
+/// An inline 8-byte WRITE: one block.
+fn inline_write(index: u16, remote: RemoteAddr, data: &[u8; 8]) -> Vec<u8> {
+    inline_write_wqe(index, remote, data)
+}
+
+fn remote(s: &Side, off: u64) -> RemoteAddr {
+    RemoteAddr {
+        addr: s.mr.addr() + off,
+        rkey: s.mr.rkey(),
+    }
+}
+
+fn events(dev: &Device) -> Vec<AsyncEvent> {
+    let mut v = Vec::new();
+    while let Some(e) = dev.poll_event() {
+        v.push(e);
+    }
+    v
+}
+
+fn slot(qpn: u32) -> u64 {
+    regs::BF_BASE + qpn as u64 * regs::BF_STRIDE
 }
 
 #[test]
@@ -47,7 +70,7 @@ fn the_nic_executes_the_blueflame_copy_without_reading_the_ring() {
     // a fetch would find no WQE (a stale-WQE doorbell error) and nothing would land.
     p.a.dev
         .port()
-        .write_block(slot(&p), &inline_write(0, remote, b"bf-write"));
+        .write_block(slot(p.a.qp.qpn()), &inline_write(0, remote, b"bf-write"));
     settle(&p.fabric);
     let mut got = [0u8; 8];
     p.b.buf.read(32, &mut got).unwrap();
@@ -65,7 +88,7 @@ fn thirty_two_bit_stores_to_a_slot_are_assembled_in_any_order() {
     let w = inline_write(0, remote, b"by-words");
     for i in (0..16).rev() {
         let v = u32::from_le_bytes(w[4 * i..4 * i + 4].try_into().unwrap());
-        p.a.dev.port().write32(slot(&p) + 4 * i as u64, v);
+        p.a.dev.port().write32(slot(p.a.qp.qpn()) + 4 * i as u64, v);
     }
     settle(&p.fabric);
     let mut got = [0u8; 8];
@@ -83,8 +106,8 @@ fn a_slot_write_that_is_not_the_next_wqe_is_a_stale_wqe_and_nothing_runs() {
     // Index 5 while the producer index is 0; then a block with no control segment.
     p.a.dev
         .port()
-        .write_block(slot(&p), &inline_write(5, remote, b"too-late"));
-    p.a.dev.port().write_block(slot(&p), &[0u8; 64]);
+        .write_block(slot(p.a.qp.qpn()), &inline_write(5, remote, b"too-late"));
+    p.a.dev.port().write_block(slot(p.a.qp.qpn()), &[0u8; 64]);
     settle(&p.fabric);
     for _ in 0..2 {
         let e = p.a.dev.poll_event().expect("a doorbell error");
@@ -176,29 +199,131 @@ fn a_two_block_wqe_may_arrive_in_two_bursts_in_either_order() {
     };
     // An inline WRITE of 40 bytes: 16 + 16 + 4 + 40 = 76 bytes, five segments, two blocks.
     let data: Vec<u8> = (0..40u8).collect();
-    let mut w = [0u8; 128];
-    let ctrl = CtrlSeg {
-        opcode: SendOpcode::Write as u8,
-        flags: WqeFlags::INLINE.bits(),
-        wqe_index: 0.into(),
-        ds_count: 5,
-        ..Default::default()
-    };
-    w[..SEG].copy_from_slice(ctrl.as_bytes());
-    let r = RaddrSeg {
-        raddr: remote.addr.into(),
-        rkey: remote.rkey.into(),
-        ..Default::default()
-    };
-    w[SEG..2 * SEG].copy_from_slice(r.as_bytes());
-    w[2 * SEG..2 * SEG + 4].copy_from_slice(&(40 | INLINE_MARK).to_le_bytes());
-    w[2 * SEG + 4..2 * SEG + 44].copy_from_slice(&data);
+    let w = inline_write_wqe(0, remote, &data);
+    assert_eq!(w.len(), 128);
     let port = p.a.dev.port();
-    port.write_block(slot(&p) + 64, &w[64..]);
-    port.write_block(slot(&p), &w[..64]);
+    port.write_block(slot(p.a.qp.qpn()) + 64, &w[64..]);
+    port.write_block(slot(p.a.qp.qpn()), &w[..64]);
     settle(&p.fabric);
     let mut got = [0u8; 40];
     p.b.buf.read(256, &mut got).unwrap();
     assert_eq!(&got[..], &data[..]);
     assert_eq!(p.a.dev.poll_event(), None);
+}
+
+/// A BlueFlame write whose implied doorbell is refused (ring full) leaves no copy behind: a
+/// later doorbell over that index runs what the ring holds.
+#[test]
+fn refused_blueflame_leaves_no_stale_stash() {
+    let mut p = pair();
+    let mut init = QpInit::new(&p.a.cq, &p.a.cq);
+    init.max_send_wr = 4;
+    init.max_send_sge = 1;
+    init.max_inline = 0;
+    let mut qa = p.a.pd.create_qp(&init).unwrap();
+    let mut qb = p.b.pd.create_qp(&QpInit::new(&p.b.cq, &p.b.cq)).unwrap();
+    let o = ConnectOptions {
+        timeout: 8,
+        ..Default::default()
+    };
+    // qb stays in RESET for now: A's requests are dropped and stay outstanding.
+    qa.connect(&qb.endpoint(5), 5, &o).unwrap();
+    assert_eq!(qa.sq_free(), 4, "a four-block send queue");
+    let sges: Vec<[Sge; 1]> = (0..4).map(|i| [p.a.mr.sge(1000 + 8 * i, 8)]).collect();
+    let wrs: Vec<SendWr<'_>> = (0..4)
+        .map(|i| {
+            SendWr::new(
+                i,
+                WrOp::Write(remote(&p.b, 2000 + 8 * i)),
+                &sges[i as usize],
+            )
+        })
+        .collect();
+    qa.post_send(&wrs).unwrap();
+    // Let the engine start all four (their requests are dropped by the peer in RESET; the
+    // ACK timeout is about 1 ms, so nothing is retransmitted yet).
+    let t0 = p.fabric.now().ps();
+    while p.fabric.now().ps() < t0 + 20_000_000 {
+        assert!(p.fabric.step());
+    }
+    // The ring is full on the device: a BlueFlame WQE at index 4 is refused.
+    p.a.dev.port().write_block(
+        slot(qa.qpn()),
+        &inline_write(4, remote(&p.b, 100), b"STALE!!!"),
+    );
+    // Now let the peer answer: the four WRITEs complete after a retransmission.
+    qb.connect(&qa.endpoint(5), 5, &o).unwrap();
+    let wc = wait(&p.fabric, &mut p.a.cq, 4);
+    assert!(wc.iter().all(|w| w.status == WcStatus::Success), "{wc:?}");
+    let evs = events(&p.a.dev);
+    assert!(
+        evs.iter().any(|e| e.kind == EventType::DoorbellError
+            && e.subtype == DoorbellError::IndexOutOfRange as u8),
+        "the BlueFlame doorbell was refused: {evs:?}"
+    );
+    // The driver posts two WQEs at 4 and 5 (a batch: the send doorbell, no BlueFlame).
+    p.a.buf.write(3000, b"good-one").unwrap();
+    let s1 = [p.a.mr.sge(3000, 8)];
+    qa.post_send(&[
+        SendWr::new(10, WrOp::Write(remote(&p.b, 100)), &s1),
+        SendWr::new(11, WrOp::Write(remote(&p.b, 108)), &s1),
+    ])
+    .unwrap();
+    let wc = wait(&p.fabric, &mut p.a.cq, 2);
+    assert!(wc.iter().all(|w| w.status == WcStatus::Success), "{wc:?}");
+    settle(&p.fabric);
+    let mut got = [0u8; 8];
+    p.b.buf.read(100, &mut got).unwrap();
+    assert_eq!(&got, b"good-one", "the refused BlueFlame copy ran instead");
+}
+
+/// Words stored past a WQE's end (a slot padded to 256 bytes with 32-bit stores) are
+/// padding: they do not complete the next, larger WQE with old bytes.
+#[test]
+fn leftover_words_do_not_complete_the_next_blueflame_wqe() {
+    let p = pair();
+    let port = p.a.dev.port();
+    let qpn = p.a.qp.qpn();
+    let mut padded = [0u8; 256];
+    padded[..64].copy_from_slice(&inline_write(0, remote(&p.b, 0), b"one-blk."));
+    for i in 0..64 {
+        let v = u32::from_le_bytes(padded[4 * i..4 * i + 4].try_into().unwrap());
+        port.write32(slot(qpn) + 4 * i as u64, v);
+    }
+    // The first WQE runs; words 16..63 of the padding are left in the partial buffer.
+    settle(&p.fabric);
+    let mut first = [0u8; 8];
+    p.b.buf.read(0, &mut first).unwrap();
+    assert_eq!(&first, b"one-blk.");
+    let data = *b"0123456789abcdefghijklmnopqrstuvwxyzABCD";
+    let two = inline_write_wqe(1, remote(&p.b, 64), &data);
+    for i in 0..32 {
+        let v = u32::from_le_bytes(two[4 * i..4 * i + 4].try_into().unwrap());
+        port.write32(slot(qpn) + 4 * i as u64, v);
+    }
+    settle(&p.fabric);
+    let mut got = [0u8; 40];
+    p.b.buf.read(64, &mut got).unwrap();
+    assert_eq!(&got, &data, "events: {:?}", events(&p.a.dev));
+}
+
+/// The bytes after the WQE in a padded burst are ignored and do not complete the next WQE.
+#[test]
+fn burst_padding_does_not_complete_the_next_blueflame_wqe() {
+    let p = pair();
+    let port = p.a.dev.port();
+    let qpn = p.a.qp.qpn();
+    let mut padded = [0u8; 256];
+    padded[..64].copy_from_slice(&inline_write(0, remote(&p.b, 0), b"one-blk."));
+    port.write_block(slot(qpn), &padded);
+    settle(&p.fabric);
+    let mut first = [0u8; 8];
+    p.b.buf.read(0, &mut first).unwrap();
+    assert_eq!(&first, b"one-blk.");
+    let data = *b"0123456789abcdefghijklmnopqrstuvwxyzABCD";
+    port.write_block(slot(qpn), &inline_write_wqe(1, remote(&p.b, 64), &data));
+    settle(&p.fabric);
+    let mut got = [0u8; 40];
+    p.b.buf.read(64, &mut got).unwrap();
+    assert_eq!(&got, &data, "events: {:?}", events(&p.a.dev));
 }
