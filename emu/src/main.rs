@@ -61,38 +61,7 @@ enum CollKind {
 enum Cmd {
     /// Offloaded collectives built only from triggered operations on N emulated NICs:
     /// simulated latency per N, each result checked.
-    Coll {
-        /// Which collective.
-        #[arg(long, value_enum, default_value_t = CollKind::All)]
-        op: CollKind,
-        /// Rank counts (comma separated, each 2..=1024).
-        #[arg(long, value_delimiter = ',', default_values_t = vec![2, 4, 8, 16, 32, 64])]
-        nodes: Vec<usize>,
-        /// Broadcast root (taken modulo N).
-        #[arg(long, default_value_t = 0)]
-        root: usize,
-        /// Broadcast payload bytes.
-        #[arg(long, default_value_t = 4096)]
-        bytes: u32,
-        /// Allreduce elements (u64).
-        #[arg(long, default_value_t = 4)]
-        elems: usize,
-        /// Collectives run one after the other on the same set-up (counters reused).
-        #[arg(long, default_value_t = 3)]
-        iters: u32,
-        /// Root seed.
-        #[arg(long, default_value_t = 1)]
-        seed: u64,
-        /// Probability that a frame is lost on a link (0..1).
-        #[arg(long, default_value_t = 0.0)]
-        loss: f64,
-        /// Local ACK timeout exponent (4.096 µs × 2^n).
-        #[arg(long, default_value_t = 14)]
-        timeout: u8,
-        /// Timing profile: a built-in name (cx6-100g, cx7-400g) or a TOML file of overrides.
-        #[arg(long, default_value = "cx6-100g")]
-        profile: String,
-    },
+    Coll(CollArgs),
     /// A bandwidth run on two nodes, optionally over a lossy fabric: goodput, retransmissions
     /// and every transport counter.
     Bench {
@@ -199,9 +168,6 @@ struct TimelineArgs {
     timeline_max: usize,
 }
 
-/// The `--timeline` of the command being run.
-static TIMELINE: std::sync::OnceLock<TimelineArgs> = std::sync::OnceLock::new();
-
 fn main() {
     let cli = Cli::parse();
     if let Err(e) = timeline_args(&cli.cmd) {
@@ -209,29 +175,7 @@ fn main() {
         std::process::exit(1);
     }
     let r = match cli.cmd {
-        Cmd::Coll {
-            op,
-            nodes,
-            root,
-            bytes,
-            elems,
-            iters,
-            seed,
-            loss,
-            timeout,
-            profile,
-        } => coll(CollArgs {
-            op,
-            nodes,
-            root,
-            bytes,
-            elems,
-            iters,
-            seed,
-            loss,
-            timeout,
-            profile,
-        }),
+        Cmd::Coll(a) => coll(a),
         Cmd::Profile { profile } => ringbell_emu::profile::load(&profile)
             .map(|p| print!("{}", ringbell_emu::profile::describe(&p)))
             .map_err(|e| e.to_string()),
@@ -241,8 +185,8 @@ fn main() {
             wiring,
             capture,
             profile,
-            timeline: _,
-        } => demo(seed, iters, wiring, capture, &profile).map_err(|e| e.to_string()),
+            timeline,
+        } => demo(seed, iters, wiring, capture, &profile, &timeline).map_err(|e| e.to_string()),
         Cmd::Breakdown {
             seed,
             size,
@@ -264,7 +208,7 @@ fn main() {
             retry_cnt,
             capture,
             profile,
-            timeline: _,
+            timeline,
         } => {
             let links = LinkFaults {
                 drop_ppm: ppm(loss),
@@ -286,6 +230,7 @@ fn main() {
                 retry_cnt,
                 capture,
                 profile,
+                timeline,
             })
         }
     };
@@ -295,16 +240,38 @@ fn main() {
     }
 }
 
+/// `ringbell-emu coll`.
+#[derive(Args)]
 struct CollArgs {
+    /// Which collective.
+    #[arg(long, value_enum, default_value_t = CollKind::All)]
     op: CollKind,
+    /// Rank counts (comma separated, each 2..=1024).
+    #[arg(long, value_delimiter = ',', default_values_t = vec![2, 4, 8, 16, 32, 64])]
     nodes: Vec<usize>,
+    /// Broadcast root (taken modulo N).
+    #[arg(long, default_value_t = 0)]
     root: usize,
+    /// Broadcast payload bytes.
+    #[arg(long, default_value_t = 4096)]
     bytes: u32,
+    /// Allreduce elements (u64).
+    #[arg(long, default_value_t = 4)]
     elems: usize,
+    /// Collectives run one after the other on the same set-up (counters reused).
+    #[arg(long, default_value_t = 3)]
     iters: u32,
+    /// Root seed.
+    #[arg(long, default_value_t = 1)]
     seed: u64,
+    /// Probability that a frame is lost on a link (0..1).
+    #[arg(long, default_value_t = 0.0)]
     loss: f64,
+    /// Local ACK timeout exponent (4.096 µs × 2^n).
+    #[arg(long, default_value_t = 14)]
     timeout: u8,
+    /// Timing profile: a built-in name (cx6-100g, cx7-400g) or a TOML file of overrides.
+    #[arg(long, default_value = "cx6-100g")]
     profile: String,
 }
 
@@ -393,6 +360,7 @@ struct BenchArgs {
     retry_cnt: u8,
     capture: Option<String>,
     profile: String,
+    timeline: TimelineArgs,
 }
 
 /// Shows progress on stderr once a run has taken more than two seconds of wall time.
@@ -564,7 +532,7 @@ fn bench(a: BenchArgs) -> Result<(), String> {
     if let Some(path) = &a.capture {
         start_capture(p.fabric(), path)?;
     }
-    start_timeline(p.fabric())?;
+    start_timeline(p.fabric(), &a.timeline)?;
     let start = p.fabric().now();
     let bw = p.bandwidth(op, a.size, a.count, a.depth);
     let sim = p.fabric().now() - start;
@@ -614,7 +582,7 @@ fn bench(a: BenchArgs) -> Result<(), String> {
     if let Some(path) = &a.capture {
         stop_capture(p.fabric(), path)?;
     }
-    write_timeline(p.fabric())?;
+    write_timeline(p.fabric(), &a.timeline)?;
     bw.map(|_| ()).map_err(|e| e.to_string())
 }
 
@@ -685,6 +653,7 @@ fn demo(
     wiring: Wiring,
     capture: Option<String>,
     profile: &str,
+    timeline: &TimelineArgs,
 ) -> Result<(), Box<dyn std::error::Error>> {
     println!("seed {seed}");
     let topology = match wiring {
@@ -699,7 +668,7 @@ fn demo(
     if let Some(path) = &capture {
         start_capture(p.fabric(), path)?;
     }
-    start_timeline(p.fabric())?;
+    start_timeline(p.fabric(), timeline)?;
     let prof = p.fabric().timing();
     println!(
         "two nodes, {} wiring, timing profile {}, path MTU 4096, inline up to 220 B",
@@ -760,11 +729,11 @@ fn demo(
     if let Some(path) = &capture {
         stop_capture(p.fabric(), path)?;
     }
-    write_timeline(p.fabric())?;
+    write_timeline(p.fabric(), timeline)?;
     Ok(())
 }
 
-/// Checks and keeps the `--timeline` of `cmd` for [`start_timeline`].
+/// Checks the `--timeline` options of `cmd`.
 fn timeline_args(cmd: &Cmd) -> Result<(), String> {
     let t = match cmd {
         Cmd::Demo { timeline, .. } => timeline.clone(),
@@ -781,32 +750,28 @@ fn timeline_args(cmd: &Cmd) -> Result<(), String> {
     if t.timeline.is_some() && t.timeline_max == 0 {
         return Err("--timeline-max must be at least 1".into());
     }
-    let _ = TIMELINE.set(t);
     Ok(())
 }
 
 /// Starts recording the timeline `--timeline` asked for, if any.
-fn start_timeline(f: &ringbell_emu::Fabric) -> Result<(), String> {
-    match TIMELINE.get() {
-        Some(TimelineArgs {
-            timeline: Some(path),
-            timeline_max,
-        }) => f
-            .start_timeline(*timeline_max)
+fn start_timeline(f: &ringbell_emu::Fabric, t: &TimelineArgs) -> Result<(), String> {
+    match &t.timeline {
+        Some(path) => f
+            .start_timeline(t.timeline_max)
             .map_err(|e| format!("--timeline {path}: {e}")),
-        _ => Ok(()),
+        None => Ok(()),
     }
 }
 
 /// Writes the timeline being recorded to the `--timeline` file, and says what it holds.
-fn write_timeline(f: &ringbell_emu::Fabric) -> Result<(), String> {
-    let Some(path) = TIMELINE.get().and_then(|t| t.timeline.as_ref()) else {
+fn write_timeline(f: &ringbell_emu::Fabric, t: &TimelineArgs) -> Result<(), String> {
+    let Some(path) = &t.timeline else {
         return Ok(());
     };
     let st = f
         .write_timeline(path)
         .map_err(|e| format!("--timeline {path}: {e}"))?;
-    let cap = TIMELINE.get().map_or(0, |t| t.timeline_max);
+    let cap = t.timeline_max;
     println!(
         "timeline: {} stages on {} tracks, {:.1} MB, written to {path}{}",
         st.events,
