@@ -9,6 +9,7 @@ use crate::Error;
 use memmap2::MmapRaw;
 use nix::sys::memfd::{memfd_create, MemFdCreateFlag};
 use std::fs::File;
+use std::marker::PhantomData;
 use std::os::fd::AsFd;
 use std::sync::atomic::{fence, AtomicU8, Ordering};
 
@@ -100,6 +101,21 @@ impl DmaMemory {
         Ok(())
     }
 
+    /// The first `count` [`BLOCK`]-byte blocks as a ring (`count` a power of two), checked
+    /// once per batch so that each block is reached without another check; `None` if they
+    /// are not all inside the buffer.
+    #[inline(always)]
+    pub(crate) fn ring_blocks(&self, count: usize) -> Option<DmaRing<'_>> {
+        if !count.is_power_of_two() || count > self.len / BLOCK {
+            return None;
+        }
+        Some(DmaRing {
+            ptr: self.map.as_mut_ptr(),
+            mask: count - 1,
+            _mem: PhantomData,
+        })
+    }
+
     /// Reads one byte with acquire ordering (for owner bits the device writes last).
     pub(crate) fn load_acquire(&self, offset: usize) -> u8 {
         debug_assert!(offset < self.len);
@@ -114,6 +130,56 @@ impl DmaMemory {
     pub(crate) fn store_u32_release(&self, offset: usize, v: u32) {
         fence(Ordering::Release);
         let _ = self.write(offset, &v.to_le_bytes());
+    }
+}
+
+/// Bytes in a [`DmaBlock`].
+pub(crate) const BLOCK: usize = 64;
+
+/// A power-of-two number of blocks at the start of a [`DmaMemory`], all inside it.
+#[derive(Clone, Copy)]
+pub(crate) struct DmaRing<'a> {
+    ptr: *mut u8,
+    mask: usize,
+    _mem: PhantomData<&'a DmaMemory>,
+}
+
+impl<'a> DmaRing<'a> {
+    /// Block `index` modulo the ring's size.
+    #[inline(always)]
+    pub(crate) fn block(self, index: usize) -> DmaBlock<'a> {
+        DmaBlock {
+            // SAFETY: `index & mask < count` and `count * BLOCK <= len` (checked when the ring
+            // was made), so the block is inside the live mapping, which `'a` keeps alive.
+            ptr: unsafe { self.ptr.add((index & self.mask) * BLOCK) },
+            _mem: PhantomData,
+        }
+    }
+}
+
+/// [`BLOCK`] bytes inside a live mapping, written only by copies (never exposed as a slice).
+pub(crate) struct DmaBlock<'a> {
+    ptr: *mut u8,
+    _mem: PhantomData<&'a DmaMemory>,
+}
+
+impl DmaBlock<'_> {
+    /// Stores `words` as little-endian u64s from byte `8 * W` of the block on (`W + N <= 8`,
+    /// checked at compile time).
+    #[inline(always)]
+    pub(crate) fn write_u64s<const W: usize, const N: usize>(&self, words: [u64; N]) {
+        const { assert!(W + N <= BLOCK / 8) };
+        let bytes: [[u8; 8]; N] = words.map(u64::to_le_bytes);
+        // SAFETY: bytes `8 * W .. 8 * (W + N)` are inside the block (asserted at compile
+        // time), which is inside the live mapping; the destination is only reached through
+        // raw pointers, so no Rust reference to it exists, and an unaligned store has no
+        // alignment requirement.
+        unsafe {
+            self.ptr
+                .add(8 * W)
+                .cast::<[[u8; 8]; N]>()
+                .write_unaligned(bytes)
+        };
     }
 }
 
@@ -142,6 +208,23 @@ mod tests {
         assert!(m.read(usize::MAX, &mut b).is_err());
         assert!(m.fill(4000, 97, 0).is_err());
         assert_eq!(m.load_acquire(11), b'b');
+    }
+
+    #[test]
+    fn ring_blocks_are_checked_once_and_written_as_words() {
+        let m = DmaMemory::new(4096).unwrap();
+        assert!(m.ring_blocks(4096 / BLOCK * 2).is_none());
+        assert!(m.ring_blocks(3).is_none());
+        let ring = m.ring_blocks(4096 / BLOCK).unwrap();
+        let b = ring.block(4096 / BLOCK * 5 - 1);
+        b.write_u64s::<0, 1>([0x0807_0605_0403_0201]);
+        b.write_u64s::<6, 2>([u64::MAX, 0x1122_3344_5566_7788]);
+        let mut got = [0u8; BLOCK];
+        m.read(4096 - BLOCK, &mut got).unwrap();
+        assert_eq!(&got[..8], &[1, 2, 3, 4, 5, 6, 7, 8]);
+        assert_eq!(&got[8..48], &[0; 40]);
+        assert_eq!(&got[48..56], &[0xFF; 8]);
+        assert_eq!(&got[56..], &0x1122_3344_5566_7788u64.to_le_bytes());
     }
 
     #[test]

@@ -451,6 +451,56 @@ fn emit_send_wqe(
     Ok(())
 }
 
+/// The WQE of an inline SEND or WRITE (with or without immediate data) carrying 8 to 12
+/// bytes, the common small post: one block, as its eight little-endian words. `None` for any
+/// other request, including one over `max_inline` (the general path encodes it, or reports
+/// the error). Byte for byte what [`emit_send_wqe`] writes for the same request.
+#[inline(always)]
+fn small_inline_wqe(wr: &SendWr<'_>, max_inline: u32, wqe_index: u16) -> Option<[u64; 8]> {
+    let data = wr.inline?;
+    let n = data.len();
+    if !(8..=12).contains(&n) || n > max_inline as usize {
+        return None;
+    }
+    let (opcode, raddr, imm) = if let WrOp::Write(r) = wr.op {
+        (SendOpcode::Write, Some(r), 0)
+    } else {
+        match wr.op {
+            WrOp::WriteImm(r, i) => (SendOpcode::WriteImm, Some(r), i),
+            WrOp::Send => (SendOpcode::Send, None, 0),
+            WrOp::SendImm(i) => (SendOpcode::SendImm, None, i),
+            _ => return None,
+        }
+    };
+    let flags = WqeFlags::from_bits_truncate(wr.flags.bits()) | WqeFlags::INLINE;
+    // ctrl | [raddr] | inline (4-byte count and 8..=12 bytes: one segment).
+    let ds: u64 = if raddr.is_some() { 3 } else { 2 };
+    let ctrl = [
+        opcode as u64 | (flags.bits() as u64) << 8 | (wqe_index as u64) << 16 | ds << 32,
+        imm as u64,
+    ];
+    // Data bytes 0..4 follow the count; bytes 4..n are the top n - 4 bytes of the last eight.
+    let first = u64::from_le_bytes(*data.first_chunk::<8>()?);
+    let last = u64::from_le_bytes(*data.last_chunk::<8>()?);
+    let inline = [
+        (n as u32 | INLINE_MARK) as u64 | first << 32,
+        last >> (8 * (12 - n)),
+    ];
+    Some(match raddr {
+        Some(r) => [
+            ctrl[0],
+            ctrl[1],
+            r.addr,
+            r.rkey as u64,
+            inline[0],
+            inline[1],
+            0,
+            0,
+        ],
+        None => [ctrl[0], ctrl[1], inline[0], inline[1], 0, 0, 0, 0],
+    })
+}
+
 /// A reliable-connected queue pair.
 #[derive(Debug)]
 pub struct QueuePair {
@@ -770,15 +820,46 @@ impl QueuePair {
             });
         }
         let start = self.sq_pi;
+        let mask = (1u32 << self.sq_log) - 1;
+        let mut pi = start;
         let mut result = Ok(());
+        // Per batch: the ring's mapping, the consumer index (the device does not move it
+        // while we post) and the limits.
+        let ring = self.sq.mem().ring_blocks(mask as usize + 1);
+        let rings = &*self.rings;
+        let wrids = &rings.sq_wrid[..];
+        let nbbs = &rings.sq_nbb[..];
+        let ring = ring.filter(|_| wrids.len() > mask as usize && nbbs.len() > mask as usize);
+        let ci = rings.sq_ci.get();
+        let max_inline = self.max_inline;
         for wr in wrs {
-            if let Err(e) = self.write_send_wqe(wr) {
-                result = Err(e);
-                break;
+            // The common small post (one block, written as whole words): no plan, no
+            // segment-by-segment writes. Anything else, and every error, takes the general
+            // path, which encodes the same bytes.
+            if let Some(ring) = ring {
+                if pi.wrapping_sub(ci) <= mask {
+                    if let Some(words) = small_inline_wqe(wr, max_inline, pi as u16) {
+                        let slot = (pi & mask) as usize;
+                        ring.block(slot).write_u64s::<0, 8>(words);
+                        wrids[slot].set(wr.wr_id);
+                        nbbs[slot].set(1);
+                        pi = pi.wrapping_add(1);
+                        continue;
+                    }
+                }
+            }
+            match self.write_send_wqe(wr, pi) {
+                Ok(nbb) => pi = pi.wrapping_add(nbb),
+                Err(e) => {
+                    result = Err(e);
+                    break;
+                }
             }
         }
-        if self.sq_pi != start {
-            self.db.mem().store_u32_release(4, self.sq_pi);
+        self.sq_pi = pi;
+        self.rings.sq_pi.set(pi);
+        if pi != start {
+            self.db.mem().store_u32_release(4, pi);
             self.ring_sq(start);
         }
         result
@@ -860,13 +941,14 @@ impl QueuePair {
         Ok(())
     }
 
-    /// Writes the WQE of `wr` into the ring at the producer index and advances it (the
-    /// doorbell is the caller's). Nothing is written unless the request is valid and fits.
+    /// Writes the WQE of `wr` into the ring at producer index `pi` and records its wr_id
+    /// and size; returns its size in blocks (advancing the producer index and ringing the
+    /// doorbell are the caller's). Nothing is written unless the request is valid and fits.
     #[inline(always)]
-    fn write_send_wqe(&mut self, wr: &SendWr<'_>) -> Result<(), Error> {
+    fn write_send_wqe(&self, wr: &SendWr<'_>, pi: u32) -> Result<u32, Error> {
         let plan = plan_send_wqe(wr, self.max_inline, self.max_send_sge)?;
         let nbb = wqe::wqebbs(plan.ds) as u32;
-        let free = self.sq_free();
+        let free = (1u32 << self.sq_log) - pi.wrapping_sub(self.rings.sq_ci.get());
         if nbb > free {
             return Err(Error::QueueFull {
                 queue: "send queue",
@@ -880,16 +962,14 @@ impl QueuePair {
         // narrower stores), which dominated the cost of a post.
         let mut out = RingSink {
             ring: self.sq.mem(),
-            start: (self.sq_pi & mask) as usize * WQEBB,
+            start: (pi & mask) as usize * WQEBB,
             size: (mask as usize + 1) * WQEBB,
         };
-        emit_send_wqe(wr, &plan, self.sq_pi as u16, &mut out)?;
-        let slot = (self.sq_pi & mask) as usize;
+        emit_send_wqe(wr, &plan, pi as u16, &mut out)?;
+        let slot = (pi & mask) as usize;
         self.rings.sq_wrid[slot].set(wr.wr_id);
         self.rings.sq_nbb[slot].set(nbb as u8);
-        self.sq_pi = self.sq_pi.wrapping_add(nbb);
-        self.rings.sq_pi.set(self.sq_pi);
-        Ok(())
+        Ok(nbb)
     }
 
     /// Posts receive requests (not for QPs on an SRQ).
@@ -1048,7 +1128,10 @@ mod tests {
             rkey in any::<u32>(),
             imm in any::<u32>(),
             operands in any::<(u64, u64)>(),
-            inline in proptest::option::of(proptest::collection::vec(any::<u8>(), 0..250)),
+            inline in proptest::option::of(prop_oneof![
+                proptest::collection::vec(any::<u8>(), 0..250),
+                proptest::collection::vec(any::<u8>(), 6..14),
+            ]),
             sgl in proptest::collection::vec(
                 (prop_oneof![Just(8u32), any::<u32>()], any::<u32>(), any::<u64>()), 0..18),
             flags in 0u8..8,
@@ -1081,7 +1164,10 @@ mod tests {
             let want = reference_wqe(&wr, max_inline, max_send_sge, wqe_index);
             let plan = plan_send_wqe(&wr, max_inline, max_send_sge);
             match (&want, &plan) {
-                (Err(w), Err(g)) => prop_assert_eq!(w, &format!("{g:?}")),
+                (Err(w), Err(g)) => {
+                    prop_assert_eq!(w, &format!("{g:?}"));
+                    prop_assert!(small_inline_wqe(&wr, max_inline, wqe_index).is_none());
+                }
                 (Ok(want), Ok(plan)) => {
                     const BLOCKS: usize = 8;
                     let mem = DmaMemory::new(BLOCKS * WQEBB).unwrap();
@@ -1102,6 +1188,14 @@ mod tests {
                     let mut buf = [0u8; wqe::MAX_SEND_WQE];
                     emit_send_wqe(&wr, plan, wqe_index, &mut buf).unwrap();
                     prop_assert_eq!(&buf[..want.len()], &want[..]);
+                    if let Some(words) = small_inline_wqe(&wr, max_inline, wqe_index) {
+                        prop_assert_eq!(nbb, 1);
+                        mem.fill(0, BLOCKS * WQEBB, 0xEE).unwrap();
+                        mem.ring_blocks(BLOCKS).unwrap().block(start_block).write_u64s::<0, 8>(words);
+                        let mut got = [0u8; WQEBB];
+                        mem.read(start_block * WQEBB, &mut got).unwrap();
+                        prop_assert_eq!(&got[..], &want[..], "small inline WQE");
+                    }
                 }
                 (w, g) => prop_assert!(false, "reference {:?}, plan {:?}", w, g),
             }
