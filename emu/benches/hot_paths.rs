@@ -11,37 +11,77 @@ use ringbell_emu::coll::{CollGroup, CollOp};
 use ringbell_emu::{Fabric, FabricConfig};
 use std::time::{Duration, Instant};
 
+/// Two connected nodes: node 0 writes into node 1's registered buffer.
+struct Two {
+    // Declared in drop order: QPs before CQs, MRs before their buffers and PDs.
+    qa: QueuePair,
+    _qb: QueuePair,
+    ca: CompletionQueue,
+    _cb: CompletionQueue,
+    ma: MemoryRegion,
+    mb: MemoryRegion,
+    _bufs: (DmaBuffer, DmaBuffer),
+    pa: ProtectionDomain,
+    _pb: ProtectionDomain,
+    _devs: (Device, Device),
+    fabric: Fabric,
+}
+
+impl Two {
+    fn new() -> Two {
+        let fabric = Fabric::new(FabricConfig::new(2, 1));
+        let (a, b) = (
+            Device::open(Box::new(fabric.port(0))).unwrap(),
+            Device::open(Box::new(fabric.port(1))).unwrap(),
+        );
+        let (pa, pb) = (a.alloc_pd().unwrap(), b.alloc_pd().unwrap());
+        let (ba, bb) = (a.alloc_dma(4096).unwrap(), b.alloc_dma(4096).unwrap());
+        let ma = pa.reg_mr(&ba, Access::LOCAL_WRITE).unwrap();
+        let mb = pb
+            .reg_mr(&bb, Access::LOCAL_WRITE | Access::REMOTE_WRITE)
+            .unwrap();
+        let (ca, cb) = (a.create_cq(64).unwrap(), b.create_cq(64).unwrap());
+        let mut qa = pa.create_qp(&QpInit::new(&ca, &ca)).unwrap();
+        let mut qb = pb.create_qp(&QpInit::new(&cb, &cb)).unwrap();
+        let o = ConnectOptions::default();
+        let (ea, eb) = (qa.endpoint(1), qb.endpoint(2));
+        qa.connect(&eb, 1, &o).unwrap();
+        qb.connect(&ea, 2, &o).unwrap();
+        Two {
+            qa,
+            _qb: qb,
+            ca,
+            _cb: cb,
+            ma,
+            mb,
+            _bufs: (ba, bb),
+            pa,
+            _pb: pb,
+            _devs: (a, b),
+            fabric,
+        }
+    }
+
+    /// Node 1's buffer, for node 0's WRITEs.
+    fn remote(&self) -> RemoteAddr {
+        RemoteAddr {
+            addr: self.mb.addr(),
+            rkey: self.mb.rkey(),
+        }
+    }
+}
+
 /// One 8-byte WRITE, posted, run through both emulated NICs, and its completion polled.
 fn write_round_trip(c: &mut Criterion) {
-    let fabric = Fabric::new(FabricConfig::new(2, 1));
-    let (a, b) = (
-        Device::open(Box::new(fabric.port(0))).unwrap(),
-        Device::open(Box::new(fabric.port(1))).unwrap(),
-    );
-    let (pa, pb) = (a.alloc_pd().unwrap(), b.alloc_pd().unwrap());
-    let (ba, bb) = (a.alloc_dma(4096).unwrap(), b.alloc_dma(4096).unwrap());
-    let ma = pa.reg_mr(&ba, Access::LOCAL_WRITE).unwrap();
-    let mb = pb
-        .reg_mr(&bb, Access::LOCAL_WRITE | Access::REMOTE_WRITE)
-        .unwrap();
-    let (mut ca, cb) = (a.create_cq(64).unwrap(), b.create_cq(64).unwrap());
-    let mut qa = pa.create_qp(&QpInit::new(&ca, &ca)).unwrap();
-    let mut qb = pb.create_qp(&QpInit::new(&cb, &cb)).unwrap();
-    let o = ConnectOptions::default();
-    let (ea, eb) = (qa.endpoint(1), qb.endpoint(2));
-    qa.connect(&eb, 1, &o).unwrap();
-    qb.connect(&ea, 2, &o).unwrap();
-    let remote = RemoteAddr {
-        addr: mb.addr(),
-        rkey: mb.rkey(),
-    };
-    let sge = [ma.sge(0, 8)];
+    let mut t = Two::new();
+    let remote = t.remote();
+    let sge = [t.ma.sge(0, 8)];
     let mut wc = [WorkCompletion::default(); 1];
     c.bench_function("write_8B_post_to_completion", |bch| {
         bch.iter(|| {
-            qa.post_send(&[SendWr::new(1, WrOp::Write(remote), &sge)])
+            t.qa.post_send(&[SendWr::new(1, WrOp::Write(remote), &sge)])
                 .unwrap();
-            while ca.poll(&mut wc) == 0 {}
+            while t.ca.poll(&mut wc) == 0 {}
             assert_eq!(wc[0].status, WcStatus::Success);
         })
     });
@@ -96,31 +136,14 @@ fn software_matching(c: &mut Criterion) {
 /// A triggered 8-byte WRITE, armed beforehand (not timed): from the host's counter add that
 /// releases it to its completion counter's writeback showing it done.
 fn triggered_fire(c: &mut Criterion) {
-    let fabric = Fabric::new(FabricConfig::new(2, 1));
-    let (a, b) = (
-        Device::open(Box::new(fabric.port(0))).unwrap(),
-        Device::open(Box::new(fabric.port(1))).unwrap(),
-    );
-    let (pa, pb) = (a.alloc_pd().unwrap(), b.alloc_pd().unwrap());
-    let (ba, bb) = (a.alloc_dma(4096).unwrap(), b.alloc_dma(4096).unwrap());
-    let ma = pa.reg_mr(&ba, Access::LOCAL_WRITE).unwrap();
-    let mb = pb
-        .reg_mr(&bb, Access::LOCAL_WRITE | Access::REMOTE_WRITE)
-        .unwrap();
-    let (ca, cb) = (a.create_cq(64).unwrap(), b.create_cq(64).unwrap());
-    let mut qa = pa.create_qp(&QpInit::new(&ca, &ca)).unwrap();
-    let mut qb = pb.create_qp(&QpInit::new(&cb, &cb)).unwrap();
-    let o = ConnectOptions::default();
-    let (ea, eb) = (qa.endpoint(1), qb.endpoint(2));
-    qa.connect(&eb, 1, &o).unwrap();
-    qb.connect(&ea, 2, &o).unwrap();
-    let remote = RemoteAddr {
-        addr: mb.addr(),
-        rkey: mb.rkey(),
-    };
-    let sge = [ma.sge(0, 8)];
+    let t = Two::new();
+    let remote = t.remote();
+    let sge = [t.ma.sge(0, 8)];
     let wr = SendWr::new(1, WrOp::Write(remote), &sge);
-    let (go, sent) = (pa.create_counter().unwrap(), pa.create_counter().unwrap());
+    let (go, sent) = (
+        t.pa.create_counter().unwrap(),
+        t.pa.create_counter().unwrap(),
+    );
     let mut base = 0u64;
     c.bench_function("triggered_write_add_to_completion", |bch| {
         bch.iter_custom(|iters| {
@@ -133,13 +156,13 @@ fn triggered_fire(c: &mut Criterion) {
                         completion: Some(&sent),
                         ..Default::default()
                     };
-                    qa.post_triggered(&go, base + i, &wr, opts).unwrap();
+                    t.qa.post_triggered(&go, base + i, &wr, opts).unwrap();
                 }
                 let start = Instant::now();
                 for i in 1..=n {
                     go.add(1);
                     while sent.get().0 < base + i {
-                        fabric.step();
+                        t.fabric.step();
                     }
                 }
                 total += start.elapsed();

@@ -1,19 +1,10 @@
-//! The `ringbell-emu demo` command as a user runs it.
+//! The `ringbell-emu` commands as a user runs them.
 
-use std::process::Command;
+use std::process::{Command, Output};
 
 #[test]
 fn demo_prints_the_seed_first_then_latency_bandwidth_and_speed() {
-    let out = Command::new(env!("CARGO_BIN_EXE_ringbell-emu"))
-        .args(["demo", "--seed", "3", "--iters", "3"])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let text = String::from_utf8(out.stdout).unwrap();
+    let text = run_ok(&["demo", "--seed", "3", "--iters", "3"]);
     let lines: Vec<&str> = text.lines().collect();
     assert_eq!(lines[0], "seed 3");
     // One latency row per size from 8 B to 64 KiB, each with three positive figures.
@@ -34,10 +25,7 @@ fn demo_prints_the_seed_first_then_latency_bandwidth_and_speed() {
     assert!(text.contains("simulated µs per wall s"));
     assert!(text.contains("trace digest"));
     // Same seed, same digest.
-    let again = Command::new(env!("CARGO_BIN_EXE_ringbell-emu"))
-        .args(["demo", "--seed", "3", "--iters", "3"])
-        .output()
-        .unwrap();
+    let again = run(&["demo", "--seed", "3", "--iters", "3"]);
     let digest = |t: &str| {
         t.lines()
             .find(|l| l.starts_with("trace digest"))
@@ -51,26 +39,33 @@ fn demo_prints_the_seed_first_then_latency_bandwidth_and_speed() {
 
 #[test]
 fn bad_arguments_are_refused_with_usage() {
-    let out = Command::new(env!("CARGO_BIN_EXE_ringbell-emu"))
-        .args(["demo", "--iters", "lots"])
-        .output()
-        .unwrap();
+    let out = run(&["demo", "--iters", "lots"]);
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("invalid value"));
 }
 
-fn bench(args: &[&str]) -> String {
-    let out = Command::new(env!("CARGO_BIN_EXE_ringbell-emu"))
-        .arg("bench")
+/// Runs `ringbell-emu` with `args`.
+fn run(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_ringbell-emu"))
         .args(args)
         .output()
-        .unwrap();
+        .unwrap()
+}
+
+/// Runs `ringbell-emu` with `args`, expects success and returns what it printed.
+fn run_ok(args: &[&str]) -> String {
+    let out = run(args);
     assert!(
         out.status.success(),
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
     String::from_utf8(out.stdout).unwrap()
+}
+
+fn bench(args: &[&str]) -> String {
+    let all: Vec<&str> = ["bench"].iter().chain(args).copied().collect();
+    run_ok(&all)
 }
 
 fn field(text: &str, line: &str, name: &str) -> u64 {
@@ -168,26 +163,14 @@ fn bench_reads_a_scenario_file() {
     assert!(field(&text, "port 1", "rx_icrc_errors") > 0, "{text}");
     let bad = dir.join("bad.toml");
     std::fs::write(&bad, "[faults]\nloss = 2.0\n").unwrap();
-    let out = Command::new(env!("CARGO_BIN_EXE_ringbell-emu"))
-        .args(["bench", "--scenario", bad.to_str().unwrap()])
-        .output()
-        .unwrap();
+    let out = run(&["bench", "--scenario", bad.to_str().unwrap()]);
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("not a probability"));
 }
 
 #[test]
 fn coll_prints_a_latency_per_collective_and_rank_count_growing_with_the_tree() {
-    let out = Command::new(env!("CARGO_BIN_EXE_ringbell-emu"))
-        .args(["coll", "--nodes", "2,16,64", "--iters", "1", "--root", "5"])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let text = String::from_utf8(out.stdout).unwrap();
+    let text = run_ok(&["coll", "--nodes", "2,16,64", "--iters", "1", "--root", "5"]);
     assert_eq!(text.lines().next(), Some("seed 1"));
     for op in ["barrier", "bcast", "allreduce"] {
         let lat: Vec<f64> = text
@@ -208,26 +191,14 @@ fn coll_prints_a_latency_per_collective_and_rank_count_growing_with_the_tree() {
             .any(|l| l.starts_with("bcast") && l.contains(" 2     1 ")),
         "{text}"
     );
-    let bad = Command::new(env!("CARGO_BIN_EXE_ringbell-emu"))
-        .args(["coll", "--nodes", "1"])
-        .output()
-        .unwrap();
+    let bad = run(&["coll", "--nodes", "1"]);
     assert!(!bad.status.success());
     assert!(String::from_utf8_lossy(&bad.stderr).contains("2..=1024"));
 }
 
 #[test]
 fn bench_perftest_reports_latency_percentiles_bandwidth_and_speed() {
-    let out = Command::new(env!("CARGO_BIN_EXE_ringbell-emu"))
-        .args(["bench", "--op", "perftest", "--count", "10"])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let text = String::from_utf8(out.stdout).unwrap();
+    let text = run_ok(&["bench", "--op", "perftest", "--count", "10"]);
     let rows = |op: &str| -> Vec<Vec<f64>> {
         text.lines()
             .filter(|l| l.split_whitespace().next() == Some(op))
@@ -276,10 +247,7 @@ fn bench_perftest_reports_latency_percentiles_bandwidth_and_speed() {
 
 #[test]
 fn profiles_print_and_load_from_files() {
-    let out = Command::new(env!("CARGO_BIN_EXE_ringbell-emu"))
-        .args(["profile", "cx7-400g"])
-        .output()
-        .unwrap();
+    let out = run(&["profile", "cx7-400g"]);
     let text = String::from_utf8(out.stdout).unwrap();
     assert!(text.starts_with("timing profile cx7-400g"), "{text}");
     assert!(text.contains("link_bits_per_us") && text.contains("400000"));
@@ -287,12 +255,7 @@ fn profiles_print_and_load_from_files() {
     std::fs::create_dir_all(&dir).unwrap();
     let f = dir.join("slow.toml");
     std::fs::write(&f, "name = \"slow-mmio\"\nmmio_post_ps = 1200000\n").unwrap();
-    let run = |profile: &str| {
-        Command::new(env!("CARGO_BIN_EXE_ringbell-emu"))
-            .args(["demo", "--iters", "2", "--profile", profile])
-            .output()
-            .unwrap()
-    };
+    let run = |profile: &str| run(&["demo", "--iters", "2", "--profile", profile]);
     let slow = String::from_utf8(run(f.to_str().unwrap()).stdout).unwrap();
     assert!(slow.contains("timing profile slow-mmio"), "{slow}");
     let lat = |t: &str| -> f64 {
