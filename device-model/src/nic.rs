@@ -265,6 +265,18 @@ impl Nic {
         &self.cfg.timing
     }
 
+    /// The BAR0 offsets of the doorbell slots ([`regs::DB_STRIDE`] bytes each) of every live
+    /// QP, SRQ and CQ, in offset order: where a host that maps the doorbell pages can have
+    /// stored something (an out-of-process server polls exactly these).
+    pub fn doorbell_slots(&self, out: &mut Vec<u64>) {
+        out.clear();
+        let slot = |base: u64, num: u32| base + num as u64 * regs::DB_STRIDE;
+        out.extend(self.qps.iter().map(|(n, _)| slot(regs::QP_DB_BASE, n)));
+        out.extend(self.srqs.iter().map(|(n, _)| slot(regs::SRQ_DB_BASE, n)));
+        out.extend(self.cqs.iter().map(|(n, _)| slot(regs::CQ_DB_BASE, n)));
+        out.retain(|o| *o < regs::DB_END);
+    }
+
     /// Capabilities reported in `CAPS`.
     pub fn caps(&self) -> Caps {
         Caps::RC

@@ -14,6 +14,7 @@ use ringbell_specs::regs;
 use ringbell_specs::stats::PortStats;
 use std::cell::{Cell, RefCell};
 use std::collections::BTreeMap;
+use std::os::fd::AsRawFd;
 use std::rc::Rc;
 use zerocopy::{FromBytes, IntoBytes};
 
@@ -367,6 +368,21 @@ impl Device {
         let lo = self.inner.port.read32(regs::CLOCK_LO) as u64;
         let hi = self.inner.port.read32(regs::CLOCK_HI) as u64;
         hi << 32 | lo
+    }
+
+    /// Waits up to `timeout` of wall time for the device's interrupt (MSI-X vector 0: an
+    /// event queue entry, or an event of an armed CQ) and clears it: `Ok(true)` when it
+    /// fired, `Ok(false)` on timeout. [`Error::NoInterrupt`] on a port without interrupts
+    /// (the in-process emulator, driven by polling).
+    pub fn wait_interrupt(&self, timeout: std::time::Duration) -> Result<bool, Error> {
+        let fd = self.inner.port.interrupt_fd(0).ok_or(Error::NoInterrupt)?;
+        if !crate::vfio::wait_readable(fd, timeout).map_err(|e| Error::Interrupt(e.to_string()))? {
+            return Ok(false);
+        }
+        let mut count = [0u8; 8];
+        // Clears the eventfd counter (a non-blocking read; another waiter may have won).
+        let _ = nix::unistd::read(fd.as_raw_fd(), &mut count);
+        Ok(true)
     }
 
     /// Lets the device make progress once (see [`Port::progress`]).

@@ -60,6 +60,12 @@ pub enum Error {
     /// The device stopped making progress while the driver waited for it.
     #[error("device idle while waiting for {0}")]
     DeviceIdle(&'static str),
+    /// The port delivers no interrupts (the in-process emulator: poll instead).
+    #[error("this port delivers no interrupts")]
+    NoInterrupt,
+    /// Waiting for an interrupt failed.
+    #[error("waiting for an interrupt: {0}")]
+    Interrupt(String),
     /// A port operation failed.
     #[error(transparent)]
     Port(#[from] PortError),

@@ -30,6 +30,7 @@ mod qp;
 mod srq;
 pub mod tagmatch;
 pub mod tm;
+pub mod vfio;
 
 pub use counter::{Counter, CounterInfo, CounterWait, TriggerHandle, TriggerOpts};
 pub use cq::{CompletionQueue, CqAttr, WcOpcode, WcStatus, WorkCompletion};
@@ -44,3 +45,4 @@ pub use qp::{
 pub use ringbell_specs::cmd::{Access, CntrEvents, QpState};
 pub use ringbell_specs::stats::{PortStats, QpStats};
 pub use srq::SharedReceiveQueue;
+pub use vfio::{VfioError, VfioPort};

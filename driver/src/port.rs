@@ -60,4 +60,10 @@ pub trait Port {
     /// will change without further input (an emulator with an empty event queue); hardware
     /// returns `true`.
     fn progress(&self) -> bool;
+    /// A descriptor that becomes readable when the device raises MSI-X vector `vector` (an
+    /// eventfd: reading its 8-byte counter clears it), or `None` when the port delivers no
+    /// interrupts and [`Port::progress`] drives the device (the in-process emulator).
+    fn interrupt_fd(&self, _vector: u32) -> Option<BorrowedFd<'_>> {
+        None
+    }
 }

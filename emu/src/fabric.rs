@@ -11,7 +11,7 @@ use ringbell_model::sim::EventQueue;
 use ringbell_model::{
     DmaFault, Env, Nic, NicConfig, NicEvent, NicStats, Stage, TimingProfile, TraceEvent,
 };
-use ringbell_specs::SimTime;
+use ringbell_specs::{regs, SimTime};
 use std::cell::RefCell;
 use std::collections::BTreeMap;
 use std::io::{self, Write};
@@ -534,6 +534,36 @@ impl Fabric {
     /// A node's NIC counters.
     pub fn nic_stats(&self, node: usize) -> NicStats {
         *self.shared.borrow().nodes[node].nic.stats()
+    }
+
+    /// Moves simulated time forward to `t` with nothing happening, or to the next pending
+    /// event if that comes first (an out-of-process server keeps the clock with wall time).
+    pub fn advance_to(&self, t: SimTime) {
+        let mut s = self.shared.borrow_mut();
+        let t = s.queue.peek_time().map_or(t, |next| next.min(t));
+        s.queue.advance_to(t);
+    }
+
+    /// When the next pending event is due, if one is.
+    pub fn next_event_at(&self) -> Option<SimTime> {
+        self.shared.borrow().queue.peek_time()
+    }
+
+    /// The BAR0 offsets of node `node`'s live doorbell slots (see
+    /// [`ringbell_model::Nic::doorbell_slots`]).
+    pub fn doorbell_slots(&self, node: usize, out: &mut Vec<u64>) {
+        self.shared.borrow().nodes[node].nic.doorbell_slots(out)
+    }
+
+    /// Resets node `node` as a host that went away leaves it: the device reset (every object
+    /// destroyed, nothing completed) and every DMA mapping removed. Returns the number of
+    /// mappings removed.
+    pub fn reclaim_node(&self, node: usize) -> usize {
+        let mut s = self.shared.borrow_mut();
+        s.with_env(node, |nic, env| {
+            nic.mmio_write(env, regs::RESET, regs::RESET_KEY)
+        });
+        s.nodes[node].iommu.clear()
     }
 
     /// Interrupts node `node` has raised.

@@ -61,6 +61,13 @@ impl Iommu {
         Ok(())
     }
 
+    /// Removes every mapping (the client that made them is gone); returns how many there were.
+    pub fn clear(&mut self) -> usize {
+        let n = self.maps.len();
+        self.maps.clear();
+        n
+    }
+
     /// Removes the mapping that starts at `iova` with length `len`.
     pub fn unmap(&mut self, iova: u64, len: u64) -> Result<(), PortError> {
         match self.maps.get(&iova) {

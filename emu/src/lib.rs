@@ -5,17 +5,20 @@
 //! latency. One event queue orders everything by (time, sequence); one seed is the root of
 //! every random stream. [`Fabric::port`] gives the driver an in-process [`ringbell::Port`]
 //! that runs the simulation in lockstep with its caller. [`perf`] holds the perftest-style
-//! runs the CLI prints, [`tmbench`] the tag-matching ones.
+//! runs the CLI prints, [`tmbench`] the tag-matching ones. [`serve`] runs the NICs as vfio-user devices for other
+//! processes, and [`peer`] is one such process.
 
 pub mod capture;
 pub mod coll;
 mod fabric;
 pub mod faults;
 mod iommu;
+pub mod peer;
 pub mod perf;
 mod port;
 pub mod profile;
 mod scenario;
+pub mod serve;
 pub mod timeline;
 pub mod tmbench;
 

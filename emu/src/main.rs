@@ -57,6 +57,22 @@ enum CollKind {
     All,
 }
 
+#[derive(Clone, Copy, ValueEnum)]
+enum PeerRole {
+    /// Sends.
+    Initiator,
+    /// Receives and checks.
+    Target,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum PeerMode {
+    /// RDMA WRITE then SEND with immediate, answered by a SEND.
+    Rc,
+    /// Tagged messages through the TM-SRQ, eager and rendezvous.
+    Tag,
+}
+
 #[derive(Subcommand)]
 enum Cmd {
     /// Offloaded collectives built only from triggered operations on N emulated NICs:
@@ -131,6 +147,48 @@ enum Cmd {
         #[command(flatten)]
         timeline: TimelineArgs,
     },
+    /// Serves N emulated NICs to other processes as vfio-user PCI devices, one socket per
+    /// NIC (DIR/nic0.sock ...): the driver reaches them with `VfioPort::connect`. Runs until
+    /// killed; simulated time keeps pace with wall time.
+    Serve {
+        /// Directory for the sockets (created if missing; stale sockets are replaced).
+        #[arg(long, value_name = "DIR")]
+        socket: std::path::PathBuf,
+        /// Number of NICs.
+        #[arg(long, default_value_t = 2)]
+        nodes: usize,
+        /// Root seed (initial fabric randomness, faults).
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
+        /// Probability that a frame is lost on a link (0..1).
+        #[arg(long, default_value_t = 0.0)]
+        loss: f64,
+        /// Timing profile: a built-in name (cx6-100g, cx7-400g) or a TOML file of overrides.
+        #[arg(long, default_value = "cx6-100g")]
+        profile: String,
+    },
+    /// One process of a two-process job on a served NIC: prints its endpoint line, reads the
+    /// peer's from stdin, then runs checked RC or tagged traffic (see `serve`).
+    Peer {
+        /// The NIC's socket (DIR/nicN.sock).
+        #[arg(long)]
+        socket: std::path::PathBuf,
+        /// Which side: the initiator sends, the target checks.
+        #[arg(long, value_enum)]
+        role: PeerRole,
+        /// rc: RDMA WRITE + SEND with immediate; tag: tagged eager and rendezvous messages.
+        #[arg(long, value_enum, default_value_t = PeerMode::Rc)]
+        mode: PeerMode,
+        /// Iterations.
+        #[arg(long, default_value_t = 64)]
+        count: u32,
+        /// Bytes per message (rc), or of the rendezvous messages (tag).
+        #[arg(long, default_value_t = 4096)]
+        size: u32,
+        /// Give up after this many seconds of wall time.
+        #[arg(long, default_value_t = 60)]
+        deadline: u64,
+    },
     /// Prints a timing profile: every parameter with its value and source.
     Profile {
         /// A built-in name (cx6-100g, cx7-400g) or a TOML file of overrides.
@@ -176,6 +234,38 @@ fn main() {
     }
     let r = match cli.cmd {
         Cmd::Coll(a) => coll(a),
+        Cmd::Serve {
+            socket,
+            nodes,
+            seed,
+            loss,
+            profile,
+        } => serve(&socket, nodes, seed, loss, &profile),
+        Cmd::Peer {
+            socket,
+            role,
+            mode,
+            count,
+            size,
+            deadline,
+        } => {
+            let cfg = ringbell_emu::peer::PeerConfig {
+                socket,
+                role: match role {
+                    PeerRole::Initiator => ringbell_emu::peer::Role::Initiator,
+                    PeerRole::Target => ringbell_emu::peer::Role::Target,
+                },
+                mode: match mode {
+                    PeerMode::Rc => ringbell_emu::peer::Mode::Rc,
+                    PeerMode::Tag => ringbell_emu::peer::Mode::Tag,
+                },
+                count,
+                size,
+                deadline: std::time::Duration::from_secs(deadline),
+            };
+            ringbell_emu::peer::run_peer(&cfg, std::io::stdin().lock(), std::io::stdout().lock())
+                .map(|_| ())
+        }
         Cmd::Profile { profile } => ringbell_emu::profile::load(&profile)
             .map(|p| print!("{}", ringbell_emu::profile::describe(&p)))
             .map_err(|e| e.to_string()),
@@ -819,4 +909,32 @@ fn breakdown(seed: u64, size: u32, wiring: Wiring, profile: &str) -> Result<(), 
         )),
         None => Ok(()),
     }
+}
+
+fn serve(
+    dir: &std::path::Path,
+    nodes: usize,
+    seed: u64,
+    loss: f64,
+    profile: &str,
+) -> Result<(), String> {
+    if !(1..=64).contains(&nodes) {
+        return Err(format!("--nodes {nodes}: 1..=64 NICs can be served"));
+    }
+    let mut cfg = FabricConfig::new(nodes, seed);
+    cfg.timing = ringbell_emu::profile::load(profile).map_err(|e| e.to_string())?;
+    if !(0.0..=1.0).contains(&loss) {
+        return Err(format!("--loss {loss}: a probability is 0..=1"));
+    }
+    cfg.faults.links = LinkFaults::loss(loss);
+    ringbell_emu::serve::serve(dir, cfg, || {
+        println!(
+            "ringbell-emu serve: {nodes} NICs on {} (nic0.sock .. nic{}.sock), seed {seed}",
+            dir.display(),
+            nodes - 1
+        );
+        use std::io::Write;
+        let _ = std::io::stdout().flush();
+    })
+    .map_err(|e| e.to_string())
 }
