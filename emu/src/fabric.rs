@@ -555,6 +555,11 @@ impl Fabric {
         self.shared.borrow().nodes[node].nic.doorbell_slots(out)
     }
 
+    /// DMA mappings node `node` holds.
+    pub fn dma_mappings(&self, node: usize) -> usize {
+        self.shared.borrow().nodes[node].iommu.len()
+    }
+
     /// Resets node `node` as a host that went away leaves it: the device reset (every object
     /// destroyed, nothing completed) and every DMA mapping removed. Returns the number of
     /// mappings removed.

@@ -55,6 +55,9 @@ pub const DOORBELL_IDLE: u32 = u32::MAX;
 /// Bytes of config space.
 pub const CONFIG_SIZE: usize = 256;
 
+/// Most DMA mappings one client may hold (each is a mapping in the server's address space).
+pub const MAX_DMA_MAPPINGS: usize = 65536;
+
 /// Largest trapped access (a BlueFlame burst).
 const MAX_ACCESS: usize = regs::BF_STRIDE as usize;
 
@@ -586,6 +589,9 @@ fn handle(fabric: &Fabric, states: &mut [NodeState], m: Msg) {
             }
             Ok(Vec::new())
         }
+        Req::DmaMap { .. } if fabric.dma_mappings(node) >= MAX_DMA_MAPPINGS => Err(format!(
+            "the node holds {MAX_DMA_MAPPINGS} DMA mappings, the most it takes"
+        )),
         Req::DmaMap { fd, iova, len } => port
             .dma_map(fd.as_fd(), len, iova)
             .map(|_| Vec::new())
