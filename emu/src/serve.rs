@@ -299,6 +299,14 @@ impl NodeBackend {
         }
     }
 
+    /// Checks a config-space access; the offset as an index.
+    fn config_range(&mut self, what: &str, offset: u64, len: usize) -> io::Result<usize> {
+        match offset.checked_add(len as u64) {
+            Some(end) if end <= CONFIG_SIZE as u64 => Ok(offset as usize),
+            _ => Err(self.refuse(format!("config {what} of {len} bytes at {offset:#x}"))),
+        }
+    }
+
     fn config_write(&mut self, offset: usize, data: &[u8]) {
         for (i, b) in data.iter().enumerate() {
             let at = offset + i;
@@ -325,14 +333,8 @@ impl ServerBackend for NodeBackend {
     fn region_read(&mut self, region: u32, offset: u64, data: &mut [u8]) -> io::Result<()> {
         match region {
             VFIO_PCI_CONFIG_REGION_INDEX => {
-                let end = offset.checked_add(data.len() as u64);
-                if end.is_none_or(|e| e > CONFIG_SIZE as u64) {
-                    return Err(self.refuse(format!(
-                        "config read of {} bytes at {offset:#x}",
-                        data.len()
-                    )));
-                }
-                data.copy_from_slice(&self.config[offset as usize..][..data.len()]);
+                let at = self.config_range("read", offset, data.len())?;
+                data.copy_from_slice(&self.config[at..][..data.len()]);
                 Ok(())
             }
             VFIO_PCI_BAR0_REGION_INDEX => {
@@ -351,14 +353,8 @@ impl ServerBackend for NodeBackend {
     fn region_write(&mut self, region: u32, offset: u64, data: &[u8]) -> io::Result<()> {
         match region {
             VFIO_PCI_CONFIG_REGION_INDEX => {
-                let end = offset.checked_add(data.len() as u64);
-                if end.is_none_or(|e| e > CONFIG_SIZE as u64) {
-                    return Err(self.refuse(format!(
-                        "config write of {} bytes at {offset:#x}",
-                        data.len()
-                    )));
-                }
-                self.config_write(offset as usize, data);
+                let at = self.config_range("write", offset, data.len())?;
+                self.config_write(at, data);
                 Ok(())
             }
             VFIO_PCI_BAR0_REGION_INDEX => {

@@ -861,6 +861,27 @@ fn sparse_areas(payload: &[u8], info: &RegionInfo) -> Result<Vec<(u64, u64)>, Vf
     }
 }
 
+/// The BAR0 windows that a DEVICE_GET_REGION_INFO reply `payload` (the region info, then its
+/// capability chain) lets a client map, as [`plan_windows`] gives them: nothing without the
+/// MMAP flag, the sparse-mmap areas when there are any, else the whole region. Every
+/// malformed reply is an error, never a panic (the `vfio_region_info` fuzz target).
+pub fn mappable_windows(payload: &[u8]) -> Result<Vec<(u64, u64)>, VfioError> {
+    let Ok((info, _)) = RegionInfo::read_from_prefix(payload) else {
+        return Err(VfioError::BadRegion(format!(
+            "a region info of {} bytes is too short",
+            payload.len()
+        )));
+    };
+    let has_caps = info.flags.get() & vb::VFIO_REGION_INFO_FLAG_CAPS != 0;
+    let areas = if has_caps && payload.len() > size_of::<RegionInfo>() {
+        sparse_areas(payload, &info)?
+    } else {
+        Vec::new()
+    };
+    let mmap = info.flags.get() & vb::VFIO_REGION_INFO_FLAG_MMAP != 0;
+    plan_windows(mmap, info.size.get(), &areas)
+}
+
 /// The unsigned integer value of `"key"` in a small JSON text, if it is there.
 fn json_uint(json: &str, key: &str) -> Option<u64> {
     let quoted = format!("\"{key}\"");
@@ -1567,7 +1588,18 @@ mod tests {
         for (buf, info) in &bad_chains {
             let r = sparse_areas(buf, info);
             assert!(matches!(r, Err(VfioError::BadRegion(_))), "{r:?}");
+            let r = mappable_windows(buf);
+            assert!(matches!(r, Err(VfioError::BadRegion(_))), "{r:?}");
         }
+        // The whole reply: the MMAP flag decides, the areas limit.
+        let (mut buf, _) = region_reply(32, &[(32, cap(sparse, 0, Some((2, areas))))]);
+        assert_eq!(mappable_windows(&buf).unwrap(), vec![]);
+        let flags = vb::VFIO_REGION_INFO_FLAG_CAPS | vb::VFIO_REGION_INFO_FLAG_MMAP;
+        buf[4..8].copy_from_slice(&flags.to_le_bytes());
+        assert_eq!(mappable_windows(&buf).unwrap(), areas.to_vec());
+        buf[4..8].copy_from_slice(&vb::VFIO_REGION_INFO_FLAG_MMAP.to_le_bytes());
+        assert_eq!(mappable_windows(&buf).unwrap(), vec![(0, regs::BAR0_SIZE)]);
+        assert!(mappable_windows(&buf[..31]).is_err());
         // A chain longer than the bound.
         let caps: Vec<_> = (0..=MAX_CAPS)
             .map(|i| (32 + 8 * i, cap(99, (32 + 8 * (i + 1)) as u32, None)))
