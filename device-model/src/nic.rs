@@ -86,7 +86,7 @@ pub type NicStats = ringbell_specs::stats::PortStats;
 /// A fixed-capacity table of objects numbered 1..=capacity.
 #[derive(Debug)]
 pub(crate) struct Table<T> {
-    slots: Vec<Option<T>>,
+    slots: Vec<Option<Box<T>>>,
     cap: u32,
     /// Numbers below this are never given out.
     min: u32,
@@ -121,16 +121,16 @@ impl<T> Table<T> {
             None => return None,
         };
         let num = idx as u32 + 1;
-        self.slots[idx] = Some(f(num));
+        self.slots[idx] = Some(Box::new(f(num)));
         Some(num)
     }
     pub(crate) fn get(&self, num: u32) -> Option<&T> {
-        self.slots.get((num as usize).wrapping_sub(1))?.as_ref()
+        self.slots.get((num as usize).wrapping_sub(1))?.as_deref()
     }
     pub(crate) fn get_mut(&mut self, num: u32) -> Option<&mut T> {
-        self.slots.get_mut((num as usize).wrapping_sub(1))?.as_mut()
+        self.slots.get_mut((num as usize).wrapping_sub(1))?.as_deref_mut()
     }
-    pub(crate) fn remove(&mut self, num: u32) -> Option<T> {
+    pub(crate) fn remove(&mut self, num: u32) -> Option<Box<T>> {
         self.slots.get_mut((num as usize).wrapping_sub(1))?.take()
     }
     /// Every live object with its number, in number order.
@@ -138,10 +138,10 @@ impl<T> Table<T> {
         self.slots
             .iter()
             .enumerate()
-            .filter_map(|(i, s)| s.as_ref().map(|t| (i as u32 + 1, t)))
+            .filter_map(|(i, s)| s.as_deref().map(|t| (i as u32 + 1, t)))
     }
     /// Puts an object taken with [`Table::remove`] back under its number.
-    pub(crate) fn restore(&mut self, num: u32, t: T) {
+    pub(crate) fn restore(&mut self, num: u32, t: Box<T>) {
         if let Some(slot) = self.slots.get_mut((num as usize).wrapping_sub(1)) {
             *slot = Some(t);
         }
