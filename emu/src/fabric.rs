@@ -394,8 +394,15 @@ impl Inner {
             }
             Event::Frame(node, frame) => {
                 self.digest.feed(&(node as u32 | 1 << 31).to_le_bytes());
-                // Frames enter the digest through their CRC-32: as discriminating, far cheaper.
-                self.digest.feed(&crc32fast::hash(&frame).to_le_bytes());
+                // Frames enter the digest through their length and their last four bytes,
+                // the ICRC: a CRC-32 the sender computed over every byte the receiver checks,
+                // payload included, so it tells frames apart without another pass over them.
+                self.digest.feed(&(frame.len() as u32).to_le_bytes());
+                self.digest.feed(
+                    frame
+                        .get(frame.len().saturating_sub(4)..)
+                        .unwrap_or_default(),
+                );
                 self.stats.frames_delivered += 1;
                 self.with_env(node, |nic, env| nic.receive(env, &frame));
             }
