@@ -128,7 +128,9 @@ impl<T> Table<T> {
         self.slots.get((num as usize).wrapping_sub(1))?.as_deref()
     }
     pub(crate) fn get_mut(&mut self, num: u32) -> Option<&mut T> {
-        self.slots.get_mut((num as usize).wrapping_sub(1))?.as_deref_mut()
+        self.slots
+            .get_mut((num as usize).wrapping_sub(1))?
+            .as_deref_mut()
     }
     pub(crate) fn remove(&mut self, num: u32) -> Option<Box<T>> {
         self.slots.get_mut((num as usize).wrapping_sub(1))?.take()

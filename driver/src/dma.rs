@@ -29,8 +29,13 @@ impl DmaMemory {
             .checked_next_multiple_of(4096)
             .filter(|l| *l <= isize::MAX as usize)
             .ok_or_else(|| Error::Memory(format!("{len} bytes is more than can be mapped")))?;
-        let fd = memfd_create(c"ringbell-dma", MemFdCreateFlag::MFD_CLOEXEC)
-            .map_err(|e| Error::Memory(e.to_string()))?;
+        // Sealable: an out-of-process device (a vfio-user server) that maps the file seals
+        // it against shrinking before it does.
+        let fd = memfd_create(
+            c"ringbell-dma",
+            MemFdCreateFlag::MFD_CLOEXEC | MemFdCreateFlag::MFD_ALLOW_SEALING,
+        )
+        .map_err(|e| Error::Memory(e.to_string()))?;
         let file = File::from(fd);
         file.set_len(len as u64)
             .map_err(|e| Error::Memory(e.to_string()))?;

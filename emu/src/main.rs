@@ -188,6 +188,9 @@ enum Cmd {
         /// Give up after this many seconds of wall time.
         #[arg(long, default_value_t = 60)]
         deadline: u64,
+        /// Give up when nothing completes for this many seconds (the peer is gone).
+        #[arg(long, default_value_t = 10)]
+        stall: u64,
     },
     /// Prints a timing profile: every parameter with its value and source.
     Profile {
@@ -248,6 +251,7 @@ fn main() {
             count,
             size,
             deadline,
+            stall,
         } => {
             let cfg = ringbell_emu::peer::PeerConfig {
                 socket,
@@ -262,6 +266,7 @@ fn main() {
                 count,
                 size,
                 deadline: std::time::Duration::from_secs(deadline),
+                stall: std::time::Duration::from_secs(stall),
             };
             ringbell_emu::peer::run_peer(&cfg, std::io::stdin().lock(), std::io::stdout().lock())
                 .map(|_| ())

@@ -55,6 +55,9 @@ pub struct PeerConfig {
     pub size: u32,
     /// Give up after this long (wall time).
     pub deadline: Duration,
+    /// Give up when one wait for a completion lasts this long (wall time): the peer, or its
+    /// NIC, is gone.
+    pub stall: Duration,
 }
 
 /// The pattern of iteration `i`.
@@ -139,11 +142,22 @@ fn say(out: &mut impl Write, line: &str) -> Result<(), String> {
         .map_err(|e| e.to_string())
 }
 
-fn check_deadline(cfg: &PeerConfig, start: Instant, done: u32) -> Result<(), String> {
+fn check_deadline(
+    cfg: &PeerConfig,
+    start: Instant,
+    since: Instant,
+    done: u32,
+) -> Result<(), String> {
     if start.elapsed() > cfg.deadline {
         return Err(format!(
             "timed out after {done} of {} iterations ({:?})",
             cfg.count, cfg.deadline
+        ));
+    }
+    if since.elapsed() > cfg.stall {
+        return Err(format!(
+            "stalled: nothing completed for {:?}, after {done} of {} iterations",
+            cfg.stall, cfg.count
         ));
     }
     Ok(())
@@ -173,6 +187,7 @@ fn rc(
     let mut wc = [WorkCompletion::default(); 4];
     let mut wait =
         |cq: &mut ringbell::CompletionQueue, done: u32| -> Result<WorkCompletion, String> {
+            let since = Instant::now();
             loop {
                 if cq.poll(&mut wc[..1]) == 1 {
                     if wc[0].status != WcStatus::Success {
@@ -183,7 +198,7 @@ fn rc(
                     }
                     return Ok(wc[0]);
                 }
-                check_deadline(cfg, start, done)?;
+                check_deadline(cfg, start, since, done)?;
             }
         };
     let mut bytes = 0u64;
@@ -266,6 +281,7 @@ fn tag(
         .map_err(e)?;
     let len_of = |i: u32| if i.is_multiple_of(2) { EAGER } else { big };
     let next_event = |tm: &mut TagMatcher, done: u32| -> Result<TagEvent, String> {
+        let since = Instant::now();
         loop {
             if let Some(ev) = tm.next_event() {
                 if let TagEvent::Failed { id, status } = ev {
@@ -274,7 +290,7 @@ fn tag(
                 return Ok(ev);
             }
             tm.progress().map_err(e)?;
-            check_deadline(cfg, start, done)?;
+            check_deadline(cfg, start, since, done)?;
         }
     };
     let mut bytes = 0u64;

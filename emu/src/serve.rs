@@ -10,7 +10,11 @@
 //!   pages `[DB_BASE, DB_END)`, which the client maps (a sparse-mmap area of a memory file)
 //!   and stores into without a message; the server polls the live doorbell slots;
 //! - DMA_MAP of memory files (the driver's memfd buffers), checked like an IOMMU: no overlap,
-//!   no zero or absurd length, no length beyond the file;
+//!   no zero or absurd length, no length beyond the file; the file is sealed against
+//!   shrinking (`F_SEAL_SHRINK`, added by the server: a memfd made with `MFD_ALLOW_SEALING`)
+//!   so that no client can make the server's mapping of it fault;
+//! - each client gets a fresh BAR0 memory file (sealed), so one that has gone cannot store
+//!   into the doorbells of the next;
 //! - MSI-X vector 0 through an eventfd (DEVICE_SET_IRQS), written whenever the NIC raises
 //!   its interrupt.
 //!
@@ -28,12 +32,14 @@
 
 use crate::{Fabric, FabricConfig};
 use memmap2::MmapRaw;
+use nix::fcntl::{fcntl, FcntlArg, SealFlag};
 use nix::sys::memfd::{memfd_create, MemFdCreateFlag};
 use ringbell::Port;
 use ringbell_specs::{regs, SimTime};
 use std::fs::File;
 use std::io::{self, Write};
 use std::os::fd::{AsFd, AsRawFd};
+use std::os::unix::net::UnixListener;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender, SyncSender};
@@ -86,6 +92,8 @@ enum Req {
         len: u64,
     },
     Irq(Option<File>),
+    /// The BAR0 mapping for the next client (its doorbell pages are polled from now on).
+    Bar(MmapRaw),
     Reset,
     /// The client went away: reclaim the node.
     Gone,
@@ -105,10 +113,29 @@ struct NodeState {
     bar: MmapRaw,
     irq: Option<File>,
     irqs_seen: u64,
+    /// The live doorbell slots at the last look, in offset order.
     slots: Vec<u64>,
+    /// The live slots now (reused buffer).
+    next_slots: Vec<u64>,
+    /// Stores found in slots that were not live yet (dropped, as a NIC drops a doorbell for
+    /// a queue that does not exist).
+    stale: u64,
 }
 
 impl NodeState {
+    fn new(bar: MmapRaw) -> NodeState {
+        let st = NodeState {
+            bar,
+            irq: None,
+            irqs_seen: 0,
+            slots: Vec::new(),
+            next_slots: Vec::new(),
+            stale: 0,
+        };
+        st.clear_doorbells();
+        st
+    }
+
     /// The doorbell word at `offset`, if it is a 4-aligned offset in the doorbell pages.
     fn doorbell(&self, offset: u64) -> Option<&AtomicU32> {
         if !(regs::DB_BASE..regs::DB_END).contains(&offset) || !offset.is_multiple_of(4) {
@@ -139,44 +166,53 @@ pub fn serve(dir: &Path, cfg: FabricConfig, ready: impl FnOnce()) -> io::Result<
     let mut states = Vec::with_capacity(nodes);
     let mut bar_files = Vec::with_capacity(nodes);
     for _ in 0..nodes {
-        let fd = memfd_create(c"ringbell-bar0", MemFdCreateFlag::MFD_CLOEXEC)?;
-        let file = File::from(fd);
-        file.set_len(regs::BAR0_SIZE)?;
-        let bar = MmapRaw::map_raw(&file)?;
-        let st = NodeState {
-            bar,
-            irq: None,
-            irqs_seen: 0,
-            slots: Vec::new(),
-        };
-        st.clear_doorbells();
-        states.push(st);
+        let (file, bar) = bar_file()?;
+        states.push(NodeState::new(bar));
         bar_files.push(file);
     }
     let (tx, rx) = mpsc::channel::<Msg>();
-    let mut servers = Vec::with_capacity(nodes);
-    for (node, file) in bar_files.iter().enumerate() {
+    let mut listeners = Vec::with_capacity(nodes);
+    for node in 0..nodes {
         let path = socket_path(dir, node);
         if path.exists() {
             std::fs::remove_file(&path)?;
         }
-        let server = vfio_user::Server::new(&path, true, irqs(), regions(file.as_raw_fd()))
-            .map_err(|e| io::Error::other(format!("{}: {e}", path.display())))?;
-        servers.push(server);
+        let listener = UnixListener::bind(&path)
+            .map_err(|e| io::Error::new(e.kind(), format!("{}: {e}", path.display())))?;
+        listeners.push(listener);
     }
-    for (node, server) in servers.into_iter().enumerate() {
+    for (node, (listener, file)) in listeners.into_iter().zip(bar_files).enumerate() {
         let tx = tx.clone();
         std::thread::Builder::new()
             .name(format!("nic{node}"))
-            .spawn(move || node_thread(node, server, tx))?;
+            .spawn(move || node_thread(node, listener, file, tx))?;
     }
     drop(tx);
     ready();
     let fabric = Fabric::new(cfg);
     fabric_loop(&fabric, &mut states, rx);
-    // The BAR files must outlive the servers that hand them out.
-    drop(bar_files);
     Ok(())
+}
+
+/// A fresh BAR0 memory file and the server's mapping of it. Each client gets its own, so a
+/// client that has gone (but kept its mapping of the doorbell pages) cannot store into the
+/// next one's doorbells; no client may resize it under the server's mapping (a touch past
+/// the end of a shared mapping is a SIGBUS).
+fn bar_file() -> io::Result<(File, MmapRaw)> {
+    let fd = memfd_create(
+        c"ringbell-bar0",
+        MemFdCreateFlag::MFD_CLOEXEC | MemFdCreateFlag::MFD_ALLOW_SEALING,
+    )?;
+    let file = File::from(fd);
+    file.set_len(regs::BAR0_SIZE)?;
+    fcntl(
+        file.as_raw_fd(),
+        FcntlArg::F_ADD_SEALS(
+            SealFlag::F_SEAL_SHRINK | SealFlag::F_SEAL_GROW | SealFlag::F_SEAL_SEAL,
+        ),
+    )?;
+    let bar = MmapRaw::map_raw(&file)?;
+    Ok((file, bar))
 }
 
 fn irqs() -> Vec<IrqInfo> {
@@ -389,6 +425,9 @@ impl ServerBackend for NodeBackend {
                 flags.bits()
             )));
         }
+        if let Err(e) = seal_against_shrinking(&fd) {
+            return Err(self.refuse(format!("DMA_MAP {address:#x}+{size:#x}: {e}")));
+        }
         self.ask(Req::DmaMap {
             fd,
             iova: address,
@@ -443,8 +482,30 @@ impl ServerBackend for NodeBackend {
     }
 }
 
-/// Serves node `node`'s socket forever, one client at a time.
-fn node_thread(node: usize, server: vfio_user::Server, tx: Sender<Msg>) {
+/// Keeps a client from shrinking a memory file it has mapped for DMA: the server maps the
+/// file too, and a touch past the end of a shared mapping is a SIGBUS that would take every
+/// node down. The file must carry `F_SEAL_SHRINK`, added here if it takes seals (a memfd
+/// created with `MFD_ALLOW_SEALING`, as the driver's are); other files are refused.
+fn seal_against_shrinking(file: &File) -> Result<(), String> {
+    let fd = file.as_raw_fd();
+    let seals = fcntl(fd, FcntlArg::F_GET_SEALS)
+        .map_err(|e| format!("the memory file takes no seals ({e}): only a memfd is mapped"))?;
+    if SealFlag::from_bits_truncate(seals).contains(SealFlag::F_SEAL_SHRINK) {
+        return Ok(());
+    }
+    fcntl(fd, FcntlArg::F_ADD_SEALS(SealFlag::F_SEAL_SHRINK))
+        .map(|_| ())
+        .map_err(|e| {
+            format!(
+                "the memory file cannot be sealed against shrinking ({e}): create it with \
+                 MFD_ALLOW_SEALING"
+            )
+        })
+}
+
+/// Serves node `node`'s socket forever, one client at a time, each with its own BAR0 file
+/// (`file` for the first).
+fn node_thread(node: usize, listener: UnixListener, mut file: File, tx: Sender<Msg>) {
     loop {
         let mut be = NodeBackend {
             node,
@@ -452,25 +513,65 @@ fn node_thread(node: usize, server: vfio_user::Server, tx: Sender<Msg>) {
             config: config_space(),
             refused: 0,
         };
+        // One server per client, all on the same listening socket: the crate fixes the
+        // BAR's memory file when a server is made.
+        let server = match listener.as_fd().try_clone_to_owned() {
+            Ok(fd) => vfio_user::Server::from_owned_fd(fd, true, irqs(), regions(file.as_raw_fd())),
+            Err(e) => {
+                eprintln!("ringbell-emu serve: node {node}: cannot serve: {e}");
+                std::thread::sleep(Duration::from_secs(1));
+                continue;
+            }
+        };
         let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| server.run(&mut be)));
+        drop(server);
+        if let Ok(Err(vfio_user::Error::SocketAccept(e))) = &r {
+            // Nobody connected (out of descriptors, say): nothing to reclaim; wait a little.
+            eprintln!("ringbell-emu serve: node {node}: accept failed: {e}");
+            std::thread::sleep(Duration::from_millis(100));
+            continue;
+        }
         let how = match r {
             Ok(Ok(())) => "disconnected".to_string(),
             Ok(Err(e)) => format!("dropped: {e}"),
             Err(_) => "dropped: malformed message".to_string(),
         };
         let reclaimed = be.ask(Req::Gone);
+        // The next client gets a new BAR file; the old one is dropped by the fabric thread
+        // once it has switched (the client that had it may keep its mapping: nobody reads it).
+        match bar_file() {
+            Ok((next, bar)) => {
+                if be.ask(Req::Bar(bar)).is_err() {
+                    return;
+                }
+                file = next;
+            }
+            Err(e) => eprintln!(
+                "ringbell-emu serve: node {node}: no new BAR0 file ({e}); the next client \
+                 shares the last one"
+            ),
+        }
         let mut err = io::stderr().lock();
         let _ = match reclaimed {
             Ok(v) => writeln!(
                 err,
-                "ringbell-emu serve: node {node}: client {how} ({} refused requests); NIC reset, \
-                 {} DMA mappings reclaimed",
+                "ringbell-emu serve: node {node}: client {how} ({} refused requests, {} \
+                 doorbell stores before their queue existed); NIC reset, {} DMA mappings \
+                 reclaimed",
                 be.refused,
-                v.first().copied().unwrap_or(0)
+                word(&v, 1),
+                word(&v, 0),
             ),
             Err(_) => return,
         };
     }
+}
+
+/// The `i`th little-endian u64 of a reply (0 if it is short).
+fn word(v: &[u8], i: usize) -> u64 {
+    v.get(8 * i..8 * i + 8)
+        .and_then(|b| b.try_into().ok())
+        .map_or(0, u64::from_le_bytes)
 }
 
 /// The fabric thread: requests, doorbells, events paced by wall time, interrupts.
@@ -525,7 +626,13 @@ fn fabric_loop(fabric: &Fabric, states: &mut [NodeState], rx: Receiver<Msg>) {
             let now = start.elapsed().as_nanos() as u64 * 1000;
             Duration::from_nanos(t.ps().saturating_sub(now) / 1000)
         });
-        let nap = until_event.map_or(IDLE_POLL, |d| d.min(IDLE_POLL));
+        // Long idle (a second or so): look at the doorbells less often, to spare the CPU.
+        let poll = if idle_rounds > 20_000 {
+            IDLE_POLL_SLOW
+        } else {
+            IDLE_POLL
+        };
+        let nap = until_event.map_or(poll, |d| d.min(poll));
         match rx.recv_timeout(nap) {
             Ok(m) => {
                 idle_rounds = 0;
@@ -539,14 +646,21 @@ fn fabric_loop(fabric: &Fabric, states: &mut [NodeState], rx: Receiver<Msg>) {
 
 /// How often an idle server looks at the doorbell pages.
 const IDLE_POLL: Duration = Duration::from_micros(50);
+/// How often it looks after a second or so of idleness.
+const IDLE_POLL_SLOW: Duration = Duration::from_millis(1);
 
 /// Feeds every store found in node `node`'s live doorbell slots to its NIC; `true` if any.
 fn poll_doorbells(fabric: &Fabric, states: &mut [NodeState], node: usize) -> bool {
     let st = &mut states[node];
-    fabric.doorbell_slots(node, &mut st.slots);
+    let mut slots = std::mem::take(&mut st.next_slots);
+    fabric.doorbell_slots(node, &mut slots);
     let port = fabric.port(node);
     let mut any = false;
-    for &slot in &st.slots {
+    for &slot in &slots {
+        // A slot that has just come alive can only hold stores made before its queue
+        // existed: the client learns of a new queue through a trapped read of the command
+        // status, and every trapped access is preceded by a look here.
+        let fresh = st.slots.binary_search(&slot).is_err();
         for off in [slot, slot + 4] {
             let Some(w) = st.doorbell(off) else {
                 continue;
@@ -555,12 +669,18 @@ fn poll_doorbells(fabric: &Fabric, states: &mut [NodeState], node: usize) -> boo
                 continue;
             }
             let v = w.swap(DOORBELL_IDLE, Ordering::Acquire);
-            if v != DOORBELL_IDLE {
+            if v == DOORBELL_IDLE {
+                continue;
+            }
+            if fresh {
+                st.stale += 1;
+            } else {
                 port.write32(off, v);
                 any = true;
             }
         }
     }
+    st.next_slots = std::mem::replace(&mut st.slots, slots);
     any
 }
 
@@ -600,6 +720,12 @@ fn handle(fabric: &Fabric, states: &mut [NodeState], m: Msg) {
             states[node].irq = fd;
             Ok(Vec::new())
         }
+        Req::Bar(bar) => {
+            let st = &mut states[node];
+            st.bar = bar;
+            st.clear_doorbells();
+            Ok(Vec::new())
+        }
         Req::Reset => {
             port.write32(regs::RESET, regs::RESET_KEY);
             states[node].clear_doorbells();
@@ -610,7 +736,8 @@ fn handle(fabric: &Fabric, states: &mut [NodeState], m: Msg) {
             let st = &mut states[node];
             st.irq = None;
             st.clear_doorbells();
-            Ok(vec![n.min(255) as u8])
+            let stale = std::mem::take(&mut st.stale);
+            Ok([(n as u64).to_le_bytes(), stale.to_le_bytes()].concat())
         }
     };
     let _ = m.reply.send(reply);
@@ -654,5 +781,46 @@ mod tests {
         assert!(be.check_bar(regs::BF_BASE + 32, 64, true).is_err());
         assert!(be.check_bar(u64::MAX - 1, 4, true).is_err());
         assert_eq!(be.refused, 7);
+    }
+
+    #[test]
+    fn stores_into_a_slot_before_its_queue_exists_are_dropped() {
+        use ringbell::{Device, QpInit};
+        let fabric = Fabric::new(FabricConfig::new(1, 1));
+        let (_file, bar) = bar_file().unwrap();
+        let mut states = vec![NodeState::new(bar)];
+        let dev = Device::open(Box::new(fabric.port(0))).unwrap();
+        let pd = dev.alloc_pd().unwrap();
+        let cq = dev.create_cq(16).unwrap();
+        // The first QP will be number 2: a store into its send doorbell before it exists.
+        let sq_db = regs::QP_DB_BASE + 2 * regs::DB_STRIDE + regs::DB_SQ;
+        let word = |st: &NodeState| st.doorbell(sq_db).unwrap().load(Ordering::Relaxed);
+        states[0]
+            .doorbell(sq_db)
+            .unwrap()
+            .store(5, Ordering::Relaxed);
+        assert!(!poll_doorbells(&fabric, &mut states, 0));
+        assert_eq!(
+            word(&states[0]),
+            5,
+            "a slot that is not live is not looked at"
+        );
+        let qp = pd.create_qp(&QpInit::new(&cq, &cq)).unwrap();
+        assert_eq!(qp.qpn(), 2);
+        let guest_errors = || fabric.port(0).read32(regs::GUEST_ERRORS);
+        let errors = guest_errors();
+        // The slot comes alive: the old store is dropped, not rung.
+        assert!(!poll_doorbells(&fabric, &mut states, 0));
+        assert_eq!((word(&states[0]), states[0].stale), (DOORBELL_IDLE, 1));
+        fabric.run_until_quiet();
+        assert_eq!(guest_errors(), errors);
+        // A store now is a doorbell: an empty ring rung to 0 is a no-op the NIC takes.
+        states[0]
+            .doorbell(sq_db)
+            .unwrap()
+            .store(0, Ordering::Relaxed);
+        assert!(poll_doorbells(&fabric, &mut states, 0));
+        assert_eq!(word(&states[0]), DOORBELL_IDLE);
+        assert_eq!(states[0].stale, 1);
     }
 }

@@ -97,7 +97,7 @@ struct Peer {
 
 impl Peer {
     fn spawn(socket: &Path, role: &str, mode: &str, count: u32, size: u32) -> Peer {
-        Peer::spawn_for(socket, role, mode, count, size, 60)
+        Peer::spawn_for(socket, role, mode, count, size, 30)
     }
 
     fn spawn_for(
@@ -106,7 +106,7 @@ impl Peer {
         mode: &str,
         count: u32,
         size: u32,
-        deadline_s: u32,
+        stall_s: u32,
     ) -> Peer {
         let mut child = Command::new(BIN)
             .arg("peer")
@@ -114,7 +114,7 @@ impl Peer {
             .arg(socket)
             .args(["--role", role, "--mode", mode])
             .args(["--count", &count.to_string(), "--size", &size.to_string()])
-            .args(["--deadline", &deadline_s.to_string()])
+            .args(["--deadline", "120", "--stall", &stall_s.to_string()])
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
@@ -203,7 +203,7 @@ fn processes_on_their_own_nics_run_rc_and_tagged_traffic() {
 fn a_client_killed_mid_transfer_is_reclaimed_and_nobody_else_notices() {
     let mut srv = Server::start("crash", 4);
     let (a, b) = pair(&srv, 0, 1, "rc", 96, 4096);
-    let mut c = Peer::spawn_for(&srv.socket(2), "initiator", "rc", 1_000_000, 4096, 3);
+    let mut c = Peer::spawn_for(&srv.socket(2), "initiator", "rc", 1_000_000, 4096, 2);
     let mut d = Peer::spawn(&srv.socket(3), "target", "rc", 1_000_000, 4096);
     let (ec, ed) = (c.line("rb-endpoint"), d.line("rb-endpoint"));
     c.tell(&ed);
@@ -217,7 +217,7 @@ fn a_client_killed_mid_transfer_is_reclaimed_and_nobody_else_notices() {
     let (success, err) = c.finish();
     assert!(!success, "the initiator of the dead target finished");
     assert!(
-        err.contains("RetryExcErr") || err.contains("timed out"),
+        err.contains("RetryExcErr") || err.contains("stalled"),
         "initiator said: {err}"
     );
     let log = srv.expect_log("node 3: client");
@@ -432,6 +432,14 @@ fn malformed_messages_are_refused_and_every_node_keeps_serving() {
         assert_eq!((got, cmd), (id, 2));
         assert_eq!(flags & ERROR == 0, good, "DMA_MAP {iova:#x}+{len:#x}");
     }
+    // A memory file that cannot be sealed against shrinking: refused.
+    let plain =
+        nix::sys::memfd::memfd_create(c"plain", nix::sys::memfd::MemFdCreateFlag::MFD_CLOEXEC)
+            .unwrap();
+    nix::unistd::ftruncate(&plain, 4096).unwrap();
+    dma_map(&s, 60, std::os::fd::AsFd::as_fd(&plain), base << 8, 4096);
+    let (got, cmd, flags, _) = reply(&mut s);
+    assert_eq!((got, cmd, flags & ERROR), (60, 2, ERROR));
     drop(s);
     let log = srv.expect_log("node 0: client");
     assert!(log.contains("2 DMA mappings reclaimed"), "{log}");
@@ -477,4 +485,111 @@ fn a_completion_raises_the_interrupt_eventfd() {
     let mut got = [0u8; 7];
     bb.read(0, &mut got).unwrap();
     assert_eq!(&got, b"wake up");
+}
+
+/// A size no other buffer of this test binary has.
+const SHRUNK: usize = 0x31000;
+
+/// One of this process's memory files of `len` bytes (the driver does not hand out a
+/// buffer's file).
+fn memory_file_of_size(len: u64) -> Option<std::fs::File> {
+    std::fs::read_dir("/proc/self/fd")
+        .ok()?
+        .filter_map(Result::ok)
+        .filter(|e| {
+            std::fs::read_link(e.path())
+                .is_ok_and(|t| t.to_string_lossy().starts_with("/memfd:ringbell-dma"))
+        })
+        .filter_map(|e| std::fs::OpenOptions::new().write(true).open(e.path()).ok())
+        .find(|f| f.metadata().is_ok_and(|m| m.len() == len))
+}
+
+#[test]
+fn a_client_that_shrinks_a_mapped_file_does_not_take_the_server_down() {
+    use ringbell::{Access, ConnectOptions, QpInit, RemoteAddr, SendWr, WrOp};
+    let mut srv = Server::start("shrink", 2);
+    let a = Device::open(Box::new(VfioPort::connect(srv.socket(0)).unwrap())).unwrap();
+    let b = Device::open(Box::new(VfioPort::connect(srv.socket(1)).unwrap())).unwrap();
+    let (pa, pb) = (a.alloc_pd().unwrap(), b.alloc_pd().unwrap());
+    let (ba, bb) = (a.alloc_dma(4096).unwrap(), b.alloc_dma(SHRUNK).unwrap());
+    let ma = pa.reg_mr(&ba, Access::LOCAL_WRITE).unwrap();
+    let mb = pb
+        .reg_mr(&bb, Access::LOCAL_WRITE | Access::REMOTE_WRITE)
+        .unwrap();
+    let (mut ca, cb) = (a.create_cq(16).unwrap(), b.create_cq(16).unwrap());
+    let mut qa = pa.create_qp(&QpInit::new(&ca, &ca)).unwrap();
+    let mut qb = pb.create_qp(&QpInit::new(&cb, &cb)).unwrap();
+    let (ea, eb) = (qa.endpoint(1), qb.endpoint(2));
+    qa.connect(&eb, 1, &ConnectOptions::default()).unwrap();
+    qb.connect(&ea, 2, &ConnectOptions::default()).unwrap();
+    // Node 1's client shrinks the file it mapped for DMA behind the server's back (this
+    // process never touches `bb` again), then node 0 writes into it.
+    let file = memory_file_of_size(SHRUNK as u64).expect("bb's memory file");
+    let _ = nix::unistd::ftruncate(&file, 0);
+    ba.write(0, b"still here").unwrap();
+    let remote = RemoteAddr {
+        addr: mb.addr() + SHRUNK as u64 - 4096,
+        rkey: mb.rkey(),
+    };
+    qa.post_send(&[SendWr::new(5, WrOp::Write(remote), &[ma.sge(0, 10)])])
+        .unwrap();
+    let mut wc = [WorkCompletion::default(); 1];
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while ca.poll(&mut wc) == 0 {
+        assert!(srv.alive(), "the server died");
+        assert!(Instant::now() < deadline, "no completion");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert!(srv.alive(), "the server died");
+    assert_eq!(wc[0].wr_id, 5);
+}
+
+#[test]
+fn a_client_cannot_shrink_the_bar_file_under_the_server() {
+    let mut srv = Server::start("barfile", 1);
+    let client = vfio_user::Client::new(&srv.socket(0)).unwrap();
+    let region = client.region(0).expect("BAR0");
+    let file = region
+        .file_offset
+        .as_ref()
+        .expect("BAR0's doorbell pages are mappable")
+        .file();
+    // The server reaches the doorbell pages through its own mapping of this file: shrinking
+    // it must be refused, or the server's next touch of a doorbell word is a SIGBUS.
+    assert!(
+        nix::unistd::ftruncate(file, 0).is_err(),
+        "the BAR file shrank"
+    );
+    drop(client);
+    srv.expect_log("node 0: client");
+    std::thread::sleep(Duration::from_millis(100));
+    assert!(srv.alive(), "the server died");
+}
+
+#[test]
+fn a_former_client_cannot_ring_the_next_clients_doorbells() {
+    use std::os::unix::fs::FileExt;
+    let srv = Server::start("nextclient", 1);
+    let bar_file = |c: &vfio_user::Client| {
+        let f = c.region(0).unwrap().file_offset.as_ref().unwrap().file();
+        f.try_clone().unwrap()
+    };
+    let first = vfio_user::Client::new(&srv.socket(0)).unwrap();
+    let old = bar_file(&first);
+    drop(first);
+    srv.expect_log("node 0: client");
+    let second = vfio_user::Client::new(&srv.socket(0)).unwrap();
+    let new = bar_file(&second);
+    // The first client kept its doorbell pages (a mapping or, here, the file): its stores
+    // must not reach the NIC that now serves someone else.
+    let at = ringbell_specs::regs::QP_DB_BASE + 8;
+    old.write_all_at(&7u32.to_le_bytes(), at).unwrap();
+    let mut got = [0u8; 4];
+    new.read_exact_at(&mut got, at).unwrap();
+    assert_eq!(
+        u32::from_le_bytes(got),
+        u32::MAX,
+        "the doorbell pages are shared"
+    );
+    drop(second);
 }

@@ -140,9 +140,11 @@ pub trait Transport {
     fn dma_map(&self, fd: BorrowedFd<'_>, len: u64, iova: u64) -> Result<(), PortError>;
     /// Removes the mapping at `iova`.
     fn dma_unmap(&self, iova: u64, len: u64) -> Result<(), PortError>;
-    /// Lets the device progress while the driver waits (a real device needs nothing).
-    fn idle(&self) {
+    /// Lets the device progress while the driver waits (a real device needs nothing);
+    /// `false` once it never can (the connection to it is gone).
+    fn idle(&self) -> bool {
         std::hint::spin_loop();
+        true
     }
     /// Stops the device's interrupts and DMA before the BAR windows are unmapped (called
     /// once, when the port drops).
@@ -330,15 +332,20 @@ impl Drop for VfioPort {
 /// Waits up to `timeout` for `fd` to become readable.
 pub(crate) fn wait_readable(fd: BorrowedFd<'_>, timeout: Duration) -> std::io::Result<bool> {
     use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
-    let ms = timeout.as_millis().min(i32::MAX as u128) as i32;
-    let mut fds = [PollFd::new(fd, PollFlags::POLLIN)];
-    match poll(
-        &mut fds,
-        PollTimeout::try_from(ms).unwrap_or(PollTimeout::MAX),
-    ) {
-        Ok(n) => Ok(n > 0),
-        Err(nix::errno::Errno::EINTR) => Ok(false),
-        Err(e) => Err(e.into()),
+    let deadline = std::time::Instant::now() + timeout;
+    loop {
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        let ms = left.as_millis().min(i32::MAX as u128) as i32;
+        let mut fds = [PollFd::new(fd, PollFlags::POLLIN)];
+        match poll(
+            &mut fds,
+            PollTimeout::try_from(ms).unwrap_or(PollTimeout::MAX),
+        ) {
+            Ok(n) => return Ok(n > 0),
+            // A signal: wait for what is left of the time.
+            Err(nix::errno::Errno::EINTR) => continue,
+            Err(e) => return Err(e.into()),
+        }
     }
 }
 
@@ -403,8 +410,7 @@ impl Port for VfioPort {
     }
 
     fn progress(&self) -> bool {
-        self.transport.idle();
-        true
+        self.transport.idle()
     }
 
     fn interrupt_fd(&self, vector: u32) -> Option<BorrowedFd<'_>> {

@@ -806,9 +806,14 @@ impl Transport for UserTransport {
     }
 
     /// Sleeps about 20 µs: the device is another process (often on the same few cores) that
-    /// needs the CPU to make progress, so spinning here would only slow it down.
-    fn idle(&self) {
+    /// needs the CPU to make progress, so spinning here would only slow it down. `false` once
+    /// the connection is broken: nothing the server does can reach this client any more.
+    fn idle(&self) -> bool {
+        if self.conn.borrow().broken.is_some() {
+            return false;
+        }
         std::thread::sleep(Duration::from_micros(20));
+        true
     }
 }
 
@@ -1451,6 +1456,20 @@ mod tests {
         );
         server.join().unwrap();
         let _ = std::fs::remove_file(&path);
+    }
+
+    #[test]
+    fn a_port_whose_server_is_gone_stops_progressing() {
+        use crate::port::Port;
+        let (a, b) = UnixStream::pair().unwrap();
+        let t = UserTransport::new(a, Duration::from_millis(200)).unwrap();
+        let port = VfioPort::new(Bar::default(), Box::new(t), None);
+        assert!(port.progress(), "a live connection may progress");
+        // The server dies: the next trapped access fails, and a driver waiting on the device
+        // (a command, a destroy in a drop) must be told instead of spinning forever.
+        drop(b);
+        assert_eq!(port.read32(regs::CMD_STATUS), u32::MAX);
+        assert!(!port.progress(), "a dead server cannot progress");
     }
 
     #[test]
