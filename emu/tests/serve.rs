@@ -6,11 +6,24 @@ use ringbell::{Device, VfioPort, WcStatus, WorkCompletion};
 use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
-use std::process::{Child, ChildStdout, Command, Stdio};
+use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 const BIN: &str = env!("CARGO_BIN_EXE_ringbell-emu");
+
+/// The lines a process writes to `out`, as they come.
+fn lines_of(out: impl Read + Send + 'static) -> mpsc::Receiver<String> {
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        for l in BufReader::new(out).lines().map_while(Result::ok) {
+            if tx.send(l).is_err() {
+                break;
+            }
+        }
+    });
+    rx
+}
 
 /// A process killed when the test ends, however it ends.
 struct Proc(Child);
@@ -44,15 +57,7 @@ impl Server {
         let mut line = String::new();
         out.read_line(&mut line).unwrap();
         assert!(line.contains("NICs on"), "serve said {line:?}");
-        let (tx, log) = mpsc::channel();
-        let err = child.stderr.take().unwrap();
-        std::thread::spawn(move || {
-            for l in BufReader::new(err).lines().map_while(Result::ok) {
-                if tx.send(l).is_err() {
-                    break;
-                }
-            }
-        });
+        let log = lines_of(child.stderr.take().unwrap());
         Server {
             proc: Proc(child),
             dir,
@@ -120,15 +125,7 @@ impl Peer {
             .stderr(Stdio::piped())
             .spawn()
             .unwrap();
-        let out: ChildStdout = child.stdout.take().unwrap();
-        let (tx, lines) = mpsc::channel();
-        std::thread::spawn(move || {
-            for l in BufReader::new(out).lines().map_while(Result::ok) {
-                if tx.send(l).is_err() {
-                    break;
-                }
-            }
-        });
+        let lines = lines_of(child.stdout.take().unwrap());
         Peer {
             proc: Proc(child),
             lines,
