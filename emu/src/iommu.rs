@@ -118,6 +118,25 @@ impl Iommu {
         Ok(())
     }
 
+    /// Device-to-device copy (functional mode): `len` bytes from `src_iova` in `src`'s
+    /// mappings to `iova` in this IOMMU's, in one copy with no bounce buffer.
+    pub fn copy_from(
+        &self,
+        iova: u64,
+        src: &Iommu,
+        src_iova: u64,
+        len: usize,
+    ) -> Result<(), DmaFault> {
+        let d = self.translate(iova, len)?;
+        let s = src.translate(src_iova, len)?;
+        // SAFETY: both ranges are inside live mappings (translate). They may be the same
+        // memory (two nodes can map one file), so `copy` (memmove) rather than
+        // `copy_nonoverlapping`. As in `read`, the in-process emulator runs in lockstep with
+        // the driver, so no store to this memory races with the copy.
+        unsafe { std::ptr::copy(s, d, len) };
+        Ok(())
+    }
+
     /// Number of live mappings.
     pub fn len(&self) -> usize {
         self.maps.len()
