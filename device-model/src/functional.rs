@@ -56,6 +56,7 @@ impl Nic {
                 }
             };
             if self.fm_exec(env, qp, index, &wqe) {
+                self.inline_spare = wqe.inline;
                 continue;
             }
             return self.start_decoded(env, qp, index, in_nic, wqe);

@@ -423,9 +423,17 @@ impl Nic {
         let Some(op) = SendOpcode::from_u8(ctrl.opcode) else {
             return Err(((CqeStatus::LocQpOpErr, VendorSyndrome::BadOpcode), nbb));
         };
-        decode_send_wqe(&ctrl, op, &raw[SEG..ds * SEG], nbb, self.cfg.max_msg_size)
-            .map(Some)
-            .map_err(|e| (e, nbb))
+        let spare = std::mem::take(&mut self.inline_spare);
+        decode_send_wqe_into(
+            &ctrl,
+            op,
+            &raw[SEG..ds * SEG],
+            nbb,
+            self.cfg.max_msg_size,
+            spare,
+        )
+        .map(Some)
+        .map_err(|e| (e, nbb))
     }
 
     /// Checks the local keys of a WQE and that its buffers are reachable through the IOMMU.
@@ -1269,6 +1277,20 @@ pub(crate) fn decode_send_wqe(
     nbb: u32,
     max_msg: u32,
 ) -> Result<SendWqe, WqeError> {
+    decode_send_wqe_into(ctrl, op, body, nbb, max_msg, Vec::new())
+}
+
+/// [`decode_send_wqe`], an inline payload going into `inline` (a spare buffer, so that
+/// functional mode's small messages allocate nothing).
+pub(crate) fn decode_send_wqe_into(
+    ctrl: &CtrlSeg,
+    op: SendOpcode,
+    body: &[u8],
+    nbb: u32,
+    max_msg: u32,
+    mut inline: Vec<u8>,
+) -> Result<SendWqe, WqeError> {
+    inline.clear();
     let bad = |s| Err((CqeStatus::LocQpOpErr, s));
     let Some(flags) = WqeFlags::from_bits(ctrl.flags) else {
         return bad(VendorSyndrome::BadSegment);
@@ -1314,7 +1336,8 @@ pub(crate) fn decode_send_wqe(
         if bc & INLINE_MARK == 0 || n > rest.len() - 4 {
             return bad(VendorSyndrome::BadSegment);
         }
-        w.inline = rest[4..4 + n].to_vec();
+        inline.extend_from_slice(&rest[4..4 + n]);
+        w.inline = inline;
         w.len = n as u64;
     } else {
         for chunk in rest.chunks_exact(SEG) {
