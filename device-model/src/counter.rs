@@ -38,7 +38,7 @@ impl EventCntrs {
     pub(crate) fn get(&self, ev: CntrEvents) -> u32 {
         self.0[ev.bits().trailing_zeros() as usize % 6]
     }
-    fn any(&self) -> bool {
+    pub(crate) fn any(&self) -> bool {
         self.0.iter().any(|&c| c != 0)
     }
 }

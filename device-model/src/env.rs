@@ -122,6 +122,84 @@ pub trait Env {
     /// Records one stage of the simulated pipeline, for a timeline. Ignored by default;
     /// called only while [`Env::tracing`] is true. Never changes what the model does.
     fn trace(&mut self, _ev: TraceEvent) {}
+    /// Whether the environment runs the functional (untimed) mode: eligible messages of an
+    /// RC QP go straight to the peer's responder through [`Env::fm_deliver`], with no
+    /// frames. False by default (the timed model).
+    fn functional(&self) -> bool {
+        false
+    }
+    /// Functional mode: hands a whole message to the responder of the peer NIC (see
+    /// [`crate::Nic::fm_receive`]). `true`: executed there (data placed, responder state and
+    /// completions done); `false`: not taken, nothing changed anywhere, and the requester
+    /// sends it on the packet path. The default takes nothing.
+    fn fm_deliver(&mut self, _msg: &FmMsg<'_>) -> bool {
+        false
+    }
+    /// Functional mode, on the responder's side of [`Env::fm_deliver`]: copies `len` bytes
+    /// from `src_iova` in the requester's IOMMU to `iova` in this NIC's, in one copy.
+    fn dma_copy_from_peer(
+        &mut self,
+        iova: u64,
+        _src_iova: u64,
+        _len: usize,
+    ) -> Result<(), DmaFault> {
+        Err(DmaFault { iova })
+    }
+}
+
+/// The kind of a message executed in functional mode.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FmOp {
+    /// RDMA WRITE.
+    Write,
+    /// RDMA WRITE with immediate (consumes a receive WQE).
+    WriteImm,
+    /// SEND.
+    Send,
+    /// SEND with immediate.
+    SendImm,
+}
+
+/// Where a functional message's payload is.
+#[derive(Clone, Copy, Debug)]
+pub enum FmData<'a> {
+    /// Inline bytes, carried in the WQE.
+    Inline(&'a [u8]),
+    /// (IOVA, length) ranges in the requester's IOMMU, checked and in message order.
+    Gather(&'a [(u64, u32)]),
+}
+
+/// A whole RC message handed from a requester to its peer's responder in functional mode.
+#[derive(Clone, Copy, Debug)]
+pub struct FmMsg<'a> {
+    /// Destination MAC (the QP's address vector): which NIC.
+    pub dst_mac: [u8; 6],
+    /// Destination IP, as the packets would carry it.
+    pub dst_ip: [u8; 4],
+    /// Source IP (the requester's).
+    pub src_ip: [u8; 4],
+    /// Destination QP.
+    pub dst_qpn: u32,
+    /// The operation.
+    pub op: FmOp,
+    /// PSN of the message's first packet.
+    pub psn: ringbell_specs::Psn,
+    /// PSNs it takes (packets at the path MTU).
+    pub npsn: u32,
+    /// The requester's path MTU (the responder checks packet sizes against its own).
+    pub mtu: u32,
+    /// Remote address and key (WRITE).
+    pub raddr: u64,
+    /// Remote key (WRITE).
+    pub rkey: u32,
+    /// Immediate data (`*Imm`).
+    pub imm: u32,
+    /// The last packet would carry the solicited-event bit.
+    pub solicited: bool,
+    /// Message length.
+    pub len: u64,
+    /// The payload.
+    pub data: FmData<'a>,
 }
 
 /// A stage of a message's life, as reported to [`Env::trace`]. The `Host*`, `MmioPost` and

@@ -13,6 +13,7 @@ mod cmd;
 mod counter;
 mod cq;
 mod env;
+mod functional;
 mod mem;
 mod nic;
 mod qp;
@@ -22,7 +23,7 @@ pub mod sim;
 pub mod timing;
 mod tm;
 
-pub use env::{DmaFault, Env, NicEvent, Stage, TraceEvent};
+pub use env::{DmaFault, Env, FmData, FmMsg, FmOp, NicEvent, Stage, TraceEvent};
 pub use nic::{Nic, NicConfig, NicStats};
 pub use qp::QpStats;
 pub use timing::TimingProfile;

@@ -197,6 +197,15 @@ pub struct Nic {
     pub(crate) msg_free: SimTime,
     pub(crate) stats: NicStats,
     pub(crate) scratch: Vec<u8>,
+    /// Posted DMA writes ([`NicEvent::DmaWrite`]) not yet landed: functional mode waits for
+    /// none (a message placed at once must not be overtaken by an older posted write).
+    pub(crate) dma_pending: u64,
+    /// Functional mode's reusable list of (IOVA, length) ranges.
+    pub(crate) fm_ranges: Vec<(u64, u32)>,
+    /// Its responder-side counterpart.
+    pub(crate) fm_dst: Vec<(u64, u32)>,
+    /// A buffer for the next decoded inline payload (functional mode hands each back).
+    pub(crate) inline_spare: Vec<u8>,
 }
 
 impl Nic {
@@ -243,6 +252,10 @@ impl Nic {
             msg_free: SimTime::ZERO,
             stats: NicStats::default(),
             scratch: Vec::new(),
+            dma_pending: 0,
+            fm_ranges: Vec::new(),
+            fm_dst: Vec::new(),
+            inline_spare: Vec::new(),
         }
     }
 
@@ -490,10 +503,12 @@ impl Nic {
     fn reset(&mut self) {
         let cfg = self.cfg.clone();
         let stats = std::mem::take(&mut self.stats);
-        let next_gen = self.next_gen;
+        let (next_gen, dma_pending) = (self.next_gen, self.dma_pending);
         *self = Nic::new(cfg);
         self.stats = stats;
         self.next_gen = next_gen;
+        // Writes posted before the reset still land (their events are not voided).
+        self.dma_pending = dma_pending;
     }
 
     /// Handles an event this NIC scheduled.
@@ -539,6 +554,7 @@ impl Nic {
                 }
             }
             NicEvent::DmaWrite { iova, data, qpn } => {
+                self.dma_pending = self.dma_pending.saturating_sub(1);
                 if let Err(f) = env.dma_write(iova, &data) {
                     // Unmapped since the write was posted.
                     self.iommu_fault(env, qpn, f.iova);
@@ -718,6 +734,7 @@ impl Nic {
             env.trace(ev(Stage::DmaWrite, start, done));
             env.trace(ev(Stage::Visible, done, at));
         }
+        self.dma_pending += 1;
         env.schedule(
             at,
             NicEvent::DmaWrite {

@@ -82,6 +82,15 @@ impl Nic {
         if failed.is_some() || qp.state != QpState::Rts || qp.fetch == qp.sq.pi {
             return None;
         }
+        if env.functional() && self.fm_eligible(qp, now) {
+            // Whole messages straight to the peer, until one needs the packet path.
+            if self.fm_run(env, qp) {
+                let i = qp.req.outstanding.len() - 1;
+                self.send_packet(env, qp, i);
+                return next(self, qp);
+            }
+            return None;
+        }
         if self.start_wqe(env, qp) {
             let i = qp.req.outstanding.len() - 1;
             self.send_packet(env, qp, i);
@@ -98,7 +107,6 @@ impl Nic {
         if !qp.req.hw_waiting.is_empty() {
             return false;
         }
-        let now = env.now();
         let index = qp.fetch;
         // A WQE written through the BlueFlame slot is in the NIC already.
         let in_nic = qp.req.bf.as_ref().is_some_and(|(i, _)| *i == index);
@@ -110,6 +118,20 @@ impl Nic {
                 return false;
             }
         };
+        self.start_decoded(env, qp, index, in_nic, wqe)
+    }
+
+    /// Starts WQE `index`, already read and decoded as `wqe` (`in_nic`: it came through
+    /// BlueFlame). Returns false when nothing was started (a limit reached, or it failed).
+    pub(crate) fn start_decoded(
+        &mut self,
+        env: &mut dyn Env,
+        qp: &mut Qp,
+        index: u32,
+        in_nic: bool,
+        wqe: SendWqe,
+    ) -> bool {
+        let now = env.now();
         let rd_atomic = wqe.is_rd_atomic();
         // Resumed when the outstanding READs/atomics complete.
         if wqe.flags.contains(WqeFlags::FENCE) && qp.req.rd_atomic > 0 {
@@ -328,7 +350,7 @@ impl Nic {
     }
 
     /// Reads and decodes WQE `index`. `Ok(None)`: the WQE is stale (doorbell error raised).
-    fn read_send_wqe(
+    pub(crate) fn read_send_wqe(
         &mut self,
         env: &mut dyn Env,
         qp: &mut Qp,
@@ -401,13 +423,26 @@ impl Nic {
         let Some(op) = SendOpcode::from_u8(ctrl.opcode) else {
             return Err(((CqeStatus::LocQpOpErr, VendorSyndrome::BadOpcode), nbb));
         };
-        decode_send_wqe(&ctrl, op, &raw[SEG..ds * SEG], nbb, self.cfg.max_msg_size)
-            .map(Some)
-            .map_err(|e| (e, nbb))
+        let spare = std::mem::take(&mut self.inline_spare);
+        decode_send_wqe_into(
+            &ctrl,
+            op,
+            &raw[SEG..ds * SEG],
+            nbb,
+            self.cfg.max_msg_size,
+            spare,
+        )
+        .map(Some)
+        .map_err(|e| (e, nbb))
     }
 
     /// Checks the local keys of a WQE and that its buffers are reachable through the IOMMU.
-    fn check_local(&mut self, env: &mut dyn Env, qp: &Qp, w: &SendWqe) -> Result<(), WqeError> {
+    pub(crate) fn check_local(
+        &mut self,
+        env: &mut dyn Env,
+        qp: &Qp,
+        w: &SendWqe,
+    ) -> Result<(), WqeError> {
         let need = match w.op {
             SendOpcode::Read | SendOpcode::CmpSwap | SendOpcode::FetchAdd => Access::LOCAL_WRITE,
             _ => Access::empty(),
@@ -676,7 +711,14 @@ impl Nic {
     }
 
     /// Fails WQE `index` (it completes with `e` once everything before it has completed).
-    fn fail_wqe(&mut self, env: &mut dyn Env, qp: &mut Qp, index: u32, nbb: u32, e: WqeError) {
+    pub(crate) fn fail_wqe(
+        &mut self,
+        env: &mut dyn Env,
+        qp: &mut Qp,
+        index: u32,
+        nbb: u32,
+        e: WqeError,
+    ) {
         // Keep the opcode the WQE had, if it can be read, for the error CQE.
         let mut b = [0u8; 16];
         let op = env
@@ -1235,6 +1277,20 @@ pub(crate) fn decode_send_wqe(
     nbb: u32,
     max_msg: u32,
 ) -> Result<SendWqe, WqeError> {
+    decode_send_wqe_into(ctrl, op, body, nbb, max_msg, Vec::new())
+}
+
+/// [`decode_send_wqe`], an inline payload going into `inline` (a spare buffer, so that
+/// functional mode's small messages allocate nothing).
+pub(crate) fn decode_send_wqe_into(
+    ctrl: &CtrlSeg,
+    op: SendOpcode,
+    body: &[u8],
+    nbb: u32,
+    max_msg: u32,
+    mut inline: Vec<u8>,
+) -> Result<SendWqe, WqeError> {
+    inline.clear();
     let bad = |s| Err((CqeStatus::LocQpOpErr, s));
     let Some(flags) = WqeFlags::from_bits(ctrl.flags) else {
         return bad(VendorSyndrome::BadSegment);
@@ -1280,7 +1336,8 @@ pub(crate) fn decode_send_wqe(
         if bc & INLINE_MARK == 0 || n > rest.len() - 4 {
             return bad(VendorSyndrome::BadSegment);
         }
-        w.inline = rest[4..4 + n].to_vec();
+        inline.extend_from_slice(&rest[4..4 + n]);
+        w.inline = inline;
         w.len = n as u64;
     } else {
         for chunk in rest.chunks_exact(SEG) {

@@ -1275,7 +1275,7 @@ impl Nic {
 }
 
 /// A receive-side CQE for receive WQE `rc`.
-fn recv_cqe(qpn: u32, rc: &RecvCtx, status: CqeStatus, byte_len: u32) -> Cqe {
+pub(crate) fn recv_cqe(qpn: u32, rc: &RecvCtx, status: CqeStatus, byte_len: u32) -> Cqe {
     Cqe {
         opcode: CqeOpcode::Recv as u8,
         status: status as u8,

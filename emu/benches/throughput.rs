@@ -4,10 +4,13 @@
 //!
 //! Two nodes back to back (the perftest set-up), one RC QP pair, node 0 streaming RDMA WRITEs
 //! to node 1 through the real driver (`post_send`, `poll_ready`) and the emulator (`Fabric`
-//! stepped by the same thread: everything runs on one core). The emulator has no untimed
-//! mode: every message goes through the discrete-event model with the default timing profile
-//! (doorbell, WQE fetch, payload DMA, frames on the link, ACKs, CQE), so what is measured is
-//! the full cost of emulating it, not only the data movement.
+//! stepped by the same thread: everything runs on one core). The timed cases put every
+//! message through the discrete-event model with the default timing profile (doorbell, WQE
+//! fetch, payload DMA, frames on the link, ACKs, CQE), so what is measured is the full cost
+//! of emulating it, not only the data movement. The `*_functional` cases run the same driver
+//! loop on a fabric in functional mode (`FabricConfig::functional`): the WRITEs go straight
+//! to the peer's responder, a doorbell's worth per event, the payload in one copy between
+//! the two IOMMU mappings, no frames and no ACKs.
 //!
 //! * `msg_rate/write_8B_inline_batch32`: 8-byte inline WRITEs posted 32 per `post_send` (one
 //!   doorbell), the last of each batch signaled, at most 256 outstanding. One element is one
@@ -47,9 +50,10 @@ struct Pair {
 }
 
 impl Pair {
-    fn new() -> Pair {
+    fn new(functional: bool) -> Pair {
         let mut cfg = FabricConfig::new(2, 1);
         cfg.topology = Topology::BackToBack;
+        cfg.functional = functional;
         let fabric = Fabric::new(cfg);
         let a = Device::open(Box::new(fabric.port(0))).unwrap();
         let b = Device::open(Box::new(fabric.port(1))).unwrap();
@@ -143,10 +147,12 @@ struct Case {
     depth: u64,
     /// Messages in the untimed characterisation run.
     probe: u64,
+    /// Functional mode.
+    functional: bool,
 }
 
 fn run_case(g: &mut criterion::BenchmarkGroup<'_, criterion::measurement::WallTime>, c: &Case) {
-    let mut p = Pair::new();
+    let mut p = Pair::new(c.functional);
     // Characterise one message (untimed).
     let (s0, t0, w0) = (p.fabric.stats(), p.fabric.now(), Instant::now());
     p.stream(c.probe, c.size, c.inline, c.batch, c.depth);
@@ -180,26 +186,34 @@ fn run_case(g: &mut criterion::BenchmarkGroup<'_, criterion::measurement::WallTi
 fn msg_rate(c: &mut Criterion) {
     let mut g = c.benchmark_group("msg_rate");
     g.throughput(Throughput::Elements(1));
-    run_case(
-        &mut g,
-        &Case {
-            name: "write_8B_inline_batch32",
-            size: 8,
-            inline: true,
-            batch: 32,
-            depth: 256,
-            probe: 200_000,
-        },
-    );
+    for (name, functional, probe) in [
+        ("write_8B_inline_batch32", false, 200_000),
+        ("write_8B_inline_batch32_functional", true, 2_000_000),
+    ] {
+        run_case(
+            &mut g,
+            &Case {
+                name,
+                size: 8,
+                inline: true,
+                batch: 32,
+                depth: 256,
+                probe,
+                functional,
+            },
+        );
+    }
     g.finish();
 }
 
 fn payload(c: &mut Criterion) {
     let mut g = c.benchmark_group("payload");
     g.sample_size(20);
-    for (name, size, depth, probe) in [
-        ("write_64KiB", 64u32 << 10, 8u64, 4000u64),
-        ("write_1MiB", 1 << 20, 2, 400),
+    for (name, size, depth, probe, functional) in [
+        ("write_64KiB", 64u32 << 10, 8u64, 4000u64, false),
+        ("write_1MiB", 1 << 20, 2, 400, false),
+        ("write_64KiB_functional", 64 << 10, 8, 20_000, true),
+        ("write_1MiB_functional", 1 << 20, 2, 2000, true),
     ] {
         g.throughput(Throughput::Bytes(size as u64));
         run_case(
@@ -211,6 +225,7 @@ fn payload(c: &mut Criterion) {
                 batch: 1,
                 depth,
                 probe,
+                functional,
             },
         );
     }

@@ -9,7 +9,7 @@ use rand_core::SeedableRng;
 use rand_pcg::Pcg64Mcg;
 use ringbell_model::sim::EventQueue;
 use ringbell_model::{
-    DmaFault, Env, Nic, NicConfig, NicEvent, NicStats, Stage, TimingProfile, TraceEvent,
+    DmaFault, Env, FmMsg, Nic, NicConfig, NicEvent, NicStats, Stage, TimingProfile, TraceEvent,
 };
 use ringbell_specs::{regs, SimTime};
 use std::cell::RefCell;
@@ -40,6 +40,12 @@ pub struct FabricConfig {
     pub timing: TimingProfile,
     /// Faults injected on the links.
     pub faults: FaultPlan,
+    /// Functional (untimed) mode: messages of RC QPs that are eligible (see
+    /// `ringbell_model::Nic::fm_receive`) go straight from the requester to the peer
+    /// responder, whole and in one copy, with no frames and no ACKs; everything else takes
+    /// the packet path. Off by default. It is in force only while no fault plan, capture or
+    /// timeline is active (those need the frames).
+    pub functional: bool,
 }
 
 impl FabricConfig {
@@ -51,6 +57,7 @@ impl FabricConfig {
             topology: Topology::Switch,
             timing: TimingProfile::default(),
             faults: FaultPlan::default(),
+            functional: false,
         }
     }
 }
@@ -103,6 +110,8 @@ pub(crate) struct Inner {
     faults: Faults,
     /// ACK-timer events pending (most are cancelled timers that fire into nothing).
     timers: u64,
+    /// Frames on their way to each node.
+    in_flight: Vec<u32>,
     /// Register writes of each node still on their way to the device.
     pending_mmio: Vec<u32>,
     /// When each node's last posted store reaches its device.
@@ -134,6 +143,14 @@ struct NodeEnv<'a> {
     faults: &'a mut Faults,
     capture: &'a mut Option<Box<Capture>>,
     timeline: &'a mut Option<Box<Timeline>>,
+    in_flight: &'a mut [u32],
+    /// Functional mode is in force.
+    functional: bool,
+    /// The nodes before and after this one (functional mode reaches the peer through them).
+    before: &'a mut [Node],
+    after: &'a mut [Node],
+    /// While a functional message is delivered: the requester's IOMMU.
+    src_iommu: Option<&'a Iommu>,
 }
 
 impl NodeEnv<'_> {
@@ -226,6 +243,7 @@ impl Env for NodeEnv<'_> {
                     Fate::Delivered,
                 );
             }
+            self.in_flight[dst] += 1;
             self.queue.push(arrival, Event::Frame(dst, frame));
             return;
         }
@@ -263,6 +281,7 @@ impl Env for NodeEnv<'_> {
             } else {
                 std::mem::take(&mut frame)
             };
+            self.in_flight[dst] += 1;
             self.queue.push(arrival + extra, Event::Frame(dst, f));
         }
     }
@@ -277,17 +296,82 @@ impl Env for NodeEnv<'_> {
             t.record(self.node, ev);
         }
     }
+    fn functional(&self) -> bool {
+        self.functional
+    }
+    fn fm_deliver(&mut self, msg: &FmMsg<'_>) -> bool {
+        if !self.functional {
+            return false;
+        }
+        let Some(&dst) = self.macs.get(&msg.dst_mac) else {
+            return false;
+        };
+        // Nothing of the packet path may be under way between the two nodes (a frame still
+        // travelling would arrive behind messages placed since).
+        if dst == self.node || self.in_flight[dst] != 0 || self.in_flight[self.node] != 0 {
+            return false;
+        }
+        let peer = if dst < self.node {
+            &mut self.before[dst]
+        } else {
+            &mut self.after[dst - self.node - 1]
+        };
+        let Node {
+            nic,
+            iommu,
+            interrupts,
+        } = peer;
+        let mut env = NodeEnv {
+            node: dst,
+            now: self.now,
+            iommu,
+            queue: &mut *self.queue,
+            macs: self.macs,
+            switch_free: &mut *self.switch_free,
+            timing: self.timing,
+            topology: self.topology,
+            stats: &mut *self.stats,
+            interrupts,
+            timers: &mut *self.timers,
+            faults: &mut *self.faults,
+            capture: &mut *self.capture,
+            timeline: &mut *self.timeline,
+            in_flight: &mut *self.in_flight,
+            functional: false,
+            before: &mut [],
+            after: &mut [],
+            src_iommu: Some(self.iommu),
+        };
+        nic.fm_receive(&mut env, msg)
+    }
+    fn dma_copy_from_peer(&mut self, iova: u64, src_iova: u64, len: usize) -> Result<(), DmaFault> {
+        match self.src_iommu {
+            Some(src) => self.iommu.copy_from(iova, src, src_iova, len),
+            None => Err(DmaFault { iova }),
+        }
+    }
 }
 
 impl Inner {
     fn with_env<R>(&mut self, node: usize, f: impl FnOnce(&mut Nic, &mut NodeEnv<'_>) -> R) -> R {
         let now = self.queue.now();
         let topology = self.cfg.topology;
-        let Node {
-            nic,
-            iommu,
-            interrupts,
-        } = &mut self.nodes[node];
+        let functional = self.cfg.functional
+            && self.faults.inactive()
+            && self.capture.is_none()
+            && self.timeline.is_none();
+        let (before, rest) = self.nodes.split_at_mut(node);
+        let Some((
+            Node {
+                nic,
+                iommu,
+                interrupts,
+            },
+            after,
+        )) = rest.split_first_mut()
+        else {
+            panic!("node {node} out of range");
+        };
         let mut env = NodeEnv {
             node,
             now,
@@ -303,6 +387,11 @@ impl Inner {
             faults: &mut self.faults,
             capture: &mut self.capture,
             timeline: &mut self.timeline,
+            in_flight: &mut self.in_flight,
+            functional,
+            before,
+            after,
+            src_iommu: None,
         };
         f(nic, &mut env)
     }
@@ -393,6 +482,7 @@ impl Inner {
                 self.with_env(node, |nic, env| nic.handle(env, ev));
             }
             Event::Frame(node, frame) => {
+                self.in_flight[node] = self.in_flight[node].saturating_sub(1);
                 self.digest.feed(&(node as u32 | 1 << 31).to_le_bytes());
                 // Frames enter the digest through their length and their last four bytes,
                 // the ICRC: a CRC-32 the sender computed over every byte the receiver checks,
@@ -453,6 +543,7 @@ impl Fabric {
             queue: EventQueue::new(),
             switch_free: vec![SimTime::ZERO; cfg.nodes],
             pending_mmio: vec![0; cfg.nodes],
+            in_flight: vec![0; cfg.nodes],
             mmio_last: vec![SimTime::ZERO; cfg.nodes],
             timers: 0,
             faults: Faults::new(cfg.faults.clone(), cfg.nodes, cfg.seed),
@@ -610,6 +701,7 @@ impl Fabric {
         if let Some(c) = &mut s.capture {
             c.record(None, Some(node), now, &frame, Fate::Delivered);
         }
+        s.in_flight[node] += 1;
         s.queue.push(now, Event::Frame(node, frame));
     }
 

@@ -5,7 +5,7 @@
 use memmap2::MmapRaw;
 use ringbell::PortError;
 use ringbell_model::DmaFault;
-use std::collections::BTreeMap;
+use std::cell::Cell;
 use std::fs::File;
 use std::os::fd::BorrowedFd;
 
@@ -21,7 +21,10 @@ struct Mapping {
 /// One node's IOMMU.
 #[derive(Debug, Default)]
 pub struct Iommu {
-    maps: BTreeMap<u64, Mapping>,
+    /// Mappings by IOVA, sorted, none overlapping.
+    maps: Vec<(u64, Mapping)>,
+    /// The mapping the last translation hit (tried first: DMA comes in runs).
+    last: Cell<usize>,
 }
 
 impl Iommu {
@@ -35,7 +38,9 @@ impl Iommu {
                 "bad mapping {iova:#x}+{len:#x}"
             )));
         }
-        if let Some((s, m)) = self.maps.range(..end).next_back() {
+        // The first mapping starting at or after `end`; the one before it must end by `iova`.
+        let at = self.maps.partition_point(|(s, _)| *s < end);
+        if let Some((s, m)) = at.checked_sub(1).map(|i| &self.maps[i]) {
             if s + m.len > iova {
                 return Err(PortError::Overlap { iova, len });
             }
@@ -57,7 +62,7 @@ impl Iommu {
             .len(len as usize)
             .map_raw(&file)
             .map_err(|e| PortError::MapFailed(e.to_string()))?;
-        self.maps.insert(iova, Mapping { len, map });
+        self.maps.insert(at, (iova, Mapping { len, map }));
         Ok(())
     }
 
@@ -65,14 +70,16 @@ impl Iommu {
     pub fn clear(&mut self) -> usize {
         let n = self.maps.len();
         self.maps.clear();
+        self.last.set(0);
         n
     }
 
     /// Removes the mapping that starts at `iova` with length `len`.
     pub fn unmap(&mut self, iova: u64, len: u64) -> Result<(), PortError> {
-        match self.maps.get(&iova) {
-            Some(m) if m.len == len => {
-                self.maps.remove(&iova);
+        match self.maps.binary_search_by_key(&iova, |(s, _)| *s) {
+            Ok(i) if self.maps[i].1.len == len => {
+                self.maps.remove(i);
+                self.last.set(0);
                 Ok(())
             }
             _ => Err(PortError::NotMapped { iova, len }),
@@ -81,11 +88,23 @@ impl Iommu {
 
     /// Pointer and remaining length for `[iova, iova + len)` if one mapping covers it.
     fn translate(&self, iova: u64, len: usize) -> Result<*mut u8, DmaFault> {
-        let (start, m) = self
-            .maps
-            .range(..=iova)
-            .next_back()
-            .ok_or(DmaFault { iova })?;
+        let hit = |i: usize| {
+            self.maps
+                .get(i)
+                .filter(|(s, m)| iova >= *s && iova - s < m.len)
+        };
+        let (start, m) = match hit(self.last.get()) {
+            Some(e) => e,
+            None => {
+                let i = self
+                    .maps
+                    .partition_point(|(s, _)| *s <= iova)
+                    .checked_sub(1)
+                    .ok_or(DmaFault { iova })?;
+                self.last.set(i);
+                &self.maps[i]
+            }
+        };
         let off = iova - start;
         if off.checked_add(len as u64).is_none_or(|e| e > m.len) {
             let first_bad = if off >= m.len { iova } else { start + m.len };
@@ -115,6 +134,25 @@ impl Iommu {
         let p = self.translate(iova, data.len())?;
         // SAFETY: as in `read`, with the copy in the other direction.
         unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), p, data.len()) };
+        Ok(())
+    }
+
+    /// Device-to-device copy (functional mode): `len` bytes from `src_iova` in `src`'s
+    /// mappings to `iova` in this IOMMU's, in one copy with no bounce buffer.
+    pub fn copy_from(
+        &self,
+        iova: u64,
+        src: &Iommu,
+        src_iova: u64,
+        len: usize,
+    ) -> Result<(), DmaFault> {
+        let d = self.translate(iova, len)?;
+        let s = src.translate(src_iova, len)?;
+        // SAFETY: both ranges are inside live mappings (translate). They may be the same
+        // memory (two nodes can map one file), so `copy` (memmove) rather than
+        // `copy_nonoverlapping`. As in `read`, the in-process emulator runs in lockstep with
+        // the driver, so no store to this memory races with the copy.
+        unsafe { std::ptr::copy(s, d, len) };
         Ok(())
     }
 
