@@ -33,6 +33,16 @@ pub struct LinkFaults {
 }
 
 impl LinkFaults {
+    /// Whether these faults can never touch a frame (every probability zero, no down time;
+    /// the reorder delay alone does nothing).
+    pub fn is_quiet(&self) -> bool {
+        self.drop_ppm == 0
+            && self.duplicate_ppm == 0
+            && self.reorder_ppm == 0
+            && self.corrupt_ppm == 0
+            && self.down.is_empty()
+    }
+
     /// Loss only, with probability `p` (0..=1).
     pub fn loss(p: f64) -> Self {
         LinkFaults {
@@ -127,6 +137,15 @@ pub struct FaultPlan {
     pub rules: Vec<FaultRule>,
 }
 
+impl FaultPlan {
+    /// Whether the plan can never touch a frame: quiet links everywhere and no rule.
+    pub fn injects_nothing(&self) -> bool {
+        self.links.is_quiet()
+            && self.per_node.values().all(LinkFaults::is_quiet)
+            && self.rules.is_empty()
+    }
+}
+
 /// What fault injection did.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct FaultStats {
@@ -196,7 +215,7 @@ impl Faults {
 
     /// Whether nothing can happen (the common case costs one check).
     pub(crate) fn inactive(&self) -> bool {
-        self.plan == FaultPlan::default()
+        self.plan.injects_nothing()
     }
 
     /// Decides the fate of `frame` from `from` to `to`, leaving the NIC at `at`.

@@ -125,6 +125,12 @@ enum Cmd {
         profile: String,
         #[command(flatten)]
         timeline: TimelineArgs,
+        /// Functional (untimed) mode: eligible WRITEs and SENDs go straight to the peer's
+        /// responder, whole, with no frames (faults, --capture and --timeline switch it
+        /// off). Simulated figures then mean little; the wall-clock emulation speed is the
+        /// point.
+        #[arg(long)]
+        functional: bool,
     },
     /// Two nodes through the real driver: latency (WRITE, SEND, READ; 8 B..64 KiB) and
     /// bandwidth, in simulated time, plus the wall-clock emulation speed.
@@ -304,6 +310,7 @@ fn main() {
             capture,
             profile,
             timeline,
+            functional,
         } => {
             let links = LinkFaults {
                 drop_ppm: ppm(loss),
@@ -326,6 +333,7 @@ fn main() {
                 capture,
                 profile,
                 timeline,
+                functional,
             })
         }
     };
@@ -456,6 +464,7 @@ struct BenchArgs {
     capture: Option<String>,
     profile: String,
     timeline: TimelineArgs,
+    functional: bool,
 }
 
 /// Shows progress on stderr once a run has taken more than two seconds of wall time.
@@ -576,6 +585,7 @@ fn pct(p: u32) -> String {
 
 fn bench(a: BenchArgs) -> Result<(), String> {
     let mut cfg = FabricConfig::new(2, a.seed);
+    cfg.functional = a.functional;
     cfg.timing = ringbell_emu::profile::load(&a.profile).map_err(|e| e.to_string())?;
     cfg.faults.links = a.links.clone();
     if let Some(path) = &a.scenario {

@@ -278,3 +278,29 @@ fn profiles_print_and_load_from_files() {
     assert!(String::from_utf8_lossy(&bad.stderr).contains("cx6-100g, cx7-400g"));
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// The frames a `bench` run delivered per wall second, from its emulation line.
+fn frames_per_s(out: &str) -> f64 {
+    let line = out
+        .lines()
+        .find(|l| l.starts_with("emulation:"))
+        .expect("an emulation line");
+    let at = line.find(" M frames/s").expect("frames per second");
+    let num = line[..at].rsplit(' ').next().unwrap();
+    num.parse().unwrap()
+}
+
+#[test]
+fn bench_functional_skips_frames_unless_faults_need_them() {
+    let args = ["--size", "64", "--count", "2000", "--depth", "64"];
+    let timed = bench(&args);
+    let functional = bench(&[&args[..], &["--functional"]].concat());
+    for out in [&timed, &functional] {
+        assert!(out.contains("goodput:"), "{out}");
+    }
+    assert!(frames_per_s(&timed) > 0.0, "{timed}");
+    assert_eq!(frames_per_s(&functional), 0.0, "{functional}");
+    // A fault plan needs frames: functional mode steps aside and the run still completes.
+    let lossy = bench(&[&args[..], &["--functional", "--loss", "0.01"]].concat());
+    assert!(frames_per_s(&lossy) > 0.0, "{lossy}");
+}
