@@ -47,16 +47,22 @@ impl Nic {
         while qp.fetch != qp.sq.pi {
             let index = qp.fetch;
             let in_nic = qp.req.bf.as_ref().is_some_and(|(i, _)| *i == index);
-            let wqe = match self.read_send_wqe(env, qp, index) {
-                Ok(Some(w)) => w,
-                Ok(None) => return false,
+            // Decoded into the NIC's scratch WQE, whose buffers are reused.
+            let mut wqe = std::mem::take(&mut self.fm_wqe);
+            match self.read_send_wqe(env, qp, index, &mut wqe) {
+                Ok(true) => {}
+                Ok(false) => {
+                    self.fm_wqe = wqe;
+                    return false;
+                }
                 Err((e, nbb)) => {
+                    self.fm_wqe = wqe;
                     self.fail_wqe(env, qp, index, nbb, e);
                     return false;
                 }
-            };
+            }
             if self.fm_exec(env, qp, index, &wqe) {
-                self.inline_spare = wqe.inline;
+                self.fm_wqe = wqe;
                 continue;
             }
             return self.start_decoded(env, qp, index, in_nic, wqe);

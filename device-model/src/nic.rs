@@ -204,8 +204,8 @@ pub struct Nic {
     pub(crate) fm_ranges: Vec<(u64, u32)>,
     /// Its responder-side counterpart.
     pub(crate) fm_dst: Vec<(u64, u32)>,
-    /// A buffer for the next decoded inline payload (functional mode hands each back).
-    pub(crate) inline_spare: Vec<u8>,
+    /// Functional mode's scratch WQE: each one is decoded into it, reusing its buffers.
+    pub(crate) fm_wqe: crate::qp::SendWqe,
 }
 
 impl Nic {
@@ -255,7 +255,7 @@ impl Nic {
             dma_pending: 0,
             fm_ranges: Vec::new(),
             fm_dst: Vec::new(),
-            inline_spare: Vec::new(),
+            fm_wqe: crate::qp::SendWqe::default(),
         }
     }
 

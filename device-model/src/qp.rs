@@ -61,6 +61,12 @@ pub(crate) struct SendWqe {
     pub(crate) len: u64,
 }
 
+impl Default for SendWqe {
+    fn default() -> Self {
+        SendWqe::broken(SendOpcode::Send)
+    }
+}
+
 impl SendWqe {
     /// A placeholder for a WQE that could not be decoded (it only ever completes in error).
     pub(crate) fn broken(op: SendOpcode) -> SendWqe {

@@ -110,14 +110,15 @@ impl Nic {
         let index = qp.fetch;
         // A WQE written through the BlueFlame slot is in the NIC already.
         let in_nic = qp.req.bf.as_ref().is_some_and(|(i, _)| *i == index);
-        let wqe = match self.read_send_wqe(env, qp, index) {
-            Ok(Some(w)) => w,
-            Ok(None) => return false,
+        let mut wqe = SendWqe::broken(SendOpcode::Send);
+        match self.read_send_wqe(env, qp, index, &mut wqe) {
+            Ok(true) => {}
+            Ok(false) => return false,
             Err((e, nbb)) => {
                 self.fail_wqe(env, qp, index, nbb, e);
                 return false;
             }
-        };
+        }
         self.start_decoded(env, qp, index, in_nic, wqe)
     }
 
@@ -355,7 +356,8 @@ impl Nic {
         env: &mut dyn Env,
         qp: &mut Qp,
         index: u32,
-    ) -> Result<Option<SendWqe>, (WqeError, u32)> {
+        out: &mut SendWqe,
+    ) -> Result<bool, (WqeError, u32)> {
         let mut raw = [0u8; MAX_DS * SEG];
         let first = qp.sq.slot_iova(index, WQEBB as u64);
         let bf = match qp.req.bf.take() {
@@ -380,7 +382,7 @@ impl Nic {
             // Nothing valid was written here: forget the doorbell past this point.
             qp.sq.pi = index;
             self.doorbell_error(env, qp.qpn, DoorbellError::StaleWqe, index);
-            return Ok(None);
+            return Ok(false);
         }
         let ds = ctrl.ds_count as usize;
         if ds == 0 || ds > MAX_DS {
@@ -423,16 +425,15 @@ impl Nic {
         let Some(op) = SendOpcode::from_u8(ctrl.opcode) else {
             return Err(((CqeStatus::LocQpOpErr, VendorSyndrome::BadOpcode), nbb));
         };
-        let spare = std::mem::take(&mut self.inline_spare);
         decode_send_wqe_into(
             &ctrl,
             op,
             &raw[SEG..ds * SEG],
             nbb,
             self.cfg.max_msg_size,
-            spare,
+            out,
         )
-        .map(Some)
+        .map(|_| true)
         .map_err(|e| (e, nbb))
     }
 
@@ -1277,36 +1278,35 @@ pub(crate) fn decode_send_wqe(
     nbb: u32,
     max_msg: u32,
 ) -> Result<SendWqe, WqeError> {
-    decode_send_wqe_into(ctrl, op, body, nbb, max_msg, Vec::new())
+    let mut w = SendWqe::broken(op);
+    decode_send_wqe_into(ctrl, op, body, nbb, max_msg, &mut w).map(|_| w)
 }
 
-/// [`decode_send_wqe`], an inline payload going into `inline` (a spare buffer, so that
-/// functional mode's small messages allocate nothing).
+/// [`decode_send_wqe`] into `w`, whose buffers (gather list, inline payload) are reused, so
+/// that functional mode's small messages neither allocate nor move a decoded WQE around. On
+/// an error `w` holds a partly decoded WQE.
 pub(crate) fn decode_send_wqe_into(
     ctrl: &CtrlSeg,
     op: SendOpcode,
     body: &[u8],
     nbb: u32,
     max_msg: u32,
-    mut inline: Vec<u8>,
-) -> Result<SendWqe, WqeError> {
-    inline.clear();
+    w: &mut SendWqe,
+) -> Result<(), WqeError> {
     let bad = |s| Err((CqeStatus::LocQpOpErr, s));
     let Some(flags) = WqeFlags::from_bits(ctrl.flags) else {
         return bad(VendorSyndrome::BadSegment);
     };
-    let mut w = SendWqe {
-        op,
-        flags,
-        imm: ctrl.imm.get(),
-        nbb,
-        raddr: 0,
-        rkey: 0,
-        atomic: (0, 0),
-        sges: Vec::new(),
-        inline: Vec::new(),
-        len: 0,
-    };
+    w.op = op;
+    w.flags = flags;
+    w.imm = ctrl.imm.get();
+    w.nbb = nbb;
+    w.raddr = 0;
+    w.rkey = 0;
+    w.atomic = (0, 0);
+    w.sges.clear();
+    w.inline.clear();
+    w.len = 0;
     let mut rest = body;
     if op.has_raddr() {
         let Some((r, tail)) = split_seg::<RaddrSeg>(rest) else {
@@ -1336,8 +1336,7 @@ pub(crate) fn decode_send_wqe_into(
         if bc & INLINE_MARK == 0 || n > rest.len() - 4 {
             return bad(VendorSyndrome::BadSegment);
         }
-        inline.extend_from_slice(&rest[4..4 + n]);
-        w.inline = inline;
+        w.inline.extend_from_slice(&rest[4..4 + n]);
         w.len = n as u64;
     } else {
         for chunk in rest.chunks_exact(SEG) {
@@ -1359,7 +1358,7 @@ pub(crate) fn decode_send_wqe_into(
     if op.is_atomic() {
         w.len = 8;
     }
-    Ok(w)
+    Ok(())
 }
 
 fn split_seg<T: FromBytes>(b: &[u8]) -> Option<(T, &[u8])> {
