@@ -8,14 +8,21 @@ use ringbell_model::DmaFault;
 use std::cell::Cell;
 use std::fs::File;
 use std::os::fd::BorrowedFd;
+use std::os::unix::fs::MetadataExt;
 
 /// Largest single mapping accepted (64 GiB: more is absurd for an emulated host).
 pub const MAX_MAPPING: u64 = 1 << 36;
+
+/// A mapped file: (device, inode).
+type FileId = (u64, u64);
 
 #[derive(Debug)]
 struct Mapping {
     len: u64,
     map: MmapRaw,
+    /// The mapped file (device, inode), mapped from its offset 0: two mappings of one file
+    /// share their pages, at different addresses.
+    file: FileId,
 }
 
 /// One node's IOMMU.
@@ -49,10 +56,10 @@ impl Iommu {
             fd.try_clone_to_owned()
                 .map_err(|e| PortError::MapFailed(e.to_string()))?,
         );
-        let flen = file
+        let meta = file
             .metadata()
-            .map_err(|e| PortError::MapFailed(e.to_string()))?
-            .len();
+            .map_err(|e| PortError::MapFailed(e.to_string()))?;
+        let flen = meta.len();
         if flen < len {
             return Err(PortError::MapFailed(format!(
                 "file holds {flen} bytes, {len} requested"
@@ -62,7 +69,8 @@ impl Iommu {
             .len(len as usize)
             .map_raw(&file)
             .map_err(|e| PortError::MapFailed(e.to_string()))?;
-        self.maps.insert(at, (iova, Mapping { len, map }));
+        let file = (meta.dev(), meta.ino());
+        self.maps.insert(at, (iova, Mapping { len, map, file }));
         Ok(())
     }
 
@@ -88,6 +96,11 @@ impl Iommu {
 
     /// Pointer and remaining length for `[iova, iova + len)` if one mapping covers it.
     fn translate(&self, iova: u64, len: usize) -> Result<*mut u8, DmaFault> {
+        self.locate(iova, len).map(|(p, _)| p)
+    }
+
+    /// [`Iommu::translate`], with the mapped file and the offset of `iova` in it.
+    fn locate(&self, iova: u64, len: usize) -> Result<(*mut u8, (FileId, u64)), DmaFault> {
         let hit = |i: usize| {
             self.maps
                 .get(i)
@@ -111,7 +124,10 @@ impl Iommu {
             return Err(DmaFault { iova: first_bad });
         }
         // SAFETY: off + len <= m.len, which is inside the live mapping.
-        Ok(unsafe { m.map.as_mut_ptr().add(off as usize) })
+        Ok((
+            unsafe { m.map.as_mut_ptr().add(off as usize) },
+            (m.file, off),
+        ))
     }
 
     /// Checks that the range is mapped.
@@ -138,7 +154,8 @@ impl Iommu {
     }
 
     /// Device-to-device copy (functional mode): `len` bytes from `src_iova` in `src`'s
-    /// mappings to `iova` in this IOMMU's, in one copy with no bounce buffer.
+    /// mappings to `iova` in this IOMMU's, in one copy (through a buffer only when the two
+    /// ranges are the same pages of one mapped file).
     pub fn copy_from(
         &self,
         iova: u64,
@@ -146,13 +163,23 @@ impl Iommu {
         src_iova: u64,
         len: usize,
     ) -> Result<(), DmaFault> {
-        let d = self.translate(iova, len)?;
-        let s = src.translate(src_iova, len)?;
-        // SAFETY: both ranges are inside live mappings (translate). They may be the same
-        // memory (two nodes can map one file), so `copy` (memmove) rather than
-        // `copy_nonoverlapping`. As in `read`, the in-process emulator runs in lockstep with
-        // the driver, so no store to this memory races with the copy.
-        unsafe { std::ptr::copy(s, d, len) };
+        let (d, (d_file, d_off)) = self.locate(iova, len)?;
+        let (s, (s_file, s_off)) = src.locate(src_iova, len)?;
+        // Two mappings of one file are the same pages at different addresses, so an overlap
+        // of the two ranges shows in the file offsets, not in the pointers (a memmove would
+        // pick its direction from the pointers and smear the data). Such a copy goes through
+        // a buffer: the destination gets the source as it was, as a frame would carry it.
+        if d_file == s_file && d_off < s_off + len as u64 && s_off < d_off + len as u64 {
+            let mut bounce = vec![0u8; len];
+            src.read(src_iova, &mut bounce)?;
+            return self.write(iova, &bounce);
+        }
+        // SAFETY: both ranges are inside live mappings (locate). They do not overlap: ranges
+        // of different files, or of different parts of one file, are different pages, and
+        // one mapping's addresses overlap exactly where its file offsets do. As in `read`,
+        // the in-process emulator runs in lockstep with the driver, so no store to this
+        // memory races with the copy.
+        unsafe { std::ptr::copy_nonoverlapping(s, d, len) };
         Ok(())
     }
 

@@ -94,11 +94,11 @@ fn op() -> impl Strategy<Value = Op> {
 /// in verbs, only wr_id and status are defined for an error completion: a flushed WQE
 /// reports its length only if the send engine had started it when the QP failed, which
 /// depends on timing, so the other fields are compared for successful completions only.
-type Seen = (u64, WcStatus, Option<(String, u32, Option<u32>)>);
+type Seen = (u64, WcStatus, Option<(String, u32, Option<u32>, bool)>);
 
 fn seen(w: &WorkCompletion) -> Seen {
-    let detail =
-        (w.status == WcStatus::Success).then(|| (format!("{:?}", w.opcode), w.byte_len, w.imm));
+    let detail = (w.status == WcStatus::Success)
+        .then(|| (format!("{:?}", w.opcode), w.byte_len, w.imm, w.solicited));
     (w.wr_id, w.status, detail)
 }
 
@@ -163,14 +163,24 @@ fn run(script: &[(Op, bool)], batches: &[usize], functional: bool) -> Outcome {
     while posted < script.len() {
         let k = sizes.next().unwrap_or(1).max(1).min(script.len() - posted);
         let chunk = &script[posted..posted + k];
-        let sgls: Vec<[Sge; 1]> = chunk
+        // An odd source offset gathers from two pieces (the second 100 bytes further on).
+        let sgls: Vec<Vec<Sge>> = chunk
             .iter()
             .map(|(o, _)| match o {
-                Op::Write { src, len, .. } | Op::Send { src, len, .. } => {
-                    [a.mr.sge(SRC + src, *len)]
+                Op::Write { src, len, .. } | Op::Send { src, len, .. } if src % 2 == 1 => {
+                    let h = *len / 2;
+                    vec![
+                        a.mr.sge(SRC + src, h),
+                        a.mr.sge(SRC + src + h as u64 + 100, *len - h),
+                    ]
                 }
-                Op::Read { dst, len, .. } => [a.mr.sge(RES + dst, *len)],
-                Op::FetchAdd { .. } => [a.mr.sge(RES + SPAN / 2 + (posted as u64 % 512) * 8, 8)],
+                Op::Write { src, len, .. } | Op::Send { src, len, .. } => {
+                    vec![a.mr.sge(SRC + src, *len)]
+                }
+                Op::Read { dst, len, .. } => vec![a.mr.sge(RES + dst, *len)],
+                Op::FetchAdd { .. } => {
+                    vec![a.mr.sge(RES + SPAN / 2 + (posted as u64 % 512) * 8, 8)]
+                }
             })
             .collect();
         let mut wrs = Vec::new();
@@ -181,6 +191,12 @@ fn run(script: &[(Op, bool)], batches: &[usize], functional: bool) -> Outcome {
             } else {
                 SendFlags::empty()
             };
+            // Some SENDs and WRITEs ask for a solicited event.
+            if let Op::Write { src, .. } | Op::Send { src, .. } = o {
+                if src % 3 == 0 {
+                    flags |= SendFlags::SOLICITED;
+                }
+            }
             let fence = |at: u64, len: u64| read_srcs.iter().any(|&(x, y)| at < y && x < at + len);
             let wr = match o {
                 Op::Write {
@@ -483,4 +499,66 @@ fn srq_counters_faults_and_mtu_mismatch_are_not_eligible() {
     let w = wait(&fabric, &mut a.cq, 1);
     assert_ne!(w[0].status, WcStatus::Success);
     assert!(fabric.stats().frames_delivered > 0);
+}
+
+/// One memory file mapped by both nodes (two IOMMU mappings of the same pages): a WRITE
+/// whose source and destination overlap in that file lands what the source held when it
+/// was sent, as on the packet path, in whichever direction the two overlap.
+#[test]
+fn a_write_between_two_mappings_of_one_file_copies_the_source_as_sent() {
+    const LEN: u32 = 64 * 1024;
+    const IOVA: u64 = 1 << 40;
+    // (source offset, destination offset) in the shared file.
+    for (src, dst) in [(0u64, 64u64), (64, 0), (0, 4096), (4096 + 8, 4096)] {
+        for functional in [false, true] {
+            let (fabric, mut a, b) = fm_pair(functional);
+            let mem = DmaMemory::new(4 * LEN as usize).unwrap();
+            let len = mem.len() as u64;
+            a.dev.port().dma_map(mem.fd(), len, IOVA).unwrap();
+            b.dev.port().dma_map(mem.fd(), len, IOVA).unwrap();
+            let mr_a = a.pd.reg_mr_raw(IOVA, len, IOVA, all()).unwrap();
+            let mr_b = b.pd.reg_mr_raw(IOVA, len, IOVA, all()).unwrap();
+            let pattern: Vec<u8> = (0..len as usize)
+                .map(|i| (i * 31 + i / 251) as u8)
+                .collect();
+            mem.write(0, &pattern).unwrap();
+            let r = RemoteAddr {
+                addr: mr_b.addr() + dst,
+                rkey: mr_b.rkey(),
+            };
+            let sge = [mr_a.sge(src, LEN)];
+            a.qp.post_send(&[SendWr::new(1, WrOp::Write(r), &sge).flags(SendFlags::SIGNALED)])
+                .unwrap();
+            ok(&fabric, &mut a.cq);
+            settle(&fabric);
+            let mut out = vec![0u8; len as usize];
+            mem.read(0, &mut out).unwrap();
+            let mut want = pattern.clone();
+            want[dst as usize..(dst + LEN as u64) as usize]
+                .copy_from_slice(&pattern[src as usize..(src + LEN as u64) as usize]);
+            assert!(out == want, "src {src} dst {dst} functional {functional}");
+        }
+    }
+}
+
+#[test]
+fn mr_counters_count_functional_writes_and_a_dead_responder_refuses() {
+    // A counter bound to the responder's MR counts functional WRITEs (zero-length too).
+    let (fabric, mut a, mut b) = fm_pair(true);
+    let c = b.pd.create_counter().unwrap();
+    c.bind_mr(&b.mr, CntrEvents::REMOTE_WRITE).unwrap();
+    settle(&fabric);
+    write(&mut a, &b, 1, 0, 64);
+    write(&mut a, &b, 2, 64, 0);
+    ok(&fabric, &mut a.cq);
+    ok(&fabric, &mut a.cq);
+    settle(&fabric);
+    assert_eq!(c.query().unwrap().success, 2);
+    assert_eq!(fabric.stats().frames_delivered, 0);
+    // The responder QP in ERR: the WRITE goes as packets and fails.
+    b.qp.to_error().unwrap();
+    settle(&fabric);
+    write(&mut a, &b, 3, 0, 64);
+    let w = wait(&fabric, &mut a.cq, 1);
+    assert_ne!(w[0].status, WcStatus::Success);
 }
