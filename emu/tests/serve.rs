@@ -447,40 +447,76 @@ fn malformed_messages_are_refused_and_every_node_keeps_serving() {
     ok(b, "target after the bad clients");
 }
 
+/// Driver clients of NICs 0 and 1 of a server, with an RC QP connected between them and B's
+/// buffer (`b_bytes`) registered for remote writes. Fields drop in declaration order.
+struct Two {
+    qa: ringbell::QueuePair,
+    _qb: ringbell::QueuePair,
+    ca: ringbell::CompletionQueue,
+    _cb: ringbell::CompletionQueue,
+    ma: ringbell::MemoryRegion,
+    mb: ringbell::MemoryRegion,
+    ba: ringbell::DmaBuffer,
+    bb: ringbell::DmaBuffer,
+    _pds: (ringbell::ProtectionDomain, ringbell::ProtectionDomain),
+    a: Device,
+    _b: Device,
+}
+
+impl Two {
+    fn connect(srv: &Server, b_bytes: usize) -> Two {
+        use ringbell::{Access, ConnectOptions, QpInit};
+        let a = Device::open(Box::new(VfioPort::connect(srv.socket(0)).unwrap())).unwrap();
+        let b = Device::open(Box::new(VfioPort::connect(srv.socket(1)).unwrap())).unwrap();
+        let (pa, pb) = (a.alloc_pd().unwrap(), b.alloc_pd().unwrap());
+        let (ba, bb) = (a.alloc_dma(4096).unwrap(), b.alloc_dma(b_bytes).unwrap());
+        let ma = pa.reg_mr(&ba, Access::LOCAL_WRITE).unwrap();
+        let mb = pb
+            .reg_mr(&bb, Access::LOCAL_WRITE | Access::REMOTE_WRITE)
+            .unwrap();
+        let (ca, cb) = (a.create_cq(16).unwrap(), b.create_cq(16).unwrap());
+        let mut qa = pa.create_qp(&QpInit::new(&ca, &ca)).unwrap();
+        let mut qb = pb.create_qp(&QpInit::new(&cb, &cb)).unwrap();
+        let (ea, eb) = (qa.endpoint(1), qb.endpoint(2));
+        qa.connect(&eb, 1, &ConnectOptions::default()).unwrap();
+        qb.connect(&ea, 2, &ConnectOptions::default()).unwrap();
+        Two {
+            qa,
+            _qb: qb,
+            ca,
+            _cb: cb,
+            ma,
+            mb,
+            ba,
+            bb,
+            _pds: (pa, pb),
+            a,
+            _b: b,
+        }
+    }
+}
+
 #[test]
 fn a_completion_raises_the_interrupt_eventfd() {
-    use ringbell::{Access, ConnectOptions, QpInit, RemoteAddr, SendWr, WrOp};
+    use ringbell::{RemoteAddr, SendWr, WrOp};
     let srv = Server::start("irq", 2);
-    let a = Device::open(Box::new(VfioPort::connect(srv.socket(0)).unwrap())).unwrap();
-    let b = Device::open(Box::new(VfioPort::connect(srv.socket(1)).unwrap())).unwrap();
-    let (pa, pb) = (a.alloc_pd().unwrap(), b.alloc_pd().unwrap());
-    let (ba, bb) = (a.alloc_dma(4096).unwrap(), b.alloc_dma(4096).unwrap());
-    let ma = pa.reg_mr(&ba, Access::LOCAL_WRITE).unwrap();
-    let mb = pb
-        .reg_mr(&bb, Access::LOCAL_WRITE | Access::REMOTE_WRITE)
-        .unwrap();
-    let (mut ca, cb) = (a.create_cq(16).unwrap(), b.create_cq(16).unwrap());
-    let mut qa = pa.create_qp(&QpInit::new(&ca, &ca)).unwrap();
-    let mut qb = pb.create_qp(&QpInit::new(&cb, &cb)).unwrap();
-    let (ea, eb) = (qa.endpoint(1), qb.endpoint(2));
-    qa.connect(&eb, 1, &ConnectOptions::default()).unwrap();
-    qb.connect(&ea, 2, &ConnectOptions::default()).unwrap();
+    let mut t = Two::connect(&srv, 4096);
     // Nothing pending: no interrupt.
-    assert!(!a.wait_interrupt(Duration::from_millis(50)).unwrap());
-    ca.arm(false);
-    ba.write(0, b"wake up").unwrap();
+    assert!(!t.a.wait_interrupt(Duration::from_millis(50)).unwrap());
+    t.ca.arm(false);
+    t.ba.write(0, b"wake up").unwrap();
     let remote = RemoteAddr {
-        addr: mb.addr(),
-        rkey: mb.rkey(),
+        addr: t.mb.addr(),
+        rkey: t.mb.rkey(),
     };
-    qa.post_send(&[SendWr::new(9, WrOp::Write(remote), &[ma.sge(0, 7)])])
+    t.qa.post_send(&[SendWr::new(9, WrOp::Write(remote), &[t.ma.sge(0, 7)])])
         .unwrap();
-    assert!(a.wait_interrupt(Duration::from_secs(10)).unwrap());
+    assert!(t.a.wait_interrupt(Duration::from_secs(10)).unwrap());
     let mut wc = [WorkCompletion::default(); 1];
-    assert_eq!(ca.poll_ready(&mut wc), 1);
+    assert_eq!(t.ca.poll_ready(&mut wc), 1);
     assert_eq!((wc[0].wr_id, wc[0].status), (9, WcStatus::Success));
     let mut got = [0u8; 7];
-    bb.read(0, &mut got).unwrap();
+    t.bb.read(0, &mut got).unwrap();
     assert_eq!(&got, b"wake up");
 }
 
@@ -503,36 +539,23 @@ fn memory_file_of_size(len: u64) -> Option<std::fs::File> {
 
 #[test]
 fn a_client_that_shrinks_a_mapped_file_does_not_take_the_server_down() {
-    use ringbell::{Access, ConnectOptions, QpInit, RemoteAddr, SendWr, WrOp};
+    use ringbell::{RemoteAddr, SendWr, WrOp};
     let mut srv = Server::start("shrink", 2);
-    let a = Device::open(Box::new(VfioPort::connect(srv.socket(0)).unwrap())).unwrap();
-    let b = Device::open(Box::new(VfioPort::connect(srv.socket(1)).unwrap())).unwrap();
-    let (pa, pb) = (a.alloc_pd().unwrap(), b.alloc_pd().unwrap());
-    let (ba, bb) = (a.alloc_dma(4096).unwrap(), b.alloc_dma(SHRUNK).unwrap());
-    let ma = pa.reg_mr(&ba, Access::LOCAL_WRITE).unwrap();
-    let mb = pb
-        .reg_mr(&bb, Access::LOCAL_WRITE | Access::REMOTE_WRITE)
-        .unwrap();
-    let (mut ca, cb) = (a.create_cq(16).unwrap(), b.create_cq(16).unwrap());
-    let mut qa = pa.create_qp(&QpInit::new(&ca, &ca)).unwrap();
-    let mut qb = pb.create_qp(&QpInit::new(&cb, &cb)).unwrap();
-    let (ea, eb) = (qa.endpoint(1), qb.endpoint(2));
-    qa.connect(&eb, 1, &ConnectOptions::default()).unwrap();
-    qb.connect(&ea, 2, &ConnectOptions::default()).unwrap();
+    let mut t = Two::connect(&srv, SHRUNK);
     // Node 1's client shrinks the file it mapped for DMA behind the server's back (this
     // process never touches `bb` again), then node 0 writes into it.
     let file = memory_file_of_size(SHRUNK as u64).expect("bb's memory file");
     let _ = nix::unistd::ftruncate(&file, 0);
-    ba.write(0, b"still here").unwrap();
+    t.ba.write(0, b"still here").unwrap();
     let remote = RemoteAddr {
-        addr: mb.addr() + SHRUNK as u64 - 4096,
-        rkey: mb.rkey(),
+        addr: t.mb.addr() + SHRUNK as u64 - 4096,
+        rkey: t.mb.rkey(),
     };
-    qa.post_send(&[SendWr::new(5, WrOp::Write(remote), &[ma.sge(0, 10)])])
+    t.qa.post_send(&[SendWr::new(5, WrOp::Write(remote), &[t.ma.sge(0, 10)])])
         .unwrap();
     let mut wc = [WorkCompletion::default(); 1];
     let deadline = Instant::now() + Duration::from_secs(20);
-    while ca.poll(&mut wc) == 0 {
+    while t.ca.poll(&mut wc) == 0 {
         assert!(srv.alive(), "the server died");
         assert!(Instant::now() < deadline, "no completion");
         std::thread::sleep(Duration::from_millis(1));
