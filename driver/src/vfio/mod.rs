@@ -241,23 +241,25 @@ impl Bar {
         self.windows.iter().map(|w| (w.offset, w.len)).collect()
     }
 
-    /// The address of the 4-byte register at `offset` if a window holds it.
-    fn reg(&self, offset: u64) -> Option<*mut u32> {
-        if !offset.is_multiple_of(4) {
+    /// The address of the `len` bytes (whole 32-bit registers) at `offset` if one window
+    /// holds them all.
+    fn span(&self, offset: u64, len: usize) -> Option<*mut u32> {
+        if !offset.is_multiple_of(4) || len == 0 || !len.is_multiple_of(4) {
             return None;
         }
+        let end = offset.checked_add(len as u64)?;
         let w = self
             .windows
             .iter()
-            .find(|w| offset >= w.offset && offset + 4 <= w.offset + w.len)?;
-        // SAFETY: `offset - w.offset + 4 <= w.len`, the window's length, so the pointer stays
+            .find(|w| offset >= w.offset && end <= w.offset + w.len)?;
+        // SAFETY: `offset - w.offset + len <= w.len`, the window's length, so the span stays
         // inside the live mapping; it is 4-byte aligned because the window is page-aligned.
         Some(unsafe { w.map.as_mut_ptr().add((offset - w.offset) as usize) }.cast())
     }
 
     /// Reads the register at `offset`, or `None` if no window holds it.
     pub fn read32(&self, offset: u64) -> Option<u32> {
-        let p = self.reg(offset)?;
+        let p = self.span(offset, 4)?;
         // SAFETY: `p` is an aligned register inside a live mapping of the device (see `reg`);
         // MMIO is only ever reached by volatile accesses.
         Some(u32::from_le(unsafe { p.read_volatile() }))
@@ -265,13 +267,29 @@ impl Bar {
 
     /// Writes the register at `offset` after every earlier store; `false` if no window holds it.
     pub fn write32(&self, offset: u64, value: u32) -> bool {
-        let Some(p) = self.reg(offset) else {
+        let Some(p) = self.span(offset, 4) else {
             return false;
         };
         // Earlier stores to DMA memory (WQEs, doorbell records) are visible before this one.
         fence(Ordering::SeqCst);
         // SAFETY: as in `read32`.
         unsafe { p.write_volatile(value.to_le()) };
+        true
+    }
+
+    /// Writes `data` (whole 32-bit words) at `offset` in address order, after every earlier
+    /// store and with one fence for the burst; `false` if no one window holds it all.
+    pub fn write_block(&self, offset: u64, data: &[u8]) -> bool {
+        let Some(p) = self.span(offset, data.len()) else {
+            return false;
+        };
+        fence(Ordering::SeqCst);
+        for (i, w) in data.chunks_exact(4).enumerate() {
+            let v = u32::from_le_bytes([w[0], w[1], w[2], w[3]]);
+            // SAFETY: word `i` is inside the span that `span` checked for all of `data`;
+            // MMIO is only ever reached by volatile accesses.
+            unsafe { p.add(i).write_volatile(v.to_le()) };
+        }
         true
     }
 }
@@ -381,14 +399,7 @@ impl Port for VfioPort {
     }
 
     fn write_block(&self, offset: u64, data: &[u8]) {
-        let mapped = offset.is_multiple_of(4) && self.bar.read32(offset).is_some();
-        if mapped {
-            for (i, w) in data.chunks_exact(4).enumerate() {
-                self.write32(
-                    offset + 4 * i as u64,
-                    u32::from_le_bytes([w[0], w[1], w[2], w[3]]),
-                );
-            }
+        if self.bar.write_block(offset, data) {
             return;
         }
         fence(Ordering::SeqCst);
