@@ -190,7 +190,7 @@ impl Nic {
             return false;
         }
         let now = env.now();
-        let mut dst = std::mem::take(&mut self.scratch_ranges());
+        let mut dst = std::mem::take(&mut self.fm_dst);
         dst.clear();
         let is_write = matches!(msg.op, FmOp::Write | FmOp::WriteImm);
         let has_imm = matches!(msg.op, FmOp::WriteImm | FmOp::SendImm);
@@ -201,8 +201,7 @@ impl Nic {
             if qp.rq.ci == qp.rq.pi {
                 return self.fm_refuse(dst);
             }
-            let wq = qp.rq.clone();
-            match self.read_recv_wqe(env, &wq, wq.ci) {
+            match self.read_recv_wqe(env, &qp.rq, qp.rq.ci) {
                 Ok(sges) => Some(sges),
                 Err(_) => return self.fm_refuse(dst),
             }
@@ -251,7 +250,7 @@ impl Nic {
             // Checked above on both sides; only a mapping gone within this event gets here.
             self.iommu_fault(env, qp.qpn, f.iova);
         }
-        self.fm_ranges_back(dst);
+        self.fm_dst = dst;
         qp.resp.epsn = qp.resp.epsn.add(msg.npsn);
         qp.resp.msn = qp.resp.msn.wrapping_add(1);
         qp.resp.nak_sent = false;
@@ -300,14 +299,7 @@ impl Nic {
         true
     }
 
-    fn scratch_ranges(&mut self) -> Vec<(u64, u32)> {
-        std::mem::take(&mut self.fm_dst)
-    }
-
-    fn fm_ranges_back(&mut self, v: Vec<(u64, u32)>) {
-        self.fm_dst = v;
-    }
-
+    /// Refuses a message, giving the range buffer back for the next one.
     fn fm_refuse(&mut self, v: Vec<(u64, u32)>) -> bool {
         self.fm_dst = v;
         false
