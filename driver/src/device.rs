@@ -81,6 +81,11 @@ pub struct AsyncEvent {
 const EQ_LOG: u8 = 7;
 const IOVA_BASE: u64 = 0x1_0000_0000;
 
+/// How long a command may take, in wall time, before the device is taken as lost
+/// ([`Error::CommandTimeout`]); change it with [`Device::set_command_timeout`]. Commands take
+/// microseconds on the emulator and on hardware: only a hung or vanished device reaches it.
+pub const DEFAULT_COMMAND_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
 pub(crate) struct DevInner {
     pub(crate) port: Box<dyn Port>,
     pub(crate) caps: DeviceCaps,
@@ -97,6 +102,10 @@ pub(crate) struct DevInner {
     pub(crate) events: RefCell<std::collections::VecDeque<AsyncEvent>>,
     /// Counters whose DESTROY_CNTR was refused (still referenced); retried later.
     pub(crate) parked_cntrs: RefCell<Vec<u32>>,
+    /// How long a command may take.
+    command_timeout: Cell<std::time::Duration>,
+    /// Why the device is taken as lost (a command timed out, or its port failed).
+    lost: RefCell<Option<String>>,
 }
 
 impl std::fmt::Debug for DevInner {
@@ -181,6 +190,9 @@ impl DevInner {
         opcode: u16,
         input: &[u8],
     ) -> Result<Result<[u8; cmd::PARAMS_SIZE], u8>, Error> {
+        if let Some(why) = &*self.lost.borrow() {
+            return Err(Error::DeviceLost(why.clone()));
+        }
         let token = self.token.get().wrapping_add(1).max(1);
         self.token.set(token);
         let hdr = CmdHeader {
@@ -195,13 +207,30 @@ impl DevInner {
         self.mailbox.write(0, &mbox)?;
         std::sync::atomic::fence(std::sync::atomic::Ordering::Release);
         self.port.write32(regs::CMD_DOORBELL, token as u32);
+        let start = std::time::Instant::now();
+        let timeout = self.command_timeout.get();
         loop {
             let s = self.port.read32(regs::CMD_STATUS);
             if s & regs::CMD_STATUS_BUSY == 0 && (s & 0xFFFF) as u16 == token {
                 break;
             }
+            if let Some(why) = self.port.failure() {
+                *self.lost.borrow_mut() = Some(why.clone());
+                return Err(Error::DeviceLost(why));
+            }
             if !self.port.progress() {
+                if let Some(why) = self.port.failure() {
+                    *self.lost.borrow_mut() = Some(why.clone());
+                    return Err(Error::DeviceLost(why));
+                }
                 return Err(Error::DeviceIdle("a command"));
+            }
+            let waited = start.elapsed();
+            if waited >= timeout {
+                *self.lost.borrow_mut() = Some(format!(
+                    "command {opcode:#06x} did not complete within {timeout:?}"
+                ));
+                return Err(Error::CommandTimeout { opcode, waited });
             }
         }
         std::sync::atomic::fence(std::sync::atomic::Ordering::Acquire);
@@ -239,8 +268,21 @@ pub struct Device {
 
 impl Device {
     /// Opens the device behind `port`: checks identity and ABI version, sets up the command
-    /// mailbox and the event queue, and reads the capabilities.
+    /// mailbox and the event queue, and reads the capabilities. Commands time out after
+    /// [`DEFAULT_COMMAND_TIMEOUT`].
     pub fn open(port: Box<dyn Port>) -> Result<Device, Error> {
+        Device::open_with(port, DEFAULT_COMMAND_TIMEOUT)
+    }
+
+    /// [`Device::open`] with commands (the first included) timing out after
+    /// `command_timeout` of wall time.
+    pub fn open_with(
+        port: Box<dyn Port>,
+        command_timeout: std::time::Duration,
+    ) -> Result<Device, Error> {
+        if let Some(why) = port.failure() {
+            return Err(Error::DeviceLost(why));
+        }
         let magic = port.read32(regs::MAGIC);
         if magic != regs::MAGIC_VALUE {
             return Err(Error::NotADevice(magic));
@@ -288,6 +330,8 @@ impl Device {
             srqs: RefCell::new(BTreeMap::new()),
             events: RefCell::new(std::collections::VecDeque::new()),
             parked_cntrs: RefCell::new(Vec::new()),
+            command_timeout: Cell::new(command_timeout),
+            lost: RefCell::new(None),
         };
         let mb_iova = inner.alloc_iova(inner.mailbox.len())?;
         inner
@@ -334,6 +378,23 @@ impl Device {
         Ok(Device {
             inner: Rc::new(inner),
         })
+    }
+
+    /// How long a command may take before the device is taken as lost.
+    pub fn command_timeout(&self) -> std::time::Duration {
+        self.inner.command_timeout.get()
+    }
+
+    /// Sets how long a command may take (wall time) before [`Error::CommandTimeout`]; after
+    /// one, every command fails at once with [`Error::DeviceLost`].
+    pub fn set_command_timeout(&self, timeout: std::time::Duration) {
+        self.inner.command_timeout.set(timeout);
+    }
+
+    /// Why the device is taken as lost, if it is: an earlier command timed out or its port
+    /// failed. Commands then fail at once.
+    pub fn lost(&self) -> Option<String> {
+        self.inner.lost.borrow().clone()
     }
 
     /// Capabilities and limits.
@@ -500,5 +561,119 @@ impl Drop for DmaBuffer {
             .inner
             .port
             .dma_unmap(self.iova, self.mem.len() as u64);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::fd::BorrowedFd;
+    use std::time::Duration;
+
+    /// A device that completes every command with status OK and zero outputs (the mailbox is
+    /// never written) until `hang` is set; then it stays busy, though every register still
+    /// answers.
+    #[derive(Default)]
+    struct Hanging {
+        hang: Rc<Cell<bool>>,
+        token: Cell<u32>,
+        status_reads: Rc<Cell<u64>>,
+    }
+
+    impl Port for Hanging {
+        fn read32(&self, offset: u64) -> u32 {
+            match offset {
+                regs::MAGIC => regs::MAGIC_VALUE,
+                regs::ABI_VERSION => ringbell_specs::ABI_VERSION,
+                regs::CMD_STATUS => {
+                    self.status_reads.set(self.status_reads.get() + 1);
+                    if self.hang.get() {
+                        regs::CMD_STATUS_BUSY
+                    } else {
+                        self.token.get()
+                    }
+                }
+                _ => 0,
+            }
+        }
+        fn write32(&self, offset: u64, value: u32) {
+            if offset == regs::CMD_DOORBELL {
+                self.token.set(value);
+            }
+        }
+        fn dma_map(&self, _: BorrowedFd<'_>, _: u64, _: u64) -> Result<(), PortError> {
+            Ok(())
+        }
+        fn dma_unmap(&self, _: u64, _: u64) -> Result<(), PortError> {
+            Ok(())
+        }
+        fn progress(&self) -> bool {
+            true
+        }
+    }
+
+    use crate::port::PortError;
+
+    #[test]
+    fn a_command_that_never_completes_times_out_and_later_ones_fail_at_once() {
+        let port = Hanging::default();
+        let (hang, reads) = (port.hang.clone(), port.status_reads.clone());
+        let dev = Device::open_with(Box::new(port), Duration::from_millis(50)).unwrap();
+        assert_eq!(dev.command_timeout(), Duration::from_millis(50));
+        assert!(dev.alloc_pd().is_ok());
+        assert!(dev.lost().is_none());
+        hang.set(true);
+        match dev.alloc_pd() {
+            Err(Error::CommandTimeout { opcode, waited }) => {
+                assert_eq!(opcode, CmdOpcode::AllocPd as u16);
+                assert!(waited >= Duration::from_millis(50), "{waited:?}");
+            }
+            other => panic!("{other:?}"),
+        }
+        // The device is lost: the next command does not touch it.
+        let before = reads.get();
+        assert!(matches!(dev.alloc_pd(), Err(Error::DeviceLost(_))));
+        assert!(matches!(dev.port_stats(), Err(Error::DeviceLost(_))));
+        assert_eq!(reads.get(), before, "a lost device was asked again");
+        assert!(dev.lost().unwrap().contains("did not complete"));
+    }
+
+    #[test]
+    fn the_first_command_times_out_too() {
+        let port = Hanging::default();
+        port.hang.set(true);
+        let r = Device::open_with(Box::new(port), Duration::from_millis(20));
+        assert!(matches!(r, Err(Error::CommandTimeout { .. })), "{r:?}");
+    }
+
+    /// A port whose connection has failed.
+    struct Broken;
+
+    impl Port for Broken {
+        fn read32(&self, _: u64) -> u32 {
+            u32::MAX
+        }
+        fn write32(&self, _: u64, _: u32) {}
+        fn dma_map(&self, _: BorrowedFd<'_>, _: u64, _: u64) -> Result<(), PortError> {
+            Err(PortError::MapFailed("gone".into()))
+        }
+        fn dma_unmap(&self, _: u64, _: u64) -> Result<(), PortError> {
+            Ok(())
+        }
+        fn progress(&self) -> bool {
+            false
+        }
+        fn failure(&self) -> Option<String> {
+            Some("the server closed the connection".into())
+        }
+    }
+
+    #[test]
+    fn a_port_that_has_failed_is_a_lost_device() {
+        let r = Device::open(Box::new(Broken));
+        match r {
+            Err(Error::DeviceLost(why)) => assert!(why.contains("closed"), "{why}"),
+            other => panic!("{other:?}"),
+        }
     }
 }

@@ -60,6 +60,22 @@ pub enum Error {
     /// The device stopped making progress while the driver waited for it.
     #[error("device idle while waiting for {0}")]
     DeviceIdle(&'static str),
+    /// A command did not complete within the device's command timeout
+    /// ([`crate::Device::set_command_timeout`]); the device is taken as lost, and later
+    /// commands fail at once with [`Error::DeviceLost`].
+    #[error(
+        "command {opcode:#06x} did not complete within {waited:?}: the device is taken as lost"
+    )]
+    CommandTimeout {
+        /// The command's opcode.
+        opcode: u16,
+        /// How long the driver waited.
+        waited: std::time::Duration,
+    },
+    /// The device is gone (its connection broke, or an earlier command timed out): nothing
+    /// more can be asked of it.
+    #[error("the device is lost: {0}")]
+    DeviceLost(String),
     /// The port delivers no interrupts (the in-process emulator: poll instead).
     #[error("this port delivers no interrupts")]
     NoInterrupt,

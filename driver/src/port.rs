@@ -66,4 +66,9 @@ pub trait Port {
     fn interrupt_fd(&self, _vector: u32) -> Option<BorrowedFd<'_>> {
         None
     }
+    /// Why the port can no longer reach its device (a broken or timed-out connection), or
+    /// `None` while it can. A port whose accesses cannot fail keeps the default.
+    fn failure(&self) -> Option<String> {
+        None
+    }
 }

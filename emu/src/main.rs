@@ -5,7 +5,7 @@ use ringbell::ConnectOptions;
 use ringbell_emu::faults::{ppm, LinkFaults, PPM};
 use ringbell_emu::perf::{PerfOp, PerfPair};
 use ringbell_emu::{FabricConfig, Scenario, Topology};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 #[derive(Parser)]
 #[command(
@@ -172,6 +172,18 @@ enum Cmd {
         /// Timing profile: a built-in name (cx6-100g, cx7-400g) or a TOML file of overrides.
         #[arg(long, default_value = "cx6-100g")]
         profile: String,
+        /// Seconds a new client has to send VERSION, and a client to finish a message or take
+        /// a reply, before it is closed.
+        #[arg(long, default_value_t = 10.0, value_name = "SECONDS")]
+        client_timeout: f64,
+        /// Seconds a client may send nothing (no message, no doorbell store) before it is
+        /// closed and its NIC reset.
+        #[arg(long, default_value_t = 600.0, value_name = "SECONDS")]
+        idle_timeout: f64,
+        /// Most DMA mappings one client may hold (also capped at an equal share of the
+        /// process's vm.max_map_count).
+        #[arg(long, default_value_t = ringbell_emu::serve::MAX_DMA_MAPPINGS)]
+        max_dma_maps: usize,
     },
     /// One process of a two-process job on a served NIC: prints its endpoint line, reads the
     /// peer's from stdin, then runs checked RC or tagged traffic (see `serve`).
@@ -249,7 +261,25 @@ fn main() {
             seed,
             loss,
             profile,
-        } => serve(&socket, nodes, seed, loss, &profile),
+            client_timeout,
+            idle_timeout,
+            max_dma_maps,
+        } => {
+            let secs = |name: &str, v: f64| {
+                Duration::try_from_secs_f64(v)
+                    .ok()
+                    .filter(|d| !d.is_zero())
+                    .ok_or_else(|| format!("--{name} {v}: a positive number of seconds"))
+            };
+            secs("client-timeout", client_timeout).and_then(|client_timeout| {
+                let opts = ringbell_emu::serve::ServeOptions {
+                    client_timeout,
+                    idle_timeout: secs("idle-timeout", idle_timeout)?,
+                    max_dma_maps,
+                };
+                serve(&socket, nodes, seed, loss, &profile, opts)
+            })
+        }
         Cmd::Peer {
             socket,
             role,
@@ -932,6 +962,7 @@ fn serve(
     seed: u64,
     loss: f64,
     profile: &str,
+    opts: ringbell_emu::serve::ServeOptions,
 ) -> Result<(), String> {
     if !(1..=64).contains(&nodes) {
         return Err(format!("--nodes {nodes}: 1..=64 NICs can be served"));
@@ -942,7 +973,7 @@ fn serve(
         return Err(format!("--loss {loss}: a probability is 0..=1"));
     }
     cfg.faults.links = LinkFaults::loss(loss);
-    ringbell_emu::serve::serve(dir, cfg, || {
+    ringbell_emu::serve::serve(dir, cfg, opts, || {
         println!(
             "ringbell-emu serve: {nodes} NICs on {} (nic0.sock .. nic{}.sock), seed {seed}",
             dir.display(),

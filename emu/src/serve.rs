@@ -12,46 +12,56 @@
 //! - DMA_MAP of memory files (the driver's memfd buffers), checked like an IOMMU: no overlap,
 //!   no zero or absurd length, no length beyond the file; the file is sealed against
 //!   shrinking (`F_SEAL_SHRINK`, added by the server: a memfd made with `MFD_ALLOW_SEALING`)
-//!   so that no client can make the server's mapping of it fault;
+//!   so that no client can make the server's mapping of it fault; a client holds at most
+//!   its share of the process's mapping budget ([`mapping_budget`]);
 //! - each client gets a fresh BAR0 memory file (sealed), so one that has gone cannot store
 //!   into the doorbells of the next;
-//! - MSI-X vector 0 through an eventfd (DEVICE_SET_IRQS), written whenever the NIC raises
-//!   its interrupt.
+//! - MSI-X vector 0 through an eventfd (DEVICE_SET_IRQS; nothing else is taken), written by
+//!   the node's own thread whenever the NIC raises its interrupt.
 //!
 //! Threads: the fabric lives on one thread (it is single-threaded by design); each node has
-//! a thread that owns its socket, speaks the protocol through the `vfio_user` crate and hands
-//! every device access to the fabric thread over a channel. Simulated time is kept with wall
-//! time (it never runs ahead of it, and moves with it when the fabric is idle), so timers and
-//! device-clock timeouts mean what they say for clients that run at their own speed; runs are
-//! therefore not reproducible the way in-process runs are.
+//! a thread that owns its socket, speaks the protocol ([`session`]) and hands every device
+//! access to the fabric thread over a channel, one at a time. Nothing a client sends decides
+//! an allocation or makes the fabric thread wait: messages are bounded before they are read
+//! ([`session::MAX_MSG_SIZE`]), the node thread waits on its own client only, with deadlines
+//! ([`ServeOptions`]), and the interrupt eventfd is written by the node thread under a
+//! watchdog, so a client that makes that write block stalls nobody, itself included, for
+//! more than [`IRQ_WRITE_LIMIT`]. Simulated time is kept with wall time (it never runs ahead
+//! of it, and moves with it when the fabric is idle), so timers and device-clock timeouts
+//! mean what they say for clients that run at their own speed; runs are therefore not
+//! reproducible the way in-process runs are.
 //!
-//! A client that sends a malformed message gets the protocol's error reply (the crate sends
-//! errno 0 for device-level refusals) and the server logs it; one that disconnects or dies,
-//! even mid-transfer, has its NIC reset and its DMA mappings removed, and the node serves the
-//! next client. Other nodes never notice beyond what their peers' NICs do on the wire.
+//! A client that sends a malformed message gets an error reply with an errno and the server
+//! logs it, naming the client (node, connection number, pid) and the reason; one that
+//! disconnects, dies (even mid-transfer), stays silent or idle too long has its NIC reset and
+//! its DMA mappings removed, and the node serves the next client. Other nodes never notice
+//! beyond what their peers' NICs do on the wire.
+
+pub mod session;
 
 use crate::{Fabric, FabricConfig};
 use memmap2::MmapRaw;
+use nix::errno::Errno;
 use nix::fcntl::{fcntl, FcntlArg, SealFlag};
+use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
+use nix::sys::eventfd::{EfdFlags, EventFd};
 use nix::sys::memfd::{memfd_create, MemFdCreateFlag};
-use ringbell::Port;
-use ringbell_specs::{regs, SimTime};
-use std::fs::File;
-use std::io::{self, Write};
-use std::os::fd::{AsFd, AsRawFd};
-use std::os::unix::net::UnixListener;
-use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender, SyncSender};
-use std::time::{Duration, Instant};
-use vfio_bindings::bindings::vfio::{
-    vfio_region_info, vfio_region_sparse_mmap_area, VFIO_IRQ_INFO_EVENTFD,
-    VFIO_IRQ_SET_ACTION_TRIGGER, VFIO_IRQ_SET_DATA_EVENTFD, VFIO_IRQ_SET_DATA_NONE,
-    VFIO_PCI_BAR0_REGION_INDEX, VFIO_PCI_CONFIG_REGION_INDEX, VFIO_PCI_MSIX_IRQ_INDEX,
-    VFIO_PCI_NUM_IRQS, VFIO_PCI_NUM_REGIONS, VFIO_REGION_INFO_FLAG_MMAP,
-    VFIO_REGION_INFO_FLAG_READ, VFIO_REGION_INFO_FLAG_WRITE,
+use nix::sys::socket::{
+    getsockopt, recvmsg, sendmsg, sockopt, ControlMessage, ControlMessageOwned, MsgFlags,
 };
-use vfio_user::{DmaMapFlags, DmaUnmapFlags, IrqInfo, ServerBackend, ServerRegion, SparseArea};
+use ringbell::{Port, PortError};
+use ringbell_specs::{regs, SimTime};
+use session::{Device, Outbox, Refusal, Session, Step};
+use std::fs::File;
+use std::io::{self, IoSlice, IoSliceMut};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender, SyncSender};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use vfio_bindings::bindings::vfio::{VFIO_PCI_BAR0_REGION_INDEX, VFIO_PCI_CONFIG_REGION_INDEX};
 
 /// What a doorbell word holds until the client stores into it (and again once the server has
 /// taken the store). A doorbell value equal to it is not seen: producer indices reach it
@@ -61,29 +71,87 @@ pub const DOORBELL_IDLE: u32 = u32::MAX;
 /// Bytes of config space.
 pub const CONFIG_SIZE: usize = 256;
 
-/// Most DMA mappings one client may hold (each is a mapping in the server's address space).
-pub const MAX_DMA_MAPPINGS: usize = 65536;
+/// Most DMA mappings one client may hold, whatever the budget (the `max_dma_maps` default of
+/// the vfio-user specification).
+pub const MAX_DMA_MAPPINGS: usize = 65535;
+
+/// Mappings of the process's `vm.max_map_count` kept for the server itself (code, heap,
+/// thread stacks, BAR files); the rest is shared among the nodes' clients.
+pub const RESERVED_MAPPINGS: usize = 8192;
+
+/// The longest the node thread waits in a write to a client's interrupt eventfd (one that is
+/// blocking and full): after it, the eventfd is dropped.
+pub const IRQ_WRITE_LIMIT: Duration = Duration::from_millis(100);
 
 /// Largest trapped access (a BlueFlame burst).
 const MAX_ACCESS: usize = regs::BF_STRIDE as usize;
+
+/// Doorbell slots of a node looked at per round besides the recently rung ones (the cost of
+/// a round does not grow with the number of idle queues).
+const COLD_SLOTS_PER_ROUND: usize = 256;
+
+/// Rounds without a store after which a slot is no longer looked at every round.
+const HOT_ROUNDS: u32 = 4096;
 
 /// The socket of node `node` under `dir`.
 pub fn socket_path(dir: &Path, node: usize) -> PathBuf {
     dir.join(format!("nic{node}.sock"))
 }
 
+/// How the server treats slow, silent and greedy clients.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ServeOptions {
+    /// How long a new client has to send VERSION, a client to finish a message it has begun,
+    /// and a client to take a reply: then it is closed.
+    pub client_timeout: Duration,
+    /// How long a client may send nothing (no message, no doorbell store) before it is closed.
+    pub idle_timeout: Duration,
+    /// Most DMA mappings a client may hold (further capped by [`mapping_budget`]).
+    pub max_dma_maps: usize,
+}
+
+impl Default for ServeOptions {
+    fn default() -> ServeOptions {
+        ServeOptions {
+            client_timeout: Duration::from_secs(10),
+            idle_timeout: Duration::from_secs(600),
+            max_dma_maps: MAX_DMA_MAPPINGS,
+        }
+    }
+}
+
+/// The DMA mappings each of `nodes` clients may hold when the process may have `map_count`
+/// mappings in all (`vm.max_map_count`) and a client asks for at most `wanted`: an equal share
+/// of what [`RESERVED_MAPPINGS`] leaves, so that no client can take another's, and the whole
+/// stays below the limit.
+pub fn mapping_budget(map_count: usize, nodes: usize, wanted: usize) -> usize {
+    (map_count.saturating_sub(RESERVED_MAPPINGS) / nodes.max(1))
+        .min(wanted)
+        .min(MAX_DMA_MAPPINGS)
+}
+
+/// The process's mapping limit (`vm.max_map_count`; the kernel's default if unreadable).
+fn max_map_count() -> usize {
+    std::fs::read_to_string("/proc/sys/vm/max_map_count")
+        .ok()
+        .and_then(|s| s.trim().parse().ok())
+        .unwrap_or(65530)
+}
+
 /// A device access handed from a node's thread to the fabric thread.
+// A write carries its bytes inline (at most a BlueFlame burst): no allocation per access.
+#[allow(clippy::large_enum_variant)]
 enum Req {
     Read {
         offset: u64,
-        len: usize,
     },
     Write {
         offset: u64,
-        data: Vec<u8>,
+        data: [u8; MAX_ACCESS],
+        len: usize,
     },
     DmaMap {
-        fd: File,
+        fd: OwnedFd,
         iova: u64,
         len: u64,
     },
@@ -91,7 +159,8 @@ enum Req {
         iova: u64,
         len: u64,
     },
-    Irq(Option<File>),
+    /// Whether the client has an interrupt eventfd (the node thread is woken for interrupts).
+    Irq(bool),
     /// The BAR0 mapping for the next client (its doorbell pages are polled from now on).
     Bar(MmapRaw),
     Reset,
@@ -99,45 +168,96 @@ enum Req {
     Gone,
 }
 
-type Reply = Result<Vec<u8>, String>;
+/// The fabric's answer: up to two numbers.
+type Answer = Result<[u64; 2], Refusal>;
 
 struct Msg {
     node: usize,
     req: Req,
-    reply: SyncSender<Reply>,
+    reply: SyncSender<Answer>,
 }
 
-/// One node's state on the fabric thread.
-struct NodeState {
+/// How a node's device reaches the fabric.
+trait Link {
+    /// Runs `req` on the node's NIC.
+    fn ask(&mut self, req: Req) -> Answer;
+}
+
+/// The fabric thread, over a channel.
+struct Channel {
+    node: usize,
+    tx: Sender<Msg>,
+    reply_tx: SyncSender<Answer>,
+    reply_rx: Receiver<Answer>,
+}
+
+impl Link for Channel {
+    fn ask(&mut self, req: Req) -> Answer {
+        let stopped = || Refusal::new(Errno::EIO, "the fabric has stopped");
+        self.tx
+            .send(Msg {
+                node: self.node,
+                req,
+                reply: self.reply_tx.clone(),
+            })
+            .map_err(|_| stopped())?;
+        self.reply_rx.recv().map_err(|_| stopped())?
+    }
+}
+
+/// The doorbell pages of one client, as the fabric thread looks at them.
+struct Doorbells {
     /// BAR0's memory file, mapped: only the doorbell pages are used.
     bar: MmapRaw,
-    irq: Option<File>,
-    irqs_seen: u64,
-    /// The live doorbell slots at the last look, in offset order.
+    /// The live doorbell slots at the last full look, in offset order.
     slots: Vec<u64>,
     /// The live slots now (reused buffer).
     next_slots: Vec<u64>,
+    /// Slots stored into lately, with the rounds since their last store.
+    hot: Vec<(u64, u32)>,
+    /// The next slot a round looks at besides the hot ones.
+    cursor: usize,
     /// Stores found in slots that were not live yet (dropped, as a NIC drops a doorbell for
     /// a queue that does not exist).
     stale: u64,
 }
 
+/// One node's state on the fabric thread.
+struct NodeState {
+    db: Doorbells,
+    /// The client has an interrupt eventfd: wake its node thread on an interrupt.
+    irq: bool,
+    irqs_seen: u64,
+    /// Wakes the node thread (the server's own eventfd, non-blocking).
+    wake: Option<Arc<EventFd>>,
+    /// Doorbell stores taken (the node thread counts them as activity).
+    activity: Arc<AtomicU64>,
+}
+
 impl NodeState {
     fn new(bar: MmapRaw) -> NodeState {
         let st = NodeState {
-            bar,
-            irq: None,
+            db: Doorbells {
+                bar,
+                slots: Vec::new(),
+                next_slots: Vec::new(),
+                hot: Vec::new(),
+                cursor: 0,
+                stale: 0,
+            },
+            irq: false,
             irqs_seen: 0,
-            slots: Vec::new(),
-            next_slots: Vec::new(),
-            stale: 0,
+            wake: None,
+            activity: Arc::new(AtomicU64::new(0)),
         };
-        st.clear_doorbells();
+        st.db.clear();
         st
     }
+}
 
+impl Doorbells {
     /// The doorbell word at `offset`, if it is a 4-aligned offset in the doorbell pages.
-    fn doorbell(&self, offset: u64) -> Option<&AtomicU32> {
+    fn word(&self, offset: u64) -> Option<&AtomicU32> {
         if !(regs::DB_BASE..regs::DB_END).contains(&offset) || !offset.is_multiple_of(4) {
             return None;
         }
@@ -148,27 +268,49 @@ impl NodeState {
         Some(unsafe { &*self.bar.as_ptr().add(offset as usize).cast::<AtomicU32>() })
     }
 
-    /// Refills every doorbell word with [`DOORBELL_IDLE`].
-    fn clear_doorbells(&self) {
+    /// Refills every doorbell word with [`DOORBELL_IDLE`] and forgets the slots.
+    fn clear(&self) {
         for off in (regs::DB_BASE..regs::DB_END).step_by(4) {
-            if let Some(w) = self.doorbell(off) {
+            if let Some(w) = self.word(off) {
                 w.store(DOORBELL_IDLE, Ordering::Relaxed);
             }
         }
+    }
+
+    /// Takes the store in `slot` (both words): the values found, [`DOORBELL_IDLE`] for none.
+    fn take(&self, slot: u64) -> [u32; 2] {
+        let mut v = [DOORBELL_IDLE; 2];
+        for (i, off) in [slot, slot + 4].into_iter().enumerate() {
+            if let Some(w) = self.word(off) {
+                if w.load(Ordering::Relaxed) != DOORBELL_IDLE {
+                    v[i] = w.swap(DOORBELL_IDLE, Ordering::Acquire);
+                }
+            }
+        }
+        v
     }
 }
 
 /// Runs the server: binds `DIR/nic{i}.sock` for every node of `cfg` (removing stale sockets),
 /// calls `ready` once all are listening, and serves until the process ends.
-pub fn serve(dir: &Path, cfg: FabricConfig, ready: impl FnOnce()) -> io::Result<()> {
+pub fn serve(
+    dir: &Path,
+    cfg: FabricConfig,
+    opts: ServeOptions,
+    ready: impl FnOnce(),
+) -> io::Result<()> {
     std::fs::create_dir_all(dir)?;
+    watchdog::install()?;
     let nodes = cfg.nodes;
+    let max_dma_maps = mapping_budget(max_map_count(), nodes, opts.max_dma_maps);
     let mut states = Vec::with_capacity(nodes);
-    let mut bar_files = Vec::with_capacity(nodes);
     for _ in 0..nodes {
-        let (file, bar) = bar_file()?;
-        states.push(NodeState::new(bar));
-        bar_files.push(file);
+        let (_, bar) = bar_file()?;
+        let mut st = NodeState::new(bar);
+        st.wake = Some(Arc::new(EventFd::from_flags(
+            EfdFlags::EFD_NONBLOCK | EfdFlags::EFD_CLOEXEC,
+        )?));
+        states.push(st);
     }
     let (tx, rx) = mpsc::channel::<Msg>();
     let mut listeners = Vec::with_capacity(nodes);
@@ -181,11 +323,24 @@ pub fn serve(dir: &Path, cfg: FabricConfig, ready: impl FnOnce()) -> io::Result<
             .map_err(|e| io::Error::new(e.kind(), format!("{}: {e}", path.display())))?;
         listeners.push(listener);
     }
-    for (node, (listener, file)) in listeners.into_iter().zip(bar_files).enumerate() {
-        let tx = tx.clone();
+    for (node, listener) in listeners.into_iter().enumerate() {
+        let (reply_tx, reply_rx) = mpsc::sync_channel(1);
+        let link = Channel {
+            node,
+            tx: tx.clone(),
+            reply_tx,
+            reply_rx,
+        };
+        let st = &states[node];
+        let wake = st.wake.clone().expect("made above");
+        let activity = st.activity.clone();
+        let opts = ServeOptions {
+            max_dma_maps,
+            ..opts.clone()
+        };
         std::thread::Builder::new()
             .name(format!("nic{node}"))
-            .spawn(move || node_thread(node, listener, file, tx))?;
+            .spawn(move || node_thread(node, listener, link, wake, activity, opts))?;
     }
     drop(tx);
     ready();
@@ -215,62 +370,6 @@ fn bar_file() -> io::Result<(File, MmapRaw)> {
     Ok((file, bar))
 }
 
-fn irqs() -> Vec<IrqInfo> {
-    (0..VFIO_PCI_NUM_IRQS)
-        .map(|index| IrqInfo {
-            index,
-            flags: if index == VFIO_PCI_MSIX_IRQ_INDEX {
-                VFIO_IRQ_INFO_EVENTFD
-            } else {
-                0
-            },
-            count: u32::from(index == VFIO_PCI_MSIX_IRQ_INDEX),
-        })
-        .collect()
-}
-
-fn regions(bar_fd: i32) -> Vec<ServerRegion> {
-    (0..VFIO_PCI_NUM_REGIONS)
-        .map(|index| {
-            let (flags, size) = match index {
-                VFIO_PCI_BAR0_REGION_INDEX => (
-                    VFIO_REGION_INFO_FLAG_READ
-                        | VFIO_REGION_INFO_FLAG_WRITE
-                        | VFIO_REGION_INFO_FLAG_MMAP,
-                    regs::BAR0_SIZE,
-                ),
-                VFIO_PCI_CONFIG_REGION_INDEX => (
-                    VFIO_REGION_INFO_FLAG_READ | VFIO_REGION_INFO_FLAG_WRITE,
-                    CONFIG_SIZE as u64,
-                ),
-                _ => (0, 0),
-            };
-            let bar = index == VFIO_PCI_BAR0_REGION_INDEX;
-            ServerRegion {
-                region_info: vfio_region_info {
-                    argsz: std::mem::size_of::<vfio_region_info>() as u32,
-                    flags,
-                    index,
-                    cap_offset: 0,
-                    size,
-                    offset: 0,
-                },
-                sparse_areas: if bar {
-                    vec![SparseArea {
-                        area: vfio_region_sparse_mmap_area {
-                            offset: regs::DB_BASE,
-                            size: regs::DB_END - regs::DB_BASE,
-                        },
-                    }]
-                } else {
-                    Vec::new()
-                },
-                mmap_fd: bar.then_some(bar_fd),
-            }
-        })
-        .collect()
-}
-
 /// The type-0 config space of a ringbell NIC.
 fn config_space() -> [u8; CONFIG_SIZE] {
     let mut c = [0u8; CONFIG_SIZE];
@@ -287,39 +386,38 @@ fn config_space() -> [u8; CONFIG_SIZE] {
     c
 }
 
-/// A node's side of the protocol: config space here, everything else on the fabric thread.
-struct NodeBackend {
-    node: usize,
-    tx: Sender<Msg>,
+/// A node's PCI function as one client sees it: config space here, the NIC on the fabric.
+struct NodeBackend<L: Link> {
+    link: L,
     config: [u8; CONFIG_SIZE],
-    /// Accesses refused since the client connected (for the log).
-    refused: u64,
+    /// This client's BAR0 memory file.
+    bar: File,
+    /// The client's interrupt eventfd.
+    irq: Option<OwnedFd>,
+    /// DMA mappings the client holds, and the most it may.
+    maps: usize,
+    max_maps: usize,
 }
 
-impl NodeBackend {
-    fn ask(&self, req: Req) -> io::Result<Vec<u8>> {
-        let (reply, rx) = mpsc::sync_channel(1);
-        self.tx
-            .send(Msg {
-                node: self.node,
-                req,
-                reply,
-            })
-            .map_err(|_| io::Error::other("the fabric has stopped"))?;
-        rx.recv()
-            .map_err(|_| io::Error::other("the fabric has stopped"))?
-            .map_err(io::Error::other)
-    }
+fn einval(what: String) -> Refusal {
+    Refusal::new(Errno::EINVAL, what)
+}
 
-    fn refuse(&mut self, what: String) -> io::Error {
-        self.refused += 1;
-        eprintln!("ringbell-emu serve: node {}: refused {what}", self.node);
-        io::Error::new(io::ErrorKind::InvalidInput, what)
+impl<L: Link> NodeBackend<L> {
+    fn new(link: L, bar: File, max_maps: usize) -> NodeBackend<L> {
+        NodeBackend {
+            link,
+            config: config_space(),
+            bar,
+            irq: None,
+            maps: 0,
+            max_maps,
+        }
     }
 
     /// Checks a BAR0 access: inside the BAR, 4 bytes aligned, or a BlueFlame burst (a
     /// multiple of 64 bytes up to 256, 64-byte aligned).
-    fn check_bar(&mut self, offset: u64, len: usize, write: bool) -> io::Result<()> {
+    fn check_bar(&self, offset: u64, len: usize, write: bool) -> Result<(), Refusal> {
         let end = offset.checked_add(len as u64);
         let ok = end.is_some_and(|e| e <= regs::BAR0_SIZE)
             && ((len == 4 && offset.is_multiple_of(4))
@@ -331,15 +429,20 @@ impl NodeBackend {
             Ok(())
         } else {
             let dir = if write { "write" } else { "read" };
-            Err(self.refuse(format!("BAR0 {dir} of {len} bytes at {offset:#x}")))
+            Err(einval(format!(
+                "BAR0 {dir} of {len} bytes at {offset:#x}: 4 aligned bytes, or a write of \
+                 64..=256 bytes (a multiple of 64) at a 64-byte boundary"
+            )))
         }
     }
 
     /// Checks a config-space access; the offset as an index.
-    fn config_range(&mut self, what: &str, offset: u64, len: usize) -> io::Result<usize> {
+    fn config_range(&self, offset: u64, len: usize) -> Result<usize, Refusal> {
         match offset.checked_add(len as u64) {
             Some(end) if end <= CONFIG_SIZE as u64 => Ok(offset as usize),
-            _ => Err(self.refuse(format!("config {what} of {len} bytes at {offset:#x}"))),
+            _ => Err(einval(format!(
+                "config access of {len} bytes at {offset:#x}"
+            ))),
         }
     }
 
@@ -365,120 +468,108 @@ impl NodeBackend {
     }
 }
 
-impl ServerBackend for NodeBackend {
-    fn region_read(&mut self, region: u32, offset: u64, data: &mut [u8]) -> io::Result<()> {
+impl<L: Link> Device for NodeBackend<L> {
+    fn region_read(&mut self, region: u32, offset: u64, data: &mut [u8]) -> Result<(), Refusal> {
         match region {
             VFIO_PCI_CONFIG_REGION_INDEX => {
-                let at = self.config_range("read", offset, data.len())?;
+                let at = self.config_range(offset, data.len())?;
                 data.copy_from_slice(&self.config[at..][..data.len()]);
                 Ok(())
             }
             VFIO_PCI_BAR0_REGION_INDEX => {
                 self.check_bar(offset, data.len(), false)?;
-                let v = self.ask(Req::Read {
-                    offset,
-                    len: data.len(),
-                })?;
-                data.copy_from_slice(&v);
+                let [v, _] = self.link.ask(Req::Read { offset })?;
+                data.copy_from_slice(&(v as u32).to_le_bytes());
                 Ok(())
             }
-            _ => Err(self.refuse(format!("read of region {region}"))),
+            _ => Err(einval(format!("read of region {region}, which is empty"))),
         }
     }
 
-    fn region_write(&mut self, region: u32, offset: u64, data: &[u8]) -> io::Result<()> {
+    fn region_write(&mut self, region: u32, offset: u64, data: &[u8]) -> Result<(), Refusal> {
         match region {
             VFIO_PCI_CONFIG_REGION_INDEX => {
-                let at = self.config_range("write", offset, data.len())?;
+                let at = self.config_range(offset, data.len())?;
                 self.config_write(at, data);
                 Ok(())
             }
             VFIO_PCI_BAR0_REGION_INDEX => {
                 self.check_bar(offset, data.len(), true)?;
-                self.ask(Req::Write {
-                    offset,
-                    data: data.to_vec(),
-                })
-                .map(|_| ())
+                let mut buf = [0u8; MAX_ACCESS];
+                buf[..data.len()].copy_from_slice(data);
+                self.link
+                    .ask(Req::Write {
+                        offset,
+                        data: buf,
+                        len: data.len(),
+                    })
+                    .map(|_| ())
             }
-            _ => Err(self.refuse(format!("write of region {region}"))),
+            _ => Err(einval(format!("write of region {region}, which is empty"))),
         }
     }
 
-    fn dma_map(
-        &mut self,
-        flags: DmaMapFlags,
-        offset: u64,
-        address: u64,
-        size: u64,
-        fd: Option<File>,
-    ) -> io::Result<()> {
-        let Some(fd) = fd else {
-            return Err(self.refuse(format!(
-                "DMA_MAP {address:#x}+{size:#x} without a memory file"
-            )));
-        };
-        if offset != 0 || !flags.contains(DmaMapFlags::READ_WRITE) {
-            return Err(self.refuse(format!(
-                "DMA_MAP {address:#x}+{size:#x} at file offset {offset:#x}, flags {:#x} (offset \
-                 0 and read-write only)",
-                flags.bits()
+    fn dma_map(&mut self, fd: OwnedFd, iova: u64, len: u64) -> Result<(), Refusal> {
+        let what = format!("{iova:#x}+{len:#x}");
+        if len == 0
+            || len > crate::iommu::MAX_MAPPING
+            || iova.checked_add(len).is_none()
+            || !iova.is_multiple_of(4096)
+        {
+            return Err(einval(format!(
+                "{what}: empty, wrapping, above {:#x} bytes or at an IOVA that is not \
+                 page-aligned",
+                crate::iommu::MAX_MAPPING
             )));
         }
-        if let Err(e) = seal_against_shrinking(&fd) {
-            return Err(self.refuse(format!("DMA_MAP {address:#x}+{size:#x}: {e}")));
+        if self.maps >= self.max_maps {
+            return Err(Refusal::new(
+                Errno::ENOSPC,
+                format!(
+                    "{what}: the client holds {} DMA mappings, the most it may",
+                    self.maps
+                ),
+            ));
         }
-        self.ask(Req::DmaMap {
-            fd,
-            iova: address,
-            len: size,
-        })
-        .map(|_| ())
-        .map_err(|e| self.refuse(format!("DMA_MAP {address:#x}+{size:#x}: {e}")))
-    }
-
-    fn dma_unmap(&mut self, flags: DmaUnmapFlags, address: u64, size: u64) -> io::Result<()> {
-        if !flags.is_empty() {
-            return Err(self.refuse(format!("DMA_UNMAP with flags {:#x}", flags.bits())));
-        }
-        self.ask(Req::DmaUnmap {
-            iova: address,
-            len: size,
-        })
-        .map(|_| ())
-        .map_err(|e| self.refuse(format!("DMA_UNMAP {address:#x}+{size:#x}: {e}")))
-    }
-
-    fn reset(&mut self) -> io::Result<()> {
-        self.ask(Req::Reset).map(|_| ())
-    }
-
-    fn set_irqs(
-        &mut self,
-        index: u32,
-        flags: u32,
-        start: u32,
-        count: u32,
-        mut fds: Vec<File>,
-    ) -> io::Result<()> {
-        let trigger = flags & VFIO_IRQ_SET_ACTION_TRIGGER != 0;
-        if index != VFIO_PCI_MSIX_IRQ_INDEX || !trigger || start != 0 || count > 1 {
-            return Err(self.refuse(format!(
-                "SET_IRQS index {index} flags {flags:#x} start {start} count {count} (MSI-X \
-                 vector 0 only)"
-            )));
-        }
-        let fd = if flags & VFIO_IRQ_SET_DATA_EVENTFD != 0 && count == 1 {
-            if fds.len() != 1 {
-                return Err(self.refuse(format!("SET_IRQS with {} descriptors", fds.len())));
+        let file = File::from(fd);
+        match file.metadata() {
+            Ok(m) if m.is_file() && m.len() >= len => {}
+            Ok(m) => {
+                return Err(einval(format!(
+                    "{what}: the memory file holds {} bytes",
+                    m.len()
+                )))
             }
-            fds.pop()
-        } else if flags & VFIO_IRQ_SET_DATA_NONE != 0 {
-            None
-        } else {
-            return Err(self.refuse(format!("SET_IRQS flags {flags:#x}")));
-        };
-        self.ask(Req::Irq(fd)).map(|_| ())
+            Err(e) => return Err(einval(format!("{what}: the memory file: {e}"))),
+        }
+        seal_against_shrinking(&file).map_err(|e| einval(format!("{what}: {e}")))?;
+        self.link.ask(Req::DmaMap {
+            fd: file.into(),
+            iova,
+            len,
+        })?;
+        self.maps += 1;
+        Ok(())
+    }
+
+    fn dma_unmap(&mut self, iova: u64, len: u64) -> Result<(), Refusal> {
+        self.link.ask(Req::DmaUnmap { iova, len })?;
+        self.maps = self.maps.saturating_sub(1);
+        Ok(())
+    }
+
+    fn set_irq(&mut self, fd: Option<OwnedFd>) -> Result<(), Refusal> {
+        let on = fd.is_some();
+        self.irq = fd;
+        self.link.ask(Req::Irq(on)).map(|_| ())
+    }
+
+    fn reset(&mut self) -> Result<(), Refusal> {
+        self.link.ask(Req::Reset).map(|_| ())
+    }
+
+    fn bar_fd(&self) -> BorrowedFd<'_> {
+        self.bar.as_fd()
     }
 }
 
@@ -503,75 +594,337 @@ fn seal_against_shrinking(file: &File) -> Result<(), String> {
         })
 }
 
-/// Serves node `node`'s socket forever, one client at a time, each with its own BAR0 file
-/// (`file` for the first).
-fn node_thread(node: usize, listener: UnixListener, mut file: File, tx: Sender<Msg>) {
+/// Writes to a client's interrupt eventfd from a node thread, never for longer than
+/// [`IRQ_WRITE_LIMIT`]: a one-shot timer of the thread's own sends it a signal whose handler
+/// does nothing, which ends a `write(2)` that blocks (a blocking eventfd at its limit) with
+/// EINTR.
+mod watchdog {
+    use super::IRQ_WRITE_LIMIT;
+    use nix::errno::Errno;
+    use nix::sys::signal::{sigaction, SaFlags, SigAction, SigEvent, SigHandler, SigSet};
+    use nix::sys::signal::{SigevNotify, Signal};
+    use nix::sys::time::TimeSpec;
+    use nix::sys::timer::{Expiration, Timer, TimerSetTimeFlags};
+    use nix::time::ClockId;
+    use std::os::fd::BorrowedFd;
+
+    /// The signal the timer sends.
+    const SIGNAL: Signal = Signal::SIGUSR2;
+
+    extern "C" fn interrupted(_: nix::libc::c_int) {}
+
+    /// Installs the signal's handler (without `SA_RESTART`, so a blocked write returns).
+    pub fn install() -> std::io::Result<()> {
+        let action = SigAction::new(
+            SigHandler::Handler(interrupted),
+            SaFlags::empty(),
+            SigSet::empty(),
+        );
+        // SAFETY: the handler does nothing at all, so it is async-signal-safe; replacing the
+        // default action (terminate) of a signal the server does not otherwise use.
+        unsafe { sigaction(SIGNAL, &action) }?;
+        Ok(())
+    }
+
+    /// A node thread's timer.
+    pub struct Watchdog(Timer);
+
+    impl Watchdog {
+        /// A timer that signals the calling thread.
+        pub fn new() -> std::io::Result<Watchdog> {
+            let ev = SigEvent::new(SigevNotify::SigevThreadId {
+                signal: SIGNAL,
+                thread_id: nix::unistd::gettid().as_raw(),
+                si_value: 0,
+            });
+            Ok(Watchdog(Timer::new(ClockId::CLOCK_MONOTONIC, ev)?))
+        }
+
+        /// Adds 1 to eventfd `fd`: `Ok` when written, or when the counter is full and the
+        /// descriptor non-blocking (the eventfd is readable anyway); an error when the write
+        /// failed or blocked for [`IRQ_WRITE_LIMIT`].
+        pub fn signal(&mut self, fd: BorrowedFd<'_>) -> Result<(), String> {
+            let limit = TimeSpec::from_duration(IRQ_WRITE_LIMIT);
+            self.0
+                .set(Expiration::OneShot(limit), TimerSetTimeFlags::empty())
+                .map_err(|e| format!("arming the watchdog: {e}"))?;
+            let r = nix::unistd::write(fd, &1u64.to_ne_bytes());
+            let _ = self.0.set(
+                Expiration::OneShot(TimeSpec::new(0, 0)),
+                TimerSetTimeFlags::empty(),
+            );
+            match r {
+                Ok(_) | Err(Errno::EAGAIN) => Ok(()),
+                Err(Errno::EINTR) => Err(format!(
+                    "the interrupt eventfd blocked a write for {IRQ_WRITE_LIMIT:?} (blocking and \
+                     full)"
+                )),
+                Err(e) => Err(format!("writing the interrupt eventfd: {e}")),
+            }
+        }
+    }
+}
+
+/// How one client's connection ended.
+struct Ending {
+    how: String,
+}
+
+/// Serves node `node`'s socket forever, one client at a time, each with its own BAR0 file.
+fn node_thread(
+    node: usize,
+    listener: UnixListener,
+    mut link: Channel,
+    wake: Arc<EventFd>,
+    activity: Arc<AtomicU64>,
+    opts: ServeOptions,
+) {
+    let mut watchdog = match watchdog::Watchdog::new() {
+        Ok(w) => w,
+        Err(e) => {
+            eprintln!("ringbell-emu serve: node {node}: no interrupt watchdog ({e}); not serving");
+            return;
+        }
+    };
+    let mut serial = 0u64;
     loop {
-        let mut be = NodeBackend {
-            node,
-            tx: tx.clone(),
-            config: config_space(),
-            refused: 0,
-        };
-        // One server per client, all on the same listening socket: the crate fixes the
-        // BAR's memory file when a server is made.
-        let server = match listener.as_fd().try_clone_to_owned() {
-            Ok(fd) => vfio_user::Server::from_owned_fd(fd, true, irqs(), regions(file.as_raw_fd())),
+        // A fresh BAR0 file first: a client is only taken once it has one of its own.
+        let (file, bar) = match bar_file() {
+            Ok(b) => b,
             Err(e) => {
-                eprintln!("ringbell-emu serve: node {node}: cannot serve: {e}");
+                eprintln!(
+                    "ringbell-emu serve: node {node}: no BAR0 file for the next client ({e}); \
+                     retrying in a second"
+                );
                 std::thread::sleep(Duration::from_secs(1));
                 continue;
             }
         };
-        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| server.run(&mut be)));
-        drop(server);
-        if let Ok(Err(vfio_user::Error::SocketAccept(e))) = &r {
-            // Nobody connected (out of descriptors, say): nothing to reclaim; wait a little.
-            eprintln!("ringbell-emu serve: node {node}: accept failed: {e}");
-            std::thread::sleep(Duration::from_millis(100));
-            continue;
+        if link.ask(Req::Bar(bar)).is_err() {
+            return;
         }
-        let how = match r {
-            Ok(Ok(())) => "disconnected".to_string(),
-            Ok(Err(e)) => format!("dropped: {e}"),
-            Err(_) => "dropped: malformed message".to_string(),
-        };
-        let reclaimed = be.ask(Req::Gone);
-        // The next client gets a new BAR file; the old one is dropped by the fabric thread
-        // once it has switched (the client that had it may keep its mapping: nobody reads it).
-        match bar_file() {
-            Ok((next, bar)) => {
-                if be.ask(Req::Bar(bar)).is_err() {
-                    return;
-                }
-                file = next;
+        let stream = match listener.accept() {
+            Ok((s, _)) => s,
+            Err(e) => {
+                eprintln!("ringbell-emu serve: node {node}: accept failed: {e}");
+                std::thread::sleep(Duration::from_millis(100));
+                continue;
             }
-            Err(e) => eprintln!(
-                "ringbell-emu serve: node {node}: no new BAR0 file ({e}); the next client \
-                 shares the last one"
-            ),
-        }
-        let mut err = io::stderr().lock();
-        let _ = match reclaimed {
-            Ok(v) => writeln!(
-                err,
-                "ringbell-emu serve: node {node}: client {how} ({} refused requests, {} \
-                 doorbell stores before their queue existed); NIC reset, {} DMA mappings \
-                 reclaimed",
-                be.refused,
-                word(&v, 1),
-                word(&v, 0),
-            ),
-            Err(_) => return,
         };
+        serial += 1;
+        let pid = getsockopt(&stream, sockopt::PeerCredentials)
+            .map(|c| c.pid().to_string())
+            .unwrap_or_else(|_| "?".into());
+        let who = format!("ringbell-emu serve: node {node}: client {serial} (pid {pid})");
+        let mut be = NodeBackend::new(link, file, opts.max_dma_maps);
+        let mut session = Session::new(opts.max_dma_maps);
+        let end = serve_client(
+            &stream,
+            &mut session,
+            &mut be,
+            &wake,
+            &activity,
+            &opts,
+            &mut watchdog,
+            &who,
+        );
+        drop(stream);
+        link = be.link;
+        let reclaimed = link.ask(Req::Gone);
+        let Ok([maps, stale]) = reclaimed else {
+            return;
+        };
+        eprintln!(
+            "{who} {} ({} messages, {} refused, {stale} doorbell stores before their queue \
+             existed); NIC reset, {maps} DMA mappings reclaimed",
+            end.how,
+            session.messages(),
+            session.refused(),
+        );
     }
 }
 
-/// The `i`th little-endian u64 of a reply (0 if it is short).
-fn word(v: &[u8], i: usize) -> u64 {
-    v.get(8 * i..8 * i + 8)
-        .and_then(|b| b.try_into().ok())
-        .map_or(0, u64::from_le_bytes)
+/// Waits at most `left` for one of `fds` to be ready (a signal ends the wait early).
+fn wait(fds: &mut [PollFd<'_>], left: Duration) -> io::Result<()> {
+    let ms = left.as_millis().clamp(1, i32::MAX as u128) as i32;
+    match poll(fds, PollTimeout::try_from(ms).unwrap_or(PollTimeout::MAX)) {
+        Ok(_) | Err(Errno::EINTR) => Ok(()),
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// Speaks the protocol with one client until it goes, is closed or breaks it.
+#[allow(clippy::too_many_arguments)]
+fn serve_client(
+    stream: &UnixStream,
+    session: &mut Session,
+    be: &mut NodeBackend<Channel>,
+    wake: &EventFd,
+    activity: &AtomicU64,
+    opts: &ServeOptions,
+    watchdog: &mut watchdog::Watchdog,
+    who: &str,
+) -> Ending {
+    let end = |how: String| Ending { how };
+    if let Err(e) = stream.set_nonblocking(true) {
+        return end(format!("dropped: {e}"));
+    }
+    let raw = stream.as_raw_fd();
+    let connected = Instant::now();
+    let mut last = connected;
+    let mut seen = activity.load(Ordering::Relaxed);
+    let mut started: Option<Instant> = None;
+    let mut out = Outbox::default();
+    let mut cmsg = nix::cmsg_space!([RawFd; 4]);
+    loop {
+        let now = Instant::now();
+        let (deadline, late) = if !session.negotiated() {
+            (connected + opts.client_timeout, "sent no VERSION")
+        } else if let Some(t) = started {
+            (t + opts.client_timeout, "left a message unfinished")
+        } else {
+            (last + opts.idle_timeout, "was idle")
+        };
+        if now >= deadline {
+            let a = activity.load(Ordering::Relaxed);
+            if started.is_none() && session.negotiated() && a != seen {
+                // Doorbell stores count as activity.
+                seen = a;
+                last = now;
+                continue;
+            }
+            let limit = if started.is_none() && session.negotiated() {
+                opts.idle_timeout
+            } else {
+                opts.client_timeout
+            };
+            return end(format!("closed: it {late} for {limit:?}"));
+        }
+        let (sock_ready, woken) = {
+            let mut fds = [
+                PollFd::new(stream.as_fd(), PollFlags::POLLIN),
+                PollFd::new(wake.as_fd(), PollFlags::POLLIN),
+            ];
+            if let Err(e) = wait(&mut fds, deadline - now) {
+                return end(format!("dropped: poll: {e}"));
+            }
+            let ready = |f: &PollFd<'_>| f.revents().is_some_and(|r| !r.is_empty());
+            (ready(&fds[0]), ready(&fds[1]))
+        };
+        if woken {
+            let _ = wake.read();
+            if let Some(fd) = &be.irq {
+                if let Err(e) = watchdog.signal(fd.as_fd()) {
+                    eprintln!("{who}: interrupt eventfd dropped: {e}");
+                    be.irq = None;
+                    let _ = be.link.ask(Req::Irq(false));
+                }
+            }
+        }
+        if !sock_ready {
+            continue;
+        }
+        let (n, fds, truncated) = {
+            let want = session.want();
+            let mut iov = [IoSliceMut::new(want)];
+            cmsg.clear();
+            match recvmsg::<()>(
+                raw,
+                &mut iov,
+                Some(&mut cmsg),
+                MsgFlags::MSG_DONTWAIT | MsgFlags::MSG_CMSG_CLOEXEC,
+            ) {
+                Ok(m) => {
+                    let mut fds = Vec::new();
+                    if let Ok(it) = m.cmsgs() {
+                        for c in it {
+                            if let ControlMessageOwned::ScmRights(v) = c {
+                                fds.extend(v);
+                            }
+                        }
+                    }
+                    (m.bytes, fds, m.flags.contains(MsgFlags::MSG_CTRUNC))
+                }
+                Err(Errno::EAGAIN | Errno::EINTR) => continue,
+                Err(e) => return end(format!("dropped: {e}")),
+            }
+        };
+        // SAFETY: each descriptor arrived with SCM_RIGHTS in this message and is owned by
+        // nothing else in this process.
+        let fds: Vec<OwnedFd> = fds
+            .into_iter()
+            .map(|fd| unsafe { OwnedFd::from_raw_fd(fd) })
+            .collect();
+        if n == 0 {
+            let how = if session.in_message() {
+                "hung up in the middle of a message"
+            } else {
+                "disconnected"
+            };
+            return end(how.into());
+        }
+        session.add_fds(fds);
+        if truncated {
+            session.fds_truncated();
+        }
+        if started.is_none() {
+            started = Some(now);
+        }
+        let step = session.took(n, be, &mut out);
+        if !session.in_message() {
+            started = None;
+            last = Instant::now();
+        }
+        if let Some(r) = &out.refusal {
+            eprintln!("{who}: refused {} ({})", r.reason, r.errno);
+        }
+        if let Err(e) = send_all(stream, &out, opts.client_timeout) {
+            return end(format!("dropped: its reply could not be sent ({e})"));
+        }
+        out.clear();
+        if let Step::Close(why) = step {
+            return end(format!("dropped: {why}"));
+        }
+    }
+}
+
+/// Sends what `out` holds, its descriptor with the first byte, waiting at most `limit` for
+/// the client to make room.
+fn send_all(stream: &UnixStream, out: &Outbox, limit: Duration) -> io::Result<()> {
+    let deadline = Instant::now() + limit;
+    let mut sent = 0;
+    while sent < out.bytes.len() {
+        let fds: Vec<RawFd> = out.fd.into_iter().collect();
+        let rights = [ControlMessage::ScmRights(&fds)];
+        let cmsgs: &[ControlMessage<'_>] = if sent == 0 && !fds.is_empty() {
+            &rights
+        } else {
+            &[]
+        };
+        match sendmsg::<()>(
+            stream.as_raw_fd(),
+            &[IoSlice::new(&out.bytes[sent..])],
+            cmsgs,
+            MsgFlags::MSG_DONTWAIT | MsgFlags::MSG_NOSIGNAL,
+            None,
+        ) {
+            Ok(n) => sent += n,
+            Err(Errno::EINTR) => {}
+            Err(Errno::EAGAIN) => {
+                let left = deadline.saturating_duration_since(Instant::now());
+                if left.is_zero() {
+                    return Err(io::Error::new(
+                        io::ErrorKind::TimedOut,
+                        format!("the client took no reply for {limit:?}"),
+                    ));
+                }
+                let mut fds = [PollFd::new(stream.as_fd(), PollFlags::POLLOUT)];
+                wait(&mut fds, left)?;
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
+    Ok(())
 }
 
 /// The fabric thread: requests, doorbells, events paced by wall time, interrupts.
@@ -584,14 +937,15 @@ fn fabric_loop(fabric: &Fabric, states: &mut [NodeState], rx: Receiver<Msg>) {
             match rx.try_recv() {
                 Ok(m) => {
                     busy = true;
-                    handle(fabric, states, m);
+                    let a = handle(fabric, states, m.node, m.req);
+                    let _ = m.reply.send(a);
                 }
                 Err(mpsc::TryRecvError::Empty) => break,
                 Err(mpsc::TryRecvError::Disconnected) => return,
             }
         }
         for node in 0..states.len() {
-            busy |= poll_doorbells(fabric, states, node);
+            busy |= poll_doorbells(fabric, states, node, false);
         }
         let wall = SimTime(start.elapsed().as_nanos() as u64 * 1000);
         let mut ran = 0;
@@ -607,8 +961,11 @@ fn fabric_loop(fabric: &Fabric, states: &mut [NodeState], rx: Receiver<Msg>) {
             let n = fabric.interrupts(node);
             if n != st.irqs_seen {
                 st.irqs_seen = n;
-                if let Some(f) = &st.irq {
-                    let _ = (&*f).write(&1u64.to_ne_bytes());
+                if st.irq {
+                    if let Some(w) = &st.wake {
+                        // The server's own non-blocking eventfd: never waits.
+                        let _ = w.write(1);
+                    }
                 }
             }
         }
@@ -636,7 +993,8 @@ fn fabric_loop(fabric: &Fabric, states: &mut [NodeState], rx: Receiver<Msg>) {
         match rx.recv_timeout(nap) {
             Ok(m) => {
                 idle_rounds = 0;
-                handle(fabric, states, m);
+                let a = handle(fabric, states, m.node, m.req);
+                let _ = m.reply.send(a);
             }
             Err(RecvTimeoutError::Timeout) => {}
             Err(RecvTimeoutError::Disconnected) => return,
@@ -649,113 +1007,240 @@ const IDLE_POLL: Duration = Duration::from_micros(50);
 /// How often it looks after a second or so of idleness.
 const IDLE_POLL_SLOW: Duration = Duration::from_millis(1);
 
-/// Feeds every store found in node `node`'s live doorbell slots to its NIC; `true` if any.
-fn poll_doorbells(fabric: &Fabric, states: &mut [NodeState], node: usize) -> bool {
+/// Feeds the stores found in node `node`'s doorbell slots to its NIC; `true` if any.
+///
+/// A `full` look (before every trapped access of the node's client) learns the live slots
+/// from the NIC and looks at all of them. Any other round looks at the slots rung lately and
+/// at [`COLD_SLOTS_PER_ROUND`] more, in turn: its cost does not grow with the number of idle
+/// queues, and a store into an idle queue is seen within `live slots / 256` rounds.
+fn poll_doorbells(fabric: &Fabric, states: &mut [NodeState], node: usize, full: bool) -> bool {
     let st = &mut states[node];
-    let mut slots = std::mem::take(&mut st.next_slots);
-    fabric.doorbell_slots(node, &mut slots);
+    let db = &mut st.db;
     let port = fabric.port(node);
-    let mut any = false;
-    for &slot in &slots {
-        // A slot that has just come alive can only hold stores made before its queue
-        // existed: the client learns of a new queue through a trapped read of the command
-        // status, and every trapped access is preceded by a look here.
-        let fresh = st.slots.binary_search(&slot).is_err();
-        for off in [slot, slot + 4] {
-            let Some(w) = st.doorbell(off) else {
-                continue;
-            };
-            if w.load(Ordering::Relaxed) == DOORBELL_IDLE {
+    let mut rung = 0u64;
+    let mut ring = |db: &Doorbells, slot: u64| {
+        let v = db.take(slot);
+        for (i, v) in v.into_iter().enumerate() {
+            if v != DOORBELL_IDLE {
+                port.write32(slot + 4 * i as u64, v);
+                rung += 1;
+            }
+        }
+        v != [DOORBELL_IDLE; 2]
+    };
+    if full {
+        let mut slots = std::mem::take(&mut db.next_slots);
+        fabric.doorbell_slots(node, &mut slots);
+        for &slot in &slots {
+            // A slot that has just come alive can only hold stores made before its queue
+            // existed: the client learns of a new queue through a trapped read of the
+            // command status, and every trapped access is preceded by a full look.
+            if db.slots.binary_search(&slot).is_err() {
+                if db.take(slot) != [DOORBELL_IDLE; 2] {
+                    db.stale += 1;
+                }
                 continue;
             }
-            let v = w.swap(DOORBELL_IDLE, Ordering::Acquire);
-            if v == DOORBELL_IDLE {
-                continue;
+            if ring(db, slot) && !db.hot.iter().any(|(s, _)| *s == slot) {
+                db.hot.push((slot, 0));
             }
-            if fresh {
-                st.stale += 1;
+        }
+        db.next_slots = std::mem::replace(&mut db.slots, slots);
+        let live = &db.slots;
+        db.hot.retain(|(s, _)| live.binary_search(s).is_ok());
+    } else {
+        let mut i = 0;
+        while i < db.hot.len() {
+            let slot = db.hot[i].0;
+            if ring(db, slot) {
+                db.hot[i].1 = 0;
             } else {
-                port.write32(off, v);
-                any = true;
+                db.hot[i].1 += 1;
+                if db.hot[i].1 > HOT_ROUNDS {
+                    db.hot.swap_remove(i);
+                    continue;
+                }
+            }
+            i += 1;
+        }
+        let n = db.slots.len();
+        for _ in 0..n.min(COLD_SLOTS_PER_ROUND) {
+            db.cursor = if db.cursor + 1 >= n { 0 } else { db.cursor + 1 };
+            let slot = db.slots[db.cursor];
+            if ring(db, slot) && !db.hot.iter().any(|(s, _)| *s == slot) {
+                db.hot.push((slot, 0));
             }
         }
     }
-    st.next_slots = std::mem::replace(&mut st.slots, slots);
-    any
+    if rung > 0 {
+        st.activity.fetch_add(rung, Ordering::Relaxed);
+    }
+    rung > 0
 }
 
-fn handle(fabric: &Fabric, states: &mut [NodeState], m: Msg) {
-    let node = m.node;
+/// Runs one request of node `node`'s client on the fabric thread.
+fn handle(fabric: &Fabric, states: &mut [NodeState], node: usize, req: Req) -> Answer {
     // A client's doorbell stores come before its later trapped accesses.
-    poll_doorbells(fabric, states, node);
+    poll_doorbells(fabric, states, node, true);
     let port = fabric.port(node);
-    let reply = match m.req {
-        Req::Read { offset, len } => {
-            debug_assert_eq!(len, 4);
-            Ok(port.read32(offset).to_le_bytes().to_vec())
-        }
-        Req::Write { offset, data } => {
-            if data.len() == 4 {
-                port.write32(
-                    offset,
-                    u32::from_le_bytes([data[0], data[1], data[2], data[3]]),
-                );
+    match req {
+        Req::Read { offset } => Ok([u64::from(port.read32(offset)), 0]),
+        Req::Write { offset, data, len } => {
+            let data = &data[..len.min(MAX_ACCESS)];
+            if let &[a, b, c, d] = data {
+                port.write32(offset, u32::from_le_bytes([a, b, c, d]));
             } else {
-                port.write_block(offset, &data);
+                port.write_block(offset, data);
             }
-            Ok(Vec::new())
+            Ok([0, 0])
         }
-        Req::DmaMap { .. } if fabric.dma_mappings(node) >= MAX_DMA_MAPPINGS => Err(format!(
-            "the node holds {MAX_DMA_MAPPINGS} DMA mappings, the most it takes"
-        )),
-        Req::DmaMap { fd, iova, len } => port
-            .dma_map(fd.as_fd(), len, iova)
-            .map(|_| Vec::new())
-            .map_err(|e| e.to_string()),
+        Req::DmaMap { fd, iova, len } => match port.dma_map(fd.as_fd(), len, iova) {
+            Ok(()) => Ok([0, 0]),
+            Err(PortError::Overlap { .. }) => Err(Refusal::new(
+                Errno::EEXIST,
+                format!("{iova:#x}+{len:#x} overlaps a mapping"),
+            )),
+            Err(e) => Err(Refusal::new(
+                Errno::ENOMEM,
+                format!("{iova:#x}+{len:#x}: {e}"),
+            )),
+        },
         Req::DmaUnmap { iova, len } => port
             .dma_unmap(iova, len)
-            .map(|_| Vec::new())
-            .map_err(|e| e.to_string()),
-        Req::Irq(fd) => {
-            states[node].irq = fd;
-            Ok(Vec::new())
+            .map(|_| [0, 0])
+            .map_err(|e| Refusal::new(Errno::ENOENT, e.to_string())),
+        Req::Irq(on) => {
+            states[node].irq = on;
+            Ok([0, 0])
         }
         Req::Bar(bar) => {
-            let st = &mut states[node];
-            st.bar = bar;
-            st.clear_doorbells();
-            Ok(Vec::new())
+            let db = &mut states[node].db;
+            db.bar = bar;
+            db.clear();
+            Ok([0, 0])
         }
         Req::Reset => {
             port.write32(regs::RESET, regs::RESET_KEY);
-            states[node].clear_doorbells();
-            Ok(Vec::new())
+            states[node].db.clear();
+            Ok([0, 0])
         }
         Req::Gone => {
             let n = fabric.reclaim_node(node);
             let st = &mut states[node];
-            st.irq = None;
-            st.clear_doorbells();
-            let stale = std::mem::take(&mut st.stale);
-            Ok([(n as u64).to_le_bytes(), stale.to_le_bytes()].concat())
+            st.irq = false;
+            st.db.clear();
+            let stale = std::mem::take(&mut st.db.stale);
+            Ok([n as u64, stale])
         }
-    };
-    let _ = m.reply.send(reply);
+    }
+}
+
+/// The server's message handling for one NIC in this process, without sockets or threads:
+/// a [`Session`] over the same device and fabric code the server runs, fed bytes directly.
+/// For fuzzing and tests.
+#[doc(hidden)]
+pub struct Loopback {
+    session: Session,
+    be: NodeBackend<Direct>,
+    out: Outbox,
+    replies: Vec<u8>,
+}
+
+/// A link that runs requests on an in-process fabric.
+struct Direct {
+    fabric: Fabric,
+    states: Vec<NodeState>,
+}
+
+impl Link for Direct {
+    fn ask(&mut self, req: Req) -> Answer {
+        handle(&self.fabric, &mut self.states, 0, req)
+    }
+}
+
+impl Loopback {
+    /// One NIC, a fresh BAR0 file, a client allowed `max_dma_maps` mappings.
+    pub fn new(max_dma_maps: usize) -> io::Result<Loopback> {
+        let (file, bar) = bar_file()?;
+        let direct = Direct {
+            fabric: Fabric::new(FabricConfig::new(1, 1)),
+            states: vec![NodeState::new(bar)],
+        };
+        Ok(Loopback {
+            session: Session::new(max_dma_maps),
+            be: NodeBackend::new(direct, file, max_dma_maps),
+            out: Outbox::default(),
+            replies: Vec::new(),
+        })
+    }
+
+    /// Feeds `bytes` as they would arrive, `fds` with the first of them; the server's
+    /// replies are appended to [`Loopback::replies`]. `Err` with the reason once the server
+    /// closes the connection (the rest of `bytes` is not read).
+    pub fn feed(&mut self, bytes: &[u8], fds: Vec<OwnedFd>) -> Result<(), String> {
+        let mut rest = bytes;
+        let mut fds = Some(fds);
+        while !rest.is_empty() {
+            let want = self.session.want();
+            let n = want.len().min(rest.len());
+            want[..n].copy_from_slice(&rest[..n]);
+            rest = &rest[n..];
+            if let Some(f) = fds.take() {
+                self.session.add_fds(f);
+            }
+            let step = self.session.took(n, &mut self.be, &mut self.out);
+            self.replies.extend_from_slice(&self.out.bytes);
+            self.out.clear();
+            if let Step::Close(why) = step {
+                return Err(why);
+            }
+        }
+        Ok(())
+    }
+
+    /// Every reply so far, back to back.
+    pub fn replies(&self) -> &[u8] {
+        &self.replies
+    }
+
+    /// Forgets the replies read so far.
+    pub fn clear_replies(&mut self) {
+        self.replies.clear();
+    }
+
+    /// Lets the NIC run up to `events` events.
+    pub fn run(&mut self, events: u64) {
+        self.be.link.fabric.run_until_idle(events);
+    }
+
+    /// DMA mappings the NIC holds.
+    pub fn dma_mappings(&self) -> usize {
+        self.be.link.fabric.dma_mappings(0)
+    }
+
+    /// Whether the client's interrupt eventfd is set.
+    pub fn has_irq(&self) -> bool {
+        self.be.irq.is_some()
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
+    /// A backend whose link answers nothing (config space and checks only).
+    struct Nothing;
+
+    impl Link for Nothing {
+        fn ask(&mut self, _: Req) -> Answer {
+            Err(Refusal::new(Errno::EIO, "no fabric"))
+        }
+    }
+
     #[test]
     fn config_space_names_the_nic_and_sizes_bar0() {
-        let (tx, _rx) = mpsc::channel();
-        let mut be = NodeBackend {
-            node: 0,
-            tx,
-            config: config_space(),
-            refused: 0,
-        };
+        let (file, _) = bar_file().unwrap();
+        let mut be = NodeBackend::new(Nothing, file, 4);
         let mut id = [0u8; 4];
         be.region_read(VFIO_PCI_CONFIG_REGION_INDEX, 0, &mut id)
             .unwrap();
@@ -769,37 +1254,56 @@ mod tests {
         let v = u32::from_le_bytes(bar);
         assert_eq!(v & !0xF, !(regs::BAR0_SIZE as u32 - 1));
         assert_eq!(v & 0xF, 0b100, "64-bit memory BAR");
-        // Out of range and other regions are refused, nothing changes.
-        assert!(be
+        // Out of range and other regions are refused with EINVAL, nothing changes.
+        let e = be
             .region_read(VFIO_PCI_CONFIG_REGION_INDEX, 254, &mut bar)
-            .is_err());
-        assert!(be.region_write(3, 0, &[0; 4]).is_err());
+            .unwrap_err();
+        assert_eq!(e.errno, Errno::EINVAL);
+        assert_eq!(
+            be.region_write(3, 0, &[0; 4]).unwrap_err().errno,
+            Errno::EINVAL
+        );
         assert!(be.check_bar(regs::BAR0_SIZE - 2, 4, false).is_err());
         assert!(be.check_bar(2, 4, true).is_err());
         assert!(be.check_bar(regs::BF_BASE, 128, false).is_err());
         assert!(be.check_bar(regs::BF_BASE, 128, true).is_ok());
         assert!(be.check_bar(regs::BF_BASE + 32, 64, true).is_err());
         assert!(be.check_bar(u64::MAX - 1, 4, true).is_err());
-        assert_eq!(be.refused, 7);
+    }
+
+    #[test]
+    fn the_mapping_budget_is_shared_below_the_process_limit() {
+        assert_eq!(mapping_budget(65530, 4, MAX_DMA_MAPPINGS), 14334);
+        assert_eq!(mapping_budget(65530, 1, 100), 100);
+        assert_eq!(mapping_budget(1 << 30, 1, usize::MAX), MAX_DMA_MAPPINGS);
+        assert_eq!(
+            mapping_budget(4096, 2, 100),
+            0,
+            "nothing beyond the reserve"
+        );
+        for nodes in 1..=64 {
+            assert!(nodes * mapping_budget(65530, nodes, usize::MAX) + RESERVED_MAPPINGS <= 65530);
+        }
     }
 
     #[test]
     fn stores_into_a_slot_before_its_queue_exists_are_dropped() {
-        use ringbell::{Device, QpInit};
+        use ringbell::{Device as Dev, QpInit};
         let fabric = Fabric::new(FabricConfig::new(1, 1));
         let (_file, bar) = bar_file().unwrap();
         let mut states = vec![NodeState::new(bar)];
-        let dev = Device::open(Box::new(fabric.port(0))).unwrap();
+        let dev = Dev::open(Box::new(fabric.port(0))).unwrap();
         let pd = dev.alloc_pd().unwrap();
         let cq = dev.create_cq(16).unwrap();
         // The first QP will be number 2: a store into its send doorbell before it exists.
         let sq_db = regs::QP_DB_BASE + 2 * regs::DB_STRIDE + regs::DB_SQ;
-        let word = |st: &NodeState| st.doorbell(sq_db).unwrap().load(Ordering::Relaxed);
+        let word = |st: &NodeState| st.db.word(sq_db).unwrap().load(Ordering::Relaxed);
         states[0]
-            .doorbell(sq_db)
+            .db
+            .word(sq_db)
             .unwrap()
             .store(5, Ordering::Relaxed);
-        assert!(!poll_doorbells(&fabric, &mut states, 0));
+        assert!(!poll_doorbells(&fabric, &mut states, 0, true));
         assert_eq!(
             word(&states[0]),
             5,
@@ -810,17 +1314,48 @@ mod tests {
         let guest_errors = || fabric.port(0).read32(regs::GUEST_ERRORS);
         let errors = guest_errors();
         // The slot comes alive: the old store is dropped, not rung.
-        assert!(!poll_doorbells(&fabric, &mut states, 0));
-        assert_eq!((word(&states[0]), states[0].stale), (DOORBELL_IDLE, 1));
+        assert!(!poll_doorbells(&fabric, &mut states, 0, true));
+        assert_eq!((word(&states[0]), states[0].db.stale), (DOORBELL_IDLE, 1));
         fabric.run_until_quiet();
         assert_eq!(guest_errors(), errors);
-        // A store now is a doorbell: an empty ring rung to 0 is a no-op the NIC takes.
+        // A store now is a doorbell, seen by an ordinary round: an empty ring rung to 0 is a
+        // no-op the NIC takes.
         states[0]
-            .doorbell(sq_db)
+            .db
+            .word(sq_db)
             .unwrap()
             .store(0, Ordering::Relaxed);
-        assert!(poll_doorbells(&fabric, &mut states, 0));
+        assert!(poll_doorbells(&fabric, &mut states, 0, false));
         assert_eq!(word(&states[0]), DOORBELL_IDLE);
-        assert_eq!(states[0].stale, 1);
+        assert_eq!(states[0].db.stale, 1);
+        assert_eq!(states[0].activity.load(Ordering::Relaxed), 1);
+    }
+
+    #[test]
+    fn a_round_looks_at_a_bounded_number_of_idle_slots() {
+        use ringbell::Device as Dev;
+        let fabric = Fabric::new(FabricConfig::new(1, 1));
+        let (_file, bar) = bar_file().unwrap();
+        let mut states = vec![NodeState::new(bar)];
+        let dev = Dev::open(Box::new(fabric.port(0))).unwrap();
+        let cqs: Vec<_> = (0..600).map(|_| dev.create_cq(4).unwrap()).collect();
+        assert!(!poll_doorbells(&fabric, &mut states, 0, true));
+        let live = states[0].db.slots.len();
+        assert!(live >= 600, "{live} live slots");
+        // A CQ doorbell (consumer index 0: a no-op) in the last CQ's slot: an ordinary round
+        // looks at 256 idle slots, so it is found within live / 256 rounds, not in the first.
+        let last = *states[0].db.slots.last().unwrap();
+        states[0].db.word(last).unwrap().store(0, Ordering::Relaxed);
+        let mut rounds = 1;
+        while !poll_doorbells(&fabric, &mut states, 0, false) {
+            rounds += 1;
+            assert!(rounds <= live.div_ceil(COLD_SLOTS_PER_ROUND), "never seen");
+        }
+        assert!(rounds > 1, "every slot was looked at in one round");
+        // Now it is hot: the next store is seen in the next round.
+        assert_eq!(states[0].db.hot.len(), 1);
+        states[0].db.word(last).unwrap().store(0, Ordering::Relaxed);
+        assert!(poll_doorbells(&fabric, &mut states, 0, false));
+        drop(cqs);
     }
 }

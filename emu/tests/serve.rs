@@ -44,11 +44,17 @@ struct Server {
 
 impl Server {
     fn start(name: &str, nodes: usize) -> Server {
+        Server::start_with(name, nodes, &[])
+    }
+
+    /// A server with extra command-line options.
+    fn start_with(name: &str, nodes: usize, extra: &[&str]) -> Server {
         let dir = std::env::temp_dir().join(format!("rb-serve-{}-{name}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         let mut child = Command::new(BIN)
             .args(["serve", "--nodes", &nodes.to_string(), "--socket"])
             .arg(&dir)
+            .args(extra)
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()
@@ -73,12 +79,37 @@ impl Server {
         self.proc.0.try_wait().unwrap().is_none()
     }
 
+    /// The server's resident memory now and at its peak, in KiB (`VmRSS`, `VmHWM`).
+    fn rss_kib(&self) -> (u64, u64) {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.proc.0.id()))
+            .expect("the server's /proc status");
+        let field = |name: &str| {
+            status
+                .lines()
+                .find_map(|l| l.strip_prefix(name))
+                .and_then(|v| v.split_whitespace().next()?.parse().ok())
+                .unwrap_or_else(|| panic!("no {name} in /proc status"))
+        };
+        (field("VmRSS:"), field("VmHWM:"))
+    }
+
     /// Waits for a log line containing `what`.
     fn expect_log(&self, what: &str) -> String {
+        self.expect_log_all(&[what])
+    }
+
+    /// Waits for the line that ends a connection of the client `who` names ("node N:
+    /// client K").
+    fn expect_end(&self, who: &str) -> String {
+        self.expect_log_all(&[who, "NIC reset"])
+    }
+
+    /// Waits for a log line containing all of `what`.
+    fn expect_log_all(&self, what: &[&str]) -> String {
         let deadline = Instant::now() + Duration::from_secs(20);
         while let Some(left) = deadline.checked_duration_since(Instant::now()) {
             match self.log.recv_timeout(left) {
-                Ok(l) if l.contains(what) => return l,
+                Ok(l) if what.iter().all(|w| l.contains(w)) => return l,
                 Ok(_) => {}
                 Err(_) => break,
             }
@@ -217,7 +248,7 @@ fn a_client_killed_mid_transfer_is_reclaimed_and_nobody_else_notices() {
         err.contains("RetryExcErr") || err.contains("stalled"),
         "initiator said: {err}"
     );
-    let log = srv.expect_log("node 3: client");
+    let log = srv.expect_end("node 3: client");
     assert!(
         log.contains("NIC reset") && !log.contains(", 0 DMA mappings reclaimed"),
         "{log}"
@@ -243,19 +274,66 @@ fn header(id: u16, command: u16, size: u32) -> Vec<u8> {
     h
 }
 
-/// Reads one reply header: (id, command, flags).
-fn reply(s: &mut UnixStream) -> (u16, u16, u32, u32) {
+/// One reply: its header fields and payload.
+#[derive(Debug)]
+struct Reply {
+    id: u16,
+    cmd: u16,
+    flags: u32,
+    errno: u32,
+    payload: Vec<u8>,
+}
+
+/// Reads one reply.
+fn read_reply(s: &mut UnixStream) -> Reply {
     let mut h = [0u8; 16];
     s.read_exact(&mut h).unwrap();
     let size = u32::from_le_bytes(h[4..8].try_into().unwrap());
-    let mut rest = vec![0u8; size.saturating_sub(16) as usize];
-    s.read_exact(&mut rest).unwrap();
-    (
-        u16::from_le_bytes([h[0], h[1]]),
-        u16::from_le_bytes([h[2], h[3]]),
-        u32::from_le_bytes(h[8..12].try_into().unwrap()),
-        size,
-    )
+    assert!((16..=4096).contains(&size), "a reply of {size} bytes");
+    let mut payload = vec![0u8; size as usize - 16];
+    s.read_exact(&mut payload).unwrap();
+    Reply {
+        id: u16::from_le_bytes([h[0], h[1]]),
+        cmd: u16::from_le_bytes([h[2], h[3]]),
+        flags: u32::from_le_bytes(h[8..12].try_into().unwrap()),
+        errno: u32::from_le_bytes(h[12..16].try_into().unwrap()),
+        payload,
+    }
+}
+
+/// Reads one reply header: (id, command, flags, size).
+fn reply(s: &mut UnixStream) -> (u16, u16, u32, u32) {
+    let r = read_reply(s);
+    (r.id, r.cmd, r.flags, 16 + r.payload.len() as u32)
+}
+
+/// Reads a reply and checks that it refuses request `id` of command `cmd` with `errno`.
+fn refused(s: &mut UnixStream, id: u16, cmd: u16, errno: nix::errno::Errno) {
+    let r = read_reply(s);
+    assert_eq!(
+        (
+            r.id,
+            r.cmd,
+            r.flags & (REPLY | ERROR),
+            r.errno,
+            r.payload.len()
+        ),
+        (id, cmd, REPLY | ERROR, errno as u32, 0),
+        "request #{id} (command {cmd}) should be refused with {errno}"
+    );
+}
+
+/// Checks that the server has closed `s` (after any reply still unread).
+fn closed(s: &mut UnixStream) {
+    let mut b = [0u8; 64];
+    loop {
+        match s.read(&mut b) {
+            Ok(0) => return,
+            Ok(_) => continue,
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => return,
+            Err(e) => panic!("the connection is still open: {e}"),
+        }
+    }
 }
 
 const REPLY: u32 = 1;
@@ -312,63 +390,104 @@ fn dma_map(s: &UnixStream, id: u16, fd: std::os::fd::BorrowedFd<'_>, iova: u64, 
     assert_eq!(sent, m.len());
 }
 
+use nix::errno::Errno;
+
 #[test]
-fn malformed_messages_are_refused_and_every_node_keeps_serving() {
+fn malformed_messages_are_refused_with_their_errno_and_every_node_keeps_serving() {
     let srv = Server::start("bad", 2);
     let path = srv.socket(0);
 
-    // A VERSION too short to hold its own fields: the connection is dropped.
+    // A VERSION too short to hold its own header: refused, and the connection is closed.
     let mut s = connect(&path);
     let mut m = header(1, 1, 8);
     m.extend_from_slice(&[0, 0, 1, 0]);
     s.write_all(&m).unwrap();
-    let mut b = [0u8; 1];
-    assert_eq!(s.read(&mut b).unwrap(), 0, "the connection is closed");
-    drop(s);
-    srv.expect_log("node 0: client dropped");
+    refused(&mut s, 1, 1, Errno::EINVAL);
+    closed(&mut s);
+    let log = srv.expect_log("node 0: client 1 (pid");
+    assert!(
+        log.contains("refused VERSION #1: message size 8") && log.contains("EINVAL"),
+        "{log}"
+    );
+    srv.expect_end("node 0: client 1 ");
 
-    // A VERSION whose capabilities are not NUL-terminated: dropped too.
+    // A VERSION whose capabilities are not NUL-terminated, or not JSON: refused and closed.
+    for (id, caps) in [(2u16, &b"{}xy"[..]), (3, &b"{\"cap\0"[..])] {
+        let mut s = connect(&path);
+        let mut m = header(id, 1, 20 + caps.len() as u32);
+        m.extend_from_slice(&[0, 0, 1, 0]);
+        m.extend_from_slice(caps);
+        s.write_all(&m).unwrap();
+        refused(&mut s, id, 1, Errno::EINVAL);
+        closed(&mut s);
+        srv.expect_log("dropped: VERSION");
+    }
+
+    // A request before VERSION: refused and closed.
     let mut s = connect(&path);
-    let mut m = header(1, 1, 24);
-    m.extend_from_slice(&[0, 0, 1, 0, b'{', b'}', b'x', b'y']);
-    s.write_all(&m).unwrap();
-    assert_eq!(s.read(&mut b).unwrap(), 0, "the connection is closed");
-    drop(s);
-    srv.expect_log("node 0: client dropped");
+    region_access(&mut s, 4, false, 0, ringbell_specs::regs::MAGIC, 4);
+    refused(&mut s, 4, 9, Errno::EINVAL);
+    closed(&mut s);
+    srv.expect_log("VERSION must come first");
 
-    // A well-behaved start, then bad requests: each gets an error reply.
+    // A well-behaved start, then bad requests: each gets an error reply with its errno.
     let mut s = connect(&path);
     version(&mut s);
-    // An unknown command.
-    s.write_all(&header(2, 99, 16)).unwrap();
-    let (id, _, flags, _) = reply(&mut s);
-    assert_eq!((id, flags & ERROR), (2, ERROR));
-    // BAR0 reads out of range, unaligned, too long; a region that does not exist.
-    for (i, (region, offset, count)) in [
-        (0u32, ringbell_specs::regs::BAR0_SIZE, 4u32),
-        (0, 2, 4),
-        (0, 0, 512),
-        (5, 0, 4),
-        (7, 250, 8),
+    // An unknown command whose body holds what looks like a REGION_WRITE: the body is
+    // skipped, never run, and the stream stays in step.
+    let mut inner = header(77, 10, 36);
+    inner.extend_from_slice(&ringbell_specs::regs::RESET.to_le_bytes());
+    inner.extend_from_slice(&0u32.to_le_bytes());
+    inner.extend_from_slice(&4u32.to_le_bytes());
+    inner.extend_from_slice(&ringbell_specs::regs::RESET_KEY.to_le_bytes());
+    assert_eq!(inner.len(), 36);
+    let mut m = header(2, 99, 16 + 36);
+    m.extend_from_slice(&inner);
+    s.write_all(&m).unwrap();
+    refused(&mut s, 2, 99, Errno::ENOTSUP);
+    // A command this server does not serve.
+    s.write_all(&header(3, 6, 16 + 16)).unwrap();
+    s.write_all(&[0u8; 16]).unwrap();
+    refused(&mut s, 3, 6, Errno::ENOTSUP);
+    let log = srv.expect_log("refused command 99 #2");
+    assert!(
+        log.contains("node 0: client 5 (pid") && log.contains("EOPNOTSUPP"),
+        "{log}"
+    );
+    // BAR0 reads out of range, unaligned, too long; a region that is empty or absent.
+    for (i, (region, offset, count, errno)) in [
+        (0u32, ringbell_specs::regs::BAR0_SIZE, 4u32, Errno::EINVAL),
+        (0, 2, 4, Errno::EINVAL),
+        (0, 0, 512, Errno::E2BIG),
+        (0, 0, u32::MAX, Errno::E2BIG),
+        (5, 0, 4, Errno::EINVAL),
+        (9, 0, 4, Errno::EINVAL),
+        (7, 250, 8, Errno::EINVAL),
     ]
     .into_iter()
     .enumerate()
     {
         let id = 10 + i as u16;
         region_access(&mut s, id, false, region, offset, count);
-        let (got, cmd, flags, _) = reply(&mut s);
-        assert_eq!(
-            (got, cmd, flags & ERROR),
-            (id, 9, ERROR),
-            "read {region} {offset:#x}"
-        );
+        refused(&mut s, id, 9, errno);
     }
-    // A write out of range.
+    // A write out of range; one whose count is not what came.
     region_access(&mut s, 20, true, 0, ringbell_specs::regs::BAR0_SIZE - 2, 4);
-    let (got, _, flags, _) = reply(&mut s);
-    assert_eq!((got, flags & ERROR), (20, ERROR));
+    refused(&mut s, 20, 10, Errno::EINVAL);
+    let mut m = header(21, 10, 32 + 4);
+    m.extend_from_slice(&0u64.to_le_bytes());
+    m.extend_from_slice(&0u32.to_le_bytes());
+    m.extend_from_slice(&8u32.to_le_bytes());
+    m.extend_from_slice(&[0; 4]);
+    s.write_all(&m).unwrap();
+    refused(&mut s, 21, 10, Errno::EINVAL);
+    // A REGION_READ shorter than its fields.
+    let mut m = header(22, 9, 16 + 8);
+    m.extend_from_slice(&0u64.to_le_bytes());
+    s.write_all(&m).unwrap();
+    refused(&mut s, 22, 9, Errno::EINVAL);
     // A DMA_MAP without a memory file.
-    let mut m = header(21, 2, 16 + 32);
+    let mut m = header(23, 2, 16 + 32);
     for v in [32u32, 3] {
         m.extend_from_slice(&v.to_le_bytes());
     }
@@ -376,10 +495,9 @@ fn malformed_messages_are_refused_and_every_node_keeps_serving() {
         m.extend_from_slice(&v.to_le_bytes());
     }
     s.write_all(&m).unwrap();
-    let (got, cmd, flags, _) = reply(&mut s);
-    assert_eq!((got, cmd, flags & ERROR), (21, 2, ERROR));
+    refused(&mut s, 23, 2, Errno::ENOTSUP);
     // An unmap of nothing.
-    let mut m = header(22, 3, 16 + 24);
+    let mut m = header(24, 3, 16 + 24);
     for v in [24u32, 0] {
         m.extend_from_slice(&v.to_le_bytes());
     }
@@ -387,47 +505,61 @@ fn malformed_messages_are_refused_and_every_node_keeps_serving() {
         m.extend_from_slice(&v.to_le_bytes());
     }
     s.write_all(&m).unwrap();
-    let (got, cmd, flags, _) = reply(&mut s);
-    assert_eq!((got, cmd, flags & ERROR), (22, 3, ERROR));
-    // A good read still works on this connection: the magic register.
-    region_access(&mut s, 23, false, 0, ringbell_specs::regs::MAGIC, 4);
-    let mut h = [0u8; 16 + 16 + 4];
-    s.read_exact(&mut h).unwrap();
-    assert_eq!(u32::from_le_bytes(h[8..12].try_into().unwrap()) & ERROR, 0);
+    refused(&mut s, 24, 3, Errno::ENOENT);
+    // A header that arrives in two pieces is read whole: the magic register.
+    let mut m = header(25, 9, 32);
+    m.extend_from_slice(&ringbell_specs::regs::MAGIC.to_le_bytes());
+    m.extend_from_slice(&0u32.to_le_bytes());
+    m.extend_from_slice(&4u32.to_le_bytes());
+    s.write_all(&m[..7]).unwrap();
+    std::thread::sleep(Duration::from_millis(50));
+    s.write_all(&m[7..]).unwrap();
+    let r = read_reply(&mut s);
+    assert_eq!((r.id, r.flags & ERROR), (25, 0));
     assert_eq!(
-        u32::from_le_bytes(h[32..36].try_into().unwrap()),
+        u32::from_le_bytes(r.payload[16..20].try_into().unwrap()),
         ringbell_specs::regs::MAGIC_VALUE
     );
     // Hang up in the middle of a message.
-    s.write_all(&header(24, 10, 4096)[..10]).unwrap();
+    s.write_all(&header(26, 10, 4096)[..10]).unwrap();
     drop(s);
-    srv.expect_log("node 0: client");
+    let log = srv.expect_end("node 0: client 5 ");
+    assert!(log.contains("hung up in the middle of a message"), "{log}");
+    assert!(log.contains("(16 messages, 14 refused"), "{log}");
 
     // DMA_MAPs of a real memory file: overlapping, absurdly large, beyond the file,
-    // unaligned, empty: each refused by the server, which keeps the good one.
+    // unaligned, empty: each refused by the server, which keeps the good ones.
     let mut s = connect(&path);
     version(&mut s);
     let mem = ringbell::DmaMemory::new(65536).unwrap();
     let base = 1u64 << 32;
-    for (i, (iova, len, good)) in [
-        (base, 65536u64, true),
-        (base + 4096, 4096, false),
-        (base - 4096, 8192, false),
-        (base << 4, 1 << 40, false),
-        (base << 4, 65536 + 4096, false),
-        ((base << 4) + 12, 4096, false),
-        (base << 4, 0, false),
-        (u64::MAX - 4095, 8192, false),
-        (base + 65536, 4096, true),
+    for (i, (iova, len, errno)) in [
+        (base, 65536u64, None),
+        (base + 4096, 4096, Some(Errno::EEXIST)),
+        (base - 4096, 8192, Some(Errno::EEXIST)),
+        (base << 4, 1 << 40, Some(Errno::EINVAL)),
+        (base << 4, 65536 + 4096, Some(Errno::EINVAL)),
+        ((base << 4) + 12, 4096, Some(Errno::EINVAL)),
+        (base << 4, 0, Some(Errno::EINVAL)),
+        (u64::MAX - 4095, 8192, Some(Errno::EINVAL)),
+        (base + 65536, 4096, None),
     ]
     .into_iter()
     .enumerate()
     {
         let id = 40 + i as u16;
         dma_map(&s, id, mem.fd(), iova, len);
-        let (got, cmd, flags, _) = reply(&mut s);
-        assert_eq!((got, cmd), (id, 2));
-        assert_eq!(flags & ERROR == 0, good, "DMA_MAP {iova:#x}+{len:#x}");
+        match errno {
+            None => {
+                let r = read_reply(&mut s);
+                assert_eq!(
+                    (r.id, r.cmd, r.flags & ERROR),
+                    (id, 2, 0),
+                    "{iova:#x}+{len:#x}"
+                );
+            }
+            Some(e) => refused(&mut s, id, 2, e),
+        }
     }
     // A memory file that cannot be sealed against shrinking: refused.
     let plain =
@@ -435,10 +567,9 @@ fn malformed_messages_are_refused_and_every_node_keeps_serving() {
             .unwrap();
     nix::unistd::ftruncate(&plain, 4096).unwrap();
     dma_map(&s, 60, std::os::fd::AsFd::as_fd(&plain), base << 8, 4096);
-    let (got, cmd, flags, _) = reply(&mut s);
-    assert_eq!((got, cmd, flags & ERROR), (60, 2, ERROR));
+    refused(&mut s, 60, 2, Errno::EINVAL);
     drop(s);
-    let log = srv.expect_log("node 0: client");
+    let log = srv.expect_end("node 0: client 6 ");
     assert!(log.contains("2 DMA mappings reclaimed"), "{log}");
 
     // Both NICs still carry traffic.
@@ -581,7 +712,7 @@ fn a_client_cannot_shrink_the_bar_file_under_the_server() {
         "the BAR file shrank"
     );
     drop(client);
-    srv.expect_log("node 0: client");
+    srv.expect_end("node 0: client");
     std::thread::sleep(Duration::from_millis(100));
     assert!(srv.alive(), "the server died");
 }
@@ -597,7 +728,7 @@ fn a_former_client_cannot_ring_the_next_clients_doorbells() {
     let first = vfio_user::Client::new(&srv.socket(0)).unwrap();
     let old = bar_file(&first);
     drop(first);
-    srv.expect_log("node 0: client");
+    srv.expect_end("node 0: client");
     let second = vfio_user::Client::new(&srv.socket(0)).unwrap();
     let new = bar_file(&second);
     // The first client kept its doorbell pages (a mapping or, here, the file): its stores
@@ -612,4 +743,300 @@ fn a_former_client_cannot_ring_the_next_clients_doorbells() {
         "the doorbell pages are shared"
     );
     drop(second);
+}
+
+/// Sends a header that announces `size` bytes, then up to `extra` bytes of filler, ignoring
+/// a write the server refuses once it has closed.
+fn announce(s: &mut UnixStream, id: u16, cmd: u16, size: u32, extra: usize) {
+    let _ = s.write_all(&header(id, cmd, size));
+    let chunk = [b'a'; 4096];
+    let mut left = extra;
+    while left > 0 {
+        let n = left.min(chunk.len());
+        if s.write_all(&chunk[..n]).is_err() {
+            break;
+        }
+        left -= n;
+    }
+}
+
+/// The attacks of a hostile client on node 0, each checked for its reply and for the
+/// server's memory, while two other processes run traffic on nodes 1 and 2.
+#[test]
+fn hostile_messages_cost_the_server_no_memory_while_other_clients_run() {
+    let srv = Server::start("hostile", 3);
+    let (a, b) = pair(&srv, 1, 2, "rc", 300, 65536);
+    b.line("rb-progress");
+    let path = srv.socket(0);
+    let (_, peak0) = srv.rss_kib();
+    let peak = |what: &str| {
+        let (rss, hwm) = srv.rss_kib();
+        eprintln!("after {what}: server RSS {rss} KiB, peak {hwm} KiB");
+        hwm
+    };
+
+    // REGION_READ of 4 GiB - 1 bytes: E2BIG, and the connection goes on.
+    let mut s = connect(&path);
+    version(&mut s);
+    region_access(&mut s, 1, false, 0, 0, u32::MAX);
+    refused(&mut s, 1, 9, Errno::E2BIG);
+    peak("REGION_READ of 4 GiB - 1");
+    // A REGION_READ whose message is smaller than its fields: EINVAL, and on it goes.
+    announce(&mut s, 2, 9, 20, 4);
+    refused(&mut s, 2, 9, Errno::EINVAL);
+    // A header that announces less than itself cannot be followed: EINVAL, closed.
+    announce(&mut s, 3, 9, 15, 0);
+    refused(&mut s, 3, 9, Errno::EINVAL);
+    closed(&mut s);
+
+    // REGION_WRITE announcing 4 GiB, 8 MiB of it sent: E2BIG on the header, closed.
+    let mut s = connect(&path);
+    version(&mut s);
+    announce(&mut s, 3, 10, u32::MAX, 8 << 20);
+    refused(&mut s, 3, 10, Errno::E2BIG);
+    closed(&mut s);
+    peak("REGION_WRITE of 4 GiB");
+
+    // VERSION announcing 64 MiB of capabilities with no NUL: E2BIG, closed, nothing read.
+    let mut s = connect(&path);
+    announce(&mut s, 4, 1, 64 << 20, 4 << 20);
+    refused(&mut s, 4, 1, Errno::E2BIG);
+    closed(&mut s);
+    // One that fits but has no NUL: EINVAL, closed.
+    let mut s = connect(&path);
+    let mut m = header(5, 1, 4000);
+    m.extend_from_slice(&[0, 0, 1, 0]);
+    m.extend(std::iter::repeat_n(b'{', 4000 - 20));
+    s.write_all(&m).unwrap();
+    refused(&mut s, 5, 1, Errno::EINVAL);
+    closed(&mut s);
+    peak("VERSION of 64 MiB");
+
+    // 5000 unknown commands of 4 KiB each (20 MB): each skipped with ENOTSUP, in step.
+    let mut s = connect(&path);
+    version(&mut s);
+    let mut m = header(0, 200, 4096);
+    m.resize(4096, 0x5A);
+    for i in 0..5000u16 {
+        m[0..2].copy_from_slice(&i.to_le_bytes());
+        s.write_all(&m).unwrap();
+        refused(&mut s, i, 200, Errno::ENOTSUP);
+    }
+    region_access(&mut s, 9, false, 0, ringbell_specs::regs::MAGIC, 4);
+    assert_eq!(read_reply(&mut s).flags & ERROR, 0, "out of step");
+    drop(s);
+    peak("5000 unknown commands");
+
+    // 200 connections that hang up in the middle of a message.
+    for i in 0..200u16 {
+        let mut s = connect(&path);
+        version(&mut s);
+        announce(&mut s, i, 10, 4096, 1000);
+    }
+    let last = peak("200 half messages");
+
+    assert!(
+        last < peak0 + 16 * 1024,
+        "the server's peak RSS grew from {peak0} KiB to {last} KiB"
+    );
+    ok(a, "initiator during the attacks");
+    ok(b, "target during the attacks");
+    let mut srv = srv;
+    assert!(srv.alive());
+}
+
+/// A blocking eventfd filled to its limit (or a pipe) as the interrupt cannot stall the
+/// fabric, the other NICs or, for more than a moment, the client's own NIC.
+#[test]
+fn a_full_blocking_eventfd_or_a_pipe_cannot_stall_anyone() {
+    use nix::fcntl::{fcntl, FcntlArg, OFlag};
+    use ringbell::{RemoteAddr, SendWr, WrOp};
+    use std::os::fd::AsRawFd;
+    let srv = Server::start("irqfd", 5);
+    let (c, d) = pair(&srv, 2, 3, "rc", 200, 4096);
+
+    // A pipe as the interrupt descriptor: EINVAL.
+    let mut s = connect(&srv.socket(4));
+    version(&mut s);
+    let (rd, wr) = nix::unistd::pipe().unwrap();
+    let mut m = header(7, 8, 16 + 20);
+    for v in [20u32, (1 << 2) | (1 << 5), 2, 0, 1] {
+        m.extend_from_slice(&v.to_le_bytes());
+    }
+    let fds = [wr.as_raw_fd()];
+    nix::sys::socket::sendmsg::<()>(
+        s.as_raw_fd(),
+        &[std::io::IoSlice::new(&m)],
+        &[nix::sys::socket::ControlMessage::ScmRights(&fds)],
+        nix::sys::socket::MsgFlags::empty(),
+        None,
+    )
+    .unwrap();
+    refused(&mut s, 7, 8, Errno::EINVAL);
+    assert!(srv
+        .expect_log("refused DEVICE_SET_IRQS #7")
+        .contains("not an eventfd"));
+    drop((s, rd, wr));
+
+    // Node 0's client makes its own eventfd blocking and fills it to the limit, then makes
+    // its NIC interrupt.
+    let mut t = Two::connect(&srv, 4096);
+    let fd = t.a.port().interrupt_fd(0).unwrap();
+    fcntl(fd.as_raw_fd(), FcntlArg::F_SETFL(OFlag::empty())).unwrap();
+    nix::unistd::write(fd, &0xFFFF_FFFF_FFFF_FFFEu64.to_ne_bytes()).unwrap();
+    t.ca.arm(false);
+    t.ba.write(0, b"irq").unwrap();
+    let remote = RemoteAddr {
+        addr: t.mb.addr(),
+        rkey: t.mb.rkey(),
+    };
+    t.qa.post_send(&[SendWr::new(1, WrOp::Write(remote), &[t.ma.sge(0, 3)])])
+        .unwrap();
+    let log = srv.expect_log("interrupt eventfd dropped");
+    assert!(log.contains("node 0: client"), "{log}");
+    // The completion came, and node 0 still answers commands.
+    let mut wc = [WorkCompletion::default(); 1];
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while t.ca.poll(&mut wc) == 0 {
+        assert!(Instant::now() < deadline, "no completion");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert_eq!((wc[0].wr_id, wc[0].status), (1, WcStatus::Success));
+    assert!(t.a.alloc_pd().is_ok());
+    ok(c, "initiator beside the full eventfd");
+    ok(d, "target beside the full eventfd");
+}
+
+/// Each client holds at most its share of DMA mappings; the next is refused with ENOSPC and
+/// another NIC's client maps as usual.
+#[test]
+fn dma_mappings_are_bounded_per_client() {
+    let srv = Server::start_with("maps", 2, &["--max-dma-maps", "64"]);
+    let mut s = connect(&srv.socket(0));
+    let caps = b"{\"capabilities\":{\"max_msg_fds\":1}}\0";
+    let mut m = header(1, 1, 20 + caps.len() as u32);
+    m.extend_from_slice(&[0, 0, 1, 0]);
+    m.extend_from_slice(caps);
+    s.write_all(&m).unwrap();
+    let r = read_reply(&mut s);
+    let json = String::from_utf8_lossy(&r.payload[4..]).to_string();
+    assert!(json.contains("\"max_dma_maps\":64"), "{json}");
+    let mem = ringbell::DmaMemory::new(4096).unwrap();
+    for i in 0..64u16 {
+        dma_map(&s, i, mem.fd(), (1 << 32) + u64::from(i) * 8192, 4096);
+        let r = read_reply(&mut s);
+        assert_eq!((r.id, r.flags & ERROR), (i, 0));
+    }
+    dma_map(&s, 64, mem.fd(), 1 << 40, 4096);
+    refused(&mut s, 64, 2, Errno::ENOSPC);
+    assert!(srv
+        .expect_log("refused DMA_MAP #64")
+        .contains("holds 64 DMA mappings"));
+    // Node 1's client is not affected.
+    let dev = Device::open(Box::new(VfioPort::connect(srv.socket(1)).unwrap())).unwrap();
+    let buf = dev.alloc_dma(4096).unwrap();
+    drop((buf, dev));
+    drop(s);
+    let log = srv.expect_end("node 0: client 1 ");
+    assert!(log.contains("64 DMA mappings reclaimed"), "{log}");
+}
+
+/// A client that sends nothing, half a message, or nothing more for too long is closed
+/// after its timeout; it blocks nobody meanwhile, and its NIC serves the next client.
+#[test]
+fn silent_slow_and_idle_clients_are_closed_and_block_no_one() {
+    let srv = Server::start_with("slow", 3, &["--client-timeout", "1", "--idle-timeout", "2"]);
+    let (a, b) = pair(&srv, 1, 2, "rc", 200, 4096);
+    let path = srv.socket(0);
+    // Silent from the start.
+    let mut s = connect(&path);
+    let log = srv.expect_end("node 0: client 1 ");
+    assert!(log.contains("closed: it sent no VERSION for 1s"), "{log}");
+    closed(&mut s);
+    // Half a message.
+    let mut s = connect(&path);
+    version(&mut s);
+    s.write_all(&header(2, 9, 32)[..10]).unwrap();
+    let log = srv.expect_end("node 0: client 2 ");
+    assert!(
+        log.contains("closed: it left a message unfinished for 1s"),
+        "{log}"
+    );
+    closed(&mut s);
+    // Idle after VERSION.
+    let mut s = connect(&path);
+    version(&mut s);
+    let log = srv.expect_end("node 0: client 3 ");
+    assert!(log.contains("closed: it was idle for 2s"), "{log}");
+    closed(&mut s);
+    // The NIC serves the next client.
+    let mut s = connect(&path);
+    version(&mut s);
+    region_access(&mut s, 3, false, 0, ringbell_specs::regs::MAGIC, 4);
+    assert_eq!(read_reply(&mut s).flags & ERROR, 0);
+    ok(a, "initiator beside the slow clients");
+    ok(b, "target beside the slow clients");
+}
+
+/// A client that stores into its doorbells as fast as it can does not starve the other
+/// NICs' simulation.
+#[test]
+fn a_client_flooding_doorbells_does_not_starve_the_other_nics() {
+    use ringbell::QpInit;
+    use ringbell_specs::regs;
+    let mut srv = Server::start("flood", 3);
+    let (mut a, mut b) = pair(&srv, 1, 2, "rc", 200, 4096);
+    let dev = Device::open(Box::new(VfioPort::connect(srv.socket(0)).unwrap())).unwrap();
+    let pd = dev.alloc_pd().unwrap();
+    let cq = dev.create_cq(16).unwrap();
+    let qp = pd.create_qp(&QpInit::new(&cq, &cq)).unwrap();
+    let cq_db = regs::CQ_DB_BASE + u64::from(cq.cqn()) * regs::DB_STRIDE;
+    let qp_db = regs::QP_DB_BASE + u64::from(qp.qpn()) * regs::DB_STRIDE;
+    let mut stores = 0u64;
+    let done = |p: &mut Peer| p.proc.0.try_wait().unwrap().is_some();
+    let deadline = Instant::now() + Duration::from_secs(90);
+    while !(done(&mut a) && done(&mut b)) {
+        assert!(Instant::now() < deadline, "the pair never finished");
+        for i in 0..1000u32 {
+            dev.port().write32(cq_db + regs::DB_CQ_CI, i);
+            dev.port().write32(cq_db + regs::DB_CQ_ARM, i);
+            dev.port().write32(qp_db + regs::DB_SQ, i);
+            dev.port().write32(qp_db + regs::DB_RQ, i);
+        }
+        stores += 4000;
+    }
+    eprintln!("{stores} doorbell stores while the pair ran");
+    ok(a, "initiator beside the flood");
+    ok(b, "target beside the flood");
+    assert!(srv.alive());
+    assert!(
+        dev.alloc_pd().is_ok(),
+        "the flooding client's NIC still answers"
+    );
+}
+
+/// A driver whose server stops answering gets a typed error instead of hanging, and every
+/// later command fails at once.
+#[test]
+fn a_driver_whose_server_stops_answering_fails_with_a_typed_error() {
+    use nix::sys::signal::{kill, Signal};
+    use nix::unistd::Pid;
+    let srv = Server::start("stopped", 1);
+    let port = VfioPort::connect_with(srv.socket(0), Duration::from_millis(500)).unwrap();
+    let dev = Device::open(Box::new(port)).unwrap();
+    assert!(dev.alloc_pd().is_ok());
+    let pid = Pid::from_raw(srv.proc.0.id() as i32);
+    kill(pid, Signal::SIGSTOP).unwrap();
+    let r = dev.alloc_pd();
+    kill(pid, Signal::SIGCONT).unwrap();
+    match r {
+        Err(ringbell::Error::DeviceLost(why)) => assert!(why.contains("in time"), "{why}"),
+        other => panic!("{other:?}"),
+    }
+    // The server is back, but the connection is not: later calls fail at once.
+    assert!(matches!(
+        dev.port_stats(),
+        Err(ringbell::Error::DeviceLost(_))
+    ));
+    assert!(dev.lost().is_some());
 }

@@ -149,6 +149,10 @@ pub trait Transport {
     /// Stops the device's interrupts and DMA before the BAR windows are unmapped (called
     /// once, when the port drops).
     fn shutdown(&mut self) {}
+    /// Why the transport can no longer reach the device, or `None` while it can.
+    fn broken(&self) -> Option<String> {
+        None
+    }
 }
 
 /// The PCI region index of BAR0.
@@ -422,6 +426,10 @@ impl Port for VfioPort {
 
     fn progress(&self) -> bool {
         self.transport.idle()
+    }
+
+    fn failure(&self) -> Option<String> {
+        self.transport.broken()
     }
 
     fn interrupt_fd(&self, vector: u32) -> Option<BorrowedFd<'_>> {

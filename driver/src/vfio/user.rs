@@ -808,6 +808,10 @@ impl Transport for UserTransport {
     /// Sleeps about 20 µs: the device is another process (often on the same few cores) that
     /// needs the CPU to make progress, so spinning here would only slow it down. `false` once
     /// the connection is broken: nothing the server does can reach this client any more.
+    fn broken(&self) -> Option<String> {
+        self.conn.borrow().broken.clone()
+    }
+
     fn idle(&self) -> bool {
         if self.conn.borrow().broken.is_some() {
             return false;
@@ -1465,11 +1469,14 @@ mod tests {
         let t = UserTransport::new(a, Duration::from_millis(200)).unwrap();
         let port = VfioPort::new(Bar::default(), Box::new(t), None);
         assert!(port.progress(), "a live connection may progress");
+        assert_eq!(port.failure(), None);
         // The server dies: the next trapped access fails, and a driver waiting on the device
         // (a command, a destroy in a drop) must be told instead of spinning forever.
         drop(b);
         assert_eq!(port.read32(regs::CMD_STATUS), u32::MAX);
         assert!(!port.progress(), "a dead server cannot progress");
+        let why = port.failure().expect("the port says why");
+        assert!(why.contains("REGION_READ"), "{why}");
     }
 
     #[test]
