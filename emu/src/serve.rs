@@ -236,7 +236,7 @@ struct NodeState {
 
 impl NodeState {
     fn new(bar: MmapRaw) -> NodeState {
-        let st = NodeState {
+        let mut st = NodeState {
             db: Doorbells {
                 bar,
                 slots: Vec::new(),
@@ -268,13 +268,17 @@ impl Doorbells {
         Some(unsafe { &*self.bar.as_ptr().add(offset as usize).cast::<AtomicU32>() })
     }
 
-    /// Refills every doorbell word with [`DOORBELL_IDLE`] and forgets the slots.
-    fn clear(&self) {
+    /// Refills every doorbell word with [`DOORBELL_IDLE`] and forgets the slots (the NIC's
+    /// objects are gone, or the pages belong to a new client).
+    fn clear(&mut self) {
         for off in (regs::DB_BASE..regs::DB_END).step_by(4) {
             if let Some(w) = self.word(off) {
                 w.store(DOORBELL_IDLE, Ordering::Relaxed);
             }
         }
+        self.slots.clear();
+        self.hot.clear();
+        self.cursor = 0;
     }
 
     /// Takes the store in `slot` (both words): the values found, [`DOORBELL_IDLE`] for none.

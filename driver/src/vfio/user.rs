@@ -14,9 +14,14 @@
 //! once with [`VfioError::Protocol`] (a late reply would otherwise be taken for the answer to
 //! the next request).
 //!
+//! A server that stops answering costs each request at most the reply timeout
+//! ([`DEFAULT_TIMEOUT`], or the one given to [`VfioPort::connect_with`]); the port then reports
+//! its failure ([`crate::Port::failure`]) and the device's commands fail at once with
+//! [`crate::Error::DeviceLost`].
+//!
 //! Limitations:
-//! - The errno of a refusal is whatever the server sends: the `vfio_user` crate's server sends
-//!   0 except for EINVAL on a bad region or IRQ index.
+//! - The errno of a refusal is whatever the server sends (`ringbell-emu serve` sends the one
+//!   the vfio-user specification or Linux VFIO names; other servers may send 0).
 //! - One client per device: a server (like the `vfio_user` crate's) serves one connection at a
 //!   time, so a second client waits in VERSION and gets [`VfioError::Timeout`].
 //! - Doorbell stores land in memory shared with the server; no message tells it, so the server
