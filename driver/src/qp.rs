@@ -718,7 +718,15 @@ impl QueuePair {
         Ok(())
     }
 
-    /// Reads the QP's attributes and state from the device.
+    /// The QP's state as the device has it now (it may have moved to ERR by itself).
+    pub fn query_state(&self) -> Result<QpState, Error> {
+        let a = self.query()?;
+        a.qp_state()
+            .ok_or(Error::InvalidArgument("QUERY_QP returned an unknown state"))
+    }
+
+    /// Reads the QP's attributes and state from the device ([`QpAttr::qp_state`] gives the
+    /// state typed).
     pub fn query(&self) -> Result<QpAttr, Error> {
         let out = self.dev.inner.command(
             CmdOpcode::QueryQp,
@@ -812,6 +820,23 @@ impl QueuePair {
 
     /// Posts send requests and rings the doorbell once. On an error, the requests before the
     /// failing one are posted (and the doorbell rung for them); the rest are not.
+    ///
+    /// Refused here: [`Error::InvalidState`] in RESET, INIT or RTR (in ERR the requests are
+    /// accepted and flushed); [`Error::QueueFull`] when the send queue has no room;
+    /// [`Error::InvalidArgument`] for more SGEs than `max_send_sge`, inline data above
+    /// `max_inline` or on a READ or atomic, or an atomic without exactly one 8-byte SGE or
+    /// with an unaligned target.
+    ///
+    /// What the completion then says (ABI.md 7.1 and 10.8): `LOC_LEN_ERR` for a
+    /// message above MAX_MSG_SIZE, `LOC_QP_OP_ERR` for a malformed WQE, `LOC_PROT_ERR`
+    /// when a local key check fails, `REM_INV_REQ_ERR` / `REM_ACCESS_ERR` / `REM_OP_ERR`
+    /// for the peer's NAK (a receive too small, a bad rkey or range, a responder fault),
+    /// `RNR_RETRY_EXC_ERR` after `rnr_retry` RNR NAKs, `RETRY_EXC_ERR` after `retry_cnt`
+    /// timeouts or sequence NAKs without forward progress, `BAD_RESP_ERR` for a response
+    /// of the wrong kind, and `WR_FLUSH_ERR` for every request behind the first error (the
+    /// QP is then in ERR). A READ that is retried asks only for the part not yet received:
+    /// the retry starts at the first missing response PSN, and the bytes already placed
+    /// stay.
     pub fn post_send(&mut self, wrs: &[SendWr<'_>]) -> Result<(), Error> {
         if matches!(self.state, QpState::Reset | QpState::Init | QpState::Rtr) {
             return Err(Error::InvalidState {

@@ -7,43 +7,71 @@ use crate::qp::{write_recv_wqe, RecvWr};
 use ringbell_specs::cmd::{ArmSrqIn, CmdOpcode, CreateSrqIn};
 use ringbell_specs::regs;
 use ringbell_specs::wqe::SEG;
-use std::cell::Cell;
+use std::cell::{Cell, RefCell};
 use std::rc::Rc;
 use zerocopy::IntoBytes;
 
-/// Receive bookkeeping shared with CQs. SRQ entries complete in any order (several QPs);
-/// a slot is reused only once every slot before it has completed.
+/// Receive bookkeeping shared with CQs.
+///
+/// The device takes SRQ WQEs in ring order and reads each one once, when it takes it
+/// (ABI 5.2), but completes them in any order (several QPs, messages of several packets).
+/// A completion of WQE `i` therefore proves that every WQE up to `i` has been taken, and
+/// their ring slots may be written again at once, even if some of them are still being
+/// filled: their wr_ids move to `held` until they complete. Slots thus come back out of
+/// order, as from rdma-core's SRQ free list, and a ring of `n` entries always has room for
+/// `n` buffers reposted as they complete.
 #[derive(Debug)]
 pub(crate) struct SrqRings {
     mask: u32,
     wrid: Box<[Cell<u64>]>,
-    done: Box<[Cell<bool>]>,
-    ci: Cell<u32>,
+    /// Every WQE before this index has been taken by the device; its slot is free unless
+    /// reposted.
+    taken: Cell<u32>,
     pi: Cell<u32>,
+    /// WQEs taken and not completed whose slots may have been written again: (index,
+    /// wr_id). At most one per QP filling a message, so short.
+    held: RefCell<Vec<(u32, u64)>>,
     /// Tag-matching bookkeeping, for a TM-SRQ.
     pub(crate) tm: Option<crate::tm::TmRings>,
 }
 
 impl SrqRings {
-    /// An SRQ CQE for entry `counter`: its wr_id, or `None` for an entry that is not posted
-    /// or already completed (the CQE is skipped).
+    fn new(log: u8, tm: Option<crate::tm::TmRings>) -> SrqRings {
+        SrqRings {
+            mask: (1 << log) - 1,
+            wrid: (0..1u32 << log).map(|_| Cell::new(0)).collect(),
+            taken: Cell::new(0),
+            pi: Cell::new(0),
+            held: RefCell::new(Vec::with_capacity(16)),
+            tm,
+        }
+    }
+
+    /// Entries that can be posted now.
+    fn free(&self, pi: u32) -> u32 {
+        (self.mask + 1) - pi.wrapping_sub(self.taken.get())
+    }
+
+    /// An SRQ CQE for entry `counter` (the low 16 bits of its index): its wr_id, or `None`
+    /// for an entry that is not posted or already completed (the CQE is skipped).
     pub(crate) fn complete(&self, counter: u16) -> Option<u64> {
-        let ci = self.ci.get();
-        let idx = ci.wrapping_add(counter.wrapping_sub(ci as u16) as u32);
-        let slot = (idx & self.mask) as usize;
-        if idx.wrapping_sub(ci) >= self.pi.get().wrapping_sub(ci) || self.done[slot].get() {
-            return None;
-        }
-        self.done[slot].set(true);
-        loop {
-            let s = (self.ci.get() & self.mask) as usize;
-            if self.ci.get() == self.pi.get() || !self.done[s].get() {
-                break;
+        let taken = self.taken.get();
+        let ahead = counter.wrapping_sub(taken as u16) as u32;
+        if ahead < self.pi.get().wrapping_sub(taken) {
+            let idx = taken.wrapping_add(ahead);
+            // The WQEs before it were taken too and are still being filled: their slots are
+            // free, their wr_ids wait for their completions.
+            let mut held = self.held.borrow_mut();
+            for j in 0..ahead {
+                let j = taken.wrapping_add(j);
+                held.push((j, self.wrid[(j & self.mask) as usize].get()));
             }
-            self.done[s].set(false);
-            self.ci.set(self.ci.get().wrapping_add(1));
+            self.taken.set(idx.wrapping_add(1));
+            return Some(self.wrid[(idx & self.mask) as usize].get());
         }
-        Some(self.wrid[slot].get())
+        let mut held = self.held.borrow_mut();
+        let i = held.iter().position(|&(j, _)| j as u16 == counter)?;
+        Some(held.swap_remove(i).1)
     }
 }
 
@@ -112,14 +140,7 @@ impl ProtectionDomain {
                 (n, Some(rings), Some(ops))
             }
         };
-        let rings = Rc::new(SrqRings {
-            mask: (1 << log) - 1,
-            wrid: (0..1u32 << log).map(|_| Cell::new(0)).collect(),
-            done: (0..1u32 << log).map(|_| Cell::new(false)).collect(),
-            ci: Cell::new(0),
-            pi: Cell::new(0),
-            tm: tm_rings,
-        });
+        let rings = Rc::new(SrqRings::new(log, tm_rings));
         self.dev.inner.srqs.borrow_mut().insert(srqn, rings.clone());
         let obj = Rc::new(SrqObject {
             dev: self.dev.clone(),
@@ -161,7 +182,7 @@ impl SharedReceiveQueue {
         let start = self.pi;
         let mut result = Ok(());
         for wr in wrs {
-            let free = (1u32 << self.log) - self.pi.wrapping_sub(self.rings.ci.get());
+            let free = self.rings.free(self.pi);
             if free == 0 {
                 result = Err(Error::QueueFull {
                     queue: "shared receive queue",
@@ -235,26 +256,61 @@ mod tests {
     use proptest::prelude::*;
 
     proptest! {
-        /// Completions in any order return the right wr_id, and the consumer index only passes
-        /// a slot once every slot before it has completed.
+        /// A model of the device (takes WQEs in ring order, completes the taken ones in any
+        /// order) against the bookkeeping: every completion returns the wr_id posted for
+        /// that WQE, exactly once, and a slot is offered again only once the device has
+        /// taken the WQE in it.
         #[test]
-        fn out_of_order_completion(order in Just((0u32..16).collect::<Vec<_>>()).prop_shuffle()) {
-            let r = SrqRings {
-                mask: 15,
-                wrid: (0..16).map(|i| Cell::new(100 + i)).collect(),
-                done: (0..16).map(|_| Cell::new(false)).collect(),
-                ci: Cell::new(0),
-                pi: Cell::new(16),
-                tm: None,
-            };
-            let mut finished = [false; 16];
-            for idx in order {
-                prop_assert_eq!(r.complete(idx as u16), Some(100 + idx as u64));
-                prop_assert_eq!(r.complete(idx as u16), None, "completed twice");
-                finished[idx as usize] = true;
-                let expect = finished.iter().take_while(|f| **f).count() as u32;
-                prop_assert_eq!(r.ci.get(), expect);
+        fn out_of_order_completion(
+            log in 1u8..5,
+            script in proptest::collection::vec((0u8..3, any::<u16>()), 1..400),
+        ) {
+            let r = SrqRings::new(log, None);
+            let size = 1u32 << log;
+            let (mut pi, mut dev_ci, mut next_id) = (0u32, 0u32, 0u64);
+            // The device's view: index -> wr_id of WQEs taken and not completed.
+            let mut filling: Vec<(u32, u64)> = Vec::new();
+            let mut ring: Vec<Option<u64>> = vec![None; size as usize];
+            for (what, pick) in script {
+                match what {
+                    0 => {
+                        // Post while there is room; the slot must not hold an untaken WQE.
+                        if r.free(pi) > 0 {
+                            prop_assert!(pi.wrapping_sub(dev_ci) < size, "slot of an untaken WQE reused");
+                            r.wrid[(pi & r.mask) as usize].set(next_id);
+                            ring[(pi & r.mask) as usize] = Some(next_id);
+                            pi += 1;
+                            r.pi.set(pi);
+                            next_id += 1;
+                        }
+                    }
+                    1 => {
+                        if dev_ci != pi {
+                            let id = ring[(dev_ci & r.mask) as usize].take().unwrap();
+                            filling.push((dev_ci, id));
+                            dev_ci += 1;
+                        }
+                    }
+                    _ => {
+                        if !filling.is_empty() {
+                            let (idx, id) = filling.remove(pick as usize % filling.len());
+                            prop_assert_eq!(r.complete(idx as u16), Some(id));
+                            prop_assert_eq!(r.complete(idx as u16), None, "completed twice");
+                        }
+                    }
+                }
             }
+            // Everything taken completes; then the whole ring is free again.
+            while dev_ci != pi {
+                let id = ring[(dev_ci & r.mask) as usize].take().unwrap();
+                filling.push((dev_ci, id));
+                dev_ci += 1;
+            }
+            for (idx, id) in filling.drain(..).rev() {
+                prop_assert_eq!(r.complete(idx as u16), Some(id));
+            }
+            prop_assert_eq!(r.free(pi), size);
+            prop_assert!(r.held.borrow().is_empty());
         }
     }
 }

@@ -8,7 +8,8 @@
 //!   FIN, and only then is the send complete (its buffer free again).
 //! - **Receives** first look through the unexpected queue. If nothing there matches, a
 //!   receive goes to the hardware list when every earlier receive is there too, it is at
-//!   least `hw_min` and `eager_max` bytes (so any eager message fits), and the list has room; otherwise it stays in software.
+//!   least `hw_min` and `eager_max` bytes (so any eager message fits), and the list and its
+//!   operation ring have room; otherwise it stays in software.
 //! - **The shadow list** keeps every posted receive in posting order, hardware or not. A
 //!   message the hardware could not match arrives "unexpected" (whole, in a staging buffer):
 //!   software matches it against the shadow list; if the earliest match sits in hardware
@@ -18,12 +19,45 @@
 //! - **The unexpected queue** holds copies: an eager message's payload is copied out of its
 //!   staging buffer, which goes back to the NIC at once, so unexpected traffic does not pin
 //!   the staging buffers (and stall senders with RNR NAKs) until receives are posted.
-//! - **Own work** (software rendezvous READs and FINs) that finds a send queue full waits
-//!   and is posted as completions make room: never lost.
 //! - **Rendezvous** that hardware matched is finished by the NIC (READ, then FIN). One that
 //!   arrived unexpected, or whose buffer was too small, is finished here: RDMA READ, then FIN.
 //!
-//! Call [`TagMatcher::progress`] to move things along; finished operations come out of
+//! # What a caller can rely on
+//! - **Nothing consumed is lost.** Every completion the layer takes from its CQ is recorded
+//!   (as an event, an unexpected message or pending work) before anything that can fail is
+//!   tried; an error returned by [`TagMatcher::progress`] never means a message was
+//!   dropped. Staging buffers go back to the SRQ as each completes (the driver reuses SRQ
+//!   slots out of order, ABI 5.2, so there is always room); one that cannot be posted waits
+//!   and is posted by a later call.
+//! - **Own work waits, per connection.** List operations (DEL, SYNC) that find the
+//!   operation ring full wait in order and are posted as it drains (a DEL always before the
+//!   SYNC that would enable its entry); a receive posted meanwhile stays in software.
+//!   Rendezvous READs and FINs that find a connection's send queue full wait in that
+//!   connection's own queue, so one stalled peer delays no other. Work that cannot be
+//!   posted at all (the QP is gone or broken) ends its operation with
+//!   [`TagEvent::Failed`] (`LOC_QP_OP_ERR`).
+//! - **Every send ends**, with [`TagEvent::Send`] or [`TagEvent::Failed`]:
+//!   - an error completion on a connection fails every rendezvous send of that connection
+//!     still waiting for its FIN, with the same status;
+//!   - a receiver that refuses a malformed rendezvous request (no whole RVH, or a request the
+//!     NIC matched that cannot be read back) answers with a FIN whose TMH byte 1 is non-zero:
+//!     the send fails with `REM_INV_REQ_ERR`;
+//!   - a receiver whose READ fails moves its QP to ERR and cannot send a FIN. While
+//!     rendezvous sends wait for FINs, a sender whose CQ stayed empty for
+//!     [`TagConfig::keepalive_polls`] progress calls probes each such connection with a
+//!     16-byte NO_TAG SEND (which receivers recycle at once). A peer QP in ERR never
+//!     acknowledges it: after the connection's retries the probe fails, and with it the
+//!     waiting sends (`RETRY_EXC_ERR`; `WR_FLUSH_ERR` when the sender's QP is already in
+//!     ERR, as after a remote access error). At most one probe per connection is in flight.
+//! - **The CQ cannot overflow**: it is sized for everything that can complete at once
+//!   (staging buffers, two completions per hardware entry, the operation ring, and a full
+//!   send queue per connection up to [`TagConfig::max_conns`]).
+//! - **FINs are matched by connection, context and tag**: the 32-bit context is unique
+//!   among a connection's waiting sends (a context still waiting is skipped when the
+//!   counter wraps), and a FIN on another connection or with another tag matches nothing.
+//!
+//! Call [`TagMatcher::progress`] to move things along (or [`TagMatcher::progress_all`] for
+//! several matchers that share an emulated fabric); finished operations come out of
 //! [`TagMatcher::next_event`].
 
 use crate::cq::{CompletionQueue, WorkCompletion};
@@ -54,6 +88,10 @@ pub struct TagStats {
     /// Unexpected arrivals dropped: rendezvous requests without a whole RVH, and untagged
     /// buffers that completed in error.
     pub dropped: u64,
+    /// Rendezvous requests refused with an error FIN (the sender's send fails).
+    pub refused: u64,
+    /// Keepalive probes sent on connections whose rendezvous sends waited for a FIN.
+    pub probes: u64,
 }
 
 /// Tuning of a [`TagMatcher`].
@@ -68,10 +106,19 @@ pub struct TagConfig {
     pub hw_min: u32,
     /// Entries of the hardware list to use (0: none, pure software matching).
     pub hw_tags: u32,
-    /// Untagged staging buffers for unexpected messages.
+    /// Untagged staging buffers for unexpected messages (at least 1).
     pub staging_slots: u32,
     /// Bytes of the user region.
     pub user_bytes: usize,
+    /// Most connections ([`TagMatcher::add_conn`]); the CQ is sized for this many full
+    /// send queues.
+    pub max_conns: u32,
+    /// Progress calls that find the CQ empty, while rendezvous sends wait for FINs, before
+    /// their connections are probed (0: never probe).
+    pub keepalive_polls: u32,
+    /// Entries of the TM-SRQ's list-operation ring, rounded up to a power of two (0: four
+    /// per hardware entry plus 16, at least 256; at least 2).
+    pub list_ops: u32,
 }
 
 impl Default for TagConfig {
@@ -82,6 +129,9 @@ impl Default for TagConfig {
             hw_tags: 64,
             staging_slots: 64,
             user_bytes: 1 << 22,
+            max_conns: 16,
+            keepalive_polls: 4096,
+            list_ops: 0,
         }
     }
 }
@@ -116,7 +166,8 @@ pub enum TagEvent {
     Failed {
         /// The operation.
         id: u64,
-        /// What the device reported.
+        /// What the device reported (`LOC_QP_OP_ERR` when the work could not be posted,
+        /// `REM_INV_REQ_ERR` when the receiver refused a rendezvous request).
         status: CqeStatus,
     },
 }
@@ -137,7 +188,7 @@ fn check_id(id: u64) -> Result<(), Error> {
 enum Where {
     Hw(u32),
     Sw,
-    /// Taken out of the hardware list by software (a DEL is in flight).
+    /// Taken out of the hardware list by software (a DEL is in flight or waiting).
     Cancelled,
 }
 
@@ -171,6 +222,13 @@ struct SwRndv {
     rvh: Rvh,
 }
 
+/// A rendezvous send waiting for its FIN.
+#[derive(Clone, Copy, Debug)]
+struct Waiting {
+    id: u64,
+    tag: u64,
+}
+
 const K_SHIFT: u32 = 56;
 const K_SLOT: u64 = 1; // untagged staging receive
 const K_EAGER: u64 = 2; // eager send
@@ -180,6 +238,11 @@ const K_FIN: u64 = 5; // software rendezvous FIN
 const K_OP: u64 = 6; // list operation
 const K_CANCEL: u64 = 7; // DEL of a cancelled receive
 const K_TAKEBACK: u64 = 8; // DEL of a receive an unexpected message goes to
+const K_PROBE: u64 = 9; // keepalive probe
+const K_REFUSE: u64 = 10; // error FIN for a refused rendezvous request
+
+/// TMH byte 1 of a FIN that refuses the rendezvous (0 in every FIN that completes one).
+const FIN_REFUSED: u8 = 1;
 
 fn wr(kind: u64, v: u64) -> u64 {
     kind << K_SHIFT | v & ((1 << K_SHIFT) - 1)
@@ -189,23 +252,43 @@ fn wr(kind: u64, v: u64) -> u64 {
 const HDR: u64 = 64;
 /// Send queue depth of a connection.
 const SQ_DEPTH: u32 = 256;
+/// Completions one connection's send queue can hold: its capacity in blocks (every send
+/// WQE takes at least one; the matcher's take two at most).
+const CONN_CQES: u32 = 2 * SQ_DEPTH;
 /// Header slots per connection: twice the send queue, so a slot is written again only long
 /// after the send that used it completed (a retransmission gathers it again until then).
 const HDR_SLOTS: u64 = 2 * SQ_DEPTH as u64;
 
-/// A connection's ring of send headers (TMH, TMH + RVH, FIN).
+/// One connection: its QP, its ring of send headers and the work waiting for room in its
+/// send queue.
 #[derive(Debug)]
-struct HdrRing {
-    mr: MemoryRegion,
-    buf: DmaBuffer,
+struct Conn {
+    qp: QueuePair,
+    hdr_mr: MemoryRegion,
+    hdr_buf: DmaBuffer,
     /// Sends posted with a header so far.
-    next: u64,
+    hdr_next: u64,
+    /// Own work waiting for room in the send queue, in order.
+    deferred: VecDeque<Internal>,
+    /// Next rendezvous context to try.
+    next_ctx: u32,
+    /// A keepalive probe is in flight.
+    probing: bool,
+}
+
+/// A list operation of the matcher's own, waiting for room in the operation ring.
+#[derive(Clone, Copy, Debug)]
+enum ListOp {
+    /// DEL of entry `handle`, completing as `wr(kind, id)`.
+    Del { kind: u64, id: u64, handle: u32 },
+    /// SYNC with this unexpected count.
+    Sync(u32),
 }
 
 /// A tag-matching endpoint.
 #[derive(Debug)]
 pub struct TagMatcher {
-    conns: Vec<QueuePair>,
+    conns: Vec<Conn>,
     srq: SharedReceiveQueue,
     cq: CompletionQueue,
     user_mr: MemoryRegion,
@@ -215,45 +298,66 @@ pub struct TagMatcher {
     pd: ProtectionDomain,
     cfg: TagConfig,
     slot_bytes: u64,
-    hdrs: Vec<HdrRing>,
-    /// Own work waiting for room in a send queue.
-    deferred: VecDeque<(usize, Internal)>,
+    /// Own list operations waiting for room in the operation ring, in order.
+    list_ops: VecDeque<ListOp>,
+    /// Staging buffers whose repost failed: posted again by a later progress call.
+    idle_slots: Vec<u32>,
+    /// Connections with work in their `deferred` queue.
+    deferred_conns: usize,
     /// Unexpected messages waiting for the DEL of the hardware receive they go to.
     reclaim: BTreeMap<u64, Unexpected>,
     posted: VecDeque<Posted>,
     unexpected: VecDeque<Unexpected>,
     unexp_cnt: u32,
-    sends: BTreeMap<u64, u64>,
+    /// Rendezvous sends waiting for their FIN, by (connection, context).
+    sends: BTreeMap<(usize, u32), Waiting>,
     sw_rndv: BTreeMap<u64, SwRndv>,
     /// Tag of a receive matched by hardware, between its MATCH and its data completions.
     matched: BTreeMap<u64, (u64, usize)>,
     events: VecDeque<TagEvent>,
-    next_send_ctx: u32,
     wc: Vec<WorkCompletion>,
     stats: TagStats,
     syncs: u32,
+    /// Progress calls in a row that found the CQ empty.
+    idle_polls: u32,
 }
 
 impl TagMatcher {
     /// A matcher on `dev` with no connection yet.
     pub fn new(dev: &Device, cfg: TagConfig) -> Result<TagMatcher, Error> {
+        let caps = dev.caps();
         let pd = dev.alloc_pd()?;
-        let cq = dev.create_cq(4096)?;
-        let tags = cfg.hw_tags.clamp(1, dev.caps().max_num_tags.max(1));
-        let mut srq = pd.create_tm_srq(
-            &cq,
-            cfg.staging_slots.max(2),
-            1,
-            tags,
-            (4 * tags + 16).max(256),
-        )?;
+        let tags = cfg.hw_tags.clamp(1, caps.max_num_tags.max(1));
+        let slots = cfg.staging_slots.max(1);
+        let max_ops = match cfg.list_ops {
+            0 => (4 * tags + 16).max(256),
+            n => n.max(2),
+        }
+        .min(caps.max_tm_ops);
+        if cfg.max_conns == 0 {
+            return Err(Error::InvalidArgument("TagConfig::max_conns is 0"));
+        }
+        // Everything that can complete before the next poll: each staging buffer once, each
+        // hardware entry twice (MATCH, then data), the operation ring, and every connection's
+        // send queue.
+        let cqes = slots.next_power_of_two() as u64
+            + 2 * tags as u64
+            + max_ops.next_power_of_two() as u64
+            + cfg.max_conns as u64 * CONN_CQES as u64;
+        if cqes > caps.max_cqe as u64 {
+            return Err(Error::InvalidArgument(
+                "TagConfig needs a CQ beyond the device's max_cqe (fewer max_conns)",
+            ));
+        }
+        let cq = dev.create_cq(cqes as u32)?;
+        let mut srq = pd.create_tm_srq(&cq, slots, 1, tags, max_ops)?;
         let all = Access::LOCAL_WRITE | Access::REMOTE_READ | Access::REMOTE_WRITE;
         let user = dev.alloc_dma(cfg.user_bytes)?;
         let user_mr = pd.reg_mr(&user, all)?;
         let slot_bytes = (cfg.eager_max as u64 + TMH_LEN as u64).next_multiple_of(64);
-        let staging = dev.alloc_dma((slot_bytes * cfg.staging_slots.max(2) as u64) as usize)?;
+        let staging = dev.alloc_dma((slot_bytes * slots as u64) as usize)?;
         let staging_mr = pd.reg_mr(&staging, all)?;
-        for s in 0..cfg.staging_slots.max(2) {
+        for s in 0..slots {
             let sge = [staging_mr.sge(s as u64 * slot_bytes, slot_bytes as u32)];
             srq.post_recv(&[RecvWr {
                 wr_id: wr(K_SLOT, s as u64),
@@ -271,11 +375,13 @@ impl TagMatcher {
             pd,
             cfg: TagConfig {
                 hw_tags: if cfg.hw_tags == 0 { 0 } else { tags },
+                staging_slots: slots,
                 ..cfg
             },
             slot_bytes,
-            hdrs: Vec::new(),
-            deferred: VecDeque::new(),
+            list_ops: VecDeque::new(),
+            idle_slots: Vec::new(),
+            deferred_conns: 0,
             reclaim: BTreeMap::new(),
             posted: VecDeque::new(),
             unexpected: VecDeque::new(),
@@ -284,10 +390,10 @@ impl TagMatcher {
             sw_rndv: BTreeMap::new(),
             matched: BTreeMap::new(),
             events: VecDeque::new(),
-            next_send_ctx: 1,
             wc: vec![WorkCompletion::default(); 32],
             stats: TagStats::default(),
             syncs: 0,
+            idle_polls: 0,
         })
     }
 
@@ -297,17 +403,35 @@ impl TagMatcher {
     }
 
     /// Opens a connection: returns its index and this side's endpoint for the peer.
+    /// [`Error::InvalidArgument`] beyond [`TagConfig::max_conns`] connections.
     pub fn add_conn(&mut self) -> Result<(usize, Endpoint), Error> {
+        if self.conns.len() >= self.cfg.max_conns as usize {
+            return Err(Error::InvalidArgument(
+                "TagMatcher has TagConfig::max_conns connections already",
+            ));
+        }
         let mut init = QpInit::new(&self.cq, &self.cq);
         init.srq = Some(&self.srq);
         init.max_send_wr = SQ_DEPTH;
         init.max_send_sge = 2;
         let qp = self.pd.create_qp(&init)?;
-        let buf = self.pd.device().alloc_dma((HDR * HDR_SLOTS) as usize)?;
-        let mr = self.pd.reg_mr(&buf, Access::LOCAL_WRITE)?;
+        if qp.sq_free() > CONN_CQES {
+            return Err(Error::InvalidArgument(
+                "send queue larger than the CQ room kept for a connection",
+            ));
+        }
+        let hdr_buf = self.pd.device().alloc_dma((HDR * HDR_SLOTS) as usize)?;
+        let hdr_mr = self.pd.reg_mr(&hdr_buf, Access::LOCAL_WRITE)?;
         let ep = qp.endpoint(self.conns.len() as u32 * 1000 + 1);
-        self.conns.push(qp);
-        self.hdrs.push(HdrRing { mr, buf, next: 0 });
+        self.conns.push(Conn {
+            qp,
+            hdr_mr,
+            hdr_buf,
+            hdr_next: 0,
+            deferred: VecDeque::new(),
+            next_ctx: 1,
+            probing: false,
+        });
         Ok((self.conns.len() - 1, ep))
     }
 
@@ -318,12 +442,12 @@ impl TagMatcher {
         remote: &Endpoint,
         opts: &ConnectOptions,
     ) -> Result<(), Error> {
-        let qp = self
+        let c = self
             .conns
             .get_mut(conn)
             .ok_or(Error::InvalidArgument("no such connection"))?;
         let psn = conn as u32 * 1000 + 1;
-        qp.connect(
+        c.qp.connect(
             remote,
             psn,
             &ConnectOptions {
@@ -349,7 +473,7 @@ impl TagMatcher {
 
     /// The QP of connection `conn` (for its counters and state).
     pub fn conn(&self, conn: usize) -> Option<&QueuePair> {
-        self.conns.get(conn)
+        self.conns.get(conn).map(|c| &c.qp)
     }
 
     /// Counts of what this matcher did.
@@ -363,7 +487,10 @@ impl TagMatcher {
     }
 
     /// Posts receive `id` for messages whose tag matches `tag` under `mask`, into `len` bytes
-    /// of the user region at `off`.
+    /// of the user region at `off`. Refused ([`Error::InvalidArgument`],
+    /// [`Error::OutOfBounds`]) for an id above [`MAX_ID`] or in use by a pending receive,
+    /// or a buffer outside the user region; never for lack of room in the hardware list
+    /// or its operation ring (the receive then stays in software).
     pub fn recv(&mut self, id: u64, tag: u64, mask: u64, off: u64, len: u32) -> Result<(), Error> {
         check_id(id)?;
         if self.posted.iter().any(|p| p.id == id) || self.sw_rndv.contains_key(&id) {
@@ -394,29 +521,34 @@ impl TagMatcher {
             .position(|u| tag_matches(u.tag, tag, mask))
         {
             if let Some(u) = self.unexpected.remove(i) {
-                return self.deliver_unexpected(r, u);
+                self.deliver_unexpected(r, u);
+                return Ok(());
             }
         }
         // To hardware only behind receives that are all in hardware (so the list count is
-        // the posted count), and only while the list has room.
+        // the posted count), only while the list and its operation ring have room, and only
+        // when no list operation of ours waits (it must reach the device first).
         if self.cfg.hw_tags > 0
             && len >= self.cfg.hw_min.max(self.cfg.eager_max)
             && self.posted.len() < self.cfg.hw_tags as usize
             && self.srq.tm_free_tags() > 0
+            && self.srq.tm_free_ops() > 0
+            && self.list_ops.is_empty()
             && self.posted.iter().all(|p| matches!(p.at, Where::Hw(_)))
         {
             let sge = self.user_mr.sge(off, len);
             let mut op = [TmOp::add(wr(K_OP, id), id, sge, tag, mask).with_count(self.unexp_cnt)];
             op[0].signaled = false;
-            self.srq.post_tm_ops(&mut op)?;
-            self.stats.hw_posted += 1;
-            self.posted.push_back(Posted {
-                at: Where::Hw(op[0].handle),
-                ..r
-            });
-        } else {
-            self.posted.push_back(r);
+            if self.srq.post_tm_ops(&mut op).is_ok() {
+                self.stats.hw_posted += 1;
+                self.posted.push_back(Posted {
+                    at: Where::Hw(op[0].handle),
+                    ..r
+                });
+                return Ok(());
+            }
         }
+        self.posted.push_back(r);
         Ok(())
     }
 
@@ -437,9 +569,10 @@ impl TagMatcher {
     }
 
     /// Cancels receive `id` if no message has matched it yet: a receive in software goes at
-    /// once, one in the hardware list with a DEL. [`TagEvent::Cancelled`] reports success;
-    /// if a message wins the race the receive completes as usual instead. Returns false when
-    /// `id` is not a posted receive (already matched, or never posted).
+    /// once, one in the hardware list with a DEL (which waits for room in the operation
+    /// ring if it must). [`TagEvent::Cancelled`] reports success; if a message wins the
+    /// race the receive completes as usual instead. Returns false when `id` is not a posted
+    /// receive (already matched, being cancelled, or never posted).
     pub fn cancel(&mut self, id: u64) -> Result<bool, Error> {
         let Some(i) = self.posted.iter().position(|p| p.id == id) else {
             return Ok(false);
@@ -449,10 +582,13 @@ impl TagMatcher {
                 self.posted.remove(i);
                 self.events.push_back(TagEvent::Cancelled { id });
             }
-            Where::Hw(h) => {
-                self.srq
-                    .post_tm_ops(&mut [TmOp::del(wr(K_CANCEL, id), h)])?;
+            Where::Hw(handle) => {
                 self.posted[i].at = Where::Cancelled;
+                self.list_op(ListOp::Del {
+                    kind: K_CANCEL,
+                    id,
+                    handle,
+                });
             }
             Where::Cancelled => return Ok(false),
         }
@@ -460,6 +596,11 @@ impl TagMatcher {
     }
 
     /// Sends `len` bytes of the user region at `off` with `tag` on connection `conn`.
+    /// Refused ([`Error::InvalidArgument`], [`Error::OutOfBounds`]) for an id above
+    /// [`MAX_ID`], an unknown connection or a buffer outside the user region;
+    /// [`Error::QueueFull`] when the connection's send queue is full (nothing was sent:
+    /// progress, then try again), [`Error::InvalidState`] before the connection is up. A
+    /// send that was posted always ends in [`TagEvent::Send`] or [`TagEvent::Failed`].
     pub fn send(
         &mut self,
         id: u64,
@@ -493,11 +634,11 @@ impl TagMatcher {
                 self.user_mr.sge(off, len),
             ];
             let n = if len == 0 { 1 } else { 2 };
-            self.conns[conn].post_send(&[SendWr::new(wr(K_EAGER, id), WrOp::Send, &sgl[..n])])?;
-            self.hdrs[conn].next += 1;
+            let c = &mut self.conns[conn];
+            c.qp.post_send(&[SendWr::new(wr(K_EAGER, id), WrOp::Send, &sgl[..n])])?;
+            c.hdr_next += 1;
         } else {
-            let ctx = self.next_send_ctx;
-            self.next_send_ctx = self.next_send_ctx.wrapping_add(1).max(1);
+            let ctx = free_ctx(&self.sends, conn, self.conns[conn].next_ctx);
             let req = rndv_header(
                 &Tmh {
                     opcode: TmhOp::Rndv as u8,
@@ -511,25 +652,61 @@ impl TagMatcher {
                 },
             );
             let sgl = [self.header(conn, &req)?];
-            self.conns[conn].post_send(&[SendWr::new(wr(K_RNDV_REQ, id), WrOp::Send, &sgl)])?;
-            self.hdrs[conn].next += 1;
-            self.sends.insert(ctx as u64, id);
+            let c = &mut self.conns[conn];
+            c.qp.post_send(&[SendWr::new(wr(K_RNDV_REQ, id), WrOp::Send, &sgl)])?;
+            c.hdr_next += 1;
+            c.next_ctx = ctx.wrapping_add(1).max(1);
+            self.sends.insert((conn, ctx), Waiting { id, tag });
         }
         Ok(())
     }
 
     /// Polls the CQ once (letting the device progress if it is empty) and handles what came;
-    /// returns how many completions were handled.
+    /// returns how many completions were handled. Every completion polled is recorded
+    /// before anything that can fail is tried; an error (the first one) says that some of
+    /// the matcher's own work could not be posted and will be tried again, never that a
+    /// message was lost. With several matchers on one emulated fabric, use
+    /// [`TagMatcher::progress_all`].
     pub fn progress(&mut self) -> Result<usize, Error> {
         self.handle_completions(true)
     }
 
     /// Handles the completions already in the CQ without progressing the device: for
-    /// callers that drive an emulated fabric themselves (several matchers on one fabric, or
-    /// measurements in simulated time, where a poll of an empty CQ would run the fabric
-    /// ahead while another matcher still has work).
+    /// callers that drive an emulated fabric themselves (measurements in simulated time,
+    /// where a poll of an empty CQ would run the fabric ahead while another matcher still
+    /// has work).
     pub fn progress_ready(&mut self) -> Result<usize, Error> {
         self.handle_completions(false)
+    }
+
+    /// Progress for several matchers, on one emulated fabric or on several devices: handles
+    /// every matcher's ready completions, and only when none had any lets each matcher's
+    /// device progress once and handles what that brought. Returns the completions handled
+    /// in all; the first error, after every matcher was served.
+    pub fn progress_all(matchers: &mut [&mut TagMatcher]) -> Result<usize, Error> {
+        let mut first = Ok(());
+        let mut serve = |ms: &mut [&mut TagMatcher]| {
+            let mut n = 0;
+            for m in ms.iter_mut() {
+                match m.progress_ready() {
+                    Ok(k) => n += k,
+                    Err(e) => {
+                        if first.is_ok() {
+                            first = Err(e);
+                        }
+                    }
+                }
+            }
+            n
+        };
+        let mut n = serve(matchers);
+        if n == 0 {
+            for m in matchers.iter() {
+                m.pd.device().progress();
+            }
+            n = serve(matchers);
+        }
+        first.map(|_| n)
     }
 
     fn handle_completions(&mut self, progress_device: bool) -> Result<usize, Error> {
@@ -547,10 +724,23 @@ impl TagMatcher {
             }
         }
         self.wc = wc;
-        if n > 0 && !self.deferred.is_empty() {
-            if let (Err(e), true) = (self.retry_deferred(), r.is_ok()) {
+        if !self.idle_slots.is_empty() {
+            if let (Err(e), true) = (self.repost_idle(), r.is_ok()) {
                 r = Err(e);
             }
+        }
+        if !self.list_ops.is_empty() {
+            self.flush_list_ops();
+        }
+        if self.deferred_conns > 0 {
+            for conn in 0..self.conns.len() {
+                self.retry_deferred(conn);
+            }
+        }
+        if n == 0 {
+            self.idle();
+        } else {
+            self.idle_polls = 0;
         }
         r
     }
@@ -559,90 +749,30 @@ impl TagMatcher {
         let (kind, v) = (w.wr_id >> K_SHIFT, w.wr_id & ((1 << K_SHIFT) - 1));
         match w.opcode {
             CqeOpcode::TmAdd | CqeOpcode::TmDel | CqeOpcode::TmSync => {
-                // Only failures, SYNC requests and cancelling DELs are delivered.
-                if w.opcode == CqeOpcode::TmAdd && w.tm_sync_req {
-                    self.sync()?;
-                }
-                if w.opcode == CqeOpcode::TmDel && kind == K_TAKEBACK {
-                    if let Some(u) = self.reclaim.remove(&v) {
-                        let i = self.posted.iter().position(|p| p.id == v);
-                        match (w.status, i) {
-                            (CqeStatus::Success, Some(i)) => {
-                                if let Some(p) = self.posted.remove(i) {
-                                    return self.deliver_unexpected(p, u);
-                                }
-                            }
-                            // The hardware matched the entry first: it completes as usual.
-                            _ => return self.match_unexpected(u),
-                        }
-                    }
-                    return Ok(());
-                }
-                if w.opcode == CqeOpcode::TmDel
-                    && kind == K_CANCEL
-                    && w.status == CqeStatus::Success
-                {
-                    // Taken out before any message matched it. (On TM_ERR a message got
-                    // there first, and the receive completes as usual.)
-                    if let Some(i) = self.posted.iter().position(|p| p.id == v) {
-                        self.posted.remove(i);
-                        self.events.push_back(TagEvent::Cancelled { id: v });
-                    }
-                }
+                self.list_completion(w, kind, v);
                 Ok(())
             }
             CqeOpcode::TmRecv | CqeOpcode::TmNoTag if kind == K_SLOT => self.untagged(w, v as u32),
             CqeOpcode::TmRecv => {
-                // A receive the hardware matched.
-                let conn = self.conn_of(w.qpn);
-                if w.tm_match && !w.tm_data_valid {
-                    self.matched.insert(w.wr_id, (w.tag, conn));
-                    return Ok(());
-                }
-                let Some(i) = self.posted.iter().position(|p| p.id == w.wr_id) else {
-                    return Ok(());
-                };
-                let Some(p) = self.posted.remove(i) else {
-                    return Ok(());
-                };
-                let (tag, conn) = self.matched.remove(&w.wr_id).unwrap_or((w.tag, conn));
-                self.stats.hw_matched += 1;
-                if w.status == CqeStatus::TmRndvIncomplete {
-                    // The request is at the start of the buffer: finish in software.
-                    let mut req = [0u8; RNDV_HDR_LEN];
-                    self.user.read(p.off as usize, &mut req)?;
-                    let (Some(tmh), Some(rvh)) = (Tmh::parse(&req), Rvh::parse(&req[TMH_LEN..]))
-                    else {
-                        return Ok(());
-                    };
-                    return self.start_sw_rndv(p, conn, tmh, rvh);
-                }
-                if w.status != CqeStatus::Success {
-                    self.events.push_back(TagEvent::Failed {
-                        id: p.id,
-                        status: w.status,
-                    });
-                    return Ok(());
-                }
-                self.events.push_back(TagEvent::Recv {
-                    id: p.id,
-                    tag,
-                    len: w.byte_len,
-                    truncated: false,
-                    conn,
-                });
+                self.hw_recv(w);
                 Ok(())
             }
             // A receive buffer of the staging ring that completed some other way (a WRITE
             // with immediate from the peer, say): it serves again.
-            _ if kind == K_SLOT => self.repost(v as u32),
+            _ if kind == K_SLOT => {
+                self.recycle(v as u32);
+                Ok(())
+            }
             _ if w.status != CqeStatus::Success => {
-                // A send, request, READ or FIN failed: report it against its operation.
+                // A send, request, READ or FIN failed: report it against its operation,
+                // and fail the rendezvous sends the broken connection still owes a FIN.
                 let id = match kind {
                     K_READ | K_FIN => self.sw_rndv.remove(&v).map(|s| s.recv.id),
+                    // Unless its connection's failure already reported it.
                     K_RNDV_REQ => {
-                        self.sends.retain(|_, s| *s != v);
-                        Some(v)
+                        let before = self.sends.len();
+                        self.sends.retain(|_, s| s.id != v);
+                        (self.sends.len() != before).then_some(v)
                     }
                     K_EAGER => Some(v),
                     _ => None,
@@ -653,98 +783,229 @@ impl TagMatcher {
                         status: w.status,
                     });
                 }
+                if let Some(conn) = self.conn_of(w.qpn) {
+                    if kind == K_PROBE {
+                        self.conns[conn].probing = false;
+                    }
+                    self.fail_conn(conn, w.status);
+                }
                 Ok(())
             }
-            _ => match kind {
-                K_EAGER => {
-                    self.events.push_back(TagEvent::Send { id: v });
-                    Ok(())
-                }
-                K_READ => {
-                    let Some(s) = self.sw_rndv.get(&v).copied() else {
-                        return Ok(());
-                    };
-                    // Data read: tell the sender its buffer is free.
-                    let fin = rndv_header(
-                        &Tmh {
-                            opcode: TmhOp::Fin as u8,
-                            ..s.tmh
-                        },
-                        &s.rvh,
-                    );
-                    self.post_internal(s.conn, Internal::Fin { id: v, msg: fin })
-                }
-                K_FIN => {
-                    if let Some(s) = self.sw_rndv.remove(&v) {
-                        let truncated = s.rvh.len > s.recv.len;
-                        self.events.push_back(TagEvent::Recv {
-                            id: s.recv.id,
-                            tag: s.tmh.tag,
-                            len: s.rvh.len.min(s.recv.len),
-                            truncated,
-                            conn: s.conn,
-                        });
+            _ => {
+                match kind {
+                    K_EAGER => self.events.push_back(TagEvent::Send { id: v }),
+                    K_READ => {
+                        if let Some(s) = self.sw_rndv.get(&v).copied() {
+                            // Data read: tell the sender its buffer is free.
+                            let fin = rndv_header(
+                                &Tmh {
+                                    opcode: TmhOp::Fin as u8,
+                                    ..s.tmh
+                                },
+                                &s.rvh,
+                            );
+                            self.post_internal(s.conn, Internal::Fin { id: v, msg: fin });
+                        }
                     }
-                    Ok(())
+                    K_FIN => {
+                        if let Some(s) = self.sw_rndv.remove(&v) {
+                            let truncated = s.rvh.len > s.recv.len;
+                            self.events.push_back(TagEvent::Recv {
+                                id: s.recv.id,
+                                tag: s.tmh.tag,
+                                len: s.rvh.len.min(s.recv.len),
+                                truncated,
+                                conn: s.conn,
+                            });
+                        }
+                    }
+                    K_PROBE => {
+                        if let Some(conn) = self.conn_of(w.qpn) {
+                            self.conns[conn].probing = false;
+                        }
+                    }
+                    _ => {}
                 }
-                _ => Ok(()),
-            },
+                Ok(())
+            }
         }
     }
 
-    /// Writes `bytes` into connection `conn`'s next header slot. The slot counts as used
-    /// once the send is posted (the caller advances `next`).
-    fn header(&self, conn: usize, bytes: &[u8]) -> Result<crate::mr::Sge, Error> {
-        let h = &self.hdrs[conn];
-        let at = (h.next % HDR_SLOTS) * HDR;
-        h.buf.write(at as usize, bytes)?;
-        Ok(h.mr.sge(at, bytes.len() as u32))
+    /// A list operation's completion: only failures, SYNC requests, DELs and every 16th
+    /// SYNC are delivered.
+    fn list_completion(&mut self, w: &WorkCompletion, kind: u64, v: u64) {
+        if w.opcode == CqeOpcode::TmAdd && w.tm_sync_req {
+            self.request_sync();
+        }
+        if w.opcode == CqeOpcode::TmAdd && w.status != CqeStatus::Success {
+            // The device refused the entry: the receive was never posted.
+            if let Some(i) = self.posted.iter().position(|p| p.id == v) {
+                self.posted.remove(i);
+                self.events.push_back(TagEvent::Failed {
+                    id: v,
+                    status: w.status,
+                });
+            }
+            return;
+        }
+        if w.opcode != CqeOpcode::TmDel {
+            return;
+        }
+        match kind {
+            K_TAKEBACK => {
+                if let Some(u) = self.reclaim.remove(&v) {
+                    let i = self.posted.iter().position(|p| p.id == v);
+                    match (w.status, i) {
+                        (CqeStatus::Success, Some(i)) => {
+                            if let Some(p) = self.posted.remove(i) {
+                                self.deliver_unexpected(p, u);
+                            }
+                        }
+                        // The hardware matched the entry first: it completes as usual.
+                        _ => self.match_unexpected(u),
+                    }
+                }
+            }
+            // Taken out before any message matched it. (On TM_ERR a message got there
+            // first, and the receive completes as usual.)
+            K_CANCEL if w.status == CqeStatus::Success => {
+                if let Some(i) = self.posted.iter().position(|p| p.id == v) {
+                    self.posted.remove(i);
+                    self.events.push_back(TagEvent::Cancelled { id: v });
+                }
+            }
+            _ => {}
+        }
     }
 
-    fn conn_of(&self, qpn: u32) -> usize {
-        self.conns.iter().position(|q| q.qpn() == qpn).unwrap_or(0)
+    /// A receive the hardware matched: its MATCH, then its data completion.
+    fn hw_recv(&mut self, w: &WorkCompletion) {
+        let conn = self.conn_of(w.qpn).unwrap_or(0);
+        if w.tm_match && !w.tm_data_valid {
+            self.matched.insert(w.wr_id, (w.tag, conn));
+            return;
+        }
+        let Some(i) = self.posted.iter().position(|p| p.id == w.wr_id) else {
+            return;
+        };
+        let Some(p) = self.posted.remove(i) else {
+            return;
+        };
+        let (tag, conn) = self.matched.remove(&w.wr_id).unwrap_or((w.tag, conn));
+        self.stats.hw_matched += 1;
+        if w.status == CqeStatus::TmRndvIncomplete {
+            // The request is at the start of the buffer: finish in software.
+            let mut req = [0u8; RNDV_HDR_LEN];
+            let read = self.user.read(p.off as usize, &mut req).is_ok();
+            if let (true, Some(tmh), Some(rvh)) =
+                (read, Tmh::parse(&req), Rvh::parse(&req[TMH_LEN..]))
+            {
+                self.start_sw_rndv(p, conn, tmh, rvh);
+                return;
+            }
+            // Nothing to read from: the receive fails, and so does the send.
+            let tmh = Tmh {
+                opcode: TmhOp::Rndv as u8,
+                app_ctx: w.app_ctx,
+                tag,
+            };
+            self.refuse(conn, tmh);
+            self.events.push_back(TagEvent::Failed {
+                id: p.id,
+                status: CqeStatus::RemInvReqErr,
+            });
+            return;
+        }
+        if w.status != CqeStatus::Success {
+            self.events.push_back(TagEvent::Failed {
+                id: p.id,
+                status: w.status,
+            });
+            return;
+        }
+        self.events.push_back(TagEvent::Recv {
+            id: p.id,
+            tag,
+            len: w.byte_len,
+            truncated: false,
+            conn,
+        });
+    }
+
+    /// Writes `bytes` into connection `conn`'s next header slot. The slot counts as used
+    /// once the send is posted (the caller advances `hdr_next`).
+    fn header(&self, conn: usize, bytes: &[u8]) -> Result<crate::mr::Sge, Error> {
+        let c = &self.conns[conn];
+        let at = (c.hdr_next % HDR_SLOTS) * HDR;
+        c.hdr_buf.write(at as usize, bytes)?;
+        Ok(c.hdr_mr.sge(at, bytes.len() as u32))
+    }
+
+    fn conn_of(&self, qpn: u32) -> Option<usize> {
+        self.conns.iter().position(|c| c.qp.qpn() == qpn)
     }
 
     /// A message in staging slot `slot`: a FIN for one of our sends, or an unexpected one.
+    /// It is recorded first; then the slot goes back to the SRQ; then the count to the
+    /// device.
     fn untagged(&mut self, w: &WorkCompletion, slot: u32) -> Result<(), Error> {
         let base = slot as u64 * self.slot_bytes;
         let mut hdr = [0u8; RNDV_HDR_LEN];
         let n = (w.byte_len as usize).min(hdr.len());
-        self.staging.read(base as usize, &mut hdr[..n])?;
+        let read = self.staging.read(base as usize, &mut hdr[..n]);
         let tmh = Tmh::parse(&hdr[..n]);
         let conn = self.conn_of(w.qpn);
         match (w.opcode, tmh) {
             (CqeOpcode::TmNoTag, Some(t)) if t.opcode == TmhOp::Fin as u8 => {
-                if let Some(id) = self.sends.remove(&(t.app_ctx as u64)) {
-                    self.events.push_back(TagEvent::Send { id });
+                let key = (conn.unwrap_or(usize::MAX), t.app_ctx);
+                if self.sends.get(&key).is_some_and(|s| s.tag == t.tag) {
+                    if let Some(s) = self.sends.remove(&key) {
+                        self.events.push_back(if hdr[1] == 0 {
+                            TagEvent::Send { id: s.id }
+                        } else {
+                            TagEvent::Failed {
+                                id: s.id,
+                                status: CqeStatus::RemInvReqErr,
+                            }
+                        });
+                    }
                 }
-                self.repost(slot)
+                self.recycle(slot);
+                read.map(|_| ())
             }
             (CqeOpcode::TmRecv, _) if w.status != CqeStatus::Success => {
                 // The device counted it when it took the buffer; its bytes are not a message.
                 self.unexp_cnt = self.unexp_cnt.wrapping_add(1);
                 self.stats.dropped += 1;
-                self.repost(slot)?;
-                self.sync()
+                self.recycle(slot);
+                self.request_sync();
+                Ok(())
             }
             (CqeOpcode::TmRecv, Some(t)) => {
                 self.unexp_cnt = self.unexp_cnt.wrapping_add(1);
                 let rndv = (t.opcode == TmhOp::Rndv as u8)
                     .then(|| Rvh::parse(&hdr[TMH_LEN..n]))
                     .flatten();
-                if t.opcode == TmhOp::Rndv as u8 && rndv.is_none() {
-                    // A rendezvous request without a whole RVH names no data to read.
-                    self.stats.dropped += 1;
-                    self.repost(slot)?;
-                    return self.sync();
-                }
+                let conn = match conn {
+                    Some(c) if t.opcode != TmhOp::Rndv as u8 || rndv.is_some() => c,
+                    _ => {
+                        // A rendezvous request without a whole RVH names no data to read:
+                        // refused, and its sender told.
+                        self.stats.dropped += 1;
+                        if let Some(c) = conn {
+                            self.refuse(c, t);
+                        }
+                        self.recycle(slot);
+                        self.request_sync();
+                        return Ok(());
+                    }
+                };
                 let mut data = Vec::new();
+                let mut copied = Ok(());
                 if rndv.is_none() {
                     data.resize((w.byte_len as usize).saturating_sub(TMH_LEN), 0);
-                    let base = slot as u64 * self.slot_bytes;
-                    self.staging.read(base as usize + TMH_LEN, &mut data)?;
+                    copied = self.staging.read(base as usize + TMH_LEN, &mut data);
                 }
-                self.repost(slot)?;
                 let u = Unexpected {
                     tag: t.tag,
                     conn,
@@ -752,12 +1013,16 @@ impl TagMatcher {
                     rndv,
                     tmh: t,
                 };
-                let r = self.match_unexpected(u);
-                // The count goes to the device even if matching failed.
-                let synced = self.sync();
-                r.and(synced)
+                self.match_unexpected(u);
+                self.recycle(slot);
+                // The count goes to the device after any DEL the match needed.
+                self.request_sync();
+                copied
             }
-            _ => self.repost(slot),
+            _ => {
+                self.recycle(slot);
+                read.map(|_| ())
+            }
         }
     }
 
@@ -768,7 +1033,7 @@ impl TagMatcher {
     /// disabled: it is taken back with a DEL, posted before the SYNC that would enable it,
     /// and `u` is delivered when the DEL succeeds. (Should the DEL fail because a message
     /// got the entry after all, `u` is matched again.)
-    fn match_unexpected(&mut self, u: Unexpected) -> Result<(), Error> {
+    fn match_unexpected(&mut self, u: Unexpected) {
         let hit = self.posted.iter().position(|p| {
             tag_matches(u.tag, p.tag, p.mask)
                 && match p.at {
@@ -779,42 +1044,77 @@ impl TagMatcher {
         });
         let Some(i) = hit else {
             self.unexpected.push_back(u);
-            return Ok(());
+            return;
         };
         let p = self.posted[i];
-        if let Where::Hw(h) = p.at {
-            if let Err(e) = self
-                .srq
-                .post_tm_ops(&mut [TmOp::del(wr(K_TAKEBACK, p.id), h)])
-            {
-                // No DEL, no take-back: the message waits in the queue.
-                self.unexpected.push_back(u);
-                return Err(e);
-            }
+        if let Where::Hw(handle) = p.at {
             self.posted[i].at = Where::Cancelled;
             self.stats.taken_back += 1;
             self.reclaim.insert(p.id, u);
-            return Ok(());
+            self.list_op(ListOp::Del {
+                kind: K_TAKEBACK,
+                id: p.id,
+                handle,
+            });
+            return;
         }
         self.posted.remove(i);
-        self.deliver_unexpected(p, u)
+        self.deliver_unexpected(p, u);
     }
 
     /// Tells the hardware how many unexpected messages software has seen. Nothing to tell
-    /// when software matches alone. Every 16th SYNC is signaled: ring slots of unsignaled
-    /// operations come back only with a later completion.
-    fn sync(&mut self) -> Result<(), Error> {
+    /// when software matches alone.
+    fn request_sync(&mut self) {
         if self.cfg.hw_tags == 0 {
-            return Ok(());
+            return;
         }
-        self.syncs = self.syncs.wrapping_add(1);
-        self.srq.post_tm_ops(&mut [TmOp {
-            signaled: self.syncs.is_multiple_of(16),
-            ..TmOp::sync(wr(K_OP, 0), self.unexp_cnt)
-        }])
+        self.list_op(ListOp::Sync(self.unexp_cnt));
     }
 
-    fn repost(&mut self, slot: u32) -> Result<(), Error> {
+    /// Queues a list operation behind those waiting, and posts what the ring takes. A SYNC
+    /// right behind a waiting SYNC replaces its count (counts only grow); a SYNC is never
+    /// moved before a DEL queued ahead of it.
+    fn list_op(&mut self, op: ListOp) {
+        queue_list_op(&mut self.list_ops, op);
+        self.flush_list_ops();
+    }
+
+    /// Posts waiting list operations in order while the ring has room. Ring slots of
+    /// unsignaled operations come back only with a later completion, so every 16th SYNC is
+    /// signaled, and so is one that takes the ring's last free entry.
+    fn flush_list_ops(&mut self) {
+        while let Some(&op) = self.list_ops.front() {
+            let free = self.srq.tm_free_ops();
+            if free == 0 {
+                return;
+            }
+            let mut tm = match op {
+                ListOp::Del { kind, id, handle } => TmOp::del(wr(kind, id), handle),
+                ListOp::Sync(count) => TmOp {
+                    signaled: free == 1 || self.syncs.wrapping_add(1).is_multiple_of(16),
+                    ..TmOp::sync(wr(K_OP, 0), count)
+                },
+            };
+            if self.srq.post_tm_ops(std::slice::from_mut(&mut tm)).is_err() {
+                // Tried again by the next progress call.
+                return;
+            }
+            if matches!(op, ListOp::Sync(_)) {
+                self.syncs = self.syncs.wrapping_add(1);
+            }
+            self.list_ops.pop_front();
+        }
+    }
+
+    /// Hands staging buffer `slot` back to the SRQ; if that fails it waits for the next
+    /// progress call.
+    fn recycle(&mut self, slot: u32) {
+        if self.post_slot(slot).is_err() {
+            self.idle_slots.push(slot);
+        }
+    }
+
+    fn post_slot(&mut self, slot: u32) -> Result<(), Error> {
         let sge = [self
             .staging_mr
             .sge(slot as u64 * self.slot_bytes, self.slot_bytes as u32)];
@@ -824,26 +1124,42 @@ impl TagMatcher {
         }])
     }
 
-    /// Hands an unexpected message to receive `r`.
-    fn deliver_unexpected(&mut self, r: Posted, u: Unexpected) -> Result<(), Error> {
-        self.stats.sw_matched += 1;
-        if let Some(rvh) = u.rndv {
-            return self.start_sw_rndv(r, u.conn, u.tmh, rvh);
+    /// Posts the staging buffers that waited.
+    fn repost_idle(&mut self) -> Result<(), Error> {
+        while let Some(&slot) = self.idle_slots.last() {
+            self.post_slot(slot)?;
+            self.idle_slots.pop();
         }
-        let n = u.data.len().min(r.len as usize);
-        self.user.write(r.off as usize, &u.data[..n])?;
-        self.events.push_back(TagEvent::Recv {
-            id: r.id,
-            tag: u.tag,
-            len: n as u32,
-            truncated: u.data.len() > n,
-            conn: u.conn,
-        });
         Ok(())
     }
 
+    /// Hands an unexpected message to receive `r`.
+    fn deliver_unexpected(&mut self, r: Posted, u: Unexpected) {
+        self.stats.sw_matched += 1;
+        if let Some(rvh) = u.rndv {
+            self.start_sw_rndv(r, u.conn, u.tmh, rvh);
+            return;
+        }
+        let n = u.data.len().min(r.len as usize);
+        // Within the user region: `recv` checked the buffer.
+        let placed = self.user.write(r.off as usize, &u.data[..n]);
+        self.events.push_back(match placed {
+            Ok(()) => TagEvent::Recv {
+                id: r.id,
+                tag: u.tag,
+                len: n as u32,
+                truncated: u.data.len() > n,
+                conn: u.conn,
+            },
+            Err(_) => TagEvent::Failed {
+                id: r.id,
+                status: CqeStatus::LocProtErr,
+            },
+        });
+    }
+
     /// Reads a rendezvous's data into receive `r`, then sends the FIN.
-    fn start_sw_rndv(&mut self, r: Posted, conn: usize, tmh: Tmh, rvh: Rvh) -> Result<(), Error> {
+    fn start_sw_rndv(&mut self, r: Posted, conn: usize, tmh: Tmh, rvh: Rvh) {
         self.stats.sw_rndv += 1;
         let n = rvh.len.min(r.len);
         self.sw_rndv.insert(
@@ -865,24 +1181,97 @@ impl TagMatcher {
             len: n,
             remote,
         };
-        self.post_internal(conn, read)
+        self.post_internal(conn, read);
     }
 
-    /// Posts work of the matcher's own. A full send queue does not lose it: it waits and
-    /// is posted, in order, as completions make room.
-    fn post_internal(&mut self, conn: usize, w: Internal) -> Result<(), Error> {
-        if self.deferred.is_empty() {
-            match self.try_post(conn, w) {
-                Err(Error::QueueFull { .. }) => {}
-                r => return r,
+    /// Answers rendezvous request `tmh` on `conn` with a refusing FIN.
+    fn refuse(&mut self, conn: usize, tmh: Tmh) {
+        self.stats.refused += 1;
+        let mut msg = rndv_header(
+            &Tmh {
+                opcode: TmhOp::Fin as u8,
+                ..tmh
+            },
+            &Rvh::default(),
+        );
+        msg[1] = FIN_REFUSED;
+        self.post_internal(conn, Internal::Refuse { msg });
+    }
+
+    /// Fails every rendezvous send of connection `conn` still waiting for its FIN.
+    fn fail_conn(&mut self, conn: usize, status: CqeStatus) {
+        let keys: Vec<(usize, u32)> = self
+            .sends
+            .range((conn, 0)..=(conn, u32::MAX))
+            .map(|(k, _)| *k)
+            .collect();
+        for k in keys {
+            if let Some(s) = self.sends.remove(&k) {
+                self.events.push_back(TagEvent::Failed { id: s.id, status });
             }
         }
-        self.deferred.push_back((conn, w));
-        Ok(())
+    }
+
+    /// The CQ was empty: after `keepalive_polls` such calls in a row, probes the
+    /// connections whose rendezvous sends wait for a FIN.
+    fn idle(&mut self) {
+        if self.cfg.keepalive_polls == 0 || self.sends.is_empty() {
+            self.idle_polls = 0;
+            return;
+        }
+        self.idle_polls += 1;
+        if self.idle_polls < self.cfg.keepalive_polls {
+            return;
+        }
+        self.idle_polls = 0;
+        let mut waiting: Vec<usize> = self.sends.keys().map(|&(c, _)| c).collect();
+        waiting.dedup();
+        for c in waiting {
+            if !self.conns[c].probing {
+                self.conns[c].probing = true;
+                self.stats.probes += 1;
+                self.post_internal(c, Internal::Probe);
+            }
+        }
+    }
+
+    /// Posts work of the matcher's own. A full send queue does not lose it: it waits in
+    /// the connection's queue and is posted, in order, as completions make room. Work that
+    /// cannot be posted at all fails its operation.
+    fn post_internal(&mut self, conn: usize, w: Internal) {
+        if self.conns[conn].deferred.is_empty() {
+            match self.try_post(conn, w) {
+                Ok(()) => return,
+                Err(Error::QueueFull { .. }) => {}
+                Err(_) => return self.internal_failed(conn, w),
+            }
+            self.deferred_conns += 1;
+        }
+        self.conns[conn].deferred.push_back(w);
+    }
+
+    /// Own work that could not be posted: its operation fails.
+    fn internal_failed(&mut self, conn: usize, w: Internal) {
+        let id = match w {
+            Internal::Read { id, .. } | Internal::Fin { id, .. } => id,
+            Internal::Probe => {
+                self.conns[conn].probing = false;
+                self.fail_conn(conn, CqeStatus::LocQpOpErr);
+                return;
+            }
+            Internal::Refuse { .. } => return,
+        };
+        if let Some(s) = self.sw_rndv.remove(&id) {
+            self.events.push_back(TagEvent::Failed {
+                id: s.recv.id,
+                status: CqeStatus::LocQpOpErr,
+            });
+        }
     }
 
     fn try_post(&mut self, conn: usize, w: Internal) -> Result<(), Error> {
-        match w {
+        let mut msg = [0u8; RNDV_HDR_LEN];
+        let (kind, id, len) = match w {
             Internal::Read {
                 id,
                 off,
@@ -890,29 +1279,75 @@ impl TagMatcher {
                 remote,
             } => {
                 let sgl = [self.user_mr.sge(off, len)];
-                self.conns[conn].post_send(&[SendWr::new(wr(K_READ, id), WrOp::Read(remote), &sgl)])
+                return self.conns[conn].qp.post_send(&[SendWr::new(
+                    wr(K_READ, id),
+                    WrOp::Read(remote),
+                    &sgl,
+                )]);
             }
-            Internal::Fin { id, msg } => {
-                let sgl = [self.header(conn, &msg)?];
-                self.conns[conn].post_send(&[SendWr::new(wr(K_FIN, id), WrOp::Send, &sgl)])?;
-                self.hdrs[conn].next += 1;
-                Ok(())
+            Internal::Fin { id, msg: m } => {
+                msg = m;
+                (K_FIN, id, RNDV_HDR_LEN)
             }
-        }
+            Internal::Refuse { msg: m } => {
+                msg = m;
+                (K_REFUSE, 0, RNDV_HDR_LEN)
+            }
+            Internal::Probe => {
+                let probe = Tmh {
+                    opcode: TmhOp::NoTag as u8,
+                    app_ctx: 0,
+                    tag: 0,
+                };
+                msg[..TMH_LEN].copy_from_slice(&probe.to_bytes());
+                (K_PROBE, 0, TMH_LEN)
+            }
+        };
+        let sgl = [self.header(conn, &msg[..len])?];
+        let c = &mut self.conns[conn];
+        c.qp.post_send(&[SendWr::new(wr(kind, id), WrOp::Send, &sgl)])?;
+        c.hdr_next += 1;
+        Ok(())
     }
 
-    /// Posts what waited for room in a send queue.
-    fn retry_deferred(&mut self) -> Result<(), Error> {
-        while let Some(&(conn, w)) = self.deferred.front() {
+    /// Posts what waited for room in connection `conn`'s send queue.
+    fn retry_deferred(&mut self, conn: usize) {
+        if self.conns[conn].deferred.is_empty() {
+            return;
+        }
+        while let Some(&w) = self.conns[conn].deferred.front() {
             match self.try_post(conn, w) {
-                Err(Error::QueueFull { .. }) => break,
-                r => {
-                    self.deferred.pop_front();
-                    r?;
+                Err(Error::QueueFull { .. }) => return,
+                Err(_) => {
+                    self.conns[conn].deferred.pop_front();
+                    self.internal_failed(conn, w);
+                }
+                Ok(()) => {
+                    self.conns[conn].deferred.pop_front();
                 }
             }
         }
-        Ok(())
+        self.deferred_conns -= 1;
+    }
+}
+
+/// The first rendezvous context from `start` (wrapping, never 0) that no send of
+/// connection `conn` waiting for its FIN uses.
+fn free_ctx(sends: &BTreeMap<(usize, u32), Waiting>, conn: usize, start: u32) -> u32 {
+    let mut ctx = start.max(1);
+    while sends.contains_key(&(conn, ctx)) {
+        ctx = ctx.wrapping_add(1).max(1);
+    }
+    ctx
+}
+
+/// Queues `op` behind the list operations waiting in `q`. A SYNC right behind a waiting
+/// SYNC replaces its count (counts only grow); nothing is ever moved before a DEL.
+fn queue_list_op(q: &mut VecDeque<ListOp>, op: ListOp) {
+    if let (ListOp::Sync(c), Some(ListOp::Sync(last))) = (op, q.back_mut()) {
+        *last = c;
+    } else {
+        q.push_back(op);
     }
 }
 
@@ -928,4 +1363,50 @@ enum Internal {
     },
     /// The FIN of the software rendezvous into receive `id`.
     Fin { id: u64, msg: [u8; RNDV_HDR_LEN] },
+    /// A FIN refusing a rendezvous request.
+    Refuse { msg: [u8; RNDV_HDR_LEN] },
+    /// A keepalive: a 16-byte NO_TAG SEND the peer recycles at once.
+    Probe,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_waiting_sync_takes_the_newer_count_but_never_passes_a_del() {
+        let mut q: VecDeque<ListOp> = VecDeque::new();
+        let push = queue_list_op;
+        push(&mut q, ListOp::Sync(1));
+        push(&mut q, ListOp::Sync(2));
+        push(
+            &mut q,
+            ListOp::Del {
+                kind: K_TAKEBACK,
+                id: 1,
+                handle: 3,
+            },
+        );
+        push(&mut q, ListOp::Sync(3));
+        let shape: Vec<String> = q.iter().map(|o| format!("{o:?}")).collect();
+        assert_eq!(q.len(), 3, "{shape:?}");
+        assert_eq!(
+            shape,
+            vec!["Sync(2)", "Del { kind: 8, id: 1, handle: 3 }", "Sync(3)"]
+        );
+    }
+
+    #[test]
+    fn a_rendezvous_context_still_waiting_is_skipped_when_the_counter_wraps() {
+        let w = Waiting { id: 1, tag: 2 };
+        let mut sends = BTreeMap::new();
+        for ctx in [u32::MAX, 1, 2] {
+            sends.insert((0, ctx), w);
+        }
+        sends.insert((1, 3), w);
+        assert_eq!(free_ctx(&sends, 0, u32::MAX), 3, "wraps past 0, 1 and 2");
+        assert_eq!(free_ctx(&sends, 1, 3), 4, "per connection");
+        assert_eq!(free_ctx(&sends, 2, 0), 1, "0 is never a context");
+        assert_eq!(free_ctx(&sends, 0, 7), 7);
+    }
 }

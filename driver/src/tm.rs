@@ -242,6 +242,15 @@ impl SharedReceiveQueue {
         self.rings.tm.as_ref().map_or(0, |t| t.free.borrow().len())
     }
 
+    /// Free entries of the list-operation ring: operations that can be posted now (0 for
+    /// an SRQ without tag matching).
+    pub fn tm_free_ops(&self) -> u32 {
+        match (self.rings.tm.as_ref(), self.tm_ops.as_ref()) {
+            (Some(t), Some(ring)) => t.ops_free(ring.pi),
+            _ => 0,
+        }
+    }
+
     /// Posts list operations and rings the doorbell once. Each ADD gets its handle written
     /// back into `handle`. On an error the operations before the failing one are posted.
     pub fn post_tm_ops(&mut self, ops: &mut [TmOp]) -> Result<(), Error> {

@@ -58,6 +58,7 @@ fn bench(
         },
         staging_slots: 256,
         user_bytes,
+        ..TagConfig::default()
     };
     let mut s = TagMatcher::new(&ds, cfg)?;
     let mut r = TagMatcher::new(&dr, cfg)?;

@@ -447,6 +447,22 @@ pub enum QpState {
     Err = 6,
 }
 
+impl QpAttr {
+    /// `state` as a [`QpState`] (`None` for a byte no state has).
+    pub fn qp_state(&self) -> Option<QpState> {
+        QpState::from_u8(self.state)
+    }
+    /// `cur_state` as a [`QpState`].
+    pub fn cur_qp_state(&self) -> Option<QpState> {
+        QpState::from_u8(self.cur_state)
+    }
+    /// These attributes with `state` set to `s`.
+    pub fn with_state(mut self, s: QpState) -> QpAttr {
+        self.state = s as u8;
+        self
+    }
+}
+
 impl QpState {
     /// Decodes a state byte.
     pub fn from_u8(v: u8) -> Option<QpState> {

@@ -103,9 +103,20 @@ impl CqeOpcode {
             _ => return None,
         })
     }
-    /// Whether the completion belongs to the receive side (or a TM-SRQ).
+    /// Whether the completion belongs to the receive side or a TM-SRQ (opcodes 128 and up:
+    /// RECV, RECV_RDMA_WITH_IMM and every tag-matching opcode).
     pub fn is_recv(self) -> bool {
         (self as u8) & 0x80 != 0
+    }
+    /// Whether the completion is of a send work request (SEND, RDMA_WRITE, RDMA_READ,
+    /// COMP_SWAP, FETCH_ADD): the complement of [`CqeOpcode::is_recv`].
+    pub fn is_send(self) -> bool {
+        !self.is_recv()
+    }
+    /// Whether the completion reports a received message (RECV, RECV_RDMA_WITH_IMM,
+    /// TM_RECV, TM_NO_TAG), as opposed to a send or a TM-SRQ list operation.
+    pub fn is_message(self) -> bool {
+        self.is_recv() && !self.is_tm_op()
     }
     /// Whether the completion is a TM-SRQ list operation.
     pub fn is_tm_op(self) -> bool {
