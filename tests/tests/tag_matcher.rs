@@ -91,6 +91,48 @@ fn run(t: &mut Net, progress_b: bool) -> (Vec<TagEvent>, Vec<TagEvent>) {
     }
 }
 
+/// Two matchers on two nodes joined by `conns` connections (RNR retried forever).
+fn pair_with_conns(
+    cfg: TagConfig,
+    seed: u64,
+    conns: usize,
+) -> (Fabric, [Device; 2], TagMatcher, TagMatcher) {
+    let fabric = Fabric::new(FabricConfig::new(2, seed));
+    let devs = [
+        Device::open(Box::new(fabric.port(0))).unwrap(),
+        Device::open(Box::new(fabric.port(1))).unwrap(),
+    ];
+    let (mut a, mut b) = (
+        TagMatcher::new(&devs[0], cfg).unwrap(),
+        TagMatcher::new(&devs[1], cfg).unwrap(),
+    );
+    let opts = ConnectOptions {
+        rnr_retry: 7,
+        ..Default::default()
+    };
+    for _ in 0..conns {
+        let ((ca, ea), (cb, eb)) = (a.add_conn().unwrap(), b.add_conn().unwrap());
+        a.connect(ca, &eb, &opts).unwrap();
+        b.connect(cb, &ea, &opts).unwrap();
+    }
+    (fabric, devs, a, b)
+}
+
+/// A raw RC QP on node 0 (any bytes it sends reach the matcher as they are) connected to a
+/// matcher on node 1; returns the matcher's connection to it too.
+fn raw_peer() -> (Fabric, ringbell_tests::Side, Device, TagMatcher, usize) {
+    let fabric = Fabric::new(FabricConfig::new(2, 9));
+    let all = Access::LOCAL_WRITE | Access::REMOTE_READ | Access::REMOTE_WRITE;
+    let mut raw = ringbell_tests::side(&fabric, 0, all);
+    let dev = Device::open(Box::new(fabric.port(1))).unwrap();
+    let mut m = TagMatcher::new(&dev, TagConfig::default()).unwrap();
+    let (c, ep) = m.add_conn().unwrap();
+    let opts = ConnectOptions::default();
+    raw.qp.connect(&ep, 5, &opts).unwrap();
+    m.connect(c, &raw.qp.endpoint(5), &opts).unwrap();
+    (fabric, raw, dev, m, c)
+}
+
 fn pattern(id: u64, len: u32) -> Vec<u8> {
     (0..len as u64)
         .map(|i| (i.wrapping_mul(31) ^ id.wrapping_mul(0x9E37_79B9) >> 3) as u8)
@@ -916,15 +958,7 @@ fn unexpected_messages_beyond_the_staging_buffers_wait_for_rnr_retries() {
 #[test]
 fn a_rendezvous_request_without_its_header_is_dropped_and_matching_goes_on() {
     use ringbell::tm::{Tmh, TmhOp};
-    let fabric = Fabric::new(FabricConfig::new(2, 9));
-    let all = Access::LOCAL_WRITE | Access::REMOTE_READ | Access::REMOTE_WRITE;
-    let mut raw = ringbell_tests::side(&fabric, 0, all);
-    let dev = Device::open(Box::new(fabric.port(1))).unwrap();
-    let mut m = TagMatcher::new(&dev, TagConfig::default()).unwrap();
-    let (c, ep) = m.add_conn().unwrap();
-    let opts = ConnectOptions::default();
-    raw.qp.connect(&ep, 5, &opts).unwrap();
-    m.connect(c, &raw.qp.endpoint(5), &opts).unwrap();
+    let (fabric, mut raw, _dev, mut m, c) = raw_peer();
     // A RNDV request 20 bytes long: a TMH and no RVH.
     let tmh = |op: TmhOp, tag| {
         Tmh {
@@ -1034,24 +1068,7 @@ fn many_sends_in_flight_on_many_connections_keep_their_headers() {
         staging_slots: 16,
         ..TagConfig::default()
     };
-    let fabric = Fabric::new(FabricConfig::new(2, 11));
-    let (da, db) = (
-        Device::open(Box::new(fabric.port(0))).unwrap(),
-        Device::open(Box::new(fabric.port(1))).unwrap(),
-    );
-    let (mut a, mut b) = (
-        TagMatcher::new(&da, cfg).unwrap(),
-        TagMatcher::new(&db, cfg).unwrap(),
-    );
-    let opts = ConnectOptions {
-        rnr_retry: 7,
-        ..Default::default()
-    };
-    for _ in 0..5 {
-        let ((ca, ea), (cb, eb)) = (a.add_conn().unwrap(), b.add_conn().unwrap());
-        a.connect(ca, &eb, &opts).unwrap();
-        b.connect(cb, &ea, &opts).unwrap();
-    }
+    let (_fabric, _devs, mut a, mut b) = pair_with_conns(cfg, 11, 5);
     let n = 1250u64;
     for i in 0..n {
         b.recv(i, i, u64::MAX, i * 8, 8).unwrap();
@@ -1324,15 +1341,7 @@ fn a_rendezvous_whose_read_fails_fails_its_send_too() {
 #[test]
 fn a_malformed_rendezvous_request_is_refused_and_its_sender_told() {
     use ringbell::tm::{Tmh, TmhOp};
-    let fabric = Fabric::new(FabricConfig::new(2, 9));
-    let all = Access::LOCAL_WRITE | Access::REMOTE_READ | Access::REMOTE_WRITE;
-    let mut raw = ringbell_tests::side(&fabric, 0, all);
-    let dev = Device::open(Box::new(fabric.port(1))).unwrap();
-    let mut m = TagMatcher::new(&dev, TagConfig::default()).unwrap();
-    let (c, ep) = m.add_conn().unwrap();
-    let opts = ConnectOptions::default();
-    raw.qp.connect(&ep, 5, &opts).unwrap();
-    m.connect(c, &raw.qp.endpoint(5), &opts).unwrap();
+    let (_fabric, mut raw, _dev, mut m, _c) = raw_peer();
     raw.qp
         .post_recv(&[RecvWr {
             wr_id: 50,
@@ -1518,24 +1527,7 @@ fn completions_of_many_full_send_queues_fit_the_cq() {
         max_conns: 20,
         ..TagConfig::default()
     };
-    let fabric = Fabric::new(FabricConfig::new(2, 51));
-    let (da, db) = (
-        Device::open(Box::new(fabric.port(0))).unwrap(),
-        Device::open(Box::new(fabric.port(1))).unwrap(),
-    );
-    let (mut a, mut b) = (
-        TagMatcher::new(&da, cfg).unwrap(),
-        TagMatcher::new(&db, cfg).unwrap(),
-    );
-    let opts = ConnectOptions {
-        rnr_retry: 7,
-        ..Default::default()
-    };
-    for _ in 0..20 {
-        let ((ca, ea), (cb, eb)) = (a.add_conn().unwrap(), b.add_conn().unwrap());
-        a.connect(ca, &eb, &opts).unwrap();
-        b.connect(cb, &ea, &opts).unwrap();
-    }
+    let (_fabric, _devs, mut a, mut b) = pair_with_conns(cfg, 51, 20);
     assert!(a.add_conn().is_err(), "beyond max_conns");
     let mut n = 0u64;
     for c in 0..20 {
