@@ -83,6 +83,10 @@ pub const RESERVED_MAPPINGS: usize = 8192;
 /// blocking and full): after it, the eventfd is dropped.
 pub const IRQ_WRITE_LIMIT: Duration = Duration::from_millis(100);
 
+/// Refusals of one connection logged line by line; the rest are counted in the line that
+/// ends the connection, so that no client can flood the log.
+pub const LOGGED_REFUSALS: u64 = 64;
+
 /// Largest trapped access (a BlueFlame burst).
 const MAX_ACCESS: usize = regs::BF_STRIDE as usize;
 
@@ -880,7 +884,14 @@ fn serve_client(
             last = Instant::now();
         }
         if let Some(r) = &out.refusal {
-            eprintln!("{who}: refused {} ({})", r.reason, r.errno);
+            match session.refused() {
+                n if n <= LOGGED_REFUSALS => eprintln!("{who}: refused {} ({})", r.reason, r.errno),
+                n if n == LOGGED_REFUSALS + 1 => eprintln!(
+                    "{who}: refused {} ({}); its further refusals are only counted",
+                    r.reason, r.errno
+                ),
+                _ => {}
+            }
         }
         if let Err(e) = send_all(stream, &out, opts.client_timeout) {
             return end(format!("dropped: its reply could not be sent ({e})"));

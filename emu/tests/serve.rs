@@ -826,6 +826,22 @@ fn hostile_messages_cost_the_server_no_memory_while_other_clients_run() {
     assert_eq!(read_reply(&mut s).flags & ERROR, 0, "out of step");
     drop(s);
     peak("5000 unknown commands");
+    // The log holds 65 lines of them, not 5000, and their count.
+    let mut lines = 0;
+    let end = loop {
+        let l = srv
+            .log
+            .recv_timeout(Duration::from_secs(20))
+            .expect("the end of client 5");
+        if l.contains("node 0: client 5 ") {
+            if l.contains("NIC reset") {
+                break l;
+            }
+            lines += usize::from(l.contains("refused command 200"));
+        }
+    };
+    assert_eq!(lines, 65, "refusal lines logged");
+    assert!(end.contains("(5002 messages, 5000 refused"), "{end}");
 
     // 200 connections that hang up in the middle of a message.
     for i in 0..200u16 {
