@@ -921,6 +921,8 @@ fn a_full_blocking_eventfd_or_a_pipe_cannot_stall_anyone() {
     assert!(t.a.alloc_pd().is_ok());
     ok(c, "initiator beside the full eventfd");
     ok(d, "target beside the full eventfd");
+    let (rss, hwm) = srv.rss_kib();
+    eprintln!("full blocking eventfd: server RSS {rss} KiB, peak {hwm} KiB");
 }
 
 /// Each client holds at most its share of DMA mappings; the next is refused with ENOSPC and
@@ -955,6 +957,8 @@ fn dma_mappings_are_bounded_per_client() {
     drop(s);
     let log = srv.expect_end("node 0: client 1 ");
     assert!(log.contains("64 DMA mappings reclaimed"), "{log}");
+    let (rss, hwm) = srv.rss_kib();
+    eprintln!("65 DMA_MAPs: server RSS {rss} KiB, peak {hwm} KiB");
 }
 
 /// A client that sends nothing, half a message, or nothing more for too long is closed
@@ -992,6 +996,8 @@ fn silent_slow_and_idle_clients_are_closed_and_block_no_one() {
     assert_eq!(read_reply(&mut s).flags & ERROR, 0);
     ok(a, "initiator beside the slow clients");
     ok(b, "target beside the slow clients");
+    let (rss, hwm) = srv.rss_kib();
+    eprintln!("silent, slow and idle clients: server RSS {rss} KiB, peak {hwm} KiB");
 }
 
 /// A client that stores into its doorbells as fast as it can does not starve the other
@@ -1029,6 +1035,8 @@ fn a_client_flooding_doorbells_does_not_starve_the_other_nics() {
         dev.alloc_pd().is_ok(),
         "the flooding client's NIC still answers"
     );
+    let (rss, hwm) = srv.rss_kib();
+    eprintln!("doorbell flood: server RSS {rss} KiB, peak {hwm} KiB");
 }
 
 /// A driver whose server stops answering gets a typed error instead of hanging, and every
