@@ -876,7 +876,8 @@ fn serve_client(
             session.fds_truncated();
         }
         if started.is_none() {
-            started = Some(now);
+            // Not `now`: that was before the wait, which may have been long.
+            started = Some(Instant::now());
         }
         let step = session.took(n, be, &mut out);
         if !session.in_message() {

@@ -989,11 +989,16 @@ fn silent_slow_and_idle_clients_are_closed_and_block_no_one() {
     let log = srv.expect_end("node 0: client 3 ");
     assert!(log.contains("closed: it was idle for 2s"), "{log}");
     closed(&mut s);
-    // The NIC serves the next client.
+    // The NIC serves the next client, which may pause for longer than the client timeout
+    // (but less than the idle timeout) between messages.
     let mut s = connect(&path);
     version(&mut s);
     region_access(&mut s, 3, false, 0, ringbell_specs::regs::MAGIC, 4);
     assert_eq!(read_reply(&mut s).flags & ERROR, 0);
+    std::thread::sleep(Duration::from_millis(1500));
+    region_access(&mut s, 4, false, 0, ringbell_specs::regs::MAGIC, 4);
+    let r = read_reply(&mut s);
+    assert_eq!((r.id, r.flags & ERROR), (4, 0), "a pause was taken for a stall");
     ok(a, "initiator beside the slow clients");
     ok(b, "target beside the slow clients");
     let (rss, hwm) = srv.rss_kib();
