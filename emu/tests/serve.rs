@@ -998,7 +998,11 @@ fn silent_slow_and_idle_clients_are_closed_and_block_no_one() {
     std::thread::sleep(Duration::from_millis(1500));
     region_access(&mut s, 4, false, 0, ringbell_specs::regs::MAGIC, 4);
     let r = read_reply(&mut s);
-    assert_eq!((r.id, r.flags & ERROR), (4, 0), "a pause was taken for a stall");
+    assert_eq!(
+        (r.id, r.flags & ERROR),
+        (4, 0),
+        "a pause was taken for a stall"
+    );
     ok(a, "initiator beside the slow clients");
     ok(b, "target beside the slow clients");
     let (rss, hwm) = srv.rss_kib();
