@@ -60,11 +60,13 @@ impl SrqRings {
         if ahead < self.pi.get().wrapping_sub(taken) {
             let idx = taken.wrapping_add(ahead);
             // The WQEs before it were taken too and are still being filled: their slots are
-            // free, their wr_ids wait for their completions.
-            let mut held = self.held.borrow_mut();
-            for j in 0..ahead {
-                let j = taken.wrapping_add(j);
-                held.push((j, self.wrid[(j & self.mask) as usize].get()));
+            // free, their wr_ids wait for their completions. (In order: nothing to keep.)
+            if ahead > 0 {
+                let mut held = self.held.borrow_mut();
+                for j in 0..ahead {
+                    let j = taken.wrapping_add(j);
+                    held.push((j, self.wrid[(j & self.mask) as usize].get()));
+                }
             }
             self.taken.set(idx.wrapping_add(1));
             return Some(self.wrid[(idx & self.mask) as usize].get());

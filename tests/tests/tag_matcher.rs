@@ -133,6 +133,26 @@ fn raw_peer() -> (Fabric, ringbell_tests::Side, Device, TagMatcher, usize) {
     (fabric, raw, dev, m, c)
 }
 
+/// Every eager send completes; a rendezvous send completes once its receiver read it, and
+/// only then; no send fails. `sends` are (id, length), `matched` says whether a receive got
+/// a send.
+fn sends_end(
+    sends: impl Iterator<Item = (u64, u32)>,
+    eager_max: u32,
+    matched: impl Fn(u64) -> bool,
+    sent: &[TagEvent],
+) {
+    for (id, len) in sends {
+        let done = sent.contains(&TagEvent::Send { id });
+        let should = len <= eager_max || matched(id);
+        assert_eq!(done, should, "send {id} ({len} bytes) completion; {sent:?}");
+    }
+    assert!(
+        sent.iter().all(|e| matches!(e, TagEvent::Send { .. })),
+        "{sent:?}"
+    );
+}
+
 fn pattern(id: u64, len: u32) -> Vec<u8> {
     (0..len as u64)
         .map(|i| (i.wrapping_mul(31) ^ id.wrapping_mul(0x9E37_79B9) >> 3) as u8)
@@ -408,20 +428,15 @@ fn check(ops: &[Op], cfg: TagConfig, faults: FaultPlan, seed: u64) {
         assert!(seen.insert(id, s).is_none(), "receive {id} completed twice");
     }
     assert_eq!(seen, want, "matching differs from MPI order");
-    // Every eager send completes; a rendezvous send completes once its receiver read it.
-    let matched: Vec<u64> = want.values().copied().collect();
-    for (i, o) in ops.iter().enumerate() {
-        if let Op::Send { len, .. } = *o {
-            let done = sent.contains(&TagEvent::Send { id: i as u64 });
-            let should = len <= cfg.eager_max || matched.contains(&(i as u64));
-            assert_eq!(done, should, "send {i} ({len} bytes) completion; {sent:?}");
-        }
-    }
-    assert_eq!(
-        sent.len(),
-        sent.iter()
-            .filter(|e| matches!(e, TagEvent::Send { .. }))
-            .count()
+    let sends = ops.iter().enumerate().filter_map(|(i, o)| match *o {
+        Op::Send { len, .. } => Some((i as u64, len)),
+        _ => None,
+    });
+    sends_end(
+        sends,
+        cfg.eager_max,
+        |m| want.values().any(|&x| x == m),
+        &sent,
     );
 }
 
@@ -828,25 +843,15 @@ fn run_case(c: &Case, reached: &mut Reached) -> Result<(), TestCaseError> {
         "no MPI arrival order gives this matching: {:?}",
         pairs
     );
-    // Every eager send completes; a rendezvous send completes once its receiver read it.
-    for (i, st) in c.steps.iter().enumerate() {
-        if let Step::Send { len, .. } = *st {
-            let done = sent.contains(&TagEvent::Send { id: i as u64 });
-            let should = len <= cfg.eager_max || pairs.values().any(|&m| m == i as u64);
-            prop_assert_eq!(
-                done,
-                should,
-                "send {} ({} bytes) completion; {:?}",
-                i,
-                len,
-                sent
-            );
-        }
-    }
-    prop_assert!(
-        sent.iter().all(|e| matches!(e, TagEvent::Send { .. })),
-        "{:?}",
-        sent
+    let sends = c.steps.iter().enumerate().filter_map(|(i, st)| match *st {
+        Step::Send { len, .. } => Some((i as u64, len)),
+        _ => None,
+    });
+    sends_end(
+        sends,
+        cfg.eager_max,
+        |m| pairs.values().any(|&x| x == m),
+        &sent,
     );
     reached.cases += 1;
     let r = t.b.stats();
