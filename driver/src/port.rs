@@ -66,6 +66,13 @@ pub trait Port {
     fn interrupt_fd(&self, _vector: u32) -> Option<BorrowedFd<'_>> {
         None
     }
+    /// Whether the device runs in lockstep with the caller, one [`Port::progress`] call at a
+    /// time (the in-process emulator): a command then waits until it completes or the
+    /// device goes idle, and no wall-clock timeout applies. Hardware and a device served by
+    /// another process keep the default.
+    fn lockstep(&self) -> bool {
+        false
+    }
     /// Why the port can no longer reach its device (a broken or timed-out connection), or
     /// `None` while it can. A port whose accesses cannot fail keeps the default.
     fn failure(&self) -> Option<String> {

@@ -268,14 +268,19 @@ fn main() {
             let secs = |name: &str, v: f64| {
                 Duration::try_from_secs_f64(v)
                     .ok()
-                    .filter(|d| !d.is_zero())
-                    .ok_or_else(|| format!("--{name} {v}: a positive number of seconds"))
+                    // At most a year: deadlines are instants plus this, which must not
+                    // overflow.
+                    .filter(|d| !d.is_zero() && d.as_secs() <= 365 * 86_400)
+                    .ok_or_else(|| {
+                        format!("--{name} {v}: a positive number of seconds, at most a year")
+                    })
             };
             secs("client-timeout", client_timeout).and_then(|client_timeout| {
                 let opts = ringbell_emu::serve::ServeOptions {
                     client_timeout,
                     idle_timeout: secs("idle-timeout", idle_timeout)?,
                     max_dma_maps,
+                    ..Default::default()
                 };
                 serve(&socket, nodes, seed, loss, &profile, opts)
             })

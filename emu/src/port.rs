@@ -50,4 +50,8 @@ impl Port for EmuPort {
     fn progress(&self) -> bool {
         self.shared.borrow_mut().step()
     }
+
+    fn lockstep(&self) -> bool {
+        true
+    }
 }

@@ -75,6 +75,12 @@ pub const CONFIG_SIZE: usize = 256;
 /// the vfio-user specification).
 pub const MAX_DMA_MAPPINGS: usize = 65535;
 
+/// Bytes of address space the server maps for all clients' DMA together (32 TiB of the
+/// 128 TiB a process has); each of the nodes' clients may map an equal share. A memory file
+/// costs no memory until touched, so without it a client could exhaust the address space
+/// with few mappings, and every node's next mapping or allocation would fail.
+pub const DMA_ADDRESS_SPACE: u64 = 1 << 45;
+
 /// Mappings of the process's `vm.max_map_count` kept for the server itself (code, heap,
 /// thread stacks, BAR files); the rest is shared among the nodes' clients.
 pub const RESERVED_MAPPINGS: usize = 8192;
@@ -112,6 +118,9 @@ pub struct ServeOptions {
     pub idle_timeout: Duration,
     /// Most DMA mappings a client may hold (further capped by [`mapping_budget`]).
     pub max_dma_maps: usize,
+    /// Most bytes of DMA mappings a client may hold (further capped to an equal share of
+    /// [`DMA_ADDRESS_SPACE`]).
+    pub max_dma_bytes: u64,
 }
 
 impl Default for ServeOptions {
@@ -120,6 +129,7 @@ impl Default for ServeOptions {
             client_timeout: Duration::from_secs(10),
             idle_timeout: Duration::from_secs(600),
             max_dma_maps: MAX_DMA_MAPPINGS,
+            max_dma_bytes: DMA_ADDRESS_SPACE,
         }
     }
 }
@@ -344,6 +354,9 @@ pub fn serve(
         let activity = st.activity.clone();
         let opts = ServeOptions {
             max_dma_maps,
+            max_dma_bytes: opts
+                .max_dma_bytes
+                .min(DMA_ADDRESS_SPACE / nodes.max(1) as u64),
             ..opts.clone()
         };
         std::thread::Builder::new()
@@ -405,6 +418,9 @@ struct NodeBackend<L: Link> {
     /// DMA mappings the client holds, and the most it may.
     maps: usize,
     max_maps: usize,
+    /// Bytes those mappings span, and the most they may.
+    bytes: u64,
+    max_bytes: u64,
 }
 
 fn einval(what: String) -> Refusal {
@@ -412,7 +428,7 @@ fn einval(what: String) -> Refusal {
 }
 
 impl<L: Link> NodeBackend<L> {
-    fn new(link: L, bar: File, max_maps: usize) -> NodeBackend<L> {
+    fn new(link: L, bar: File, max_maps: usize, max_bytes: u64) -> NodeBackend<L> {
         NodeBackend {
             link,
             config: config_space(),
@@ -420,6 +436,8 @@ impl<L: Link> NodeBackend<L> {
             irq: None,
             maps: 0,
             max_maps,
+            bytes: 0,
+            max_bytes,
         }
     }
 
@@ -539,7 +557,20 @@ impl<L: Link> Device for NodeBackend<L> {
                 ),
             ));
         }
+        if len > self.max_bytes - self.bytes {
+            return Err(Refusal::new(
+                Errno::ENOSPC,
+                format!(
+                    "{what}: the client's mappings span {:#x} bytes, the most they may is {:#x}",
+                    self.bytes, self.max_bytes
+                ),
+            ));
+        }
         let file = File::from(fd);
+        // Sealed before its size is read: the size cannot shrink after the check, and a
+        // descriptor that is no memory file fails here at once (F_ADD_SEALS works only on
+        // shmem) instead of a stat that a file the client serves itself could block.
+        seal_against_shrinking(&file).map_err(|e| einval(format!("{what}: {e}")))?;
         match file.metadata() {
             Ok(m) if m.is_file() && m.len() >= len => {}
             Ok(m) => {
@@ -550,19 +581,21 @@ impl<L: Link> Device for NodeBackend<L> {
             }
             Err(e) => return Err(einval(format!("{what}: the memory file: {e}"))),
         }
-        seal_against_shrinking(&file).map_err(|e| einval(format!("{what}: {e}")))?;
         self.link.ask(Req::DmaMap {
             fd: file.into(),
             iova,
             len,
         })?;
         self.maps += 1;
+        self.bytes += len;
         Ok(())
     }
 
     fn dma_unmap(&mut self, iova: u64, len: u64) -> Result<(), Refusal> {
         self.link.ask(Req::DmaUnmap { iova, len })?;
+        // An unmap matches one mapping exactly (its IOVA and length).
         self.maps = self.maps.saturating_sub(1);
+        self.bytes = self.bytes.saturating_sub(len);
         Ok(())
     }
 
@@ -724,7 +757,7 @@ fn node_thread(
             .map(|c| c.pid().to_string())
             .unwrap_or_else(|_| "?".into());
         let who = format!("ringbell-emu serve: node {node}: client {serial} (pid {pid})");
-        let mut be = NodeBackend::new(link, file, opts.max_dma_maps);
+        let mut be = NodeBackend::new(link, file, opts.max_dma_maps, opts.max_dma_bytes);
         let mut session = Session::new(opts.max_dma_maps);
         let end = serve_client(
             &stream,
@@ -783,7 +816,10 @@ fn serve_client(
     let mut seen = activity.load(Ordering::Relaxed);
     let mut started: Option<Instant> = None;
     let mut out = Outbox::default();
-    let mut cmsg = nix::cmsg_space!([RawFd; 4]);
+    // Room for as many descriptors as Linux passes in one message (SCM_MAX_FD): a smaller
+    // buffer truncates the control message, and the descriptors installed before the cut
+    // could not be taken (nix gives no iterator then) and would leak.
+    let mut cmsg = nix::cmsg_space!([RawFd; ringbell::vfio::user::SCM_MAX_FD]);
     loop {
         let now = Instant::now();
         let (deadline, late) = if !session.negotiated() {
@@ -1184,7 +1220,7 @@ impl Loopback {
         };
         Ok(Loopback {
             session: Session::new(max_dma_maps),
-            be: NodeBackend::new(direct, file, max_dma_maps),
+            be: NodeBackend::new(direct, file, max_dma_maps, DMA_ADDRESS_SPACE),
             out: Outbox::default(),
             replies: Vec::new(),
         })
@@ -1233,11 +1269,6 @@ impl Loopback {
     pub fn dma_mappings(&self) -> usize {
         self.be.link.fabric.dma_mappings(0)
     }
-
-    /// Whether the client's interrupt eventfd is set.
-    pub fn has_irq(&self) -> bool {
-        self.be.irq.is_some()
-    }
 }
 
 #[cfg(test)]
@@ -1253,10 +1284,44 @@ mod tests {
         }
     }
 
+    /// A backend whose link carries out every request (the fabric's own checks aside).
+    struct Accept;
+
+    impl Link for Accept {
+        fn ask(&mut self, _: Req) -> Answer {
+            Ok([0, 0])
+        }
+    }
+
+    #[test]
+    fn dma_mappings_are_bounded_in_bytes_and_only_memory_files_are_taken() {
+        let mapped = |len: u64| -> OwnedFd {
+            let fd = memfd_create(c"dma", MemFdCreateFlag::MFD_ALLOW_SEALING).unwrap();
+            let f = File::from(fd);
+            f.set_len(len).unwrap();
+            f.into()
+        };
+        let (file, _) = bar_file().unwrap();
+        let mut be = NodeBackend::new(Accept, file, 100, 2 << 20);
+        be.dma_map(mapped(1 << 20), 0x10000, 1 << 20).unwrap();
+        be.dma_map(mapped(1 << 20), 0x200000, 1 << 20).unwrap();
+        let e = be.dma_map(mapped(4096), 0x400000, 4096).unwrap_err();
+        assert_eq!(e.errno, Errno::ENOSPC, "{}", e.reason);
+        be.dma_unmap(0x10000, 1 << 20).unwrap();
+        be.dma_map(mapped(4096), 0x400000, 4096).unwrap();
+        // A pipe is no memory file: refused before anything reads its size.
+        let (r, _w) = nix::unistd::pipe().unwrap();
+        assert_eq!(
+            be.dma_map(r, 0x800000, 4096).unwrap_err().errno,
+            Errno::EINVAL
+        );
+        assert_eq!(be.maps, 2);
+    }
+
     #[test]
     fn config_space_names_the_nic_and_sizes_bar0() {
         let (file, _) = bar_file().unwrap();
-        let mut be = NodeBackend::new(Nothing, file, 4);
+        let mut be = NodeBackend::new(Nothing, file, 4, DMA_ADDRESS_SPACE);
         let mut id = [0u8; 4];
         be.region_read(VFIO_PCI_CONFIG_REGION_INDEX, 0, &mut id)
             .unwrap();

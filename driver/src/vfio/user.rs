@@ -70,7 +70,7 @@ const MAX_CAPS: usize = 16;
 const MAX_AREAS: usize = 256;
 /// The most descriptors Linux passes in one message (`SCM_MAX_FD`): the receive buffer holds
 /// this many so that no message is truncated (a truncated one would leak the descriptors).
-const SCM_MAX_FD: usize = 253;
+pub const SCM_MAX_FD: usize = 253;
 /// The smallest config space accepted: the standard PCI header.
 const MIN_CONFIG_SIZE: u64 = 64;
 
@@ -810,13 +810,14 @@ impl Transport for UserTransport {
         }
     }
 
-    /// Sleeps about 20 µs: the device is another process (often on the same few cores) that
-    /// needs the CPU to make progress, so spinning here would only slow it down. `false` once
-    /// the connection is broken: nothing the server does can reach this client any more.
+    /// Why the connection is unusable, once it is.
     fn broken(&self) -> Option<String> {
         self.conn.borrow().broken.clone()
     }
 
+    /// Sleeps about 20 µs: the device is another process (often on the same few cores) that
+    /// needs the CPU to make progress, so spinning here would only slow it down. `false` once
+    /// the connection is broken: nothing the server does can reach this client any more.
     fn idle(&self) -> bool {
         if self.conn.borrow().broken.is_some() {
             return false;
