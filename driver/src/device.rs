@@ -106,6 +106,8 @@ pub(crate) struct DevInner {
     command_timeout: Cell<std::time::Duration>,
     /// Why the device is taken as lost (a command timed out, or its port failed).
     lost: RefCell<Option<String>>,
+    /// Caller memory mapped for this device (`hostmem`).
+    pub(crate) host: crate::hostmem::HostRegions,
 }
 
 impl std::fmt::Debug for DevInner {
@@ -118,10 +120,12 @@ impl DevInner {
     /// Reserves an IOVA range for `len` bytes.
     pub(crate) fn alloc_iova(&self, len: usize) -> Result<u64, Error> {
         let iova = self.next_iova.get();
-        // A guard page between mappings turns an overrun into an IOMMU fault.
+        // A guard page between mappings turns an overrun into an IOMMU fault. Adopted caller
+        // memory has the IOVAs from HOST_IOVA_OFFSET on.
         let next = (len as u64)
             .checked_next_multiple_of(4096)
             .and_then(|l| iova.checked_add(l)?.checked_add(4096))
+            .filter(|n| *n <= crate::hostmem::HOST_IOVA_OFFSET)
             .ok_or_else(|| Error::Memory("device address space exhausted".into()))?;
         self.next_iova.set(next);
         Ok(iova)
@@ -339,6 +343,7 @@ impl Device {
             parked_cntrs: RefCell::new(Vec::new()),
             command_timeout: Cell::new(command_timeout),
             lost: RefCell::new(None),
+            host: Default::default(),
         };
         let mb_iova = inner.alloc_iova(inner.mailbox.len())?;
         inner

@@ -103,6 +103,17 @@ pub enum Error {
         /// Its state as the driver knows it.
         state: QpState,
     },
+    /// Memory given for registration ([`crate::ProtectionDomain::reg_user_mr`]) is not
+    /// mapped, or cannot be mapped for the device (EFAULT).
+    #[error("cannot register {addr:#x}+{len:#x}: {reason}")]
+    BadAddress {
+        /// Start of the range.
+        addr: u64,
+        /// Length of the range.
+        len: u64,
+        /// What is wrong with it ("not mapped at 0x...", "not readable", ...).
+        reason: String,
+    },
     /// A request or attribute is invalid.
     #[error("invalid argument: {0}")]
     InvalidArgument(&'static str),

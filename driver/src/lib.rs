@@ -5,6 +5,8 @@
 //! live in DMA memory, doorbells are register stores. The objects follow libibverbs:
 //! [`Device`], [`ProtectionDomain`], [`MemoryRegion`], [`CompletionQueue`], [`QueuePair`]
 //! (reliable connected) and [`SharedReceiveQueue`]. Posting and polling allocate nothing.
+//! Memory regions cover the driver's DMA buffers ([`ProtectionDomain::reg_mr`]) or memory the
+//! application allocated itself ([`ProtectionDomain::reg_user_mr`], as `ibv_reg_mr`).
 //!
 //! ```no_run
 //! # fn demo(port: Box<dyn ringbell::Port>) -> Result<(), ringbell::Error> {
@@ -24,6 +26,7 @@ mod cq;
 mod device;
 mod dma;
 mod error;
+mod hostmem;
 mod mr;
 mod port;
 mod qp;
@@ -37,6 +40,7 @@ pub use cq::{CompletionQueue, CqAttr, WcOpcode, WcStatus, WorkCompletion};
 pub use device::{AsyncEvent, Device, DeviceCaps, DmaBuffer};
 pub use dma::DmaMemory;
 pub use error::Error;
+pub use hostmem::HOST_IOVA_OFFSET;
 pub use mr::{MemoryRegion, ProtectionDomain, Sge};
 pub use port::{Port, PortError};
 pub use qp::{

@@ -97,6 +97,7 @@ impl ProtectionDomain {
             .map(|(o, _)| o)
             .unwrap_or_default();
         Ok(MemoryRegion {
+            host: None,
             cntrs: Default::default(),
             dev: self.dev.clone(),
             _pd: self.obj.clone(),
@@ -119,6 +120,9 @@ pub struct MemoryRegion {
     rkey: u32,
     addr: u64,
     len: u64,
+    /// Adopted caller memory the region lies in ([`ProtectionDomain::reg_user_mr`]): given
+    /// back (and unmapped from the device if it was the last user) after DEREG_MR.
+    pub(crate) host: Option<crate::hostmem::AdoptedPages>,
 }
 
 impl MemoryRegion {
