@@ -568,8 +568,10 @@ impl ProtectionDomain {
             .max(3)
             .max(2 + (4 + init.max_inline as usize).div_ceil(SEG));
         let nbb = wqe::wqebbs(ds.min(wqe::MAX_DS)) as u32;
+        // The device takes rings of 2 entries or more (a one-request queue gets two).
         let sq_entries = (init.max_send_wr * nbb)
             .next_power_of_two()
+            .max(2)
             .min(caps.max_qp_wr.next_power_of_two());
         let sq_log = sq_entries.trailing_zeros() as u8;
         let rq_stride_log = (init.max_recv_sge.max(1) as usize * SEG)

@@ -1,0 +1,236 @@
+//! Completion queues (classic and extended) and completion channels.
+
+use crate::abi;
+use crate::device::RbContext;
+use crate::state::{Kind, State};
+use ringbell::{CompletionQueue, WorkCompletion};
+use std::collections::VecDeque;
+
+/// A ringbell CQ. The extended CQ's layout is used for every CQ: `struct ibv_cq` is its
+/// prefix, so `ibv_cq_ex_to_cq` is a cast, as in libibverbs.
+#[repr(C)]
+pub(crate) struct RbCq {
+    pub cq: abi::ibv_cq_ex,
+    pub ctx: *mut RbContext,
+    pub drv: CompletionQueue,
+    pub channel: *mut RbChannel,
+    /// QPs and SRQs that report here (destroying with any: EBUSY).
+    pub users: u32,
+    /// Extended polling: the entry `start_poll`/`next_poll` made current.
+    pub cur: WorkCompletion,
+    /// Extended CQ: `wc_flags` asked for at creation (what the read functions may serve).
+    pub wc_flags: u64,
+    /// Created through `ibv_create_cq_ex`.
+    pub extended: bool,
+    /// Completion events delivered through the channel.
+    pub events_delivered: u32,
+}
+
+/// A ringbell completion channel.
+#[repr(C)]
+pub(crate) struct RbChannel {
+    pub ch: abi::ibv_comp_channel,
+    pub ctx: *mut RbContext,
+    /// CQs with an event waiting, oldest first.
+    pub queue: VecDeque<*mut RbCq>,
+}
+
+/// `ibv_create_comp_channel`.
+pub(crate) fn create_channel(
+    st: &mut State,
+    c: &mut RbContext,
+) -> Result<*mut abi::ibv_comp_channel, i32> {
+    let fd = crate::events::new_eventfd()?;
+    let p = Box::into_raw(Box::new(RbChannel {
+        ch: abi::ibv_comp_channel {
+            context: c.ibv(),
+            fd,
+            refcnt: 0,
+        },
+        ctx: c,
+        queue: VecDeque::new(),
+    }));
+    c.children += 1;
+    st.add(p as usize, Kind::Channel);
+    Ok(p as *mut abi::ibv_comp_channel)
+}
+
+/// `ibv_destroy_comp_channel`.
+pub(crate) fn destroy_channel(st: &mut State, ch: &mut RbChannel) -> i32 {
+    if ch.ch.refcnt != 0 {
+        return libc::EBUSY;
+    }
+    st.remove(ch as *mut RbChannel as usize);
+    // SAFETY: a channel's context outlives it (closing a context destroys its channels first).
+    unsafe { (*ch.ctx).children -= 1 };
+    // SAFETY: the eventfd `create_channel` made, owned by the channel.
+    unsafe { libc::close(ch.ch.fd) };
+    // SAFETY: the `RbChannel` `create_channel` boxed, now out of the registry.
+    drop(unsafe { Box::from_raw(ch as *mut RbChannel) });
+    0
+}
+
+/// `ibv_create_cq` / `ibv_create_cq_ex`.
+pub(crate) fn create(
+    st: &mut State,
+    c: &mut RbContext,
+    cqe: i32,
+    channel: *mut RbChannel,
+    cq_context: *mut libc::c_void,
+    wc_flags: u64,
+    extended: bool,
+) -> Result<*mut RbCq, i32> {
+    if cqe <= 0 || cqe as u32 > c.dev.caps().max_cqe {
+        return Err(libc::EINVAL);
+    }
+    if !channel.is_null() {
+        // SAFETY: the caller checked `channel` is a live ringbell channel.
+        let ch = unsafe { &*channel };
+        if !std::ptr::eq(ch.ctx, c) {
+            return Err(libc::EINVAL);
+        }
+    }
+    let drv = c
+        .dev
+        .create_cq(cqe as u32)
+        .map_err(|e| crate::errno_of(&e))?;
+    let mut cq = abi::ibv_cq_ex {
+        context: c.ibv(),
+        channel: channel as *mut abi::ibv_comp_channel,
+        cq_context,
+        handle: drv.cqn(),
+        cqe: drv.capacity().min(i32::MAX as u32) as i32,
+        comp_mask: 0,
+        ..Default::default()
+    };
+    crate::ops::fill_cq_ex(&mut cq);
+    let cqn = drv.cqn();
+    let p = Box::into_raw(Box::new(RbCq {
+        cq,
+        ctx: c,
+        drv,
+        channel,
+        users: 0,
+        cur: WorkCompletion::default(),
+        wc_flags,
+        extended,
+        events_delivered: 0,
+    }));
+    // SAFETY: `p` was just allocated; the mutex and condition variable are initialised in
+    // place, where they stay.
+    unsafe {
+        libc::pthread_mutex_init(&mut (*p).cq.mutex as *mut _ as *mut _, std::ptr::null());
+        libc::pthread_cond_init(&mut (*p).cq.cond as *mut _ as *mut _, std::ptr::null());
+    }
+    if !channel.is_null() {
+        // SAFETY: checked live above.
+        unsafe { (*channel).ch.refcnt += 1 };
+    }
+    c.children += 1;
+    st.add(p as usize, Kind::Cq);
+    st.cqs.insert((c.nic, cqn), p as usize);
+    Ok(p)
+}
+
+/// `ibv_destroy_cq`.
+pub(crate) fn destroy(st: &mut State, cq: &mut RbCq) -> i32 {
+    if cq.users != 0 {
+        return libc::EBUSY;
+    }
+    let p = cq as *mut RbCq;
+    st.remove(p as usize);
+    // SAFETY: a CQ's context outlives it.
+    let nic = unsafe { (*cq.ctx).nic };
+    st.cqs.remove(&(nic, cq.drv.cqn()));
+    if !cq.channel.is_null() {
+        // SAFETY: a channel with CQs cannot be destroyed, so it is live.
+        let ch = unsafe { &mut *cq.channel };
+        ch.ch.refcnt -= 1;
+        // Events still queued for this CQ go with it.
+        let before = ch.queue.len();
+        ch.queue.retain(|&q| q != p);
+        for _ in ch.queue.len()..before {
+            crate::events::eventfd_take(ch.ch.fd);
+        }
+    }
+    // SAFETY: a CQ's context outlives it.
+    unsafe { (*cq.ctx).children -= 1 };
+    // SAFETY: the `RbCq` `create` boxed, now out of the registry.
+    drop(unsafe { Box::from_raw(p) });
+    0
+}
+
+/// `ibv_resize_cq`: ringbell CQs keep their size; a request the current ring satisfies
+/// succeeds, a larger one is refused as by a device without resize.
+pub(crate) fn resize(cq: &mut RbCq, cqe: i32) -> i32 {
+    if cqe <= 0 {
+        return libc::EINVAL;
+    }
+    if cqe <= cq.cq.cqe {
+        return 0;
+    }
+    libc::EOPNOTSUPP
+}
+
+/// Converts a driver completion to libibverbs' `struct ibv_wc`.
+pub(crate) fn to_ibv_wc(w: &WorkCompletion, out: &mut abi::ibv_wc) {
+    *out = abi::ibv_wc {
+        wr_id: w.wr_id,
+        status: w.status as u32,
+        opcode: w.opcode as u32,
+        vendor_err: u32::from(w.vendor_syndrome),
+        byte_len: w.byte_len,
+        qp_num: w.qpn,
+        wc_flags: wc_flags_of(w) as u32,
+        ..Default::default()
+    };
+    if let Some(imm) = w.imm {
+        out.__bindgen_anon_1.imm_data = imm.to_be();
+    }
+}
+
+/// The `ibv_wc_flags` of a completion.
+pub(crate) fn wc_flags_of(w: &WorkCompletion) -> u64 {
+    let mut f = 0;
+    if w.imm.is_some() {
+        f |= abi::ibv_wc_flags_IBV_WC_WITH_IMM;
+    }
+    if w.tm_sync_req {
+        f |= abi::ibv_wc_flags_IBV_WC_TM_SYNC_REQ;
+    }
+    if w.tm_match {
+        f |= abi::ibv_wc_flags_IBV_WC_TM_MATCH;
+    }
+    if w.tm_data_valid {
+        f |= abi::ibv_wc_flags_IBV_WC_TM_DATA_VALID;
+    }
+    u64::from(f)
+}
+
+/// `ibv_poll_cq`: up to `out.len()` completions. When the ring is empty the device is
+/// given one step, and events it raised are routed.
+pub(crate) fn poll(st: &mut State, cq: &mut RbCq, out: &mut [abi::ibv_wc]) -> i32 {
+    let mut buf = [WorkCompletion::default(); 16];
+    let mut n = 0;
+    while n < out.len() {
+        let want = (out.len() - n).min(buf.len());
+        let got = if n == 0 {
+            cq.drv.poll(&mut buf[..want])
+        } else {
+            cq.drv.poll_ready(&mut buf[..want])
+        };
+        for (w, o) in buf[..got].iter().zip(&mut out[n..]) {
+            to_ibv_wc(w, o);
+        }
+        n += got;
+        if got < want {
+            break;
+        }
+    }
+    if n == 0 {
+        // SAFETY: a CQ's context outlives it.
+        let nic = unsafe { (*cq.ctx).nic };
+        crate::events::pump(st, nic);
+    }
+    n as i32
+}

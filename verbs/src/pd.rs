@@ -1,0 +1,132 @@
+//! Protection domains and memory regions.
+
+use crate::abi;
+use crate::device::RbContext;
+use crate::state::{Kind, State};
+use ringbell::{Access, MemoryRegion, ProtectionDomain};
+
+/// A ringbell PD.
+#[repr(C)]
+pub(crate) struct RbPd {
+    pub pd: abi::ibv_pd,
+    pub ctx: *mut RbContext,
+    pub drv: ProtectionDomain,
+    /// Live MRs, QPs and SRQs (deallocating with any: EBUSY).
+    pub children: u32,
+}
+
+/// A ringbell MR.
+#[repr(C)]
+pub(crate) struct RbMr {
+    pub mr: abi::ibv_mr,
+    pub pd: *mut RbPd,
+    pub drv: MemoryRegion,
+}
+
+/// Access bits that are hints a device may ignore (libibverbs' optional range).
+const OPTIONAL_RANGE: u32 = ((1u32 << 30) - 1) & !(abi::IBV_ACCESS_OPTIONAL_FIRST - 1);
+/// Access bits a ringbell MR understands.
+const KNOWN: u32 = abi::ibv_access_flags_IBV_ACCESS_LOCAL_WRITE
+    | abi::ibv_access_flags_IBV_ACCESS_REMOTE_WRITE
+    | abi::ibv_access_flags_IBV_ACCESS_REMOTE_READ
+    | abi::ibv_access_flags_IBV_ACCESS_REMOTE_ATOMIC
+    | abi::ibv_access_flags_IBV_ACCESS_MW_BIND
+    | abi::ibv_access_flags_IBV_ACCESS_HUGETLB;
+
+/// Checks MR access flags as the kernel does, returning the device's access set.
+pub(crate) fn mr_access(access: u32) -> Result<Access, i32> {
+    let access = access & !OPTIONAL_RANGE;
+    if access & abi::ibv_access_flags_IBV_ACCESS_ON_DEMAND != 0 {
+        return Err(libc::EOPNOTSUPP);
+    }
+    if access & !KNOWN != 0 {
+        return Err(libc::EINVAL);
+    }
+    // Remote write or atomic access needs local write (IBTA o10-24).
+    let needs_local = abi::ibv_access_flags_IBV_ACCESS_REMOTE_WRITE
+        | abi::ibv_access_flags_IBV_ACCESS_REMOTE_ATOMIC;
+    if access & needs_local != 0 && access & abi::ibv_access_flags_IBV_ACCESS_LOCAL_WRITE == 0 {
+        return Err(libc::EINVAL);
+    }
+    Ok(Access::from_bits_truncate(access & 0xf))
+}
+
+/// `ibv_alloc_pd`.
+pub(crate) fn alloc(st: &mut State, c: &mut RbContext) -> Result<*mut abi::ibv_pd, i32> {
+    let drv = c.dev.alloc_pd().map_err(|e| crate::errno_of(&e))?;
+    let p = Box::into_raw(Box::new(RbPd {
+        pd: abi::ibv_pd {
+            context: c.ibv(),
+            handle: drv.pdn(),
+        },
+        ctx: c,
+        drv,
+        children: 0,
+    }));
+    c.children += 1;
+    st.add(p as usize, Kind::Pd);
+    Ok(p as *mut abi::ibv_pd)
+}
+
+/// `ibv_dealloc_pd`.
+pub(crate) fn dealloc(st: &mut State, pd: &mut RbPd) -> i32 {
+    if pd.children != 0 {
+        return libc::EBUSY;
+    }
+    st.remove(pd as *mut RbPd as usize);
+    // SAFETY: a PD's context outlives it (closing a context deallocates its PDs first).
+    unsafe { (*pd.ctx).children -= 1 };
+    // SAFETY: `pd` is the `RbPd` `alloc` boxed, now out of the registry.
+    drop(unsafe { Box::from_raw(pd as *mut RbPd) });
+    0
+}
+
+/// `ibv_reg_mr_iova2`: registers `[addr, addr + len)` of this process's memory, addressed
+/// by `iova` in work requests and by peers.
+///
+/// # Safety
+/// `addr..addr + len` must be memory of this process that stays mapped while the MR lives
+/// (the caller's promise to libibverbs too).
+pub(crate) unsafe fn reg(
+    st: &mut State,
+    pd: &mut RbPd,
+    addr: *mut u8,
+    len: usize,
+    iova: u64,
+    access: u32,
+) -> Result<*mut abi::ibv_mr, i32> {
+    let acc = mr_access(access)?;
+    if len == 0 || addr.is_null() {
+        return Err(libc::EINVAL);
+    }
+    // SAFETY: the caller's promise, passed on.
+    let drv =
+        unsafe { pd.drv.reg_user_mr(addr, len, iova, acc) }.map_err(|e| crate::errno_of(&e))?;
+    let p = Box::into_raw(Box::new(RbMr {
+        mr: abi::ibv_mr {
+            context: pd.pd.context,
+            pd: &mut pd.pd,
+            addr: addr as *mut _,
+            length: len,
+            handle: drv.lkey(),
+            lkey: drv.lkey(),
+            rkey: drv.rkey(),
+        },
+        pd,
+        drv,
+    }));
+    pd.children += 1;
+    st.add(p as usize, Kind::Mr);
+    Ok(p as *mut abi::ibv_mr)
+}
+
+/// `ibv_dereg_mr`.
+pub(crate) fn dereg(st: &mut State, mr: &mut RbMr) -> i32 {
+    st.remove(mr as *mut RbMr as usize);
+    // SAFETY: an MR's PD outlives it (deallocating a PD with MRs is refused).
+    unsafe { (*mr.pd).children -= 1 };
+    // SAFETY: `mr` is the `RbMr` `reg` boxed, now out of the registry; dropping it
+    // deregisters the region, then releases its memory's mapping.
+    drop(unsafe { Box::from_raw(mr as *mut RbMr) });
+    0
+}

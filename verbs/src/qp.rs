@@ -1,0 +1,661 @@
+//! RC queue pairs: creation, the state machine with libibverbs' attribute masks, and both
+//! posting interfaces (`ibv_post_send` work request lists and the `ibv_wr_*` builder).
+
+use crate::abi;
+use crate::cq::RbCq;
+use crate::device::{mac_of_gid, RbContext};
+use crate::pd::RbPd;
+use crate::srq::RbSrq;
+use crate::state::{Kind, State};
+use ringbell::{QpInit, QpState, QueuePair, RecvWr, RemoteAddr, SendFlags, SendWr, Sge, WrOp};
+use ringbell_specs::cmd::{QpAttr, QpAttrMask};
+
+/// Most SGEs a work request may carry through this library.
+pub(crate) const MAX_SGE: usize = 32;
+
+/// A work request built with the `ibv_wr_*` calls, waiting for `ibv_wr_complete`.
+#[derive(Debug)]
+pub(crate) struct Pending {
+    wr_id: u64,
+    flags: u32,
+    op: WrOp,
+    sgl: Vec<Sge>,
+    inline: Option<Vec<u8>>,
+}
+
+/// A ringbell QP: the extended QP layout (whose prefix is `struct ibv_qp`) and the state
+/// behind it.
+#[repr(C)]
+pub(crate) struct RbQp {
+    pub qpx: abi::ibv_qp_ex,
+    pub ctx: *mut RbContext,
+    pub pd: *mut RbPd,
+    pub send_cq: *mut RbCq,
+    pub recv_cq: *mut RbCq,
+    pub srq: *mut RbSrq,
+    pub drv: QueuePair,
+    pub cap: abi::ibv_qp_cap,
+    pub sq_sig_all: bool,
+    /// Whether `ibv_qp_to_qp_ex` hands out the builder (created with send ops flags).
+    pub ex: bool,
+    pub send_ops_flags: u64,
+    /// The address vector of the last modify that set one (for `ibv_query_qp`).
+    pub ah_attr: abi::ibv_ah_attr,
+    /// Builder state between `ibv_wr_start` and `ibv_wr_complete`.
+    pub building: Option<Vec<Pending>>,
+    /// The first error a builder call hit (reported by `ibv_wr_complete`).
+    pub build_err: i32,
+    /// Gathered inline payload of the request being posted (no allocation per post).
+    inline_buf: Vec<u8>,
+}
+
+/// The send operations a ringbell QP can build.
+pub(crate) const SEND_OPS: u64 = (abi::ibv_qp_create_send_ops_flags_IBV_QP_EX_WITH_RDMA_WRITE
+    | abi::ibv_qp_create_send_ops_flags_IBV_QP_EX_WITH_RDMA_WRITE_WITH_IMM
+    | abi::ibv_qp_create_send_ops_flags_IBV_QP_EX_WITH_SEND
+    | abi::ibv_qp_create_send_ops_flags_IBV_QP_EX_WITH_SEND_WITH_IMM
+    | abi::ibv_qp_create_send_ops_flags_IBV_QP_EX_WITH_RDMA_READ
+    | abi::ibv_qp_create_send_ops_flags_IBV_QP_EX_WITH_ATOMIC_CMP_AND_SWP
+    | abi::ibv_qp_create_send_ops_flags_IBV_QP_EX_WITH_ATOMIC_FETCH_AND_ADD)
+    as u64;
+
+/// Checked pointers of a creation request.
+pub(crate) struct CreateArgs {
+    pub pd: *mut RbPd,
+    pub send_cq: *mut RbCq,
+    pub recv_cq: *mut RbCq,
+    pub srq: *mut RbSrq,
+}
+
+/// `ibv_create_qp` / `ibv_create_qp_ex`, after the pointers were checked.
+pub(crate) fn create(
+    st: &mut State,
+    a: &CreateArgs,
+    attr: &mut abi::ibv_qp_init_attr_ex,
+) -> Result<*mut RbQp, i32> {
+    const SUPPORTED_MASK: u32 = abi::ibv_qp_init_attr_mask_IBV_QP_INIT_ATTR_PD
+        | abi::ibv_qp_init_attr_mask_IBV_QP_INIT_ATTR_CREATE_FLAGS
+        | abi::ibv_qp_init_attr_mask_IBV_QP_INIT_ATTR_SEND_OPS_FLAGS;
+    if attr.qp_type != abi::ibv_qp_type_IBV_QPT_RC {
+        return Err(libc::EOPNOTSUPP);
+    }
+    if attr.comp_mask & !SUPPORTED_MASK != 0 {
+        return Err(libc::EOPNOTSUPP);
+    }
+    if attr.comp_mask & abi::ibv_qp_init_attr_mask_IBV_QP_INIT_ATTR_CREATE_FLAGS != 0
+        && attr.create_flags != 0
+    {
+        return Err(libc::EOPNOTSUPP);
+    }
+    let ex = attr.comp_mask & abi::ibv_qp_init_attr_mask_IBV_QP_INIT_ATTR_SEND_OPS_FLAGS != 0;
+    if ex && attr.send_ops_flags & !SEND_OPS != 0 {
+        return Err(libc::EOPNOTSUPP);
+    }
+    // SAFETY: the entry point checked every pointer in `a` names a live ringbell object
+    // (or is null where allowed), and holds the lock.
+    let (pd, scq, rcq) = unsafe { (&mut *a.pd, &mut *a.send_cq, &mut *a.recv_cq) };
+    // SAFETY: as above.
+    let srq = unsafe { a.srq.as_mut() };
+    // SAFETY: a PD's context outlives it.
+    let ctx = unsafe { &mut *pd.ctx };
+    // The CQs and the SRQ must be the same context's objects (as the kernel looks them up in
+    // the same device file).
+    if scq.ctx != pd.ctx || rcq.ctx != pd.ctx || srq.as_ref().is_some_and(|s| s.ctx != pd.ctx) {
+        return Err(libc::EINVAL);
+    }
+    let caps = ctx.dev.caps().clone();
+    let c = &mut attr.cap;
+    if c.max_send_wr > caps.max_qp_wr
+        || (srq.is_none() && c.max_recv_wr > caps.max_qp_wr)
+        || c.max_send_sge > caps.max_sge.min(MAX_SGE as u32)
+        || c.max_recv_sge > caps.max_sge.min(MAX_SGE as u32)
+        || c.max_inline_data > caps.max_inline
+    {
+        return Err(libc::EINVAL);
+    }
+    let mut init = QpInit::new(&scq.drv, &rcq.drv);
+    init.srq = srq.as_ref().map(|s| &s.drv);
+    init.max_send_wr = c.max_send_wr.max(1);
+    init.max_recv_wr = if srq.is_some() {
+        0
+    } else {
+        c.max_recv_wr.max(1)
+    };
+    init.max_send_sge = c.max_send_sge.max(1);
+    init.max_recv_sge = c.max_recv_sge.max(1);
+    init.max_inline = c.max_inline_data;
+    let drv = pd.drv.create_qp(&init).map_err(|e| crate::errno_of(&e))?;
+    // What the QP really has (libibverbs writes it back into the caller's attributes).
+    c.max_send_wr = init.max_send_wr;
+    c.max_recv_wr = init.max_recv_wr;
+    c.max_send_sge = init.max_send_sge;
+    c.max_recv_sge = if srq.is_some() { 0 } else { init.max_recv_sge };
+    let cap = *c;
+    let qpn = drv.qpn();
+    let mut qpx = abi::ibv_qp_ex::default();
+    qpx.qp_base.context = ctx.ibv();
+    qpx.qp_base.qp_context = attr.qp_context;
+    qpx.qp_base.pd = &mut pd.pd;
+    qpx.qp_base.send_cq = a.send_cq as *mut abi::ibv_cq;
+    qpx.qp_base.recv_cq = a.recv_cq as *mut abi::ibv_cq;
+    qpx.qp_base.srq = a.srq as *mut abi::ibv_srq;
+    qpx.qp_base.handle = qpn;
+    qpx.qp_base.qp_num = qpn;
+    qpx.qp_base.state = abi::ibv_qp_state_IBV_QPS_RESET;
+    qpx.qp_base.qp_type = abi::ibv_qp_type_IBV_QPT_RC;
+    if ex {
+        crate::ops::fill_qp_ex(&mut qpx);
+    }
+    let p = Box::into_raw(Box::new(RbQp {
+        qpx,
+        ctx: pd.ctx,
+        pd,
+        send_cq: a.send_cq,
+        recv_cq: a.recv_cq,
+        srq: a.srq,
+        drv,
+        cap,
+        sq_sig_all: attr.sq_sig_all != 0,
+        ex,
+        send_ops_flags: if ex { attr.send_ops_flags } else { 0 },
+        ah_attr: abi::ibv_ah_attr::default(),
+        building: None,
+        build_err: 0,
+        inline_buf: Vec::with_capacity(caps.max_inline as usize),
+    }));
+    // SAFETY: `p` was just allocated; the mutex and condition variable are initialised in
+    // place, where they stay.
+    unsafe {
+        libc::pthread_mutex_init(
+            &mut (*p).qpx.qp_base.mutex as *mut _ as *mut _,
+            std::ptr::null(),
+        );
+        libc::pthread_cond_init(
+            &mut (*p).qpx.qp_base.cond as *mut _ as *mut _,
+            std::ptr::null(),
+        );
+    }
+    pd.children += 1;
+    scq.users += 1;
+    rcq.users += 1;
+    if let Some(s) = srq {
+        s.users += 1;
+    }
+    st.add(p as usize, Kind::Qp);
+    st.qps.insert((ctx.nic, qpn), p as usize);
+    Ok(p)
+}
+
+/// `ibv_destroy_qp`.
+pub(crate) fn destroy(st: &mut State, qp: &mut RbQp) -> i32 {
+    let p = qp as *mut RbQp;
+    st.remove(p as usize);
+    // SAFETY: a QP's context, PD, CQs and SRQ outlive it (their destroy is refused while
+    // it lives).
+    unsafe {
+        st.qps.remove(&((*qp.ctx).nic, qp.drv.qpn()));
+        (*qp.pd).children -= 1;
+        (*qp.send_cq).users -= 1;
+        (*qp.recv_cq).users -= 1;
+        if let Some(s) = qp.srq.as_mut() {
+            s.users -= 1;
+        }
+    }
+    // SAFETY: the `RbQp` `create` boxed, now out of the registry.
+    drop(unsafe { Box::from_raw(p) });
+    0
+}
+
+fn qp_state_of(s: u32) -> Option<QpState> {
+    Some(match s {
+        abi::ibv_qp_state_IBV_QPS_RESET => QpState::Reset,
+        abi::ibv_qp_state_IBV_QPS_INIT => QpState::Init,
+        abi::ibv_qp_state_IBV_QPS_RTR => QpState::Rtr,
+        abi::ibv_qp_state_IBV_QPS_RTS => QpState::Rts,
+        abi::ibv_qp_state_IBV_QPS_SQD => QpState::Sqd,
+        abi::ibv_qp_state_IBV_QPS_SQE => QpState::Sqe,
+        abi::ibv_qp_state_IBV_QPS_ERR => QpState::Err,
+        _ => return None,
+    })
+}
+
+/// `ibv_modify_qp`: libibverbs' masks are the device's; the device checks each transition's
+/// required and optional attributes (IBTA table) and refuses anything else with EINVAL.
+pub(crate) fn modify(qp: &mut RbQp, attr: &abi::ibv_qp_attr, mask: u32) -> i32 {
+    let mut a = QpAttr::default();
+    if mask & abi::ibv_qp_attr_mask_IBV_QP_STATE != 0 {
+        match qp_state_of(attr.qp_state) {
+            Some(s) => a.state = s as u8,
+            None => return libc::EINVAL,
+        }
+    }
+    if mask & abi::ibv_qp_attr_mask_IBV_QP_CUR_STATE != 0 {
+        match qp_state_of(attr.cur_qp_state) {
+            Some(s) => a.cur_state = s as u8,
+            None => return libc::EINVAL,
+        }
+    }
+    if mask & abi::ibv_qp_attr_mask_IBV_QP_PORT != 0 && attr.port_num != 1 {
+        return libc::EINVAL;
+    }
+    if mask & abi::ibv_qp_attr_mask_IBV_QP_PKEY_INDEX != 0 && attr.pkey_index != 0 {
+        return libc::EINVAL;
+    }
+    if mask & abi::ibv_qp_attr_mask_IBV_QP_AV != 0 {
+        let ah = &attr.ah_attr;
+        if ah.is_global == 0 || ah.grh.sgid_index != 0 || ah.port_num > 1 {
+            // A RoCE port needs the GRH; its GID table has one entry.
+            return libc::EINVAL;
+        }
+        // SAFETY: every bit pattern is a valid `raw` view of the GID union.
+        let dgid = unsafe { ah.grh.dgid.raw };
+        match mac_of_gid(&dgid) {
+            Some((mac, ip)) => {
+                a.dest_mac = mac;
+                a.dest_ip = ip;
+            }
+            None => return libc::EINVAL,
+        }
+    }
+    if mask & abi::ibv_qp_attr_mask_IBV_QP_ACCESS_FLAGS != 0 {
+        let known = abi::ibv_access_flags_IBV_ACCESS_LOCAL_WRITE
+            | abi::ibv_access_flags_IBV_ACCESS_REMOTE_WRITE
+            | abi::ibv_access_flags_IBV_ACCESS_REMOTE_READ
+            | abi::ibv_access_flags_IBV_ACCESS_REMOTE_ATOMIC;
+        if attr.qp_access_flags & !known != 0 {
+            return libc::EINVAL;
+        }
+        a.access = (attr.qp_access_flags & 0xe).into();
+    }
+    a.path_mtu = attr.path_mtu as u8;
+    a.timeout = attr.timeout;
+    a.retry_cnt = attr.retry_cnt;
+    a.rnr_retry = attr.rnr_retry;
+    a.min_rnr_timer = attr.min_rnr_timer;
+    a.max_rd_atomic = attr.max_rd_atomic;
+    a.max_dest_rd_atomic = attr.max_dest_rd_atomic;
+    a.dest_qpn = attr.dest_qp_num.into();
+    a.rq_psn = attr.rq_psn.into();
+    a.sq_psn = attr.sq_psn.into();
+    a.pkey_index = attr.pkey_index.into();
+    if let Err(e) = qp.drv.modify(QpAttrMask::from_bits_retain(mask), &a) {
+        return crate::errno_of(&e);
+    }
+    if mask & abi::ibv_qp_attr_mask_IBV_QP_AV != 0 {
+        qp.ah_attr = attr.ah_attr;
+    }
+    if mask & abi::ibv_qp_attr_mask_IBV_QP_STATE != 0 {
+        qp.qpx.qp_base.state = attr.qp_state;
+    }
+    0
+}
+
+/// `ibv_query_qp`.
+pub(crate) fn query(
+    qp: &mut RbQp,
+    attr: &mut abi::ibv_qp_attr,
+    init: &mut abi::ibv_qp_init_attr,
+) -> i32 {
+    let q = match qp.drv.query() {
+        Ok(q) => q,
+        Err(e) => return crate::errno_of(&e),
+    };
+    *attr = abi::ibv_qp_attr {
+        qp_state: u32::from(q.state),
+        cur_qp_state: u32::from(q.state),
+        path_mtu: u32::from(q.path_mtu),
+        rq_psn: q.rq_psn.get(),
+        sq_psn: q.sq_psn.get(),
+        dest_qp_num: q.dest_qpn.get(),
+        qp_access_flags: q.access.get(),
+        cap: qp.cap,
+        ah_attr: qp.ah_attr,
+        pkey_index: q.pkey_index.get(),
+        sq_draining: q.sq_draining,
+        max_rd_atomic: q.max_rd_atomic,
+        max_dest_rd_atomic: q.max_dest_rd_atomic,
+        min_rnr_timer: q.min_rnr_timer,
+        port_num: 1,
+        timeout: q.timeout,
+        retry_cnt: q.retry_cnt,
+        rnr_retry: q.rnr_retry,
+        ..Default::default()
+    };
+    *init = abi::ibv_qp_init_attr {
+        qp_context: qp.qpx.qp_base.qp_context,
+        send_cq: qp.send_cq as *mut abi::ibv_cq,
+        recv_cq: qp.recv_cq as *mut abi::ibv_cq,
+        srq: qp.srq as *mut abi::ibv_srq,
+        cap: qp.cap,
+        qp_type: abi::ibv_qp_type_IBV_QPT_RC,
+        sq_sig_all: i32::from(qp.sq_sig_all),
+    };
+    qp.qpx.qp_base.state = attr.qp_state;
+    0
+}
+
+fn flags_of(send_flags: u32, sig_all: bool) -> SendFlags {
+    let mut f = SendFlags::empty();
+    if sig_all || send_flags & abi::ibv_send_flags_IBV_SEND_SIGNALED != 0 {
+        f |= SendFlags::SIGNALED;
+    }
+    if send_flags & abi::ibv_send_flags_IBV_SEND_FENCE != 0 {
+        f |= SendFlags::FENCE;
+    }
+    if send_flags & abi::ibv_send_flags_IBV_SEND_SOLICITED != 0 {
+        f |= SendFlags::SOLICITED;
+    }
+    f
+}
+
+/// The operation of a classic send work request.
+///
+/// # Safety
+/// `wr` must be a valid `struct ibv_send_wr`.
+unsafe fn op_of(wr: &abi::ibv_send_wr) -> Result<WrOp, i32> {
+    // SAFETY: the union members read are the ones the opcode selects; every bit pattern of
+    // these plain integers is valid.
+    let (rdma, atomic, imm) = unsafe { (wr.wr.rdma, wr.wr.atomic, wr.__bindgen_anon_1.imm_data) };
+    let ra = RemoteAddr {
+        addr: rdma.remote_addr,
+        rkey: rdma.rkey,
+    };
+    Ok(match wr.opcode {
+        abi::ibv_wr_opcode_IBV_WR_SEND => WrOp::Send,
+        abi::ibv_wr_opcode_IBV_WR_SEND_WITH_IMM => WrOp::SendImm(u32::from_be(imm)),
+        abi::ibv_wr_opcode_IBV_WR_RDMA_WRITE => WrOp::Write(ra),
+        abi::ibv_wr_opcode_IBV_WR_RDMA_WRITE_WITH_IMM => WrOp::WriteImm(ra, u32::from_be(imm)),
+        abi::ibv_wr_opcode_IBV_WR_RDMA_READ => WrOp::Read(ra),
+        abi::ibv_wr_opcode_IBV_WR_ATOMIC_CMP_AND_SWP => WrOp::CmpSwap {
+            remote: RemoteAddr {
+                addr: atomic.remote_addr,
+                rkey: atomic.rkey,
+            },
+            compare: atomic.compare_add,
+            swap: atomic.swap,
+        },
+        abi::ibv_wr_opcode_IBV_WR_ATOMIC_FETCH_AND_ADD => WrOp::FetchAdd {
+            remote: RemoteAddr {
+                addr: atomic.remote_addr,
+                rkey: atomic.rkey,
+            },
+            add: atomic.compare_add,
+        },
+        _ => return Err(libc::EINVAL),
+    })
+}
+
+fn allows_inline(op: &WrOp) -> bool {
+    matches!(
+        op,
+        WrOp::Send | WrOp::SendImm(_) | WrOp::Write(_) | WrOp::WriteImm(..)
+    )
+}
+
+/// `ibv_post_send`: posts each request in turn; on a refusal `*bad` names it and the
+/// requests before it stay posted.
+///
+/// # Safety
+/// `wr` must be a valid list of `struct ibv_send_wr` (as libibverbs requires), and the
+/// addresses of inline requests readable memory of the stated length.
+pub(crate) unsafe fn post_send(
+    qp: &mut RbQp,
+    mut wr: *mut abi::ibv_send_wr,
+    bad: *mut *mut abi::ibv_send_wr,
+) -> i32 {
+    let mut sges = [Sge::default(); MAX_SGE];
+    while !wr.is_null() {
+        // SAFETY: the caller's list, one element at a time.
+        let w = unsafe { &*wr };
+        // SAFETY: as above.
+        let r = unsafe { post_one_send(qp, w, &mut sges) };
+        if r != 0 {
+            if !bad.is_null() {
+                // SAFETY: `bad` is the caller's out-pointer, checked non-null.
+                unsafe { *bad = wr };
+            }
+            return r;
+        }
+        wr = w.next;
+    }
+    0
+}
+
+/// # Safety
+/// As [`post_send`], for one request.
+unsafe fn post_one_send(qp: &mut RbQp, w: &abi::ibv_send_wr, sges: &mut [Sge; MAX_SGE]) -> i32 {
+    // SAFETY: the caller's request.
+    let op = match unsafe { op_of(w) } {
+        Ok(op) => op,
+        Err(e) => return e,
+    };
+    let known = abi::ibv_send_flags_IBV_SEND_FENCE
+        | abi::ibv_send_flags_IBV_SEND_SIGNALED
+        | abi::ibv_send_flags_IBV_SEND_SOLICITED
+        | abi::ibv_send_flags_IBV_SEND_INLINE;
+    if w.send_flags & !known != 0 {
+        return libc::EINVAL;
+    }
+    let n = w.num_sge;
+    if n < 0 || n as u32 > qp.cap.max_send_sge || (n > 0 && w.sg_list.is_null()) {
+        return libc::ENOMEM;
+    }
+    let n = n as usize;
+    let list: &[abi::ibv_sge] = if n == 0 {
+        &[]
+    } else {
+        // SAFETY: the caller's gather list of `n` entries (checked non-null when n > 0).
+        unsafe { std::slice::from_raw_parts(w.sg_list, n) }
+    };
+    let flags = flags_of(w.send_flags, qp.sq_sig_all);
+    let inline = w.send_flags & abi::ibv_send_flags_IBV_SEND_INLINE != 0 && allows_inline(&op);
+    if inline {
+        let total: u64 = list.iter().map(|s| u64::from(s.length)).sum();
+        if total > u64::from(qp.cap.max_inline_data) {
+            return libc::ENOMEM;
+        }
+        let mut buf = std::mem::take(&mut qp.inline_buf);
+        buf.clear();
+        for s in list {
+            if s.length == 0 {
+                continue;
+            }
+            // SAFETY: an inline request names process memory by address (no key); the
+            // program promises it is readable for `length` bytes, as libibverbs requires.
+            let src = unsafe {
+                std::slice::from_raw_parts(s.addr as usize as *const u8, s.length as usize)
+            };
+            buf.extend_from_slice(src);
+        }
+        let r = qp.drv.post_send(&[SendWr {
+            wr_id: w.wr_id,
+            op,
+            sgl: &[],
+            inline: Some(&buf),
+            flags,
+        }]);
+        qp.inline_buf = buf;
+        return r.map_or_else(|e| crate::errno_of(&e), |_| 0);
+    }
+    for (d, s) in sges.iter_mut().zip(list) {
+        *d = Sge {
+            addr: s.addr,
+            len: s.length,
+            lkey: s.lkey,
+        };
+    }
+    let wr = SendWr {
+        wr_id: w.wr_id,
+        op,
+        sgl: &sges[..n],
+        inline: None,
+        flags,
+    };
+    qp.drv
+        .post_send(&[wr])
+        .map_or_else(|e| crate::errno_of(&e), |_| 0)
+}
+
+/// `ibv_post_recv`.
+///
+/// # Safety
+/// `wr` must be a valid list of `struct ibv_recv_wr`.
+pub(crate) unsafe fn post_recv(
+    qp: &mut RbQp,
+    mut wr: *mut abi::ibv_recv_wr,
+    bad: *mut *mut abi::ibv_recv_wr,
+) -> i32 {
+    let mut sges = [Sge::default(); MAX_SGE];
+    while !wr.is_null() {
+        // SAFETY: the caller's list, one element at a time.
+        let w = unsafe { &*wr };
+        let r = if !qp.srq.is_null() {
+            libc::EINVAL
+        } else {
+            // SAFETY: the caller's scatter list.
+            match unsafe { recv_sges(w, qp.cap.max_recv_sge, &mut sges) } {
+                Ok(n) => qp
+                    .drv
+                    .post_recv(&[RecvWr {
+                        wr_id: w.wr_id,
+                        sgl: &sges[..n],
+                    }])
+                    .map_or_else(|e| crate::errno_of(&e), |_| 0),
+                Err(e) => e,
+            }
+        };
+        if r != 0 {
+            if !bad.is_null() {
+                // SAFETY: the caller's out-pointer, checked non-null.
+                unsafe { *bad = wr };
+            }
+            return r;
+        }
+        wr = w.next;
+    }
+    0
+}
+
+/// Copies a receive request's scatter list into `out`; its length.
+///
+/// # Safety
+/// `w` must be a valid receive request.
+pub(crate) unsafe fn recv_sges(
+    w: &abi::ibv_recv_wr,
+    max: u32,
+    out: &mut [Sge; MAX_SGE],
+) -> Result<usize, i32> {
+    let n = w.num_sge;
+    if n < 0 || n as u32 > max || (n > 0 && w.sg_list.is_null()) {
+        return Err(libc::EINVAL);
+    }
+    if n == 0 {
+        return Ok(0);
+    }
+    // SAFETY: the caller's list of `n` entries, checked non-null.
+    let list = unsafe { std::slice::from_raw_parts(w.sg_list, n as usize) };
+    for (d, s) in out.iter_mut().zip(list) {
+        *d = Sge {
+            addr: s.addr,
+            len: s.length,
+            lkey: s.lkey,
+        };
+    }
+    Ok(n as usize)
+}
+
+// ---- the ibv_wr_* builder ----
+
+impl RbQp {
+    /// `ibv_wr_start`.
+    pub fn wr_start(&mut self) {
+        let mut v = self.building.take().unwrap_or_default();
+        v.clear();
+        self.building = Some(v);
+        self.build_err = 0;
+    }
+
+    /// Starts a request of the builder with the QP's current `wr_id` and `wr_flags`.
+    pub fn wr_op(&mut self, op: WrOp, needs: u64) {
+        if self.send_ops_flags & needs == 0 {
+            self.build_err = self.build_err.max(libc::EINVAL);
+        }
+        let (wr_id, flags) = (self.qpx.wr_id, self.qpx.wr_flags);
+        match &mut self.building {
+            Some(v) => v.push(Pending {
+                wr_id,
+                flags,
+                op,
+                sgl: Vec::new(),
+                inline: None,
+            }),
+            None => self.build_err = libc::EINVAL,
+        }
+    }
+
+    fn last(&mut self) -> Option<&mut Pending> {
+        self.building.as_mut().and_then(|v| v.last_mut())
+    }
+
+    /// `ibv_wr_set_sge(_list)`.
+    pub fn wr_set_sges(&mut self, sges: &[abi::ibv_sge]) {
+        let max = self.cap.max_send_sge as usize;
+        match self.last() {
+            Some(p) if sges.len() <= max => {
+                p.sgl.clear();
+                p.inline = None;
+                p.sgl.extend(sges.iter().map(|s| Sge {
+                    addr: s.addr,
+                    len: s.length,
+                    lkey: s.lkey,
+                }));
+            }
+            _ => self.build_err = libc::EINVAL,
+        }
+    }
+
+    /// `ibv_wr_set_inline_data(_list)`: the bytes are copied now.
+    pub fn wr_set_inline(&mut self, parts: &[&[u8]]) {
+        let max = self.cap.max_inline_data as usize;
+        let total: usize = parts.iter().map(|p| p.len()).sum();
+        match self.last() {
+            Some(p) if total <= max && allows_inline(&p.op) => {
+                p.sgl.clear();
+                p.inline = Some(parts.concat());
+            }
+            _ => self.build_err = libc::EINVAL,
+        }
+    }
+
+    /// `ibv_wr_complete`: posts what was built (nothing when a builder call failed).
+    pub fn wr_complete(&mut self) -> i32 {
+        let Some(v) = self.building.take() else {
+            return libc::EINVAL;
+        };
+        let mut r = self.build_err;
+        if r == 0 {
+            for p in &v {
+                let flags = flags_of(p.flags, self.sq_sig_all);
+                let wr = SendWr {
+                    wr_id: p.wr_id,
+                    op: p.op,
+                    sgl: &p.sgl,
+                    inline: p.inline.as_deref(),
+                    flags,
+                };
+                if let Err(e) = self.drv.post_send(&[wr]) {
+                    r = crate::errno_of(&e);
+                    break;
+                }
+            }
+        }
+        self.build_err = 0;
+        r
+    }
+
+    /// `ibv_wr_abort`.
+    pub fn wr_abort(&mut self) {
+        self.building = None;
+        self.build_err = 0;
+    }
+}

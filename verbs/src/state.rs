@@ -1,0 +1,247 @@
+//! The library's one lock and what it guards: the NICs, where they come from, and which
+//! C pointers name ringbell objects.
+//!
+//! The driver's objects are single-threaded (`Rc`, `Cell`); C programs may call from any
+//! thread. Every call into the library therefore takes one process-wide lock before it
+//! touches a driver object, and no driver object or `Rc` is ever reached without it.
+
+use crate::abi;
+use ringbell::Device;
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::PathBuf;
+use std::sync::{Mutex, MutexGuard, OnceLock};
+
+/// Environment variable: directory of a running `ringbell-emu serve` (its `nic{i}.sock`).
+pub const ENV_SERVE: &str = "RINGBELL_SERVE";
+/// Environment variable: how many NICs the in-process fabric has (default 2, at most 64).
+pub const ENV_NICS: &str = "RINGBELL_NICS";
+/// Environment variable: the in-process fabric's seed (default 1).
+pub const ENV_SEED: &str = "RINGBELL_SEED";
+/// NICs of the in-process fabric when [`ENV_NICS`] is not set.
+pub const DEFAULT_NICS: usize = 2;
+/// Seed of the in-process fabric when [`ENV_SEED`] is not set.
+pub const DEFAULT_SEED: u64 = 1;
+
+/// Where a NIC is.
+#[derive(Debug, Clone)]
+pub(crate) enum Source {
+    /// Node `n` of the in-process fabric.
+    InProcess(usize),
+    /// A served NIC's vfio-user socket.
+    Served(PathBuf),
+}
+
+/// One ringbell NIC as libibverbs shows it.
+pub(crate) struct Nic {
+    /// `rb{i}`.
+    pub name: String,
+    pub source: Source,
+    /// The open device, shared by every context on the NIC (opened at the first
+    /// `ibv_open_device`, kept until the process ends).
+    pub dev: Option<Device>,
+    /// The `struct ibv_device` handed to programs (leaked: device pointers stay valid for
+    /// the life of the process, as libibverbs' do).
+    pub ibdev: *mut abi::ibv_device,
+}
+
+/// What kind of object a pointer names.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Kind {
+    Context,
+    Pd,
+    Mr,
+    Cq,
+    Qp,
+    Srq,
+    Channel,
+}
+
+/// Whose object a pointer is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Owner {
+    /// A live ringbell object of this kind.
+    Ours(Kind),
+    /// A ringbell object already destroyed (a second destroy, or use after destroy).
+    Dead,
+    /// Not ringbell's: libibverbs' own (or garbage, which libibverbs would not check).
+    Foreign,
+}
+
+/// Everything behind the lock.
+pub(crate) struct State {
+    pub nics: Vec<Nic>,
+    pub fabric: Option<ringbell_emu::Fabric>,
+    pub seed: u64,
+    /// Live objects by address.
+    live: BTreeMap<usize, Kind>,
+    /// Addresses of destroyed objects not reused since.
+    dead: BTreeSet<usize>,
+    /// Device lists handed out: our array -> libibverbs' own list (0: none).
+    pub lists: BTreeMap<usize, usize>,
+    /// CQs by (NIC, CQN), QPs by (NIC, QPN), SRQs by (NIC, SRQN): events name objects by
+    /// number.
+    pub cqs: BTreeMap<(usize, u32), usize>,
+    pub qps: BTreeMap<(usize, u32), usize>,
+    pub srqs: BTreeMap<(usize, u32), usize>,
+    /// Contexts by NIC, for events that concern a device.
+    pub contexts: BTreeMap<usize, Vec<usize>>,
+}
+
+/// The guarded state.
+struct Locked(State);
+
+// SAFETY: `State` holds single-threaded driver handles (`Rc`, `Cell`) and raw pointers to
+// objects this library allocated. It is reachable only through the process-wide mutex in
+// `lock`, so at most one thread touches any of it at a time, and nothing inside escapes a
+// guard's lifetime (entry points copy plain values out before unlocking).
+unsafe impl Send for Locked {}
+
+static STATE: OnceLock<Mutex<Locked>> = OnceLock::new();
+
+/// The state, locked. A poisoned lock (a panic caught at an entry point) is taken over: the
+/// state is consistent between calls.
+pub(crate) fn lock() -> StateGuard {
+    let m = STATE.get_or_init(|| Mutex::new(Locked(State::from_env())));
+    StateGuard(m.lock().unwrap_or_else(|e| e.into_inner()))
+}
+
+/// A held lock.
+pub(crate) struct StateGuard(MutexGuard<'static, Locked>);
+
+impl std::ops::Deref for StateGuard {
+    type Target = State;
+    fn deref(&self) -> &State {
+        &self.0 .0
+    }
+}
+impl std::ops::DerefMut for StateGuard {
+    fn deref_mut(&mut self) -> &mut State {
+        &mut self.0 .0
+    }
+}
+
+fn env_usize(name: &str) -> Option<usize> {
+    std::env::var(name).ok()?.trim().parse().ok()
+}
+
+impl State {
+    fn from_env() -> State {
+        let seed = std::env::var(ENV_SEED)
+            .ok()
+            .and_then(|s| {
+                let s = s.trim();
+                match s.strip_prefix("0x") {
+                    Some(h) => u64::from_str_radix(h, 16).ok(),
+                    None => s.parse().ok(),
+                }
+            })
+            .unwrap_or(DEFAULT_SEED);
+        let sources: Vec<Source> = match std::env::var_os(ENV_SERVE) {
+            Some(dir) => {
+                let dir = PathBuf::from(dir);
+                (0..)
+                    .map(|i| dir.join(format!("nic{i}.sock")))
+                    .take_while(|p| p.exists())
+                    .map(Source::Served)
+                    .collect()
+            }
+            None => {
+                let n = env_usize(ENV_NICS).unwrap_or(DEFAULT_NICS).clamp(1, 64);
+                (0..n).map(Source::InProcess).collect()
+            }
+        };
+        let nics = sources
+            .into_iter()
+            .enumerate()
+            .map(|(i, source)| {
+                let name = format!("rb{i}");
+                Nic {
+                    ibdev: crate::device::new_ibv_device(&name),
+                    name,
+                    source,
+                    dev: None,
+                }
+            })
+            .collect();
+        State {
+            nics,
+            fabric: None,
+            seed,
+            live: BTreeMap::new(),
+            dead: BTreeSet::new(),
+            lists: BTreeMap::new(),
+            cqs: BTreeMap::new(),
+            qps: BTreeMap::new(),
+            srqs: BTreeMap::new(),
+            contexts: BTreeMap::new(),
+        }
+    }
+
+    /// Whose object `p` is.
+    pub fn owner(&self, p: usize) -> Owner {
+        if let Some(k) = self.live.get(&p) {
+            Owner::Ours(*k)
+        } else if self.dead.contains(&p) {
+            Owner::Dead
+        } else {
+            Owner::Foreign
+        }
+    }
+
+    /// Records a new object.
+    pub fn add(&mut self, p: usize, kind: Kind) {
+        self.dead.remove(&p);
+        self.live.insert(p, kind);
+    }
+
+    /// Records an object destroyed.
+    pub fn remove(&mut self, p: usize) {
+        if self.live.remove(&p).is_some() {
+            self.dead.insert(p);
+        }
+    }
+
+    /// Live objects of `kind`.
+    pub fn live_of(&self, kind: Kind) -> Vec<usize> {
+        self.live
+            .iter()
+            .filter(|(_, k)| **k == kind)
+            .map(|(p, _)| *p)
+            .collect()
+    }
+
+    /// The NIC whose `struct ibv_device` is `p`.
+    pub fn nic_of_ibdev(&self, p: *const abi::ibv_device) -> Option<usize> {
+        self.nics.iter().position(|n| std::ptr::eq(n.ibdev, p))
+    }
+
+    /// The open device of NIC `i`, opening it first if needed.
+    pub fn device(&mut self, i: usize) -> Result<Device, i32> {
+        if let Some(d) = &self.nics[i].dev {
+            return Ok(d.clone());
+        }
+        let dev = match self.nics[i].source.clone() {
+            Source::InProcess(node) => {
+                let n = self.nics.len();
+                let seed = self.seed;
+                let fabric = self.fabric.get_or_insert_with(|| {
+                    ringbell_emu::Fabric::new(ringbell_emu::FabricConfig::new(n, seed))
+                });
+                Device::open(Box::new(fabric.port(node)))
+            }
+            Source::Served(path) => match ringbell::VfioPort::connect(&path) {
+                Ok(port) => Device::open(Box::new(port)),
+                Err(e) => {
+                    eprintln!("ringbell-verbs: {}: {e}", path.display());
+                    return Err(libc::ENODEV);
+                }
+            },
+        }
+        .map_err(|e| {
+            eprintln!("ringbell-verbs: opening {}: {e}", self.nics[i].name);
+            crate::errno_of(&e)
+        })?;
+        self.nics[i].dev = Some(dev.clone());
+        Ok(dev)
+    }
+}

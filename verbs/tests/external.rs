@@ -1,0 +1,392 @@
+//! Suites other people wrote, run as installed against ringbell NICs through the library:
+//! rdma-core's own Python tests (pyverbs), perftest's eight programs and ibverbs-utils'
+//! pingpongs between two processes on one `ringbell-emu serve`, and `ibv_devinfo`.
+//! `.ci/run` installs the Debian packages (rdma-core, python3-pyverbs, perftest,
+//! ibverbs-utils); a missing one fails the test with the package to install.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+/// The build directory of this test (target/<profile>).
+fn profile_dir() -> PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    exe.parent().unwrap().parent().unwrap().to_path_buf()
+}
+
+/// The library, built beside this test (the package's cdylib).
+fn library() -> PathBuf {
+    let p = profile_dir().join("libringbell_verbs.so");
+    assert!(p.exists(), "{} was not built", p.display());
+    p
+}
+
+/// The emulator binary, built if this run did not build it.
+fn emulator() -> PathBuf {
+    let p = profile_dir().join("ringbell-emu");
+    if !p.exists() {
+        let st = Command::new(env!("CARGO"))
+            .args(["build", "-p", "ringbell-emu", "--bin", "ringbell-emu"])
+            .status()
+            .unwrap();
+        assert!(st.success(), "building ringbell-emu failed");
+    }
+    p
+}
+
+/// Panics with the package to install when `prog` is missing.
+fn need(prog: &str, package: &str) {
+    let found = std::env::var_os("PATH")
+        .map(|p| std::env::split_paths(&p).any(|d| d.join(prog).exists()))
+        .unwrap_or(false)
+        || Path::new(prog).exists();
+    assert!(
+        found,
+        "{prog} not found: install the Debian package {package}"
+    );
+}
+
+/// Runs `cmd` with a deadline; kills it when the deadline passes.
+fn run(mut cmd: Command, limit: Duration) -> Output {
+    let child = cmd
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    wait(child, limit)
+}
+
+fn wait(mut child: Child, limit: Duration) -> Output {
+    let start = Instant::now();
+    loop {
+        if child.try_wait().unwrap().is_some() {
+            return child.wait_with_output().unwrap();
+        }
+        if start.elapsed() > limit {
+            let _ = child.kill();
+            let out = child.wait_with_output().unwrap();
+            panic!(
+                "timed out after {limit:?}:\n{}\n{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// A running `ringbell-emu serve` with two NICs, stopped on drop.
+struct Served {
+    child: Child,
+    dir: PathBuf,
+}
+
+impl Served {
+    fn start(name: &str) -> Served {
+        let dir = std::env::temp_dir().join(format!("ringbell-ext-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let child = Command::new(emulator())
+            .args(["serve", "--socket"])
+            .arg(&dir)
+            .args(["--nodes", "2"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let start = Instant::now();
+        while !(dir.join("nic0.sock").exists() && dir.join("nic1.sock").exists()) {
+            assert!(
+                start.elapsed() < Duration::from_secs(20),
+                "serve did not start"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Served { child, dir }
+    }
+
+    /// A command of a program that uses the served NICs through the library.
+    fn command(&self, prog: &str) -> Command {
+        let mut c = Command::new(prog);
+        c.env("LD_PRELOAD", library())
+            .env("RINGBELL_SERVE", &self.dir);
+        c
+    }
+
+    /// Runs a server and a client program (the client retries its connect until the
+    /// server listens) and returns both outputs.
+    fn pair(&self, prog: &str, server: &[&str], client: &[&str]) -> (Output, Output) {
+        let s = self
+            .command(prog)
+            .args(server)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let limit = Duration::from_secs(120);
+        let start = Instant::now();
+        let c = loop {
+            std::thread::sleep(Duration::from_millis(300));
+            let mut cmd = self.command(prog);
+            cmd.args(client);
+            let out = run(cmd, limit);
+            let text = String::from_utf8_lossy(&out.stderr).to_string()
+                + &String::from_utf8_lossy(&out.stdout);
+            // The server may not listen yet: perftest and the pingpongs then say so.
+            let refused = text.contains("Couldn't connect") || text.contains("Unable to open");
+            if !refused || start.elapsed() > Duration::from_secs(20) {
+                break out;
+            }
+        };
+        let s = wait(s, limit);
+        (s, c)
+    }
+}
+
+impl Drop for Served {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+fn text(o: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
+/// perftest between two processes on one server: each program completes its run and prints
+/// its table. A documented short run: 200 iterations at perftest's default message size.
+fn perftest(prog: &str, port: u16, header: &str) {
+    need(prog, "perftest");
+    let srv = Served::start(prog);
+    let p = port.to_string();
+    let t0 = Instant::now();
+    let (s, c) = srv.pair(
+        prog,
+        &["-d", "rb0", "-n", "200", "-p", &p],
+        &["-d", "rb1", "-n", "200", "-p", &p, "localhost"],
+    );
+    let wall = t0.elapsed();
+    assert!(s.status.success(), "{prog} server failed:\n{}", text(&s));
+    assert!(c.status.success(), "{prog} client failed:\n{}", text(&c));
+    let out = text(&c);
+    assert!(out.contains(header), "{prog}: no result table:\n{out}");
+    let row = out
+        .lines()
+        .skip_while(|l| !l.contains(header))
+        .nth(1)
+        .unwrap_or_default()
+        .to_string();
+    let cols: Vec<&str> = row.split_whitespace().collect();
+    assert!(
+        cols.len() >= 4 && cols[1] == "200",
+        "{prog}: unexpected row {row:?}"
+    );
+    println!("{prog} ({wall:.2?} wall):\n{header}\n{row}");
+}
+
+const LAT: &str = "#bytes #iterations";
+const BW: &str = "#bytes     #iterations";
+
+#[test]
+fn perftest_ib_write_lat() {
+    perftest("ib_write_lat", 18601, LAT);
+}
+#[test]
+fn perftest_ib_write_bw() {
+    perftest("ib_write_bw", 18602, BW);
+}
+#[test]
+fn perftest_ib_send_lat() {
+    perftest("ib_send_lat", 18603, LAT);
+}
+#[test]
+fn perftest_ib_send_bw() {
+    perftest("ib_send_bw", 18604, BW);
+}
+#[test]
+fn perftest_ib_read_lat() {
+    perftest("ib_read_lat", 18605, LAT);
+}
+#[test]
+fn perftest_ib_read_bw() {
+    perftest("ib_read_bw", 18606, BW);
+}
+#[test]
+fn perftest_ib_atomic_lat() {
+    perftest("ib_atomic_lat", 18607, LAT);
+}
+#[test]
+fn perftest_ib_atomic_bw() {
+    perftest("ib_atomic_bw", 18608, BW);
+}
+
+/// ibverbs-utils' pingpongs with data validation (`-c`), between two processes.
+fn pingpong(prog: &str, port: u16) {
+    need(prog, "ibverbs-utils");
+    let srv = Served::start(prog);
+    let p = port.to_string();
+    let (s, c) = srv.pair(
+        prog,
+        &["-d", "rb0", "-g", "0", "-n", "200", "-c", "-p", &p],
+        &[
+            "-d",
+            "rb1",
+            "-g",
+            "0",
+            "-n",
+            "200",
+            "-c",
+            "-p",
+            &p,
+            "localhost",
+        ],
+    );
+    for (side, o) in [("server", &s), ("client", &c)] {
+        let t = text(o);
+        assert!(o.status.success(), "{prog} {side} failed:\n{t}");
+        assert!(t.contains("200 iters in"), "{prog} {side}:\n{t}");
+        assert!(
+            !t.contains("Invalid data"),
+            "{prog} {side} saw corrupted data:\n{t}"
+        );
+    }
+    println!("{prog}:\n{}", text(&c));
+}
+
+#[test]
+fn ibv_rc_pingpong_validates_data() {
+    pingpong("ibv_rc_pingpong", 18611);
+}
+
+#[test]
+fn ibv_srq_pingpong_validates_data() {
+    pingpong("ibv_srq_pingpong", 18612);
+}
+
+#[test]
+fn ibv_devinfo_shows_the_device_port_and_tag_matching() {
+    need("ibv_devinfo", "ibverbs-utils");
+    let mut cmd = Command::new("ibv_devinfo");
+    cmd.args(["-d", "rb0", "-v"]).env("LD_PRELOAD", library());
+    let o = run(cmd, Duration::from_secs(30));
+    let t = text(&o);
+    assert!(o.status.success(), "{t}");
+    for want in [
+        "hca_id:\trb0",
+        "vendor_id:\t\t\t0x1de5",
+        "PORT_ACTIVE (4)",
+        "link_layer:\t\tEthernet",
+        "max_num_tags:\t\t\t1024",
+        "IBV_TM_CAP_RC",
+        "GID[  0]:\t\t::ffff:10.0.0.1, RoCE v2",
+    ] {
+        assert!(t.contains(want), "ibv_devinfo lacks {want:?}:\n{t}");
+    }
+}
+
+/// rdma-core 44's Python suite (shipped gzipped under /usr/share/doc/rdma-core/tests),
+/// copied to a scratch directory, unpacked and run against rb0 through pyverbs.
+#[test]
+fn rdma_core_test_suite_passes_on_rb0() {
+    let installed = Path::new("/usr/share/doc/rdma-core/tests");
+    assert!(
+        installed.join("run_tests.py").exists(),
+        "rdma-core's tests are missing: install the Debian packages rdma-core and python3-pyverbs"
+    );
+    need("/usr/bin/python3", "python3");
+    let dir = std::env::temp_dir().join(format!("ringbell-rdma-core-tests-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let st = Command::new("cp")
+        .arg("-r")
+        .arg(installed)
+        .arg(&dir)
+        .status()
+        .unwrap();
+    assert!(st.success());
+    let gz: Vec<PathBuf> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "gz"))
+        .collect();
+    if !gz.is_empty() {
+        let st = Command::new("gunzip").args(&gz).status().unwrap();
+        assert!(st.success());
+    }
+    let mut cmd = Command::new("/usr/bin/python3");
+    cmd.current_dir(&dir)
+        .args(["run_tests.py", "--dev", "rb0", "-v"])
+        .env("LD_PRELOAD", library())
+        .env_remove("RINGBELL_SERVE");
+    let o = run(cmd, Duration::from_secs(600));
+    let t = text(&o);
+    let _ = std::fs::remove_dir_all(&dir);
+    // Per file: passed / skipped / failed (errors count as failures).
+    let mut per_file: std::collections::BTreeMap<String, [u32; 3]> = Default::default();
+    // `-v` prints "name (tests.<file>.<Class>.<name>)", a docstring line for some, and the
+    // outcome after " ... ".
+    let mut file = String::new();
+    for line in t.lines() {
+        if let Some((_, rest)) = line.split_once(" (tests.") {
+            file = rest.split('.').next().unwrap_or_default().to_string();
+        }
+        let slot = if line.ends_with("... ok") {
+            0
+        } else if line.contains("... skipped") {
+            1
+        } else if line.ends_with("... ERROR") || line.ends_with("... FAIL") {
+            2
+        } else {
+            continue;
+        };
+        per_file.entry(file.clone()).or_default()[slot] += 1;
+    }
+    let mut total = [0u32; 3];
+    println!(
+        "{:<28} {:>6} {:>7} {:>6}",
+        "file", "passed", "skipped", "failed"
+    );
+    for (f, c) in &per_file {
+        println!("{f:<28} {:>6} {:>7} {:>6}", c[0], c[1], c[2]);
+        for i in 0..3 {
+            total[i] += c[i];
+        }
+    }
+    println!(
+        "rdma-core tests against rb0: {} passed, {} skipped, {} failed",
+        total[0], total[1], total[2]
+    );
+    let summary = t
+        .lines()
+        .rev()
+        .find(|l| l.starts_with("OK") || l.starts_with("FAILED"));
+    assert!(
+        o.status.success() && total[2] == 0,
+        "rdma-core suite failed ({summary:?}):\n{t}"
+    );
+    // What a device with ringbell's capabilities must run, not skip.
+    for (file, at_least) in [
+        ("test_device", 10),
+        ("test_pd", 4),
+        ("test_cq", 3),
+        ("test_cqex", 2),
+        ("test_cq_events", 1),
+        ("test_mr", 1),
+        ("test_qp", 5),
+        ("test_qpex", 9),
+        ("test_atomic", 7),
+        ("test_tag_matching", 4),
+        ("test_relaxed_ordering", 1),
+    ] {
+        let passed = per_file.get(file).map_or(0, |c| c[0]);
+        assert!(
+            passed >= at_least,
+            "{file}: {passed} passed, {at_least} expected:\n{t}"
+        );
+    }
+}
