@@ -14,10 +14,15 @@ fn profile_dir() -> PathBuf {
     exe.parent().unwrap().parent().unwrap().to_path_buf()
 }
 
-/// The library, built beside this test (the package's cdylib).
+/// The library, built with this test: cargo compiles the package's cdylib into `deps/`
+/// when it builds the library for the tests (and copies it up only for `cargo build`).
 fn library() -> PathBuf {
-    let p = profile_dir().join("libringbell_verbs.so");
-    assert!(p.exists(), "{} was not built", p.display());
+    let dir = profile_dir();
+    let p = [dir.join("deps"), dir]
+        .into_iter()
+        .map(|d| d.join("libringbell_verbs.so"))
+        .find(|p| p.exists())
+        .expect("libringbell_verbs.so was not built");
     p
 }
 
