@@ -18,12 +18,11 @@ fn profile_dir() -> PathBuf {
 /// when it builds the library for the tests (and copies it up only for `cargo build`).
 fn library() -> PathBuf {
     let dir = profile_dir();
-    let p = [dir.join("deps"), dir]
+    [dir.join("deps"), dir]
         .into_iter()
         .map(|d| d.join("libringbell_verbs.so"))
         .find(|p| p.exists())
-        .expect("libringbell_verbs.so was not built");
-    p
+        .expect("libringbell_verbs.so was not built")
 }
 
 /// The emulator binary, built if this run did not build it.

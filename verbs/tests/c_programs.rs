@@ -1,0 +1,252 @@
+//! Unmodified libibverbs programs on ringbell NICs: each `tests/c/*.c` is compiled with the
+//! system's C compiler against rdma-core's `<infiniband/verbs.h>`, linked with `-libverbs`,
+//! and run with `LD_PRELOAD=libringbell_verbs.so` (the cdylib cargo builds beside this
+//! test's binary). A program exits 0 when every check passed; otherwise its output says
+//! which check failed, at which line. One test per program.
+//!
+//! A check that fails because of a known library bug (`KNOWN_BUG` in `tests/c/common.h`)
+//! is reported on stderr without failing the test, unless `RINGBELL_VERBS_STRICT=1`.
+//!
+//! Needs `gcc` (or any `cc`) and rdma-core's development files: on Debian,
+//! `apt-get install gcc libibverbs-dev`. A missing compiler or header fails the test with
+//! that advice rather than skipping it.
+
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+/// A program that runs longer than this is killed and fails its test.
+const TIMEOUT: Duration = Duration::from_secs(60);
+
+/// The directory of the C sources.
+fn src_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests")
+        .join("c")
+}
+
+/// The library: cargo compiles the package's cdylib into `target/<profile>/deps/` when it
+/// builds the library for the tests (and copies it up only for `cargo build`); this test is
+/// `target/<profile>/deps/<name>`.
+fn preload_lib() -> PathBuf {
+    let exe = std::env::current_exe().expect("the test binary's path");
+    let profile_dir = exe
+        .parent()
+        .and_then(Path::parent)
+        .expect("the test binary lives in target/<profile>/deps");
+    [profile_dir.join("deps"), profile_dir.to_path_buf()]
+        .into_iter()
+        .map(|d| d.join("libringbell_verbs.so"))
+        .find(|p| p.is_file())
+        .expect("libringbell_verbs.so is missing: cargo builds it as the cdylib of ringbell-verbs")
+}
+
+/// Where the compiled programs go (one directory per test process).
+fn out_dir() -> PathBuf {
+    let d = std::env::temp_dir().join(format!("ringbell-verbs-c-{}", std::process::id()));
+    std::fs::create_dir_all(&d).expect("creating the output directory");
+    d
+}
+
+/// The C compiler: `$CC`, else `cc`.
+fn cc() -> String {
+    std::env::var("CC").unwrap_or_else(|_| "cc".to_string())
+}
+
+/// Checks once that a C compiler and rdma-core's header and library are installed; the
+/// panic message says which Debian package is missing.
+fn check_toolchain() {
+    static CHECKED: OnceLock<Result<(), String>> = OnceLock::new();
+    let r = CHECKED.get_or_init(|| {
+        let cc = cc();
+        match Command::new(&cc).arg("--version").output() {
+            Ok(o) if o.status.success() => {}
+            _ => {
+                return Err(format!(
+                    "no working C compiler `{cc}`: install Debian's `gcc` package \
+                     (apt-get install gcc)"
+                ))
+            }
+        }
+        let dir = out_dir();
+        let probe = dir.join("probe.c");
+        std::fs::write(
+            &probe,
+            "#include <infiniband/verbs.h>\n\
+             int main(void) { return ibv_get_device_list(0) ? 0 : 0; }\n",
+        )
+        .map_err(|e| e.to_string())?;
+        let o = Command::new(&cc)
+            .arg(&probe)
+            .arg("-o")
+            .arg(dir.join("probe"))
+            .arg("-libverbs")
+            .output()
+            .map_err(|e| e.to_string())?;
+        if !o.status.success() {
+            return Err(format!(
+                "cannot build against libibverbs (<infiniband/verbs.h> and -libverbs): \
+                 install Debian's `libibverbs-dev` package (apt-get install libibverbs-dev)\n\
+                 {}",
+                String::from_utf8_lossy(&o.stderr)
+            ));
+        }
+        Ok(())
+    });
+    if let Err(e) = r {
+        panic!("{e}");
+    }
+}
+
+/// Compiles `tests/c/<name>.c` into the output directory; the executable's path.
+fn compile(name: &str) -> PathBuf {
+    check_toolchain();
+    let src = src_dir().join(format!("{name}.c"));
+    let exe = out_dir().join(name);
+    let o = Command::new(cc())
+        .args([
+            "-Wall",
+            "-Wextra",
+            "-Wno-unused-parameter",
+            "-Werror",
+            "-O1",
+            "-g",
+        ])
+        .arg("-I")
+        .arg(src_dir())
+        .arg("-o")
+        .arg(&exe)
+        .arg(&src)
+        .arg("-libverbs")
+        .output()
+        .expect("running the C compiler");
+    assert!(
+        o.status.success(),
+        "compiling {} failed:\n{}{}",
+        src.display(),
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    );
+    exe
+}
+
+/// Reads a child's pipe to the end on a thread of its own.
+fn drain(r: Option<impl Read + Send + 'static>) -> std::thread::JoinHandle<String> {
+    std::thread::spawn(move || {
+        let mut s = Vec::new();
+        if let Some(mut r) = r {
+            let _ = r.read_to_end(&mut s);
+        }
+        String::from_utf8_lossy(&s).into_owned()
+    })
+}
+
+/// Compiles and runs program `name` preloaded; panics with its output unless it exits 0
+/// within [`TIMEOUT`].
+fn run(name: &str) {
+    let lib = preload_lib();
+    let exe = compile(name);
+    let mut child = Command::new(&exe)
+        .env("LD_PRELOAD", &lib)
+        // The default in-process fabric of two NICs, with every refusal's reason on stderr.
+        .env_remove("RINGBELL_SERVE")
+        .env_remove("RINGBELL_NICS")
+        .env_remove("RINGBELL_SEED")
+        .env("RINGBELL_VERBS_DEBUG", "1")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("starting the program");
+    let out = drain(child.stdout.take());
+    let err = drain(child.stderr.take());
+    let start = Instant::now();
+    let status = loop {
+        if let Some(s) = child.try_wait().expect("waiting for the program") {
+            break Some(s);
+        }
+        if start.elapsed() > TIMEOUT {
+            let _ = child.kill();
+            let _ = child.wait();
+            break None;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    let (out, err) = (
+        out.join().unwrap_or_default(),
+        err.join().unwrap_or_default(),
+    );
+    let elapsed = start.elapsed();
+    match status {
+        Some(s) if s.success() => {
+            println!("{name}: passed in {elapsed:.2?}\n{out}");
+            // Checks the library fails today (`KNOWN_BUG` in common.h) pass only outside
+            // strict mode; they are written straight to stderr, which the test harness does
+            // not capture, so that they stay in sight.
+            let known: String = err
+                .lines()
+                .filter(|l| l.contains("KNOWN LIBRARY BUG"))
+                .map(|l| format!("{name}: {l}\n"))
+                .collect();
+            if !known.is_empty() {
+                let _ = std::io::stderr().write_all(known.as_bytes());
+            }
+        }
+        Some(s) => panic!(
+            "{name} failed ({s}) after {elapsed:.2?}\n--- stdout ---\n{out}\n--- stderr ---\n{err}"
+        ),
+        None => panic!(
+            "{name} did not finish within {TIMEOUT:?} and was killed\n--- stdout ---\n{out}\n\
+             --- stderr ---\n{err}"
+        ),
+    }
+}
+
+/// The programs, one test each.
+const PROGRAMS: &[&str] = &[
+    "devices",
+    "pd_mr",
+    "cq",
+    "qp_state",
+    "qp_ops",
+    "qp_errors",
+    "srq",
+    "tm_srq",
+];
+
+macro_rules! c_program {
+    ($($name:ident),* $(,)?) => {
+        $(
+            #[test]
+            fn $name() {
+                run(stringify!($name));
+            }
+        )*
+    };
+}
+
+c_program!(devices, pd_mr, cq, qp_state, qp_ops, qp_errors, srq, tm_srq);
+
+/// Every `tests/c/*.c` has its test above (a new program is not silently left out).
+#[test]
+fn every_program_has_a_test() {
+    let mut found: Vec<String> = std::fs::read_dir(src_dir())
+        .expect("reading tests/c")
+        .filter_map(|e| {
+            let p = e.ok()?.path();
+            if p.extension()? != "c" {
+                return None;
+            }
+            Some(p.file_stem()?.to_string_lossy().into_owned())
+        })
+        .collect();
+    found.sort();
+    let mut listed: Vec<String> = PROGRAMS.iter().map(|s| s.to_string()).collect();
+    listed.sort();
+    assert_eq!(
+        found, listed,
+        "tests/c/*.c and the tests of c_programs.rs differ"
+    );
+}
