@@ -106,6 +106,23 @@ int main(void)
 	w = rdma_wr(12, IBV_WR_RDMA_WRITE, &sge, (uintptr_t)b.buf, b.mr->rkey ^ 0x3300);
 	expect_fail(&w, IBV_WC_REM_ACCESS_ERR);
 	flushed_after("bad rkey on WRITE: IBV_WC_REM_ACCESS_ERR");
+	/* The responder's QP went to ERR too, with its affiliated event. */
+	{
+		struct ibv_cq *tick = ibv_create_cq(b.ctx, 1, NULL, NULL, 0);
+		CHECK(tick != NULL);
+		set_nonblock(b.ctx->async_fd);
+		struct ibv_async_event ev;
+		if (!wait_async(b.ctx, tick, IBV_EVENT_QP_ACCESS_ERR, &ev))
+			FAIL("no IBV_EVENT_QP_ACCESS_ERR at the responder of a bad rkey");
+		CHECK(ev.element.qp == b.qp);
+		ibv_ack_async_event(&ev);
+		CHECK_EQ(state_of(b.qp), IBV_QPS_ERR);
+		CHECK_RET(ibv_destroy_cq(tick), 0);
+		/* Later error events of the responder are not checked. */
+		int fl = fcntl(b.ctx->async_fd, F_GETFL);
+		CHECK(fcntl(b.ctx->async_fd, F_SETFL, fl & ~O_NONBLOCK) == 0);
+		printf("  responder: IBV_EVENT_QP_ACCESS_ERR, QP in ERR\n");
+	}
 
 	/* A remote range past the end of the MR. */
 	fresh(&o);

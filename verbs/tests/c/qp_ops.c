@@ -238,6 +238,36 @@ static void classic(void)
 	CHECK_MEM(b.buf, a.buf + 1500, 300);
 	CHECK_MEM(a.buf + READ_DST, b.buf + READ_SRC, 700);
 	printf("  list of 3: unsignaled WRITE, SEND_WITH_IMM, READ\n");
+
+	/* 40 requests in one list, their completions read in batches of up to 64. */
+	struct ibv_send_wr many[40];
+	struct ibv_sge msge[40];
+	for (int i = 0; i < 40; i++) {
+		msge[i] = (struct ibv_sge){(uintptr_t)a.buf + 64 * i, 64, a.mr->lkey};
+		many[i] = wr_of(100 + i, IBV_WR_RDMA_WRITE, &msge[i], 1);
+		many[i].wr.rdma.remote_addr = (uintptr_t)b.buf + LIST_DST + 64 * i;
+		many[i].wr.rdma.rkey = b.mr->rkey;
+		many[i].next = i < 39 ? &many[i + 1] : NULL;
+	}
+	fill(a.buf, 64 * 40, 14);
+	post(a.qp, &many[0]);
+	struct ibv_wc wcs[64];
+	int got = 0;
+	double end = now_s() + WAIT_S;
+	while (got < 40) {
+		int n = ibv_poll_cq(a.cq, 64, wcs);
+		CHECK(n >= 0 && got + n <= 40);
+		for (int i = 0; i < n; i++) {
+			CHECK_EQ(wcs[i].status, IBV_WC_SUCCESS);
+			CHECK_EQ(wcs[i].opcode, IBV_WC_RDMA_WRITE);
+			CHECK_EQ(wcs[i].wr_id, 100 + got + i);
+		}
+		got += n;
+		if (now_s() > end)
+			FAIL("%d of 40 completions", got);
+	}
+	CHECK_MEM(b.buf + LIST_DST, a.buf, 64 * 40);
+	printf("  list of 40 WRITEs, completions polled in batches\n");
 }
 
 /* The same operations through ibv_wr_*. */
