@@ -50,6 +50,7 @@ pub(crate) fn errno_of(e: &ringbell::Error) -> i32 {
             _ => libc::EINVAL,
         },
         E::QueueFull { .. } => libc::ENOMEM,
+        E::BadAddress { .. } => libc::EFAULT,
         E::Memory(_) => libc::ENOMEM,
         E::InvalidState { .. } | E::InvalidArgument(_) | E::OutOfBounds { .. } => libc::EINVAL,
         E::Port(_) => libc::EFAULT,
