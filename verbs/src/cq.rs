@@ -18,12 +18,6 @@ pub(crate) struct RbCq {
     pub users: u32,
     /// Extended polling: the entry `start_poll`/`next_poll` made current.
     pub cur: WorkCompletion,
-    /// Extended CQ: `wc_flags` asked for at creation (what the read functions may serve).
-    pub wc_flags: u64,
-    /// Created through `ibv_create_cq_ex`.
-    pub extended: bool,
-    /// Completion events delivered through the channel.
-    pub events_delivered: u32,
 }
 
 /// A ringbell completion channel.
@@ -50,7 +44,6 @@ pub(crate) fn create_channel(
         ctx: c,
         queue: VecDeque::new(),
     }));
-    c.children += 1;
     st.add(p as usize, Kind::Channel);
     Ok(p as *mut abi::ibv_comp_channel)
 }
@@ -61,8 +54,6 @@ pub(crate) fn destroy_channel(st: &mut State, ch: &mut RbChannel) -> i32 {
         return libc::EBUSY;
     }
     st.remove(ch as *mut RbChannel as usize);
-    // SAFETY: a channel's context outlives it (closing a context destroys its channels first).
-    unsafe { (*ch.ctx).children -= 1 };
     // SAFETY: the eventfd `create_channel` made, owned by the channel.
     unsafe { libc::close(ch.ch.fd) };
     // SAFETY: the `RbChannel` `create_channel` boxed, now out of the registry.
@@ -77,8 +68,6 @@ pub(crate) fn create(
     cqe: i32,
     channel: *mut RbChannel,
     cq_context: *mut libc::c_void,
-    wc_flags: u64,
-    extended: bool,
 ) -> Result<*mut RbCq, i32> {
     if cqe <= 0 || cqe as u32 > c.dev.caps().max_cqe {
         return Err(libc::EINVAL);
@@ -112,9 +101,6 @@ pub(crate) fn create(
         channel,
         users: 0,
         cur: WorkCompletion::default(),
-        wc_flags,
-        extended,
-        events_delivered: 0,
     }));
     // SAFETY: `p` was just allocated; the mutex and condition variable are initialised in
     // place, where they stay.
@@ -126,7 +112,6 @@ pub(crate) fn create(
         // SAFETY: checked live above.
         unsafe { (*channel).ch.refcnt += 1 };
     }
-    c.children += 1;
     st.add(p as usize, Kind::Cq);
     st.cqs.insert((c.nic, cqn), p as usize);
     Ok(p)
@@ -153,8 +138,6 @@ pub(crate) fn destroy(st: &mut State, cq: &mut RbCq) -> i32 {
             crate::events::eventfd_take(ch.ch.fd);
         }
     }
-    // SAFETY: a CQ's context outlives it.
-    unsafe { (*cq.ctx).children -= 1 };
     // SAFETY: the `RbCq` `create` boxed, now out of the registry.
     drop(unsafe { Box::from_raw(p) });
     0

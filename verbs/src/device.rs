@@ -59,7 +59,11 @@ struct VerbsDevice {
 
 /// The node GUID of a NIC: the EUI-64 of its MAC address, in network byte order.
 pub(crate) fn guid_of(caps: &DeviceCaps) -> u64 {
-    let m = caps.mac;
+    eui64(caps.mac)
+}
+
+/// The EUI-64 of a MAC address, in network byte order.
+fn eui64(m: [u8; 6]) -> u64 {
     u64::from_be_bytes([m[0] ^ 2, m[1], m[2], 0xff, 0xfe, m[3], m[4], m[5]]).to_be()
 }
 
@@ -96,10 +100,6 @@ pub(crate) struct RbContext {
     pub dev: Device,
     /// Async events waiting for `ibv_get_async_event`.
     pub events: VecDeque<abi::ibv_async_event>,
-    /// Async events handed out and not acknowledged yet.
-    pub unacked: u32,
-    /// Live PDs, CQs and channels of this context.
-    pub children: u32,
 }
 
 impl RbContext {
@@ -137,8 +137,6 @@ pub(crate) fn open(st: &mut State, nic: usize) -> Result<*mut abi::ibv_context, 
         nic,
         dev,
         events: VecDeque::new(),
-        unacked: 0,
-        children: 0,
     }));
     // SAFETY: `ctx` was just allocated; its mutex is initialised in place, where it stays.
     unsafe {
@@ -323,6 +321,5 @@ pub(crate) const INDEX_BASE: i32 = 0x1000;
 /// The node GUID NIC `i` will have, known before it is opened (the fabric's address plan).
 pub(crate) fn guid_of_node(i: usize) -> u64 {
     let n = i as u32 + 1;
-    let m = [0x02, 0, 0, 0, (n >> 8) as u8, n as u8];
-    u64::from_be_bytes([m[0] ^ 2, m[1], m[2], 0xff, 0xfe, m[3], m[4], m[5]]).to_be()
+    eui64([0x02, 0, 0, 0, (n >> 8) as u8, n as u8])
 }

@@ -22,6 +22,31 @@ enum Wait2 {
     /// Wait as said, then look again.
     Wait(Wait),
 }
+
+/// What a read of an event queued behind descriptor `fd` of NIC `nic` does when nothing
+/// is queued: EAGAIN on a non-blocking descriptor, else let the NIC move and look again.
+fn nothing_yet(st: &mut State, nic: usize, fd: c_int) -> Wait2 {
+    if crate::events::nonblocking(fd) {
+        Wait2::Again
+    } else {
+        Wait2::Wait(crate::events::wait_step(st, nic))
+    }
+}
+
+/// Repeats `attempt` (which takes the lock) until it yields an event, waiting outside the
+/// lock in between; `None` with errno EAGAIN when the descriptor is non-blocking.
+fn wait_event<T>(mut attempt: impl FnMut() -> Result<T, Wait2>) -> Option<T> {
+    loop {
+        match attempt() {
+            Ok(v) => return Some(v),
+            Err(Wait2::Again) => {
+                set_errno(libc::EAGAIN);
+                return None;
+            }
+            Err(Wait2::Wait(w)) => crate::events::idle(w),
+        }
+    }
+}
 use crate::{guard, set_errno};
 use std::ffi::{c_char, c_int, c_void};
 
@@ -720,7 +745,7 @@ pub unsafe extern "C" fn ibv_create_cq(
             if !null_or(st, channel as usize, Kind::Channel) {
                 return Err(libc::EINVAL);
             }
-            crate::cq::create(st, c, cqe, channel as *mut RbChannel, cq_context, 0, false)
+            crate::cq::create(st, c, cqe, channel as *mut RbChannel, cq_context)
         })),
         Owner::Foreign => forward!(
             "ibv_create_cq",
@@ -777,8 +802,8 @@ pub unsafe extern "C" fn ibv_get_cq_event(
                 set_errno(libc::EINVAL);
                 return -1;
             }
-            loop {
-                let step = with(
+            let got = wait_event(|| {
+                with(
                     ch as *mut RbChannel,
                     Kind::Channel,
                     Err(Wait2::Again),
@@ -786,34 +811,29 @@ pub unsafe extern "C" fn ibv_get_cq_event(
                         // SAFETY: a channel's context outlives it.
                         let nic = unsafe { (*ch.ctx).nic };
                         crate::events::pump(st, nic);
-                        if let Some(c) = ch.queue.pop_front() {
-                            crate::events::eventfd_take(ch.ch.fd);
-                            // SAFETY: queued CQs are live (destroy removes them from the queue).
-                            let c = unsafe { &mut *c };
-                            c.events_delivered += 1;
-                            return Ok((c as *mut RbCq as *mut abi::ibv_cq, c.cq.cq_context));
+                        match ch.queue.pop_front() {
+                            Some(c) => {
+                                crate::events::eventfd_take(ch.ch.fd);
+                                // SAFETY: queued CQs are live (destroy removes them from the
+                                // queue).
+                                let c = unsafe { &mut *c };
+                                Ok((c as *mut RbCq as *mut abi::ibv_cq, c.cq.cq_context))
+                            }
+                            None => Err(nothing_yet(st, nic, ch.ch.fd)),
                         }
-                        if crate::events::nonblocking(ch.ch.fd) {
-                            return Err(Wait2::Again);
-                        }
-                        Err(Wait2::Wait(crate::events::wait_step(st, nic)))
                     },
-                );
-                match step {
-                    Ok((c, ctxp)) => {
-                        // SAFETY: the caller's out-pointers, checked non-null.
-                        unsafe {
-                            *cq = c;
-                            *cq_context = ctxp;
-                        }
-                        return 0;
+                )
+            });
+            match got {
+                Some((c, ctxp)) => {
+                    // SAFETY: the caller's out-pointers, checked non-null.
+                    unsafe {
+                        *cq = c;
+                        *cq_context = ctxp;
                     }
-                    Err(Wait2::Again) => {
-                        set_errno(libc::EAGAIN);
-                        return -1;
-                    }
-                    Err(Wait2::Wait(w)) => crate::events::idle(w),
+                    0
                 }
+                None => -1,
             }
         }
         Owner::Foreign => forward!(
@@ -1350,31 +1370,25 @@ pub unsafe extern "C" fn ibv_get_async_event(
                 set_errno(libc::EINVAL);
                 return -1;
             }
-            loop {
-                let step = with_ctx(ctx, Err(Wait2::Again), |st, c| {
+            let got = wait_event(|| {
+                with_ctx(ctx, Err(Wait2::Again), |st, c| {
                     crate::events::pump(st, c.nic);
-                    if let Some(e) = c.events.pop_front() {
-                        crate::events::eventfd_take(c.vctx.context.async_fd);
-                        c.unacked += 1;
-                        return Ok(e);
+                    match c.events.pop_front() {
+                        Some(e) => {
+                            crate::events::eventfd_take(c.vctx.context.async_fd);
+                            Ok(e)
+                        }
+                        None => Err(nothing_yet(st, c.nic, c.vctx.context.async_fd)),
                     }
-                    if crate::events::nonblocking(c.vctx.context.async_fd) {
-                        return Err(Wait2::Again);
-                    }
-                    Err(Wait2::Wait(crate::events::wait_step(st, c.nic)))
-                });
-                match step {
-                    Ok(e) => {
-                        // SAFETY: the caller's struct, checked non-null.
-                        unsafe { *event = e };
-                        return 0;
-                    }
-                    Err(Wait2::Again) => {
-                        set_errno(libc::EAGAIN);
-                        return -1;
-                    }
-                    Err(Wait2::Wait(w)) => crate::events::idle(w),
+                })
+            });
+            match got {
+                Some(e) => {
+                    // SAFETY: the caller's struct, checked non-null.
+                    unsafe { *event = e };
+                    0
                 }
+                None => -1,
             }
         }
         Owner::Foreign => forward!(

@@ -275,8 +275,6 @@ unsafe extern "C" fn create_cq_ex(
             a.cqe as i32,
             a.channel as *mut crate::cq::RbChannel,
             a.cq_context,
-            a.wc_flags,
-            true,
         )
     });
     match r {

@@ -63,7 +63,6 @@ pub(crate) fn alloc(st: &mut State, c: &mut RbContext) -> Result<*mut abi::ibv_p
         drv,
         children: 0,
     }));
-    c.children += 1;
     st.add(p as usize, Kind::Pd);
     Ok(p as *mut abi::ibv_pd)
 }
@@ -74,8 +73,6 @@ pub(crate) fn dealloc(st: &mut State, pd: &mut RbPd) -> i32 {
         return libc::EBUSY;
     }
     st.remove(pd as *mut RbPd as usize);
-    // SAFETY: a PD's context outlives it (closing a context deallocates its PDs first).
-    unsafe { (*pd.ctx).children -= 1 };
     // SAFETY: `pd` is the `RbPd` `alloc` boxed, now out of the registry.
     drop(unsafe { Box::from_raw(pd as *mut RbPd) });
     0

@@ -392,23 +392,42 @@ fn allows_inline(op: &WrOp) -> bool {
     )
 }
 
-/// `ibv_post_send`: posts each request in turn; on a refusal `*bad` names it and the
-/// requests before it stay posted.
+/// A C list of work requests (linked through `next`).
+pub(crate) trait WrList {
+    /// The next request.
+    fn next(&self) -> *mut Self;
+}
+
+impl WrList for abi::ibv_send_wr {
+    fn next(&self) -> *mut Self {
+        self.next
+    }
+}
+impl WrList for abi::ibv_recv_wr {
+    fn next(&self) -> *mut Self {
+        self.next
+    }
+}
+impl WrList for abi::ibv_ops_wr {
+    fn next(&self) -> *mut Self {
+        self.next
+    }
+}
+
+/// Posts each request of the list `wr` in turn with `post`; on a refusal `*bad` names the
+/// refused request (the ones before it stay posted) and its errno is returned.
 ///
 /// # Safety
-/// `wr` must be a valid list of `struct ibv_send_wr` (as libibverbs requires), and the
-/// addresses of inline requests readable memory of the stated length.
-pub(crate) unsafe fn post_send(
-    qp: &mut RbQp,
-    mut wr: *mut abi::ibv_send_wr,
-    bad: *mut *mut abi::ibv_send_wr,
+/// `wr` must be a valid list (as libibverbs requires); `bad` null or writable.
+pub(crate) unsafe fn post_list<W: WrList>(
+    mut wr: *mut W,
+    bad: *mut *mut W,
+    mut post: impl FnMut(&mut W) -> i32,
 ) -> i32 {
-    let mut sges = [Sge::default(); MAX_SGE];
     while !wr.is_null() {
         // SAFETY: the caller's list, one element at a time.
-        let w = unsafe { &*wr };
-        // SAFETY: as above.
-        let r = unsafe { post_one_send(qp, w, &mut sges) };
+        let w = unsafe { &mut *wr };
+        let r = post(w);
         if r != 0 {
             if !bad.is_null() {
                 // SAFETY: `bad` is the caller's out-pointer, checked non-null.
@@ -416,9 +435,24 @@ pub(crate) unsafe fn post_send(
             }
             return r;
         }
-        wr = w.next;
+        wr = w.next();
     }
     0
+}
+
+/// `ibv_post_send`.
+///
+/// # Safety
+/// `wr` must be a valid list of `struct ibv_send_wr` (as libibverbs requires), and the
+/// addresses of inline requests readable memory of the stated length.
+pub(crate) unsafe fn post_send(
+    qp: &mut RbQp,
+    wr: *mut abi::ibv_send_wr,
+    bad: *mut *mut abi::ibv_send_wr,
+) -> i32 {
+    let mut sges = [Sge::default(); MAX_SGE];
+    // SAFETY: the caller's list; each request is valid, as libibverbs requires.
+    unsafe { post_list(wr, bad, |w| post_one_send(qp, w, &mut sges)) }
 }
 
 /// # Safety
@@ -475,7 +509,7 @@ unsafe fn post_one_send(qp: &mut RbQp, w: &abi::ibv_send_wr, sges: &mut [Sge; MA
             flags,
         }]);
         qp.inline_buf = buf;
-        return r.map_or_else(|e| crate::errno_of(&e), |_| 0);
+        return post_result(r);
     }
     for (d, s) in sges.iter_mut().zip(list) {
         *d = Sge {
@@ -491,9 +525,7 @@ unsafe fn post_one_send(qp: &mut RbQp, w: &abi::ibv_send_wr, sges: &mut [Sge; MA
         inline: None,
         flags,
     };
-    qp.drv
-        .post_send(&[wr])
-        .map_or_else(|e| crate::errno_of(&e), |_| 0)
+    post_result(qp.drv.post_send(&[wr]))
 }
 
 /// `ibv_post_recv`.
@@ -502,38 +534,34 @@ unsafe fn post_one_send(qp: &mut RbQp, w: &abi::ibv_send_wr, sges: &mut [Sge; MA
 /// `wr` must be a valid list of `struct ibv_recv_wr`.
 pub(crate) unsafe fn post_recv(
     qp: &mut RbQp,
-    mut wr: *mut abi::ibv_recv_wr,
+    wr: *mut abi::ibv_recv_wr,
     bad: *mut *mut abi::ibv_recv_wr,
 ) -> i32 {
     let mut sges = [Sge::default(); MAX_SGE];
-    while !wr.is_null() {
-        // SAFETY: the caller's list, one element at a time.
-        let w = unsafe { &*wr };
-        let r = if !qp.srq.is_null() {
-            libc::EINVAL
-        } else {
-            // SAFETY: the caller's scatter list.
-            match unsafe { recv_sges(w, qp.cap.max_recv_sge, &mut sges) } {
-                Ok(n) => qp
-                    .drv
-                    .post_recv(&[RecvWr {
+    let max_sge = qp.cap.max_recv_sge;
+    let on_srq = !qp.srq.is_null();
+    // SAFETY: the caller's list; each request is valid, as libibverbs requires.
+    unsafe {
+        post_list(wr, bad, |w| {
+            if on_srq {
+                return libc::EINVAL;
+            }
+            recv_sges(w, max_sge, &mut sges).map_or_else(
+                |e| e,
+                |n| {
+                    post_result(qp.drv.post_recv(&[RecvWr {
                         wr_id: w.wr_id,
                         sgl: &sges[..n],
-                    }])
-                    .map_or_else(|e| crate::errno_of(&e), |_| 0),
-                Err(e) => e,
-            }
-        };
-        if r != 0 {
-            if !bad.is_null() {
-                // SAFETY: the caller's out-pointer, checked non-null.
-                unsafe { *bad = wr };
-            }
-            return r;
-        }
-        wr = w.next;
+                    }]))
+                },
+            )
+        })
     }
-    0
+}
+
+/// The errno of a driver post (0 when it went through).
+pub(crate) fn post_result(r: Result<(), ringbell::Error>) -> i32 {
+    r.map_or_else(|e| crate::errno_of(&e), |_| 0)
 }
 
 /// Copies a receive request's scatter list into `out`; its length.

@@ -4,7 +4,7 @@ use crate::abi;
 use crate::cq::RbCq;
 use crate::device::RbContext;
 use crate::pd::RbPd;
-use crate::qp::{recv_sges, MAX_SGE};
+use crate::qp::{post_list, post_result, recv_sges, MAX_SGE};
 use crate::state::{Kind, State};
 use ringbell::tm::TmOp;
 use ringbell::{RecvWr, Sge, SharedReceiveQueue};
@@ -172,34 +172,25 @@ pub(crate) fn query(srq: &RbSrq, attr: &mut abi::ibv_srq_attr) -> i32 {
 /// `wr` must be a valid list of `struct ibv_recv_wr`.
 pub(crate) unsafe fn post_recv(
     srq: &mut RbSrq,
-    mut wr: *mut abi::ibv_recv_wr,
+    wr: *mut abi::ibv_recv_wr,
     bad: *mut *mut abi::ibv_recv_wr,
 ) -> i32 {
     let mut sges = [Sge::default(); MAX_SGE];
-    while !wr.is_null() {
-        // SAFETY: the caller's list, one element at a time.
-        let w = unsafe { &*wr };
-        // SAFETY: the caller's scatter list.
-        let r = match unsafe { recv_sges(w, srq.max_sge, &mut sges) } {
-            Ok(n) => srq
-                .drv
-                .post_recv(&[RecvWr {
-                    wr_id: w.wr_id,
-                    sgl: &sges[..n],
-                }])
-                .map_or_else(|e| crate::errno_of(&e), |_| 0),
-            Err(e) => e,
-        };
-        if r != 0 {
-            if !bad.is_null() {
-                // SAFETY: the caller's out-pointer, checked non-null.
-                unsafe { *bad = wr };
-            }
-            return r;
-        }
-        wr = w.next;
+    let max_sge = srq.max_sge;
+    // SAFETY: the caller's list; each request is valid, as libibverbs requires.
+    unsafe {
+        post_list(wr, bad, |w| {
+            recv_sges(w, max_sge, &mut sges).map_or_else(
+                |e| e,
+                |n| {
+                    post_result(srq.drv.post_recv(&[RecvWr {
+                        wr_id: w.wr_id,
+                        sgl: &sges[..n],
+                    }]))
+                },
+            )
+        })
     }
-    0
 }
 
 /// `ibv_post_srq_ops`: tag-matching list operations; an ADD's handle is written back.
@@ -208,7 +199,7 @@ pub(crate) unsafe fn post_recv(
 /// `op` must be a valid list of `struct ibv_ops_wr`.
 pub(crate) unsafe fn post_ops(
     srq: &mut RbSrq,
-    mut op: *mut abi::ibv_ops_wr,
+    op: *mut abi::ibv_ops_wr,
     bad: *mut *mut abi::ibv_ops_wr,
 ) -> i32 {
     if !srq.tm {
@@ -218,21 +209,8 @@ pub(crate) unsafe fn post_ops(
         }
         return libc::EINVAL;
     }
-    while !op.is_null() {
-        // SAFETY: the caller's list, one element at a time.
-        let o = unsafe { &mut *op };
-        // SAFETY: as above.
-        let r = unsafe { post_op(srq, o) };
-        if r != 0 {
-            if !bad.is_null() {
-                // SAFETY: the caller's out-pointer, checked non-null.
-                unsafe { *bad = op };
-            }
-            return r;
-        }
-        op = o.next;
-    }
-    0
+    // SAFETY: the caller's list; each operation is valid, as libibverbs requires.
+    unsafe { post_list(op, bad, |o| post_op(srq, o)) }
 }
 
 /// # Safety
