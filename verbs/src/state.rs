@@ -136,7 +136,7 @@ impl State {
                 }
             })
             .unwrap_or(DEFAULT_SEED);
-        let sources: Vec<Source> = match std::env::var_os(ENV_SERVE) {
+        let sources: Vec<Source> = match std::env::var_os(ENV_SERVE).filter(|d| !d.is_empty()) {
             Some(dir) => {
                 let dir = PathBuf::from(dir);
                 (0..)
