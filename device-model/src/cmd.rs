@@ -91,6 +91,13 @@ impl Nic {
                 qp.stats.encode(&mut out);
                 Ok(out)
             }
+            CmdOpcode::QueryQpUdStats => {
+                let n = params::<ObjectIn>(input)?.num.get();
+                let qp = self.qps.get(n).ok_or(CmdStatus::BadResource)?;
+                let mut out = vec![0u8; ringbell_specs::stats::UdStats::SIZE];
+                qp.ud_stats.encode(&mut out);
+                Ok(out)
+            }
             CmdOpcode::AllocPd => obj(self
                 .pds
                 .insert_with(|_| Pd::default())
@@ -368,6 +375,15 @@ impl Nic {
                 return Err(CmdStatus::BadPd);
             }
         }
+        let ud = match p.qp_type {
+            QP_TYPE_RC => false,
+            QP_TYPE_UD => true,
+            _ => return Err(CmdStatus::BadParam),
+        };
+        // Tag matching is an RC offload: a UD QP takes an ordinary SRQ only.
+        if ud && self.srqs.get(srqn).is_some_and(|s| s.tm.is_some()) {
+            return Err(CmdStatus::BadParam);
+        }
         let max = self.cfg.max_qp_wr as u64;
         let sq_ok = p.sq_log_size >= 1 && p.sq_log_size <= 24 && (1u64 << p.sq_log_size) <= max;
         let rq_ok = srqn != 0
@@ -410,13 +426,16 @@ impl Nic {
                     ci: 0,
                 },
                 fetch: 0,
+                // A UD QP has no path: its datagrams may be as long as the port MTU (4096).
                 attr: QpAttr {
-                    path_mtu: 1,
+                    path_mtu: if ud { 5 } else { 1 },
                     ..Default::default()
                 },
                 req: Default::default(),
                 resp: Default::default(),
                 stats: Default::default(),
+                ud,
+                ud_stats: Default::default(),
                 cntrs: Default::default(),
             })
             .ok_or(CmdStatus::Exhausted)?;

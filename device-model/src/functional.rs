@@ -30,9 +30,10 @@ impl Nic {
     /// Whether the send engine of `qp` may run WQEs functionally now: RTS, nothing
     /// outstanding or waiting on the send side (so no packet of it is in flight and nothing
     /// completes out of order), no RNR wait, no counter bound to the QP, and no posted DMA
-    /// write of this NIC still to land.
+    /// write of this NIC still to land. UD QPs always take the packet path.
     pub(crate) fn fm_eligible(&self, qp: &Qp, now: SimTime) -> bool {
         qp.state == QpState::Rts
+            && !qp.ud
             && qp.req.outstanding.is_empty()
             && qp.req.hw_waiting.is_empty()
             && now >= qp.req.rnr_until
@@ -169,6 +170,7 @@ impl Nic {
 
     fn fm_accept(&mut self, env: &mut dyn Env, qp: &mut Qp, msg: &FmMsg<'_>) -> bool {
         let idle = matches!(qp.state, QpState::Rtr | QpState::Rts | QpState::Sqd)
+            && !qp.ud
             && msg.src_ip == qp.attr.dest_ip
             && !qp.resp.dead
             && qp.resp.queue.is_empty()

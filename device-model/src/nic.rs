@@ -303,6 +303,7 @@ impl Nic {
             | Caps::TM_RC
             | Caps::TRIGGERED
             | Caps::BLUEFLAME
+            | Caps::UD
     }
 
     /// A 32-bit register read. Never fails: unknown offsets read 0 and are counted.

@@ -59,6 +59,17 @@ pub(crate) struct SendWqe {
     /// Inline payload.
     pub(crate) inline: Vec<u8>,
     pub(crate) len: u64,
+    /// The destination of a datagram (a WQE of a UD QP).
+    pub(crate) ud: Option<UdDest>,
+}
+
+/// Where a UD send WQE sends its datagram (its address segment, decoded).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct UdDest {
+    pub(crate) qpn: u32,
+    pub(crate) qkey: u32,
+    pub(crate) mac: [u8; 6],
+    pub(crate) ip: [u8; 4],
 }
 
 impl Default for SendWqe {
@@ -81,6 +92,7 @@ impl SendWqe {
             sges: Vec::new(),
             inline: Vec::new(),
             len: 0,
+            ud: None,
         }
     }
     pub(crate) fn is_rd_atomic(&self) -> bool {
@@ -182,7 +194,18 @@ pub(crate) struct Requester {
     pub(crate) bf: Option<(u32, Vec<u8>)>,
 }
 
-pub use ringbell_specs::stats::QpStats;
+pub use ringbell_specs::stats::{QpStats, UdStats};
+
+/// What [`Nic::take_recv_wqe_for`] found.
+#[derive(Debug)]
+pub(crate) enum RecvTake {
+    /// A WQE, taken: (index, srqn, scatter list).
+    Wqe(u32, u32, Vec<Sge>),
+    /// None is posted.
+    Empty,
+    /// The next one is smaller than asked; it stays posted.
+    TooSmall,
+}
 
 /// A receive WQE being filled by a multi-packet SEND.
 #[derive(Debug)]
@@ -342,6 +365,10 @@ pub(crate) struct Qp {
     pub(crate) req: Requester,
     pub(crate) resp: Responder,
     pub(crate) stats: QpStats,
+    /// An unreliable-datagram QP (ABI 1.5); RC otherwise.
+    pub(crate) ud: bool,
+    /// Datagram counters (UD QPs; `wrong_transport_dropped` on every QP).
+    pub(crate) ud_stats: UdStats,
     /// Context generation, see [`crate::NicEvent::SqProcess`].
     pub(crate) gen: u64,
     /// Counters bound to the QP's events.
@@ -375,6 +402,23 @@ pub(crate) struct Srq {
     pub(crate) refs: u32,
     /// Tag matching, for a TM-SRQ.
     pub(crate) tm: Option<Box<crate::tm::TmState>>,
+}
+
+/// (required, optional) attribute masks of a UD transition, per the IBTA table: no path,
+/// no peer, only the Q_Key and the own send PSN.
+fn ud_transition_masks(from: QpState, to: QpState) -> Option<(M, M)> {
+    use QpState::*;
+    let e = M::empty();
+    Some(match (from, to) {
+        (Reset, Init) => (M::PKEY_INDEX | M::PORT | M::QKEY, e),
+        (Init, Init) => (e, M::PKEY_INDEX | M::PORT | M::QKEY),
+        (Init, Rtr) => (e, M::PKEY_INDEX | M::QKEY),
+        (Rtr, Rts) => (M::SQ_PSN, M::CUR_STATE | M::QKEY),
+        (Rts, Rts) | (Sqd, Rts) => (e, M::CUR_STATE | M::QKEY),
+        (Rts, Sqd) => (e, M::EN_SQD_ASYNC_NOTIFY),
+        (Sqd, Sqd) => (e, M::PKEY_INDEX | M::QKEY),
+        _ => return transition_masks(from, to).filter(|(r, o)| r.is_empty() && o.is_empty()),
+    })
 }
 
 /// (required, optional) attribute masks of an RC transition, per the IBTA table.
@@ -437,7 +481,11 @@ pub(crate) fn check_modify(
     } else {
         qp.state
     };
-    let (req, opt) = transition_masks(qp.state, to).ok_or(ModifyError::BadState)?;
+    let masks = match qp.ud {
+        true => ud_transition_masks(qp.state, to),
+        false => transition_masks(qp.state, to),
+    };
+    let (req, opt) = masks.ok_or(ModifyError::BadState)?;
     let given = mask - M::STATE;
     if !given.difference(req | opt).is_empty() || !given.contains(req) {
         return Err(ModifyError::BadParam);
@@ -464,7 +512,8 @@ pub(crate) fn check_modify(
         && (!mask.contains(M::DEST_QPN)
             || a.dest_qpn.get() <= 0x00FF_FFFF && a.dest_qpn.get() != 0)
         && (!mask.contains(M::ACCESS_FLAGS) || Access::from_bits(a.access.get()).is_some())
-        && (!mask.contains(M::PKEY_INDEX) || a.pkey_index.get() == 0);
+        && (!mask.contains(M::PKEY_INDEX) || a.pkey_index.get() == 0)
+        && (!mask.contains(M::QKEY) || a.qkey.get() & ringbell_specs::cmd::QKEY_USE_QP == 0);
     if !ok {
         return Err(ModifyError::BadParam);
     }
@@ -515,6 +564,9 @@ impl Nic {
         }
         if mask.contains(M::DEST_QPN) {
             t.dest_qpn = a.dest_qpn;
+        }
+        if mask.contains(M::QKEY) {
+            t.qkey = a.qkey;
         }
         if mask.contains(M::RQ_PSN) {
             t.rq_psn = (a.rq_psn.get() & Psn::MASK).into();
@@ -744,16 +796,34 @@ impl Nic {
         env: &mut dyn Env,
         qp: &mut Qp,
     ) -> Result<Option<(u32, u32, Vec<Sge>)>, u64> {
+        Ok(match self.take_recv_wqe_for(env, qp, 0)? {
+            RecvTake::Wqe(index, srqn, sges) => Some((index, srqn, sges)),
+            RecvTake::Empty | RecvTake::TooSmall => None,
+        })
+    }
+
+    /// Takes the next receive WQE for `qpn` if its capacity is at least `need` bytes; a
+    /// smaller one is read and left in place.
+    pub(crate) fn take_recv_wqe_for(
+        &mut self,
+        env: &mut dyn Env,
+        qp: &mut Qp,
+        need: u64,
+    ) -> Result<RecvTake, u64> {
+        let fits = |sges: &[Sge]| sges.iter().map(|s| u64::from(s.len)).sum::<u64>() >= need;
         if qp.srqn != 0 {
             let Some(srq) = self.srqs.get_mut(qp.srqn) else {
-                return Ok(None);
+                return Ok(RecvTake::Empty);
             };
             if srq.wq.ci == srq.wq.pi {
-                return Ok(None);
+                return Ok(RecvTake::Empty);
             }
             let wq = srq.wq.clone();
             let index = wq.ci;
             let sges = self.read_recv_wqe(env, &wq, index)?;
+            if !fits(&sges) {
+                return Ok(RecvTake::TooSmall);
+            }
             let srqn = qp.srqn;
             if let Some(srq) = self.srqs.get_mut(srqn) {
                 srq.wq.ci = srq.wq.ci.wrapping_add(1);
@@ -763,16 +833,19 @@ impl Nic {
                     self.post_event(env, EventType::SrqLimit, 0, srqn, left as u64);
                 }
             }
-            Ok(Some((index, srqn, sges)))
+            Ok(RecvTake::Wqe(index, srqn, sges))
         } else {
             if qp.rq.ci == qp.rq.pi {
-                return Ok(None);
+                return Ok(RecvTake::Empty);
             }
             let index = qp.rq.ci;
             let wq = qp.rq.clone();
             let sges = self.read_recv_wqe(env, &wq, index)?;
+            if !fits(&sges) {
+                return Ok(RecvTake::TooSmall);
+            }
             qp.rq.ci = qp.rq.ci.wrapping_add(1);
-            Ok(Some((index, 0, sges)))
+            Ok(RecvTake::Wqe(index, 0, sges))
         }
     }
 
@@ -990,6 +1063,8 @@ mod tests {
             req: Requester::default(),
             resp: Responder::default(),
             stats: QpStats::default(),
+            ud: false,
+            ud_stats: UdStats::default(),
             gen: 1,
             cntrs: Default::default(),
         }

@@ -7,13 +7,13 @@
 use crate::env::{trace, Env, NicEvent, Stage, TraceEvent};
 use crate::mem::KeyError;
 use crate::nic::Nic;
-use crate::qp::{HwTask, Outstanding, Qp, SendWqe, Sge};
+use crate::qp::{HwTask, Outstanding, Qp, SendWqe, Sge, UdDest};
 use ringbell_specs::cmd::{Access, QpState};
 use ringbell_specs::cqe::{CqeStatus, DoorbellError, VendorSyndrome};
 use ringbell_specs::wire::{self, AethSyndrome, AtomicEth, NakCode, Opcode, Packet, Reth};
 use ringbell_specs::wqe::{
-    self, AtomicSeg, CtrlSeg, DataSeg, RaddrSeg, SendOpcode, WqeFlags, INLINE_MARK, MAX_DS, SEG,
-    WQEBB,
+    self, AtomicSeg, CtrlSeg, DataSeg, RaddrSeg, SendOpcode, UdAddrSeg, WqeFlags, INLINE_MARK,
+    MAX_DS, SEG, WQEBB,
 };
 use ringbell_specs::{Psn, SimTime};
 use zerocopy::FromBytes;
@@ -142,6 +142,17 @@ impl Nic {
             return false;
         }
         let mtu = qp.mtu();
+        // A datagram is one packet: longer than the path MTU is a local length error.
+        if qp.ud && wqe.len > mtu as u64 {
+            self.fail_wqe(
+                env,
+                qp,
+                index,
+                wqe.nbb,
+                (CqeStatus::LocLenErr, VendorSyndrome::TooLong),
+            );
+            return false;
+        }
         let npsn = match wqe.op {
             SendOpcode::CmpSwap | SendOpcode::FetchAdd => 1,
             _ => (wqe.len as u32).div_ceil(mtu).max(1),
@@ -224,6 +235,10 @@ impl Nic {
 
     /// Puts the next packet of outstanding WQE `i` on the wire.
     fn send_packet(&mut self, env: &mut dyn Env, qp: &mut Qp, i: usize) {
+        if qp.ud {
+            self.send_datagram(env, qp, i);
+            return;
+        }
         let now = env.now();
         let mtu = qp.mtu();
         let pdn = qp.pdn;
@@ -350,6 +365,95 @@ impl Nic {
         self.arm_ack_timer(env, qp);
     }
 
+    /// Sends outstanding WQE `i` of a UD QP as one datagram (BTH, DETH, ImmDt) and completes
+    /// it once the frame has left: UD is unacknowledged, so nothing waits for the peer.
+    fn send_datagram(&mut self, env: &mut dyn Env, qp: &mut Qp, i: usize) {
+        let now = env.now();
+        let o = &qp.req.outstanding[i];
+        let ready = o.ready_at.max(now);
+        let psn = o.first_psn;
+        let w = &o.wqe;
+        // A WQE decoded without an address (a triggered operation aimed at a UD QP).
+        let Some(dest) = w.ud else {
+            qp.req.outstanding[i].error = Some((CqeStatus::LocQpOpErr, VendorSyndrome::BadSegment));
+            self.complete_in_order(env, qp);
+            return;
+        };
+        let len = w.len as usize;
+        let mut payload = std::mem::take(&mut self.scratch);
+        payload.clear();
+        payload.resize(len, 0);
+        let mut next_ready = ready;
+        let gathered = if w.sges.is_empty() {
+            let n = len.min(w.inline.len());
+            payload[..n].copy_from_slice(&w.inline[..n]);
+            Ok(())
+        } else {
+            let start = ready.max(self.pcie_read_free);
+            next_ready = self.reserve_pcie_read(ready, len);
+            trace(env, || {
+                TraceEvent::new(Stage::PayloadRead, start, next_ready)
+                    .qpn(qp.qpn)
+                    .psn(psn.get())
+                    .bytes(len)
+            });
+            let sges = w.sges.clone();
+            self.gather(env, qp.qpn, qp.pdn, &sges, 0, &mut payload)
+        };
+        if let Err(e) = gathered {
+            self.scratch = payload;
+            qp.req.outstanding[i].error = Some(e);
+            self.complete_in_order(env, qp);
+            return;
+        }
+        let w = &qp.req.outstanding[i].wqe;
+        let opcode = match w.op.has_imm() {
+            true => Opcode::UdSendOnlyImm,
+            false => Opcode::UdSendOnly,
+        };
+        let repr = self.datagram_repr(qp, &dest, opcode, psn, w);
+        self.emit(env, qp.qpn, &repr, &payload, next_ready);
+        self.scratch = payload;
+        let o = &mut qp.req.outstanding[i];
+        (o.sent, o.sent_max, o.done) = (1, 1, true);
+        qp.stats.packets_sent += 1;
+        qp.ud_stats.sent += 1;
+        let left = self.egress_free;
+        self.complete_in_order_at(env, qp, left);
+    }
+
+    /// The headers of a datagram from UD QP `qp` to `dest`.
+    fn datagram_repr(
+        &self,
+        qp: &Qp,
+        dest: &UdDest,
+        opcode: Opcode,
+        psn: Psn,
+        w: &SendWqe,
+    ) -> wire::PacketRepr {
+        let mut repr = self.packet_repr(qp, opcode, psn, false);
+        let dest_qp = ringbell_specs::Qpn::from_bits(dest.qpn);
+        repr.dst = wire::Endpoint {
+            mac: dest.mac,
+            ip: dest.ip,
+        };
+        repr.bth.dest_qp = dest_qp;
+        repr.bth.solicited = w.flags.contains(WqeFlags::SOLICITED);
+        repr.udp_src_port = wire::udp_src_port(ringbell_specs::Qpn::from_bits(qp.qpn), dest_qp);
+        let qkey = match dest.qkey & ringbell_specs::cmd::QKEY_USE_QP {
+            0 => dest.qkey,
+            _ => qp.attr.qkey.get(),
+        };
+        repr.deth = Some(wire::Deth {
+            qkey,
+            src_qp: ringbell_specs::Qpn::from_bits(qp.qpn),
+        });
+        if opcode.has_immdt() {
+            repr.imm = Some(w.imm);
+        }
+        repr
+    }
+
     /// Reads and decodes WQE `index`. `Ok(None)`: the WQE is stale (doorbell error raised).
     pub(crate) fn read_send_wqe(
         &mut self,
@@ -431,6 +535,7 @@ impl Nic {
             &raw[SEG..ds * SEG],
             nbb,
             self.cfg.max_msg_size,
+            qp.ud,
             out,
         )
         .map(|_| true)
@@ -532,6 +637,7 @@ impl Nic {
             }],
             inline: Vec::new(),
             len: rvh.len as u64,
+            ud: None,
         };
         self.push_hw_task(env, qp, wqe, HwTask::RndvRead { srqn, handle, fin }, ready);
     }
@@ -705,6 +811,7 @@ impl Nic {
                     sges: Vec::new(),
                     inline: fin.to_vec(),
                     len: fin.len() as u64,
+                    ud: None,
                 };
                 self.push_hw_task(env, qp, fin, HwTask::Fin, ready);
             }
@@ -1279,18 +1386,20 @@ pub(crate) fn decode_send_wqe(
     max_msg: u32,
 ) -> Result<SendWqe, WqeError> {
     let mut w = SendWqe::broken(op);
-    decode_send_wqe_into(ctrl, op, body, nbb, max_msg, &mut w).map(|_| w)
+    decode_send_wqe_into(ctrl, op, body, nbb, max_msg, false, &mut w).map(|_| w)
 }
 
 /// [`decode_send_wqe`] into `w`, whose buffers (gather list, inline payload) are reused, so
 /// that functional mode's small messages neither allocate nor move a decoded WQE around. On
-/// an error `w` holds a partly decoded WQE.
+/// an error `w` holds a partly decoded WQE. `ud`: the WQE of a UD QP, which carries a
+/// [`UdAddrSeg`] after the control segment and may only SEND.
 pub(crate) fn decode_send_wqe_into(
     ctrl: &CtrlSeg,
     op: SendOpcode,
     body: &[u8],
     nbb: u32,
     max_msg: u32,
+    ud: bool,
     w: &mut SendWqe,
 ) -> Result<(), WqeError> {
     let bad = |s| Err((CqeStatus::LocQpOpErr, s));
@@ -1307,7 +1416,26 @@ pub(crate) fn decode_send_wqe_into(
     w.sges.clear();
     w.inline.clear();
     w.len = 0;
+    w.ud = None;
     let mut rest = body;
+    if ud {
+        if !matches!(op, SendOpcode::Send | SendOpcode::SendImm) {
+            return bad(VendorSyndrome::BadOpcode);
+        }
+        if rest.len() < wqe::UD_ADDR_SEGS * SEG {
+            return bad(VendorSyndrome::BadSegment);
+        }
+        let Ok((a, tail)) = UdAddrSeg::read_from_prefix(rest) else {
+            return bad(VendorSyndrome::BadSegment);
+        };
+        w.ud = Some(UdDest {
+            qpn: a.dest_qpn.get() & 0x00FF_FFFF,
+            qkey: a.qkey.get(),
+            mac: a.dest_mac,
+            ip: a.dest_ip,
+        });
+        rest = tail;
+    }
     if op.has_raddr() {
         let Some((r, tail)) = split_seg::<RaddrSeg>(rest) else {
             return bad(VendorSyndrome::BadSegment);

@@ -3,12 +3,12 @@
 
 use crate::env::{trace, Env, NicEvent, Stage, TraceEvent};
 use crate::nic::Nic;
-use crate::qp::{Qp, RecvCtx, Reply, Resource, TmRecv, WriteCtx};
+use crate::qp::{Qp, RecvCtx, RecvTake, Reply, Resource, TmRecv, WriteCtx};
 use crate::tm::{self, SlotState, TmCompletion};
 use ringbell_specs::cmd::{Access, CntrEvents, QpState};
 use ringbell_specs::cqe::{
     Cqe, CqeOpcode, CqeStatus, EventType, VendorSyndrome, CQE_FLAG_IMM, CQE_FLAG_SOLICITED,
-    CQE_FLAG_SRQ, CQE_FLAG_TM_DATA_VALID, CQE_FLAG_TM_MATCH,
+    CQE_FLAG_SRQ, CQE_FLAG_TM_DATA_VALID, CQE_FLAG_TM_MATCH, CQE_FLAG_UD, GRH_LEN,
 };
 use ringbell_specs::tm::{rndv_header, Rvh, Tmh, TmhOp, MAX_RNDV_HDR_SIZE, RNDV_HDR_LEN, TMH_LEN};
 use ringbell_specs::wire::{
@@ -60,7 +60,20 @@ impl Nic {
             self.stats.rx_dropped += 1;
             return;
         };
-        if pkt.repr.src.ip != qp.attr.dest_ip || pkt.repr.bth.pkey != 0xFFFF {
+        let ud_packet = Opcode::from_u8(pkt.repr.bth.opcode).is_some_and(Opcode::is_ud);
+        if ud_packet != qp.ud {
+            // RC traffic at a UD QP, or a datagram at an RC QP.
+            qp.ud_stats.wrong_transport_dropped += 1;
+            self.stats.rx_dropped += 1;
+        } else if qp.ud {
+            if pkt.repr.bth.pkey == 0xFFFF
+                && matches!(qp.state, QpState::Rtr | QpState::Rts | QpState::Sqd)
+            {
+                self.rx_datagram(env, &mut qp, &pkt, frame);
+            } else {
+                self.stats.rx_dropped += 1;
+            }
+        } else if pkt.repr.src.ip != qp.attr.dest_ip || pkt.repr.bth.pkey != 0xFFFF {
             self.stats.rx_dropped += 1;
         } else if Opcode::from_u8(pkt.repr.bth.opcode).is_some_and(|o| o.is_response()) {
             self.handle_response(env, &mut qp, &pkt);
@@ -112,6 +125,7 @@ impl Nic {
             atomic_eth: None,
             atomic_ack: None,
             imm: None,
+            deth: None,
         }
     }
 
@@ -436,6 +450,92 @@ impl Nic {
             );
         }
         Ok(())
+    }
+
+    /// A datagram for UD QP `qp` (in RTR, RTS or SQD). A wrong Q_Key, no posted receive WQE,
+    /// or a WQE too small for the GRH area and the payload drops it, counted in the QP's
+    /// [`UdStats`](ringbell_specs::stats::UdStats); the QP keeps serving and the sender is
+    /// never told. Otherwise the GRH area and the payload are scattered into the WQE and the
+    /// completion names the sender.
+    fn rx_datagram(&mut self, env: &mut dyn Env, qp: &mut Qp, pkt: &Packet<'_>, frame: &[u8]) {
+        let ready = env.now() + SimTime(self.cfg.timing.nic_rx_pkt_ps);
+        let deth = pkt.repr.deth.unwrap_or_default();
+        if deth.qkey != qp.attr.qkey.get() {
+            qp.ud_stats.qkey_dropped += 1;
+            self.stats.rx_dropped += 1;
+            return;
+        }
+        let need = (GRH_LEN + pkt.payload.len()) as u64;
+        let (wqe_index, srqn, sges) = match self.take_recv_wqe_for(env, qp, need) {
+            Ok(RecvTake::Wqe(i, srqn, sges)) => (i, srqn, sges),
+            Ok(RecvTake::Empty) => {
+                qp.ud_stats.no_recv_dropped += 1;
+                self.stats.rx_dropped += 1;
+                return;
+            }
+            Ok(RecvTake::TooSmall) => {
+                qp.ud_stats.too_long_dropped += 1;
+                self.stats.rx_dropped += 1;
+                return;
+            }
+            Err(iova) => {
+                // The receive ring itself is unreadable: the driver's mistake, reported by
+                // the IOMMU_FAULT event; the datagram is lost.
+                self.iommu_fault(env, qp.qpn, iova);
+                self.stats.rx_dropped += 1;
+                return;
+            }
+        };
+        // The GRH area: 20 bytes of zeros, then the IPv4 header as received (RoCEv2).
+        let mut grh = [0u8; GRH_LEN];
+        let ip = frame
+            .get(wire::ETH_HDR_LEN..wire::ETH_HDR_LEN + wire::IPV4_HDR_LEN)
+            .unwrap_or_default();
+        grh[GRH_LEN - ip.len()..].copy_from_slice(ip);
+        let placed = self
+            .scatter(env, qp.pdn, qp.qpn, &sges, 0, &grh, ready)
+            .and_then(|()| {
+                self.scatter(
+                    env,
+                    qp.pdn,
+                    qp.qpn,
+                    &sges,
+                    GRH_LEN as u64,
+                    pkt.payload,
+                    ready,
+                )
+            });
+        let rc = RecvCtx {
+            wqe_index,
+            srqn,
+            sges: Vec::new(),
+            offset: 0,
+            strip: 0,
+            tm: None,
+        };
+        if let Err((status, syndrome)) = placed {
+            // A bad receive WQE (key, PD, rights, an unmapped buffer): it completes in error
+            // and the QP moves to ERR, as on RC.
+            let mut cqe = recv_cqe(qp.qpn, &rc, status, 0);
+            cqe.vendor_syndrome = syndrome as u8;
+            self.complete(env, qp.gen, qp.recv_cqn, ready, cqe);
+            self.flush(env, qp);
+            return;
+        }
+        let mut cqe = recv_cqe(qp.qpn, &rc, CqeStatus::Success, need as u32);
+        cqe.flags |= CQE_FLAG_UD;
+        if let Some(imm) = pkt.repr.imm {
+            cqe.flags |= CQE_FLAG_IMM;
+            cqe.imm = imm.into();
+        }
+        if pkt.repr.bth.solicited {
+            cqe.flags |= CQE_FLAG_SOLICITED;
+        }
+        cqe.src_mac = pkt.repr.src.mac;
+        cqe.src_ip = pkt.repr.src.ip;
+        cqe.set_ud_src_qpn(deth.src_qp.get());
+        qp.ud_stats.received += 1;
+        self.complete(env, qp.gen, qp.recv_cqn, ready, cqe);
     }
 
     /// Completes a receive WQE (ordinary, untagged on a TM-SRQ, or a matched tagged buffer).

@@ -51,6 +51,9 @@ pub struct WorkCompletion {
     /// The completion of a triggered transfer: its handle (`wr_id` is the one it was
     /// posted with).
     pub trigger: Option<crate::TriggerHandle>,
+    /// A datagram received on a UD QP: who sent it. The first 40 bytes of the receive
+    /// buffer then hold the GRH area, and `byte_len` counts them.
+    pub source: Option<crate::UdSource>,
 }
 
 impl Default for WorkCompletion {
@@ -72,6 +75,7 @@ impl Default for WorkCompletion {
             tm_sync_req: false,
             tm_hw_count: 0,
             trigger: None,
+            source: None,
         }
     }
 }
@@ -308,6 +312,11 @@ impl CompletionQueue {
             tm_sync_req: c.flags & cqe::CQE_FLAG_TM_SYNC_REQ != 0,
             tm_hw_count: if tm { c.tm_hw_cnt.get() } else { 0 },
             trigger: triggered.then(|| crate::TriggerHandle(c.tm_handle.get())),
+            source: (c.flags & cqe::CQE_FLAG_UD != 0).then(|| crate::UdSource {
+                qpn: c.ud_src_qpn(),
+                mac: c.src_mac,
+                ip: c.src_ip,
+            }),
         })
     }
 }

@@ -33,6 +33,7 @@ mod qp;
 mod srq;
 pub mod tagmatch;
 pub mod tm;
+mod ud;
 pub mod vfio;
 
 pub use counter::{Counter, CounterInfo, CounterWait, TriggerHandle, TriggerOpts};
@@ -44,9 +45,11 @@ pub use hostmem::HOST_IOVA_OFFSET;
 pub use mr::{MemoryRegion, ProtectionDomain, Sge};
 pub use port::{Port, PortError};
 pub use qp::{
-    ConnectOptions, Endpoint, QpInit, QueuePair, RecvWr, RemoteAddr, SendFlags, SendWr, WrOp,
+    ConnectOptions, Endpoint, QpInit, QpType, QueuePair, RecvWr, RemoteAddr, SendFlags, SendWr,
+    WrOp,
 };
 pub use ringbell_specs::cmd::{Access, CntrEvents, QpState};
-pub use ringbell_specs::stats::{PortStats, QpStats};
+pub use ringbell_specs::stats::{PortStats, QpStats, UdStats};
 pub use srq::SharedReceiveQueue;
+pub use ud::{AddressHandle, AhAttr, UdDest, UdSource, GRH_LEN, UD_MAX_PAYLOAD};
 pub use vfio::{VfioError, VfioPort};

@@ -1,5 +1,5 @@
-//! Reliable-connected queue pairs: creation, the connect sequence, posting sends and
-//! receives. Posting checks a work request, then writes its WQE segment by segment straight
+//! Queue pairs, reliable connected and (since ABI 1.5) unreliable datagram: creation, the
+//! connect sequence, posting sends and receives. Posting checks a work request, then writes its WQE segment by segment straight
 //! into the ring, and rings one doorbell per batch: release fence, doorbell record, then the
 //! MMIO store.
 
@@ -13,13 +13,14 @@ use crate::srq::SharedReceiveQueue;
 use crate::srq::SrqObject;
 use bitflags::bitflags;
 use ringbell_specs::cmd::{
-    Access, CmdOpcode, CreateQpIn, ModifyQpIn, ObjectIn, QpAttr, QpAttrMask, QpState,
+    Access, CmdOpcode, CreateQpIn, ModifyQpIn, ObjectIn, QpAttr, QpAttrMask, QpState, QP_TYPE_RC,
+    QP_TYPE_UD,
 };
 use ringbell_specs::regs;
 use ringbell_specs::stats::QpStats;
 use ringbell_specs::wqe::{
-    self, AtomicSeg, CtrlSeg, DataSeg, RaddrSeg, SendOpcode, WqeFlags, INLINE_MARK, RECV_LKEY_END,
-    SEG, WQEBB,
+    self, AtomicSeg, CtrlSeg, DataSeg, RaddrSeg, SendOpcode, UdAddrSeg, WqeFlags, INLINE_MARK,
+    RECV_LKEY_END, SEG, WQEBB,
 };
 use std::cell::Cell;
 use std::rc::Rc;
@@ -91,6 +92,8 @@ pub struct SendWr<'a> {
     pub inline: Option<&'a [u8]>,
     /// Flags.
     pub flags: SendFlags,
+    /// The destination of a send on a UD QP (required there; ignored on RC).
+    pub ud: Option<crate::UdDest<'a>>,
 }
 
 impl<'a> SendWr<'a> {
@@ -102,6 +105,7 @@ impl<'a> SendWr<'a> {
             sgl,
             inline: None,
             flags: SendFlags::SIGNALED,
+            ud: None,
         }
     }
     /// A signaled request with inline data.
@@ -112,6 +116,7 @@ impl<'a> SendWr<'a> {
             sgl: &[],
             inline: Some(data),
             flags: SendFlags::SIGNALED,
+            ud: None,
         }
     }
     /// Replaces the flags.
@@ -119,6 +124,21 @@ impl<'a> SendWr<'a> {
         self.flags = flags;
         self
     }
+    /// Sends the datagram to `dest` (UD QPs).
+    pub fn to(mut self, dest: crate::UdDest<'a>) -> Self {
+        self.ud = Some(dest);
+        self
+    }
+}
+
+/// The transport of a queue pair.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum QpType {
+    /// Reliable connected.
+    #[default]
+    Rc,
+    /// Unreliable datagram (ABI 1.5).
+    Ud,
 }
 
 /// A receive work request.
@@ -149,6 +169,8 @@ pub struct QpInit<'a> {
     pub max_recv_sge: u32,
     /// Inline bytes per send request.
     pub max_inline: u32,
+    /// The transport.
+    pub qp_type: QpType,
 }
 
 impl<'a> QpInit<'a> {
@@ -163,6 +185,7 @@ impl<'a> QpInit<'a> {
             max_send_sge: 4,
             max_recv_sge: 4,
             max_inline: 64,
+            qp_type: QpType::Rc,
         }
     }
 }
@@ -266,6 +289,8 @@ struct SendPlan {
     raddr: Option<RemoteAddr>,
     /// Swap-or-add and compare operands.
     atomic: Option<(u64, u64)>,
+    /// The address segment of a UD send.
+    ud: Option<UdAddrSeg>,
     imm: u32,
     flags: WqeFlags,
     /// Size in 16-byte segments.
@@ -326,9 +351,15 @@ impl WqeSink for RingSink<'_> {
     }
 }
 
-/// Checks `wr` against a QP's limits and decides its WQE's segments and size.
+/// Checks `wr` against a QP's limits and decides its WQE's segments and size. `ud_pd`: the
+/// QP is a UD QP of this PD.
 #[inline(always)]
-fn plan_send_wqe(wr: &SendWr<'_>, max_inline: u32, max_send_sge: u32) -> Result<SendPlan, Error> {
+fn plan_send_wqe(
+    wr: &SendWr<'_>,
+    max_inline: u32,
+    max_send_sge: u32,
+    ud_pd: Option<&Rc<PdObject>>,
+) -> Result<SendPlan, Error> {
     let (opcode, raddr, atomic, imm) = match wr.op {
         WrOp::Send => (SendOpcode::Send, None, None, 0),
         WrOp::SendImm(i) => (SendOpcode::SendImm, None, None, i),
@@ -343,6 +374,36 @@ fn plan_send_wqe(wr: &SendWr<'_>, max_inline: u32, max_send_sge: u32) -> Result<
         WrOp::FetchAdd { remote, add } => (SendOpcode::FetchAdd, Some(remote), Some((add, 0)), 0),
     };
     let mut off = SEG;
+    let mut ud = None;
+    if let Some(pd) = ud_pd {
+        let Some(dest) = wr.ud else {
+            return Err(Error::InvalidArgument(
+                "a send on a UD QP needs a destination (address handle, QPN, Q_Key)",
+            ));
+        };
+        if raddr.is_some() {
+            return Err(Error::InvalidArgument(
+                "a UD QP sends only SEND and SEND with immediate",
+            ));
+        }
+        if !dest.ah.in_pd(pd) {
+            return Err(Error::InvalidArgument(
+                "the address handle belongs to another protection domain",
+            ));
+        }
+        if dest.qpn > 0x00FF_FFFF {
+            return Err(Error::InvalidArgument("a QPN has 24 bits"));
+        }
+        let a = dest.ah.attr();
+        ud = Some(UdAddrSeg {
+            dest_qpn: dest.qpn.into(),
+            qkey: dest.qkey.into(),
+            dest_mac: a.mac,
+            dest_ip: a.ip,
+            ..Default::default()
+        });
+        off += wqe::UD_ADDR_SEGS * SEG;
+    }
     if raddr.is_some() {
         off += SEG;
     }
@@ -384,6 +445,7 @@ fn plan_send_wqe(wr: &SendWr<'_>, max_inline: u32, max_send_sge: u32) -> Result<
         opcode,
         raddr,
         atomic,
+        ud,
         imm,
         flags,
         ds: off / SEG,
@@ -409,6 +471,12 @@ fn emit_send_wqe(
     };
     out.seg(0, ctrl.as_bytes())?;
     let mut off = SEG;
+    if let Some(a) = &plan.ud {
+        let b = a.as_bytes();
+        out.seg(off, &b[..SEG])?;
+        out.seg(off + SEG, &b[SEG..])?;
+        off += 2 * SEG;
+    }
     if let Some(r) = plan.raddr {
         let seg = RaddrSeg {
             raddr: r.addr.into(),
@@ -520,6 +588,8 @@ pub struct QueuePair {
     max_inline: u32,
     /// The device has a BlueFlame slot for this QP.
     bf: bool,
+    /// A UD QP.
+    ud: bool,
     state: QpState,
     /// Counters bound to the QP live at least as long as it (dropped after DESTROY_QP).
     cntrs: std::cell::RefCell<Vec<Rc<crate::counter::CntrObject>>>,
@@ -533,7 +603,9 @@ pub struct QueuePair {
 }
 
 impl ProtectionDomain {
-    /// Creates an RC QP in RESET.
+    /// Creates a QP in RESET: RC, or UD with `init.qp_type` (then the device must have
+    /// `Caps::UD`, `max_inline` is at most `wqe::MAX_INLINE_UD` and `max_send_sge` at most
+    /// `wqe::MAX_UD_SEND_SGE`).
     pub fn create_qp(&self, init: &QpInit<'_>) -> Result<QueuePair, Error> {
         // CQ and SRQ numbers are per device: another device's number would name an unrelated
         // object here, or none.
@@ -555,6 +627,18 @@ impl ProtectionDomain {
         if init.max_inline > caps.max_inline {
             return Err(Error::InvalidArgument("max_inline beyond the device limit"));
         }
+        let ud = init.qp_type == QpType::Ud;
+        if ud && !caps.caps.contains(regs::Caps::UD) {
+            return Err(Error::InvalidArgument("UD QPs: the device lacks CAPS.UD"));
+        }
+        if ud
+            && (init.max_inline as usize > wqe::MAX_INLINE_UD
+                || init.max_send_sge as usize > wqe::MAX_UD_SEND_SGE)
+        {
+            return Err(Error::InvalidArgument(
+                "a UD send holds at most 13 SGEs or 204 inline bytes",
+            ));
+        }
         if init.max_send_wr == 0
             || init.max_send_wr > caps.max_qp_wr
             || (init.srq.is_none() && (init.max_recv_wr == 0 || init.max_recv_wr > caps.max_qp_wr))
@@ -564,9 +648,16 @@ impl ProtectionDomain {
             ));
         }
         // Worst-case WQE: ctrl + raddr + atomic, or ctrl + raddr + the gather list or inline data.
-        let ds = (2 + init.max_send_sge as usize)
-            .max(3)
-            .max(2 + (4 + init.max_inline as usize).div_ceil(SEG));
+        let ds = if ud {
+            // ctrl + address, then the gather list or inline data.
+            let head = 1 + wqe::UD_ADDR_SEGS;
+            (head + init.max_send_sge as usize)
+                .max(head + (4 + init.max_inline as usize).div_ceil(SEG))
+        } else {
+            (2 + init.max_send_sge as usize)
+                .max(3)
+                .max(2 + (4 + init.max_inline as usize).div_ceil(SEG))
+        };
         let nbb = wqe::wqebbs(ds.min(wqe::MAX_DS)) as u32;
         // The device takes rings of 2 entries or more (a one-request queue gets two).
         let sq_entries = (init.max_send_wr * nbb)
@@ -600,6 +691,7 @@ impl ProtectionDomain {
             sq_iova: sq.iova().into(),
             rq_iova: rq.as_ref().map_or(0, |r| r.iova()).into(),
             db_iova: db.iova().into(),
+            qp_type: if ud { QP_TYPE_UD } else { QP_TYPE_RC },
             ..Default::default()
         };
         let qpn = self
@@ -636,6 +728,7 @@ impl ProtectionDomain {
             max_inline: init.max_inline,
             state: QpState::Reset,
             bf: caps.caps.contains(regs::Caps::BLUEFLAME) && (qpn as u64) < regs::BF_MAX_QP,
+            ud,
             cntrs: Default::default(),
             _uses: (
                 self.obj.clone(),
@@ -661,7 +754,10 @@ impl QueuePair {
     /// Encodes `wr` as the one-block WQE of a triggered operation (control segment with
     /// index 0 first).
     pub(crate) fn encode_triggered(&self, wr: &SendWr<'_>) -> Result<[u8; WQEBB], Error> {
-        let plan = plan_send_wqe(wr, self.max_inline, self.max_send_sge)?;
+        if self.ud {
+            return Err(Error::InvalidArgument("triggered operations run on RC QPs"));
+        }
+        let plan = plan_send_wqe(wr, self.max_inline, self.max_send_sge, None)?;
         if plan.ds * SEG > WQEBB {
             return Err(Error::InvalidArgument(
                 "a triggered work request must fit one 64-byte WQE block",
@@ -863,7 +959,7 @@ impl QueuePair {
             // The common small post (one block, written as whole words): no plan, no
             // segment-by-segment writes. Anything else, and every error, takes the general
             // path, which encodes the same bytes.
-            if let Some(ring) = ring {
+            if let Some(ring) = ring.filter(|_| !self.ud) {
                 if pi.wrapping_sub(ci) <= mask {
                     if let Some(words) = small_inline_wqe(wr, max_inline, pi as u16) {
                         let slot = (pi & mask) as usize;
@@ -973,7 +1069,8 @@ impl QueuePair {
     /// doorbell are the caller's). Nothing is written unless the request is valid and fits.
     #[inline(always)]
     fn write_send_wqe(&self, wr: &SendWr<'_>, pi: u32) -> Result<u32, Error> {
-        let plan = plan_send_wqe(wr, self.max_inline, self.max_send_sge)?;
+        let ud_pd = self.ud.then_some(&self._uses.0);
+        let plan = plan_send_wqe(wr, self.max_inline, self.max_send_sge, ud_pd)?;
         let nbb = wqe::wqebbs(plan.ds) as u32;
         let free = (1u32 << self.sq_log) - pi.wrapping_sub(self.rings.sq_ci.get());
         if nbb > free {
@@ -1187,9 +1284,10 @@ mod tests {
                 sgl: &sgl,
                 inline: inline.as_deref(),
                 flags: SendFlags::from_bits_truncate(flags),
+                ud: None,
             };
             let want = reference_wqe(&wr, max_inline, max_send_sge, wqe_index);
-            let plan = plan_send_wqe(&wr, max_inline, max_send_sge);
+            let plan = plan_send_wqe(&wr, max_inline, max_send_sge, None);
             match (&want, &plan) {
                 (Err(w), Err(g)) => {
                     prop_assert_eq!(w, &format!("{g:?}"));

@@ -62,7 +62,7 @@ pub enum CmdOpcode {
     QueryCq = 0x31,
     /// Destroy a completion queue.
     DestroyCq = 0x32,
-    /// Create an RC queue pair.
+    /// Create a queue pair (RC, or UD since ABI 1.5).
     CreateQp = 0x40,
     /// Change a QP's state and attributes.
     ModifyQp = 0x41,
@@ -72,6 +72,8 @@ pub enum CmdOpcode {
     DestroyQp = 0x43,
     /// Read a QP's transport counters (`stats::QpStats`). ABI 1.1.
     QueryQpStats = 0x44,
+    /// Read a QP's datagram counters (`stats::UdStats`). ABI 1.5.
+    QueryQpUdStats = 0x45,
     /// Create a shared receive queue.
     CreateSrq = 0x50,
     /// Set an SRQ's limit and arm the limit event.
@@ -120,6 +122,7 @@ impl CmdOpcode {
             0x42 => QueryQp,
             0x43 => DestroyQp,
             0x44 => QueryQpStats,
+            0x45 => QueryQpUdStats,
             0x50 => CreateSrq,
             0x51 => ArmSrq,
             0x52 => DestroySrq,
@@ -243,9 +246,10 @@ abi_struct!(
     /// CREATE_QP input. The send queue holds `1 << sq_log_size` 64-byte blocks; the receive
     /// queue holds `1 << rq_log_size` entries of `1 << rq_log_stride` bytes (ignored with an
     /// SRQ). The doorbell record is 8 bytes: receive PI (u32) then send PI (u32).
+    /// `qp_type` (ABI 1.5): [`QP_TYPE_RC`] (0, as before 1.5) or [`QP_TYPE_UD`].
     CreateQpIn, 48, {
         pdn: U32, send_cqn: U32, recv_cqn: U32, srqn: U32,
-        sq_log_size: u8, rq_log_size: u8, rq_log_stride: u8, rsvd0: u8, rsvd1: U32,
+        sq_log_size: u8, rq_log_size: u8, rq_log_stride: u8, qp_type: u8, rsvd1: U32,
         sq_iova: U64, rq_iova: U64, db_iova: U64,
     }
 );
@@ -256,9 +260,17 @@ abi_struct!(
         retry_cnt: u8, rnr_retry: u8, min_rnr_timer: u8, max_rd_atomic: u8,
         max_dest_rd_atomic: u8, sq_draining: u8, pkey_index: U16, access: U32,
         dest_qpn: U32, rq_psn: U32, sq_psn: U32, dest_mac: [u8; 6], rsvd0: U16,
-        dest_ip: [u8; 4], rsvd1: U32, rsvd2: U32,
+        dest_ip: [u8; 4], qkey: U32, rsvd2: U32,
     }
 );
+
+/// CREATE_QP `qp_type`: reliable connected (the only type before ABI 1.5).
+pub const QP_TYPE_RC: u8 = 0;
+/// CREATE_QP `qp_type`: unreliable datagram (ABI 1.5). 4 is libibverbs' `IBV_QPT_UD`.
+pub const QP_TYPE_UD: u8 = 4;
+/// A Q_Key with bit 31 set in a UD send WQE means "use the sending QP's own Q_Key" (IBTA
+/// 10.2.5); such a key is never a QP's own Q_Key (MODIFY_QP refuses it).
+pub const QKEY_USE_QP: u32 = 1 << 31;
 abi_struct!(
     /// MODIFY_QP input.
     ModifyQpIn, 56, { qpn: U32, attr_mask: U32, attr: QpAttr }
@@ -496,6 +508,8 @@ bitflags! {
         const PKEY_INDEX = 1 << 4;
         /// Port number (v1 has one port; accepted).
         const PORT = 1 << 5;
+        /// `qkey` is valid (UD QPs only, ABI 1.5).
+        const QKEY = 1 << 6;
         /// Address vector: `dest_mac`, `dest_ip`.
         const AV = 1 << 7;
         /// `path_mtu` is valid.

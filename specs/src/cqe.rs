@@ -28,7 +28,7 @@ abi_struct!(
         byte_len: U32, imm: U32, timestamp: U64,
         flags: u8, vendor_syndrome: u8, rsvd0: U16, srqn: U32,
         tm_tag: U64, tm_app_ctx: U32, tm_handle: U32, tm_hw_cnt: U16,
-        rsvd1: [u8; 13], owner: u8,
+        src_mac: [u8; 6], src_ip: [u8; 4], src_qpn: [u8; 3], owner: u8,
     }
 );
 
@@ -45,6 +45,25 @@ pub const CQE_FLAG_TM_DATA_VALID: u8 = 1 << 5;
 /// it was posted with and `tm_handle` its handle; `wqe_counter` means nothing (the send
 /// queue's ring is not involved).
 pub const CQE_FLAG_TRIGGERED: u8 = 1 << 6;
+
+/// CQE flag (ABI 1.5): a datagram received on a UD QP. `src_qpn`, `src_mac` and `src_ip`
+/// name its sender, and the first [`GRH_LEN`] bytes of the receive buffer hold the GRH area
+/// (its last 20 bytes the datagram's IPv4 header); `byte_len` counts them.
+pub const CQE_FLAG_UD: u8 = 1 << 7;
+
+/// Bytes at the head of a UD receive buffer that hold the GRH area, as verbs defines it.
+pub const GRH_LEN: usize = 40;
+
+impl Cqe {
+    /// The sender's QPN of a UD receive completion (`src_qpn`, 24 bits little-endian).
+    pub fn ud_src_qpn(&self) -> u32 {
+        u32::from_le_bytes([self.src_qpn[0], self.src_qpn[1], self.src_qpn[2], 0])
+    }
+    /// Sets `src_qpn` from the low 24 bits of `qpn`.
+    pub fn set_ud_src_qpn(&mut self, qpn: u32) {
+        self.src_qpn.copy_from_slice(&qpn.to_le_bytes()[..3]);
+    }
+}
 
 /// CQE flag: `imm` holds immediate data.
 pub const CQE_FLAG_IMM: u8 = 1 << 0;

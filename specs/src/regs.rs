@@ -207,6 +207,8 @@ bitflags! {
         const TRIGGERED = 1 << 7;
         /// BlueFlame: send WQEs written through BAR0 slots (ABI 1.4).
         const BLUEFLAME = 1 << 8;
+        /// Unreliable datagram QPs, DETH on the wire and the UD CQE fields (ABI 1.5).
+        const UD = 1 << 9;
     }
 }
 

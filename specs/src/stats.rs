@@ -71,6 +71,25 @@ counters!(
         atomic_replays,
     }
 );
+counters!(
+    /// Per-QP datagram counters (ABI 1.5, QUERY_QP_UD_STATS). A UD receiver drops a datagram
+    /// silently, and these say why; the sender is never told.
+    UdStats {
+        /// Datagrams sent (UD QPs).
+        sent,
+        /// Datagrams delivered to a receive WQE (UD QPs).
+        received,
+        /// Datagrams dropped because their Q_Key was not the QP's.
+        qkey_dropped,
+        /// Datagrams dropped because no receive WQE was posted.
+        no_recv_dropped,
+        /// Datagrams dropped because the receive WQE was too small (GRH area included).
+        too_long_dropped,
+        /// Packets of the other transport dropped: RC packets at a UD QP, UD packets at an RC
+        /// QP.
+        wrong_transport_dropped,
+    }
+);
 
 counters!(
     /// Per-port (per-NIC) counters.
@@ -102,8 +121,11 @@ counters!(
     }
 );
 
-const _: () =
-    assert!(QpStats::SIZE <= crate::cmd::PARAMS_SIZE && PortStats::SIZE <= crate::cmd::PARAMS_SIZE);
+const _: () = assert!(
+    QpStats::SIZE <= crate::cmd::PARAMS_SIZE
+        && PortStats::SIZE <= crate::cmd::PARAMS_SIZE
+        && UdStats::SIZE <= crate::cmd::PARAMS_SIZE
+);
 
 #[cfg(test)]
 mod tests {

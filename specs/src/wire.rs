@@ -32,6 +32,8 @@ pub const ATOMIC_ETH_LEN: usize = 28;
 pub const ATOMIC_ACK_ETH_LEN: usize = 8;
 /// Immediate data header length.
 pub const IMMDT_LEN: usize = 4;
+/// Datagram Extended Transport Header length (UD: Q_Key and source QP).
+pub const DETH_LEN: usize = 8;
 /// Invariant CRC length.
 pub const ICRC_LEN: usize = 4;
 /// Bytes of Ethernet+IPv4+UDP in front of the BTH.
@@ -114,7 +116,8 @@ impl fmt::Display for WireError {
 
 impl std::error::Error for WireError {}
 
-/// RC opcodes (BTH byte 0, transport bits 7:5 = 000).
+/// The opcodes ringbell speaks (BTH byte 0): RC (transport bits 7:5 = 000) and, since ABI
+/// 1.5, the two UD SEND opcodes (transport bits 7:5 = 011).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[repr(u8)]
 pub enum Opcode {
@@ -160,11 +163,15 @@ pub enum Opcode {
     CompareSwap = 0x13,
     /// FETCH_ADD.
     FetchAdd = 0x14,
+    /// UD SEND_ONLY (ABI 1.5): BTH, DETH, payload.
+    UdSendOnly = 0x64,
+    /// UD SEND_ONLY_WITH_IMMEDIATE (ABI 1.5): BTH, DETH, ImmDt, payload.
+    UdSendOnlyImm = 0x65,
 }
 
 impl Opcode {
-    /// Every RC opcode, in numeric order.
-    pub const ALL: [Opcode; 21] = [
+    /// Every opcode, in numeric order.
+    pub const ALL: [Opcode; 23] = [
         Opcode::SendFirst,
         Opcode::SendMiddle,
         Opcode::SendLast,
@@ -186,11 +193,17 @@ impl Opcode {
         Opcode::AtomicAcknowledge,
         Opcode::CompareSwap,
         Opcode::FetchAdd,
+        Opcode::UdSendOnly,
+        Opcode::UdSendOnlyImm,
     ];
 
-    /// The opcode with BTH byte 0 equal to `v`, if it is an RC opcode ringbell knows.
+    /// The opcode with BTH byte 0 equal to `v`, if it is one ringbell knows.
     pub fn from_u8(v: u8) -> Option<Opcode> {
-        Opcode::ALL.get(usize::from(v)).copied()
+        match v {
+            0x64 => Some(Opcode::UdSendOnly),
+            0x65 => Some(Opcode::UdSendOnlyImm),
+            _ => Opcode::ALL[..21].get(usize::from(v)).copied(),
+        }
     }
 
     /// The BTH byte 0 value.
@@ -222,6 +235,8 @@ impl Opcode {
             Opcode::AtomicAcknowledge => "ATOMIC_ACKNOWLEDGE",
             Opcode::CompareSwap => "CMP_SWAP",
             Opcode::FetchAdd => "FETCH_ADD",
+            Opcode::UdSendOnly => "UD_SEND_ONLY",
+            Opcode::UdSendOnlyImm => "UD_SEND_ONLY_WITH_IMMEDIATE",
         }
     }
 
@@ -255,12 +270,26 @@ impl Opcode {
         self == Opcode::AtomicAcknowledge
     }
 
-    /// An ImmDt header is present (after the RETH, if any).
+    /// An ImmDt header is present (after the RETH or DETH, if any).
     pub fn has_immdt(self) -> bool {
         matches!(
             self,
-            Opcode::SendLastImm | Opcode::SendOnlyImm | Opcode::WriteLastImm | Opcode::WriteOnlyImm
+            Opcode::SendLastImm
+                | Opcode::SendOnlyImm
+                | Opcode::WriteLastImm
+                | Opcode::WriteOnlyImm
+                | Opcode::UdSendOnlyImm
         )
+    }
+
+    /// A DETH follows the BTH: the UD opcodes.
+    pub fn has_deth(self) -> bool {
+        self.is_ud()
+    }
+
+    /// A UD opcode (ABI 1.5).
+    pub fn is_ud(self) -> bool {
+        matches!(self, Opcode::UdSendOnly | Opcode::UdSendOnlyImm)
     }
 
     /// Handled by the responder: SEND, RDMA WRITE, RDMA READ request and atomics.
@@ -281,7 +310,7 @@ impl Opcode {
         )
     }
 
-    /// A SEND opcode (any position, with or without immediate).
+    /// An RC SEND opcode (any position, with or without immediate).
     pub fn is_send(self) -> bool {
         (self as u8) <= Opcode::SendOnlyImm as u8
     }
@@ -332,6 +361,9 @@ impl Opcode {
     /// BTH plus the extended headers of this opcode, in bytes.
     pub fn header_len(self) -> usize {
         let mut len = BTH_LEN;
+        if self.has_deth() {
+            len += DETH_LEN;
+        }
         if self.has_reth() {
             len += RETH_LEN;
         }
@@ -350,9 +382,9 @@ impl Opcode {
         len
     }
 
-    /// The packet may carry payload bytes (SEND, RDMA WRITE and read responses).
+    /// The packet may carry payload bytes (SEND, RDMA WRITE, read responses, UD SEND).
     pub fn has_payload(self) -> bool {
-        self.is_send() || self.is_write() || self.is_read_response()
+        self.is_send() || self.is_write() || self.is_read_response() || self.is_ud()
     }
 }
 
@@ -542,6 +574,39 @@ impl AtomicEth {
     }
 }
 
+/// Datagram Extended Transport Header (UD): the Q_Key the receiver checks and the sending
+/// QP, which the receive completion reports.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct Deth {
+    /// Queue key.
+    pub qkey: u32,
+    /// Source QP number (24 bits on the wire; the byte before it is reserved).
+    pub src_qp: Qpn,
+}
+
+impl Deth {
+    /// Parses the first [`DETH_LEN`] bytes of `b`; the reserved byte is ignored.
+    pub fn parse(b: &[u8]) -> Result<Deth, WireError> {
+        if b.len() < DETH_LEN {
+            return Err(WireError::Truncated);
+        }
+        Ok(Deth {
+            qkey: be_u32(b, 0),
+            src_qp: Qpn::from_bits(be_u24(b, 5)),
+        })
+    }
+
+    /// Writes the DETH into `out[..8]`, the reserved byte as zero.
+    ///
+    /// # Panics
+    /// If `out` is shorter than [`DETH_LEN`].
+    pub fn emit(&self, out: &mut [u8]) {
+        out[..4].copy_from_slice(&self.qkey.to_be_bytes());
+        out[4] = 0;
+        put_u24(out, 5, self.src_qp.get());
+    }
+}
+
 /// NAK codes (AETH syndrome type 11).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[repr(u8)]
@@ -707,6 +772,8 @@ pub struct PacketRepr {
     pub ttl: u8,
     /// Base transport header. `bth.pad` is ignored on emit and computed from the payload.
     pub bth: BthRepr,
+    /// DETH, for the UD opcodes (ABI 1.5).
+    pub deth: Option<Deth>,
     /// RETH, for WRITE_FIRST, WRITE_ONLY, WRITE_ONLY_WITH_IMMEDIATE and READ_REQUEST.
     pub reth: Option<Reth>,
     /// AETH, for read responses except MIDDLE, ACKNOWLEDGE and ATOMIC_ACKNOWLEDGE.
@@ -781,11 +848,21 @@ impl PacketRepr {
         out.extend_from_slice(&[0, 0]);
 
         // BTH and extended headers.
-        let mut hdr = [0u8; BTH_LEN + RETH_LEN + ATOMIC_ETH_LEN + AETH_LEN + ATOMIC_ACK_ETH_LEN];
+        let mut hdr = [0u8; BTH_LEN
+            + DETH_LEN
+            + RETH_LEN
+            + ATOMIC_ETH_LEN
+            + AETH_LEN
+            + ATOMIC_ACK_ETH_LEN
+            + IMMDT_LEN];
         let bth = BthRepr { pad, ..self.bth };
         bth.emit(&mut hdr);
         let mut off = BTH_LEN;
         if let Some(op) = self.opcode() {
+            if op.has_deth() {
+                self.deth.unwrap_or_default().emit(&mut hdr[off..]);
+                off += DETH_LEN;
+            }
             if op.has_reth() {
                 self.reth.unwrap_or_default().emit(&mut hdr[off..]);
                 off += RETH_LEN;
@@ -974,6 +1051,11 @@ pub fn parse_packet(frame: &[u8]) -> Result<Packet<'_>, WireError> {
         off += len;
         s
     };
+    let deth = if op.has_deth() {
+        Some(Deth::parse(take(DETH_LEN))?)
+    } else {
+        None
+    };
     let reth = if op.has_reth() {
         Some(Reth::parse(take(RETH_LEN))?)
     } else {
@@ -1014,6 +1096,7 @@ pub fn parse_packet(frame: &[u8]) -> Result<Packet<'_>, WireError> {
         tos: ip[IPV4_TOS_OFF],
         ttl: ip[IPV4_TTL_OFF],
         bth,
+        deth,
         reth,
         aeth,
         atomic_eth,
@@ -1134,6 +1217,7 @@ mod tests {
                 ack_req: op.is_request() && op.is_last(),
                 psn: Psn::new(psn),
             },
+            deth: None,
             reth: None,
             aeth: None,
             atomic_eth: None,
@@ -1507,7 +1591,7 @@ mod tests {
     fn unknown_opcodes_emit_bth_only() {
         let repr = PacketRepr {
             bth: BthRepr {
-                opcode: 0x64,
+                opcode: 0x66,
                 ..base(Opcode::SendOnly, 0).bth
             },
             reth: Some(Reth::default()),
@@ -1519,7 +1603,7 @@ mod tests {
         assert_eq!(f.len(), repr.frame_len(3));
         assert_eq!(
             parse_packet(&f).map(|_| ()),
-            Err(WireError::UnknownOpcode(0x64))
+            Err(WireError::UnknownOpcode(0x66))
         );
     }
 
@@ -1537,14 +1621,19 @@ mod tests {
     fn opcode_table() {
         use Opcode::*;
         for (i, op) in Opcode::ALL.iter().enumerate() {
-            assert_eq!(usize::from(op.to_u8()), i);
-            assert_eq!(Opcode::from_u8(i as u8), Some(*op));
+            if !op.is_ud() {
+                assert_eq!(usize::from(op.to_u8()), i);
+            }
+            assert_eq!(Opcode::from_u8(op.to_u8()), Some(*op));
             assert_ne!(op.is_request(), op.is_response());
             assert!(!op.name().is_empty());
         }
         for v in 0x15..=0xFFu8 {
-            assert_eq!(Opcode::from_u8(v), None);
+            if v != 0x64 && v != 0x65 {
+                assert_eq!(Opcode::from_u8(v), None);
+            }
         }
+        assert!(UdSendOnly.is_ud() && UdSendOnlyImm.is_ud() && !SendOnly.is_ud());
         let lens = [
             (SendFirst, 12),
             (SendMiddle, 12),
@@ -1567,6 +1656,8 @@ mod tests {
             (AtomicAcknowledge, 24),
             (CompareSwap, 40),
             (FetchAdd, 40),
+            (UdSendOnly, 20),
+            (UdSendOnlyImm, 24),
         ];
         for (op, len) in lens {
             assert_eq!(op.header_len(), len, "{op}");
@@ -1805,6 +1896,10 @@ mod tests {
                             pad: pad_len(payload.len()),
                             ..bth
                         },
+                        deth: op.has_deth().then_some(Deth {
+                            qkey: imm ^ 0x8000_0001,
+                            src_qp: Qpn::from_bits(orig as u32),
+                        }),
                         reth: op.has_reth().then_some(reth),
                         aeth: op.has_aeth().then_some(aeth),
                         atomic_eth: op.has_atomic_eth().then_some(atomic),

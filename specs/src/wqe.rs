@@ -9,6 +9,7 @@
 //! WRITE, WRITE_IMM      ctrl | raddr | data* or inline
 //! READ                  ctrl | raddr | data*          (local scatter list)
 //! CMP_SWAP, FETCH_ADD   ctrl | raddr | atomic | data  (one 8-byte local result buffer)
+//! UD SEND, SEND_IMM     ctrl | ud_addr (32 bytes) | data* or inline     (ABI 1.5)
 //! ```
 //!
 //! A receive WQE is an array of [`DataSeg`] filling the queue's stride; the list ends at the
@@ -33,6 +34,12 @@ pub const MAX_SEND_SGE: usize = MAX_DS - 1;
 pub const MAX_INLINE_SEND: usize = MAX_SEND_WQE - SEG - 4;
 /// Most inline bytes in a WRITE (ctrl, raddr, then a 4-byte inline header).
 pub const MAX_INLINE_WRITE: usize = MAX_SEND_WQE - 2 * SEG - 4;
+/// Most gather entries a UD SEND can carry (ctrl + 32-byte address + 13 data segments).
+pub const MAX_UD_SEND_SGE: usize = MAX_DS - 1 - UD_ADDR_SEGS;
+/// Most inline bytes in a UD SEND (ctrl, address, then a 4-byte inline header).
+pub const MAX_INLINE_UD: usize = MAX_SEND_WQE - SEG - UD_ADDR_SEGS * SEG - 4;
+/// 16-byte segments a [`UdAddrSeg`] takes.
+pub const UD_ADDR_SEGS: usize = 2;
 /// lkey that ends a receive WQE's scatter list early.
 pub const RECV_LKEY_END: u32 = 0xFFFF_FFFF;
 /// Bit 31 of an inline segment's byte count marks it as inline.
@@ -120,6 +127,16 @@ abi_struct!(
     AtomicSeg, 16, { swap_add: U64, compare: U64 }
 );
 abi_struct!(
+    /// UD address segment (ABI 1.5): the destination of a datagram, right after the control
+    /// segment of every send WQE on a UD QP. `dest_qpn` uses its low 24 bits; a `qkey` with
+    /// bit 31 set ([`crate::cmd::QKEY_USE_QP`]) sends the QP's own Q_Key. Reserved bytes are
+    /// ignored.
+    UdAddrSeg, 32, {
+        dest_qpn: U32, qkey: U32, dest_mac: [u8; 6], rsvd0: U16,
+        dest_ip: [u8; 4], rsvd1: U32, rsvd2: U64,
+    }
+);
+abi_struct!(
     /// Scatter/gather entry.
     DataSeg, 16, { byte_count: U32, lkey: U32, addr: U64 }
 );
@@ -169,6 +186,8 @@ mod tests {
         assert_eq!(wqebbs(MAX_DS), 4);
         assert_eq!(MAX_INLINE_WRITE, 220);
         assert_eq!(MAX_INLINE_SEND, 236);
+        assert_eq!(MAX_INLINE_UD, 204);
+        assert_eq!(MAX_UD_SEND_SGE, 13);
         for v in 0..=255u8 {
             if let Some(op) = SendOpcode::from_u8(v) {
                 assert_eq!(op as u8, v);

@@ -853,6 +853,7 @@ fn raw_request(
             ack_req: true,
             psn: ringbell_specs::Psn::new(psn),
         },
+        deth: None,
         reth,
         aeth: None,
         atomic_eth: None,

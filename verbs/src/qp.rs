@@ -507,6 +507,7 @@ unsafe fn post_one_send(qp: &mut RbQp, w: &abi::ibv_send_wr, sges: &mut [Sge; MA
             sgl: &[],
             inline: Some(&buf),
             flags,
+            ud: None,
         }]);
         qp.inline_buf = buf;
         return post_result(r);
@@ -524,6 +525,7 @@ unsafe fn post_one_send(qp: &mut RbQp, w: &abi::ibv_send_wr, sges: &mut [Sge; MA
         sgl: &sges[..n],
         inline: None,
         flags,
+        ud: None,
     };
     post_result(qp.drv.post_send(&[wr]))
 }
@@ -670,6 +672,7 @@ impl RbQp {
                     sgl: &p.sgl,
                     inline: p.inline.as_deref(),
                     flags,
+                    ud: None,
                 };
                 if let Err(e) = self.drv.post_send(&[wr]) {
                     r = crate::errno_of(&e);
