@@ -375,9 +375,10 @@ impl Nic {
                 return Err(CmdStatus::BadPd);
             }
         }
-        let ud = match p.qp_type {
-            QP_TYPE_RC => false,
-            QP_TYPE_UD => true,
+        let (ud, gsi) = match p.qp_type {
+            QP_TYPE_RC => (false, false),
+            QP_TYPE_UD => (true, false),
+            QP_TYPE_GSI => (true, true),
             _ => return Err(CmdStatus::BadParam),
         };
         // Tag matching is an RC offload: a UD QP takes an ordinary SRQ only.
@@ -401,44 +402,50 @@ impl Nic {
             return Err(CmdStatus::BadParam);
         }
         let gen = self.fresh_gen();
-        let n = self
-            .qps
-            .insert_with(|qpn| Qp {
-                gen,
-                qpn,
-                pdn,
-                state: QpState::Reset,
-                send_cqn: scq,
-                recv_cqn: rcq,
-                srqn,
-                sq: WorkQueue {
-                    iova: p.sq_iova.get(),
-                    log_size: p.sq_log_size,
-                    log_stride: 6,
-                    pi: 0,
-                    ci: 0,
-                },
-                rq: WorkQueue {
-                    iova: p.rq_iova.get(),
-                    log_size: if srqn != 0 { 0 } else { p.rq_log_size },
-                    log_stride: p.rq_log_stride,
-                    pi: 0,
-                    ci: 0,
-                },
-                fetch: 0,
-                // A UD QP has no path: its datagrams may be as long as the port MTU (4096).
-                attr: QpAttr {
-                    path_mtu: if ud { 5 } else { 1 },
-                    ..Default::default()
-                },
-                req: Default::default(),
-                resp: Default::default(),
-                stats: Default::default(),
-                ud,
-                ud_stats: Default::default(),
-                cntrs: Default::default(),
-            })
-            .ok_or(CmdStatus::Exhausted)?;
+        let make = |qpn| Qp {
+            gen,
+            qpn,
+            pdn,
+            state: QpState::Reset,
+            send_cqn: scq,
+            recv_cqn: rcq,
+            srqn,
+            sq: WorkQueue {
+                iova: p.sq_iova.get(),
+                log_size: p.sq_log_size,
+                log_stride: 6,
+                pi: 0,
+                ci: 0,
+            },
+            rq: WorkQueue {
+                iova: p.rq_iova.get(),
+                log_size: if srqn != 0 { 0 } else { p.rq_log_size },
+                log_stride: p.rq_log_stride,
+                pi: 0,
+                ci: 0,
+            },
+            fetch: 0,
+            // A UD QP has no path: its datagrams may be as long as the port MTU (4096).
+            attr: QpAttr {
+                path_mtu: if ud { 5 } else { 1 },
+                ..Default::default()
+            },
+            req: Default::default(),
+            resp: Default::default(),
+            stats: Default::default(),
+            ud,
+            ud_stats: Default::default(),
+            cntrs: Default::default(),
+        };
+        let n = if gsi {
+            // QPN 1, once per device.
+            match self.qps.insert_at(GSI_QPN, make(GSI_QPN)) {
+                true => GSI_QPN,
+                false => return Err(CmdStatus::Exhausted),
+            }
+        } else {
+            self.qps.insert_with(make).ok_or(CmdStatus::Exhausted)?
+        };
         let _ = self.pd_ref(pdn);
         for c in [scq, rcq] {
             if let Some(cq) = self.cqs.get_mut(c) {

@@ -142,6 +142,22 @@ impl<T> Table<T> {
             .enumerate()
             .filter_map(|(i, s)| s.as_deref().map(|t| (i as u32 + 1, t)))
     }
+    /// Inserts under number `num`, below the table's first number too; false (and nothing
+    /// inserted) if the number is taken or beyond the capacity.
+    pub(crate) fn insert_at(&mut self, num: u32, t: T) -> bool {
+        let idx = (num as usize).wrapping_sub(1);
+        if num == 0 || num > self.cap {
+            return false;
+        }
+        if self.slots.len() <= idx {
+            self.slots.resize_with(idx + 1, || None);
+        }
+        if self.slots[idx].is_some() {
+            return false;
+        }
+        self.slots[idx] = Some(Box::new(t));
+        true
+    }
     /// Puts an object taken with [`Table::remove`] back under its number.
     pub(crate) fn restore(&mut self, num: u32, t: Box<T>) {
         if let Some(slot) = self.slots.get_mut((num as usize).wrapping_sub(1)) {

@@ -513,7 +513,10 @@ pub(crate) fn check_modify(
             || a.dest_qpn.get() <= 0x00FF_FFFF && a.dest_qpn.get() != 0)
         && (!mask.contains(M::ACCESS_FLAGS) || Access::from_bits(a.access.get()).is_some())
         && (!mask.contains(M::PKEY_INDEX) || a.pkey_index.get() == 0)
-        && (!mask.contains(M::QKEY) || a.qkey.get() & ringbell_specs::cmd::QKEY_USE_QP == 0);
+        && (!mask.contains(M::QKEY)
+            || a.qkey.get() & ringbell_specs::cmd::QKEY_USE_QP == 0
+            || (qp.qpn == ringbell_specs::cmd::GSI_QPN
+                && a.qkey.get() == ringbell_specs::cmd::GSI_QKEY));
     if !ok {
         return Err(ModifyError::BadParam);
     }

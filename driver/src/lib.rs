@@ -20,6 +20,7 @@
 //! # let _ = (mr, qp); Ok(()) }
 //! ```
 
+pub mod cm;
 pub mod collective;
 mod counter;
 mod cq;

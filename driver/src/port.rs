@@ -73,6 +73,12 @@ pub trait Port {
     fn lockstep(&self) -> bool {
         false
     }
+    /// The caller has nothing to do until the device clock (`CLOCK_LO`/`CLOCK_HI`) reads
+    /// `clock_ps`: a software timer, such as a retry of connection management. A device in
+    /// lockstep whose event queue holds nothing earlier lets its idle clock run to that
+    /// time; hardware and devices in another process, whose clocks run by themselves,
+    /// keep the default, which does nothing.
+    fn idle_until(&self, _clock_ps: u64) {}
     /// Why the port can no longer reach its device (a broken or timed-out connection), or
     /// `None` while it can. A port whose accesses cannot fail keeps the default.
     fn failure(&self) -> Option<String> {

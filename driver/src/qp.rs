@@ -13,8 +13,8 @@ use crate::srq::SharedReceiveQueue;
 use crate::srq::SrqObject;
 use bitflags::bitflags;
 use ringbell_specs::cmd::{
-    Access, CmdOpcode, CreateQpIn, ModifyQpIn, ObjectIn, QpAttr, QpAttrMask, QpState, QP_TYPE_RC,
-    QP_TYPE_UD,
+    Access, CmdOpcode, CreateQpIn, ModifyQpIn, ObjectIn, QpAttr, QpAttrMask, QpState, QP_TYPE_GSI,
+    QP_TYPE_RC, QP_TYPE_UD,
 };
 use ringbell_specs::regs;
 use ringbell_specs::stats::QpStats;
@@ -139,6 +139,9 @@ pub enum QpType {
     Rc,
     /// Unreliable datagram (ABI 1.5).
     Ud,
+    /// The general services QP: a UD QP that always gets QPN 1, one per device, where
+    /// connection management listens ([`crate::cm`]).
+    Gsi,
 }
 
 /// A receive work request.
@@ -627,7 +630,7 @@ impl ProtectionDomain {
         if init.max_inline > caps.max_inline {
             return Err(Error::InvalidArgument("max_inline beyond the device limit"));
         }
-        let ud = init.qp_type == QpType::Ud;
+        let ud = init.qp_type != QpType::Rc;
         if ud && !caps.caps.contains(regs::Caps::UD) {
             return Err(Error::InvalidArgument("UD QPs: the device lacks CAPS.UD"));
         }
@@ -691,7 +694,11 @@ impl ProtectionDomain {
             sq_iova: sq.iova().into(),
             rq_iova: rq.as_ref().map_or(0, |r| r.iova()).into(),
             db_iova: db.iova().into(),
-            qp_type: if ud { QP_TYPE_UD } else { QP_TYPE_RC },
+            qp_type: match init.qp_type {
+                QpType::Rc => QP_TYPE_RC,
+                QpType::Ud => QP_TYPE_UD,
+                QpType::Gsi => QP_TYPE_GSI,
+            },
             ..Default::default()
         };
         let qpn = self
@@ -868,6 +875,14 @@ impl QueuePair {
         local_psn: u32,
         o: &ConnectOptions,
     ) -> Result<(), Error> {
+        self.to_rtr(remote, o)?;
+        self.to_rts(local_psn, o)
+    }
+
+    /// RESET → INIT → RTR towards `remote`: the QP serves the peer's requests from now on
+    /// (the first half of [`QueuePair::connect`]; the passive side of a connection stops
+    /// here until the peer is ready).
+    pub fn to_rtr(&mut self, remote: &Endpoint, o: &ConnectOptions) -> Result<(), Error> {
         use QpAttrMask as M;
         let init = QpAttr {
             state: QpState::Init as u8,
@@ -895,7 +910,12 @@ impl QueuePair {
                 | M::MAX_DEST_RD_ATOMIC
                 | M::MIN_RNR_TIMER,
             &rtr,
-        )?;
+        )
+    }
+
+    /// RTR → RTS, sending from `local_psn` (the second half of [`QueuePair::connect`]).
+    pub fn to_rts(&mut self, local_psn: u32, o: &ConnectOptions) -> Result<(), Error> {
+        use QpAttrMask as M;
         let rts = QpAttr {
             state: QpState::Rts as u8,
             timeout: o.timeout,

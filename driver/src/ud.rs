@@ -15,7 +15,9 @@ use crate::device::Device;
 use crate::error::Error;
 use crate::mr::{PdObject, ProtectionDomain};
 use crate::qp::QueuePair;
-use ringbell_specs::cmd::{CmdOpcode, ObjectIn, QpAttr, QpAttrMask, QpState, QKEY_USE_QP};
+use ringbell_specs::cmd::{
+    CmdOpcode, ObjectIn, QpAttr, QpAttrMask, QpState, GSI_QKEY, GSI_QPN, QKEY_USE_QP,
+};
 use ringbell_specs::stats::UdStats;
 use std::rc::Rc;
 use zerocopy::IntoBytes;
@@ -28,7 +30,7 @@ pub const GRH_LEN: usize = ringbell_specs::cqe::GRH_LEN;
 pub const UD_MAX_PAYLOAD: u32 = 4096;
 
 /// Where datagrams go: a port's Ethernet and IPv4 addresses.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Default, Hash)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Default, Hash)]
 pub struct AhAttr {
     /// Destination MAC address.
     pub mac: [u8; 6],
@@ -108,11 +110,11 @@ impl UdSource {
 }
 
 impl QueuePair {
-    /// RESET → INIT → RTR → RTS for a UD QP with Q_Key `qkey` (bit 31 clear), sending from
-    /// PSN `sq_psn`.
+    /// RESET → INIT → RTR → RTS for a UD QP with Q_Key `qkey` (bit 31 clear, except
+    /// [`GSI_QKEY`] on the general services QP), sending from PSN `sq_psn`.
     pub fn ud_ready(&mut self, qkey: u32, sq_psn: u32) -> Result<(), Error> {
         use QpAttrMask as M;
-        if qkey & QKEY_USE_QP != 0 {
+        if qkey & QKEY_USE_QP != 0 && !(self.qpn() == GSI_QPN && qkey == GSI_QKEY) {
             return Err(Error::InvalidArgument("a QP's own Q_Key has bit 31 clear"));
         }
         let attr = |state: QpState| QpAttr {

@@ -454,6 +454,13 @@ impl Inner {
     }
 
     /// Processes the next event. Returns `false` if none is pending.
+    /// Moves simulated time forward to `t` with nothing happening, or to the next pending
+    /// event if that comes first.
+    pub(crate) fn idle_until(&mut self, t: SimTime) {
+        let t = self.queue.peek_time().map_or(t, |next| next.min(t));
+        self.queue.advance_to(t);
+    }
+
     pub(crate) fn step(&mut self) -> bool {
         let Some((at, ev)) = self.queue.pop() else {
             return false;
@@ -637,9 +644,7 @@ impl Fabric {
     /// Moves simulated time forward to `t` with nothing happening, or to the next pending
     /// event if that comes first (an out-of-process server keeps the clock with wall time).
     pub fn advance_to(&self, t: SimTime) {
-        let mut s = self.shared.borrow_mut();
-        let t = s.queue.peek_time().map_or(t, |next| next.min(t));
-        s.queue.advance_to(t);
+        self.shared.borrow_mut().idle_until(t);
     }
 
     /// When the next pending event is due, if one is.

@@ -54,4 +54,10 @@ impl Port for EmuPort {
     fn lockstep(&self) -> bool {
         true
     }
+
+    fn idle_until(&self, clock_ps: u64) {
+        self.shared
+            .borrow_mut()
+            .idle_until(ringbell_specs::SimTime(clock_ps));
+    }
 }

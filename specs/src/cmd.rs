@@ -268,6 +268,15 @@ abi_struct!(
 pub const QP_TYPE_RC: u8 = 0;
 /// CREATE_QP `qp_type`: unreliable datagram (ABI 1.5). 4 is libibverbs' `IBV_QPT_UD`.
 pub const QP_TYPE_UD: u8 = 4;
+/// CREATE_QP `qp_type` (ABI 1.5): the general services QP, a UD QP that always gets QPN 1
+/// (the IBTA's GSI, where connection management listens); one per device. 1 is the
+/// kernel's `IB_QPT_GSI`.
+pub const QP_TYPE_GSI: u8 = 1;
+/// QPN of the general services QP.
+pub const GSI_QPN: u32 = 1;
+/// The well-known Q_Key of the general services QP (IBTA 13.4.6.3). Only that QP may have a
+/// Q_Key with bit 31 set.
+pub const GSI_QKEY: u32 = 0x8001_0000;
 /// A Q_Key with bit 31 set in a UD send WQE means "use the sending QP's own Q_Key" (IBTA
 /// 10.2.5); such a key is never a QP's own Q_Key (MODIFY_QP refuses it).
 pub const QKEY_USE_QP: u32 = 1 << 31;

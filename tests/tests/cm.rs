@@ -1,0 +1,498 @@
+//! Connection management over datagrams: listen, connect, accept, reject, disconnect, with
+//! no out-of-band exchange, under loss and duplication, with many clients, both directions
+//! at once, and forged or malformed messages.
+
+use ringbell::cm::*;
+use ringbell::*;
+use ringbell_emu::{Fabric, FabricConfig, FaultPlan, LinkFaults};
+use ringbell_specs::cmd::{GSI_QKEY, GSI_QPN};
+use ringbell_specs::wire::{BthRepr, Deth, Endpoint as WireEndpoint, Opcode, PacketRepr};
+use ringbell_specs::{Psn, Qpn};
+
+/// A node: its device, a connection manager, and what its RC QPs need.
+struct Node {
+    cm: ConnectionManager,
+    mr: MemoryRegion,
+    buf: DmaBuffer,
+    cq: CompletionQueue,
+    pd: ProtectionDomain,
+    _dev: Device,
+}
+
+fn node(f: &Fabric, n: usize) -> Node {
+    let dev = Device::open(Box::new(f.port(n))).expect("open");
+    let cm = ConnectionManager::new(&dev).expect("cm");
+    let pd = dev.alloc_pd().unwrap();
+    let buf = dev.alloc_dma(1 << 16).unwrap();
+    let mr = pd
+        .reg_mr(&buf, Access::LOCAL_WRITE | Access::REMOTE_WRITE)
+        .unwrap();
+    let cq = dev.create_cq(256).unwrap();
+    Node {
+        cm,
+        mr,
+        buf,
+        cq,
+        pd,
+        _dev: dev,
+    }
+}
+
+fn rc_qp(n: &Node) -> QueuePair {
+    let mut init = QpInit::new(&n.cq, &n.cq);
+    init.max_inline = 64;
+    n.pd.create_qp(&init).unwrap()
+}
+
+fn opts() -> ConnectOptions {
+    ConnectOptions {
+        timeout: 10,
+        ..Default::default()
+    }
+}
+
+/// Polls every node's CM in turn until `done` says so; accepts every connection request
+/// on the way (with a fresh QP) and hands every other event to `on`. Panics after
+/// `limit` rounds.
+fn run(
+    nodes: &mut [Node],
+    limit: usize,
+    mut on: impl FnMut(usize, CmEvent, &mut Vec<Node>),
+    mut done: impl FnMut() -> bool,
+) {
+    let mut owned: Vec<Node> = Vec::new();
+    let _ = &mut owned;
+    for _ in 0..limit {
+        if done() {
+            return;
+        }
+        for (i, nd) in nodes.iter_mut().enumerate() {
+            while let Some(e) = nd.cm.poll() {
+                match e {
+                    CmEvent::ConnectRequest { id, private, .. } => {
+                        let qp = rc_qp(nd);
+                        let mut answer = private.clone();
+                        answer.reverse();
+                        nd.cm.accept(id, qp, &opts(), &answer).unwrap();
+                    }
+                    e => on(i, e, &mut owned),
+                }
+            }
+        }
+    }
+    panic!("not done after {limit} rounds");
+}
+
+/// Sends `msg` over `qp` to `rq` (posted first on `to`) and checks it lands.
+fn traffic(from: &mut Node, qp: &mut QueuePair, to: &mut Node, rq: &mut QueuePair, f: &Fabric) {
+    let sge = [to.mr.sge(0, 64)];
+    rq.post_recv(&[RecvWr {
+        wr_id: 9,
+        sgl: &sge,
+    }])
+    .unwrap();
+    qp.post_send(&[SendWr::inline(1, WrOp::Send, b"over a CM connection")])
+        .unwrap();
+    let mut wc = [WorkCompletion::default(); 4];
+    let mut got = Vec::new();
+    for _ in 0..1_000_000 {
+        let k = to.cq.poll(&mut wc);
+        got.extend(wc[..k].iter().filter(|w| w.opcode.is_recv()).copied());
+        if !got.is_empty() {
+            break;
+        }
+        let _ = f.step();
+    }
+    assert_eq!(got.len(), 1, "the message arrived");
+    assert_eq!(got[0].status, WcStatus::Success);
+    let mut b = [0u8; 20];
+    to.buf.read(0, &mut b).unwrap();
+    assert_eq!(&b, b"over a CM connection");
+    let _ = from;
+}
+
+#[test]
+fn connect_accept_traffic_disconnect() {
+    let f = Fabric::new(FabricConfig::new(2, 1));
+    let mut nodes = vec![node(&f, 0), node(&f, 1)];
+    nodes[1].cm.listen(0x1234).unwrap();
+    assert!(nodes[1].cm.listen(0x1234).is_err(), "listening twice");
+    let peer = nodes[1].cm.address();
+    let qp = rc_qp(&nodes[0]);
+    let id = nodes[0]
+        .cm
+        .connect(peer, 0x1234, qp, &opts(), b"hello from the client")
+        .unwrap();
+    let mut up: Vec<(usize, ConnId, QueuePair, Vec<u8>)> = Vec::new();
+    let cell = std::cell::RefCell::new(&mut up);
+    run(
+        &mut nodes,
+        100_000,
+        |i, e, _| match e {
+            CmEvent::Established { id, qp, private } => {
+                assert_eq!(qp.state(), QpState::Rts);
+                cell.borrow_mut().push((i, id, qp, private));
+            }
+            e => panic!("unexpected {e:?}"),
+        },
+        || cell.borrow().len() == 2,
+    );
+    up.sort_by_key(|u| u.0);
+    assert_eq!(up[0].1, id);
+    let mut said = b"hello from the client".to_vec();
+    said.reverse();
+    assert_eq!(up[0].3, said, "the REP carries the server's private data");
+    let (mut c, mut s) = (up.remove(0), up.remove(0));
+    let (a, b) = nodes.split_at_mut(1);
+    traffic(&mut a[0], &mut c.2, &mut b[0], &mut s.2, &f);
+    traffic(&mut b[0], &mut s.2, &mut a[0], &mut c.2, &f);
+    // Disconnect from the client: both sides hear of it.
+    nodes[0].cm.disconnect(c.1).unwrap();
+    let mut gone = [false; 2];
+    let g = std::cell::RefCell::new(&mut gone);
+    run(
+        &mut nodes,
+        100_000,
+        |i, e, _| match e {
+            CmEvent::Disconnected { .. } => g.borrow_mut()[i] = true,
+            e => panic!("unexpected {e:?}"),
+        },
+        || g.borrow().iter().all(|&x| x),
+    );
+    assert!(nodes[0].cm.disconnect(c.1).is_err(), "already closed");
+}
+
+#[test]
+fn reject_and_no_listener() {
+    let f = Fabric::new(FabricConfig::new(2, 2));
+    let mut nodes = [node(&f, 0), node(&f, 1)];
+    nodes[1].cm.listen(5).unwrap();
+    let peer = nodes[1].cm.address();
+    // Nobody listens on 6.
+    let q = rc_qp(&nodes[0]);
+    let id6 = nodes[0].cm.connect(peer, 6, q, &opts(), &[]).unwrap();
+    // The server's CM answers on its own; the application there hears nothing.
+    let mut ev = None;
+    for _ in 0..100_000 {
+        assert!(nodes[1].cm.poll().is_none());
+        ev = nodes[0].cm.poll();
+        if ev.is_some() {
+            break;
+        }
+    }
+    match ev {
+        Some(CmEvent::Rejected { id, reason, qp, .. }) => {
+            assert_eq!((id, reason), (id6, REJ_INVALID_SERVICE_ID));
+            assert_eq!(qp.expect("the QP comes back").state(), QpState::Reset);
+        }
+        e => panic!("{e:?}"),
+    }
+    // The application refuses on 5.
+    let q = rc_qp(&nodes[0]);
+    let id5 = nodes[0]
+        .cm
+        .connect(peer, 5, q, &opts(), b"let me in")
+        .unwrap();
+    let req = nodes[1]
+        .cm
+        .poll_until(100_000, |e| matches!(e, CmEvent::ConnectRequest { .. }));
+    let Some(CmEvent::ConnectRequest {
+        id,
+        service_id,
+        from,
+        private,
+    }) = req
+    else {
+        panic!("{req:?}")
+    };
+    assert_eq!(
+        (service_id, from, &private[..]),
+        (5, nodes[0].cm.address(), &b"let me in"[..])
+    );
+    nodes[1].cm.reject(id, REJ_CONSUMER, b"no").unwrap();
+    assert!(
+        nodes[1].cm.reject(id, REJ_CONSUMER, b"no").is_err(),
+        "answered already"
+    );
+    match nodes[0]
+        .cm
+        .poll_until(100_000, |e| matches!(e, CmEvent::Rejected { .. }))
+    {
+        Some(CmEvent::Rejected {
+            id,
+            reason,
+            private,
+            ..
+        }) => {
+            assert_eq!((id, reason, &private[..]), (id5, REJ_CONSUMER, &b"no"[..]));
+        }
+        e => panic!("{e:?}"),
+    }
+    // A peer that does not exist: the REQ is repeated, then TimedOut.
+    let ghost = AhAttr {
+        mac: [2, 0, 0, 0, 0, 0x77],
+        ip: [10, 9, 9, 9],
+    };
+    let q = rc_qp(&nodes[0]);
+    nodes[0].cm.connect(ghost, 5, q, &opts(), &[]).unwrap();
+    let before = nodes[0].cm.stats().repeated;
+    match nodes[0]
+        .cm
+        .poll_until(1_000_000, |e| matches!(e, CmEvent::TimedOut { .. }))
+    {
+        Some(CmEvent::TimedOut { qp, .. }) => assert!(qp.is_some()),
+        e => panic!("{e:?}"),
+    }
+    assert_eq!(
+        nodes[0].cm.stats().repeated - before,
+        CmConfig::default().retries as u64
+    );
+}
+
+/// A forged CM message from node `from` to node `to`'s GSI QP, straight onto the wire.
+fn forge(f: &Fabric, src: AhAttr, dst: AhAttr, msg: &[u8], to_node: usize) {
+    let repr = PacketRepr {
+        src: WireEndpoint {
+            mac: src.mac,
+            ip: src.ip,
+        },
+        dst: WireEndpoint {
+            mac: dst.mac,
+            ip: dst.ip,
+        },
+        udp_src_port: 0xC001,
+        ip_id: 7,
+        tos: 0,
+        ttl: 64,
+        bth: BthRepr {
+            opcode: Opcode::UdSendOnly as u8,
+            solicited: false,
+            mig_req: false,
+            pad: 0,
+            tver: 0,
+            pkey: 0xFFFF,
+            fecn: false,
+            becn: false,
+            dest_qp: Qpn::from_bits(GSI_QPN),
+            ack_req: false,
+            psn: Psn::new(3),
+        },
+        deth: Some(Deth {
+            qkey: GSI_QKEY,
+            src_qp: Qpn::from_bits(GSI_QPN),
+        }),
+        reth: None,
+        aeth: None,
+        atomic_eth: None,
+        atomic_ack: None,
+        imm: None,
+    };
+    let mut frame = Vec::new();
+    repr.emit(msg, &mut frame);
+    f.inject_frame(to_node, frame);
+}
+
+#[test]
+fn forged_malformed_and_unknown_messages_are_ignored() {
+    let f = Fabric::new(FabricConfig::new(2, 3));
+    let mut nodes = vec![node(&f, 0), node(&f, 1)];
+    nodes[1].cm.listen(1).unwrap();
+    let (a, b) = (nodes[0].cm.address(), nodes[1].cm.address());
+    let mut m = Vec::new();
+    // A REP for a REQ nobody sent, an RTU, a REJ and a DREP for unknown connections.
+    for kind in [CmKind::Rep, CmKind::Rtu, CmKind::Rej, CmKind::Drep] {
+        CmMsg {
+            kind: Some(kind),
+            local_comm_id: 99,
+            remote_comm_id: 4242,
+            qpn: 77,
+            ..Default::default()
+        }
+        .emit(&mut m);
+        forge(&f, a, b, &m, 1);
+    }
+    // Garbage, a wrong version, and a truncated message.
+    forge(&f, a, b, &[0xFF; 64], 1);
+    let mut v = m.clone();
+    v[1] = 9;
+    forge(&f, a, b, &v, 1);
+    forge(&f, a, b, &m[..10], 1);
+    for _ in 0..2000 {
+        assert!(
+            nodes[1].cm.poll().is_none(),
+            "nothing reaches the application"
+        );
+    }
+    let st = nodes[1].cm.stats();
+    assert_eq!((st.received, st.ignored, st.malformed), (7, 4, 3), "{st:?}");
+    assert_eq!(nodes[1].cm.connections(), 0);
+    // A forged REQ from an address that exists is a request like any other; one that
+    // comes twice is one request.
+    CmMsg {
+        kind: Some(CmKind::Req),
+        local_comm_id: 5,
+        service_id: 1,
+        qpn: 300,
+        psn: 1,
+        path_mtu: 5,
+        ..Default::default()
+    }
+    .emit(&mut m);
+    forge(&f, a, b, &m, 1);
+    forge(&f, a, b, &m, 1);
+    let mut reqs = 0;
+    for _ in 0..2000 {
+        if let Some(CmEvent::ConnectRequest { .. }) = nodes[1].cm.poll() {
+            reqs += 1;
+        }
+    }
+    assert_eq!(reqs, 1);
+    assert_eq!(nodes[1].cm.stats().duplicates, 1);
+    // The CM still connects real clients.
+    let q = rc_qp(&nodes[0]);
+    nodes[0].cm.connect(b, 1, q, &opts(), &[]).unwrap();
+    let mut est = 0;
+    let e = std::cell::RefCell::new(&mut est);
+    run(
+        &mut nodes,
+        100_000,
+        |_, ev, _| {
+            if matches!(ev, CmEvent::Established { .. }) {
+                **e.borrow_mut() += 1;
+            }
+        },
+        || **e.borrow() == 2,
+    );
+}
+
+#[test]
+fn sixty_four_clients_under_loss_connect_talk_and_disconnect() {
+    const CLIENTS: usize = 64;
+    let mut cfg = FabricConfig::new(CLIENTS + 1, 64);
+    cfg.faults = FaultPlan {
+        links: LinkFaults::loss(0.05),
+        ..Default::default()
+    };
+    let f = Fabric::new(cfg);
+    let mut nodes: Vec<Node> = (0..=CLIENTS).map(|n| node(&f, n)).collect();
+    nodes[0].cm.listen(0xBEEF).unwrap();
+    let server = nodes[0].cm.address();
+    for (n, nd) in nodes.iter_mut().enumerate().skip(1) {
+        let q = rc_qp(nd);
+        let tag = (n as u32).to_le_bytes();
+        nd.cm.connect(server, 0xBEEF, q, &opts(), &tag).unwrap();
+    }
+    let mut qps: Vec<Vec<(ConnId, QueuePair)>> = (0..=CLIENTS).map(|_| Vec::new()).collect();
+    let q = std::cell::RefCell::new(&mut qps);
+    run(
+        &mut nodes,
+        2_000_000,
+        |i, e, _| match e {
+            CmEvent::Established { id, qp, .. } => q.borrow_mut()[i].push((id, qp)),
+            e => panic!("node {i}: {e:?}"),
+        },
+        || {
+            let q = q.borrow();
+            q[0].len() == CLIENTS && q[1..].iter().all(|v| v.len() == 1)
+        },
+    );
+    // Every client's QP is connected to a distinct server QP: a WRITE from each lands
+    // in the server's buffer at the client's own offset.
+    for (n, conns) in qps.iter_mut().enumerate().skip(1) {
+        let (_, qp) = &mut conns[0];
+        let remote = RemoteAddr {
+            addr: nodes[0].mr.addr() + n as u64 * 8,
+            rkey: nodes[0].mr.rkey(),
+        };
+        qp.post_send(&[SendWr::inline(
+            n as u64,
+            WrOp::Write(remote),
+            &(n as u64).to_le_bytes(),
+        )])
+        .unwrap();
+    }
+    let mut done = 0;
+    let mut wc = [WorkCompletion::default(); 16];
+    for _ in 0..10_000_000 {
+        for nd in nodes.iter_mut().skip(1) {
+            let k = nd.cq.poll_ready(&mut wc);
+            for w in &wc[..k] {
+                assert_eq!(w.status, WcStatus::Success, "{w:?}");
+                done += 1;
+            }
+        }
+        if done == CLIENTS || !f.step() {
+            break;
+        }
+    }
+    assert_eq!(done, CLIENTS);
+    for n in 1..=CLIENTS {
+        let mut v = [0u8; 8];
+        nodes[0].buf.read(n * 8, &mut v).unwrap();
+        assert_eq!(u64::from_le_bytes(v), n as u64);
+    }
+    // Every client disconnects.
+    for n in 1..=CLIENTS {
+        let id = qps[n][0].0;
+        nodes[n].cm.disconnect(id).unwrap();
+    }
+    let mut closed = vec![0usize; CLIENTS + 1];
+    let c = std::cell::RefCell::new(&mut closed);
+    run(
+        &mut nodes,
+        2_000_000,
+        |i, e, _| match e {
+            CmEvent::Disconnected { .. } => c.borrow_mut()[i] += 1,
+            e => panic!("node {i}: {e:?}"),
+        },
+        || {
+            let c = c.borrow();
+            c[0] == CLIENTS && c[1..].iter().all(|&x| x == 1)
+        },
+    );
+    let st = nodes[0].cm.stats();
+    assert!(f.fault_stats().dropped > 0, "the fabric dropped frames");
+    eprintln!(
+        "server CM: {st:?}; fabric drops {}",
+        f.fault_stats().dropped
+    );
+}
+
+#[test]
+fn simultaneous_connects_both_ways_and_duplicated_frames() {
+    let mut cfg = FabricConfig::new(2, 11);
+    cfg.faults = FaultPlan {
+        links: LinkFaults {
+            duplicate_ppm: 300_000,
+            drop_ppm: 50_000,
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    let f = Fabric::new(cfg);
+    let mut nodes = vec![node(&f, 0), node(&f, 1)];
+    nodes[0].cm.listen(77).unwrap();
+    nodes[1].cm.listen(77).unwrap();
+    let (a, b) = (nodes[0].cm.address(), nodes[1].cm.address());
+    for _ in 0..3 {
+        let q0 = rc_qp(&nodes[0]);
+        nodes[0].cm.connect(b, 77, q0, &opts(), b"a->b").unwrap();
+        let q1 = rc_qp(&nodes[1]);
+        nodes[1].cm.connect(a, 77, q1, &opts(), b"b->a").unwrap();
+    }
+    let mut est = [0usize; 2];
+    let e = std::cell::RefCell::new(&mut est);
+    run(
+        &mut nodes,
+        2_000_000,
+        |i, ev, _| match ev {
+            CmEvent::Established { qp, .. } => {
+                assert_eq!(qp.state(), QpState::Rts);
+                e.borrow_mut()[i] += 1
+            }
+            ev => panic!("node {i}: {ev:?}"),
+        },
+        || e.borrow().iter().all(|&x| x == 6),
+    );
+    assert!(nodes[0].cm.stats().duplicates + nodes[1].cm.stats().duplicates > 0);
+}
