@@ -320,6 +320,8 @@ pub struct TagMatcher {
     syncs: u32,
     /// Progress calls in a row that found the CQ empty.
     idle_polls: u32,
+    /// QPNs of QPs from `create_conn_qp` not yet added as connections.
+    made: Vec<u32>,
 }
 
 impl TagMatcher {
@@ -394,6 +396,7 @@ impl TagMatcher {
             stats: TagStats::default(),
             syncs: 0,
             idle_polls: 0,
+            made: Vec::new(),
         })
     }
 
@@ -405,6 +408,16 @@ impl TagMatcher {
     /// Opens a connection: returns its index and this side's endpoint for the peer.
     /// [`Error::InvalidArgument`] beyond [`TagConfig::max_conns`] connections.
     pub fn add_conn(&mut self) -> Result<(usize, Endpoint), Error> {
+        let qp = self.create_conn_qp()?;
+        let ep = qp.endpoint(self.conns.len() as u32 * 1000 + 1);
+        Ok((self.add_qp(qp)?, ep))
+    }
+
+    /// A QP for a new connection, in RESET, on this matcher's CQ and TM-SRQ, to be
+    /// connected by the caller (for example through [`crate::cm::ConnectionManager`], with
+    /// `max_rd_atomic` and `max_dest_rd_atomic` of at least 1 for rendezvous) and then
+    /// handed to [`TagMatcher::add_connected`].
+    pub fn create_conn_qp(&mut self) -> Result<QueuePair, Error> {
         if self.conns.len() >= self.cfg.max_conns as usize {
             return Err(Error::InvalidArgument(
                 "TagMatcher has TagConfig::max_conns connections already",
@@ -420,9 +433,36 @@ impl TagMatcher {
                 "send queue larger than the CQ room kept for a connection",
             ));
         }
+        self.made.push(qp.qpn());
+        Ok(qp)
+    }
+
+    /// Adds a connection over `qp`, a QP from [`TagMatcher::create_conn_qp`] that the caller
+    /// has connected (RTS); returns its index.
+    pub fn add_connected(&mut self, qp: QueuePair) -> Result<usize, Error> {
+        if qp.state() != crate::QpState::Rts {
+            return Err(Error::InvalidState {
+                qpn: qp.qpn(),
+                state: qp.state(),
+            });
+        }
+        self.add_qp(qp)
+    }
+
+    fn add_qp(&mut self, qp: QueuePair) -> Result<usize, Error> {
+        let Some(at) = self.made.iter().position(|&n| n == qp.qpn()) else {
+            return Err(Error::InvalidArgument(
+                "the QP was not made by this TagMatcher's create_conn_qp",
+            ));
+        };
+        if self.conns.len() >= self.cfg.max_conns as usize {
+            return Err(Error::InvalidArgument(
+                "TagMatcher has TagConfig::max_conns connections already",
+            ));
+        }
+        self.made.swap_remove(at);
         let hdr_buf = self.pd.device().alloc_dma((HDR * HDR_SLOTS) as usize)?;
         let hdr_mr = self.pd.reg_mr(&hdr_buf, Access::LOCAL_WRITE)?;
-        let ep = qp.endpoint(self.conns.len() as u32 * 1000 + 1);
         self.conns.push(Conn {
             qp,
             hdr_mr,
@@ -432,7 +472,7 @@ impl TagMatcher {
             next_ctx: 1,
             probing: false,
         });
-        Ok((self.conns.len() - 1, ep))
+        Ok(self.conns.len() - 1)
     }
 
     /// Connects connection `conn` to the peer's endpoint.

@@ -38,6 +38,23 @@ pub struct AhAttr {
     pub ip: [u8; 4],
 }
 
+impl AhAttr {
+    /// The port with IPv4 address `ip` on a ringbell fabric, or `None` for an address
+    /// outside its plan. The emulated fabric gives node `n` (counting from 1) the IPv4
+    /// address `10.0.hi.lo` and the MAC address `02:00:00:00:hi:lo` (`hi`, `lo`: the bytes
+    /// of `n`), so the IPv4 address alone names a port (where a real network would ask its
+    /// neighbour table).
+    pub fn on_fabric(ip: [u8; 4]) -> Option<AhAttr> {
+        if ip[0] != 10 || ip[1] != 0 || ip[2..] == [0, 0] {
+            return None;
+        }
+        Some(AhAttr {
+            mac: [0x02, 0, 0, 0, ip[2], ip[3]],
+            ip,
+        })
+    }
+}
+
 /// An address handle: a destination, created in a protection domain. A UD send may use it
 /// only on a QP of the same PD.
 #[derive(Debug, Clone)]

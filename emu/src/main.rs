@@ -185,8 +185,9 @@ enum Cmd {
         #[arg(long, default_value_t = ringbell_emu::serve::MAX_DMA_MAPPINGS)]
         max_dma_maps: usize,
     },
-    /// One process of a two-process job on a served NIC: prints its endpoint line, reads the
-    /// peer's from stdin, then runs checked RC or tagged traffic (see `serve`).
+    /// One process of a two-process job on a served NIC: connects an RC QP to the other
+    /// process through connection management (the target listens, the initiator connects to
+    /// the target NIC's address), then runs checked RC or tagged traffic (see `serve`).
     Peer {
         /// The NIC's socket (DIR/nicN.sock).
         #[arg(long)]
@@ -194,6 +195,13 @@ enum Cmd {
         /// Which side: the initiator sends, the target checks.
         #[arg(long, value_enum)]
         role: PeerRole,
+        /// The initiator: the target NIC's IPv4 address (node n of a fabric is 10.0.0.n+1;
+        /// the target prints its own in its `rb-listening` line).
+        #[arg(long, value_name = "IP")]
+        peer: Option<String>,
+        /// The service id the target listens on and the initiator connects to.
+        #[arg(long, default_value_t = ringbell_emu::peer::DEFAULT_SERVICE_ID, value_parser = parse_u64)]
+        service: u64,
         /// rc: RDMA WRITE + SEND with immediate; tag: tagged eager and rendezvous messages.
         #[arg(long, value_enum, default_value_t = PeerMode::Rc)]
         mode: PeerMode,
@@ -288,29 +296,41 @@ fn main() {
         Cmd::Peer {
             socket,
             role,
+            peer,
+            service,
             mode,
             count,
             size,
             deadline,
             stall,
         } => {
-            let cfg = ringbell_emu::peer::PeerConfig {
-                socket,
-                role: match role {
-                    PeerRole::Initiator => ringbell_emu::peer::Role::Initiator,
-                    PeerRole::Target => ringbell_emu::peer::Role::Target,
-                },
-                mode: match mode {
-                    PeerMode::Rc => ringbell_emu::peer::Mode::Rc,
-                    PeerMode::Tag => ringbell_emu::peer::Mode::Tag,
-                },
-                count,
-                size,
-                deadline: std::time::Duration::from_secs(deadline),
-                stall: std::time::Duration::from_secs(stall),
+            let peer = match (role, peer) {
+                (PeerRole::Initiator, None) => {
+                    Err("the initiator needs --peer IP (the target NIC's address)".to_string())
+                }
+                (_, Some(p)) => ringbell_emu::peer::parse_ip(&p).map(Some),
+                (_, None) => Ok(None),
             };
-            ringbell_emu::peer::run_peer(&cfg, std::io::stdin().lock(), std::io::stdout().lock())
-                .map(|_| ())
+            peer.and_then(|peer| {
+                let cfg = ringbell_emu::peer::PeerConfig {
+                    socket,
+                    peer,
+                    service_id: service,
+                    role: match role {
+                        PeerRole::Initiator => ringbell_emu::peer::Role::Initiator,
+                        PeerRole::Target => ringbell_emu::peer::Role::Target,
+                    },
+                    mode: match mode {
+                        PeerMode::Rc => ringbell_emu::peer::Mode::Rc,
+                        PeerMode::Tag => ringbell_emu::peer::Mode::Tag,
+                    },
+                    count,
+                    size,
+                    deadline: std::time::Duration::from_secs(deadline),
+                    stall: std::time::Duration::from_secs(stall),
+                };
+                ringbell_emu::peer::run_peer(&cfg, std::io::stdout().lock()).map(|_| ())
+            })
         }
         Cmd::Profile { profile } => ringbell_emu::profile::load(&profile)
             .map(|p| print!("{}", ringbell_emu::profile::describe(&p)))
@@ -988,4 +1008,13 @@ fn serve(
         let _ = std::io::stdout().flush();
     })
     .map_err(|e| e.to_string())
+}
+
+/// A u64 in decimal or 0x-hexadecimal.
+fn parse_u64(s: &str) -> Result<u64, String> {
+    match s.strip_prefix("0x") {
+        Some(h) => u64::from_str_radix(h, 16),
+        None => s.parse(),
+    }
+    .map_err(|_| format!("not a number: {s:?}"))
 }

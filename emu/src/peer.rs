@@ -1,24 +1,29 @@
 //! One process of a two-process RDMA job against a served NIC (`ringbell-emu peer`): it
 //! connects to a socket of `ringbell-emu serve` through the driver's vfio-user backend,
-//! prints its endpoint line, reads the other process's line, connects an RC QP and runs
-//! checked traffic. Two modes:
-//! - `rc`: the initiator RDMA-WRITEs a pattern into the target's buffer, then SENDs with the
-//!   iteration as immediate; the target checks the bytes the WRITE put there before it saw
-//!   the SEND (RC ordering) and answers with a SEND, so the initiator may reuse the slot;
+//! connects an RC QP to the other process through connection management
+//! ([`ringbell::cm`]: the target listens on a service id, the initiator connects to the
+//! target NIC's IPv4 address; nothing is exchanged out of band) and runs checked traffic.
+//! Two modes:
+//! - `rc`: the initiator RDMA-WRITEs a pattern into the target's buffer (whose address and
+//!   rkey came in the REP's private data), then SENDs with the iteration as immediate; the
+//!   target checks the bytes the WRITE put there before it saw the SEND (RC ordering) and
+//!   answers with a SEND, so the initiator may reuse the slot;
 //! - `tag`: tagged messages through the software tag-matching layer over a TM-SRQ, eager and
 //!   rendezvous (the NIC reads the data, then sends the FIN) alternating; the target checks
 //!   every byte and answers each message with an empty tagged one.
 //!
-//! The line protocol on stdout: `rb-endpoint QPN PSN MAC IP ADDR RKEY`, then
-//! `rb-progress N` every 16 iterations, then `rb-ok N BYTES`. Failures go to stderr, with a
-//! non-zero exit.
+//! The lines on stdout: `rb-listening IP SERVICE` (target), `rb-connected IP QPN` once the
+//! QP is in RTS (both), `rb-progress N` every 16 iterations, then `rb-ok N BYTES`. Failures
+//! go to stderr, with a non-zero exit.
 
+use ringbell::cm::{CmEvent, ConnectionManager, REJ_CONSUMER};
 use ringbell::tagmatch::{TagConfig, TagEvent, TagMatcher};
+use ringbell::{Access, QpState};
 use ringbell::{
-    Access, ConnectOptions, Device, Endpoint, QpInit, RecvWr, RemoteAddr, SendWr, VfioPort,
+    AhAttr, ConnectOptions, Device, QpInit, QueuePair, RecvWr, RemoteAddr, SendWr, VfioPort,
     WcStatus, WorkCompletion, WrOp,
 };
-use std::io::{BufRead, Write};
+use std::io::Write;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
@@ -47,6 +52,10 @@ pub struct PeerConfig {
     pub socket: PathBuf,
     /// Side.
     pub role: Role,
+    /// The target NIC's IPv4 address (the initiator connects to it).
+    pub peer: Option<[u8; 4]>,
+    /// The service id the target listens on and the initiator connects to.
+    pub service_id: u64,
     /// Traffic.
     pub mode: Mode,
     /// Iterations.
@@ -67,73 +76,108 @@ fn pattern(i: u32, len: usize) -> Vec<u8> {
         .collect()
 }
 
-fn fmt_endpoint(ep: &Endpoint, addr: u64, rkey: u32) -> String {
-    let mac: String = ep.mac.iter().map(|b| format!("{b:02x}")).collect();
-    let ip: String = ep.ip.iter().map(|b| format!("{b:02x}")).collect();
-    format!(
-        "rb-endpoint {} {} {mac} {ip} {addr:#x} {rkey:#x}",
-        ep.qpn, ep.psn
-    )
+/// The default service id of the job ("rb-peer").
+pub const DEFAULT_SERVICE_ID: u64 = 0x0072_622d_7065_6572;
+
+/// Parses a dotted IPv4 address.
+pub fn parse_ip(s: &str) -> Result<[u8; 4], String> {
+    let addr: std::net::Ipv4Addr = s
+        .parse()
+        .map_err(|_| format!("not an IPv4 address: {s:?}"))?;
+    Ok(addr.octets())
 }
 
-fn parse_endpoint(line: &str) -> Result<(Endpoint, RemoteAddr), String> {
-    let f: Vec<&str> = line.split_whitespace().collect();
-    let bad = || format!("not an endpoint line: {line:?}");
-    if f.len() != 7 || f[0] != "rb-endpoint" {
-        return Err(bad());
-    }
-    let hex = |s: &str, n: usize| -> Result<Vec<u8>, String> {
-        if s.len() != 2 * n {
-            return Err(bad());
-        }
-        (0..n)
-            .map(|i| u8::from_str_radix(&s[2 * i..2 * i + 2], 16).map_err(|_| bad()))
-            .collect()
-    };
-    let num = |s: &str| -> Result<u64, String> {
-        match s.strip_prefix("0x") {
-            Some(h) => u64::from_str_radix(h, 16),
-            None => s.parse(),
-        }
-        .map_err(|_| bad())
-    };
-    let mut ep = Endpoint {
-        qpn: num(f[1])? as u32,
-        psn: num(f[2])? as u32,
-        mac: [0; 6],
-        ip: [0; 4],
-    };
-    ep.mac.copy_from_slice(&hex(f[3], 6)?);
-    ep.ip.copy_from_slice(&hex(f[4], 4)?);
-    let remote = RemoteAddr {
-        addr: num(f[5])?,
-        rkey: num(f[6])? as u32,
-    };
-    Ok((ep, remote))
+fn fmt_ip(ip: [u8; 4]) -> String {
+    std::net::Ipv4Addr::from(ip).to_string()
 }
 
-/// Runs one side: endpoint out on `out`, the peer's in from `input`. Returns the bytes
-/// checked (target) or sent (initiator).
-pub fn run_peer(cfg: &PeerConfig, input: impl BufRead, mut out: impl Write) -> Result<u64, String> {
+/// Runs one side. Returns the bytes checked (target) or sent (initiator).
+pub fn run_peer(cfg: &PeerConfig, mut out: impl Write) -> Result<u64, String> {
     let port = VfioPort::connect(&cfg.socket).map_err(|e| e.to_string())?;
     let dev = Device::open(Box::new(port)).map_err(|e| e.to_string())?;
     let start = Instant::now();
-    let mut peer_line = {
-        let mut lines = input.lines();
-        move || -> Result<String, String> {
-            lines
-                .next()
-                .ok_or("the peer's endpoint line never came")?
-                .map_err(|e| e.to_string())
-        }
-    };
     let bytes = match cfg.mode {
-        Mode::Rc => rc(cfg, &dev, &mut peer_line, &mut out, start)?,
-        Mode::Tag => tag(cfg, &dev, &mut peer_line, &mut out, start)?,
+        Mode::Rc => rc(cfg, &dev, &mut out, start)?,
+        Mode::Tag => tag(cfg, &dev, &mut out, start)?,
     };
     writeln!(out, "rb-ok {} {bytes}", cfg.count).map_err(|e| e.to_string())?;
     out.flush().map_err(|e| e.to_string())?;
     Ok(bytes)
+}
+
+/// Connection options of the job (rendezvous needs READ credits both ways).
+fn options() -> ConnectOptions {
+    ConnectOptions {
+        max_rd_atomic: 4,
+        max_dest_rd_atomic: 4,
+        ..ConnectOptions::default()
+    }
+}
+
+/// Connects `qp` through the CM: the target listens and accepts the first request with
+/// `private` as the REP's private data; the initiator connects to `cfg.peer`. Returns the
+/// QP in RTS and the peer's private data.
+fn cm_connect(
+    cfg: &PeerConfig,
+    dev: &Device,
+    qp: QueuePair,
+    private: &[u8],
+    out: &mut impl Write,
+    start: Instant,
+) -> Result<(QueuePair, Vec<u8>), String> {
+    let e = |e: ringbell::Error| e.to_string();
+    let mut cm = ConnectionManager::new(dev).map_err(e)?;
+    let mut qp = Some(qp);
+    match cfg.role {
+        Role::Target => {
+            cm.listen(cfg.service_id).map_err(e)?;
+            say(
+                out,
+                &format!(
+                    "rb-listening {} {:#x}",
+                    fmt_ip(cm.address().ip),
+                    cfg.service_id
+                ),
+            )?;
+        }
+        Role::Initiator => {
+            let ip = cfg.peer.ok_or("the initiator needs --peer IP")?;
+            let to = AhAttr::on_fabric(ip)
+                .ok_or_else(|| format!("{} is no ringbell fabric address", fmt_ip(ip)))?;
+            let q = qp.take().ok_or("no QP")?;
+            cm.connect(to, cfg.service_id, q, &options(), private)
+                .map_err(e)?;
+        }
+    }
+    let since = Instant::now();
+    loop {
+        match cm.poll() {
+            Some(CmEvent::ConnectRequest { id, .. }) => match qp.take() {
+                Some(q) => cm.accept(id, q, &options(), private).map_err(e)?,
+                None => cm.reject(id, REJ_CONSUMER, &[]).map_err(e)?,
+            },
+            Some(CmEvent::Established { qp, private, .. }) => {
+                say(
+                    out,
+                    &format!("rb-connected {} {}", fmt_ip(cm.address().ip), qp.qpn()),
+                )?;
+                if qp.state() != QpState::Rts {
+                    return Err(format!("connected QP in {:?}", qp.state()));
+                }
+                return Ok((qp, private));
+            }
+            Some(CmEvent::Rejected { reason, .. }) => {
+                return Err(format!(
+                    "the peer rejected the connection (reason {reason})"
+                ))
+            }
+            Some(CmEvent::TimedOut { .. }) => {
+                return Err("the peer never answered the connection request".into())
+            }
+            Some(ev) => return Err(format!("unexpected {ev:?}")),
+            None => check_deadline(cfg, start, since, 0)?,
+        }
+    }
 }
 
 fn say(out: &mut impl Write, line: &str) -> Result<(), String> {
@@ -163,13 +207,7 @@ fn check_deadline(
     Ok(())
 }
 
-fn rc(
-    cfg: &PeerConfig,
-    dev: &Device,
-    peer_line: &mut dyn FnMut() -> Result<String, String>,
-    out: &mut impl Write,
-    start: Instant,
-) -> Result<u64, String> {
+fn rc(cfg: &PeerConfig, dev: &Device, out: &mut impl Write, start: Instant) -> Result<u64, String> {
     let e = |e: ringbell::Error| e.to_string();
     let size = cfg.size.max(1) as usize;
     let pd = dev.alloc_pd().map_err(e)?;
@@ -178,12 +216,19 @@ fn rc(
         .reg_mr(&buf, Access::LOCAL_WRITE | Access::REMOTE_WRITE)
         .map_err(e)?;
     let mut cq = dev.create_cq(64).map_err(e)?;
-    let mut qp = pd.create_qp(&QpInit::new(&cq, &cq)).map_err(e)?;
-    let psn = 100 + cfg.role as u32;
-    say(out, &fmt_endpoint(&qp.endpoint(psn), mr.addr(), mr.rkey()))?;
-    let (peer, remote) = parse_endpoint(&peer_line()?)?;
-    qp.connect(&peer, psn, &ConnectOptions::default())
-        .map_err(e)?;
+    let qp = pd.create_qp(&QpInit::new(&cq, &cq)).map_err(e)?;
+    // The target's buffer travels in the REP: address then rkey, little-endian.
+    let mut mine = mr.addr().to_le_bytes().to_vec();
+    mine.extend_from_slice(&mr.rkey().to_le_bytes());
+    let (mut qp, theirs) = cm_connect(cfg, dev, qp, &mine, out, start)?;
+    let remote = match (cfg.role, theirs.get(..12)) {
+        (Role::Initiator, Some(b)) => RemoteAddr {
+            addr: u64::from_le_bytes(b[..8].try_into().unwrap_or_default()),
+            rkey: u32::from_le_bytes(b[8..12].try_into().unwrap_or_default()),
+        },
+        (Role::Initiator, None) => return Err("the REP carried no buffer".into()),
+        (Role::Target, _) => RemoteAddr::default(),
+    };
     let mut wc = [WorkCompletion::default(); 4];
     let mut wait =
         |cq: &mut ringbell::CompletionQueue, done: u32| -> Result<WorkCompletion, String> {
@@ -260,7 +305,6 @@ const EAGER: u32 = 256;
 fn tag(
     cfg: &PeerConfig,
     dev: &Device,
-    peer_line: &mut dyn FnMut() -> Result<String, String>,
     out: &mut impl Write,
     start: Instant,
 ) -> Result<u64, String> {
@@ -274,11 +318,9 @@ fn tag(
         },
     )
     .map_err(e)?;
-    let (conn, ep) = tm.add_conn().map_err(e)?;
-    say(out, &fmt_endpoint(&ep, 0, 0))?;
-    let (peer, _) = parse_endpoint(&peer_line()?)?;
-    tm.connect(conn, &peer, &ConnectOptions::default())
-        .map_err(e)?;
+    let qp = tm.create_conn_qp().map_err(e)?;
+    let (qp, _) = cm_connect(cfg, dev, qp, &[], out, start)?;
+    let conn = tm.add_connected(qp).map_err(e)?;
     let len_of = |i: u32| if i.is_multiple_of(2) { EAGER } else { big };
     let next_event = |tm: &mut TagMatcher, done: u32| -> Result<TagEvent, String> {
         let since = Instant::now();
@@ -338,29 +380,11 @@ mod tests {
     use super::*;
 
     #[test]
-    fn endpoint_lines_round_trip_and_bad_ones_are_refused() {
-        let ep = Endpoint {
-            qpn: 7,
-            psn: 0xABCDE,
-            mac: [2, 0, 0, 0, 1, 0xff],
-            ip: [10, 0, 0, 2],
-        };
-        let line = fmt_endpoint(&ep, 0x1_0000_2000, 0x1234);
-        let (back, remote) = parse_endpoint(&line).unwrap();
-        assert_eq!(
-            (back.qpn, back.psn, back.mac, back.ip),
-            (ep.qpn, ep.psn, ep.mac, ep.ip)
-        );
-        assert_eq!((remote.addr, remote.rkey), (0x1_0000_2000, 0x1234));
-        for bad in [
-            "",
-            "rb-endpoint 1 2 3",
-            "rb-endpoint x 2 020000000001 0a000002 0 0",
-            "rb-endpoint 1 2 0200000000 0a000002 0 0",
-            "rb-endpoint 1 2 02000000000g 0a000002 0 0",
-            "hello 1 2 020000000001 0a000002 0 0",
-        ] {
-            assert!(parse_endpoint(bad).is_err(), "{bad:?}");
+    fn ip_addresses_parse_and_bad_ones_are_refused() {
+        assert_eq!(parse_ip("10.0.0.2"), Ok([10, 0, 0, 2]));
+        assert_eq!(fmt_ip([10, 0, 1, 7]), "10.0.1.7");
+        for bad in ["", "10.0.0", "10.0.0.256", "ten.0.0.1", "10.0.0.1 "] {
+            assert!(parse_ip(bad).is_err(), "{bad:?}");
         }
     }
 }

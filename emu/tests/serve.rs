@@ -132,26 +132,30 @@ struct Peer {
 }
 
 impl Peer {
-    fn spawn(socket: &Path, role: &str, mode: &str, count: u32, size: u32) -> Peer {
-        Peer::spawn_for(socket, role, mode, count, size, 30)
+    /// A target (`peer: None`) or an initiator connecting to the target NIC at `peer`.
+    fn spawn(socket: &Path, peer: Option<&str>, mode: &str, count: u32, size: u32) -> Peer {
+        Peer::spawn_for(socket, peer, mode, count, size, 30)
     }
 
     fn spawn_for(
         socket: &Path,
-        role: &str,
+        peer: Option<&str>,
         mode: &str,
         count: u32,
         size: u32,
         stall_s: u32,
     ) -> Peer {
-        let mut child = Command::new(BIN)
-            .arg("peer")
-            .arg("--socket")
-            .arg(socket)
-            .args(["--role", role, "--mode", mode])
+        let mut cmd = Command::new(BIN);
+        cmd.arg("peer").arg("--socket").arg(socket);
+        match peer {
+            Some(ip) => cmd.args(["--role", "initiator", "--peer", ip]),
+            None => cmd.args(["--role", "target"]),
+        };
+        let mut child = cmd
+            .args(["--mode", mode])
             .args(["--count", &count.to_string(), "--size", &size.to_string()])
             .args(["--deadline", "120", "--stall", &stall_s.to_string()])
-            .stdin(Stdio::piped())
+            .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()
@@ -161,6 +165,12 @@ impl Peer {
             proc: Proc(child),
             lines,
         }
+    }
+
+    /// The IPv4 address a target listens on (its `rb-listening` line).
+    fn listening_ip(&self) -> String {
+        let l = self.line("rb-listening");
+        l.split_whitespace().nth(1).expect("an address").to_string()
     }
 
     fn line(&self, prefix: &str) -> String {
@@ -173,12 +183,6 @@ impl Peer {
                 return l;
             }
         }
-    }
-
-    fn tell(&mut self, line: &str) {
-        let stdin = self.proc.0.stdin.as_mut().unwrap();
-        writeln!(stdin, "{line}").unwrap();
-        stdin.flush().unwrap();
     }
 
     /// Waits for the process to end: (success, stderr).
@@ -197,13 +201,15 @@ impl Peer {
     }
 }
 
-/// Starts an initiator on `a` and a target on `b` and introduces them.
+/// Starts a target on `b` and an initiator on `a` that connects to it through connection
+/// management; both report the connection.
 fn pair(srv: &Server, a: usize, b: usize, mode: &str, count: u32, size: u32) -> (Peer, Peer) {
-    let mut ini = Peer::spawn(&srv.socket(a), "initiator", mode, count, size);
-    let mut tgt = Peer::spawn(&srv.socket(b), "target", mode, count, size);
-    let (ea, eb) = (ini.line("rb-endpoint"), tgt.line("rb-endpoint"));
-    ini.tell(&eb);
-    tgt.tell(&ea);
+    let tgt = Peer::spawn(&srv.socket(b), None, mode, count, size);
+    let ip = tgt.listening_ip();
+    assert_eq!(ip, format!("10.0.0.{}", b + 1), "node {b}'s address");
+    let ini = Peer::spawn(&srv.socket(a), Some(&ip), mode, count, size);
+    ini.line("rb-connected");
+    tgt.line("rb-connected");
     (ini, tgt)
 }
 
@@ -231,11 +237,9 @@ fn processes_on_their_own_nics_run_rc_and_tagged_traffic() {
 fn a_client_killed_mid_transfer_is_reclaimed_and_nobody_else_notices() {
     let mut srv = Server::start("crash", 4);
     let (a, b) = pair(&srv, 0, 1, "rc", 96, 4096);
-    let mut c = Peer::spawn_for(&srv.socket(2), "initiator", "rc", 1_000_000, 4096, 2);
-    let mut d = Peer::spawn(&srv.socket(3), "target", "rc", 1_000_000, 4096);
-    let (ec, ed) = (c.line("rb-endpoint"), d.line("rb-endpoint"));
-    c.tell(&ed);
-    d.tell(&ec);
+    let mut d = Peer::spawn(&srv.socket(3), None, "rc", 1_000_000, 4096);
+    let ip = d.listening_ip();
+    let c = Peer::spawn_for(&srv.socket(2), Some(&ip), "rc", 1_000_000, 4096, 2);
     d.line("rb-progress");
     d.proc.0.kill().unwrap();
     let _ = d.proc.0.wait();

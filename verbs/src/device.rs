@@ -77,17 +77,14 @@ pub(crate) fn gid_of(caps: &DeviceCaps) -> [u8; 16] {
 }
 
 /// The MAC address a GID names on a ringbell fabric, or `None` for a GID that names no
-/// ringbell port. The fabric's address plan gives node `n` (counting from 1) the MAC
-/// `02:00:00:00:hi:lo` and the IPv4 address `10.0.hi.lo`; the GID carries the address.
+/// ringbell port: the GID carries the IPv4 address, and the fabric's address plan
+/// ([`ringbell::AhAttr::on_fabric`]) gives the MAC.
 pub(crate) fn mac_of_gid(gid: &[u8; 16]) -> Option<([u8; 6], [u8; 4])> {
     if gid[..10] != [0; 10] || gid[10] != 0xff || gid[11] != 0xff {
         return None;
     }
-    let ip = [gid[12], gid[13], gid[14], gid[15]];
-    if ip[0] != 10 || ip[1] != 0 {
-        return None;
-    }
-    Some(([0x02, 0, 0, 0, ip[2], ip[3]], ip))
+    let a = ringbell::AhAttr::on_fabric([gid[12], gid[13], gid[14], gid[15]])?;
+    Some((a.mac, a.ip))
 }
 
 /// A ringbell context: libibverbs' extended context (whose `context` member is what
