@@ -602,6 +602,55 @@ mod tests {
     }
 
     #[test]
+    fn ud_commands_and_fields() {
+        use core::mem::offset_of;
+        assert_eq!(CmdOpcode::from_u16(0x45), Some(CmdOpcode::QueryQpUdStats));
+        assert_eq!(CmdOpcode::QueryQpUdStats as u16, 0x45);
+        assert_eq!(CmdOpcode::from_u16(0x46), None);
+        assert_eq!(
+            crate::stats::UdStats::SIZE,
+            48,
+            "QUERY_QP_UD_STATS output: 6 u64"
+        );
+        // CREATE_QP byte 0x13 and QpAttr 0x28, reserved before 1.5.
+        assert_eq!(offset_of!(CreateQpIn, qp_type), 0x13);
+        assert_eq!(offset_of!(QpAttr, qkey), 0x28);
+        assert_eq!(
+            offset_of!(ModifyQpIn, attr) + offset_of!(QpAttr, qkey),
+            0x30
+        );
+        assert_eq!((QP_TYPE_RC, QP_TYPE_UD), (0, 4));
+        assert_eq!(QKEY_USE_QP, 0x8000_0000);
+        // QKEY is the libibverbs IBV_QP_QKEY bit, between PORT and AV.
+        assert_eq!(QpAttrMask::QKEY.bits(), 1 << 6);
+        assert_eq!(QpAttrMask::PORT.bits() << 1, QpAttrMask::QKEY.bits());
+        assert_eq!(QpAttrMask::QKEY.bits() << 1, QpAttrMask::AV.bits());
+        assert_eq!(QpAttrMask::from_bits(1 << 6), Some(QpAttrMask::QKEY));
+        for bit in [14, 18, 19, 21, 31] {
+            assert_eq!(QpAttrMask::from_bits(1 << bit), None, "bit {bit}");
+        }
+        // A UD RESET -> INIT input: state INIT, PKEY_INDEX | PORT | QKEY, Q_Key 0x1122_3344.
+        let m = ModifyQpIn {
+            qpn: 0x11.into(),
+            attr_mask: (QpAttrMask::STATE
+                | QpAttrMask::PKEY_INDEX
+                | QpAttrMask::PORT
+                | QpAttrMask::QKEY)
+                .bits()
+                .into(),
+            attr: QpAttr {
+                state: QpState::Init as u8,
+                qkey: 0x1122_3344.into(),
+                ..Default::default()
+            },
+        };
+        let b = m.as_bytes();
+        assert_eq!(&b[..9], &[0x11, 0, 0, 0, 0x71, 0, 0, 0, 1]);
+        assert_eq!(&b[0x30..0x34], &[0x44, 0x33, 0x22, 0x11]);
+        assert!(b[9..0x30].iter().chain(&b[0x34..]).all(|&x| x == 0));
+    }
+
+    #[test]
     fn golden_modify_qp_mailbox() {
         let m = ModifyQpIn {
             qpn: 7.into(),

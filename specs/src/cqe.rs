@@ -359,6 +359,67 @@ mod tests {
         }
     }
 
+    /// The receive completion of the datagram of WIRE.md 9.9 at QP 0x12: 40 bytes of GRH
+    /// area plus 8 of payload, immediate data, the sender in the source fields.
+    #[test]
+    fn golden_ud_cqe() {
+        let mut cqe = Cqe {
+            opcode: CqeOpcode::Recv as u8,
+            status: CqeStatus::Success as u8,
+            wqe_counter: 2.into(),
+            qpn: 0x12.into(),
+            byte_len: (GRH_LEN as u32 + 8).into(),
+            imm: 0xCAFE_F00D.into(),
+            timestamp: 2_500_000.into(),
+            flags: CQE_FLAG_IMM | CQE_FLAG_UD,
+            src_mac: [0x02, 0, 0, 0, 0, 0x01],
+            src_ip: [10, 0, 0, 1],
+            owner: 1,
+            ..Default::default()
+        };
+        cqe.set_ud_src_qpn(0x11);
+        let hex: String = cqe.as_bytes().iter().map(|b| format!("{b:02x}")).collect();
+        assert_eq!(hex, crate::golden::UD_CQE);
+    }
+
+    #[test]
+    fn ud_source_fields() {
+        use core::mem::offset_of;
+        assert_eq!(offset_of!(Cqe, tm_hw_cnt), 0x30);
+        assert_eq!(offset_of!(Cqe, src_mac), 0x32);
+        assert_eq!(offset_of!(Cqe, src_ip), 0x38);
+        assert_eq!(offset_of!(Cqe, src_qpn), 0x3C);
+        assert_eq!(offset_of!(Cqe, owner), 0x3F);
+        assert_eq!(CQE_FLAG_UD, 0x80);
+        // Every flag has its own bit.
+        let flags = [
+            CQE_FLAG_IMM,
+            CQE_FLAG_SOLICITED,
+            CQE_FLAG_SRQ,
+            CQE_FLAG_TM_SYNC_REQ,
+            CQE_FLAG_TM_MATCH,
+            CQE_FLAG_TM_DATA_VALID,
+            CQE_FLAG_TRIGGERED,
+            CQE_FLAG_UD,
+        ];
+        assert_eq!(flags.iter().fold(0u8, |a, f| a | f), 0xFF);
+        let mut c = Cqe::default();
+        assert_eq!(c.ud_src_qpn(), 0);
+        c.set_ud_src_qpn(0x00AB_CDEF);
+        assert_eq!(c.src_qpn, [0xEF, 0xCD, 0xAB]);
+        assert_eq!(c.ud_src_qpn(), 0x00AB_CDEF);
+        // Only the low 24 bits are kept, and the owner byte after them is untouched.
+        c.owner = 1;
+        c.set_ud_src_qpn(0xFF12_3456);
+        assert_eq!(c.ud_src_qpn(), 0x12_3456);
+        assert_eq!(c.owner, 1);
+        assert_eq!(&c.as_bytes()[0x3C..], &[0x56, 0x34, 0x12, 0x01]);
+        for qpn in [0, 1, 2, 0x11, 0x7FFF, 0x00FF_FFFF] {
+            c.set_ud_src_qpn(qpn);
+            assert_eq!(c.ud_src_qpn(), qpn);
+        }
+    }
+
     #[test]
     fn golden_eqe() {
         let eqe = Eqe {

@@ -33,6 +33,10 @@ mod golden {
     pub(crate) const WRITE_WQE: &str = "030103000300000000000000000000000020001000000000050100000000000008000000040200000030000000000000";
     pub(crate) const CQE: &str = "800005001200000000100000efbeadde87d612000000000001000000000000000000000000000000000000000000000000000000000000000000000000000001";
     pub(crate) const EQE: &str = "06000000030000000000adde000000002a000000000000000000000000000001";
+    pub(crate) const UD_SEND_WQE: &str = "02010700040000000df0feca00000000120000004433221102000000000200000a00000200000000000000000000000008000000040200000030000000000000";
+    pub(crate) const UD_CQE: &str = "8000020012000000300000000df0fecaa02526000000000081000000000000000000000000000000000000000000000000000200000000010a00000111000001";
+    pub(crate) const UD_GRH: &str =
+        "00000000000000000000000000000000000000004500004012344000401114770a0000010a000002";
 
     #[test]
     fn abi_md_carries_every_golden_vector() {
@@ -48,8 +52,31 @@ mod golden {
             ("WRITE_WQE", WRITE_WQE),
             ("CQE", CQE),
             ("EQE", EQE),
+            ("UD_SEND_WQE", UD_SEND_WQE),
+            ("UD_CQE", UD_CQE),
+            ("UD_GRH", UD_GRH),
         ] {
             assert!(dumps.contains(v), "ABI.md lacks the {name} golden vector");
         }
+    }
+
+    #[test]
+    fn abi_md_is_the_version_of_the_crate() {
+        let title = include_str!("../ABI.md").lines().next().unwrap_or_default();
+        let want = format!(
+            "# ringbell device ABI, version {}.{}",
+            crate::ABI_MAJOR,
+            crate::ABI_MINOR
+        );
+        assert_eq!(title, want);
+        let register = format!(
+            "`0x{:04X}_{:04X}`",
+            crate::ABI_VERSION >> 16,
+            crate::ABI_VERSION & 0xFFFF
+        );
+        assert!(
+            include_str!("../ABI.md").contains(&format!("value {register}")),
+            "ABI.md does not give the register value {register}"
+        );
     }
 }

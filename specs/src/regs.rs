@@ -266,4 +266,12 @@ mod tests {
         }
         assert_eq!(register_at(MAGIC).unwrap().reset, 0x4c45_4252);
     }
+
+    #[test]
+    fn capability_bits() {
+        assert_eq!(Caps::UD.bits(), 1 << 9);
+        // Bits 0..9 are defined (ABI 1.5); 31:10 are reserved.
+        assert_eq!(Caps::all().bits(), 0x3FF);
+        assert_eq!(Caps::from_bits(1 << 10), None);
+    }
 }

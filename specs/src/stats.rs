@@ -144,4 +144,50 @@ mod tests {
         assert_eq!(&b[8..16], &7u64.to_le_bytes());
         assert_eq!(QpStats::NAMES[1], "retransmitted");
     }
+
+    #[test]
+    fn ud_stats_layout_and_round_trip() {
+        assert_eq!(
+            UdStats::NAMES,
+            [
+                "sent",
+                "received",
+                "qkey_dropped",
+                "no_recv_dropped",
+                "too_long_dropped",
+                "wrong_transport_dropped",
+            ]
+        );
+        assert_eq!(UdStats::SIZE, 48);
+        let s = UdStats {
+            sent: 1,
+            received: 0x0102_0304_0506_0708,
+            qkey_dropped: 3,
+            no_recv_dropped: 4,
+            too_long_dropped: 5,
+            wrong_transport_dropped: u64::MAX,
+        };
+        let mut b = [0u8; UdStats::SIZE];
+        s.encode(&mut b);
+        assert_eq!(UdStats::decode(&b), s);
+        assert_eq!(&b[8..16], &[8, 7, 6, 5, 4, 3, 2, 1]);
+        for (i, (name, v)) in s.values().enumerate() {
+            assert_eq!(name, UdStats::NAMES[i]);
+            assert_eq!(b[i * 8..i * 8 + 8], v.to_le_bytes());
+        }
+        // The whole output area, as the mailbox returns it: the rest is zero and ignored.
+        let mut area = [0u8; crate::cmd::PARAMS_SIZE];
+        s.encode(&mut area);
+        assert!(area[UdStats::SIZE..].iter().all(|&x| x == 0));
+        assert_eq!(UdStats::decode(&area), s);
+        // A short output (a device that wrote fewer counters) reads as zeros.
+        assert_eq!(
+            UdStats::decode(&b[..16]),
+            UdStats {
+                sent: 1,
+                received: 0x0102_0304_0506_0708,
+                ..Default::default()
+            }
+        );
+    }
 }

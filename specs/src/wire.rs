@@ -1297,6 +1297,35 @@ mod tests {
         "2c3ad9db",
     );
 
+    const GOLDEN_UD_SEND_ONLY_IMM: &str = concat!(
+        "0200000000020200000000010800",
+        "4500004012344000401114770a0000010a000002",
+        "c13212b7002c0000",
+        "6500ffff0000001200000200",
+        "1122334400000011",
+        "cafef00d",
+        "646174616772616d",
+        "533a30e3",
+    );
+
+    /// The UD datagram of the golden vectors: QP 0x11 of A to QP 0x12 of B, Q_Key
+    /// 0x1122_3344, PSN 0x200, immediate 0xCAFE_F00D, no AckReq.
+    fn golden_ud() -> PacketRepr {
+        let base = base(Opcode::UdSendOnlyImm, 0x200);
+        PacketRepr {
+            bth: BthRepr {
+                ack_req: false,
+                ..base.bth
+            },
+            deth: Some(Deth {
+                qkey: 0x1122_3344,
+                src_qp: Qpn::from_bits(0x11),
+            }),
+            imm: Some(0xCAFE_F00D),
+            ..base
+        }
+    }
+
     /// (name, repr, payload, expected hex).
     fn golden() -> Vec<(&'static str, PacketRepr, Vec<u8>, &'static str)> {
         let send = PacketRepr {
@@ -1394,6 +1423,12 @@ mod tests {
             ("ACKNOWLEDGE (RNR NAK)", rnr, vec![], GOLDEN_RNR_NAK),
             ("CMP_SWAP", cas, vec![], GOLDEN_COMPARE_SWAP),
             ("ATOMIC_ACKNOWLEDGE", atomic_ack, vec![], GOLDEN_ATOMIC_ACK),
+            (
+                "UD_SEND_ONLY_WITH_IMMEDIATE",
+                golden_ud(),
+                b"datagram".to_vec(),
+                GOLDEN_UD_SEND_ONLY_IMM,
+            ),
         ]
     }
 
@@ -1703,6 +1738,106 @@ mod tests {
     }
 
     #[test]
+    fn ud_opcodes_and_deth() {
+        use Opcode::*;
+        for (op, rc) in [(UdSendOnly, SendOnly), (UdSendOnlyImm, SendOnlyImm)] {
+            // Transport bits 7:5 = 011 (UD), operation bits those of the RC SEND_ONLY.
+            assert_eq!(op.to_u8() >> 5, 0b011, "{op}");
+            assert_eq!(op.to_u8() & 0x1F, rc.to_u8(), "{op}");
+            assert_eq!(op.header_len(), rc.header_len() + DETH_LEN, "{op}");
+            assert!(op.has_deth() && op.is_ud() && op.is_request(), "{op}");
+            assert!(op.is_first() && op.is_last() && op.has_payload(), "{op}");
+            assert!(!op.is_send() && !op.has_reth() && !op.has_aeth(), "{op}");
+            assert!(!op.has_atomic_eth() && !op.has_atomic_ack_eth(), "{op}");
+        }
+        assert_eq!(UdSendOnly.to_u8(), 0x64);
+        assert_eq!(UdSendOnlyImm.to_u8(), 0x65);
+        assert!(!UdSendOnly.has_immdt() && UdSendOnlyImm.has_immdt());
+        assert_eq!(UdSendOnly.name(), "UD_SEND_ONLY");
+        assert_eq!(UdSendOnlyImm.name(), "UD_SEND_ONLY_WITH_IMMEDIATE");
+        for op in Opcode::ALL {
+            assert_eq!(op.has_deth(), op.is_ud(), "{op}");
+        }
+        // 0x64 is also the AETH syndrome of an invalid RD request: a different byte.
+        assert_eq!(
+            AethSyndrome::from_u8(0x64),
+            Ok(AethSyndrome::Nak(NakCode::InvalidRdRequest))
+        );
+        assert_eq!(Opcode::from_u8(0x66), None);
+        assert_eq!(Opcode::from_u8(0x60), None);
+
+        // DETH: Q_Key, one reserved byte, source QP, all big-endian.
+        let d = Deth {
+            qkey: 0x1122_3344,
+            src_qp: Qpn::from_bits(0x00AB_CDEF),
+        };
+        let mut b = [0xEEu8; DETH_LEN + 2];
+        d.emit(&mut b);
+        assert_eq!(
+            &b[..DETH_LEN],
+            &[0x11, 0x22, 0x33, 0x44, 0x00, 0xAB, 0xCD, 0xEF]
+        );
+        assert_eq!(&b[DETH_LEN..], &[0xEE, 0xEE], "emit writes 8 bytes only");
+        assert_eq!(Deth::parse(&b), Ok(d));
+        b[4] = 0x5A;
+        assert_eq!(Deth::parse(&b), Ok(d), "the reserved byte is ignored");
+        assert_eq!(Deth::parse(&b[..DETH_LEN - 1]), Err(WireError::Truncated));
+
+        // In the golden datagram the DETH follows the BTH, and the ImmDt the DETH.
+        let f = emit_vec(&golden_ud(), b"datagram");
+        let ib = ROCE_OUTER_LEN;
+        assert_eq!(f[ib], 0x65);
+        assert_eq!(f[ib + 8] & 0x80, 0, "no AckReq on a datagram");
+        assert_eq!(
+            &f[ib + BTH_LEN..ib + BTH_LEN + DETH_LEN],
+            &[0x11, 0x22, 0x33, 0x44, 0x00, 0x00, 0x00, 0x11]
+        );
+        assert_eq!(
+            &f[ib + BTH_LEN + DETH_LEN..ib + UdSendOnlyImm.header_len()],
+            &[0xCA, 0xFE, 0xF0, 0x0D]
+        );
+        let p = parse_packet(&f).unwrap();
+        assert_eq!(p.repr.deth, golden_ud().deth);
+        assert_eq!(p.payload, b"datagram");
+        // A datagram's reserved DETH byte is covered by the ICRC.
+        let mut g = f.clone();
+        g[ib + BTH_LEN + 4] = 1;
+        assert_eq!(parse_packet(&g).map(|_| ()), Err(WireError::BadIcrc));
+        fix_checksums(&mut g);
+        assert_eq!(parse_packet(&g).unwrap().repr, golden_ud());
+
+        // A UD SEND_ONLY without immediate is 4 bytes shorter and carries no ImmDt.
+        let plain = PacketRepr {
+            bth: BthRepr {
+                opcode: UdSendOnly as u8,
+                ..golden_ud().bth
+            },
+            imm: None,
+            ..golden_ud()
+        };
+        let f = emit_vec(&plain, b"datagram");
+        assert_eq!(
+            f.len() + IMMDT_LEN,
+            emit_vec(&golden_ud(), b"datagram").len()
+        );
+        assert_eq!(parse_packet(&f).unwrap().repr, plain);
+    }
+
+    /// The GRH area a UD receive buffer starts with (ABI.md 18.4): 20 zero bytes, then the
+    /// IPv4 header of the datagram as received. For the golden datagram it is ABI.md's
+    /// vector.
+    #[test]
+    fn grh_area_of_the_golden_datagram() {
+        let f = emit_vec(&golden_ud(), b"datagram");
+        let mut grh = vec![0u8; crate::cqe::GRH_LEN - IPV4_HDR_LEN];
+        grh.extend_from_slice(&f[ETH_HDR_LEN..ETH_HDR_LEN + IPV4_HDR_LEN]);
+        assert_eq!(grh.len(), crate::cqe::GRH_LEN);
+        assert_eq!(hex::encode(&grh), crate::golden::UD_GRH);
+        // The sender's IPv4 address is at bytes 32..36 of the area.
+        assert_eq!(&grh[32..36], &golden_ud().src.ip);
+    }
+
+    #[test]
     fn syndrome_byte_decoding() {
         for v in 0..=0xFFu8 {
             let s = AethSyndrome::from_u8(v);
@@ -1945,6 +2080,18 @@ mod tests {
         }
 
         #[test]
+        fn deth_roundtrip(qkey in any::<u32>(), src_qp in arb_qpn(), rsvd in any::<u8>()) {
+            let d = Deth { qkey, src_qp };
+            let mut b = [0xFFu8; DETH_LEN];
+            d.emit(&mut b);
+            prop_assert_eq!(b[4], 0);
+            prop_assert_eq!(Deth::parse(&b), Ok(d));
+            b[4] = rsvd;
+            prop_assert_eq!(Deth::parse(&b), Ok(d));
+            prop_assert_eq!(Deth::parse(&b[..DETH_LEN - 1]), Err(WireError::Truncated));
+        }
+
+        #[test]
         fn packet_roundtrip((repr, payload) in arb_packet()) {
             let f = emit_vec(&repr, &payload);
             prop_assert_eq!(f.len(), repr.frame_len(payload.len()));
@@ -2002,6 +2149,7 @@ mod tests {
         #[test]
         fn emit_never_panics(
             bth in arb_bth(),
+            deth in proptest::option::of((any::<u32>(), arb_qpn())),
             reth in proptest::option::of(arb_reth()),
             aeth in proptest::option::of(arb_aeth()),
             atomic_eth in proptest::option::of(arb_atomic_eth()),
@@ -2009,7 +2157,10 @@ mod tests {
             imm in proptest::option::of(any::<u32>()),
             payload in prop::collection::vec(any::<u8>(), 0..40),
         ) {
-            let repr = PacketRepr { bth, reth, aeth, atomic_eth, atomic_ack, imm, ..base(Opcode::SendOnly, 0) };
+            let deth = deth.map(|(qkey, src_qp)| Deth { qkey, src_qp });
+            let repr = PacketRepr {
+                bth, deth, reth, aeth, atomic_eth, atomic_ack, imm, ..base(Opcode::SendOnly, 0)
+            };
             let f = emit_vec(&repr, &payload);
             prop_assert_eq!(f.len(), repr.frame_len(payload.len()));
             prop_assert_eq!(compute_icrc(&f), Ok(stored_icrc(&f)));

@@ -178,6 +178,70 @@ mod tests {
         assert_eq!(hex, crate::golden::WRITE_WQE);
     }
 
+    /// The UD SEND_IMM that sends the datagram of WIRE.md 9.9: one block, the address
+    /// segment between the control segment and the gather list.
+    #[test]
+    fn golden_ud_send_wqe() {
+        let ctrl = CtrlSeg {
+            opcode: SendOpcode::SendImm as u8,
+            flags: WqeFlags::SIGNALED.bits(),
+            wqe_index: 7.into(),
+            ds_count: (1 + UD_ADDR_SEGS + 1) as u8,
+            imm: 0xCAFE_F00D.into(),
+            ..Default::default()
+        };
+        let addr = UdAddrSeg {
+            dest_qpn: 0x12.into(),
+            qkey: 0x1122_3344.into(),
+            dest_mac: [0x02, 0, 0, 0, 0, 0x02],
+            dest_ip: [10, 0, 0, 2],
+            ..Default::default()
+        };
+        let data = DataSeg {
+            byte_count: 8.into(),
+            lkey: 0x0000_0204.into(),
+            addr: 0x3000.into(),
+        };
+        let mut wqe = Vec::new();
+        wqe.extend_from_slice(ctrl.as_bytes());
+        wqe.extend_from_slice(addr.as_bytes());
+        wqe.extend_from_slice(data.as_bytes());
+        assert_eq!(wqe.len(), usize::from(ctrl.ds_count) * SEG);
+        assert_eq!(wqebbs(usize::from(ctrl.ds_count)), 1);
+        let hex: String = wqe.iter().map(|b| format!("{b:02x}")).collect();
+        assert_eq!(hex, crate::golden::UD_SEND_WQE);
+    }
+
+    #[test]
+    fn ud_address_segment_layout() {
+        use core::mem::{offset_of, size_of};
+        assert_eq!(size_of::<UdAddrSeg>(), UD_ADDR_SEGS * SEG);
+        assert_eq!(offset_of!(UdAddrSeg, dest_qpn), 0x00);
+        assert_eq!(offset_of!(UdAddrSeg, qkey), 0x04);
+        assert_eq!(offset_of!(UdAddrSeg, dest_mac), 0x08);
+        assert_eq!(offset_of!(UdAddrSeg, rsvd0), 0x0E);
+        assert_eq!(offset_of!(UdAddrSeg, dest_ip), 0x10);
+        assert_eq!(offset_of!(UdAddrSeg, rsvd1), 0x14);
+        assert_eq!(offset_of!(UdAddrSeg, rsvd2), 0x18);
+        // Little-endian like every host structure; the MAC and IPv4 bytes in wire order.
+        let a = UdAddrSeg {
+            dest_qpn: 0x00AB_CDEF.into(),
+            qkey: 0x8000_0001.into(),
+            dest_mac: [1, 2, 3, 4, 5, 6],
+            dest_ip: [192, 168, 0, 9],
+            ..Default::default()
+        };
+        let b = a.as_bytes();
+        assert_eq!(&b[..8], &[0xEF, 0xCD, 0xAB, 0x00, 0x01, 0x00, 0x00, 0x80]);
+        assert_eq!(&b[8..14], &[1, 2, 3, 4, 5, 6]);
+        assert_eq!(&b[16..20], &[192, 168, 0, 9]);
+        assert_eq!(UdAddrSeg::read_from_bytes(b), Ok(a));
+        // The UD limits: one control segment and two address segments before the data.
+        assert_eq!(MAX_UD_SEND_SGE + 1 + UD_ADDR_SEGS, MAX_DS);
+        assert_eq!(1 + UD_ADDR_SEGS + (4 + MAX_INLINE_UD).div_ceil(SEG), MAX_DS);
+        assert_eq!(MAX_INLINE_UD % SEG, SEG - 4);
+    }
+
     #[test]
     fn sizes() {
         assert_eq!(wqebbs(1), 1);
