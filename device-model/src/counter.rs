@@ -415,6 +415,10 @@ impl Nic {
                 if qp.pdn != pdn {
                     return Err(CmdStatus::BadPd);
                 }
+                // Triggered transfers are RC work requests (their WQE has no UD address).
+                if qp.ud {
+                    return Err(CmdStatus::BadParam);
+                }
                 if matches!(qp.state, QpState::Reset | QpState::Err | QpState::Sqe) {
                     return Err(CmdStatus::BadState);
                 }

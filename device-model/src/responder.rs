@@ -480,9 +480,11 @@ impl Nic {
             }
             Err(iova) => {
                 // The receive ring itself is unreadable: the driver's mistake, reported by
-                // the IOMMU_FAULT event; the datagram is lost.
+                // the IOMMU_FAULT event. The datagram is lost and, as on RC, the QP moves to
+                // ERR (its receive queue cannot be used).
                 self.iommu_fault(env, qp.qpn, iova);
                 self.stats.rx_dropped += 1;
+                self.flush(env, qp);
                 return;
             }
         };

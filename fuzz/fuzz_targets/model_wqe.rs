@@ -1106,6 +1106,7 @@ impl Harness {
                 ack_req: false,
                 psn,
             },
+            deth: None,
             reth: None,
             aeth: None,
             atomic_eth: None,

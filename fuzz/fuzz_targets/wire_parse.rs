@@ -19,7 +19,7 @@
 use libfuzzer_sys::arbitrary::{self, Arbitrary, Unstructured};
 use libfuzzer_sys::fuzz_target;
 use ringbell_specs::wire::{
-    self, compute_icrc, pad_len, parse_packet, Aeth, AethSyndrome, AtomicEth, BthRepr, Endpoint,
+    self, compute_icrc, pad_len, parse_packet, Aeth, AethSyndrome, AtomicEth, BthRepr, Deth, Endpoint,
     Opcode, PacketRepr, Reth, WireError, AETH_LEN, ATOMIC_ETH_LEN, BTH_LEN, ETH_HDR_LEN, ICRC_LEN,
     RETH_LEN, ROCE_OUTER_LEN,
 };
@@ -62,6 +62,7 @@ fn parse_direction(data: &[u8]) {
 
     // The repr says exactly which headers the opcode has.
     let op = Opcode::from_u8(pkt.repr.bth.opcode).expect("parse_packet accepted an unknown opcode");
+    assert_eq!(pkt.repr.deth.is_some(), op.has_deth());
     assert_eq!(pkt.repr.reth.is_some(), op.has_reth());
     assert_eq!(pkt.repr.aeth.is_some(), op.has_aeth());
     assert_eq!(pkt.repr.atomic_eth.is_some(), op.has_atomic_eth());
@@ -121,6 +122,14 @@ fn header_round_trips(b: &[u8]) {
     } else {
         assert!(b.len() < BTH_LEN);
     }
+    if let Ok(d) = Deth::parse(b) {
+        let mut o = [0u8; wire::DETH_LEN];
+        d.emit(&mut o);
+        let back = Deth::parse(&o).expect("emitted DETH does not parse");
+        assert_eq!(back, d, "DETH parse is not the inverse of emit");
+    } else {
+        assert!(b.len() < wire::DETH_LEN);
+    }
     if let Ok(r) = Reth::parse(b) {
         let mut o = [0u8; RETH_LEN];
         r.emit(&mut o);
@@ -173,6 +182,7 @@ struct Input<'a> {
     pkey: u16,
     dest_qp: u32,
     psn: u32,
+    deth: Option<(u32, u32)>,
     reth: Option<(u64, u32, u32)>,
     aeth: Option<(u8, u32)>,
     atomic_eth: Option<(u64, u32, u64, u64)>,
@@ -190,10 +200,11 @@ fn emit_direction(data: &[u8]) {
     };
     // Small TVer values (mostly 0) so the valid path is the common one.
     let tver = if inp.tver < 0xF0 { 0 } else { inp.tver & 0x1F };
-    let opcode = if inp.opcode < 0xE0 {
-        inp.opcode % 0x15
-    } else {
-        inp.opcode
+    // Mostly RC opcodes, some UD ones (0x64, 0x65), a few unknown.
+    let opcode = match inp.opcode {
+        0..=0xCF => inp.opcode % 0x15,
+        0xD0..=0xDF => 0x64 + (inp.opcode & 1),
+        _ => inp.opcode,
     };
     let aeth = inp.aeth.map(|(s, msn)| Aeth {
         syndrome: AethSyndrome::from_u8(s).unwrap_or(AethSyndrome::Ack { credits: s & 0x1F }),
@@ -225,6 +236,10 @@ fn emit_direction(data: &[u8]) {
             ack_req: inp.bth_bits & 0x20 != 0,
             psn: Psn::new(inp.psn),
         },
+        deth: inp.deth.map(|(qkey, src)| Deth {
+            qkey,
+            src_qp: Qpn::from_bits(src),
+        }),
         reth: inp.reth.map(|(va, rkey, len)| Reth { va, rkey, len }),
         aeth,
         atomic_eth: inp
@@ -280,6 +295,7 @@ fn emit_direction(data: &[u8]) {
             tver: 0,
             ..repr.bth
         },
+        deth: op.has_deth().then(|| repr.deth.unwrap_or_default()),
         reth: op.has_reth().then(|| repr.reth.unwrap_or_default()),
         aeth: op.has_aeth().then(|| {
             let a = repr.aeth.unwrap_or(Aeth {
