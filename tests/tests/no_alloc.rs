@@ -77,3 +77,59 @@ fn post_send_post_recv_and_poll_do_not_allocate() {
     }
     assert_eq!(measured, 40);
 }
+
+#[test]
+fn ud_post_send_and_poll_do_not_allocate() {
+    let f = ringbell_emu::Fabric::new(ringbell_emu::FabricConfig::new(2, 5));
+    let a = side(&f, 0, Access::LOCAL_WRITE);
+    let b = side(&f, 1, Access::LOCAL_WRITE);
+    let ud = |s: &Side| {
+        let mut init = QpInit::new(&s.cq, &s.cq);
+        init.qp_type = QpType::Ud;
+        init.max_inline = 128;
+        let mut qp = s.pd.create_qp(&init).unwrap();
+        qp.ud_ready(0x77, 0).unwrap();
+        qp
+    };
+    let (mut qa, mut qb) = (ud(&a), ud(&b));
+    let (mut cqa, mut cqb) = (a.cq, b.cq);
+    let ah = a.pd.create_ah(&b.dev.ah_attr()).unwrap();
+    let dest = UdDest {
+        ah: &ah,
+        qpn: qb.qpn(),
+        qkey: 0x77,
+    };
+    let sge = [a.mr.sge(0, 512)];
+    let rs = [b.mr.sge(0, 1024)];
+    let mut wc = [WorkCompletion::default(); 8];
+    for round in 0..40 {
+        let before = ALLOCS.load(Ordering::Relaxed);
+        qb.post_recv(&[RecvWr {
+            wr_id: round,
+            sgl: &rs,
+        }])
+        .unwrap();
+        qa.post_send(&[
+            SendWr::inline(1, WrOp::Send, &[5u8; 100])
+                .to(dest)
+                .flags(SendFlags::empty()),
+            SendWr::new(2, WrOp::SendImm(round as u32), &sge).to(dest),
+        ])
+        .unwrap();
+        let after = ALLOCS.load(Ordering::Relaxed);
+        if round >= 10 {
+            assert_eq!(after - before, 0, "round {round}: a UD post allocated");
+        }
+        settle(&f);
+        let before = ALLOCS.load(Ordering::Relaxed);
+        let (na, nb) = (cqa.poll_ready(&mut wc), cqb.poll_ready(&mut wc[4..]));
+        let after = ALLOCS.load(Ordering::Relaxed);
+        assert_eq!((na, nb), (1, 1), "one signaled send, one datagram taken");
+        assert!(wc[4].source.is_some());
+        if round >= 10 {
+            assert_eq!(after - before, 0, "round {round}: polling a UD CQ allocated");
+        }
+    }
+    // The second datagram of each round found no receive posted: dropped and counted.
+    assert_eq!(qb.ud_stats().unwrap().no_recv_dropped, 40);
+}
