@@ -25,7 +25,9 @@
 //!   fabric learns it from the traffic: both directions of an RC connection carry the same
 //!   UDP source port (WIRE.md section 7), so the first frame seen in the other direction
 //!   gives the peer QP; frames sent before that (usually only a connection's first request)
-//!   have no source QP. Work-request ids are not on the wire and are never shown.
+//!   have no source QP. A UD datagram (ABI 1.5) carries its source QP in its DETH: its
+//!   comment names that source QP and the Q_Key from the DETH, and the fabric learns no
+//!   connection from it. Work-request ids are not on the wire and are never shown.
 //! - **Determinism.** Nothing in the file comes from the wall clock or the host: the same
 //!   seed and workload give a byte-identical file.
 //!
@@ -41,7 +43,9 @@ use pcap_file::pcapng::blocks::interface_description::{
 use pcap_file::pcapng::blocks::section_header::{SectionHeaderBlock, SectionHeaderOption};
 use pcap_file::pcapng::PcapNgWriter;
 use pcap_file::{DataLink, Endianness};
-use ringbell_specs::wire::{udp_src_port, Opcode, ETH_HDR_LEN, ROCEV2_UDP_PORT, ROCE_OUTER_LEN};
+use ringbell_specs::wire::{
+    udp_src_port, Opcode, BTH_LEN, ETH_HDR_LEN, ROCEV2_UDP_PORT, ROCE_OUTER_LEN,
+};
 use ringbell_specs::{Qpn, SimTime};
 use std::borrow::Cow;
 use std::collections::{BTreeMap, HashMap};
@@ -303,14 +307,21 @@ impl Capture {
             let dqpn = bth(5) << 16 | bth(6) << 8 | bth(7);
             let psn = bth(9) << 16 | bth(10) << 8 | bth(11);
             let sport = u16::from_be_bytes([b(34), b(35)]);
-            match Opcode::from_u8(opcode) {
+            let op = Opcode::from_u8(opcode);
+            match op {
                 Some(op) => s.push_str(op.name()),
                 None => {
                     let _ = write!(s, "opcode 0x{opcode:02x}");
                 }
             }
             let _ = write!(s, ", dest QP 0x{dqpn:06x}");
-            if let (Some(from), Some(to)) = (from, to) {
+            if op.is_some_and(Opcode::has_deth) {
+                // A datagram names its sender in its DETH: Q_Key, a reserved byte, source QP.
+                let deth = |i: usize| b(ROCE_OUTER_LEN + BTH_LEN + i) as u32;
+                let qkey = deth(0) << 24 | deth(1) << 16 | deth(2) << 8 | deth(3);
+                let sqpn = deth(5) << 16 | deth(6) << 8 | deth(7);
+                let _ = write!(s, ", src QP 0x{sqpn:06x}, Q_Key 0x{qkey:08x}");
+            } else if let (Some(from), Some(to)) = (from, to) {
                 self.peers.insert((from, to, sport), dqpn);
                 if let Some(&sqpn) = self.peers.get(&(to, from, sport)) {
                     // Both ends of a connection use the port of their QP pair (WIRE.md 7).
@@ -409,6 +420,31 @@ mod tests {
         assert!(r.interfaces().iter().all(|i| i
             .options
             .contains(&InterfaceDescriptionOption::IfTsResol(9))));
+    }
+
+    #[test]
+    fn a_datagram_is_described_with_its_deth_and_teaches_no_connection() {
+        let mut c = Capture::new(Box::new(io::sink()), 2, 0, 0).unwrap();
+        // Ethernet (IPv4), IPv4 (UDP), UDP to 4791, then BTH and DETH.
+        let mut f = vec![0u8; ROCE_OUTER_LEN + BTH_LEN + 8 + 4];
+        f[12] = 0x08;
+        f[ETH_HDR_LEN + 9] = 17;
+        f[36..38].copy_from_slice(&ROCEV2_UDP_PORT.to_be_bytes());
+        let sport = udp_src_port(Qpn::from_bits(0x12), Qpn::from_bits(0x34));
+        f[34..36].copy_from_slice(&sport.to_be_bytes());
+        let bth = ROCE_OUTER_LEN;
+        f[bth] = Opcode::UdSendOnlyImm.to_u8();
+        f[bth + 7] = 0x34;
+        f[bth + 11] = 9;
+        f[bth + 12..bth + 16].copy_from_slice(&0x8000_0042u32.to_be_bytes());
+        f[bth + 19] = 0x12;
+        let d = c.describe(Some(0), Some(1), &f, Fate::Delivered);
+        assert_eq!(
+            d,
+            "node 0 -> node 1: UD_SEND_ONLY_WITH_IMMEDIATE, dest QP 0x000034, src QP 0x000012, \
+             Q_Key 0x80000042, PSN 9"
+        );
+        assert!(c.peers.is_empty(), "no connection learnt from a datagram");
     }
 
     #[test]

@@ -1,6 +1,6 @@
 //! Fault injection on the fabric: random faults per link drawn from the seed, link-down
 //! intervals, and targeted rules for tests ("drop the 5th packet to QP 3", "drop the ACK
-//! for PSN 100", "delay a READ response").
+//! for PSN 100", "delay a READ response", "drop the 2nd datagram from QP 4 to QP 7").
 //!
 //! Every random decision draws from the link's own stream (derived from the fabric seed by a
 //! pinned algorithm) with integer probabilities in parts per million, so a seed reproduces a
@@ -8,7 +8,7 @@
 
 use rand_core::{RngCore, SeedableRng};
 use rand_pcg::Pcg64Mcg;
-use ringbell_specs::wire::{Opcode, ROCE_OUTER_LEN};
+use ringbell_specs::wire::{Opcode, BTH_LEN, ROCE_OUTER_LEN};
 use ringbell_specs::SimTime;
 use std::collections::BTreeMap;
 
@@ -60,7 +60,7 @@ pub fn ppm(p: f64) -> u32 {
 /// The class of a frame, for matching.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum FrameKind {
-    /// A request: SEND, WRITE, READ request, atomic.
+    /// An RC request: SEND, WRITE, READ request, atomic.
     Request,
     /// An ACKNOWLEDGE (ACK, NAK or RNR NAK).
     Ack,
@@ -68,6 +68,9 @@ pub enum FrameKind {
     ReadResponse,
     /// An ATOMIC_ACKNOWLEDGE.
     AtomicAck,
+    /// A UD datagram (ABI 1.5): UD SEND_ONLY or SEND_ONLY_WITH_IMMEDIATE. Nothing
+    /// acknowledges or resends it: a datagram a rule drops is gone.
+    Datagram,
 }
 
 /// Which frames a rule applies to; every field that is set must match.
@@ -79,6 +82,9 @@ pub struct FrameMatch {
     pub to: Option<usize>,
     /// Destination QPN in the BTH.
     pub qpn: Option<u32>,
+    /// Source QPN in the DETH: only datagrams carry one, so a rule that sets it matches
+    /// datagrams only. With `qpn` and `psn` (the sender's PSN), it names one datagram.
+    pub src_qpn: Option<u32>,
     /// Kind of frame.
     pub kind: Option<FrameKind>,
     /// PSN in the BTH.
@@ -301,21 +307,31 @@ struct Header {
     opcode: u8,
     qpn: u32,
     psn: u32,
+    /// The DETH's source QPN, for a datagram.
+    src_qpn: Option<u32>,
 }
 
 impl Header {
     fn of(f: &[u8]) -> Header {
         let b = |i: usize| f.get(ROCE_OUTER_LEN + i).copied().unwrap_or(0) as u32;
+        let opcode = b(0) as u8;
+        // DETH: Q_Key (4 bytes), a reserved byte, then the 24-bit source QP.
+        let d = BTH_LEN;
+        let src_qpn = Opcode::from_u8(opcode)
+            .is_some_and(Opcode::has_deth)
+            .then(|| b(d + 5) << 16 | b(d + 6) << 8 | b(d + 7));
         Header {
-            opcode: b(0) as u8,
+            opcode,
             qpn: b(5) << 16 | b(6) << 8 | b(7),
             psn: b(9) << 16 | b(10) << 8 | b(11),
+            src_qpn,
         }
     }
 
     fn kind(&self) -> Option<FrameKind> {
         let op = Opcode::from_u8(self.opcode)?;
         Some(match op {
+            o if o.is_ud() => FrameKind::Datagram,
             Opcode::Acknowledge => FrameKind::Ack,
             Opcode::AtomicAcknowledge => FrameKind::AtomicAck,
             o if o.is_response() => FrameKind::ReadResponse,
@@ -327,8 +343,123 @@ impl Header {
         m.from.is_none_or(|x| x == from)
             && m.to.is_none_or(|x| x == to)
             && m.qpn.is_none_or(|x| x == self.qpn)
+            && m.src_qpn.is_none_or(|x| Some(x) == self.src_qpn)
             && m.psn.is_none_or(|x| x == self.psn)
             && m.opcode.is_none_or(|x| x == self.opcode)
             && m.kind.is_none_or(|k| Some(k) == self.kind())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A frame just long enough for the headers a rule reads: BTH opcode, destination QP,
+    /// PSN and, for a datagram, the DETH (Q_Key, source QP).
+    fn frame(op: Opcode, qpn: u32, psn: u32, src_qpn: u32) -> Vec<u8> {
+        let mut f = vec![0u8; ROCE_OUTER_LEN + BTH_LEN + 8 + 4];
+        let b = &mut f[ROCE_OUTER_LEN..];
+        b[0] = op.to_u8();
+        b[5..8].copy_from_slice(&qpn.to_be_bytes()[1..]);
+        b[9..12].copy_from_slice(&psn.to_be_bytes()[1..]);
+        if op.has_deth() {
+            b[BTH_LEN..BTH_LEN + 4].copy_from_slice(&0x1111_2222u32.to_be_bytes());
+            b[BTH_LEN + 5..BTH_LEN + 8].copy_from_slice(&src_qpn.to_be_bytes()[1..]);
+        }
+        f
+    }
+
+    #[test]
+    fn every_opcode_has_a_kind_and_datagrams_are_their_own() {
+        for op in Opcode::ALL {
+            let h = Header::of(&frame(op, 7, 9, 4));
+            let want = match op {
+                Opcode::UdSendOnly | Opcode::UdSendOnlyImm => FrameKind::Datagram,
+                Opcode::Acknowledge => FrameKind::Ack,
+                Opcode::AtomicAcknowledge => FrameKind::AtomicAck,
+                o if o.is_read_response() => FrameKind::ReadResponse,
+                _ => FrameKind::Request,
+            };
+            assert_eq!(h.kind(), Some(want), "{op}");
+            assert_eq!((h.qpn, h.psn), (7, 9), "{op}");
+            assert_eq!(h.src_qpn, op.is_ud().then_some(4), "{op}");
+        }
+        // An unknown opcode has no kind: only rules without one match it.
+        let mut f = frame(Opcode::SendOnly, 7, 9, 0);
+        f[ROCE_OUTER_LEN] = 0x66;
+        let h = Header::of(&f);
+        assert_eq!(h.kind(), None);
+        assert!(h.matches(&FrameMatch::default(), 0, 1));
+        assert!(!h.matches(
+            &FrameMatch {
+                kind: Some(FrameKind::Datagram),
+                ..Default::default()
+            },
+            0,
+            1
+        ));
+    }
+
+    #[test]
+    fn a_rule_picks_one_datagram_by_source_destination_and_psn() {
+        let rule = FaultRule::drop_nth(
+            FrameMatch {
+                kind: Some(FrameKind::Datagram),
+                src_qpn: Some(4),
+                qpn: Some(7),
+                psn: Some(10),
+                ..Default::default()
+            },
+            1,
+        );
+        let plan = FaultPlan {
+            rules: vec![rule],
+            ..Default::default()
+        };
+        let mut f = Faults::new(plan, 2, 1);
+        let at = SimTime::ZERO;
+        let mut lost = Vec::new();
+        // Two senders, QP 4 and QP 5, both at PSN 9..=11 to QP 7; an RC SEND to QP 7 with
+        // PSN 10 and a datagram to QP 8 too.
+        let frames = [
+            frame(Opcode::UdSendOnly, 7, 9, 5),
+            frame(Opcode::UdSendOnly, 7, 10, 5),
+            frame(Opcode::SendOnly, 7, 10, 4),
+            frame(Opcode::UdSendOnly, 8, 10, 4),
+            frame(Opcode::UdSendOnly, 7, 9, 4),
+            frame(Opcode::UdSendOnlyImm, 7, 10, 4),
+            frame(Opcode::UdSendOnly, 7, 10, 4),
+            frame(Opcode::UdSendOnly, 7, 11, 4),
+        ];
+        for (i, fr) in frames.iter().enumerate() {
+            if f.decide(0, 1, at, fr).copies.is_empty() {
+                lost.push(i);
+            }
+        }
+        assert_eq!(
+            lost,
+            vec![5],
+            "only the first match, the one with immediate"
+        );
+        assert_eq!(f.stats.rule_hits, 1);
+        // A rule for RC requests leaves datagrams alone, and one for datagrams RC traffic.
+        let only = |kind| FaultPlan {
+            rules: vec![FaultRule {
+                when: FrameMatch {
+                    kind: Some(kind),
+                    ..Default::default()
+                },
+                nth: 1,
+                times: 0,
+                action: FaultAction::Drop,
+            }],
+            ..Default::default()
+        };
+        f.set_plan(only(FrameKind::Request));
+        assert!(!f.decide(0, 1, at, &frames[0]).copies.is_empty());
+        assert!(f.decide(0, 1, at, &frames[2]).copies.is_empty());
+        f.set_plan(only(FrameKind::Datagram));
+        assert!(f.decide(0, 1, at, &frames[0]).copies.is_empty());
+        assert!(!f.decide(0, 1, at, &frames[2]).copies.is_empty());
     }
 }

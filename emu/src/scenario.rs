@@ -17,9 +17,15 @@
 //! until_us = 300.0
 //! [[faults.rule]]        # targeted: drop the 3rd request to QP 2
 //! action = "drop"        # drop | duplicate | corrupt | delay
-//! kind = "request"       # request | ack | read_response | atomic_ack
+//! kind = "request"       # request | ack | read_response | atomic_ack | datagram
 //! qpn = 2
 //! nth = 3
+//! [[faults.rule]]        # a UD datagram: from QP 4 (DETH), to QP 7, sender's PSN 10
+//! action = "drop"
+//! kind = "datagram"
+//! src_qpn = 4
+//! qpn = 7
+//! psn = 10
 //! ```
 //!
 //! Probabilities and times are converted to integers (parts per million, picoseconds) when
@@ -115,6 +121,7 @@ struct Rule {
     from: Option<usize>,
     to: Option<usize>,
     qpn: Option<u32>,
+    src_qpn: Option<u32>,
     kind: Option<String>,
     psn: Option<u32>,
     opcode: Option<u8>,
@@ -212,6 +219,7 @@ impl Scenario {
                 Some("ack") => Some(FrameKind::Ack),
                 Some("read_response") => Some(FrameKind::ReadResponse),
                 Some("atomic_ack") => Some(FrameKind::AtomicAck),
+                Some("datagram") => Some(FrameKind::Datagram),
                 Some(other) => {
                     return Err(ScenarioError::Invalid(format!(
                         "unknown frame kind {other:?}"
@@ -222,6 +230,7 @@ impl Scenario {
                 from: r.from,
                 to: r.to,
                 qpn: r.qpn,
+                src_qpn: r.src_qpn,
                 kind,
                 psn: r.psn,
                 opcode: r.opcode,
@@ -269,6 +278,12 @@ mod tests {
             kind = "request"
             qpn = 2
             nth = 3
+            [[faults.rule]]
+            action = "drop"
+            kind = "datagram"
+            src_qpn = 4
+            qpn = 7
+            psn = 10
             "#,
         )
         .unwrap();
@@ -285,6 +300,16 @@ mod tests {
         assert_eq!(s.faults.rules[0].when.psn, Some(42));
         assert_eq!(s.faults.rules[1].nth, 3);
         assert_eq!(s.faults.rules[1].when.kind, Some(FrameKind::Request));
+        assert_eq!(
+            s.faults.rules[2].when,
+            FrameMatch {
+                kind: Some(FrameKind::Datagram),
+                src_qpn: Some(4),
+                qpn: Some(7),
+                psn: Some(10),
+                ..Default::default()
+            }
+        );
     }
 
     #[test]

@@ -455,6 +455,11 @@ fn tshark() -> Option<&'static str> {
     }
 }
 
+/// Options of every tshark run: Wireshark 4.0's Mellanox EoIB heuristic, which it tries on
+/// the payload of every UD SEND, throws on an empty payload and flags a correct datagram as
+/// malformed; it is off. (It never runs on RC packets.)
+const TSHARK_OPTS: [&str; 2] = ["--disable-heuristic", "mellanox_eoib"];
+
 fn num(s: &str) -> u64 {
     match s.strip_prefix("0x") {
         Some(h) => u64::from_str_radix(h, 16).unwrap(),
@@ -479,7 +484,8 @@ fn check_with_tshark(tshark: &str, path: &Path, file: &[u8]) -> Vec<Vec<String>>
         "_ws.col.Info",
     ];
     let mut cmd = Command::new(tshark);
-    cmd.arg("-r")
+    cmd.args(TSHARK_OPTS)
+        .arg("-r")
         .arg(path)
         .args(["-T", "fields", "-E", "separator=|"]);
     for f in fields {
@@ -532,11 +538,16 @@ fn check_with_tshark(tshark: &str, path: &Path, file: &[u8]) -> Vec<Vec<String>>
                 num(&r[10]),
                 u32::from_be_bytes(icrc.try_into().unwrap()) as u64
             );
-            assert!(r[11].starts_with("RC "), "{r:?}");
+            let transport = match Opcode::from_u8(pk.repr.bth.opcode).is_some_and(Opcode::is_ud) {
+                true => "UD ",
+                false => "RC ",
+            };
+            assert!(r[11].starts_with(transport), "{r:?}");
         }
     }
     // Nothing malformed, no warnings or errors from any dissector.
     let bad = Command::new(tshark)
+        .args(TSHARK_OPTS)
         .arg("-r")
         .arg(path)
         .args(["-Y", "_ws.malformed || _ws.expert.severity >= \"Warning\""])
@@ -596,6 +607,375 @@ fn tshark_decodes_bth_reth_aeth_as_sent() {
         assert_eq!(num(&r[4]), sent.qpn_a as u64);
     }
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+const QKEY: u32 = 0x1234_5678;
+
+/// Node 0's two UD QPs, both sending from PSN [`UD_PSN`], and node 1's UD QP.
+struct UdNodes {
+    a: [QueuePair; 2],
+    b: QueuePair,
+    a_cq: CompletionQueue,
+    b_cq: CompletionQueue,
+    a_mr: MemoryRegion,
+    a_buf: DmaBuffer,
+    b_mr: MemoryRegion,
+    _b_buf: DmaBuffer,
+    a_pd: ProtectionDomain,
+    _b_pd: ProtectionDomain,
+    _spares: [QueuePair; 2],
+    _a_dev: Device,
+    b_dev: Device,
+}
+
+const UD_PSN: u32 = 100;
+
+fn ud_nodes(fabric: &Fabric) -> UdNodes {
+    let open = |n: usize| {
+        let dev = Device::open(Box::new(fabric.port(n))).unwrap();
+        let pd = dev.alloc_pd().unwrap();
+        let buf = dev.alloc_dma(1 << 16).unwrap();
+        let mr = pd.reg_mr(&buf, Access::LOCAL_WRITE).unwrap();
+        let cq = dev.create_cq(64).unwrap();
+        (dev, pd, buf, mr, cq)
+    };
+    let (a_dev, a_pd, a_buf, a_mr, a_cq) = open(0);
+    let (b_dev, b_pd, b_buf, b_mr, b_cq) = open(1);
+    let ud = |pd: &ProtectionDomain, cq: &CompletionQueue| {
+        let mut init = QpInit::new(cq, cq);
+        init.qp_type = QpType::Ud;
+        init.max_inline = 128;
+        let mut qp = pd.create_qp(&init).unwrap();
+        qp.ud_ready(QKEY, UD_PSN).unwrap();
+        // Not QP 0 or 1: Wireshark dissects what goes to QP 1 as a management datagram.
+        assert!(qp.qpn() >= 2);
+        qp
+    };
+    // As in `side`: an RC QP first, so that no UD QP is QP 1.
+    let spares = [
+        a_pd.create_qp(&QpInit::new(&a_cq, &a_cq)).unwrap(),
+        b_pd.create_qp(&QpInit::new(&b_cq, &b_cq)).unwrap(),
+    ];
+    UdNodes {
+        a: [ud(&a_pd, &a_cq), ud(&a_pd, &a_cq)],
+        b: ud(&b_pd, &b_cq),
+        a_cq,
+        b_cq,
+        a_mr,
+        a_buf,
+        b_mr,
+        _b_buf: b_buf,
+        a_pd,
+        _b_pd: b_pd,
+        _spares: spares,
+        _a_dev: a_dev,
+        b_dev,
+    }
+}
+
+/// One datagram as sent: (sending QP 0 or 1 of node 0, payload, immediate, inline).
+type Dgram = (usize, Vec<u8>, Option<u32>, bool);
+
+/// The datagrams [`ud_exchange`] sends: SEND_ONLY and SEND_ONLY_WITH_IMMEDIATE from both of
+/// node 0's QPs, gathered and inline, one of them empty. The payloads start with two
+/// non-zero bytes after two others: Wireshark takes a UD payload whose bytes 2..4 are zero
+/// for an IPoIB header.
+fn ud_datagrams() -> Vec<Dgram> {
+    let body = |n: usize, salt: u8| -> Vec<u8> {
+        (0..n)
+            .map(|i| (i as u8).wrapping_mul(7) ^ salt | 1)
+            .collect()
+    };
+    vec![
+        (0, body(32, 0x10), None, false),
+        (0, body(48, 0x20), Some(0xFEED_BEEF), true),
+        (1, body(700, 0x30), None, false),
+        (1, body(0, 0), Some(0x0102_0304), false),
+        (1, body(20, 0x40), Some(0xA5A5_0001), true),
+        (0, body(4096, 0x50), None, false),
+    ]
+}
+
+/// Node 0 sends [`ud_datagrams`] to node 1's UD QP, which has a 4136-byte receive posted for
+/// each; with `out`, the fabric captures it all; `rule` is added before anything is sent.
+/// Returns the fabric, the QPs and the receive completions.
+fn ud_exchange(
+    seed: u64,
+    out: Option<Sink>,
+    rule: impl FnOnce(&UdNodes) -> Option<FaultRule>,
+) -> (Fabric, UdNodes, Vec<WorkCompletion>) {
+    let fabric = Fabric::new(FabricConfig::new(2, seed));
+    if let Some(out) = out {
+        fabric.start_capture(out).unwrap();
+    }
+    let mut u = ud_nodes(&fabric);
+    if let Some(rule) = rule(&u) {
+        fabric.add_fault_rule(rule);
+    }
+    let dgrams = ud_datagrams();
+    for i in 0..dgrams.len() as u64 {
+        let sge = [u.b_mr.sge(i * 8192, 4136)];
+        u.b.post_recv(&[RecvWr {
+            wr_id: i,
+            sgl: &sge,
+        }])
+        .unwrap();
+    }
+    let ah = u.a_pd.create_ah(&u.b_dev.ah_attr()).unwrap();
+    for (i, (q, data, imm, inline)) in dgrams.iter().enumerate() {
+        let dest = UdDest {
+            ah: &ah,
+            qpn: u.b.qpn(),
+            qkey: QKEY,
+        };
+        let op = match imm {
+            Some(v) => WrOp::SendImm(*v),
+            None => WrOp::Send,
+        };
+        let at = i as u64 * 8192;
+        u.a_buf.write(at as usize, data).unwrap();
+        let sge = [u.a_mr.sge(at, data.len() as u32)];
+        let wr = match inline {
+            true => SendWr::inline(i as u64, op, data),
+            false => SendWr::new(i as u64, op, &sge),
+        };
+        u.a[*q].post_send(&[wr.to(dest)]).unwrap();
+    }
+    fabric.run_until_quiet();
+    let mut wc = [WorkCompletion::default(); 16];
+    let n = u.a_cq.poll_ready(&mut wc);
+    assert_eq!(n, dgrams.len(), "a send completion for every datagram");
+    assert!(
+        wc[..n].iter().all(|w| w.status == WcStatus::Success),
+        "the sender is never told: {:?}",
+        &wc[..n]
+    );
+    let n = u.b_cq.poll_ready(&mut wc);
+    let recvs = wc[..n].to_vec();
+    (fabric, u, recvs)
+}
+
+/// The index in `dgrams` of the datagram node 0's QP `src_qpn` sent with PSN `psn`.
+fn which(u: &UdNodes, dgrams: &[Dgram], src_qpn: u32, psn: u32) -> usize {
+    let q =
+        u.a.iter()
+            .position(|qp| qp.qpn() == src_qpn)
+            .expect("a sending QP");
+    dgrams
+        .iter()
+        .enumerate()
+        .filter(|(_, d)| d.0 == q)
+        .nth((psn - UD_PSN) as usize)
+        .expect("a datagram sent")
+        .0
+}
+
+/// The RoCEv2 ICRC of `frame`, computed here from the IBTA rules (not with the crate's own
+/// code): CRC-32 over eight 0xFF bytes, then the IPv4 header with TOS, TTL and checksum
+/// masked to ones, the UDP header with its checksum masked, the BTH with its byte 4 (FECN,
+/// BECN, reserved) masked, and everything after it up to the ICRC.
+fn icrc_by_the_book(frame: &[u8]) -> u32 {
+    let mut m = vec![0xFFu8; 8];
+    let mut rest = frame[14..frame.len() - 4].to_vec();
+    rest[1] = 0xFF; // TOS
+    rest[8] = 0xFF; // TTL
+    rest[10..12].fill(0xFF); // IPv4 checksum
+    rest[20 + 6..20 + 8].fill(0xFF); // UDP checksum
+    rest[28 + 4] = 0xFF; // BTH byte 4
+    m.extend_from_slice(&rest);
+    let mut crc = !0u32;
+    for b in m {
+        crc ^= b as u32;
+        for _ in 0..8 {
+            crc = if crc & 1 != 0 {
+                crc >> 1 ^ 0xEDB8_8320
+            } else {
+                crc >> 1
+            };
+        }
+    }
+    !crc
+}
+
+#[test]
+fn tshark_decodes_deth_and_immediate_of_datagrams() {
+    let Some(tshark) = tshark() else { return };
+    let out = Sink::default();
+    let (fabric, u, recvs) = ud_exchange(21, Some(out.clone()), |_| None);
+    fabric.stop_capture().unwrap();
+    let dgrams = ud_datagrams();
+    assert_eq!(recvs.len(), dgrams.len(), "{recvs:?}");
+    let dir = std::env::temp_dir().join(format!("ringbell-ud-capture-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("ud.pcapng");
+    let file = out.0.borrow().clone();
+    std::fs::write(&path, &file).unwrap();
+    // Every frame as our own parser reads it, no malformed packet, no warning.
+    check_with_tshark(tshark, &path, &file);
+    let fields = [
+        "infiniband.bth.opcode",
+        "infiniband.bth.destqp",
+        "infiniband.bth.psn",
+        "infiniband.deth.q_key",
+        "infiniband.deth.srcqp",
+        "infiniband.immdt",
+        "infiniband.invariant.crc",
+        "_ws.col.Info",
+    ];
+    let mut cmd = Command::new(tshark);
+    cmd.args(TSHARK_OPTS)
+        .arg("-r")
+        .arg(&path)
+        .args(["-T", "fields", "-E", "separator=|"]);
+    for f in fields {
+        cmd.args(["-e", f]);
+    }
+    let o = cmd.output().unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let rows: Vec<Vec<String>> = String::from_utf8(o.stdout)
+        .unwrap()
+        .lines()
+        .map(|l| l.split('|').map(str::to_owned).collect())
+        .collect();
+    let frames = parse(&file).packets;
+    assert_eq!(rows.len(), dgrams.len(), "only the datagrams: {rows:?}");
+    // The two QPs' datagrams interleave on the wire: each row is found by its source QP
+    // (DETH) and PSN, and every datagram is seen once.
+    let mut seen = vec![false; dgrams.len()];
+    for (r, e) in rows.iter().zip(&frames) {
+        let i = which(&u, &dgrams, num(&r[4]) as u32, num(&r[2]) as u32);
+        assert!(!std::mem::replace(&mut seen[i], true), "{r:?} twice");
+        let (q, data, imm, _) = &dgrams[i];
+        let want_op = match imm {
+            Some(_) => Opcode::UdSendOnlyImm,
+            None => Opcode::UdSendOnly,
+        };
+        assert_eq!(num(&r[0]), want_op as u64, "opcode, {r:?}");
+        assert_eq!(num(&r[1]), u.b.qpn() as u64, "dest QP, {r:?}");
+        assert_eq!(num(&r[3]), QKEY as u64, "DETH Q_Key, {r:?}");
+        assert_eq!(num(&r[4]), u.a[*q].qpn() as u64, "DETH source QP, {r:?}");
+        // Wireshark lists the ImmDt field twice (hex bytes, comma-separated).
+        match imm {
+            Some(v) => assert!(
+                r[5].split(',')
+                    .all(|x| x.replace(':', "") == format!("{v:08x}")),
+                "ImmDt, {r:?}"
+            ),
+            None => assert_eq!(r[5], "", "no ImmDt, {r:?}"),
+        }
+        // The ICRC Wireshark shows is the one in the frame, and the one the IBTA rules give.
+        let icrc = u32::from_le_bytes(e.data[e.data.len() - 4..].try_into().unwrap());
+        assert_eq!(icrc_by_the_book(&e.data), icrc, "ICRC, {r:?}");
+        assert_eq!(num(&r[6]), icrc.swap_bytes() as u64, "ICRC, {r:?}");
+        let info = match imm {
+            Some(_) => "UD Send Only Immediate QP=",
+            None => "UD Send Only QP=",
+        };
+        assert!(
+            r[7].starts_with(&format!("{info}{:#08x}", u.b.qpn())),
+            "{r:?}"
+        );
+        // Our parser agrees, payload included.
+        let pk = parse_packet(&e.data).unwrap();
+        assert_eq!(pk.payload, &data[..]);
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn a_rule_drops_one_chosen_datagram_and_the_capture_marks_it() {
+    // Both of node 0's QPs send from PSN 100 to the same QP: the DETH's source QP tells
+    // their second datagrams apart. The rule drops QP 1's second one (datagram 3, the
+    // empty one with immediate).
+    let out = Sink::default();
+    let (fabric, u, recvs) = ud_exchange(22, Some(out.clone()), |u| {
+        Some(FaultRule::drop_nth(
+            FrameMatch {
+                kind: Some(FrameKind::Datagram),
+                src_qpn: Some(u.a[1].qpn()),
+                qpn: Some(u.b.qpn()),
+                psn: Some(UD_PSN + 1),
+                ..Default::default()
+            },
+            1,
+        ))
+    });
+    let st = fabric.stop_capture().unwrap();
+    let dgrams = ud_datagrams();
+    assert_eq!(fabric.fault_stats().rule_hits, 1);
+    assert_eq!(st.lost, 1);
+    // Every datagram but the fourth arrived (the two QPs' datagrams interleave).
+    let mut got: Vec<(u32, Option<u32>, u32)> = recvs
+        .iter()
+        .map(|w| {
+            assert_eq!(w.status, WcStatus::Success);
+            (w.source.unwrap().qpn, w.imm, w.byte_len)
+        })
+        .collect();
+    let mut want: Vec<(u32, Option<u32>, u32)> = dgrams
+        .iter()
+        .enumerate()
+        .filter(|&(i, _)| i != 3)
+        .map(|(_, (q, data, imm, _))| (u.a[*q].qpn(), *imm, 40 + data.len() as u32))
+        .collect();
+    got.sort();
+    want.sort();
+    assert_eq!(got, want);
+    let stats = u.b.ud_stats().unwrap();
+    assert_eq!(
+        (stats.received, stats.no_recv_dropped, stats.qkey_dropped),
+        (5, 0, 0)
+    );
+    // The capture has every datagram, the lost one marked, each comment naming the DETH.
+    let p = parse(&out.0.borrow());
+    assert_eq!(p.packets.len(), dgrams.len());
+    for e in &p.packets {
+        let pk = parse_packet(&e.data).unwrap();
+        let i = which(
+            &u,
+            &dgrams,
+            pk.repr.deth.unwrap().src_qp.get(),
+            pk.repr.bth.psn.get(),
+        );
+        let q = dgrams[i].0;
+        let c = e.comment.as_deref().unwrap();
+        let src = format!(", src QP {:#08x}, Q_Key {QKEY:#010x}, PSN ", u.a[q].qpn());
+        assert!(c.contains(&src), "{c}");
+    }
+    let lost: Vec<_> = p
+        .packets
+        .iter()
+        .filter(|e| {
+            e.comment
+                .as_deref()
+                .unwrap()
+                .ends_with("; dropped by fault injection")
+        })
+        .collect();
+    assert_eq!(lost.len(), 1);
+    let pk = parse_packet(&lost[0].data).unwrap();
+    assert_eq!(
+        (
+            pk.repr.deth.unwrap().src_qp.get(),
+            pk.repr.bth.psn.get(),
+            pk.repr.imm
+        ),
+        (u.a[1].qpn(), UD_PSN + 1, Some(0x0102_0304))
+    );
+    // A rule for RC requests leaves datagrams alone.
+    let (fabric, _, recvs) = ud_exchange(22, None, |_| {
+        Some(FaultRule {
+            when: FrameMatch {
+                kind: Some(FrameKind::Request),
+                ..Default::default()
+            },
+            nth: 1,
+            times: 0,
+            action: ringbell_emu::FaultAction::Drop,
+        })
+    });
+    assert_eq!(fabric.fault_stats().rule_hits, 0);
+    assert_eq!(recvs.len(), dgrams.len());
 }
 
 #[test]

@@ -185,6 +185,116 @@ fn a_write_goes_through_its_stages_in_causal_order_and_is_acknowledged() {
 }
 
 #[test]
+fn datagrams_are_named_followed_and_their_losses_marked() {
+    use ringbell::*;
+    use ringbell_emu::{Fabric, FaultRule, FrameKind, FrameMatch};
+    let fabric = Fabric::new(FabricConfig::new(2, 3));
+    let ud = |n: usize| {
+        let dev = Device::open(Box::new(fabric.port(n))).unwrap();
+        let pd = dev.alloc_pd().unwrap();
+        let buf = dev.alloc_dma(1 << 16).unwrap();
+        let mr = pd.reg_mr(&buf, Access::LOCAL_WRITE).unwrap();
+        let cq = dev.create_cq(16).unwrap();
+        let mut init = QpInit::new(&cq, &cq);
+        init.qp_type = QpType::Ud;
+        init.max_inline = 64;
+        let mut qp = pd.create_qp(&init).unwrap();
+        qp.ud_ready(0x77, 500).unwrap();
+        (qp, cq, mr, buf, pd, dev)
+    };
+    let (mut qa, mut cqa, ma, ba, pa, _da) = ud(0);
+    let (mut qb, mut cqb, mb, _bb, _pb, db) = ud(1);
+    for i in 0..3u64 {
+        let sge = [mb.sge(i * 8192, 4136)];
+        qb.post_recv(&[RecvWr {
+            wr_id: i,
+            sgl: &sge,
+        }])
+        .unwrap();
+    }
+    // The second datagram (PSN 501) is lost on the wire.
+    fabric.add_fault_rule(FaultRule::drop_nth(
+        FrameMatch {
+            kind: Some(FrameKind::Datagram),
+            src_qpn: Some(qa.qpn()),
+            psn: Some(501),
+            ..Default::default()
+        },
+        1,
+    ));
+    fabric.run_until_quiet();
+    fabric.start_timeline(100_000).unwrap();
+    let ah = pa.create_ah(&db.ah_attr()).unwrap();
+    let dest = UdDest {
+        ah: &ah,
+        qpn: qb.qpn(),
+        qkey: 0x77,
+    };
+    ba.write(0, &[0x5A; 3000]).unwrap();
+    let sge = [ma.sge(0, 3000)];
+    qa.post_send(&[
+        SendWr::new(1, WrOp::Send, &sge).to(dest),
+        SendWr::inline(2, WrOp::SendImm(9), b"lost").to(dest),
+        SendWr::inline(3, WrOp::SendImm(10), b"kept").to(dest),
+    ])
+    .unwrap();
+    fabric.run_until_quiet();
+    let mut wc = [WorkCompletion::default(); 4];
+    assert_eq!(cqa.poll_ready(&mut wc), 3);
+    assert_eq!(cqb.poll_ready(&mut wc), 2);
+    let tl = fabric.take_timeline().unwrap();
+    let ev = tl.events();
+    // Each datagram leaves node 0 once; two arrive at node 1, the lost one is a dropped
+    // flight.
+    let of = |node: usize, stage: Stage| -> Vec<(u8, u32, u8)> {
+        ev.iter()
+            .filter(|e| e.node == node && e.ev.stage == stage)
+            .map(|e| (e.ev.op, e.ev.psn, e.ev.status))
+            .collect()
+    };
+    let (only, imm) = (Opcode::UdSendOnly as u8, Opcode::UdSendOnlyImm as u8);
+    assert_eq!(
+        of(0, Stage::Serialize),
+        vec![(only, 500, 0), (imm, 501, 0), (imm, 502, 0)]
+    );
+    let flights: Vec<_> = ev
+        .iter()
+        .filter(|e| matches!(e.ev.stage, Stage::Flight | Stage::SwitchedFlight))
+        .map(|e| (e.node, e.ev.op, e.ev.psn, e.ev.status, e.ev.qpn, e.ev.obj))
+        .collect();
+    let b = qb.qpn();
+    assert_eq!(
+        flights,
+        vec![
+            (0, only, 500, 0, b, 1),
+            (0, imm, 501, 1, b, 1),
+            (0, imm, 502, 0, b, 1)
+        ]
+    );
+    assert_eq!(of(1, Stage::Rx), vec![(only, 500, 0), (imm, 502, 0)]);
+    // The JSON names them.
+    let mut json = Vec::new();
+    tl.write_json(&mut json).unwrap();
+    let doc: Value = serde_json::from_slice(&json).unwrap();
+    let names: BTreeSet<String> = doc["traceEvents"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|e| e["name"].as_str().map(str::to_owned))
+        .collect();
+    for want in [
+        "TX UD_SEND_ONLY PSN 500".to_string(),
+        format!("UD_SEND_ONLY_WITH_IMMEDIATE PSN 501 -> node 1 QP {b} (dropped)"),
+        format!("RX UD_SEND_ONLY_WITH_IMMEDIATE PSN 502 QP {b}"),
+    ] {
+        assert!(
+            names.iter().any(|n| n.starts_with(&want)),
+            "no {want:?} in {names:?}"
+        );
+    }
+}
+
+#[test]
 fn one_seed_gives_one_file_byte_for_byte() {
     let (fa, a, _) = traced(7, 1_000_000);
     let (fb, b, _) = traced(7, 1_000_000);
