@@ -112,6 +112,10 @@ pub(crate) struct Inner {
     timers: u64,
     /// Frames on their way to each node.
     in_flight: Vec<u32>,
+    /// Per node: an interrupt was raised since the node was last reported by `take_raised`.
+    irq_flag: Vec<bool>,
+    /// The nodes whose flag is set, in the order they were raised.
+    raised: Vec<usize>,
     /// Register writes of each node still on their way to the device.
     pending_mmio: Vec<u32>,
     /// When each node's last posted store reaches its device.
@@ -144,6 +148,8 @@ struct NodeEnv<'a> {
     capture: &'a mut Option<Box<Capture>>,
     timeline: &'a mut Option<Box<Timeline>>,
     in_flight: &'a mut [u32],
+    irq_flag: &'a mut [bool],
+    raised: &'a mut Vec<usize>,
     /// Functional mode is in force.
     functional: bool,
     /// The nodes before and after this one (functional mode reaches the peer through them).
@@ -287,6 +293,12 @@ impl Env for NodeEnv<'_> {
     }
     fn interrupt(&mut self, _vector: u32) {
         *self.interrupts += 1;
+        if let Some(f) = self.irq_flag.get_mut(self.node) {
+            if !*f {
+                *f = true;
+                self.raised.push(self.node);
+            }
+        }
     }
     fn tracing(&self) -> bool {
         self.timeline.is_some()
@@ -337,6 +349,8 @@ impl Env for NodeEnv<'_> {
             capture: &mut *self.capture,
             timeline: &mut *self.timeline,
             in_flight: &mut *self.in_flight,
+            irq_flag: &mut *self.irq_flag,
+            raised: &mut *self.raised,
             functional: false,
             before: &mut [],
             after: &mut [],
@@ -388,6 +402,8 @@ impl Inner {
             capture: &mut self.capture,
             timeline: &mut self.timeline,
             in_flight: &mut self.in_flight,
+            irq_flag: &mut self.irq_flag,
+            raised: &mut self.raised,
             functional,
             before,
             after,
@@ -551,6 +567,8 @@ impl Fabric {
             switch_free: vec![SimTime::ZERO; cfg.nodes],
             pending_mmio: vec![0; cfg.nodes],
             in_flight: vec![0; cfg.nodes],
+            irq_flag: vec![false; cfg.nodes],
+            raised: Vec::new(),
             mmio_last: vec![SimTime::ZERO; cfg.nodes],
             timers: 0,
             faults: Faults::new(cfg.faults.clone(), cfg.nodes, cfg.seed),
@@ -674,7 +692,20 @@ impl Fabric {
         s.nodes[node].iommu.clear()
     }
 
-    /// Interrupts node `node` has raised.
+    /// Moves into `out` (cleared first) the nodes that raised an interrupt (an event queue
+    /// entry, or an armed CQ's event) since the last call, each once, in the order they first
+    /// did: a harness polls just those nodes instead of every node after every step.
+    pub fn take_raised(&self, out: &mut Vec<usize>) {
+        let mut s = self.shared.borrow_mut();
+        let s = &mut *s;
+        out.clear();
+        out.append(&mut s.raised);
+        for &n in out.iter() {
+            s.irq_flag[n] = false;
+        }
+    }
+
+    /// MSI-X interrupts node `node` has raised.
     pub fn interrupts(&self, node: usize) -> u64 {
         self.shared.borrow().nodes[node].interrupts
     }
