@@ -127,7 +127,11 @@ fn ud_post_send_and_poll_do_not_allocate() {
         assert_eq!((na, nb), (1, 1), "one signaled send, one datagram taken");
         assert!(wc[4].source.is_some());
         if round >= 10 {
-            assert_eq!(after - before, 0, "round {round}: polling a UD CQ allocated");
+            assert_eq!(
+                after - before,
+                0,
+                "round {round}: polling a UD CQ allocated"
+            );
         }
     }
     // The second datagram of each round found no receive posted: dropped and counted.
