@@ -142,7 +142,7 @@ impl ProtectionDomain {
     pub fn create_counter(&self) -> Result<Counter, Error> {
         let dev = self.device();
         dev.inner.retry_parked_cntrs();
-        let wb = dev.alloc_dma(std::mem::size_of::<CntrWriteback>())?;
+        let wb = dev.alloc_ring(std::mem::size_of::<CntrWriteback>())?;
         let num = dev.inner.create(
             CmdOpcode::CreateCntr,
             CreateCntrIn {

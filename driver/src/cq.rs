@@ -127,8 +127,8 @@ impl Device {
         }
         let log = entries.next_power_of_two().trailing_zeros() as u8;
         let log = log.max(1);
-        let ring = self.alloc_dma((1usize << log) * CQE_SIZE)?;
-        let db = self.alloc_dma(64)?;
+        let ring = self.alloc_ring((1usize << log) * CQE_SIZE)?;
+        let db = self.alloc_ring(64)?;
         let input = CreateCqIn {
             log_size: log,
             ring_iova: ring.iova().into(),

@@ -108,6 +108,132 @@ pub(crate) struct DevInner {
     lost: RefCell<Option<String>>,
     /// Caller memory mapped for this device (`hostmem`).
     pub(crate) host: crate::hostmem::HostRegions,
+    /// Where the driver's own rings and doorbell records come from.
+    arena: RefCell<DmaArena>,
+}
+
+/// Bytes of each arena chunk: one memory file, mapped for the device once.
+const ARENA_CHUNK: usize = 1 << 20;
+/// Smallest arena block (a doorbell record's 64-byte line).
+const ARENA_MIN_LOG: u32 = 6;
+/// Largest arena block; larger rings get memory of their own.
+const ARENA_MAX_LOG: u32 = 18;
+
+/// The driver's DMA arena: queue rings and doorbell records are blocks of a few large
+/// memory files, each mapped for the device once, instead of a memory file and a mapping
+/// each. That keeps file descriptors and mappings (and, over vfio-user, DMA_MAP messages) in
+/// proportion to the memory used, not to the number of queues. Blocks are powers of two from
+/// 64 bytes to 256 KiB, aligned to their size (4 KiB at most); a freed block goes to the
+/// free list of its size and is zeroed when it is handed out again; a chunk whose last block
+/// is freed is unmapped and closed, unless it is the one new blocks are cut from.
+#[derive(Debug, Default)]
+struct DmaArena {
+    /// Chunks by number; `None` once released.
+    chunks: Vec<Option<ArenaChunk>>,
+    /// Free blocks per size class: (chunk, offset).
+    free: Vec<Vec<(u32, usize)>>,
+}
+
+#[derive(Debug)]
+struct ArenaChunk {
+    mem: DmaMemory,
+    iova: u64,
+    /// Bytes cut so far.
+    used: usize,
+    /// Blocks handed out and not freed.
+    live: usize,
+}
+
+impl DevInner {
+    /// A zeroed block of at least `len` bytes from the arena, or `None` when `len` is
+    /// larger than the arena's blocks.
+    fn arena_alloc(&self, len: usize) -> Result<Option<(DmaMemory, u64, u32, u32)>, Error> {
+        let log = len
+            .max(1)
+            .next_power_of_two()
+            .trailing_zeros()
+            .max(ARENA_MIN_LOG);
+        if log > ARENA_MAX_LOG {
+            return Ok(None);
+        }
+        let class = (log - ARENA_MIN_LOG) as usize;
+        let size = 1usize << log;
+        let mut a = self.arena.borrow_mut();
+        if a.free.len() <= class {
+            a.free.resize_with(class + 1, Vec::new);
+        }
+        let (chunk, off, fresh) = match a.free[class].pop() {
+            Some((c, off)) => (c, off, false),
+            None => {
+                let align = size.min(4096);
+                let last = a.chunks.len().checked_sub(1);
+                let room = last
+                    .and_then(|i| {
+                        a.chunks[i]
+                            .as_ref()
+                            .map(|c| (i, c.used.next_multiple_of(align)))
+                    })
+                    .filter(|&(_, at)| at + size <= ARENA_CHUNK);
+                match room {
+                    Some((i, at)) => (i as u32, at, true),
+                    None => {
+                        let mem = DmaMemory::new(ARENA_CHUNK)?;
+                        let iova = self.alloc_iova(ARENA_CHUNK)?;
+                        self.port.dma_map(mem.fd(), ARENA_CHUNK as u64, iova)?;
+                        a.chunks.push(Some(ArenaChunk {
+                            mem,
+                            iova,
+                            used: 0,
+                            live: 0,
+                        }));
+                        (a.chunks.len() as u32 - 1, 0, true)
+                    }
+                }
+            }
+        };
+        let Some(c) = a.chunks.get_mut(chunk as usize).and_then(Option::as_mut) else {
+            return Err(Error::Memory(
+                "DMA arena: a free block of a released chunk".into(),
+            ));
+        };
+        if fresh {
+            c.used = off + size;
+        }
+        c.live += 1;
+        let view = c
+            .mem
+            .view(off, size)
+            .ok_or_else(|| Error::Memory("DMA arena: block outside its chunk".into()))?;
+        if !fresh {
+            // A reused block: the device expects zeroed rings and records.
+            view.fill(0, size, 0)?;
+        }
+        Ok(Some((view, c.iova + off as u64, chunk, class as u32)))
+    }
+
+    /// Returns a block to the arena.
+    fn arena_free(&self, chunk: u32, class: u32, off: usize) {
+        let mut a = self.arena.borrow_mut();
+        let a = &mut *a;
+        let current = a.chunks.len().saturating_sub(1) == chunk as usize;
+        let Some(c) = a.chunks.get_mut(chunk as usize).and_then(Option::as_mut) else {
+            return;
+        };
+        c.live = c.live.saturating_sub(1);
+        if c.live == 0 && !current {
+            // Nothing of the chunk is in use and no new block comes from it: close it.
+            for list in &mut a.free {
+                list.retain(|&(n, _)| n != chunk);
+            }
+            if let Some(c) = a.chunks[chunk as usize].take() {
+                let _ = self.port.dma_unmap(c.iova, ARENA_CHUNK as u64);
+            }
+            return;
+        }
+        if let Some(list) = a.free.get_mut(class as usize) {
+            list.push((chunk, off));
+        }
+    }
 }
 
 impl std::fmt::Debug for DevInner {
@@ -344,6 +470,7 @@ impl Device {
             command_timeout: Cell::new(command_timeout),
             lost: RefCell::new(None),
             host: Default::default(),
+            arena: Default::default(),
         };
         let mb_iova = inner.alloc_iova(inner.mailbox.len())?;
         inner
@@ -424,7 +551,8 @@ impl Device {
         })
     }
 
-    /// Allocates `len` bytes of DMA memory (rounded up to 4 KiB) mapped for the device.
+    /// Allocates `len` bytes of DMA memory (rounded up to 4 KiB) mapped for the device: a
+    /// memory file and a device mapping of its own.
     pub fn alloc_dma(&self, len: usize) -> Result<DmaBuffer, Error> {
         let mem = DmaMemory::new(len)?;
         let iova = self.inner.alloc_iova(mem.len())?;
@@ -433,7 +561,30 @@ impl Device {
             dev: self.clone(),
             mem,
             iova,
+            arena: None,
         })
+    }
+
+    /// Allocates at least `len` zeroed bytes for a ring or doorbell record of the driver's
+    /// own, from the device's DMA arena (or, above 256 KiB, as [`Device::alloc_dma`] does).
+    pub(crate) fn alloc_ring(&self, len: usize) -> Result<DmaBuffer, Error> {
+        match self.inner.arena_alloc(len)? {
+            Some((mem, iova, chunk, class)) => Ok(DmaBuffer {
+                dev: self.clone(),
+                mem,
+                iova,
+                arena: Some((chunk, class)),
+            }),
+            None => self.alloc_dma(len),
+        }
+    }
+
+    /// Memory files and device mappings the driver holds for its own rings: (arena chunks,
+    /// blocks in use).
+    pub fn arena_usage(&self) -> (usize, usize) {
+        let a = self.inner.arena.borrow();
+        let live = a.chunks.iter().flatten();
+        (live.clone().count(), live.map(|c| c.live).sum())
     }
 
     /// The device clock (simulated picoseconds on the emulator).
@@ -513,6 +664,8 @@ pub struct DmaBuffer {
     dev: Device,
     mem: DmaMemory,
     iova: u64,
+    /// An arena block: (chunk, size class).
+    arena: Option<(u32, u32)>,
 }
 
 impl DmaBuffer {
@@ -568,11 +721,19 @@ impl DmaBuffer {
 
 impl Drop for DmaBuffer {
     fn drop(&mut self) {
-        let _ = self
-            .dev
-            .inner
-            .port
-            .dma_unmap(self.iova, self.mem.len() as u64);
+        match self.arena {
+            Some((chunk, class)) => self
+                .dev
+                .inner
+                .arena_free(chunk, class, self.mem.file_offset()),
+            None => {
+                let _ = self
+                    .dev
+                    .inner
+                    .port
+                    .dma_unmap(self.iova, self.mem.len() as u64);
+            }
+        }
     }
 }
 
@@ -625,6 +786,40 @@ mod tests {
     }
 
     use crate::port::PortError;
+
+    #[test]
+    fn arena_blocks_are_sized_aligned_reused_zeroed_and_chunks_released() {
+        let dev = Device::open_with(Box::new(Hanging::default()), Duration::from_secs(1)).unwrap();
+        let a = dev.alloc_ring(100).unwrap();
+        assert_eq!(a.len(), 128, "a power of two, at least 64");
+        assert_eq!(a.iova() % 128, 0);
+        assert_eq!(dev.alloc_ring(1).unwrap().len(), 64);
+        let big = dev.alloc_ring(512 << 10).unwrap();
+        assert_eq!(big.len(), 512 << 10, "above 256 KiB: memory of its own");
+        assert_eq!(
+            dev.arena_usage().1,
+            1,
+            "the 64-byte block went back when dropped"
+        );
+        a.write(0, &[0xAB; 128]).unwrap();
+        let iova = a.iova();
+        drop(a);
+        let b = dev.alloc_ring(120).unwrap();
+        assert_eq!(b.iova(), iova, "the freed block is reused");
+        assert_eq!(b.read_u64(0).unwrap(), 0, "and handed out zeroed");
+        assert_eq!(b.read_u64(120).unwrap(), 0);
+        // Fill more than a chunk with 64 KiB blocks, then free them all: only the chunk new
+        // blocks come from stays.
+        let many: Vec<_> = (0..40).map(|_| dev.alloc_ring(64 << 10).unwrap()).collect();
+        let (chunks, live) = dev.arena_usage();
+        assert!(chunks >= 3, "{chunks}");
+        assert_eq!(live, 41);
+        assert!(many.windows(2).all(|w| w[0].iova() != w[1].iova()));
+        drop(many);
+        drop(b);
+        assert_eq!(dev.arena_usage(), (1, 0));
+        drop(big);
+    }
 
     #[test]
     fn a_command_that_never_completes_times_out_and_later_ones_fail_at_once() {

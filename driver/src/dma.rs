@@ -12,12 +12,22 @@ use std::fs::File;
 use std::marker::PhantomData;
 use std::os::fd::AsFd;
 use std::sync::atomic::{fence, AtomicU8, Ordering};
+use std::sync::Arc;
 
-/// A page-aligned, zero-filled, memfd-backed buffer.
+/// A memory file and its one mapping, shared by the [`DmaMemory`] views of it.
 #[derive(Debug)]
-pub struct DmaMemory {
+struct Backing {
     file: File,
     map: MmapRaw,
+}
+
+/// A zero-filled, memfd-backed buffer: a whole page-aligned memory file, or (for the
+/// driver's own rings, see [`crate::device`]'s arena) a range of one.
+#[derive(Debug)]
+pub struct DmaMemory {
+    backing: Arc<Backing>,
+    /// Where this buffer starts in the mapping.
+    off: usize,
     len: usize,
 }
 
@@ -40,7 +50,34 @@ impl DmaMemory {
         file.set_len(len as u64)
             .map_err(|e| Error::Memory(e.to_string()))?;
         let map = MmapRaw::map_raw(&file).map_err(|e| Error::Memory(e.to_string()))?;
-        Ok(DmaMemory { file, map, len })
+        Ok(DmaMemory {
+            backing: Arc::new(Backing { file, map }),
+            off: 0,
+            len,
+        })
+    }
+
+    /// A view of `len` bytes from `off` of this buffer, sharing its memory file and mapping
+    /// (`None` if the range is not inside the buffer).
+    pub(crate) fn view(&self, off: usize, len: usize) -> Option<DmaMemory> {
+        self.check(off, len).ok()?;
+        Some(DmaMemory {
+            backing: self.backing.clone(),
+            off: self.off + off,
+            len,
+        })
+    }
+
+    /// Where this buffer starts in its memory file.
+    pub(crate) fn file_offset(&self) -> usize {
+        self.off
+    }
+
+    /// The first byte of the buffer in the mapping.
+    fn base(&self) -> *mut u8 {
+        // SAFETY: `off` is inside the mapping (a view is checked against its parent when
+        // made, and a whole file has offset 0), so the result stays in the same allocation.
+        unsafe { self.backing.map.as_mut_ptr().add(self.off) }
     }
 
     /// Length in bytes.
@@ -53,9 +90,10 @@ impl DmaMemory {
         self.len == 0
     }
 
-    /// The memory file, for mapping into a device.
+    /// The memory file, for mapping into a device (a view's bytes start at
+    /// [`DmaMemory::file_offset`] in it).
     pub fn fd(&self) -> std::os::fd::BorrowedFd<'_> {
-        self.file.as_fd()
+        self.backing.file.as_fd()
     }
 
     fn check(&self, offset: usize, len: usize) -> Result<(), Error> {
@@ -75,11 +113,7 @@ impl DmaMemory {
         // SAFETY: the range is inside the live mapping (checked above); `data` cannot overlap
         // it because the mapping is never handed out as a Rust slice.
         unsafe {
-            std::ptr::copy_nonoverlapping(
-                data.as_ptr(),
-                self.map.as_mut_ptr().add(offset),
-                data.len(),
-            )
+            std::ptr::copy_nonoverlapping(data.as_ptr(), self.base().add(offset), data.len())
         };
         Ok(())
     }
@@ -89,11 +123,7 @@ impl DmaMemory {
         self.check(offset, out.len())?;
         // SAFETY: as in `write`; the source is inside the mapping and `out` is ours.
         unsafe {
-            std::ptr::copy_nonoverlapping(
-                self.map.as_ptr().add(offset),
-                out.as_mut_ptr(),
-                out.len(),
-            )
+            std::ptr::copy_nonoverlapping(self.base().add(offset), out.as_mut_ptr(), out.len())
         };
         Ok(())
     }
@@ -102,7 +132,7 @@ impl DmaMemory {
     pub fn fill(&self, offset: usize, len: usize, byte: u8) -> Result<(), Error> {
         self.check(offset, len)?;
         // SAFETY: the range is inside the live mapping.
-        unsafe { std::ptr::write_bytes(self.map.as_mut_ptr().add(offset), byte, len) };
+        unsafe { std::ptr::write_bytes(self.base().add(offset), byte, len) };
         Ok(())
     }
 
@@ -115,7 +145,7 @@ impl DmaMemory {
             return None;
         }
         Some(DmaRing {
-            ptr: self.map.as_mut_ptr(),
+            ptr: self.base(),
             mask: count - 1,
             _mem: PhantomData,
         })
@@ -127,7 +157,7 @@ impl DmaMemory {
         let offset = offset.min(self.len - 1);
         // SAFETY: in bounds; AtomicU8 has the alignment of u8, and the device writes this byte
         // with a single store.
-        let a = unsafe { &*(self.map.as_ptr().add(offset) as *const AtomicU8) };
+        let a = unsafe { &*(self.base().add(offset) as *const AtomicU8) };
         a.load(Ordering::Acquire)
     }
 
@@ -238,10 +268,26 @@ mod tests {
         m.write(5000, b"shared").unwrap();
         let other = memmap2::MmapOptions::new()
             .len(8192)
-            .map_raw(&m.file)
+            .map_raw(&m.backing.file)
             .unwrap();
         // SAFETY: the second mapping is 8192 bytes long; bytes 5000..5006 are in it.
         let got = unsafe { std::slice::from_raw_parts(other.as_ptr().add(5000), 6) };
         assert_eq!(got, b"shared");
+    }
+
+    #[test]
+    fn views_share_the_file_and_stay_in_their_range() {
+        let m = DmaMemory::new(8192).unwrap();
+        let v = m.view(4096, 128).unwrap();
+        assert_eq!((v.len(), v.file_offset()), (128, 4096));
+        v.write(0, b"arena").unwrap();
+        let mut b = [0u8; 5];
+        m.read(4096, &mut b).unwrap();
+        assert_eq!(&b, b"arena", "a view writes the parent's bytes");
+        assert!(v.write(124, b"12345").is_err(), "beyond the view");
+        assert!(m.view(8000, 200).is_none(), "beyond the parent");
+        let w = v.view(64, 64).unwrap();
+        assert_eq!(w.file_offset(), 4096 + 64);
+        assert!(v.ring_blocks(2).is_some() && v.ring_blocks(4).is_none());
     }
 }

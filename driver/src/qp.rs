@@ -676,13 +676,13 @@ impl ProtectionDomain {
         } else {
             init.max_recv_wr.next_power_of_two().trailing_zeros().max(1) as u8
         };
-        let sq = self.dev.alloc_dma((1usize << sq_log) * WQEBB)?;
+        let sq = self.dev.alloc_ring((1usize << sq_log) * WQEBB)?;
         let rq = if init.srq.is_none() {
-            Some(self.dev.alloc_dma((1usize << rq_log) << rq_stride_log)?)
+            Some(self.dev.alloc_ring((1usize << rq_log) << rq_stride_log)?)
         } else {
             None
         };
-        let db = self.dev.alloc_dma(64)?;
+        let db = self.dev.alloc_ring(64)?;
         let input = CreateQpIn {
             pdn: self.pdn.into(),
             send_cqn: init.send_cq.cqn().into(),

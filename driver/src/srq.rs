@@ -118,8 +118,8 @@ impl ProtectionDomain {
         let stride_log = (max_sge as usize * SEG)
             .next_power_of_two()
             .trailing_zeros() as u8;
-        let ring = self.dev.alloc_dma((1usize << log) << stride_log)?;
-        let db = self.dev.alloc_dma(64)?;
+        let ring = self.dev.alloc_ring((1usize << log) << stride_log)?;
+        let db = self.dev.alloc_ring(64)?;
         let input = CreateSrqIn {
             pdn: self.pdn.into(),
             log_size: log,

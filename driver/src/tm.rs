@@ -186,7 +186,7 @@ pub(crate) fn create(
         ));
     }
     let log = t.max_ops.next_power_of_two().trailing_zeros().max(1) as u8;
-    let ring = pd.dev.alloc_dma((1usize << log) * TM_OP_SIZE)?;
+    let ring = pd.dev.alloc_ring((1usize << log) * TM_OP_SIZE)?;
     let input = CreateTmSrqIn {
         srq,
         cqn: t.cq.cqn().into(),
