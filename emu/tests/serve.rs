@@ -129,6 +129,9 @@ impl Drop for Server {
 struct Peer {
     proc: Proc,
     lines: mpsc::Receiver<String>,
+    /// Its stderr, collected as it comes.
+    err: std::sync::Arc<std::sync::Mutex<String>>,
+    err_reader: Option<std::thread::JoinHandle<()>>,
 }
 
 impl Peer {
@@ -161,9 +164,18 @@ impl Peer {
             .spawn()
             .unwrap();
         let lines = lines_of(child.stdout.take().unwrap());
+        let err = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
+        let (mut stderr, sink) = (child.stderr.take().unwrap(), err.clone());
+        let err_reader = std::thread::spawn(move || {
+            let mut s = String::new();
+            let _ = stderr.read_to_string(&mut s);
+            sink.lock().unwrap().push_str(&s);
+        });
         Peer {
             proc: Proc(child),
             lines,
+            err,
+            err_reader: Some(err_reader),
         }
     }
 
@@ -178,7 +190,14 @@ impl Peer {
             let l = self
                 .lines
                 .recv_timeout(Duration::from_secs(60))
-                .unwrap_or_else(|_| panic!("no {prefix:?} line from a peer"));
+                .unwrap_or_else(|e| {
+                    // Give the stderr reader a moment when the process has ended.
+                    std::thread::sleep(Duration::from_millis(200));
+                    panic!(
+                        "no {prefix:?} line from a peer ({e:?}); its stderr: {}",
+                        self.err.lock().unwrap()
+                    )
+                });
             if l.starts_with(prefix) {
                 return l;
             }
@@ -195,8 +214,10 @@ impl Peer {
             assert!(Instant::now() < deadline, "a peer never ended");
             std::thread::sleep(Duration::from_millis(20));
         };
-        let mut err = String::new();
-        let _ = self.proc.0.stderr.take().unwrap().read_to_string(&mut err);
+        if let Some(r) = self.err_reader.take() {
+            let _ = r.join();
+        }
+        let err = self.err.lock().unwrap().clone();
         (status.success(), err)
     }
 }
