@@ -143,14 +143,12 @@ pub(crate) fn destroy(st: &mut State, cq: &mut RbCq) -> i32 {
     0
 }
 
-/// `ibv_resize_cq`: ringbell CQs keep their size; a request the current ring satisfies
-/// succeeds, a larger one is refused as by a device without resize.
-pub(crate) fn resize(cq: &mut RbCq, cqe: i32) -> i32 {
+/// `ibv_resize_cq`: ringbell CQs keep the size they were created with, so every resize is
+/// refused as by a device without the verb (EOPNOTSUPP, which programs and rdma-core's
+/// tests take for "not supported"; a shrink that succeeded would promise a later grow).
+pub(crate) fn resize(_cq: &mut RbCq, cqe: i32) -> i32 {
     if cqe <= 0 {
         return libc::EINVAL;
-    }
-    if cqe <= cq.cq.cqe {
-        return 0;
     }
     libc::EOPNOTSUPP
 }
@@ -165,6 +163,9 @@ pub(crate) fn to_ibv_wc(w: &WorkCompletion, out: &mut abi::ibv_wc) {
         byte_len: w.byte_len,
         qp_num: w.qpn,
         wc_flags: wc_flags_of(w) as u32,
+        // A datagram: the sending QP. RoCE has no LIDs, service levels or P_Key indices
+        // to report (all 0).
+        src_qp: w.source.map_or(0, |s| s.qpn),
         ..Default::default()
     };
     if let Some(imm) = w.imm {
@@ -177,6 +178,11 @@ pub(crate) fn wc_flags_of(w: &WorkCompletion) -> u64 {
     let mut f = 0;
     if w.imm.is_some() {
         f |= abi::ibv_wc_flags_IBV_WC_WITH_IMM;
+    }
+    if w.source.is_some() {
+        // A datagram's receive buffer starts with the GRH area (RoCEv2 over IPv4: 20 zero
+        // bytes, then the IPv4 header), which `ibv_init_ah_from_wc` reads.
+        f |= abi::ibv_wc_flags_IBV_WC_GRH;
     }
     if w.tm_sync_req {
         f |= abi::ibv_wc_flags_IBV_WC_TM_SYNC_REQ;

@@ -161,8 +161,8 @@ pub(crate) unsafe fn ctx<'a>(p: *mut abi::ibv_context) -> &'a mut RbContext {
 }
 
 /// Closes a context. Objects the program did not destroy go with it, as the kernel
-/// releases them when a process closes its device file: QPs, SRQs, MRs, CQs, channels and
-/// PDs, in that order.
+/// releases them when a process closes its device file: QPs, SRQs, MRs, AHs, CQs, channels
+/// and PDs, in that order.
 pub(crate) fn close(st: &mut State, c: &mut RbContext) -> i32 {
     let me: *mut RbContext = c;
     for p in st.live_of(Kind::Qp) {
@@ -188,6 +188,15 @@ pub(crate) fn close(st: &mut State, c: &mut RbContext) -> i32 {
         // SAFETY: an MR's PD outlives it.
         if unsafe { (*o.pd).ctx } == me {
             crate::pd::dereg(st, o);
+        }
+    }
+    for p in st.live_of(Kind::Ah) {
+        // SAFETY: the registry lists live objects of this kind, allocated as this type;
+        // the lock is held.
+        let o = unsafe { &mut *(p as *mut crate::ah::RbAh) };
+        // SAFETY: an AH's PD outlives it.
+        if unsafe { (*o.pd).ctx } == me {
+            crate::ah::destroy(st, o);
         }
     }
     for p in st.live_of(Kind::Cq) {
@@ -255,6 +264,9 @@ pub(crate) fn query_device(caps: &DeviceCaps, a: &mut abi::ibv_device_attr) {
     a.max_cqe = i(caps.max_cqe);
     a.max_mr = i(caps.max_mr);
     a.max_pd = i(caps.max_pd);
+    // Address handles are the library's own objects (the destination is copied into each
+    // UD send), bounded only by memory.
+    a.max_ah = i32::MAX;
     a.max_qp_rd_atom = i(caps.max_rd_atomic);
     a.max_res_rd_atom = i(caps.max_rd_atomic.saturating_mul(caps.max_qp));
     a.max_qp_init_rd_atom = i(caps.max_rd_atomic);

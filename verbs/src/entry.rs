@@ -418,11 +418,14 @@ pub unsafe extern "C" fn ibv_query_gid_type(
 ) -> c_int {
     match owner(ctx as usize) {
         Owner::Ours(Kind::Context) => {
-            if ty.is_null() || port != 1 || index != 0 {
+            if ty.is_null() || port != 1 || index >= device::GID_TABLE_LEN {
+                set_errno(libc::EINVAL);
                 return -1;
             }
+            // Index 0 is RoCE v2; an empty entry reads as 0 (IB/RoCE v1), as libibverbs
+            // reports empty entries (`ibv_find_gid_index` walks past them).
             // SAFETY: the caller's out-pointer, checked non-null.
-            unsafe { *ty = 1 };
+            unsafe { *ty = c_int::from(index == 0) };
             0
         }
         Owner::Foreign => forward!(
@@ -1188,7 +1191,7 @@ pub unsafe extern "C" fn ibv_detach_mcast(
     }
 }
 
-// ---- address handles (ringbell NICs have no UD QPs yet) ----
+// ---- address handles ----
 
 #[no_mangle]
 pub unsafe extern "C" fn ibv_create_ah(
@@ -1196,7 +1199,19 @@ pub unsafe extern "C" fn ibv_create_ah(
     attr: *mut abi::ibv_ah_attr,
 ) -> *mut abi::ibv_ah {
     match owner(pd as usize) {
-        Owner::Ours(Kind::Pd) => null_with(libc::EOPNOTSUPP),
+        Owner::Ours(Kind::Pd) => {
+            if attr.is_null() {
+                return null_with(libc::EINVAL);
+            }
+            // SAFETY: the caller's struct, checked non-null.
+            let a = unsafe { &*attr };
+            ptr_or_errno(with(
+                pd as *mut RbPd,
+                Kind::Pd,
+                Err(libc::EINVAL),
+                |st, pd| crate::ah::create(st, pd, a),
+            ))
+        }
         Owner::Foreign => forward!(
             "ibv_create_ah",
             fn(*mut abi::ibv_pd, *mut abi::ibv_ah_attr) -> *mut abi::ibv_ah,
@@ -1208,6 +1223,26 @@ pub unsafe extern "C" fn ibv_create_ah(
 }
 
 #[no_mangle]
+pub unsafe extern "C" fn ibv_destroy_ah(ah: *mut abi::ibv_ah) -> c_int {
+    match owner(ah as usize) {
+        Owner::Ours(Kind::Ah) => with(
+            ah as *mut crate::ah::RbAh,
+            Kind::Ah,
+            libc::EINVAL,
+            crate::ah::destroy,
+        ),
+        Owner::Foreign => {
+            forward!("ibv_destroy_ah", fn(*mut abi::ibv_ah) -> c_int, (ah)).unwrap_or(libc::EINVAL)
+        }
+        _ => libc::EINVAL,
+    }
+}
+
+/// `ibv_init_ah_from_wc` and `ibv_create_ah_from_wc` are libibverbs' generic code: they
+/// read the GRH area of the receive buffer and the completion, and find the local GID
+/// through `ibv_query_gid` and `ibv_query_gid_type` (both served here for a ringbell
+/// context). A ringbell context is passed to them once checked live.
+#[no_mangle]
 pub unsafe extern "C" fn ibv_init_ah_from_wc(
     ctx: *mut abi::ibv_context,
     port: u8,
@@ -1216,11 +1251,11 @@ pub unsafe extern "C" fn ibv_init_ah_from_wc(
     attr: *mut abi::ibv_ah_attr,
 ) -> c_int {
     match owner(ctx as usize) {
-        Owner::Ours(Kind::Context) => {
-            set_errno(libc::EOPNOTSUPP);
+        Owner::Ours(Kind::Context) if wc.is_null() || grh.is_null() || attr.is_null() => {
+            set_errno(libc::EINVAL);
             -1
         }
-        Owner::Foreign => forward!(
+        Owner::Ours(Kind::Context) | Owner::Foreign => forward!(
             "ibv_init_ah_from_wc",
             fn(
                 *mut abi::ibv_context,
@@ -1232,7 +1267,10 @@ pub unsafe extern "C" fn ibv_init_ah_from_wc(
             (ctx, port, wc, grh, attr)
         )
         .unwrap_or(-1),
-        _ => -1,
+        _ => {
+            set_errno(libc::EINVAL);
+            -1
+        }
     }
 }
 
@@ -1244,8 +1282,8 @@ pub unsafe extern "C" fn ibv_create_ah_from_wc(
     port: u8,
 ) -> *mut abi::ibv_ah {
     match owner(pd as usize) {
-        Owner::Ours(Kind::Pd) => null_with(libc::EOPNOTSUPP),
-        Owner::Foreign => forward!(
+        Owner::Ours(Kind::Pd) if wc.is_null() || grh.is_null() => null_with(libc::EINVAL),
+        Owner::Ours(Kind::Pd) | Owner::Foreign => forward!(
             "ibv_create_ah_from_wc",
             fn(*mut abi::ibv_pd, *mut abi::ibv_wc, *mut abi::ibv_grh, u8) -> *mut abi::ibv_ah,
             (pd, wc, grh, port)

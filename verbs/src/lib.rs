@@ -21,6 +21,7 @@
 
 #[doc(hidden)]
 pub mod abi;
+mod ah;
 mod cq;
 mod device;
 mod entry;

@@ -81,9 +81,9 @@ unsafe extern "C" fn post_send(
     wr: *mut abi::ibv_send_wr,
     bad: *mut *mut abi::ibv_send_wr,
 ) -> c_int {
-    with(qp as *mut RbQp, Kind::Qp, libc::EINVAL, |_, qp| {
+    with(qp as *mut RbQp, Kind::Qp, libc::EINVAL, |st, qp| {
         // SAFETY: the caller's list, as libibverbs requires it.
-        unsafe { crate::qp::post_send(qp, wr, bad) }
+        unsafe { crate::qp::post_send(st, qp, wr, bad) }
     })
 }
 
@@ -453,8 +453,8 @@ unsafe extern "C" fn read_imm_data(cq: *mut abi::ibv_cq_ex) -> abi::__be32 {
 unsafe extern "C" fn read_qp_num(cq: *mut abi::ibv_cq_ex) -> u32 {
     read(cq, |c| c.cur.qpn)
 }
-unsafe extern "C" fn read_src_qp(_cq: *mut abi::ibv_cq_ex) -> u32 {
-    0
+unsafe extern "C" fn read_src_qp(cq: *mut abi::ibv_cq_ex) -> u32 {
+    read(cq, |c| c.cur.source.map_or(0, |s| s.qpn))
 }
 unsafe extern "C" fn read_wc_flags(cq: *mut abi::ibv_cq_ex) -> u32 {
     read(cq, |c| crate::cq::wc_flags_of(&c.cur) as u32)
@@ -534,8 +534,8 @@ unsafe extern "C" fn wr_start(q: *mut abi::ibv_qp_ex) {
     qpx(q, |qp| qp.wr_start())
 }
 unsafe extern "C" fn wr_complete(q: *mut abi::ibv_qp_ex) -> c_int {
-    with(q as *mut RbQp, Kind::Qp, libc::EINVAL, |_, qp| {
-        qp.wr_complete()
+    with(q as *mut RbQp, Kind::Qp, libc::EINVAL, |st, qp| {
+        qp.wr_complete(st)
     })
 }
 unsafe extern "C" fn wr_abort(q: *mut abi::ibv_qp_ex) {
@@ -689,11 +689,11 @@ unsafe extern "C" fn wr_send_tso(q: *mut abi::ibv_qp_ex, _hdr: *mut c_void, _sz:
 }
 unsafe extern "C" fn wr_set_ud_addr(
     q: *mut abi::ibv_qp_ex,
-    _ah: *mut abi::ibv_ah,
-    _qpn: u32,
-    _qkey: u32,
+    ah: *mut abi::ibv_ah,
+    qpn: u32,
+    qkey: u32,
 ) {
-    unsupported(q)
+    qpx(q, |qp| qp.wr_set_ud_addr(ah as usize, qpn, qkey))
 }
 unsafe extern "C" fn wr_set_xrc_srqn(q: *mut abi::ibv_qp_ex, _srqn: u32) {
     unsupported(q)

@@ -11,7 +11,7 @@ pub(crate) struct RbPd {
     pub pd: abi::ibv_pd,
     pub ctx: *mut RbContext,
     pub drv: ProtectionDomain,
-    /// Live MRs, QPs and SRQs (deallocating with any: EBUSY).
+    /// Live MRs, QPs, SRQs and AHs (deallocating with any: EBUSY).
     pub children: u32,
 }
 

@@ -1,14 +1,20 @@
-//! RC queue pairs: creation, the state machine with libibverbs' attribute masks, and both
-//! posting interfaces (`ibv_post_send` work request lists and the `ibv_wr_*` builder).
+//! Queue pairs, reliable connected and unreliable datagram: creation, the state machine with
+//! libibverbs' attribute masks, and both posting interfaces (`ibv_post_send` work request
+//! lists and the `ibv_wr_*` builder). A UD send names its destination by address handle,
+//! remote QPN and Q_Key.
 
 use crate::abi;
+use crate::ah::RbAh;
 use crate::cq::RbCq;
 use crate::device::{mac_of_gid, RbContext};
 use crate::pd::RbPd;
 use crate::srq::RbSrq;
-use crate::state::{Kind, State};
-use ringbell::{QpInit, QpState, QueuePair, RecvWr, RemoteAddr, SendFlags, SendWr, Sge, WrOp};
+use crate::state::{Kind, Owner, State};
+use ringbell::{
+    QpInit, QpState, QpType, QueuePair, RecvWr, RemoteAddr, SendFlags, SendWr, Sge, UdDest, WrOp,
+};
 use ringbell_specs::cmd::{QpAttr, QpAttrMask};
+use ringbell_specs::wqe::{MAX_INLINE_UD, MAX_UD_SEND_SGE};
 
 /// Most SGEs a work request may carry through this library.
 pub(crate) const MAX_SGE: usize = 32;
@@ -21,6 +27,9 @@ pub(crate) struct Pending {
     op: WrOp,
     sgl: Vec<Sge>,
     inline: Option<Vec<u8>>,
+    /// `ibv_wr_set_ud_addr`: the address handle (as the program's pointer, checked when the
+    /// request is posted), remote QPN and Q_Key.
+    ud: Option<(usize, u32, u32)>,
 }
 
 /// A ringbell QP: the extended QP layout (whose prefix is `struct ibv_qp`) and the state
@@ -34,6 +43,8 @@ pub(crate) struct RbQp {
     pub recv_cq: *mut RbCq,
     pub srq: *mut RbSrq,
     pub drv: QueuePair,
+    /// An unreliable datagram QP (else RC).
+    pub ud: bool,
     pub cap: abi::ibv_qp_cap,
     pub sq_sig_all: bool,
     /// Whether `ibv_qp_to_qp_ex` hands out the builder (created with send ops flags).
@@ -59,6 +70,11 @@ pub(crate) const SEND_OPS: u64 = (abi::ibv_qp_create_send_ops_flags_IBV_QP_EX_WI
     | abi::ibv_qp_create_send_ops_flags_IBV_QP_EX_WITH_ATOMIC_FETCH_AND_ADD)
     as u64;
 
+/// The send operations a UD QP can build.
+pub(crate) const SEND_OPS_UD: u64 = (abi::ibv_qp_create_send_ops_flags_IBV_QP_EX_WITH_SEND
+    | abi::ibv_qp_create_send_ops_flags_IBV_QP_EX_WITH_SEND_WITH_IMM)
+    as u64;
+
 /// Checked pointers of a creation request.
 pub(crate) struct CreateArgs {
     pub pd: *mut RbPd,
@@ -76,9 +92,11 @@ pub(crate) fn create(
     const SUPPORTED_MASK: u32 = abi::ibv_qp_init_attr_mask_IBV_QP_INIT_ATTR_PD
         | abi::ibv_qp_init_attr_mask_IBV_QP_INIT_ATTR_CREATE_FLAGS
         | abi::ibv_qp_init_attr_mask_IBV_QP_INIT_ATTR_SEND_OPS_FLAGS;
-    if attr.qp_type != abi::ibv_qp_type_IBV_QPT_RC {
-        return Err(libc::EOPNOTSUPP);
-    }
+    let ud = match attr.qp_type {
+        abi::ibv_qp_type_IBV_QPT_RC => false,
+        abi::ibv_qp_type_IBV_QPT_UD => true,
+        _ => return Err(libc::EOPNOTSUPP),
+    };
     if attr.comp_mask & !SUPPORTED_MASK != 0 {
         return Err(libc::EOPNOTSUPP);
     }
@@ -88,7 +106,8 @@ pub(crate) fn create(
         return Err(libc::EOPNOTSUPP);
     }
     let ex = attr.comp_mask & abi::ibv_qp_init_attr_mask_IBV_QP_INIT_ATTR_SEND_OPS_FLAGS != 0;
-    if ex && attr.send_ops_flags & !SEND_OPS != 0 {
+    let ops = if ud { SEND_OPS_UD } else { SEND_OPS };
+    if ex && attr.send_ops_flags & !ops != 0 {
         return Err(libc::EOPNOTSUPP);
     }
     // SAFETY: the entry point checked every pointer in `a` names a live ringbell object
@@ -105,15 +124,27 @@ pub(crate) fn create(
     }
     let caps = ctx.dev.caps().clone();
     let c = &mut attr.cap;
+    let max_sge = caps.max_sge.min(MAX_SGE as u32);
+    // A UD WQE also holds the destination, which leaves less room for the gather list or
+    // the inline data (as on mlx5, a request beyond what a WQE holds is refused).
+    let (max_send_sge, max_inline) = if ud {
+        (
+            max_sge.min(MAX_UD_SEND_SGE as u32),
+            caps.max_inline.min(MAX_INLINE_UD as u32),
+        )
+    } else {
+        (max_sge, caps.max_inline)
+    };
     if c.max_send_wr > caps.max_qp_wr
         || (srq.is_none() && c.max_recv_wr > caps.max_qp_wr)
-        || c.max_send_sge > caps.max_sge.min(MAX_SGE as u32)
-        || c.max_recv_sge > caps.max_sge.min(MAX_SGE as u32)
-        || c.max_inline_data > caps.max_inline
+        || c.max_send_sge > max_send_sge
+        || c.max_recv_sge > max_sge
+        || c.max_inline_data > max_inline
     {
         return Err(libc::EINVAL);
     }
     let mut init = QpInit::new(&scq.drv, &rcq.drv);
+    init.qp_type = if ud { QpType::Ud } else { QpType::Rc };
     init.srq = srq.as_ref().map(|s| &s.drv);
     init.max_send_wr = c.max_send_wr.max(1);
     init.max_recv_wr = if srq.is_some() {
@@ -127,7 +158,14 @@ pub(crate) fn create(
     let drv = pd.drv.create_qp(&init).map_err(|e| crate::errno_of(&e))?;
     // What the QP really has (libibverbs writes it back into the caller's attributes).
     c.max_send_wr = init.max_send_wr;
-    c.max_recv_wr = init.max_recv_wr;
+    // The receive ring: the driver gives it a power-of-two number of entries, two at
+    // least, and every entry takes a request (so the request after the last one reported
+    // here is refused with ENOMEM, as on mlx5, which reports its rounded-up ring too).
+    c.max_recv_wr = if srq.is_some() {
+        0
+    } else {
+        init.max_recv_wr.next_power_of_two().max(2)
+    };
     c.max_send_sge = init.max_send_sge;
     c.max_recv_sge = if srq.is_some() { 0 } else { init.max_recv_sge };
     let cap = *c;
@@ -142,7 +180,7 @@ pub(crate) fn create(
     qpx.qp_base.handle = qpn;
     qpx.qp_base.qp_num = qpn;
     qpx.qp_base.state = abi::ibv_qp_state_IBV_QPS_RESET;
-    qpx.qp_base.qp_type = abi::ibv_qp_type_IBV_QPT_RC;
+    qpx.qp_base.qp_type = attr.qp_type;
     if ex {
         crate::ops::fill_qp_ex(&mut qpx);
     }
@@ -154,6 +192,7 @@ pub(crate) fn create(
         recv_cq: a.recv_cq,
         srq: a.srq,
         drv,
+        ud,
         cap,
         sq_sig_all: attr.sq_sig_all != 0,
         ex,
@@ -278,6 +317,7 @@ pub(crate) fn modify(qp: &mut RbQp, attr: &abi::ibv_qp_attr, mask: u32) -> i32 {
     a.rq_psn = attr.rq_psn.into();
     a.sq_psn = attr.sq_psn.into();
     a.pkey_index = attr.pkey_index.into();
+    a.qkey = attr.qkey.into();
     if let Err(e) = qp.drv.modify(QpAttrMask::from_bits_retain(mask), &a) {
         return crate::errno_of(&e);
     }
@@ -319,6 +359,7 @@ pub(crate) fn query(
         timeout: q.timeout,
         retry_cnt: q.retry_cnt,
         rnr_retry: q.rnr_retry,
+        qkey: q.qkey.get(),
         ..Default::default()
     };
     *init = abi::ibv_qp_init_attr {
@@ -327,7 +368,7 @@ pub(crate) fn query(
         recv_cq: qp.recv_cq as *mut abi::ibv_cq,
         srq: qp.srq as *mut abi::ibv_srq,
         cap: qp.cap,
-        qp_type: abi::ibv_qp_type_IBV_QPT_RC,
+        qp_type: qp.qpx.qp_base.qp_type,
         sq_sig_all: i32::from(qp.sq_sig_all),
     };
     qp.qpx.qp_base.state = attr.qp_state;
@@ -446,22 +487,69 @@ pub(crate) unsafe fn post_list<W: WrList>(
 /// `wr` must be a valid list of `struct ibv_send_wr` (as libibverbs requires), and the
 /// addresses of inline requests readable memory of the stated length.
 pub(crate) unsafe fn post_send(
+    st: &State,
     qp: &mut RbQp,
     wr: *mut abi::ibv_send_wr,
     bad: *mut *mut abi::ibv_send_wr,
 ) -> i32 {
     let mut sges = [Sge::default(); MAX_SGE];
     // SAFETY: the caller's list; each request is valid, as libibverbs requires.
-    unsafe { post_list(wr, bad, |w| post_one_send(qp, w, &mut sges)) }
+    unsafe { post_list(wr, bad, |w| post_one_send(st, qp, w, &mut sges)) }
+}
+
+/// The address handle a UD request names: a live ringbell AH (its PD is checked against
+/// the QP's when the request is posted), else EINVAL.
+fn ah_of(st: &State, ah: usize) -> Result<&ringbell::AddressHandle, i32> {
+    if st.owner(ah) != Owner::Ours(Kind::Ah) {
+        return Err(libc::EINVAL);
+    }
+    // SAFETY: the registry says `ah` is a live AH, allocated as an `RbAh`; the reference
+    // lives no longer than the borrow of the state, which is behind the lock (an AH is
+    // destroyed only through the state).
+    Ok(unsafe { &(*(ah as *const RbAh)).drv })
+}
+
+/// The destination of a UD send: UD QPs send only SEND and SEND with immediate, and
+/// every request needs a live address handle.
+fn ud_dest<'a>(
+    st: &'a State,
+    op: &WrOp,
+    ah: usize,
+    qpn: u32,
+    qkey: u32,
+) -> Result<UdDest<'a>, i32> {
+    if !matches!(op, WrOp::Send | WrOp::SendImm(_)) {
+        return Err(libc::EINVAL);
+    }
+    Ok(UdDest {
+        ah: ah_of(st, ah)?,
+        qpn,
+        qkey,
+    })
 }
 
 /// # Safety
 /// As [`post_send`], for one request.
-unsafe fn post_one_send(qp: &mut RbQp, w: &abi::ibv_send_wr, sges: &mut [Sge; MAX_SGE]) -> i32 {
+unsafe fn post_one_send(
+    st: &State,
+    qp: &mut RbQp,
+    w: &abi::ibv_send_wr,
+    sges: &mut [Sge; MAX_SGE],
+) -> i32 {
     // SAFETY: the caller's request.
     let op = match unsafe { op_of(w) } {
         Ok(op) => op,
         Err(e) => return e,
+    };
+    let ud = if qp.ud {
+        // SAFETY: the `ud` member is the one a request on a UD QP uses; plain values.
+        let u = unsafe { w.wr.ud };
+        match ud_dest(st, &op, u.ah as usize, u.remote_qpn, u.remote_qkey) {
+            Ok(d) => Some(d),
+            Err(e) => return e,
+        }
+    } else {
+        None
     };
     let known = abi::ibv_send_flags_IBV_SEND_FENCE
         | abi::ibv_send_flags_IBV_SEND_SIGNALED
@@ -507,7 +595,7 @@ unsafe fn post_one_send(qp: &mut RbQp, w: &abi::ibv_send_wr, sges: &mut [Sge; MA
             sgl: &[],
             inline: Some(&buf),
             flags,
-            ud: None,
+            ud,
         }]);
         qp.inline_buf = buf;
         return post_result(r);
@@ -525,7 +613,7 @@ unsafe fn post_one_send(qp: &mut RbQp, w: &abi::ibv_send_wr, sges: &mut [Sge; MA
         sgl: &sges[..n],
         inline: None,
         flags,
-        ud: None,
+        ud,
     };
     post_result(qp.drv.post_send(&[wr]))
 }
@@ -618,6 +706,7 @@ impl RbQp {
                 op,
                 sgl: Vec::new(),
                 inline: None,
+                ud: None,
             }),
             None => self.build_err = libc::EINVAL,
         }
@@ -657,8 +746,20 @@ impl RbQp {
         }
     }
 
+    /// `ibv_wr_set_ud_addr`: the destination of the request being built (UD QPs).
+    pub fn wr_set_ud_addr(&mut self, ah: usize, qpn: u32, qkey: u32) {
+        if !self.ud {
+            self.build_err = self.build_err.max(libc::EOPNOTSUPP);
+            return;
+        }
+        match self.last() {
+            Some(p) => p.ud = Some((ah, qpn, qkey)),
+            None => self.build_err = libc::EINVAL,
+        }
+    }
+
     /// `ibv_wr_complete`: posts what was built (nothing when a builder call failed).
-    pub fn wr_complete(&mut self) -> i32 {
+    pub fn wr_complete(&mut self, st: &State) -> i32 {
         let Some(v) = self.building.take() else {
             return libc::EINVAL;
         };
@@ -666,13 +767,25 @@ impl RbQp {
         if r == 0 {
             for p in &v {
                 let flags = flags_of(p.flags, self.sq_sig_all);
+                let ud = match (self.ud, p.ud) {
+                    (false, _) => None,
+                    (true, Some((ah, qpn, qkey))) => match ud_dest(st, &p.op, ah, qpn, qkey) {
+                        Ok(d) => Some(d),
+                        Err(e) => {
+                            r = e;
+                            break;
+                        }
+                    },
+                    // No destination: the driver refuses the request.
+                    (true, None) => None,
+                };
                 let wr = SendWr {
                     wr_id: p.wr_id,
                     op: p.op,
                     sgl: &p.sgl,
                     inline: p.inline.as_deref(),
                     flags,
-                    ud: None,
+                    ud,
                 };
                 if let Err(e) = self.drv.post_send(&[wr]) {
                     r = crate::errno_of(&e);

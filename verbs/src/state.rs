@@ -54,6 +54,7 @@ pub(crate) enum Kind {
     Qp,
     Srq,
     Channel,
+    Ah,
 }
 
 /// Whose object a pointer is.

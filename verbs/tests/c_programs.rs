@@ -214,6 +214,7 @@ const PROGRAMS: &[&str] = &[
     "qp_errors",
     "srq",
     "tm_srq",
+    "ud",
 ];
 
 macro_rules! c_program {
@@ -227,7 +228,7 @@ macro_rules! c_program {
     };
 }
 
-c_program!(devices, pd_mr, cq, qp_state, qp_ops, qp_errors, srq, tm_srq);
+c_program!(devices, pd_mr, cq, qp_state, qp_ops, qp_errors, srq, tm_srq, ud);
 
 /// Every `tests/c/*.c` has its test above (a new program is not silently left out).
 #[test]
