@@ -25,6 +25,7 @@ pub mod collective;
 mod counter;
 mod cq;
 mod device;
+pub mod discover;
 mod dma;
 mod error;
 mod hostmem;

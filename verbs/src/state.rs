@@ -8,28 +8,11 @@
 use crate::abi;
 use ringbell::Device;
 use std::collections::{BTreeMap, BTreeSet};
-use std::path::PathBuf;
 use std::sync::{Mutex, MutexGuard, OnceLock};
 
-/// Environment variable: directory of a running `ringbell-emu serve` (its `nic{i}.sock`).
-pub const ENV_SERVE: &str = "RINGBELL_SERVE";
-/// Environment variable: how many NICs the in-process fabric has (default 2, at most 64).
-pub const ENV_NICS: &str = "RINGBELL_NICS";
-/// Environment variable: the in-process fabric's seed (default 1).
-pub const ENV_SEED: &str = "RINGBELL_SEED";
-/// NICs of the in-process fabric when [`ENV_NICS`] is not set.
-pub const DEFAULT_NICS: usize = 2;
-/// Seed of the in-process fabric when [`ENV_SEED`] is not set.
-pub const DEFAULT_SEED: u64 = 1;
-
 /// Where a NIC is.
-#[derive(Debug, Clone)]
-pub(crate) enum Source {
-    /// Node `n` of the in-process fabric.
-    InProcess(usize),
-    /// A served NIC's vfio-user socket.
-    Served(PathBuf),
-}
+pub(crate) use ringbell::discover::NicSource as Source;
+pub use ringbell::discover::{DEFAULT_NICS, DEFAULT_SEED, ENV_NICS, ENV_SEED, ENV_SERVE};
 
 /// One ringbell NIC as libibverbs shows it.
 pub(crate) struct Nic {
@@ -121,36 +104,10 @@ impl std::ops::DerefMut for StateGuard {
     }
 }
 
-fn env_usize(name: &str) -> Option<usize> {
-    std::env::var(name).ok()?.trim().parse().ok()
-}
-
 impl State {
     fn from_env() -> State {
-        let seed = std::env::var(ENV_SEED)
-            .ok()
-            .and_then(|s| {
-                let s = s.trim();
-                match s.strip_prefix("0x") {
-                    Some(h) => u64::from_str_radix(h, 16).ok(),
-                    None => s.parse().ok(),
-                }
-            })
-            .unwrap_or(DEFAULT_SEED);
-        let sources: Vec<Source> = match std::env::var_os(ENV_SERVE).filter(|d| !d.is_empty()) {
-            Some(dir) => {
-                let dir = PathBuf::from(dir);
-                (0..)
-                    .map(|i| dir.join(format!("nic{i}.sock")))
-                    .take_while(|p| p.exists())
-                    .map(Source::Served)
-                    .collect()
-            }
-            None => {
-                let n = env_usize(ENV_NICS).unwrap_or(DEFAULT_NICS).clamp(1, 64);
-                (0..n).map(Source::InProcess).collect()
-            }
-        };
+        let plan = ringbell::discover::NicPlan::from_env();
+        let (sources, seed) = (plan.nics, plan.seed);
         let nics = sources
             .into_iter()
             .enumerate()
