@@ -1,0 +1,535 @@
+//! What the provider offers and how `fi_getinfo` hints are matched against it, in safe Rust.
+//! The C boundary (`lib.rs`) reads a caller's `struct fi_info` hints into [`Hints`] and
+//! writes each [`Offer`] that matches back as a `struct fi_info`.
+//!
+//! The rules are those every libfabric provider follows (`fi_getinfo(3)`): a hint field that
+//! is zero (or UNSPEC) asks for nothing; capabilities, operation flags and orderings asked
+//! for must be offered; sizes asked for must not exceed what is offered; the mode bits an
+//! application sets are those it supports, and a provider whose offer needs a mode the
+//! application does not support does not match. What comes back carries the capabilities
+//! asked for (or every primary capability when none were) plus the secondary ones offered.
+
+use crate::abi;
+
+/// The name of the provider and of its fabric.
+pub const PROVIDER_NAME: &str = "ringbell";
+/// The libfabric API version the provider implements (`FI_VERSION(1, 17)`).
+pub const API_VERSION: u32 = (1 << 16) | 17;
+/// The provider's own version (`FI_VERSION(0, 1)`): shown by `fi_info`.
+pub const PROVIDER_VERSION: u32 = 1;
+/// The oldest API version an application may ask for (`FI_VERSION(1, 5)`).
+pub const MIN_API_VERSION: u32 = (1 << 16) | 5;
+
+/// `FI_VERSION(major, minor)`.
+pub const fn fi_version(major: u32, minor: u32) -> u32 {
+    (major << 16) | minor
+}
+
+// Capability bits (`fabric.h`).
+pub const FI_MSG: u64 = abi::FI_MSG as u64;
+pub const FI_RMA: u64 = abi::FI_RMA as u64;
+pub const FI_TAGGED: u64 = abi::FI_TAGGED as u64;
+pub const FI_ATOMIC: u64 = abi::FI_ATOMIC as u64;
+pub const FI_READ: u64 = abi::FI_READ as u64;
+pub const FI_WRITE: u64 = abi::FI_WRITE as u64;
+pub const FI_RECV: u64 = abi::FI_RECV as u64;
+pub const FI_SEND: u64 = abi::FI_SEND as u64;
+pub const FI_REMOTE_READ: u64 = abi::FI_REMOTE_READ as u64;
+pub const FI_REMOTE_WRITE: u64 = abi::FI_REMOTE_WRITE as u64;
+pub const FI_DIRECTED_RECV: u64 = abi::FI_DIRECTED_RECV;
+pub const FI_TRIGGER: u64 = abi::FI_TRIGGER as u64;
+pub const FI_LOCAL_COMM: u64 = abi::FI_LOCAL_COMM;
+pub const FI_REMOTE_COMM: u64 = abi::FI_REMOTE_COMM;
+/// Mode bit: local buffers must be registered (before API 1.5; `FI_MR_LOCAL` since).
+pub const FI_LOCAL_MR: u64 = abi::FI_LOCAL_MR;
+
+/// Primary capabilities: an application asks for these; what it gets is what it asked for.
+pub const PRIMARY_CAPS: u64 = FI_MSG
+    | FI_RMA
+    | FI_TAGGED
+    | FI_ATOMIC
+    | FI_DIRECTED_RECV
+    | FI_READ
+    | FI_WRITE
+    | FI_SEND
+    | FI_RECV
+    | FI_REMOTE_READ
+    | FI_REMOTE_WRITE;
+/// Secondary capabilities: offered whether or not they were asked for.
+pub const SECONDARY_CAPS: u64 = FI_TRIGGER | FI_LOCAL_COMM | FI_REMOTE_COMM;
+/// Everything the provider can do.
+pub const CAPS: u64 = PRIMARY_CAPS | SECONDARY_CAPS;
+/// Transmit-side capabilities.
+pub const TX_CAPS: u64 = FI_MSG
+    | FI_RMA
+    | FI_TAGGED
+    | FI_ATOMIC
+    | FI_READ
+    | FI_WRITE
+    | FI_SEND
+    | FI_TRIGGER
+    | FI_LOCAL_COMM
+    | FI_REMOTE_COMM;
+/// Receive-side capabilities.
+pub const RX_CAPS: u64 = FI_MSG
+    | FI_RMA
+    | FI_TAGGED
+    | FI_ATOMIC
+    | FI_RECV
+    | FI_REMOTE_READ
+    | FI_REMOTE_WRITE
+    | FI_DIRECTED_RECV
+    | FI_TRIGGER
+    | FI_LOCAL_COMM
+    | FI_REMOTE_COMM;
+
+/// Operation flags the endpoints accept.
+pub const OP_FLAGS: u64 = (abi::FI_COMPLETION
+    | abi::FI_INJECT
+    | abi::FI_INJECT_COMPLETE
+    | abi::FI_TRANSMIT_COMPLETE
+    | abi::FI_DELIVERY_COMPLETE) as u64;
+/// Message orderings kept: send after send (one RC connection per peer keeps order).
+pub const MSG_ORDER: u64 = abi::FI_ORDER_SAS as u64;
+
+/// `mr_mode` bits.
+pub const FI_MR_LOCAL: i32 = abi::FI_MR_LOCAL as i32;
+pub const FI_MR_VIRT_ADDR: i32 = abi::FI_MR_VIRT_ADDR as i32;
+pub const FI_MR_ALLOCATED: i32 = abi::FI_MR_ALLOCATED as i32;
+pub const FI_MR_PROV_KEY: i32 = abi::FI_MR_PROV_KEY as i32;
+const FI_MR_BASIC: i32 = abi::fi_mr_mode_FI_MR_BASIC as i32;
+const FI_MR_SCALABLE: i32 = abi::fi_mr_mode_FI_MR_SCALABLE as i32;
+
+/// The address format of a ringbell endpoint: provider specific, a fixed binary address.
+pub const ADDR_FORMAT: u32 = abi::FI_PROV_SPECIFIC | 0x5242;
+/// Bytes of a ringbell endpoint address.
+pub const ADDR_LEN: usize = 16;
+/// The tag format: 64 usable bits, the top one set (which MPI libraries expect).
+pub const MEM_TAG_FORMAT: u64 = 0xAAAA_AAAA_AAAA_AAAA;
+
+/// An offer: one RDM endpoint type on one NIC.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Offer {
+    /// The NIC's name (`rb0`, ...): the domain name.
+    pub domain: String,
+    /// Capabilities.
+    pub caps: u64,
+    /// Modes the provider needs the application to support.
+    pub mode: u64,
+    /// Memory registration mode.
+    pub mr_mode: i32,
+    /// Threading model.
+    pub threading: abi::fi_threading,
+    /// Progress model (control and data).
+    pub progress: abi::fi_progress,
+    /// Resource management.
+    pub resource_mgmt: abi::fi_resource_mgmt,
+    /// Address vector type (UNSPEC: both map and table).
+    pub av_type: abi::fi_av_type,
+    /// Bytes of remote CQ data.
+    pub cq_data_size: usize,
+    /// Largest message.
+    pub max_msg_size: usize,
+    /// Most inline (injected) bytes.
+    pub inject_size: usize,
+    /// Transmit and receive queue depths.
+    pub tx_size: usize,
+    /// Receive queue depth.
+    pub rx_size: usize,
+    /// Gather/scatter entries per operation.
+    pub iov_limit: usize,
+    /// Transmit operation flags (what the hints asked for, after matching).
+    pub tx_op_flags: u64,
+    /// Receive operation flags.
+    pub rx_op_flags: u64,
+    /// Destination address from the hints, copied through.
+    pub dest_addr: Option<Vec<u8>>,
+}
+
+impl Offer {
+    /// The default offer for NIC `domain`, before any hints.
+    pub fn for_nic(domain: &str) -> Offer {
+        Offer {
+            domain: domain.to_string(),
+            caps: CAPS,
+            mode: 0,
+            mr_mode: FI_MR_LOCAL | FI_MR_VIRT_ADDR | FI_MR_ALLOCATED | FI_MR_PROV_KEY,
+            threading: abi::fi_threading_FI_THREAD_SAFE,
+            progress: abi::fi_progress_FI_PROGRESS_MANUAL,
+            resource_mgmt: abi::fi_resource_mgmt_FI_RM_ENABLED,
+            av_type: abi::fi_av_type_FI_AV_UNSPEC,
+            cq_data_size: 4,
+            max_msg_size: 1 << 30,
+            inject_size: INJECT_SIZE,
+            tx_size: 1024,
+            rx_size: 1024,
+            iov_limit: 4,
+            tx_op_flags: 0,
+            rx_op_flags: 0,
+            dest_addr: None,
+        }
+    }
+}
+
+/// Most inline (injected) bytes: the ABI's limit for a SEND WQE (`wqe::MAX_INLINE_SEND`).
+pub const INJECT_SIZE: usize = 236;
+
+/// Transmit or receive attributes an application asked for.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct QueueHints {
+    pub caps: u64,
+    pub mode: u64,
+    pub op_flags: u64,
+    pub msg_order: u64,
+    pub inject_size: usize,
+    pub size: usize,
+    pub iov_limit: usize,
+}
+
+/// What a caller's `fi_info` hints ask for; zero fields ask for nothing.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Hints {
+    pub caps: u64,
+    /// The modes the application supports (`None`: the hints gave no `fi_info`, so every
+    /// mode is supported).
+    pub mode: Option<u64>,
+    pub addr_format: u32,
+    pub dest_addr: Option<Vec<u8>>,
+    pub ep_type: abi::fi_ep_type,
+    pub protocol: u32,
+    pub max_msg_size: usize,
+    pub mem_tag_format: u64,
+    pub tx: Option<QueueHints>,
+    pub rx: Option<QueueHints>,
+    pub domain_name: Option<String>,
+    pub threading: abi::fi_threading,
+    pub control_progress: abi::fi_progress,
+    pub data_progress: abi::fi_progress,
+    pub resource_mgmt: abi::fi_resource_mgmt,
+    pub av_type: abi::fi_av_type,
+    /// `Some` when the hints had a domain attribute (then 0 means "no mode supported").
+    pub mr_mode: Option<i32>,
+    pub cq_data_size: usize,
+    pub fabric_name: Option<String>,
+    pub prov_name: Option<String>,
+}
+
+/// Why an offer does not match.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum NoMatch {
+    EpType,
+    Caps,
+    Mode,
+    AddrFormat,
+    Domain,
+    Fabric,
+    Provider,
+    Version,
+    Threading,
+    Progress,
+    ResourceMgmt,
+    AvType,
+    CqData,
+    MrMode,
+    Protocol,
+    MsgSize,
+    TagFormat,
+    Tx,
+    Rx,
+}
+
+fn threading_rank(t: abi::fi_threading) -> u32 {
+    match t {
+        abi::fi_threading_FI_THREAD_SAFE => 1,
+        abi::fi_threading_FI_THREAD_FID => 2,
+        abi::fi_threading_FI_THREAD_ENDPOINT => 3,
+        abi::fi_threading_FI_THREAD_COMPLETION => 4,
+        abi::fi_threading_FI_THREAD_DOMAIN => 5,
+        _ => 6,
+    }
+}
+
+fn progress_rank(p: abi::fi_progress) -> u32 {
+    match p {
+        abi::fi_progress_FI_PROGRESS_AUTO => 1,
+        abi::fi_progress_FI_PROGRESS_MANUAL => 2,
+        _ => 3,
+    }
+}
+
+fn rm_rank(r: abi::fi_resource_mgmt) -> u32 {
+    match r {
+        abi::fi_resource_mgmt_FI_RM_ENABLED => 1,
+        abi::fi_resource_mgmt_FI_RM_DISABLED => 2,
+        _ => 3,
+    }
+}
+
+/// Bits of a tag format: the position of the highest set bit, plus one.
+fn tag_bits(format: u64) -> u32 {
+    64 - format.leading_zeros()
+}
+
+/// Matches `hints` (asked with API `version`) against `offer`; the offer as the caller gets
+/// it, or why not.
+pub fn match_offer(version: u32, hints: &Hints, offer: &Offer) -> Result<Offer, NoMatch> {
+    if !(MIN_API_VERSION..=API_VERSION).contains(&version) {
+        return Err(NoMatch::Version);
+    }
+    if let Some(p) = &hints.prov_name {
+        if !p.split(';').any(|n| n == PROVIDER_NAME) {
+            return Err(NoMatch::Provider);
+        }
+    }
+    if hints
+        .fabric_name
+        .as_deref()
+        .is_some_and(|f| f != PROVIDER_NAME)
+    {
+        return Err(NoMatch::Fabric);
+    }
+    if hints
+        .domain_name
+        .as_deref()
+        .is_some_and(|d| d != offer.domain)
+    {
+        return Err(NoMatch::Domain);
+    }
+    if hints.ep_type != abi::fi_ep_type_FI_EP_UNSPEC && hints.ep_type != abi::fi_ep_type_FI_EP_RDM {
+        return Err(NoMatch::EpType);
+    }
+    if hints.caps & !offer.caps != 0 {
+        return Err(NoMatch::Caps);
+    }
+    if hints.addr_format != abi::FI_FORMAT_UNSPEC && hints.addr_format != ADDR_FORMAT {
+        return Err(NoMatch::AddrFormat);
+    }
+    if hints.protocol != 0 && hints.protocol != abi::FI_PROTO_UNSPEC {
+        return Err(NoMatch::Protocol);
+    }
+    if hints.max_msg_size > offer.max_msg_size {
+        return Err(NoMatch::MsgSize);
+    }
+    if hints.caps & FI_TAGGED != 0
+        && hints.mem_tag_format != 0
+        && tag_bits(hints.mem_tag_format) > tag_bits(MEM_TAG_FORMAT)
+    {
+        return Err(NoMatch::TagFormat);
+    }
+    if hints.threading != 0 && threading_rank(hints.threading) < threading_rank(offer.threading) {
+        return Err(NoMatch::Threading);
+    }
+    for p in [hints.control_progress, hints.data_progress] {
+        if p != 0 && progress_rank(p) < progress_rank(offer.progress) {
+            return Err(NoMatch::Progress);
+        }
+    }
+    if hints.resource_mgmt != 0 && rm_rank(hints.resource_mgmt) < rm_rank(offer.resource_mgmt) {
+        return Err(NoMatch::ResourceMgmt);
+    }
+    if hints.av_type != 0 && offer.av_type != 0 && hints.av_type != offer.av_type {
+        return Err(NoMatch::AvType);
+    }
+    if hints.cq_data_size > offer.cq_data_size {
+        return Err(NoMatch::CqData);
+    }
+    let mut out = offer.clone();
+    // Memory registration: without FI_MR_LOCAL in the hints the provider registers (or
+    // copies) local buffers itself, and drops the bits the application does not handle.
+    if let Some(m) = hints.mr_mode {
+        if m & (FI_MR_BASIC | FI_MR_SCALABLE) != 0 {
+            return Err(NoMatch::MrMode);
+        }
+        let local = m & FI_MR_LOCAL != 0 || hints.mode.is_some_and(|md| md & FI_LOCAL_MR != 0);
+        // The remote-access bits (virtual addresses, provider keys, allocated memory) are
+        // kept only where the application handles them.
+        out.mr_mode = if local {
+            offer.mr_mode & (m | FI_MR_LOCAL)
+        } else {
+            0
+        };
+    }
+    if let Some(app) = hints.mode {
+        if out.mode & !app != 0 {
+            return Err(NoMatch::Mode);
+        }
+    }
+    let queue = |q: &Option<QueueHints>, caps: u64, size: usize| -> Result<u64, ()> {
+        let Some(q) = q else { return Ok(0) };
+        if q.caps & !caps != 0
+            || q.op_flags & !OP_FLAGS != 0
+            || q.msg_order & !MSG_ORDER != 0
+            || q.inject_size > offer.inject_size
+            || q.size > size
+            || q.iov_limit > offer.iov_limit
+        {
+            return Err(());
+        }
+        Ok(q.op_flags)
+    };
+    out.tx_op_flags = queue(&hints.tx, TX_CAPS, offer.tx_size).map_err(|()| NoMatch::Tx)?;
+    out.rx_op_flags = queue(&hints.rx, RX_CAPS, offer.rx_size).map_err(|()| NoMatch::Rx)?;
+    if let Some(t) = hints.tx.filter(|t| t.inject_size != 0) {
+        out.inject_size = t.inject_size;
+    }
+    if hints.threading != 0 {
+        out.threading = hints.threading;
+    }
+    if hints.av_type != 0 {
+        out.av_type = hints.av_type;
+    }
+    let primary = if hints.caps & PRIMARY_CAPS != 0 {
+        hints.caps & PRIMARY_CAPS
+    } else {
+        offer.caps & PRIMARY_CAPS
+    };
+    out.caps = primary | (offer.caps & SECONDARY_CAPS) | (hints.caps & SECONDARY_CAPS);
+    out.dest_addr = hints.dest_addr.clone();
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const V: u32 = API_VERSION;
+
+    fn rb0() -> Offer {
+        Offer::for_nic("rb0")
+    }
+
+    #[test]
+    fn no_hints_get_everything() {
+        let o = match_offer(V, &Hints::default(), &rb0()).unwrap();
+        assert_eq!(o.caps, CAPS);
+        assert_eq!(o.mr_mode, rb0().mr_mode);
+    }
+
+    #[test]
+    fn endpoint_types_versions_names_and_formats() {
+        let h = |f: &dyn Fn(&mut Hints)| {
+            let mut h = Hints::default();
+            f(&mut h);
+            match_offer(V, &h, &rb0())
+        };
+        assert_eq!(
+            h(&|h| h.ep_type = abi::fi_ep_type_FI_EP_MSG),
+            Err(NoMatch::EpType)
+        );
+        assert_eq!(
+            h(&|h| h.ep_type = abi::fi_ep_type_FI_EP_DGRAM),
+            Err(NoMatch::EpType)
+        );
+        assert!(h(&|h| h.ep_type = abi::fi_ep_type_FI_EP_RDM).is_ok());
+        assert_eq!(
+            match_offer(fi_version(1, 18), &Hints::default(), &rb0()),
+            Err(NoMatch::Version)
+        );
+        assert_eq!(
+            match_offer(fi_version(1, 4), &Hints::default(), &rb0()),
+            Err(NoMatch::Version)
+        );
+        assert!(match_offer(fi_version(1, 5), &Hints::default(), &rb0()).is_ok());
+        assert_eq!(
+            h(&|h| h.domain_name = Some("rb1".into())),
+            Err(NoMatch::Domain)
+        );
+        assert!(h(&|h| h.domain_name = Some("rb0".into())).is_ok());
+        assert_eq!(
+            h(&|h| h.fabric_name = Some("tcp".into())),
+            Err(NoMatch::Fabric)
+        );
+        assert_eq!(
+            h(&|h| h.prov_name = Some("tcp".into())),
+            Err(NoMatch::Provider)
+        );
+        assert!(h(&|h| h.prov_name = Some("ringbell".into())).is_ok());
+        assert_eq!(
+            h(&|h| h.addr_format = abi::FI_SOCKADDR_IN),
+            Err(NoMatch::AddrFormat)
+        );
+        assert!(h(&|h| h.addr_format = ADDR_FORMAT).is_ok());
+        assert_eq!(
+            h(&|h| h.caps = FI_TAGGED | abi::FI_MULTICAST as u64),
+            Err(NoMatch::Caps)
+        );
+        assert_eq!(
+            h(&|h| h.control_progress = abi::fi_progress_FI_PROGRESS_AUTO),
+            Err(NoMatch::Progress)
+        );
+        assert!(h(&|h| h.data_progress = abi::fi_progress_FI_PROGRESS_MANUAL).is_ok());
+        assert_eq!(h(&|h| h.cq_data_size = 8), Err(NoMatch::CqData));
+        assert_eq!(
+            h(&|h| h.tx = Some(QueueHints {
+                inject_size: 4096,
+                ..Default::default()
+            })),
+            Err(NoMatch::Tx)
+        );
+        assert_eq!(
+            h(&|h| h.rx = Some(QueueHints {
+                msg_order: abi::FI_ORDER_RAW as u64,
+                ..Default::default()
+            })),
+            Err(NoMatch::Rx)
+        );
+    }
+
+    #[test]
+    fn caps_are_trimmed_to_what_was_asked_plus_the_secondary_ones() {
+        let h = Hints {
+            caps: FI_TAGGED | FI_DIRECTED_RECV,
+            ..Default::default()
+        };
+        let o = match_offer(V, &h, &rb0()).unwrap();
+        assert_eq!(o.caps, FI_TAGGED | FI_DIRECTED_RECV | SECONDARY_CAPS);
+    }
+
+    #[test]
+    fn mpi_style_hints_get_no_local_registration() {
+        // mr_mode 0 and the FI_CONTEXT modes only, as Open MPI's ofi MTL asks.
+        let h = Hints {
+            caps: FI_TAGGED | FI_DIRECTED_RECV | FI_LOCAL_COMM | FI_REMOTE_COMM,
+            mode: Some(abi::FI_CONTEXT | abi::FI_CONTEXT2),
+            ep_type: abi::fi_ep_type_FI_EP_RDM,
+            mr_mode: Some(0),
+            cq_data_size: 4,
+            threading: abi::fi_threading_FI_THREAD_DOMAIN,
+            resource_mgmt: abi::fi_resource_mgmt_FI_RM_ENABLED,
+            av_type: abi::fi_av_type_FI_AV_MAP,
+            mem_tag_format: MEM_TAG_FORMAT,
+            ..Default::default()
+        };
+        let o = match_offer(fi_version(1, 5), &h, &rb0()).unwrap();
+        assert_eq!(o.mr_mode, 0);
+        assert_eq!(o.av_type, abi::fi_av_type_FI_AV_MAP);
+        assert_eq!(o.threading, abi::fi_threading_FI_THREAD_DOMAIN);
+        // fi_pingpong's: FI_MR_LOCAL and the remote-key bits.
+        let h = Hints {
+            mr_mode: Some(FI_MR_LOCAL | FI_MR_ALLOCATED | FI_MR_PROV_KEY | FI_MR_VIRT_ADDR),
+            ..Default::default()
+        };
+        let o = match_offer(V, &h, &rb0()).unwrap();
+        assert_eq!(
+            o.mr_mode,
+            FI_MR_LOCAL | FI_MR_ALLOCATED | FI_MR_PROV_KEY | FI_MR_VIRT_ADDR
+        );
+        let h = Hints {
+            mr_mode: Some(FI_MR_BASIC),
+            ..Default::default()
+        };
+        assert_eq!(match_offer(V, &h, &rb0()), Err(NoMatch::MrMode));
+    }
+
+    #[test]
+    fn a_longer_tag_format_than_64_bits_cannot_exist_and_destination_is_copied() {
+        let h = Hints {
+            caps: FI_TAGGED,
+            mem_tag_format: u64::MAX,
+            dest_addr: Some(vec![1, 2, 3]),
+            ..Default::default()
+        };
+        let o = match_offer(V, &h, &rb0()).unwrap();
+        assert_eq!(o.dest_addr, Some(vec![1, 2, 3]));
+    }
+}

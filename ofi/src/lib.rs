@@ -1,0 +1,474 @@
+//! `libringbell_fi.so`: a libfabric provider for ringbell NICs, loaded by libfabric 1.17
+//! from a directory named in `FI_PROVIDER_PATH`.
+//!
+//! This is the first step of the provider: it registers as `ringbell` and answers
+//! `fi_getinfo` with one reliable-datagram (`FI_EP_RDM`) offer per NIC of the process's NIC
+//! plan ([`ringbell::discover`]: `RINGBELL_SERVE`, else an in-process fabric of
+//! `RINGBELL_NICS` NICs), matched against the caller's hints ([`info`]); `fi_info -p
+//! ringbell` lists them. `fi_fabric` opens a fabric object whose operations are not
+//! implemented yet (`-FI_ENOSYS`); domains, endpoints, completion queues, address vectors and
+//! memory registration come next.
+//!
+//! The C boundary is this file: it checks pointers, converts between libfabric's structures
+//! and the safe model of [`info`], and allocates what libfabric frees (`fi_freeinfo` uses
+//! libc `free`) with libc.
+
+pub mod abi;
+pub mod info;
+
+use info::{Hints, Offer, QueueHints};
+use std::ffi::{c_char, c_int, c_void, CStr};
+use std::sync::OnceLock;
+
+/// libfabric's error numbers are returned negated.
+fn neg(e: u32) -> c_int {
+    -(e as c_int)
+}
+
+/// The provider structure. libfabric writes its own context into it, so it is a leaked,
+/// writable allocation, made once.
+fn provider() -> *mut abi::fi_provider {
+    static P: OnceLock<usize> = OnceLock::new();
+    *P.get_or_init(|| {
+        let p = Box::new(abi::fi_provider {
+            version: info::PROVIDER_VERSION,
+            fi_version: info::API_VERSION,
+            context: Default::default(),
+            name: c"ringbell".as_ptr(),
+            getinfo: Some(getinfo),
+            fabric: Some(fabric),
+            cleanup: Some(cleanup),
+        });
+        Box::into_raw(p) as usize
+    }) as *mut abi::fi_provider
+}
+
+/// The entry point libfabric looks up in every provider library it loads.
+#[no_mangle]
+pub extern "C" fn fi_prov_ini() -> *mut abi::fi_provider {
+    provider()
+}
+
+unsafe extern "C" fn cleanup() {}
+
+/// Runs `f`, turning a panic into `-FI_EOTHER` (a panic must not unwind into C).
+fn guard(f: impl FnOnce() -> c_int) -> c_int {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).unwrap_or(neg(abi::FI_EOTHER))
+}
+
+/// A C string as an owned Rust string (`None` for NULL or a non-UTF-8 string).
+///
+/// # Safety
+/// `p` is NULL or a NUL-terminated string.
+unsafe fn string(p: *const c_char) -> Option<String> {
+    if p.is_null() {
+        return None;
+    }
+    // SAFETY: non-NULL and NUL-terminated, per the caller.
+    unsafe { CStr::from_ptr(p) }
+        .to_str()
+        .ok()
+        .map(str::to_string)
+}
+
+/// Reads a caller's hints into the safe model.
+///
+/// # Safety
+/// `h` is NULL or points to a `struct fi_info` whose non-NULL attribute pointers and strings
+/// are valid, as `fi_getinfo(3)` requires of hints.
+unsafe fn read_hints(h: *const abi::fi_info) -> Hints {
+    // SAFETY: per the caller, `h` is NULL or valid.
+    let Some(h) = (unsafe { h.as_ref() }) else {
+        return Hints::default();
+    };
+    let mut out = Hints {
+        caps: h.caps,
+        mode: Some(h.mode),
+        addr_format: h.addr_format,
+        ..Default::default()
+    };
+    if !h.dest_addr.is_null() && h.dest_addrlen > 0 && h.dest_addrlen <= 4096 {
+        // SAFETY: `dest_addr` holds `dest_addrlen` bytes (fi_getinfo(3)); bounded above.
+        let b = unsafe { std::slice::from_raw_parts(h.dest_addr as *const u8, h.dest_addrlen) };
+        out.dest_addr = Some(b.to_vec());
+    }
+    // SAFETY: each attribute pointer is NULL or valid, per the caller.
+    if let Some(e) = unsafe { h.ep_attr.as_ref() } {
+        out.ep_type = e.type_;
+        out.protocol = e.protocol;
+        out.max_msg_size = e.max_msg_size;
+        out.mem_tag_format = e.mem_tag_format;
+    }
+    // SAFETY: as above.
+    if let Some(t) = unsafe { h.tx_attr.as_ref() } {
+        out.tx = Some(QueueHints {
+            caps: t.caps,
+            mode: t.mode,
+            op_flags: t.op_flags,
+            msg_order: t.msg_order,
+            inject_size: t.inject_size,
+            size: t.size,
+            iov_limit: t.iov_limit,
+        });
+    }
+    // SAFETY: as above.
+    if let Some(r) = unsafe { h.rx_attr.as_ref() } {
+        out.rx = Some(QueueHints {
+            caps: r.caps,
+            mode: r.mode,
+            op_flags: r.op_flags,
+            msg_order: r.msg_order,
+            inject_size: 0,
+            size: r.size,
+            iov_limit: r.iov_limit,
+        });
+    }
+    // SAFETY: as above.
+    if let Some(d) = unsafe { h.domain_attr.as_ref() } {
+        // SAFETY: `name` is NULL or a string, per the caller.
+        out.domain_name = unsafe { string(d.name) };
+        out.threading = d.threading;
+        out.control_progress = d.control_progress;
+        out.data_progress = d.data_progress;
+        out.resource_mgmt = d.resource_mgmt;
+        out.av_type = d.av_type;
+        out.mr_mode = Some(d.mr_mode);
+        out.cq_data_size = d.cq_data_size;
+    }
+    // SAFETY: as above.
+    if let Some(f) = unsafe { h.fabric_attr.as_ref() } {
+        // SAFETY: the names are NULL or strings, per the caller.
+        out.fabric_name = unsafe { string(f.name) };
+        // SAFETY: as above.
+        out.prov_name = unsafe { string(f.prov_name) };
+    }
+    out
+}
+
+/// A zeroed libc allocation of one `T` (libfabric frees it with `free`).
+fn calloc<T>() -> Option<*mut T> {
+    // SAFETY: calloc may be called with any sizes; the result is checked for NULL.
+    let p = unsafe { libc::calloc(1, std::mem::size_of::<T>()) } as *mut T;
+    (!p.is_null()).then_some(p)
+}
+
+/// A libc copy of `s` (libfabric frees it with `free`).
+fn strdup(s: &str) -> Option<*mut c_char> {
+    let c = std::ffi::CString::new(s).ok()?;
+    // SAFETY: `c` is a valid NUL-terminated string; the result is checked for NULL.
+    let p = unsafe { libc::strdup(c.as_ptr()) };
+    (!p.is_null()).then_some(p)
+}
+
+/// Frees a list built by [`write_info`] (on an allocation failure half way).
+///
+/// # Safety
+/// `i` is NULL or a list this file built, not yet handed to the caller.
+unsafe fn free_info(mut i: *mut abi::fi_info) {
+    while !i.is_null() {
+        // SAFETY: built by write_info: every pointer is NULL or a libc allocation.
+        unsafe {
+            let next = (*i).next;
+            if let Some(d) = (*i).domain_attr.as_ref() {
+                libc::free(d.name as *mut c_void);
+            }
+            if let Some(f) = (*i).fabric_attr.as_ref() {
+                libc::free(f.name as *mut c_void);
+            }
+            for p in [
+                (*i).tx_attr as *mut c_void,
+                (*i).rx_attr as *mut c_void,
+                (*i).ep_attr as *mut c_void,
+                (*i).domain_attr as *mut c_void,
+                (*i).fabric_attr as *mut c_void,
+                (*i).dest_addr,
+                i as *mut c_void,
+            ] {
+                libc::free(p);
+            }
+            i = next;
+        }
+    }
+}
+
+/// Builds the `struct fi_info` of `o`, or `None` when memory runs out.
+fn write_info(o: &Offer) -> Option<*mut abi::fi_info> {
+    let i = calloc::<abi::fi_info>()?;
+    let fill = || -> Option<()> {
+        let tx = calloc::<abi::fi_tx_attr>()?;
+        let rx = calloc::<abi::fi_rx_attr>()?;
+        let ep = calloc::<abi::fi_ep_attr>()?;
+        let dom = calloc::<abi::fi_domain_attr>()?;
+        let fab = calloc::<abi::fi_fabric_attr>()?;
+        // SAFETY: every pointer was just allocated, zeroed, with its type's size; they are
+        // linked into `i` at once, so `free_info` frees them on a later failure.
+        unsafe {
+            (*i).tx_attr = tx;
+            (*i).rx_attr = rx;
+            (*i).ep_attr = ep;
+            (*i).domain_attr = dom;
+            (*i).fabric_attr = fab;
+            (*i).caps = o.caps;
+            (*i).mode = o.mode;
+            (*i).addr_format = info::ADDR_FORMAT;
+            *tx = abi::fi_tx_attr {
+                caps: o.caps & info::TX_CAPS,
+                mode: o.mode,
+                op_flags: o.tx_op_flags,
+                msg_order: info::MSG_ORDER,
+                comp_order: 0,
+                inject_size: o.inject_size,
+                size: o.tx_size,
+                iov_limit: o.iov_limit,
+                rma_iov_limit: 1,
+                tclass: 0,
+            };
+            *rx = abi::fi_rx_attr {
+                caps: o.caps & info::RX_CAPS,
+                mode: o.mode,
+                op_flags: o.rx_op_flags,
+                msg_order: info::MSG_ORDER,
+                comp_order: 0,
+                total_buffered_recv: 0,
+                size: o.rx_size,
+                iov_limit: o.iov_limit,
+            };
+            (*ep).type_ = abi::fi_ep_type_FI_EP_RDM;
+            (*ep).protocol = abi::FI_PROTO_UNSPEC;
+            (*ep).protocol_version = 1;
+            (*ep).max_msg_size = o.max_msg_size;
+            (*ep).mem_tag_format = info::MEM_TAG_FORMAT;
+            (*ep).tx_ctx_cnt = 1;
+            (*ep).rx_ctx_cnt = 1;
+            (*dom).threading = o.threading;
+            (*dom).control_progress = o.progress;
+            (*dom).data_progress = o.progress;
+            (*dom).resource_mgmt = o.resource_mgmt;
+            (*dom).av_type = o.av_type;
+            (*dom).mr_mode = o.mr_mode;
+            (*dom).mr_key_size = 4;
+            (*dom).cq_data_size = o.cq_data_size;
+            (*dom).cq_cnt = 4096;
+            (*dom).ep_cnt = 4096;
+            (*dom).tx_ctx_cnt = 4096;
+            (*dom).rx_ctx_cnt = 4096;
+            (*dom).max_ep_tx_ctx = 1;
+            (*dom).max_ep_rx_ctx = 1;
+            (*dom).cntr_cnt = 4096;
+            (*dom).mr_iov_limit = 1;
+            (*dom).mr_cnt = 16384;
+            (*dom).caps = info::FI_LOCAL_COMM | info::FI_REMOTE_COMM;
+            (*dom).name = strdup(&o.domain)?;
+            (*fab).name = strdup(info::PROVIDER_NAME)?;
+            if let Some(a) = &o.dest_addr {
+                let p = libc::malloc(a.len().max(1)) as *mut u8;
+                if p.is_null() {
+                    return None;
+                }
+                std::ptr::copy_nonoverlapping(a.as_ptr(), p, a.len());
+                (*i).dest_addr = p as *mut c_void;
+                (*i).dest_addrlen = a.len();
+            }
+        }
+        Some(())
+    };
+    match fill() {
+        Some(()) => Some(i),
+        None => {
+            // SAFETY: `i` was built here and not handed out.
+            unsafe { free_info(i) };
+            None
+        }
+    }
+}
+
+/// `fi_getinfo` for this provider: one RDM offer per NIC that matches the hints.
+unsafe extern "C" fn getinfo(
+    version: u32,
+    _node: *const c_char,
+    _service: *const c_char,
+    _flags: u64,
+    hints: *const abi::fi_info,
+    out: *mut *mut abi::fi_info,
+) -> c_int {
+    guard(|| {
+        if out.is_null() {
+            return neg(abi::FI_EINVAL);
+        }
+        // SAFETY: libfabric passes the application's hints, NULL or valid (fi_getinfo(3)).
+        let h = unsafe { read_hints(hints) };
+        let plan = ringbell::discover::NicPlan::from_env();
+        let mut head: *mut abi::fi_info = std::ptr::null_mut();
+        let mut tail: *mut *mut abi::fi_info = &mut head;
+        for i in 0..plan.nics.len() {
+            let offer = Offer::for_nic(&ringbell::discover::NicPlan::name(i));
+            let Ok(o) = info::match_offer(version, &h, &offer) else {
+                continue;
+            };
+            let Some(node) = write_info(&o) else {
+                // SAFETY: the list was built here and not handed out.
+                unsafe { free_info(head) };
+                return neg(abi::FI_ENOMEM);
+            };
+            // SAFETY: `tail` points at `head` or at the `next` of the last node built here.
+            unsafe {
+                *tail = node;
+                tail = &mut (*node).next;
+            }
+        }
+        if head.is_null() {
+            return neg(abi::FI_ENODATA);
+        }
+        // SAFETY: `out` is non-NULL (checked) and the caller's to write.
+        unsafe { *out = head };
+        0
+    })
+}
+
+/// A fabric: the `fid_fabric` libfabric sees, first, then the provider's own state.
+#[repr(C)]
+struct RbFabric {
+    fid: abi::fid_fabric,
+}
+
+unsafe extern "C" fn fabric_close(fid: *mut abi::fid) -> c_int {
+    guard(|| {
+        if fid.is_null() {
+            return neg(abi::FI_EINVAL);
+        }
+        // SAFETY: the fid of a fabric this provider made (it is reached only through the
+        // fabric's own ops table): a leaked Box<RbFabric> whose first field is the fid.
+        drop(unsafe { Box::from_raw(fid as *mut RbFabric) });
+        0
+    })
+}
+
+unsafe extern "C" fn enosys_bind(_: *mut abi::fid, _: *mut abi::fid, _: u64) -> c_int {
+    neg(abi::FI_ENOSYS)
+}
+unsafe extern "C" fn enosys_control(_: *mut abi::fid, _: c_int, _: *mut c_void) -> c_int {
+    neg(abi::FI_ENOSYS)
+}
+unsafe extern "C" fn enosys_ops_open(
+    _: *mut abi::fid,
+    _: *const c_char,
+    _: u64,
+    _: *mut *mut c_void,
+    _: *mut c_void,
+) -> c_int {
+    neg(abi::FI_ENOSYS)
+}
+unsafe extern "C" fn enosys_tostr(_: *const abi::fid, _: *mut c_char, _: usize) -> c_int {
+    neg(abi::FI_ENOSYS)
+}
+unsafe extern "C" fn enosys_ops_set(
+    _: *mut abi::fid,
+    _: *const c_char,
+    _: u64,
+    _: *mut c_void,
+    _: *mut c_void,
+) -> c_int {
+    neg(abi::FI_ENOSYS)
+}
+unsafe extern "C" fn enosys_domain(
+    _: *mut abi::fid_fabric,
+    _: *mut abi::fi_info,
+    _: *mut *mut abi::fid_domain,
+    _: *mut c_void,
+) -> c_int {
+    neg(abi::FI_ENOSYS)
+}
+unsafe extern "C" fn enosys_passive_ep(
+    _: *mut abi::fid_fabric,
+    _: *mut abi::fi_info,
+    _: *mut *mut abi::fid_pep,
+    _: *mut c_void,
+) -> c_int {
+    neg(abi::FI_ENOSYS)
+}
+unsafe extern "C" fn enosys_eq_open(
+    _: *mut abi::fid_fabric,
+    _: *mut abi::fi_eq_attr,
+    _: *mut *mut abi::fid_eq,
+    _: *mut c_void,
+) -> c_int {
+    neg(abi::FI_ENOSYS)
+}
+unsafe extern "C" fn enosys_wait_open(
+    _: *mut abi::fid_fabric,
+    _: *mut abi::fi_wait_attr,
+    _: *mut *mut abi::fid_wait,
+) -> c_int {
+    neg(abi::FI_ENOSYS)
+}
+unsafe extern "C" fn enosys_trywait(
+    _: *mut abi::fid_fabric,
+    _: *mut *mut abi::fid,
+    _: c_int,
+) -> c_int {
+    neg(abi::FI_ENOSYS)
+}
+unsafe extern "C" fn enosys_domain2(
+    _: *mut abi::fid_fabric,
+    _: *mut abi::fi_info,
+    _: *mut *mut abi::fid_domain,
+    _: u64,
+    _: *mut c_void,
+) -> c_int {
+    neg(abi::FI_ENOSYS)
+}
+
+/// The operations of a fabric's `fid` (every slot filled: libfabric calls them unchecked).
+static FABRIC_FID_OPS: abi::fi_ops = abi::fi_ops {
+    size: std::mem::size_of::<abi::fi_ops>(),
+    close: Some(fabric_close),
+    bind: Some(enosys_bind),
+    control: Some(enosys_control),
+    ops_open: Some(enosys_ops_open),
+    tostr: Some(enosys_tostr),
+    ops_set: Some(enosys_ops_set),
+};
+
+/// The fabric operations (not implemented yet).
+static FABRIC_OPS: abi::fi_ops_fabric = abi::fi_ops_fabric {
+    size: std::mem::size_of::<abi::fi_ops_fabric>(),
+    domain: Some(enosys_domain),
+    passive_ep: Some(enosys_passive_ep),
+    eq_open: Some(enosys_eq_open),
+    wait_open: Some(enosys_wait_open),
+    trywait: Some(enosys_trywait),
+    domain2: Some(enosys_domain2),
+};
+
+/// `fi_fabric` for this provider.
+unsafe extern "C" fn fabric(
+    attr: *mut abi::fi_fabric_attr,
+    out: *mut *mut abi::fid_fabric,
+    context: *mut c_void,
+) -> c_int {
+    guard(|| {
+        if attr.is_null() || out.is_null() {
+            return neg(abi::FI_EINVAL);
+        }
+        // SAFETY: libfabric passes the attributes of an info this provider returned.
+        let name = unsafe { string((*attr).name) };
+        if name.as_deref() != Some(info::PROVIDER_NAME) {
+            return neg(abi::FI_ENODATA);
+        }
+        let f = Box::new(RbFabric {
+            fid: abi::fid_fabric {
+                fid: abi::fid {
+                    fclass: abi::FI_CLASS_FABRIC as usize,
+                    context,
+                    ops: &FABRIC_FID_OPS as *const abi::fi_ops as *mut abi::fi_ops,
+                },
+                ops: &FABRIC_OPS as *const abi::fi_ops_fabric as *mut abi::fi_ops_fabric,
+                api_version: info::API_VERSION,
+            },
+        });
+        // SAFETY: `out` is non-NULL (checked) and the caller's to write; the fabric is
+        // freed by its close.
+        unsafe { *out = Box::into_raw(f) as *mut abi::fid_fabric };
+        0
+    })
+}
