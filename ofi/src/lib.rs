@@ -1,20 +1,25 @@
 //! `libringbell_fi.so`: a libfabric provider for ringbell NICs, loaded by libfabric 1.17
 //! from a directory named in `FI_PROVIDER_PATH`.
 //!
-//! This is the first step of the provider: it registers as `ringbell` and answers
-//! `fi_getinfo` with one reliable-datagram (`FI_EP_RDM`) offer per NIC of the process's NIC
-//! plan ([`ringbell::discover`]: `RINGBELL_SERVE`, else an in-process fabric of
-//! `RINGBELL_NICS` NICs), matched against the caller's hints ([`info`]); `fi_info -p
-//! ringbell` lists them. `fi_fabric` opens a fabric object whose operations are not
-//! implemented yet (`-FI_ENOSYS`); domains, endpoints, completion queues, address vectors and
-//! memory registration come next.
+//! It registers as `ringbell` and answers `fi_getinfo` with one reliable-datagram
+//! (`FI_EP_RDM`) offer per NIC of the process's NIC plan ([`ringbell::discover`]:
+//! `RINGBELL_SERVE`, else an in-process fabric of `RINGBELL_NICS` NICs), or only NIC `i`
+//! when `RINGBELL_NIC=i` is set, matched against the caller's hints ([`info`]). Fabrics,
+//! domains, (minimal) event queues, completion queues, address vectors, memory registration
+//! and endpoints with message transfers are implemented ([`prov`]: reliable datagrams over
+//! RC connections made on demand through the datagram connection manager); tagged messages,
+//! RMA, atomics and counters are `-FI_ENOSYS` for now, and domains exist only on served NICs
+//! (the in-process fabric is not hosted by the provider yet).
 //!
-//! The C boundary is this file: it checks pointers, converts between libfabric's structures
-//! and the safe model of [`info`], and allocates what libfabric frees (`fi_freeinfo` uses
-//! libc `free`) with libc.
+//! The C boundary is this file (`fi_getinfo`, `fi_fabric`) and `ffi.rs` (the objects): it
+//! checks pointers, converts between libfabric's structures and the safe models of [`info`]
+//! and [`prov`], and allocates what libfabric frees (`fi_freeinfo` uses libc `free`) with
+//! libc.
 
 pub mod abi;
+mod ffi;
 pub mod info;
+pub mod prov;
 
 use info::{Hints, Offer, QueueHints};
 use std::ffi::{c_char, c_int, c_void, CStr};
@@ -60,7 +65,7 @@ fn guard(f: impl FnOnce() -> c_int) -> c_int {
 ///
 /// # Safety
 /// `p` is NULL or a NUL-terminated string.
-unsafe fn string(p: *const c_char) -> Option<String> {
+pub(crate) unsafe fn string(p: *const c_char) -> Option<String> {
     if p.is_null() {
         return None;
     }
@@ -300,7 +305,11 @@ unsafe extern "C" fn getinfo(
         let plan = ringbell::discover::NicPlan::from_env();
         let mut head: *mut abi::fi_info = std::ptr::null_mut();
         let mut tail: *mut *mut abi::fi_info = &mut head;
+        let only = prov::selected_nic();
         for i in 0..plan.nics.len() {
+            if only.is_some_and(|n| n != i) {
+                continue;
+            }
             let offer = Offer::for_nic(&ringbell::discover::NicPlan::name(i));
             let Ok(o) = info::match_offer(version, &h, &offer) else {
                 continue;
@@ -325,71 +334,10 @@ unsafe extern "C" fn getinfo(
     })
 }
 
-/// A fabric: the `fid_fabric` libfabric sees, first, then the provider's own state.
-#[repr(C)]
-struct RbFabric {
-    fid: abi::fid_fabric,
-}
-
-unsafe extern "C" fn fabric_close(fid: *mut abi::fid) -> c_int {
-    guard(|| {
-        if fid.is_null() {
-            return neg(abi::FI_EINVAL);
-        }
-        // SAFETY: the fid of a fabric this provider made (it is reached only through the
-        // fabric's own ops table): a leaked Box<RbFabric> whose first field is the fid.
-        drop(unsafe { Box::from_raw(fid as *mut RbFabric) });
-        0
-    })
-}
-
-unsafe extern "C" fn enosys_bind(_: *mut abi::fid, _: *mut abi::fid, _: u64) -> c_int {
-    neg(abi::FI_ENOSYS)
-}
-unsafe extern "C" fn enosys_control(_: *mut abi::fid, _: c_int, _: *mut c_void) -> c_int {
-    neg(abi::FI_ENOSYS)
-}
-unsafe extern "C" fn enosys_ops_open(
-    _: *mut abi::fid,
-    _: *const c_char,
-    _: u64,
-    _: *mut *mut c_void,
-    _: *mut c_void,
-) -> c_int {
-    neg(abi::FI_ENOSYS)
-}
-unsafe extern "C" fn enosys_tostr(_: *const abi::fid, _: *mut c_char, _: usize) -> c_int {
-    neg(abi::FI_ENOSYS)
-}
-unsafe extern "C" fn enosys_ops_set(
-    _: *mut abi::fid,
-    _: *const c_char,
-    _: u64,
-    _: *mut c_void,
-    _: *mut c_void,
-) -> c_int {
-    neg(abi::FI_ENOSYS)
-}
-unsafe extern "C" fn enosys_domain(
-    _: *mut abi::fid_fabric,
-    _: *mut abi::fi_info,
-    _: *mut *mut abi::fid_domain,
-    _: *mut c_void,
-) -> c_int {
-    neg(abi::FI_ENOSYS)
-}
 unsafe extern "C" fn enosys_passive_ep(
     _: *mut abi::fid_fabric,
     _: *mut abi::fi_info,
     _: *mut *mut abi::fid_pep,
-    _: *mut c_void,
-) -> c_int {
-    neg(abi::FI_ENOSYS)
-}
-unsafe extern "C" fn enosys_eq_open(
-    _: *mut abi::fid_fabric,
-    _: *mut abi::fi_eq_attr,
-    _: *mut *mut abi::fid_eq,
     _: *mut c_void,
 ) -> c_int {
     neg(abi::FI_ENOSYS)
@@ -418,23 +366,12 @@ unsafe extern "C" fn enosys_domain2(
     neg(abi::FI_ENOSYS)
 }
 
-/// The operations of a fabric's `fid` (every slot filled: libfabric calls them unchecked).
-static FABRIC_FID_OPS: abi::fi_ops = abi::fi_ops {
-    size: std::mem::size_of::<abi::fi_ops>(),
-    close: Some(fabric_close),
-    bind: Some(enosys_bind),
-    control: Some(enosys_control),
-    ops_open: Some(enosys_ops_open),
-    tostr: Some(enosys_tostr),
-    ops_set: Some(enosys_ops_set),
-};
-
-/// The fabric operations (not implemented yet).
+/// The fabric operations: domains and (minimal) event queues.
 static FABRIC_OPS: abi::fi_ops_fabric = abi::fi_ops_fabric {
     size: std::mem::size_of::<abi::fi_ops_fabric>(),
-    domain: Some(enosys_domain),
+    domain: Some(ffi::domain_open),
     passive_ep: Some(enosys_passive_ep),
-    eq_open: Some(enosys_eq_open),
+    eq_open: Some(ffi::eq_open),
     wait_open: Some(enosys_wait_open),
     trywait: Some(enosys_trywait),
     domain2: Some(enosys_domain2),
@@ -455,20 +392,10 @@ unsafe extern "C" fn fabric(
         if name.as_deref() != Some(info::PROVIDER_NAME) {
             return neg(abi::FI_ENODATA);
         }
-        let f = Box::new(RbFabric {
-            fid: abi::fid_fabric {
-                fid: abi::fid {
-                    fclass: abi::FI_CLASS_FABRIC as usize,
-                    context,
-                    ops: &FABRIC_FID_OPS as *const abi::fi_ops as *mut abi::fi_ops,
-                },
-                ops: &FABRIC_OPS as *const abi::fi_ops_fabric as *mut abi::fi_ops_fabric,
-                api_version: info::API_VERSION,
-            },
-        });
+        let f = ffi::new_fabric(context, &FABRIC_OPS);
         // SAFETY: `out` is non-NULL (checked) and the caller's to write; the fabric is
         // freed by its close.
-        unsafe { *out = Box::into_raw(f) as *mut abi::fid_fabric };
+        unsafe { *out = f };
         0
     })
 }

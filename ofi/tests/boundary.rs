@@ -119,7 +119,7 @@ fn getinfo_and_fabric_through_the_provider_structure() {
         assert_eq!(
             (ops.domain.unwrap())(fabric, out, &mut null_mut(), null_mut()),
             -(abi::FI_ENOSYS as i32),
-            "domains are not implemented yet"
+            "in-process NICs are not hosted by the provider yet"
         );
         assert_eq!(((*fid.ops).close.unwrap())(fid), 0);
         free_list(out);

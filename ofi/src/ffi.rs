@@ -1,0 +1,1381 @@
+//! The C entry points of the provider's objects: they check every pointer against the
+//! registry of live objects ([`prov::State::check`]), copy what libfabric passes into plain
+//! values, and call the safe logic in [`prov`]. A pointer that is not a live object of the
+//! expected kind gives `-FI_EINVAL`; a panic gives `-FI_EOTHER`.
+
+use crate::abi;
+use crate::prov::{self, Errno, Kind, Obj, State};
+use std::ffi::{c_char, c_int, c_void};
+
+fn neg(e: Errno) -> c_int {
+    -(e as c_int)
+}
+
+/// Runs `f` under the lock, turning an error into its negated number and a panic into
+/// `-FI_EOTHER`.
+fn run(f: impl FnOnce(&mut State) -> Result<c_int, Errno>) -> c_int {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        let mut st = prov::state();
+        f(&mut st).unwrap_or_else(neg)
+    }))
+    .unwrap_or(neg(abi::FI_EOTHER))
+}
+
+/// As [`run`], for calls that return `ssize_t`.
+fn run_s(f: impl FnOnce(&mut State) -> Result<isize, Errno>) -> isize {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        let mut st = prov::state();
+        f(&mut st).unwrap_or_else(|e| -(e as isize))
+    }))
+    .unwrap_or(-(abi::FI_EOTHER as isize))
+}
+
+/// Publishes a new object: its `fid_*` structure boxed, registered under its address.
+fn publish<T>(st: &mut State, fid: T, obj: Obj) -> *mut T {
+    let p = Box::into_raw(Box::new(fid));
+    st.objs.insert(p as usize, obj);
+    p
+}
+
+/// Frees the box of a registered object of kind `k` at `key` (just removed from the registry).
+fn free_box(key: usize, k: Kind) {
+    // SAFETY: `key` was registered by `publish` with a box of the type `k` names, and has
+    // just been removed from the registry, so nothing reaches it any more.
+    unsafe {
+        match k {
+            Kind::Fabric => drop(Box::from_raw(key as *mut abi::fid_fabric)),
+            Kind::Eq => drop(Box::from_raw(key as *mut abi::fid_eq)),
+            Kind::Domain => drop(Box::from_raw(key as *mut abi::fid_domain)),
+            Kind::Cq => drop(Box::from_raw(key as *mut abi::fid_cq)),
+            Kind::Av => drop(Box::from_raw(key as *mut abi::fid_av)),
+            Kind::Mr => drop(Box::from_raw(key as *mut abi::fid_mr)),
+            Kind::Ep => drop(Box::from_raw(key as *mut abi::fid_ep)),
+        }
+    }
+}
+
+fn fid_of(fclass: u32, context: *mut c_void) -> abi::fid {
+    abi::fid {
+        fclass: fclass as usize,
+        context,
+        ops: &FID_OPS as *const abi::fi_ops as *mut abi::fi_ops,
+    }
+}
+
+/// Writes `v` through an out-pointer, refusing NULL.
+fn put<T>(out: *mut T, v: T) -> Result<(), Errno> {
+    if out.is_null() {
+        return Err(abi::FI_EINVAL);
+    }
+    // SAFETY: non-NULL; libfabric's out-parameters point at caller storage for one `T`.
+    unsafe { out.write(v) };
+    Ok(())
+}
+
+macro_rules! enosys {
+    ($name:ident ($($t:ty),* $(,)?) -> $r:ty) => {
+        unsafe extern "C" fn $name($(_: $t),*) -> $r {
+            -(abi::FI_ENOSYS as $r)
+        }
+    };
+}
+
+// ---- fid operations, shared by every object ----
+
+unsafe extern "C" fn obj_close(fid: *mut abi::fid) -> c_int {
+    run(|st| {
+        let key = fid as usize;
+        let obj = st.objs.remove(&key).ok_or(abi::FI_EINVAL)?;
+        let k = obj.kind();
+        if let Obj::Ep(ep) = &obj {
+            st.close_ep(ep);
+        }
+        drop(obj);
+        free_box(key, k);
+        Ok(0)
+    })
+}
+
+unsafe extern "C" fn obj_bind(fid: *mut abi::fid, bfid: *mut abi::fid, flags: u64) -> c_int {
+    run(|st| {
+        let (key, b) = (fid as usize, bfid as usize);
+        st.check(key, Kind::Ep).map_err(|_| abi::FI_ENOSYS)?;
+        let kind = st.objs.get(&b).map(Obj::kind).ok_or(abi::FI_EINVAL)?;
+        let sel = flags & abi::FI_SELECTIVE_COMPLETION != 0;
+        let ep = st.ep_mut(key)?;
+        if ep.enabled {
+            return Err(abi::FI_EOPBADSTATE);
+        }
+        match kind {
+            Kind::Av => ep.av = Some(b),
+            Kind::Cq => {
+                if flags & abi::FI_TRANSMIT as u64 != 0 {
+                    ep.txcq = Some(b);
+                    ep.tx_selective = sel;
+                }
+                if flags & abi::FI_RECV as u64 != 0 {
+                    ep.rxcq = Some(b);
+                    ep.rx_selective = sel;
+                }
+            }
+            Kind::Eq => {}
+            _ => return Err(abi::FI_EINVAL),
+        }
+        Ok(0)
+    })
+}
+
+unsafe extern "C" fn obj_control(fid: *mut abi::fid, cmd: c_int, _arg: *mut c_void) -> c_int {
+    run(|st| {
+        let key = fid as usize;
+        let kind = st.objs.get(&key).map(Obj::kind).ok_or(abi::FI_EINVAL)?;
+        match (kind, cmd as u32) {
+            (Kind::Ep, abi::FI_ENABLE) => st.enable(key).map(|()| 0),
+            _ => Err(abi::FI_ENOSYS),
+        }
+    })
+}
+
+enosys!(no_ops_open(*mut abi::fid, *const c_char, u64, *mut *mut c_void, *mut c_void) -> c_int);
+enosys!(no_tostr(*const abi::fid, *mut c_char, usize) -> c_int);
+enosys!(no_ops_set(*mut abi::fid, *const c_char, u64, *mut c_void, *mut c_void) -> c_int);
+
+/// The `fid` operations of every object.
+pub static FID_OPS: abi::fi_ops = abi::fi_ops {
+    size: std::mem::size_of::<abi::fi_ops>(),
+    close: Some(obj_close),
+    bind: Some(obj_bind),
+    control: Some(obj_control),
+    ops_open: Some(no_ops_open),
+    tostr: Some(no_tostr),
+    ops_set: Some(no_ops_set),
+};
+
+// ---- fabric ----
+
+/// Registers a new fabric object.
+pub fn new_fabric(context: *mut c_void, ops: *const abi::fi_ops_fabric) -> *mut abi::fid_fabric {
+    let mut st = prov::state();
+    publish(
+        &mut st,
+        abi::fid_fabric {
+            fid: fid_of(abi::FI_CLASS_FABRIC, context),
+            ops: ops as *mut _,
+            api_version: crate::info::API_VERSION,
+        },
+        Obj::Fabric,
+    )
+}
+
+/// `fi_domain`.
+pub unsafe extern "C" fn domain_open(
+    fabric: *mut abi::fid_fabric,
+    info: *mut abi::fi_info,
+    out: *mut *mut abi::fid_domain,
+    context: *mut c_void,
+) -> c_int {
+    run(|st| {
+        st.check(fabric as usize, Kind::Fabric)?;
+        if info.is_null() {
+            return Err(abi::FI_EINVAL);
+        }
+        // SAFETY: `info` is non-NULL: an info libfabric passes on (from getinfo).
+        let dattr = unsafe { (*info).domain_attr };
+        let name = if dattr.is_null() {
+            None
+        } else {
+            // SAFETY: a non-NULL domain attribute of that info; its name is NULL or a string.
+            unsafe { crate::string((*dattr).name) }
+        };
+        let nic = match name {
+            Some(n) => n
+                .strip_prefix("rb")
+                .and_then(|i| i.parse::<usize>().ok())
+                .ok_or(abi::FI_ENODATA)?,
+            None => prov::selected_nic().unwrap_or(0),
+        };
+        let d = st.new_domain(nic)?;
+        let p = publish(
+            st,
+            abi::fid_domain {
+                fid: fid_of(abi::FI_CLASS_DOMAIN, context),
+                ops: &DOMAIN_OPS as *const _ as *mut _,
+                mr: &MR_OPS as *const _ as *mut _,
+            },
+            Obj::Domain(d),
+        );
+        put(out, p).map(|()| 0)
+    })
+}
+
+// ---- event queue (opened by fi_pingpong, never used for RDM) ----
+
+pub unsafe extern "C" fn eq_open(
+    fabric: *mut abi::fid_fabric,
+    _attr: *mut abi::fi_eq_attr,
+    out: *mut *mut abi::fid_eq,
+    context: *mut c_void,
+) -> c_int {
+    run(|st| {
+        st.check(fabric as usize, Kind::Fabric)?;
+        if out.is_null() {
+            return Err(abi::FI_EINVAL);
+        }
+        let p = publish(
+            st,
+            abi::fid_eq {
+                fid: fid_of(abi::FI_CLASS_EQ, context),
+                ops: &EQ_OPS as *const _ as *mut _,
+            },
+            Obj::Eq,
+        );
+        put(out, p).map(|()| 0)
+    })
+}
+
+unsafe extern "C" fn eq_read(
+    eq: *mut abi::fid_eq,
+    _: *mut u32,
+    _: *mut c_void,
+    _: usize,
+    _: u64,
+) -> isize {
+    run_s(|st| {
+        st.check(eq as usize, Kind::Eq)?;
+        Err(abi::FI_EAGAIN)
+    })
+}
+unsafe extern "C" fn eq_readerr(
+    eq: *mut abi::fid_eq,
+    _: *mut abi::fi_eq_err_entry,
+    _: u64,
+) -> isize {
+    run_s(|st| {
+        st.check(eq as usize, Kind::Eq)?;
+        Err(abi::FI_EAGAIN)
+    })
+}
+unsafe extern "C" fn eq_sread(
+    eq: *mut abi::fid_eq,
+    _: *mut u32,
+    _: *mut c_void,
+    _: usize,
+    _: c_int,
+    _: u64,
+) -> isize {
+    run_s(|st| {
+        st.check(eq as usize, Kind::Eq)?;
+        Err(abi::FI_EAGAIN)
+    })
+}
+enosys!(eq_write(*mut abi::fid_eq, u32, *const c_void, usize, u64) -> isize);
+
+static ERR_TEXT: &std::ffi::CStr = c"ringbell: operation failed";
+
+/// Copies `ERR_TEXT` into `buf` (if given) and returns it.
+fn strerror_into(buf: *mut c_char, len: usize) -> *const c_char {
+    if buf.is_null() || len == 0 {
+        return ERR_TEXT.as_ptr();
+    }
+    let b = ERR_TEXT.to_bytes();
+    let n = b.len().min(len - 1);
+    // SAFETY: `buf` holds `len` bytes (fi_cq_strerror(3)); `n + 1 <= len` are written.
+    unsafe {
+        std::ptr::copy_nonoverlapping(b.as_ptr(), buf as *mut u8, n);
+        *buf.add(n) = 0;
+    }
+    buf
+}
+
+unsafe extern "C" fn eq_strerror(
+    _: *mut abi::fid_eq,
+    _: c_int,
+    _: *const c_void,
+    buf: *mut c_char,
+    len: usize,
+) -> *const c_char {
+    strerror_into(buf, len)
+}
+
+static EQ_OPS: abi::fi_ops_eq = abi::fi_ops_eq {
+    size: std::mem::size_of::<abi::fi_ops_eq>(),
+    read: Some(eq_read),
+    readerr: Some(eq_readerr),
+    write: Some(eq_write),
+    sread: Some(eq_sread),
+    strerror: Some(eq_strerror),
+};
+
+// ---- domain ----
+
+unsafe extern "C" fn cq_open(
+    dom: *mut abi::fid_domain,
+    attr: *mut abi::fi_cq_attr,
+    out: *mut *mut abi::fid_cq,
+    context: *mut c_void,
+) -> c_int {
+    run(|st| {
+        st.check(dom as usize, Kind::Domain)?;
+        // SAFETY: NULL or the caller's attributes (fi_cq_open(3)).
+        let a = unsafe { attr.as_ref() }.ok_or(abi::FI_EINVAL)?;
+        match a.wait_obj {
+            abi::fi_wait_obj_FI_WAIT_NONE
+            | abi::fi_wait_obj_FI_WAIT_UNSPEC
+            | abi::fi_wait_obj_FI_WAIT_YIELD => {}
+            _ => return Err(abi::FI_ENOSYS),
+        }
+        let cq = prov::Cq::new(a.format)?;
+        if out.is_null() {
+            return Err(abi::FI_EINVAL);
+        }
+        let p = publish(
+            st,
+            abi::fid_cq {
+                fid: fid_of(abi::FI_CLASS_CQ, context),
+                ops: &CQ_OPS as *const _ as *mut _,
+            },
+            Obj::Cq(cq),
+        );
+        put(out, p).map(|()| 0)
+    })
+}
+
+unsafe extern "C" fn av_open(
+    dom: *mut abi::fid_domain,
+    attr: *mut abi::fi_av_attr,
+    out: *mut *mut abi::fid_av,
+    context: *mut c_void,
+) -> c_int {
+    run(|st| {
+        st.check(dom as usize, Kind::Domain)?;
+        // SAFETY: NULL or the caller's attributes (fi_av_open(3)).
+        if let Some(a) = unsafe { attr.as_ref() } {
+            if a.type_ > abi::fi_av_type_FI_AV_TABLE {
+                return Err(abi::FI_EINVAL);
+            }
+        }
+        if out.is_null() {
+            return Err(abi::FI_EINVAL);
+        }
+        let p = publish(
+            st,
+            abi::fid_av {
+                fid: fid_of(abi::FI_CLASS_AV, context),
+                ops: &AV_OPS as *const _ as *mut _,
+            },
+            Obj::Av(prov::Av { addrs: Vec::new() }),
+        );
+        put(out, p).map(|()| 0)
+    })
+}
+
+unsafe extern "C" fn endpoint(
+    dom: *mut abi::fid_domain,
+    _info: *mut abi::fi_info,
+    out: *mut *mut abi::fid_ep,
+    context: *mut c_void,
+) -> c_int {
+    run(|st| {
+        if out.is_null() {
+            return Err(abi::FI_EINVAL);
+        }
+        let ep = st.new_ep(dom as usize)?;
+        let p = publish(
+            st,
+            abi::fid_ep {
+                fid: fid_of(abi::FI_CLASS_EP, context),
+                ops: &EP_OPS as *const _ as *mut _,
+                cm: &CM_OPS as *const _ as *mut _,
+                msg: &MSG_OPS as *const _ as *mut _,
+                rma: &RMA_OPS as *const _ as *mut _,
+                tagged: &TAGGED_OPS as *const _ as *mut _,
+                atomic: &ATOMIC_OPS as *const _ as *mut _,
+                collective: &COLL_OPS as *const _ as *mut _,
+            },
+            Obj::Ep(Box::new(ep)),
+        );
+        put(out, p).map(|()| 0)
+    })
+}
+
+enosys!(
+    no_scalable_ep(
+        *mut abi::fid_domain,
+        *mut abi::fi_info,
+        *mut *mut abi::fid_ep,
+        *mut c_void,
+    ) -> c_int
+);
+enosys!(
+    no_cntr_open(
+        *mut abi::fid_domain,
+        *mut abi::fi_cntr_attr,
+        *mut *mut abi::fid_cntr,
+        *mut c_void,
+    ) -> c_int
+);
+enosys!(
+    no_poll_open(*mut abi::fid_domain, *mut abi::fi_poll_attr, *mut *mut abi::fid_poll) -> c_int
+);
+enosys!(
+    no_stx_ctx(
+        *mut abi::fid_domain,
+        *mut abi::fi_tx_attr,
+        *mut *mut abi::fid_stx,
+        *mut c_void,
+    ) -> c_int
+);
+enosys!(
+    no_srx_ctx(
+        *mut abi::fid_domain,
+        *mut abi::fi_rx_attr,
+        *mut *mut abi::fid_ep,
+        *mut c_void,
+    ) -> c_int
+);
+enosys!(
+    no_query_atomic(
+        *mut abi::fid_domain,
+        abi::fi_datatype,
+        abi::fi_op,
+        *mut abi::fi_atomic_attr,
+        u64,
+    ) -> c_int
+);
+enosys!(
+    no_query_collective(
+        *mut abi::fid_domain,
+        abi::fi_collective_op,
+        *mut abi::fi_collective_attr,
+        u64,
+    ) -> c_int
+);
+enosys!(
+    no_endpoint2(
+        *mut abi::fid_domain,
+        *mut abi::fi_info,
+        *mut *mut abi::fid_ep,
+        u64,
+        *mut c_void,
+    ) -> c_int
+);
+
+static DOMAIN_OPS: abi::fi_ops_domain = abi::fi_ops_domain {
+    size: std::mem::size_of::<abi::fi_ops_domain>(),
+    av_open: Some(av_open),
+    cq_open: Some(cq_open),
+    endpoint: Some(endpoint),
+    scalable_ep: Some(no_scalable_ep),
+    cntr_open: Some(no_cntr_open),
+    poll_open: Some(no_poll_open),
+    stx_ctx: Some(no_stx_ctx),
+    srx_ctx: Some(no_srx_ctx),
+    query_atomic: Some(no_query_atomic),
+    query_collective: Some(no_query_collective),
+    endpoint2: Some(no_endpoint2),
+};
+
+// ---- memory registration ----
+
+fn mr_reg_one(
+    st: &mut State,
+    dom: usize,
+    buf: usize,
+    len: usize,
+    out: *mut *mut abi::fid_mr,
+    context: *mut c_void,
+) -> Result<c_int, Errno> {
+    st.check(dom, Kind::Domain)?;
+    if out.is_null() || buf == 0 || len == 0 {
+        return Err(abi::FI_EINVAL);
+    }
+    // SAFETY: the application registers its own mapped memory (fi_mr_reg(3)) and keeps it
+    // mapped until it closes the region.
+    let mr = unsafe { st.reg(dom, buf, len)? };
+    let key = mr.rkey() as u64;
+    let p = publish(
+        st,
+        abi::fid_mr {
+            fid: fid_of(abi::FI_CLASS_MR, context),
+            mem_desc: std::ptr::null_mut(),
+            key,
+        },
+        Obj::Mr(prov::Mr { mr }),
+    );
+    // SAFETY: `p` was just allocated by `publish`.
+    unsafe { (*p).mem_desc = p as *mut c_void };
+    put(out, p).map(|()| 0)
+}
+
+unsafe extern "C" fn mr_reg(
+    fid: *mut abi::fid,
+    buf: *const c_void,
+    len: usize,
+    _access: u64,
+    _offset: u64,
+    _key: u64,
+    _flags: u64,
+    out: *mut *mut abi::fid_mr,
+    context: *mut c_void,
+) -> c_int {
+    run(|st| mr_reg_one(st, fid as usize, buf as usize, len, out, context))
+}
+
+/// The `(base, len)` pairs of an iovec array.
+///
+/// # Safety
+/// `iov` is NULL or holds `count` iovecs.
+unsafe fn iovs(iov: *const abi::iovec, count: usize) -> Result<Vec<(usize, usize)>, Errno> {
+    if count == 0 {
+        return Ok(Vec::new());
+    }
+    if iov.is_null() || count > 64 {
+        return Err(abi::FI_EINVAL);
+    }
+    // SAFETY: `count` iovecs, per the caller.
+    let v = unsafe { std::slice::from_raw_parts(iov, count) };
+    Ok(v.iter().map(|i| (i.iov_base as usize, i.iov_len)).collect())
+}
+
+unsafe extern "C" fn mr_regv(
+    fid: *mut abi::fid,
+    iov: *const abi::iovec,
+    count: usize,
+    _access: u64,
+    _offset: u64,
+    _key: u64,
+    _flags: u64,
+    out: *mut *mut abi::fid_mr,
+    context: *mut c_void,
+) -> c_int {
+    run(|st| {
+        st.check(fid as usize, Kind::Domain)?;
+        // SAFETY: `count` iovecs (fi_mr_regv(3)).
+        let v = unsafe { iovs(iov, count)? };
+        let [(b, l)] = v[..] else {
+            return Err(abi::FI_EINVAL);
+        };
+        mr_reg_one(st, fid as usize, b, l, out, context)
+    })
+}
+
+unsafe extern "C" fn mr_regattr(
+    fid: *mut abi::fid,
+    attr: *const abi::fi_mr_attr,
+    _flags: u64,
+    out: *mut *mut abi::fid_mr,
+) -> c_int {
+    run(|st| {
+        st.check(fid as usize, Kind::Domain)?;
+        // SAFETY: NULL or the caller's attributes (fi_mr_regattr(3)).
+        let a = unsafe { attr.as_ref() }.ok_or(abi::FI_EINVAL)?;
+        // SAFETY: `iov_count` iovecs, per fi_mr_regattr(3).
+        let v = unsafe { iovs(a.mr_iov, a.iov_count)? };
+        let [(b, l)] = v[..] else {
+            return Err(abi::FI_EINVAL);
+        };
+        mr_reg_one(st, fid as usize, b, l, out, a.context)
+    })
+}
+
+static MR_OPS: abi::fi_ops_mr = abi::fi_ops_mr {
+    size: std::mem::size_of::<abi::fi_ops_mr>(),
+    reg: Some(mr_reg),
+    regv: Some(mr_regv),
+    regattr: Some(mr_regattr),
+};
+
+// ---- completion queue ----
+
+/// Copies taken entries out: `words` u64s per entry into `buf`, sources into `src`.
+fn copy_out(buf: *mut c_void, src: *mut u64, w: &[u64], s: &[u64]) -> isize {
+    // SAFETY: `buf` holds `count` entries of the CQ's format (fi_cq_read(3)) and `w` is at
+    // most `count` entries of that format; `src`, when given, holds `count` addresses.
+    unsafe {
+        std::ptr::copy_nonoverlapping(w.as_ptr(), buf as *mut u64, w.len());
+        if !src.is_null() {
+            std::ptr::copy_nonoverlapping(s.as_ptr(), src, s.len());
+        }
+    }
+    s.len() as isize
+}
+
+fn cq_read_inner(cq: *mut abi::fid_cq, buf: *mut c_void, count: usize, src: *mut u64) -> isize {
+    run_s(|st| {
+        st.check(cq as usize, Kind::Cq)?;
+        if buf.is_null() && count > 0 {
+            return Err(abi::FI_EINVAL);
+        }
+        st.progress();
+        let (w, s) = st.cq_mut(cq as usize)?.take(count)?;
+        Ok(copy_out(buf, src, &w, &s))
+    })
+}
+
+unsafe extern "C" fn cq_read(cq: *mut abi::fid_cq, buf: *mut c_void, count: usize) -> isize {
+    cq_read_inner(cq, buf, count, std::ptr::null_mut())
+}
+
+unsafe extern "C" fn cq_readfrom(
+    cq: *mut abi::fid_cq,
+    buf: *mut c_void,
+    count: usize,
+    src: *mut abi::fi_addr_t,
+) -> isize {
+    cq_read_inner(cq, buf, count, src)
+}
+
+fn cq_sread_inner(
+    cq: *mut abi::fid_cq,
+    buf: *mut c_void,
+    count: usize,
+    src: *mut u64,
+    timeout: c_int,
+) -> isize {
+    let start = std::time::Instant::now();
+    loop {
+        let r = cq_read_inner(cq, buf, count, src);
+        if r != -(abi::FI_EAGAIN as isize) {
+            return r;
+        }
+        if timeout >= 0 && start.elapsed().as_millis() >= timeout as u128 {
+            return r;
+        }
+        std::thread::yield_now();
+    }
+}
+
+unsafe extern "C" fn cq_sread(
+    cq: *mut abi::fid_cq,
+    buf: *mut c_void,
+    count: usize,
+    _cond: *const c_void,
+    timeout: c_int,
+) -> isize {
+    cq_sread_inner(cq, buf, count, std::ptr::null_mut(), timeout)
+}
+
+unsafe extern "C" fn cq_sreadfrom(
+    cq: *mut abi::fid_cq,
+    buf: *mut c_void,
+    count: usize,
+    src: *mut abi::fi_addr_t,
+    _cond: *const c_void,
+    timeout: c_int,
+) -> isize {
+    cq_sread_inner(cq, buf, count, src, timeout)
+}
+
+unsafe extern "C" fn cq_readerr(
+    cq: *mut abi::fid_cq,
+    out: *mut abi::fi_cq_err_entry,
+    _flags: u64,
+) -> isize {
+    run_s(|st| {
+        st.check(cq as usize, Kind::Cq)?;
+        if out.is_null() {
+            return Err(abi::FI_EINVAL);
+        }
+        let e = st
+            .cq_mut(cq as usize)?
+            .errs
+            .pop_front()
+            .ok_or(abi::FI_EAGAIN)?;
+        // SAFETY: `out` is non-NULL and points at the caller's error entry.
+        let o = unsafe { &mut *out };
+        o.op_context = e.ctx as *mut c_void;
+        o.flags = e.flags;
+        o.len = e.len as usize;
+        o.buf = e.buf as *mut c_void;
+        o.data = e.data;
+        o.tag = e.tag;
+        o.olen = 0;
+        o.err = e.err;
+        o.prov_errno = e.prov_errno;
+        // err_data is the caller's buffer when err_data_size > 0 (API >= 1.5): leave it.
+        o.err_data_size = 0;
+        Ok(1)
+    })
+}
+
+unsafe extern "C" fn cq_signal(cq: *mut abi::fid_cq) -> c_int {
+    run(|st| st.check(cq as usize, Kind::Cq).map(|()| 0))
+}
+
+unsafe extern "C" fn cq_strerror(
+    _: *mut abi::fid_cq,
+    _: c_int,
+    _: *const c_void,
+    buf: *mut c_char,
+    len: usize,
+) -> *const c_char {
+    strerror_into(buf, len)
+}
+
+static CQ_OPS: abi::fi_ops_cq = abi::fi_ops_cq {
+    size: std::mem::size_of::<abi::fi_ops_cq>(),
+    read: Some(cq_read),
+    readfrom: Some(cq_readfrom),
+    readerr: Some(cq_readerr),
+    sread: Some(cq_sread),
+    sreadfrom: Some(cq_sreadfrom),
+    signal: Some(cq_signal),
+    strerror: Some(cq_strerror),
+};
+
+// ---- address vector ----
+
+unsafe extern "C" fn av_insert(
+    av: *mut abi::fid_av,
+    addr: *const c_void,
+    count: usize,
+    fi_addr: *mut abi::fi_addr_t,
+    _flags: u64,
+    _ctx: *mut c_void,
+) -> c_int {
+    run(|st| {
+        st.check(av as usize, Kind::Av)?;
+        if count == 0 {
+            return Ok(0);
+        }
+        if addr.is_null() || count > (1 << 20) {
+            return Err(abi::FI_EINVAL);
+        }
+        // SAFETY: `count` packed addresses of this provider's length (fi_av_insert(3)).
+        let b = unsafe { std::slice::from_raw_parts(addr as *const u8, count * prov::ADDR_LEN) };
+        let a = st.av_mut(av as usize)?;
+        let mut n = 0;
+        for (i, c) in b.chunks(prov::ADDR_LEN).enumerate() {
+            let v = if prov::parse_addr(c).is_some() {
+                let mut x = [0u8; prov::ADDR_LEN];
+                x.copy_from_slice(c);
+                a.addrs.push(Some(x));
+                n += 1;
+                (a.addrs.len() - 1) as u64
+            } else {
+                prov::ADDR_UNSPEC
+            };
+            if !fi_addr.is_null() {
+                // SAFETY: `fi_addr`, when given, holds `count` entries (fi_av_insert(3)).
+                unsafe { *fi_addr.add(i) = v };
+            }
+        }
+        Ok(n)
+    })
+}
+
+enosys!(
+    av_insertsvc(
+        *mut abi::fid_av,
+        *const c_char,
+        *const c_char,
+        *mut abi::fi_addr_t,
+        u64,
+        *mut c_void,
+    ) -> c_int
+);
+enosys!(
+    av_insertsym(
+        *mut abi::fid_av,
+        *const c_char,
+        usize,
+        *const c_char,
+        usize,
+        *mut abi::fi_addr_t,
+        u64,
+        *mut c_void,
+    ) -> c_int
+);
+enosys!(
+    av_set(
+        *mut abi::fid_av,
+        *mut abi::fi_av_set_attr,
+        *mut *mut abi::fid_av_set,
+        *mut c_void,
+    ) -> c_int
+);
+
+unsafe extern "C" fn av_remove(
+    av: *mut abi::fid_av,
+    fi_addr: *mut abi::fi_addr_t,
+    count: usize,
+    _flags: u64,
+) -> c_int {
+    run(|st| {
+        st.check(av as usize, Kind::Av)?;
+        if count == 0 {
+            return Ok(0);
+        }
+        if fi_addr.is_null() || count > (1 << 20) {
+            return Err(abi::FI_EINVAL);
+        }
+        // SAFETY: `count` addresses (fi_av_remove(3)).
+        let v = unsafe { std::slice::from_raw_parts(fi_addr, count) }.to_vec();
+        let a = st.av_mut(av as usize)?;
+        for x in v {
+            match usize::try_from(x).ok().and_then(|i| a.addrs.get_mut(i)) {
+                Some(s) => *s = None,
+                None => return Err(abi::FI_EINVAL),
+            }
+        }
+        Ok(0)
+    })
+}
+
+unsafe extern "C" fn av_lookup(
+    av: *mut abi::fid_av,
+    fi_addr: abi::fi_addr_t,
+    addr: *mut c_void,
+    addrlen: *mut usize,
+) -> c_int {
+    run(|st| {
+        st.check(av as usize, Kind::Av)?;
+        if addrlen.is_null() {
+            return Err(abi::FI_EINVAL);
+        }
+        let a = st
+            .av_mut(av as usize)?
+            .addrs
+            .get(usize::try_from(fi_addr).map_err(|_| abi::FI_EINVAL)?)
+            .copied()
+            .flatten()
+            .ok_or(abi::FI_EINVAL)?;
+        // SAFETY: `addrlen` is non-NULL: the caller's buffer length.
+        let have = unsafe { *addrlen };
+        if !addr.is_null() {
+            // SAFETY: `addr` holds `have` bytes (fi_av_lookup(3)); at most that many are written.
+            unsafe {
+                std::ptr::copy_nonoverlapping(a.as_ptr(), addr as *mut u8, have.min(a.len()))
+            };
+        }
+        // SAFETY: as above.
+        unsafe { *addrlen = a.len() };
+        Ok(0)
+    })
+}
+
+unsafe extern "C" fn av_straddr(
+    _av: *mut abi::fid_av,
+    addr: *const c_void,
+    buf: *mut c_char,
+    len: *mut usize,
+) -> *const c_char {
+    if addr.is_null() || buf.is_null() || len.is_null() {
+        return std::ptr::null();
+    }
+    // SAFETY: `addr` is one of this provider's addresses (fi_av_straddr(3)).
+    let a = unsafe { std::slice::from_raw_parts(addr as *const u8, prov::ADDR_LEN) };
+    let s = prov::addr_str(a);
+    // SAFETY: `len` is non-NULL: the length of `buf`.
+    let have = unsafe { *len };
+    if have > 0 {
+        let n = s.len().min(have - 1);
+        // SAFETY: `buf` holds `have` bytes; `n + 1 <= have` are written.
+        unsafe {
+            std::ptr::copy_nonoverlapping(s.as_ptr(), buf as *mut u8, n);
+            *buf.add(n) = 0;
+        }
+    }
+    // SAFETY: as above.
+    unsafe { *len = s.len() + 1 };
+    buf
+}
+
+static AV_OPS: abi::fi_ops_av = abi::fi_ops_av {
+    size: std::mem::size_of::<abi::fi_ops_av>(),
+    insert: Some(av_insert),
+    insertsvc: Some(av_insertsvc),
+    insertsym: Some(av_insertsym),
+    remove: Some(av_remove),
+    lookup: Some(av_lookup),
+    straddr: Some(av_straddr),
+    av_set: Some(av_set),
+};
+
+// ---- endpoint ----
+
+enosys!(ep_cancel(*mut abi::fid, *mut c_void) -> isize);
+unsafe extern "C" fn ep_getopt(
+    _: *mut abi::fid,
+    _: c_int,
+    _: c_int,
+    _: *mut c_void,
+    _: *mut usize,
+) -> c_int {
+    neg(abi::FI_ENOPROTOOPT)
+}
+unsafe extern "C" fn ep_setopt(
+    _: *mut abi::fid,
+    _: c_int,
+    _: c_int,
+    _: *const c_void,
+    _: usize,
+) -> c_int {
+    neg(abi::FI_ENOPROTOOPT)
+}
+enosys!(
+    ep_tx_ctx(
+        *mut abi::fid_ep,
+        c_int,
+        *mut abi::fi_tx_attr,
+        *mut *mut abi::fid_ep,
+        *mut c_void,
+    ) -> c_int
+);
+enosys!(
+    ep_rx_ctx(
+        *mut abi::fid_ep,
+        c_int,
+        *mut abi::fi_rx_attr,
+        *mut *mut abi::fid_ep,
+        *mut c_void,
+    ) -> c_int
+);
+enosys!(ep_size_left(*mut abi::fid_ep) -> isize);
+
+static EP_OPS: abi::fi_ops_ep = abi::fi_ops_ep {
+    size: std::mem::size_of::<abi::fi_ops_ep>(),
+    cancel: Some(ep_cancel),
+    getopt: Some(ep_getopt),
+    setopt: Some(ep_setopt),
+    tx_ctx: Some(ep_tx_ctx),
+    rx_ctx: Some(ep_rx_ctx),
+    rx_size_left: Some(ep_size_left),
+    tx_size_left: Some(ep_size_left),
+};
+
+unsafe extern "C" fn cm_getname(fid: *mut abi::fid, addr: *mut c_void, len: *mut usize) -> c_int {
+    run(|st| {
+        let a = st.ep_mut(fid as usize)?.addr;
+        if len.is_null() {
+            return Err(abi::FI_EINVAL);
+        }
+        // SAFETY: `len` is non-NULL: the caller's buffer length.
+        let have = unsafe { *len };
+        // SAFETY: as above.
+        unsafe { *len = a.len() };
+        if have < a.len() || addr.is_null() {
+            return Err(abi::FI_ETOOSMALL);
+        }
+        // SAFETY: `addr` holds `have >= a.len()` bytes (fi_getname(3)).
+        unsafe { std::ptr::copy_nonoverlapping(a.as_ptr(), addr as *mut u8, a.len()) };
+        Ok(0)
+    })
+}
+
+enosys!(cm_setname(*mut abi::fid, *mut c_void, usize) -> c_int);
+enosys!(cm_getpeer(*mut abi::fid_ep, *mut c_void, *mut usize) -> c_int);
+enosys!(cm_connect(*mut abi::fid_ep, *const c_void, *const c_void, usize) -> c_int);
+enosys!(cm_listen(*mut abi::fid_pep) -> c_int);
+enosys!(cm_accept(*mut abi::fid_ep, *const c_void, usize) -> c_int);
+enosys!(cm_reject(*mut abi::fid_pep, *mut abi::fid, *const c_void, usize) -> c_int);
+enosys!(cm_shutdown(*mut abi::fid_ep, u64) -> c_int);
+enosys!(cm_join(*mut abi::fid_ep, *const c_void, u64, *mut *mut abi::fid_mc, *mut c_void) -> c_int);
+
+static CM_OPS: abi::fi_ops_cm = abi::fi_ops_cm {
+    size: std::mem::size_of::<abi::fi_ops_cm>(),
+    setname: Some(cm_setname),
+    getname: Some(cm_getname),
+    getpeer: Some(cm_getpeer),
+    connect: Some(cm_connect),
+    listen: Some(cm_listen),
+    accept: Some(cm_accept),
+    reject: Some(cm_reject),
+    shutdown: Some(cm_shutdown),
+    join: Some(cm_join),
+};
+
+// ---- messages ----
+
+/// `(addr, len, desc)` of an iovec array and its descriptors.
+///
+/// # Safety
+/// `iov` holds `count` iovecs; `desc` is NULL or holds `count` descriptors.
+unsafe fn bufs(
+    iov: *const abi::iovec,
+    desc: *mut *mut c_void,
+    count: usize,
+) -> Result<Vec<(usize, usize, usize)>, Errno> {
+    // SAFETY: per the caller.
+    let v = unsafe { iovs(iov, count)? };
+    let d: Vec<usize> = if desc.is_null() {
+        vec![0; count]
+    } else {
+        // SAFETY: `count` descriptors, per the caller.
+        unsafe { std::slice::from_raw_parts(desc, count) }
+            .iter()
+            .map(|p| *p as usize)
+            .collect()
+    };
+    Ok(v.into_iter().zip(d).map(|((a, l), d)| (a, l, d)).collect())
+}
+
+fn recv_common(
+    ep: *mut abi::fid_ep,
+    b: &[(usize, usize, usize)],
+    ctx: *mut c_void,
+    report: bool,
+) -> isize {
+    run_s(|st| {
+        st.check(ep as usize, Kind::Ep)?;
+        // SAFETY: the application's receive buffers stay valid until their completion
+        // (fi_msg(3)).
+        unsafe { st.post_recv(ep as usize, b, ctx as u64, report)? };
+        Ok(0)
+    })
+}
+
+#[allow(clippy::too_many_arguments)]
+fn send_common(
+    ep: *mut abi::fid_ep,
+    b: &[(usize, usize, usize)],
+    dest: u64,
+    ctx: *mut c_void,
+    inject: bool,
+    report: bool,
+    imm: Option<u32>,
+) -> isize {
+    run_s(|st| {
+        st.check(ep as usize, Kind::Ep)?;
+        // SAFETY: the application's send buffers stay valid until their completion, or
+        // are read now for an inject (fi_msg(3)).
+        unsafe {
+            st.post_send(
+                ep as usize,
+                b,
+                prov::SendReq {
+                    dest,
+                    ctx: ctx as u64,
+                    inject,
+                    report,
+                    imm,
+                },
+            )?
+        };
+        Ok(0)
+    })
+}
+
+unsafe extern "C" fn msg_recv(
+    ep: *mut abi::fid_ep,
+    buf: *mut c_void,
+    len: usize,
+    desc: *mut c_void,
+    _src: abi::fi_addr_t,
+    ctx: *mut c_void,
+) -> isize {
+    recv_common(ep, &[(buf as usize, len, desc as usize)], ctx, false)
+}
+
+unsafe extern "C" fn msg_recvv(
+    ep: *mut abi::fid_ep,
+    iov: *const abi::iovec,
+    desc: *mut *mut c_void,
+    count: usize,
+    _src: abi::fi_addr_t,
+    ctx: *mut c_void,
+) -> isize {
+    // SAFETY: `count` iovecs and descriptors (fi_recvv(3)).
+    match unsafe { bufs(iov, desc, count) } {
+        Ok(b) => recv_common(ep, &b, ctx, false),
+        Err(e) => -(e as isize),
+    }
+}
+
+unsafe extern "C" fn msg_recvmsg(
+    ep: *mut abi::fid_ep,
+    msg: *const abi::fi_msg,
+    flags: u64,
+) -> isize {
+    // SAFETY: NULL or the caller's message (fi_recvmsg(3)).
+    let Some(m) = (unsafe { msg.as_ref() }) else {
+        return -(abi::FI_EINVAL as isize);
+    };
+    // SAFETY: the message's `iov_count` iovecs and descriptors.
+    match unsafe { bufs(m.msg_iov, m.desc, m.iov_count) } {
+        Ok(b) => recv_common(ep, &b, m.context, flags & abi::FI_COMPLETION as u64 != 0),
+        Err(e) => -(e as isize),
+    }
+}
+
+unsafe extern "C" fn msg_send(
+    ep: *mut abi::fid_ep,
+    buf: *const c_void,
+    len: usize,
+    desc: *mut c_void,
+    dest: abi::fi_addr_t,
+    ctx: *mut c_void,
+) -> isize {
+    send_common(
+        ep,
+        &[(buf as usize, len, desc as usize)],
+        dest,
+        ctx,
+        false,
+        false,
+        None,
+    )
+}
+
+unsafe extern "C" fn msg_sendv(
+    ep: *mut abi::fid_ep,
+    iov: *const abi::iovec,
+    desc: *mut *mut c_void,
+    count: usize,
+    dest: abi::fi_addr_t,
+    ctx: *mut c_void,
+) -> isize {
+    // SAFETY: `count` iovecs and descriptors (fi_sendv(3)).
+    match unsafe { bufs(iov, desc, count) } {
+        Ok(b) => send_common(ep, &b, dest, ctx, false, false, None),
+        Err(e) => -(e as isize),
+    }
+}
+
+unsafe extern "C" fn msg_sendmsg(
+    ep: *mut abi::fid_ep,
+    msg: *const abi::fi_msg,
+    flags: u64,
+) -> isize {
+    // SAFETY: NULL or the caller's message (fi_sendmsg(3)).
+    let Some(m) = (unsafe { msg.as_ref() }) else {
+        return -(abi::FI_EINVAL as isize);
+    };
+    // SAFETY: the message's `iov_count` iovecs and descriptors.
+    match unsafe { bufs(m.msg_iov, m.desc, m.iov_count) } {
+        Ok(b) => send_common(
+            ep,
+            &b,
+            m.addr,
+            m.context,
+            flags & abi::FI_INJECT as u64 != 0,
+            flags & abi::FI_COMPLETION as u64 != 0,
+            (flags & abi::FI_REMOTE_CQ_DATA as u64 != 0).then_some(m.data as u32),
+        ),
+        Err(e) => -(e as isize),
+    }
+}
+
+unsafe extern "C" fn msg_inject(
+    ep: *mut abi::fid_ep,
+    buf: *const c_void,
+    len: usize,
+    dest: abi::fi_addr_t,
+) -> isize {
+    send_common(
+        ep,
+        &[(buf as usize, len, 0)],
+        dest,
+        std::ptr::null_mut(),
+        true,
+        false,
+        None,
+    )
+}
+
+unsafe extern "C" fn msg_senddata(
+    ep: *mut abi::fid_ep,
+    buf: *const c_void,
+    len: usize,
+    desc: *mut c_void,
+    data: u64,
+    dest: abi::fi_addr_t,
+    ctx: *mut c_void,
+) -> isize {
+    send_common(
+        ep,
+        &[(buf as usize, len, desc as usize)],
+        dest,
+        ctx,
+        false,
+        false,
+        Some(data as u32),
+    )
+}
+
+unsafe extern "C" fn msg_injectdata(
+    ep: *mut abi::fid_ep,
+    buf: *const c_void,
+    len: usize,
+    data: u64,
+    dest: abi::fi_addr_t,
+) -> isize {
+    send_common(
+        ep,
+        &[(buf as usize, len, 0)],
+        dest,
+        std::ptr::null_mut(),
+        true,
+        false,
+        Some(data as u32),
+    )
+}
+
+static MSG_OPS: abi::fi_ops_msg = abi::fi_ops_msg {
+    size: std::mem::size_of::<abi::fi_ops_msg>(),
+    recv: Some(msg_recv),
+    recvv: Some(msg_recvv),
+    recvmsg: Some(msg_recvmsg),
+    send: Some(msg_send),
+    sendv: Some(msg_sendv),
+    sendmsg: Some(msg_sendmsg),
+    inject: Some(msg_inject),
+    senddata: Some(msg_senddata),
+    injectdata: Some(msg_injectdata),
+};
+
+// ---- tagged, RMA, atomics, collectives: not implemented yet ----
+
+use abi::{
+    fi_addr_t as A, fi_datatype as Dt, fi_ioc as Ioc, fi_op as Op, fid_ep as Ep, iovec as Iov,
+};
+type V = *mut c_void;
+type Cv = *const c_void;
+type Dv = *mut *mut c_void;
+
+enosys!(t_recv(*mut Ep, V, usize, V, A, u64, u64, V) -> isize);
+enosys!(t_recvv(*mut Ep, *const Iov, Dv, usize, A, u64, u64, V) -> isize);
+enosys!(t_recvmsg(*mut Ep, *const abi::fi_msg_tagged, u64) -> isize);
+enosys!(t_send(*mut Ep, Cv, usize, V, A, u64, V) -> isize);
+enosys!(t_sendv(*mut Ep, *const Iov, Dv, usize, A, u64, V) -> isize);
+enosys!(t_sendmsg(*mut Ep, *const abi::fi_msg_tagged, u64) -> isize);
+enosys!(t_inject(*mut Ep, Cv, usize, A, u64) -> isize);
+enosys!(t_senddata(*mut Ep, Cv, usize, V, u64, A, u64, V) -> isize);
+enosys!(t_injectdata(*mut Ep, Cv, usize, u64, A, u64) -> isize);
+
+static TAGGED_OPS: abi::fi_ops_tagged = abi::fi_ops_tagged {
+    size: std::mem::size_of::<abi::fi_ops_tagged>(),
+    recv: Some(t_recv),
+    recvv: Some(t_recvv),
+    recvmsg: Some(t_recvmsg),
+    send: Some(t_send),
+    sendv: Some(t_sendv),
+    sendmsg: Some(t_sendmsg),
+    inject: Some(t_inject),
+    senddata: Some(t_senddata),
+    injectdata: Some(t_injectdata),
+};
+
+enosys!(r_read(*mut Ep, V, usize, V, A, u64, u64, V) -> isize);
+enosys!(r_readv(*mut Ep, *const Iov, Dv, usize, A, u64, u64, V) -> isize);
+enosys!(r_readmsg(*mut Ep, *const abi::fi_msg_rma, u64) -> isize);
+enosys!(r_write(*mut Ep, Cv, usize, V, A, u64, u64, V) -> isize);
+enosys!(r_writev(*mut Ep, *const Iov, Dv, usize, A, u64, u64, V) -> isize);
+enosys!(r_writemsg(*mut Ep, *const abi::fi_msg_rma, u64) -> isize);
+enosys!(r_inject(*mut Ep, Cv, usize, A, u64, u64) -> isize);
+enosys!(r_writedata(*mut Ep, Cv, usize, V, u64, A, u64, u64, V) -> isize);
+enosys!(r_injectdata(*mut Ep, Cv, usize, u64, A, u64, u64) -> isize);
+
+static RMA_OPS: abi::fi_ops_rma = abi::fi_ops_rma {
+    size: std::mem::size_of::<abi::fi_ops_rma>(),
+    read: Some(r_read),
+    readv: Some(r_readv),
+    readmsg: Some(r_readmsg),
+    write: Some(r_write),
+    writev: Some(r_writev),
+    writemsg: Some(r_writemsg),
+    inject: Some(r_inject),
+    writedata: Some(r_writedata),
+    injectdata: Some(r_injectdata),
+};
+
+enosys!(a_write(*mut Ep, Cv, usize, V, A, u64, u64, Dt, Op, V) -> isize);
+enosys!(a_writev(*mut Ep, *const Ioc, Dv, usize, A, u64, u64, Dt, Op, V) -> isize);
+enosys!(a_writemsg(*mut Ep, *const abi::fi_msg_atomic, u64) -> isize);
+enosys!(a_inject(*mut Ep, Cv, usize, A, u64, u64, Dt, Op) -> isize);
+enosys!(a_readwrite(*mut Ep, Cv, usize, V, V, V, A, u64, u64, Dt, Op, V) -> isize);
+enosys!(
+    a_readwritev(
+        *mut Ep,
+        *const Ioc,
+        Dv,
+        usize,
+        *mut Ioc,
+        Dv,
+        usize,
+        A,
+        u64,
+        u64,
+        Dt,
+        Op,
+        V,
+    ) -> isize
+);
+enosys!(a_readwritemsg(*mut Ep, *const abi::fi_msg_atomic, *mut Ioc, Dv, usize, u64) -> isize);
+enosys!(a_compwrite(*mut Ep, Cv, usize, V, Cv, V, V, V, A, u64, u64, Dt, Op, V) -> isize);
+enosys!(
+    a_compwritev(
+        *mut Ep,
+        *const Ioc,
+        Dv,
+        usize,
+        *const Ioc,
+        Dv,
+        usize,
+        *mut Ioc,
+        Dv,
+        usize,
+        A,
+        u64,
+        u64,
+        Dt,
+        Op,
+        V,
+    ) -> isize
+);
+enosys!(
+    a_compwritemsg(
+        *mut Ep,
+        *const abi::fi_msg_atomic,
+        *const Ioc,
+        Dv,
+        usize,
+        *mut Ioc,
+        Dv,
+        usize,
+        u64,
+    ) -> isize
+);
+enosys!(a_valid(*mut Ep, Dt, Op, *mut usize) -> c_int);
+
+static ATOMIC_OPS: abi::fi_ops_atomic = abi::fi_ops_atomic {
+    size: std::mem::size_of::<abi::fi_ops_atomic>(),
+    write: Some(a_write),
+    writev: Some(a_writev),
+    writemsg: Some(a_writemsg),
+    inject: Some(a_inject),
+    readwrite: Some(a_readwrite),
+    readwritev: Some(a_readwritev),
+    readwritemsg: Some(a_readwritemsg),
+    compwrite: Some(a_compwrite),
+    compwritev: Some(a_compwritev),
+    compwritemsg: Some(a_compwritemsg),
+    writevalid: Some(a_valid),
+    readwritevalid: Some(a_valid),
+    compwritevalid: Some(a_valid),
+};
+
+enosys!(c_barrier(*mut Ep, A, V) -> isize);
+enosys!(c_broadcast(*mut Ep, V, usize, V, A, A, Dt, u64, V) -> isize);
+enosys!(c_alltoall(*mut Ep, Cv, usize, V, V, V, A, Dt, u64, V) -> isize);
+enosys!(c_allreduce(*mut Ep, Cv, usize, V, V, V, A, Dt, Op, u64, V) -> isize);
+enosys!(c_allgather(*mut Ep, Cv, usize, V, V, V, A, Dt, u64, V) -> isize);
+enosys!(c_reduce(*mut Ep, Cv, usize, V, V, V, A, A, Dt, Op, u64, V) -> isize);
+enosys!(c_scatter(*mut Ep, Cv, usize, V, V, V, A, A, Dt, u64, V) -> isize);
+enosys!(c_msg(*mut Ep, *const abi::fi_msg_collective, *mut Ioc, Dv, usize, u64) -> isize);
+enosys!(c_barrier2(*mut Ep, A, u64, V) -> isize);
+
+static COLL_OPS: abi::fi_ops_collective = abi::fi_ops_collective {
+    size: std::mem::size_of::<abi::fi_ops_collective>(),
+    barrier: Some(c_barrier),
+    broadcast: Some(c_broadcast),
+    alltoall: Some(c_alltoall),
+    allreduce: Some(c_allreduce),
+    allgather: Some(c_allgather),
+    reduce_scatter: Some(c_allreduce),
+    reduce: Some(c_reduce),
+    scatter: Some(c_scatter),
+    gather: Some(c_scatter),
+    msg: Some(c_msg),
+    barrier2: Some(c_barrier2),
+};

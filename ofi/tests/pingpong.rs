@@ -1,0 +1,113 @@
+//! Debian's `fi_pingpong` (libfabric-bin), unmodified, between two processes over the
+//! provider: each on its own NIC of one `ringbell-emu serve` (`RINGBELL_NIC`), reliable
+//! datagram endpoints (`-e rdm`), message transfers, data checked (`-c`). libfabric
+//! programs run under `timeout`: a provider fault can leave them hanging.
+
+mod common;
+
+use std::process::{Command, Output, Stdio};
+use std::time::Duration;
+
+fn need_fi_pingpong() {
+    assert!(
+        Command::new("fi_pingpong").arg("-h").output().is_ok(),
+        "fi_pingpong is missing: install Debian's libfabric-bin (.ci/run does)"
+    );
+}
+
+fn text(o: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
+/// Runs a server and a client `fi_pingpong -p ringbell -e rdm ARGS` on NICs 0 and 1 and
+/// returns both outputs.
+fn pingpong(name: &str, port: u16, args: &[&str]) -> (Output, Output) {
+    need_fi_pingpong();
+    let served = common::Served::start(name);
+    let prov = common::provider_dir(name);
+    let port = port.to_string();
+    let cmd = |nic: &str| {
+        let mut c = Command::new("timeout");
+        c.args(["120", "fi_pingpong", "-p", "ringbell", "-e", "rdm"])
+            .args(args)
+            .env("FI_PROVIDER_PATH", &prov)
+            .env("RINGBELL_SERVE", &served.dir)
+            .env("RINGBELL_NIC", nic)
+            .env_remove("FI_PROVIDER")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        c
+    };
+    let server = cmd("0").args(["-B", &port]).spawn().unwrap();
+    // The client's control connection is retried by fi_pingpong itself for a while; give
+    // the server a moment to listen.
+    std::thread::sleep(Duration::from_millis(500));
+    let client = cmd("1")
+        .args(["-P", &port, "127.0.0.1"])
+        .spawn()
+        .unwrap()
+        .wait_with_output()
+        .unwrap();
+    let server = server.wait_with_output().unwrap();
+    (server, client)
+}
+
+/// The lines of fi_pingpong's table: `(bytes, sent, acked)`.
+fn rows(o: &Output) -> Vec<(String, u64, String)> {
+    String::from_utf8_lossy(&o.stdout)
+        .lines()
+        .skip_while(|l| !l.starts_with("bytes"))
+        .skip(1)
+        .filter_map(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            Some((
+                f.first()?.to_string(),
+                f.get(1)?.parse().ok()?,
+                f.get(2)?.to_string(),
+            ))
+        })
+        .collect()
+}
+
+fn port(offset: u16) -> u16 {
+    // Distinct control ports per test process and test.
+    40000 + (std::process::id() % 5000) as u16 * 4 + offset
+}
+
+#[test]
+fn fi_pingpong_rdm_every_size_checked() {
+    let (s, c) = pingpong("all", port(0), &["-I", "10", "-S", "all", "-c"]);
+    assert!(s.status.success(), "server failed:\n{}", text(&s));
+    assert!(c.status.success(), "client failed:\n{}", text(&c));
+    for o in [&s, &c] {
+        let r = rows(o);
+        // 0, 1, 2, 3, 4, 6, 8, ... up to the largest size fi_pingpong tries.
+        assert!(r.len() >= 40, "every size ran:\n{}", text(o));
+        assert!(
+            r.iter().all(|(_, sent, ack)| *sent == 10 && ack == "=10"),
+            "{}",
+            text(o)
+        );
+        assert!(r.iter().any(|(b, _, _)| b == "1m"), "{}", text(o));
+    }
+}
+
+#[test]
+fn fi_pingpong_rdm_many_small_messages() {
+    let (s, c) = pingpong("small", port(1), &["-I", "500", "-S", "64", "-c"]);
+    assert!(s.status.success(), "server failed:\n{}", text(&s));
+    assert!(c.status.success(), "client failed:\n{}", text(&c));
+    for o in [&s, &c] {
+        let r = rows(o);
+        assert_eq!(
+            r,
+            [("64".to_string(), 500, "=500".to_string())],
+            "{}",
+            text(o)
+        );
+    }
+}
