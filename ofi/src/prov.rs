@@ -420,7 +420,8 @@ impl State {
     /// `fi_recv` and friends.
     ///
     /// # Safety
-    /// As [`State::sges`].
+    /// Every buffer is memory of this process that stays mapped until the operation
+    /// completes.
     pub unsafe fn post_recv(
         &mut self,
         ep: usize,
@@ -461,7 +462,8 @@ impl State {
     /// `fi_send` and friends; `inject` copies the data now and reports nothing.
     ///
     /// # Safety
-    /// As [`State::sges`]; for `inject`, the buffers are readable now.
+    /// Every buffer is memory of this process that stays mapped until the operation
+    /// completes; for `inject`, the buffers are readable now.
     pub unsafe fn post_send(
         &mut self,
         ep: usize,
