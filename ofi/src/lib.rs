@@ -8,8 +8,15 @@
 //! domains, (minimal) event queues, completion queues, address vectors, memory registration
 //! and endpoints with message transfers are implemented ([`prov`]: reliable datagrams over
 //! RC connections made on demand through the datagram connection manager); tagged messages,
-//! RMA, atomics and counters are `-FI_ENOSYS` for now, and domains exist only on served NICs
-//! (the in-process fabric is not hosted by the provider yet).
+//! RMA, atomics and counters are `-FI_ENOSYS` for now.
+//!
+//! NICs are served (`RINGBELL_SERVE`: each process opens its own NIC of a
+//! `ringbell-emu serve`) or, by default, in-process: the provider then hosts a
+//! [`ringbell_emu::Fabric`] of `RINGBELL_NICS` NICs seeded by `RINGBELL_SEED`, made when
+//! the first domain opens, as the verbs library does. That fabric runs in lockstep with the
+//! process: reading a completion queue steps it (and lets its idle clock run to the
+//! connection manager's next timer when nothing else is due), so one process can use rb0
+//! and rb1 and exchange messages between them.
 //!
 //! The C boundary is this file (`fi_getinfo`, `fi_fabric`) and `ffi.rs` (the objects): it
 //! checks pointers, converts between libfabric's structures and the safe models of [`info`]

@@ -10,7 +10,9 @@
 //! the sender's own 16-byte address, so the passive side knows whom the connection reaches);
 //! sends wait until the connection is established. Every RC QP of an endpoint receives from
 //! the endpoint's one SRQ and completes on its one driver CQ. Progress is manual: reading a
-//! completion queue polls the CMs and the driver CQs.
+//! completion queue polls the CMs and the driver CQs. On the in-process fabric
+//! ([`State::fabric`]) those polls are what steps the emulator; a CM with nothing to do
+//! but wait lets the idle clock run to its next timer ([`ConnectionManager::poll`]).
 
 use crate::abi;
 use ringbell::cm::{CmEvent, ConnId, ConnectionManager, REJ_CONSUMER};
@@ -192,6 +194,9 @@ pub struct State {
     pub objs: HashMap<usize, Obj>,
     pub nics: HashMap<usize, Nic>,
     pub next_service: u64,
+    /// The in-process fabric (without `RINGBELL_SERVE`): made when its first NIC opens,
+    /// with the plan's NIC count and seed, and kept for the life of the process.
+    pub fabric: Option<ringbell_emu::Fabric>,
 }
 
 /// The guarded state.
@@ -290,8 +295,16 @@ impl State {
                     abi::FI_ENODEV
                 })?
             }
-            // The in-process fabric is not hosted by the provider yet.
-            ringbell::discover::NicSource::InProcess(_) => return Err(abi::FI_ENOSYS),
+            ringbell::discover::NicSource::InProcess(node) => {
+                let (n, seed) = (plan.nics.len(), plan.seed);
+                let fabric = self.fabric.get_or_insert_with(|| {
+                    ringbell_emu::Fabric::new(ringbell_emu::FabricConfig::new(n, seed))
+                });
+                Device::open(Box::new(fabric.port(node))).map_err(|e| {
+                    eprintln!("ringbell-fi: opening rb{i}: {e}");
+                    abi::FI_ENODEV
+                })?
+            }
         };
         let cm = ConnectionManager::new(&dev).map_err(|_| abi::FI_ENODEV)?;
         self.nics.insert(i, Nic { dev, cm });

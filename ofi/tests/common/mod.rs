@@ -116,3 +116,4 @@ pub unsafe fn free_info(mut i: *mut ringbell_fi::abi::fi_info) {
         }
     }
 }
+pub mod fi;
