@@ -371,7 +371,7 @@ unsafe extern "C" fn av_open(
 
 unsafe extern "C" fn endpoint(
     dom: *mut abi::fid_domain,
-    _info: *mut abi::fi_info,
+    info: *mut abi::fi_info,
     out: *mut *mut abi::fid_ep,
     context: *mut c_void,
 ) -> c_int {
@@ -379,7 +379,11 @@ unsafe extern "C" fn endpoint(
         if out.is_null() {
             return Err(abi::FI_EINVAL);
         }
-        let ep = st.new_ep(dom as usize)?;
+        let mut ep = st.new_ep(dom as usize)?;
+        // SAFETY: NULL or the info libfabric passes on (fi_endpoint(3)).
+        if let Some(i) = unsafe { info.as_ref() } {
+            ep.directed = i.caps & abi::FI_DIRECTED_RECV != 0;
+        }
         let p = publish(
             st,
             abi::fid_ep {
@@ -689,7 +693,7 @@ unsafe extern "C" fn cq_readerr(
         o.buf = e.buf as *mut c_void;
         o.data = e.data;
         o.tag = e.tag;
-        o.olen = 0;
+        o.olen = e.olen as usize;
         o.err = e.err;
         o.prov_errno = e.prov_errno;
         // err_data is the caller's buffer when err_data_size > 0 (API >= 1.5): leave it.
@@ -1224,7 +1228,7 @@ static MSG_OPS: abi::fi_ops_msg = abi::fi_ops_msg {
     injectdata: Some(msg_injectdata),
 };
 
-// ---- tagged, RMA, atomics, collectives: not implemented yet ----
+// ---- tagged messages ----
 
 use abi::{
     fi_addr_t as A, fi_datatype as Dt, fi_ioc as Ioc, fi_op as Op, fid_ep as Ep, iovec as Iov,
@@ -1233,15 +1237,193 @@ type V = *mut c_void;
 type Cv = *const c_void;
 type Dv = *mut *mut c_void;
 
-enosys!(t_recv(*mut Ep, V, usize, V, A, u64, u64, V) -> isize);
-enosys!(t_recvv(*mut Ep, *const Iov, Dv, usize, A, u64, u64, V) -> isize);
-enosys!(t_recvmsg(*mut Ep, *const abi::fi_msg_tagged, u64) -> isize);
-enosys!(t_send(*mut Ep, Cv, usize, V, A, u64, V) -> isize);
-enosys!(t_sendv(*mut Ep, *const Iov, Dv, usize, A, u64, V) -> isize);
-enosys!(t_sendmsg(*mut Ep, *const abi::fi_msg_tagged, u64) -> isize);
-enosys!(t_inject(*mut Ep, Cv, usize, A, u64) -> isize);
-enosys!(t_senddata(*mut Ep, Cv, usize, V, u64, A, u64, V) -> isize);
-enosys!(t_injectdata(*mut Ep, Cv, usize, u64, A, u64) -> isize);
+fn trecv_common(ep: *mut Ep, b: &[(usize, usize, usize)], req: prov::TRecvReq) -> isize {
+    run_s(|st| {
+        st.check(ep as usize, Kind::Ep)?;
+        // SAFETY: the application's receive buffers stay valid until their completion
+        // (fi_tagged(3)).
+        unsafe { st.post_trecv(ep as usize, b, req)? };
+        Ok(0)
+    })
+}
+
+fn tsend_common(ep: *mut Ep, b: &[(usize, usize, usize)], req: prov::SendReq, tag: u64) -> isize {
+    run_s(|st| {
+        st.check(ep as usize, Kind::Ep)?;
+        // SAFETY: the application's send buffers stay valid until their completion and are
+        // readable now (fi_tagged(3)).
+        unsafe { st.post_tsend(ep as usize, b, req, tag)? };
+        Ok(0)
+    })
+}
+
+fn sreq(dest: A, ctx: V, inject: bool, report: bool, imm: Option<u32>) -> prov::SendReq {
+    prov::SendReq {
+        dest,
+        ctx: ctx as u64,
+        inject,
+        report,
+        imm,
+    }
+}
+
+unsafe extern "C" fn t_recv(
+    ep: *mut Ep,
+    buf: V,
+    len: usize,
+    desc: V,
+    src: A,
+    tag: u64,
+    ignore: u64,
+    ctx: V,
+) -> isize {
+    let req = prov::TRecvReq {
+        ctx: ctx as u64,
+        tag,
+        ignore,
+        src,
+        report: false,
+    };
+    trecv_common(ep, &[(buf as usize, len, desc as usize)], req)
+}
+
+#[allow(clippy::too_many_arguments)]
+unsafe extern "C" fn t_recvv(
+    ep: *mut Ep,
+    iov: *const Iov,
+    desc: Dv,
+    count: usize,
+    src: A,
+    tag: u64,
+    ignore: u64,
+    ctx: V,
+) -> isize {
+    let req = prov::TRecvReq {
+        ctx: ctx as u64,
+        tag,
+        ignore,
+        src,
+        report: false,
+    };
+    // SAFETY: `count` iovecs and descriptors (fi_trecvv(3)).
+    match unsafe { bufs(iov, desc, count) } {
+        Ok(b) => trecv_common(ep, &b, req),
+        Err(e) => -(e as isize),
+    }
+}
+
+unsafe extern "C" fn t_recvmsg(ep: *mut Ep, msg: *const abi::fi_msg_tagged, flags: u64) -> isize {
+    // SAFETY: NULL or the caller's message (fi_trecvmsg(3)).
+    let Some(m) = (unsafe { msg.as_ref() }) else {
+        return -(abi::FI_EINVAL as isize);
+    };
+    if flags & (abi::FI_PEEK as u64 | abi::FI_CLAIM | abi::FI_DISCARD) != 0 {
+        return -(abi::FI_ENOSYS as isize);
+    }
+    let req = prov::TRecvReq {
+        ctx: m.context as u64,
+        tag: m.tag,
+        ignore: m.ignore,
+        src: m.addr,
+        report: flags & abi::FI_COMPLETION as u64 != 0,
+    };
+    // SAFETY: the message's `iov_count` iovecs and descriptors.
+    match unsafe { bufs(m.msg_iov, m.desc, m.iov_count) } {
+        Ok(b) => trecv_common(ep, &b, req),
+        Err(e) => -(e as isize),
+    }
+}
+
+unsafe extern "C" fn t_send(
+    ep: *mut Ep,
+    buf: Cv,
+    len: usize,
+    desc: V,
+    dest: A,
+    tag: u64,
+    ctx: V,
+) -> isize {
+    let b = [(buf as usize, len, desc as usize)];
+    tsend_common(ep, &b, sreq(dest, ctx, false, false, None), tag)
+}
+
+unsafe extern "C" fn t_sendv(
+    ep: *mut Ep,
+    iov: *const Iov,
+    desc: Dv,
+    count: usize,
+    dest: A,
+    tag: u64,
+    ctx: V,
+) -> isize {
+    // SAFETY: `count` iovecs and descriptors (fi_tsendv(3)).
+    match unsafe { bufs(iov, desc, count) } {
+        Ok(b) => tsend_common(ep, &b, sreq(dest, ctx, false, false, None), tag),
+        Err(e) => -(e as isize),
+    }
+}
+
+unsafe extern "C" fn t_sendmsg(ep: *mut Ep, msg: *const abi::fi_msg_tagged, flags: u64) -> isize {
+    // SAFETY: NULL or the caller's message (fi_tsendmsg(3)).
+    let Some(m) = (unsafe { msg.as_ref() }) else {
+        return -(abi::FI_EINVAL as isize);
+    };
+    let req = sreq(
+        m.addr,
+        m.context,
+        flags & abi::FI_INJECT as u64 != 0,
+        flags & abi::FI_COMPLETION as u64 != 0,
+        (flags & abi::FI_REMOTE_CQ_DATA as u64 != 0).then_some(m.data as u32),
+    );
+    // SAFETY: the message's `iov_count` iovecs and descriptors.
+    match unsafe { bufs(m.msg_iov, m.desc, m.iov_count) } {
+        Ok(b) => tsend_common(ep, &b, req, m.tag),
+        Err(e) => -(e as isize),
+    }
+}
+
+unsafe extern "C" fn t_inject(ep: *mut Ep, buf: Cv, len: usize, dest: A, tag: u64) -> isize {
+    let b = [(buf as usize, len, 0)];
+    tsend_common(
+        ep,
+        &b,
+        sreq(dest, std::ptr::null_mut(), true, false, None),
+        tag,
+    )
+}
+
+#[allow(clippy::too_many_arguments)]
+unsafe extern "C" fn t_senddata(
+    ep: *mut Ep,
+    buf: Cv,
+    len: usize,
+    desc: V,
+    data: u64,
+    dest: A,
+    tag: u64,
+    ctx: V,
+) -> isize {
+    let b = [(buf as usize, len, desc as usize)];
+    tsend_common(
+        ep,
+        &b,
+        sreq(dest, ctx, false, false, Some(data as u32)),
+        tag,
+    )
+}
+
+unsafe extern "C" fn t_injectdata(
+    ep: *mut Ep,
+    buf: Cv,
+    len: usize,
+    data: u64,
+    dest: A,
+    tag: u64,
+) -> isize {
+    let b = [(buf as usize, len, 0)];
+    let req = sreq(dest, std::ptr::null_mut(), true, false, Some(data as u32));
+    tsend_common(ep, &b, req, tag)
+}
 
 static TAGGED_OPS: abi::fi_ops_tagged = abi::fi_ops_tagged {
     size: std::mem::size_of::<abi::fi_ops_tagged>(),
@@ -1255,6 +1437,8 @@ static TAGGED_OPS: abi::fi_ops_tagged = abi::fi_ops_tagged {
     senddata: Some(t_senddata),
     injectdata: Some(t_injectdata),
 };
+
+// ---- RMA, atomics, collectives: not implemented yet ----
 
 enosys!(r_read(*mut Ep, V, usize, V, A, u64, u64, V) -> isize);
 enosys!(r_readv(*mut Ep, *const Iov, Dv, usize, A, u64, u64, V) -> isize);

@@ -6,9 +6,10 @@
 //! `RINGBELL_SERVE`, else an in-process fabric of `RINGBELL_NICS` NICs), or only NIC `i`
 //! when `RINGBELL_NIC=i` is set, matched against the caller's hints ([`info`]). Fabrics,
 //! domains, (minimal) event queues, completion queues, address vectors, memory registration
-//! and endpoints with message transfers are implemented ([`prov`]: reliable datagrams over
-//! RC connections made on demand through the datagram connection manager); tagged messages,
-//! RMA, atomics and counters are `-FI_ENOSYS` for now.
+//! and endpoints with message and tagged transfers are implemented ([`prov`]: reliable
+//! datagrams over RC connections made on demand through the datagram connection manager;
+//! tagged messages matched in software by the provider, the data moved by an RDMA READ of
+//! the receiver once a receive matched); RMA, atomics and counters are `-FI_ENOSYS` for now.
 //!
 //! NICs are served (`RINGBELL_SERVE`: each process opens its own NIC of a
 //! `ringbell-emu serve`) or, by default, in-process: the provider then hosts a

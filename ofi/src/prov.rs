@@ -10,7 +10,15 @@
 //! the sender's own 16-byte address, so the passive side knows whom the connection reaches);
 //! sends wait until the connection is established. Every RC QP of an endpoint receives from
 //! the endpoint's one SRQ and completes on its one driver CQ. Progress is manual: reading a
-//! completion queue polls the CMs and the driver CQs. On the in-process fabric
+//! completion queue polls the CMs and the driver CQs.
+//!
+//! Tagged messages are matched here, in software, over a second channel of RC connections
+//! per peer ([`CH_TAG`]) whose QPs receive into the endpoint's staging SRQ (64-byte control
+//! messages, [`Ctl`]): a send posts a request to send ([`Rts`]: tag, length, CQ data, the
+//! buffer's address and rkey, the sender's address); the receiver matches it against its
+//! posted tagged receives in order ([`tag_matches`], and the source with FI_DIRECTED_RECV)
+//! or keeps it as unexpected; a matched message is RDMA READ into the receive buffer (cut
+//! to its length: `FI_ETRUNC`), and a FIN completes the send. On the in-process fabric
 //! ([`State::fabric`]) those polls are what steps the emulator; a CM with nothing to do
 //! but wait lets the idle clock run to its next timer ([`ConnectionManager::poll`]).
 
@@ -18,7 +26,8 @@ use crate::abi;
 use ringbell::cm::{CmEvent, ConnId, ConnectionManager, REJ_CONSUMER};
 use ringbell::{
     Access, AhAttr, CompletionQueue, ConnectOptions, Device, MemoryRegion, ProtectionDomain,
-    QpInit, QueuePair, RecvWr, SendWr, Sge, SharedReceiveQueue, WcStatus, WrOp,
+    QpInit, QueuePair, RecvWr, RemoteAddr, SendWr, Sge, SharedReceiveQueue, WcStatus,
+    WorkCompletion, WrOp,
 };
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Mutex, MutexGuard, OnceLock};
@@ -93,6 +102,8 @@ pub struct Entry {
     pub tag: u64,
     /// Source address (`fi_cq_readfrom`): always not available.
     pub src: u64,
+    /// Bytes lost to truncation (error entries).
+    pub olen: u64,
     /// 0 for success, else a positive libfabric error number.
     pub err: i32,
     pub prov_errno: i32,
@@ -118,6 +129,14 @@ pub struct Mr {
     pub mr: MemoryRegion,
 }
 
+/// The channel of a connection: untagged messages (received on the endpoint's SRQ) or the
+/// tagged protocol's control messages (received into its staging SRQ).
+pub const CH_MSG: u8 = 0;
+/// See [`CH_MSG`].
+pub const CH_TAG: u8 = 1;
+
+type ConnKey = (Addr, u8);
+
 enum Conn {
     /// Connecting (or accepting): the sends that wait.
     Pending(ConnId, Vec<Pending>),
@@ -129,6 +148,8 @@ struct Pending {
     sges: Vec<Sge>,
     inline: Option<Vec<u8>>,
     imm: Option<u32>,
+    /// An RDMA READ from there into `sges` (tagged rendezvous), not a send.
+    read: Option<RemoteAddr>,
 }
 
 struct Op {
@@ -139,6 +160,170 @@ struct Op {
     _tmp: Vec<MemoryRegion>,
     /// An injected message too long to be inline: the copy its registration covers.
     _copy: Vec<u8>,
+    kind: OpKind,
+}
+
+impl Op {
+    fn internal(kind: OpKind) -> Op {
+        Op {
+            ctx: 0,
+            send: true,
+            report: false,
+            buf: 0,
+            _tmp: Vec::new(),
+            _copy: Vec::new(),
+            kind,
+        }
+    }
+}
+
+/// What a work request of an endpoint is.
+enum OpKind {
+    /// An untagged send or receive.
+    Msg,
+    /// A staging receive of the tagged channel (slot index).
+    Slot(usize),
+    /// A control message of the tagged protocol (RTS of tagged send `send`, or a FIN).
+    Ctl { send: Option<u64> },
+    /// The READ of a matched tagged message.
+    Read(Box<Matched>),
+}
+
+/// Bytes of a tagged-protocol control message.
+pub const CTL_LEN: usize = 64;
+/// Staging slots (control messages in flight towards an endpoint).
+const SLOTS: usize = 512;
+const CTL_RTS: u8 = 1;
+const CTL_FIN: u8 = 2;
+
+/// A tagged message announced by its sender (request to send): the receiver matches it,
+/// reads the data from `va` with `rkey`, and answers with a FIN naming `id`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Rts {
+    pub tag: u64,
+    pub len: u64,
+    pub va: u64,
+    pub rkey: u32,
+    /// The sender's id of the send.
+    pub id: u64,
+    /// Remote CQ data.
+    pub data: Option<u32>,
+    /// The sender's address.
+    pub from: Addr,
+}
+
+/// A control message of the tagged protocol.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Ctl {
+    Rts(Rts),
+    /// Send `id` is done (`ok`: the receiver read it; else it failed).
+    Fin {
+        id: u64,
+        ok: bool,
+    },
+}
+
+impl Ctl {
+    /// The wire form: kind, flags, 2 reserved, data (u32), tag, len, va, rkey (u32), 4
+    /// reserved, id, sender address; little endian.
+    pub fn encode(&self) -> [u8; CTL_LEN] {
+        let mut b = [0u8; CTL_LEN];
+        match *self {
+            Ctl::Rts(r) => {
+                b[0] = CTL_RTS;
+                b[1] = u8::from(r.data.is_some());
+                b[4..8].copy_from_slice(&r.data.unwrap_or(0).to_le_bytes());
+                b[8..16].copy_from_slice(&r.tag.to_le_bytes());
+                b[16..24].copy_from_slice(&r.len.to_le_bytes());
+                b[24..32].copy_from_slice(&r.va.to_le_bytes());
+                b[32..36].copy_from_slice(&r.rkey.to_le_bytes());
+                b[40..48].copy_from_slice(&r.id.to_le_bytes());
+                b[48..64].copy_from_slice(&r.from);
+            }
+            Ctl::Fin { id, ok } => {
+                b[0] = CTL_FIN;
+                b[1] = u8::from(!ok);
+                b[40..48].copy_from_slice(&id.to_le_bytes());
+            }
+        }
+        b
+    }
+
+    /// Parses a control message (`None` for anything malformed).
+    pub fn decode(b: &[u8]) -> Option<Ctl> {
+        if b.len() < CTL_LEN {
+            return None;
+        }
+        let u64_at = |i: usize| u64::from_le_bytes(b[i..i + 8].try_into().unwrap_or([0; 8]));
+        let u32_at = |i: usize| u32::from_le_bytes(b[i..i + 4].try_into().unwrap_or([0; 4]));
+        match b[0] {
+            CTL_RTS => {
+                let from: Addr = b[48..64].try_into().ok()?;
+                Some(Ctl::Rts(Rts {
+                    tag: u64_at(8),
+                    len: u64_at(16),
+                    va: u64_at(24),
+                    rkey: u32_at(32),
+                    id: u64_at(40),
+                    data: (b[1] & 1 != 0).then(|| u32_at(4)),
+                    from,
+                }))
+            }
+            CTL_FIN => Some(Ctl::Fin {
+                id: u64_at(40),
+                ok: b[1] == 0,
+            }),
+            _ => None,
+        }
+    }
+}
+
+/// Whether a message tagged `msg` matches a receive for `tag` ignoring the bits of `ignore`.
+pub fn tag_matches(msg: u64, tag: u64, ignore: u64) -> bool {
+    (msg & !ignore) == (tag & !ignore)
+}
+
+/// A posted tagged receive.
+struct TRecv {
+    ctx: u64,
+    tag: u64,
+    ignore: u64,
+    /// Only from this address (FI_DIRECTED_RECV).
+    src: Option<Addr>,
+    sges: Vec<Sge>,
+    _tmp: Vec<MemoryRegion>,
+    cap: u64,
+    buf: u64,
+    report: bool,
+}
+
+impl TRecv {
+    fn takes(&self, r: &Rts) -> bool {
+        tag_matches(r.tag, self.tag, self.ignore) && self.src.is_none_or(|s| s == r.from)
+    }
+}
+
+/// A tagged receive and the message it matched, while the data is read.
+struct Matched {
+    recv: TRecv,
+    rts: Rts,
+    /// Bytes read (the rest, if any, is truncated).
+    n: u64,
+}
+
+/// A tagged send waiting for its FIN.
+struct TSend {
+    ctx: u64,
+    report: bool,
+    _tmp: Vec<MemoryRegion>,
+    _copy: Vec<u8>,
+}
+
+/// The tagged channel's receive side of an endpoint.
+struct Staging {
+    srq: SharedReceiveQueue,
+    buf: ringbell::DmaBuffer,
+    mr: MemoryRegion,
 }
 
 pub struct Ep {
@@ -152,12 +337,21 @@ pub struct Ep {
     pub tx_selective: bool,
     pub rx_selective: bool,
     pub enabled: bool,
-    conns: HashMap<Addr, Conn>,
-    extra: Vec<Conn>,
+    /// Accept tagged messages only from a receive's source address (FI_DIRECTED_RECV).
+    pub directed: bool,
+    conns: HashMap<ConnKey, Conn>,
+    extra: Vec<(ConnKey, Conn)>,
     ops: HashMap<u64, Op>,
     next_wr: u64,
     srq: Option<SharedReceiveQueue>,
     cq: Option<CompletionQueue>,
+    staging: Option<Staging>,
+    /// Tagged receives waiting for a message, in posting order.
+    tposted: VecDeque<TRecv>,
+    /// Tagged messages that came before a receive matched them, in arrival order.
+    unexpected: VecDeque<Rts>,
+    /// Tagged sends waiting for their FIN, by id.
+    tsends: HashMap<u64, TSend>,
 }
 
 pub enum Obj {
@@ -349,12 +543,17 @@ impl State {
             tx_selective: false,
             rx_selective: false,
             enabled: false,
+            directed: false,
             conns: HashMap::new(),
             extra: Vec::new(),
             ops: HashMap::new(),
             next_wr: 1,
             srq: None,
             cq: None,
+            staging: None,
+            tposted: VecDeque::new(),
+            unexpected: VecDeque::new(),
+            tsends: HashMap::new(),
         })
     }
 
@@ -370,14 +569,19 @@ impl State {
             }
             (e.domain, e.nic, e.service)
         };
-        let (srq, cq) = {
+        let (srq, cq, staging) = {
             let d = self.domain(dom)?;
             let srq = d.pd.create_srq(1024, 4, 0).map_err(|_| abi::FI_ENOMEM)?;
-            let cq = self.nics[&nic]
-                .dev
-                .create_cq(4096)
-                .map_err(|_| abi::FI_ENOMEM)?;
-            (srq, cq)
+            let dev = &self.nics[&nic].dev;
+            let cq = dev.create_cq(8192).map_err(|_| abi::FI_ENOMEM)?;
+            let tsrq =
+                d.pd.create_srq(SLOTS as u32, 1, 0)
+                    .map_err(|_| abi::FI_ENOMEM)?;
+            let buf = dev.alloc_dma(SLOTS * CTL_LEN).map_err(|_| abi::FI_ENOMEM)?;
+            let mr =
+                d.pd.reg_mr(&buf, Access::LOCAL_WRITE)
+                    .map_err(|_| abi::FI_ENOMEM)?;
+            (srq, cq, Staging { srq: tsrq, buf, mr })
         };
         self.nics
             .get_mut(&nic)
@@ -388,7 +592,11 @@ impl State {
         let e = self.ep_mut(ep)?;
         e.srq = Some(srq);
         e.cq = Some(cq);
+        e.staging = Some(staging);
         e.enabled = true;
+        for slot in 0..SLOTS {
+            e.post_slot(slot)?;
+        }
         Ok(())
     }
 
@@ -467,6 +675,7 @@ impl State {
                 buf: bufs.first().map_or(0, |b| b.0 as u64),
                 _tmp: tmp,
                 _copy: Vec::new(),
+                kind: OpKind::Msg,
             },
         );
         Ok(())
@@ -490,20 +699,14 @@ impl State {
             report,
             imm,
         } = req;
-        let (dom, nic, av, own) = {
+        let (dom, nic) = {
             let e = self.ep_mut(ep)?;
             if !e.enabled {
                 return Err(abi::FI_EOPBADSTATE);
             }
-            (e.domain, e.nic, e.av.ok_or(abi::FI_ENOAV)?, e.addr)
+            (e.domain, e.nic)
         };
-        let peer = self
-            .av_mut(av)?
-            .addrs
-            .get(usize::try_from(dest).map_err(|_| EINVAL)?)
-            .copied()
-            .flatten()
-            .ok_or(EINVAL)?;
+        let peer = self.peer(ep, dest)?;
         let mut copy = Vec::new();
         let (sges, tmp, inline) = if inject {
             let total: usize = bufs.iter().map(|b| b.1).sum();
@@ -548,26 +751,9 @@ impl State {
             sges,
             inline,
             imm,
+            read: None,
         };
-        match e.conns.get_mut(&peer) {
-            Some(Conn::Up(_, qp)) => post_pending(qp, &p)?,
-            Some(Conn::Pending(_, q)) => q.push(p),
-            None => {
-                let (ip, service) = parse_addr(&peer).ok_or(EINVAL)?;
-                let ah = AhAttr::on_fabric(ip).ok_or(abi::FI_EHOSTUNREACH)?;
-                let qp = new_qp(self.domain(dom)?, self.objs_ep(ep)?)?;
-                let id = self
-                    .nics
-                    .get_mut(&nic)
-                    .ok_or(EINVAL)?
-                    .cm
-                    .connect(ah, service, qp, &connect_opts(), &own)
-                    .map_err(|_| EAGAIN)?;
-                self.ep_mut(ep)?
-                    .conns
-                    .insert(peer, Conn::Pending(id, vec![p]));
-            }
-        }
+        self.transmit(ep, (peer, CH_MSG), p)?;
         self.ep_mut(ep)?.ops.insert(
             wr_id,
             Op {
@@ -577,8 +763,76 @@ impl State {
                 buf: bufs.first().map_or(0, |b| b.0 as u64),
                 _tmp: tmp,
                 _copy: copy,
+                kind: OpKind::Msg,
             },
         );
+        Ok(())
+    }
+
+    /// The address of AV entry `dest` of endpoint `ep`'s AV.
+    fn peer(&mut self, ep: usize, dest: u64) -> Result<Addr, Errno> {
+        let av = self.ep_mut(ep)?.av.ok_or(abi::FI_ENOAV)?;
+        self.av_mut(av)?
+            .addrs
+            .get(usize::try_from(dest).map_err(|_| EINVAL)?)
+            .copied()
+            .flatten()
+            .ok_or(EINVAL)
+    }
+
+    /// The AV index of `addr` in endpoint `ep`'s AV, or `FI_ADDR_NOTAVAIL`.
+    fn av_index(&self, ep: usize, addr: &Addr) -> u64 {
+        let Ok(e) = self.objs_ep(ep) else {
+            return ADDR_UNSPEC;
+        };
+        match e.av.and_then(|k| self.objs.get(&k)) {
+            Some(Obj::Av(av)) => av
+                .addrs
+                .iter()
+                .position(|a| a.as_ref() == Some(addr))
+                .map_or(ADDR_UNSPEC, |i| i as u64),
+            _ => ADDR_UNSPEC,
+        }
+    }
+
+    /// Posts `p` on endpoint `ep`'s connection `key`, or queues it until the connection is
+    /// up, connecting first if there is none. A pending READ uses any connection of the
+    /// channel to that peer that is up (an accepted one included).
+    fn transmit(&mut self, ep: usize, key: ConnKey, p: Pending) -> Result<(), Errno> {
+        let (dom, nic, own) = {
+            let e = self.ep_mut(ep)?;
+            (e.domain, e.nic, e.addr)
+        };
+        let e = self.ep_mut(ep)?;
+        if let Some(Conn::Up(_, qp)) = e.conns.get_mut(&key) {
+            return post_pending(qp, &p);
+        }
+        for (k, c) in e.extra.iter_mut() {
+            if let (true, Conn::Up(_, qp)) = (*k == key, c) {
+                return post_pending(qp, &p);
+            }
+        }
+        match e.conns.get_mut(&key) {
+            Some(Conn::Up(..)) => unreachable!("handled above"),
+            Some(Conn::Pending(_, q)) => q.push(p),
+            None => {
+                let (ip, service) = parse_addr(&key.0).ok_or(EINVAL)?;
+                let ah = AhAttr::on_fabric(ip).ok_or(abi::FI_EHOSTUNREACH)?;
+                let qp = new_qp(self.domain(dom)?, self.objs_ep(ep)?, key.1)?;
+                let mut private = own.to_vec();
+                private.push(key.1);
+                let id = self
+                    .nics
+                    .get_mut(&nic)
+                    .ok_or(EINVAL)?
+                    .cm
+                    .connect(ah, service, qp, &connect_opts(), &private)
+                    .map_err(|_| EAGAIN)?;
+                self.ep_mut(ep)?
+                    .conns
+                    .insert(key, Conn::Pending(id, vec![p]));
+            }
+        }
         Ok(())
     }
 
@@ -601,58 +855,391 @@ impl State {
         for (nic, ev) in events {
             self.on_cm_event(nic, ev);
         }
-        let mut out: Vec<(usize, Entry)> = Vec::new();
-        for o in self.objs.values_mut() {
-            let Obj::Ep(e) = o else { continue };
-            let Some(cq) = e.cq.as_mut() else { continue };
-            let mut wc = [ringbell::WorkCompletion::default(); 16];
+        let keys: Vec<usize> = self
+            .objs
+            .iter()
+            .filter_map(|(&k, o)| match o {
+                Obj::Ep(e) if e.cq.is_some() => Some(k),
+                _ => None,
+            })
+            .collect();
+        for key in keys {
             loop {
-                let k = cq.poll(&mut wc);
+                let mut wc = [WorkCompletion::default(); 16];
+                let k = match self.ep_mut(key) {
+                    Ok(Ep { cq: Some(cq), .. }) => cq.poll(&mut wc),
+                    _ => 0,
+                };
                 for w in &wc[..k] {
-                    let Some(op) = e.ops.remove(&w.wr_id) else {
-                        continue;
-                    };
-                    let ok = w.status == WcStatus::Success;
-                    if !ok || op.report {
-                        let (cq, mut flags) = if op.send {
-                            (e.txcq, abi::FI_SEND as u64 | abi::FI_MSG as u64)
-                        } else {
-                            (e.rxcq, abi::FI_RECV as u64 | abi::FI_MSG as u64)
-                        };
-                        if !op.send && w.imm.is_some() {
-                            flags |= abi::FI_REMOTE_CQ_DATA as u64;
-                        }
-                        let Some(cq) = cq else { continue };
-                        out.push((
-                            cq,
-                            Entry {
-                                ctx: op.ctx,
-                                flags,
-                                len: if op.send { 0 } else { w.byte_len as u64 },
-                                buf: if op.send { 0 } else { op.buf },
-                                src: ADDR_UNSPEC,
-                                err: if ok { 0 } else { abi::FI_EIO as i32 },
-                                prov_errno: if ok { 0 } else { w.status as i32 },
-                                data: w.imm.map_or(0, u64::from),
-                                tag: 0,
-                            },
-                        ));
-                    }
+                    self.on_wc(key, w);
                 }
                 if k < wc.len() {
                     break;
                 }
             }
         }
-        for (cq, en) in out {
-            if let Ok(c) = self.cq_mut(cq) {
-                if en.err == 0 {
-                    c.entries.push_back(en);
-                } else {
-                    c.errs.push_back(en);
-                }
+    }
+
+    /// Queues a completion (or an error completion) on CQ `cq`.
+    fn push(&mut self, cq: Option<usize>, en: Entry) {
+        if let Some(c) = cq.and_then(|k| self.cq_mut(k).ok()) {
+            if en.err == 0 {
+                c.entries.push_back(en);
+            } else {
+                c.errs.push_back(en);
             }
         }
+    }
+
+    /// Handles one driver completion of endpoint `ep`.
+    fn on_wc(&mut self, ep: usize, w: &WorkCompletion) {
+        let Ok(e) = self.ep_mut(ep) else { return };
+        let Some(op) = e.ops.remove(&w.wr_id) else {
+            return;
+        };
+        let ok = w.status == WcStatus::Success;
+        let (txcq, rxcq) = (e.txcq, e.rxcq);
+        match op.kind {
+            OpKind::Msg => {
+                if !ok || op.report {
+                    let (cq, mut flags) = if op.send {
+                        (txcq, abi::FI_SEND as u64 | abi::FI_MSG as u64)
+                    } else {
+                        (rxcq, abi::FI_RECV as u64 | abi::FI_MSG as u64)
+                    };
+                    if !op.send && w.imm.is_some() {
+                        flags |= abi::FI_REMOTE_CQ_DATA as u64;
+                    }
+                    self.push(
+                        cq,
+                        Entry {
+                            ctx: op.ctx,
+                            flags,
+                            len: if op.send { 0 } else { w.byte_len as u64 },
+                            buf: if op.send { 0 } else { op.buf },
+                            src: ADDR_UNSPEC,
+                            err: if ok { 0 } else { abi::FI_EIO as i32 },
+                            prov_errno: if ok { 0 } else { w.status as i32 },
+                            data: w.imm.map_or(0, u64::from),
+                            ..Default::default()
+                        },
+                    );
+                }
+            }
+            OpKind::Slot(slot) => {
+                let mut b = [0u8; CTL_LEN];
+                let got = ok
+                    && e.staging
+                        .as_ref()
+                        .is_some_and(|s| s.buf.read(slot * CTL_LEN, &mut b).is_ok());
+                // The slot serves again at once: its message is copied out.
+                let _ = e.post_slot(slot);
+                if !got {
+                    return;
+                }
+                match Ctl::decode(&b) {
+                    Some(Ctl::Rts(r)) => self.on_rts(ep, r),
+                    Some(Ctl::Fin { id, ok }) => self.finish_tsend(ep, id, ok, 0),
+                    None => {}
+                }
+            }
+            OpKind::Ctl { send } => {
+                if let (false, Some(id)) = (ok, send) {
+                    self.finish_tsend(ep, id, false, w.status as i32);
+                }
+            }
+            OpKind::Read(m) => self.finish_read(ep, *m, ok, w.status as i32),
+        }
+    }
+
+    /// A tagged send is over: its completion (or error) goes to the transmit CQ.
+    fn finish_tsend(&mut self, ep: usize, id: u64, ok: bool, prov_errno: i32) {
+        let Ok(e) = self.ep_mut(ep) else { return };
+        let Some(t) = e.tsends.remove(&id) else {
+            return;
+        };
+        let txcq = e.txcq;
+        if ok && !t.report {
+            return;
+        }
+        self.push(
+            txcq,
+            Entry {
+                ctx: t.ctx,
+                flags: abi::FI_SEND as u64 | abi::FI_TAGGED as u64,
+                src: ADDR_UNSPEC,
+                err: if ok { 0 } else { abi::FI_EIO as i32 },
+                prov_errno,
+                ..Default::default()
+            },
+        );
+    }
+
+    /// A request to send arrived: the earliest posted receive that takes it reads it, or it
+    /// waits in the unexpected queue.
+    fn on_rts(&mut self, ep: usize, r: Rts) {
+        let Ok(e) = self.ep_mut(ep) else { return };
+        match e.tposted.iter().position(|t| t.takes(&r)) {
+            Some(i) => {
+                if let Some(t) = e.tposted.remove(i) {
+                    self.start_read(ep, t, r);
+                }
+            }
+            None => e.unexpected.push_back(r),
+        }
+    }
+
+    /// Reads a matched message into its receive (or finishes at once when there is nothing
+    /// to read).
+    fn start_read(&mut self, ep: usize, recv: TRecv, rts: Rts) {
+        let n = rts.len.min(recv.cap);
+        let m = Matched { recv, rts, n };
+        if n == 0 {
+            self.finish_read(ep, m, true, 0);
+            return;
+        }
+        // The receive's SGEs, cut to the bytes read.
+        let mut left = n;
+        let mut sges = Vec::new();
+        for s in &m.recv.sges {
+            if left == 0 {
+                break;
+            }
+            let l = (s.len as u64).min(left);
+            sges.push(Sge {
+                len: l as u32,
+                ..*s
+            });
+            left -= l;
+        }
+        let Ok(e) = self.ep_mut(ep) else { return };
+        let wr_id = e.next_wr;
+        e.next_wr += 1;
+        let p = Pending {
+            wr_id,
+            sges,
+            inline: None,
+            imm: None,
+            read: Some(RemoteAddr {
+                addr: m.rts.va,
+                rkey: m.rts.rkey,
+            }),
+        };
+        let from = m.rts.from;
+        e.ops.insert(wr_id, Op::internal(OpKind::Read(Box::new(m))));
+        if self.transmit(ep, (from, CH_TAG), p).is_err() {
+            if let Some(Op {
+                kind: OpKind::Read(m),
+                ..
+            }) = self.ep_mut(ep).ok().and_then(|e| e.ops.remove(&wr_id))
+            {
+                self.finish_read(ep, *m, false, 0);
+            }
+        }
+    }
+
+    /// A matched message was read (or could not be): the FIN to its sender, the receive's
+    /// completion (an error entry `FI_ETRUNC` when the message was longer than the buffer).
+    fn finish_read(&mut self, ep: usize, m: Matched, ok: bool, prov_errno: i32) {
+        let fin = Ctl::Fin { id: m.rts.id, ok }.encode();
+        let _ = self.send_ctl(ep, m.rts.from, &fin, None);
+        let Ok(e) = self.ep_mut(ep) else { return };
+        let rxcq = e.rxcq;
+        let truncated = m.rts.len > m.n;
+        if ok && !truncated && !m.recv.report {
+            return;
+        }
+        let mut flags = abi::FI_RECV as u64 | abi::FI_TAGGED as u64;
+        if m.rts.data.is_some() {
+            flags |= abi::FI_REMOTE_CQ_DATA as u64;
+        }
+        let src = self.av_index(ep, &m.rts.from);
+        self.push(
+            rxcq,
+            Entry {
+                ctx: m.recv.ctx,
+                flags,
+                len: m.n,
+                buf: m.recv.buf,
+                data: m.rts.data.map_or(0, u64::from),
+                tag: m.rts.tag,
+                src,
+                olen: if ok { m.rts.len - m.n } else { 0 },
+                err: match (ok, truncated) {
+                    (false, _) => abi::FI_EIO as i32,
+                    (true, true) => abi::FI_ETRUNC as i32,
+                    (true, false) => 0,
+                },
+                prov_errno,
+            },
+        );
+    }
+
+    /// Sends a control message of the tagged protocol (inline) to `peer`.
+    fn send_ctl(
+        &mut self,
+        ep: usize,
+        peer: Addr,
+        msg: &[u8; CTL_LEN],
+        send: Option<u64>,
+    ) -> Result<(), Errno> {
+        let e = self.ep_mut(ep)?;
+        let wr_id = e.next_wr;
+        e.next_wr += 1;
+        e.ops.insert(wr_id, Op::internal(OpKind::Ctl { send }));
+        let p = Pending {
+            wr_id,
+            sges: Vec::new(),
+            inline: Some(msg.to_vec()),
+            imm: None,
+            read: None,
+        };
+        let r = self.transmit(ep, (peer, CH_TAG), p);
+        if r.is_err() {
+            if let Ok(e) = self.ep_mut(ep) {
+                e.ops.remove(&wr_id);
+            }
+        }
+        r
+    }
+
+    /// `fi_tsend` and friends: the data stays where it is (a copy for `inject` and for
+    /// several buffers) and the receiver reads it once a receive matched; the send completes
+    /// with the receiver's FIN.
+    ///
+    /// # Safety
+    /// Every buffer is memory of this process that stays mapped until the operation
+    /// completes, and is readable now.
+    pub unsafe fn post_tsend(
+        &mut self,
+        ep: usize,
+        bufs: &[(usize, usize, usize)],
+        req: SendReq,
+        tag: u64,
+    ) -> Result<(), Errno> {
+        let (dom, own) = {
+            let e = self.ep_mut(ep)?;
+            if !e.enabled {
+                return Err(abi::FI_EOPBADSTATE);
+            }
+            (e.domain, e.addr)
+        };
+        let peer = self.peer(ep, req.dest)?;
+        let total: usize = bufs.iter().map(|b| b.1).sum();
+        if req.inject && total > INJECT {
+            return Err(abi::FI_EMSGSIZE);
+        }
+        let parts: Vec<_> = bufs.iter().filter(|b| b.1 > 0).copied().collect();
+        let mut copy = Vec::new();
+        let mut tmp = Vec::new();
+        let (va, rkey) = match parts[..] {
+            [] => (0, 0),
+            [(addr, len, desc)] if !req.inject => {
+                let rkey = if desc != 0 {
+                    match self.objs.get(&desc) {
+                        Some(Obj::Mr(m)) => m.mr.rkey(),
+                        _ => return Err(EINVAL),
+                    }
+                } else {
+                    // SAFETY: per the caller.
+                    let mr = unsafe { self.reg(dom, addr, len)? };
+                    let k = mr.rkey();
+                    tmp.push(mr);
+                    k
+                };
+                (addr as u64, rkey)
+            }
+            _ => {
+                for &(addr, len, _) in &parts {
+                    // SAFETY: readable now, per the caller.
+                    copy.extend_from_slice(unsafe {
+                        std::slice::from_raw_parts(addr as *const u8, len)
+                    });
+                }
+                // SAFETY: `copy` is this library's heap copy, kept with the send (a Vec's
+                // buffer does not move when the Vec does) until its FIN.
+                let mr = unsafe { self.reg(dom, copy.as_ptr() as usize, copy.len())? };
+                let k = mr.rkey();
+                tmp.push(mr);
+                (copy.as_ptr() as u64, k)
+            }
+        };
+        let e = self.ep_mut(ep)?;
+        let id = e.next_wr;
+        e.next_wr += 1;
+        let report = !req.inject && (req.report || !e.tx_selective);
+        e.tsends.insert(
+            id,
+            TSend {
+                ctx: req.ctx,
+                report,
+                _tmp: tmp,
+                _copy: copy,
+            },
+        );
+        let rts = Ctl::Rts(Rts {
+            tag,
+            len: total as u64,
+            va,
+            rkey,
+            id,
+            data: req.imm,
+            from: own,
+        });
+        if let Err(err) = self.send_ctl(ep, peer, &rts.encode(), Some(id)) {
+            self.ep_mut(ep)?.tsends.remove(&id);
+            return Err(err);
+        }
+        Ok(())
+    }
+
+    /// `fi_trecv` and friends: matched at once against the unexpected messages, else
+    /// posted in order.
+    ///
+    /// # Safety
+    /// Every buffer is memory of this process that stays mapped until the operation
+    /// completes.
+    pub unsafe fn post_trecv(
+        &mut self,
+        ep: usize,
+        bufs: &[(usize, usize, usize)],
+        req: TRecvReq,
+    ) -> Result<(), Errno> {
+        let (dom, directed, selective) = {
+            let e = self.ep_mut(ep)?;
+            if !e.enabled {
+                return Err(abi::FI_EOPBADSTATE);
+            }
+            (e.domain, e.directed, e.rx_selective)
+        };
+        let src = if directed && req.src != ADDR_UNSPEC {
+            Some(self.peer(ep, req.src)?)
+        } else {
+            None
+        };
+        // SAFETY: per the caller.
+        let (sges, tmp) = unsafe { self.sges(dom, bufs)? };
+        let t = TRecv {
+            ctx: req.ctx,
+            tag: req.tag,
+            ignore: req.ignore,
+            src,
+            cap: sges.iter().map(|s| s.len as u64).sum(),
+            sges,
+            _tmp: tmp,
+            buf: bufs.first().map_or(0, |b| b.0 as u64),
+            report: req.report || !selective,
+        };
+        let e = self.ep_mut(ep)?;
+        match e.unexpected.iter().position(|r| t.takes(r)) {
+            Some(i) => {
+                if let Some(r) = e.unexpected.remove(i) {
+                    self.start_read(ep, t, r);
+                }
+            }
+            None => e.tposted.push_back(t),
+        }
+        Ok(())
     }
 
     fn on_cm_event(&mut self, nic: usize, ev: CmEvent) {
@@ -668,7 +1255,8 @@ impl State {
                     _ => None,
                 });
                 let peer: Option<Addr> = private.get(..ADDR_LEN).and_then(|b| b.try_into().ok());
-                let (Some(key), Some(peer)) = (key, peer) else {
+                let chan = private.get(ADDR_LEN).copied().unwrap_or(CH_MSG);
+                let (Some(key), Some(peer), true) = (key, peer, chan <= CH_TAG) else {
                     if let Some(n) = self.nics.get_mut(&nic) {
                         let _ = n.cm.reject(id, REJ_CONSUMER, &[]);
                     }
@@ -677,7 +1265,7 @@ impl State {
                 let Ok(e) = self.objs_ep(key) else { return };
                 let own = e.addr;
                 let Ok(d) = self.domain(e.domain) else { return };
-                let Ok(qp) = new_qp(d, e) else {
+                let Ok(qp) = new_qp(d, e, chan) else {
                     if let Some(n) = self.nics.get_mut(&nic) {
                         let _ = n.cm.reject(id, REJ_CONSUMER, &[]);
                     }
@@ -690,10 +1278,10 @@ impl State {
                     return;
                 }
                 let Ok(e) = self.ep_mut(key) else { return };
-                if let std::collections::hash_map::Entry::Vacant(v) = e.conns.entry(peer) {
+                if let std::collections::hash_map::Entry::Vacant(v) = e.conns.entry((peer, chan)) {
                     v.insert(Conn::Pending(id, Vec::new()));
                 } else {
-                    e.extra.push(Conn::Pending(id, Vec::new()));
+                    e.extra.push(((peer, chan), Conn::Pending(id, Vec::new())));
                 }
             }
             CmEvent::Established { id, mut qp, .. } => {
@@ -702,7 +1290,11 @@ impl State {
                     if e.nic != nic {
                         continue;
                     }
-                    for c in e.conns.values_mut().chain(e.extra.iter_mut()) {
+                    for c in e
+                        .conns
+                        .values_mut()
+                        .chain(e.extra.iter_mut().map(|x| &mut x.1))
+                    {
                         if let Conn::Pending(cid, q) = c {
                             if *cid == id {
                                 for p in q.iter() {
@@ -717,12 +1309,12 @@ impl State {
             }
             CmEvent::Rejected { id, .. } | CmEvent::TimedOut { id, .. } => {
                 let mut failed = Vec::new();
-                for o in self.objs.values_mut() {
+                for (&k, o) in self.objs.iter_mut() {
                     let Obj::Ep(e) = o else { continue };
                     if e.nic != nic {
                         continue;
                     }
-                    let gone: Vec<Addr> = e
+                    let gone: Vec<ConnKey> = e
                         .conns
                         .iter()
                         .filter(|(_, c)| matches!(c, Conn::Pending(cid, _) if *cid == id))
@@ -732,24 +1324,14 @@ impl State {
                         if let Some(Conn::Pending(_, q)) = e.conns.remove(&a) {
                             for p in q {
                                 if let Some(op) = e.ops.remove(&p.wr_id) {
-                                    if let Some(cq) = e.txcq {
-                                        failed.push((cq, op.ctx));
-                                    }
+                                    failed.push((k, op));
                                 }
                             }
                         }
                     }
                 }
-                for (cq, ctx) in failed {
-                    if let Ok(c) = self.cq_mut(cq) {
-                        c.errs.push_back(Entry {
-                            ctx,
-                            flags: abi::FI_SEND as u64 | abi::FI_MSG as u64,
-                            err: abi::FI_EHOSTUNREACH as i32,
-                            src: ADDR_UNSPEC,
-                            ..Default::default()
-                        });
-                    }
+                for (k, op) in failed {
+                    self.fail_op(k, op);
                 }
             }
             CmEvent::Disconnected { id } => {
@@ -758,9 +1340,47 @@ impl State {
                     if e.nic == nic {
                         e.conns
                             .retain(|_, c| !matches!(c, Conn::Up(cid, _) if *cid == id));
+                        e.extra
+                            .retain(|(_, c)| !matches!(c, Conn::Up(cid, _) if *cid == id));
                     }
                 }
             }
+        }
+    }
+
+    /// An operation whose connection could not be made.
+    fn fail_op(&mut self, ep: usize, op: Op) {
+        match op.kind {
+            OpKind::Msg => {
+                let txcq = self.ep_mut(ep).ok().and_then(|e| e.txcq);
+                self.push(
+                    txcq,
+                    Entry {
+                        ctx: op.ctx,
+                        flags: abi::FI_SEND as u64 | abi::FI_MSG as u64,
+                        err: abi::FI_EHOSTUNREACH as i32,
+                        src: ADDR_UNSPEC,
+                        ..Default::default()
+                    },
+                );
+            }
+            OpKind::Ctl { send: Some(id) } => self.finish_tsend(ep, id, false, 0),
+            OpKind::Read(m) => {
+                // No FIN can reach the sender: only the receive's error.
+                let rxcq = self.ep_mut(ep).ok().and_then(|e| e.rxcq);
+                self.push(
+                    rxcq,
+                    Entry {
+                        ctx: m.recv.ctx,
+                        flags: abi::FI_RECV as u64 | abi::FI_TAGGED as u64,
+                        tag: m.rts.tag,
+                        err: abi::FI_EHOSTUNREACH as i32,
+                        src: ADDR_UNSPEC,
+                        ..Default::default()
+                    },
+                );
+            }
+            OpKind::Ctl { send: None } | OpKind::Slot(_) => {}
         }
     }
 
@@ -774,10 +1394,14 @@ impl State {
     }
 }
 
-fn new_qp(d: &Domain, e: &Ep) -> Result<QueuePair, Errno> {
+fn new_qp(d: &Domain, e: &Ep, chan: u8) -> Result<QueuePair, Errno> {
     let cq = e.cq.as_ref().ok_or(abi::FI_EOPBADSTATE)?;
     let mut init = QpInit::new(cq, cq);
-    init.srq = e.srq.as_ref();
+    init.srq = if chan == CH_TAG {
+        e.staging.as_ref().map(|s| &s.srq)
+    } else {
+        e.srq.as_ref()
+    };
     init.max_inline = d.pd.device().caps().max_inline.min(INJECT as u32);
     init.max_send_wr = 256;
     init.max_send_sge = 4;
@@ -788,9 +1412,10 @@ fn new_qp(d: &Domain, e: &Ep) -> Result<QueuePair, Errno> {
 }
 
 fn post_pending(qp: &mut QueuePair, p: &Pending) -> Result<(), Errno> {
-    let op = match p.imm {
-        Some(i) => WrOp::SendImm(i),
-        None => WrOp::Send,
+    let op = match (p.read, p.imm) {
+        (Some(r), _) => WrOp::Read(r),
+        (None, Some(i)) => WrOp::SendImm(i),
+        (None, None) => WrOp::Send,
     };
     let wr = match &p.inline {
         Some(d) => SendWr::inline(p.wr_id, op, d),
@@ -838,6 +1463,34 @@ impl Cq {
     }
 }
 
+/// How a tagged receive is posted.
+#[derive(Clone, Copy, Debug)]
+pub struct TRecvReq {
+    /// The application's context, returned in the completion.
+    pub ctx: u64,
+    pub tag: u64,
+    pub ignore: u64,
+    /// The source (an AV index, or `FI_ADDR_UNSPEC`); used with FI_DIRECTED_RECV.
+    pub src: u64,
+    /// Report a completion even under `FI_SELECTIVE_COMPLETION`.
+    pub report: bool,
+}
+
+impl Ep {
+    /// Posts staging slot `slot` to the tagged channel's SRQ.
+    fn post_slot(&mut self, slot: usize) -> Result<(), Errno> {
+        let wr_id = self.next_wr;
+        self.next_wr += 1;
+        let st = self.staging.as_mut().ok_or(abi::FI_EOPBADSTATE)?;
+        let sge = [st.mr.sge((slot * CTL_LEN) as u64, CTL_LEN as u32)];
+        st.srq
+            .post_recv(&[RecvWr { wr_id, sgl: &sge }])
+            .map_err(|_| EAGAIN)?;
+        self.ops.insert(wr_id, Op::internal(OpKind::Slot(slot)));
+        Ok(())
+    }
+}
+
 /// How a send goes out.
 #[derive(Clone, Copy, Debug)]
 pub struct SendReq {
@@ -851,4 +1504,43 @@ pub struct SendReq {
     pub report: bool,
     /// Immediate data (`fi_senddata`).
     pub imm: Option<u32>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn control_messages_round_trip() {
+        let rts = Ctl::Rts(Rts {
+            tag: 0xdead_beef_0123_4567,
+            len: 1 << 33,
+            va: 0x7fff_1234_5000,
+            rkey: 0x1122_3344,
+            id: 99,
+            data: Some(0xfeed),
+            from: make_addr([10, 0, 0, 2], 77),
+        });
+        assert_eq!(Ctl::decode(&rts.encode()), Some(rts));
+        let mut none = rts;
+        if let Ctl::Rts(r) = &mut none {
+            r.data = None;
+        }
+        assert_eq!(Ctl::decode(&none.encode()), Some(none));
+        for ok in [true, false] {
+            let fin = Ctl::Fin { id: 1 << 40, ok };
+            assert_eq!(Ctl::decode(&fin.encode()), Some(fin));
+        }
+        assert_eq!(Ctl::decode(&[0u8; CTL_LEN]), None);
+        assert_eq!(Ctl::decode(&rts.encode()[..CTL_LEN - 1]), None);
+    }
+
+    #[test]
+    fn tags_match_under_the_ignore_mask() {
+        assert!(tag_matches(5, 5, 0));
+        assert!(!tag_matches(5, 6, 0));
+        assert!(tag_matches(0x12ab, 0x1200, 0xff));
+        assert!(!tag_matches(0x13ab, 0x1200, 0xff));
+        assert!(tag_matches(u64::MAX, 0, u64::MAX));
+    }
 }

@@ -477,10 +477,10 @@ fn objects_messages_and_bad_pointers() {
             EINVAL
         );
         assert_eq!(close(bogus as *mut abi::fid) as isize, EINVAL);
-        // Tagged, RMA: not implemented.
-        let tsend = (*(*a.ep).tagged).send.unwrap();
+        // RMA: not implemented.
+        let read = (*(*a.ep).rma).read.unwrap();
         assert_eq!(
-            tsend(a.ep, null(), 0, null_mut(), peer, 1, null_mut()),
+            read(a.ep, null_mut(), 0, null_mut(), peer, 0, 0, null_mut()),
             -(abi::FI_ENOSYS as isize)
         );
 

@@ -111,3 +111,44 @@ fn fi_pingpong_rdm_many_small_messages() {
         );
     }
 }
+
+#[test]
+fn fi_pingpong_rdm_tagged_every_size_checked() {
+    let (s, c) = pingpong(
+        "tagged",
+        port(2),
+        &["-m", "tagged", "-I", "10", "-S", "all", "-c"],
+    );
+    assert!(s.status.success(), "server failed:\n{}", text(&s));
+    assert!(c.status.success(), "client failed:\n{}", text(&c));
+    for o in [&s, &c] {
+        let r = rows(o);
+        assert!(r.len() >= 40, "every size ran:\n{}", text(o));
+        assert!(
+            r.iter().all(|(_, sent, ack)| *sent == 10 && ack == "=10"),
+            "{}",
+            text(o)
+        );
+        assert!(r.iter().any(|(b, _, _)| b == "1m"), "{}", text(o));
+    }
+}
+
+#[test]
+fn fi_pingpong_rdm_tagged_many_small_messages() {
+    let (s, c) = pingpong(
+        "tsmall",
+        port(3),
+        &["-m", "tagged", "-I", "500", "-S", "64", "-c"],
+    );
+    assert!(s.status.success(), "server failed:\n{}", text(&s));
+    assert!(c.status.success(), "client failed:\n{}", text(&c));
+    for o in [&s, &c] {
+        let r = rows(o);
+        assert_eq!(
+            r,
+            [("64".to_string(), 500, "=500".to_string())],
+            "{}",
+            text(o)
+        );
+    }
+}

@@ -93,7 +93,7 @@ pub unsafe fn pair(caps: u64) -> Pair {
     }
 }
 
-unsafe fn insert(av: *mut abi::fid_av, name: &[u8; 16]) -> u64 {
+pub unsafe fn insert(av: *mut abi::fid_av, name: &[u8; 16]) -> u64 {
     let mut out = 0u64;
     // SAFETY: a live AV, one address, one output.
     let r = unsafe {
@@ -110,7 +110,7 @@ unsafe fn insert(av: *mut abi::fid_av, name: &[u8; 16]) -> u64 {
     out
 }
 
-unsafe fn side(fabric: *mut abi::fid_fabric, info: *mut abi::fi_info) -> Side {
+pub unsafe fn side(fabric: *mut abi::fid_fabric, info: *mut abi::fi_info) -> Side {
     // SAFETY: live objects of this provider; out-pointers to locals.
     unsafe {
         let mut dom = null_mut();
