@@ -14,8 +14,10 @@
 //!
 //! Tagged messages are matched here, in software, over a second channel of RC connections
 //! per peer ([`CH_TAG`]) whose QPs receive into the endpoint's staging SRQ (64-byte control
-//! messages, [`Ctl`]): a send posts a request to send ([`Rts`]: tag, length, CQ data, the
-//! buffer's address and rkey, the sender's address); the receiver matches it against its
+//! headers, [`Ctl`]). A message of up to [`EAGER_MAX`] bytes follows its header in the
+//! same inline SEND (eager: complete when that SEND is). A larger send posts a request to
+//! send ([`Rts`]: tag, length, CQ data, the buffer's address and rkey, the sender's
+//! address); the receiver matches it against its
 //! posted tagged receives in order ([`tag_matches`], and the source with FI_DIRECTED_RECV)
 //! or keeps it as unexpected; a matched message is RDMA READ into the receive buffer (cut
 //! to its length: `FI_ETRUNC`), and a FIN completes the send. On the in-process fabric
@@ -183,14 +185,20 @@ enum OpKind {
     Msg,
     /// A staging receive of the tagged channel (slot index).
     Slot(usize),
-    /// A control message of the tagged protocol (RTS of tagged send `send`, or a FIN).
-    Ctl { send: Option<u64> },
+    /// A control message of the tagged protocol (RTS of tagged send `send`, or a FIN);
+    /// `eager`: the send is complete when this message is.
+    Ctl { send: Option<u64>, eager: bool },
     /// The READ of a matched tagged message.
     Read(Box<Matched>),
 }
 
-/// Bytes of a tagged-protocol control message.
+/// Bytes of a tagged-protocol control message's header.
 pub const CTL_LEN: usize = 64;
+/// Bytes of a staging slot: a header and an eager message's payload.
+const SLOT_LEN: usize = 256;
+/// The largest tagged message sent eagerly: header and payload in one inline SEND, no
+/// rendezvous (bounded by the send's inline room, [`INJECT`]).
+pub const EAGER_MAX: usize = INJECT - CTL_LEN;
 /// Staging slots (control messages in flight towards an endpoint).
 const SLOTS: usize = 512;
 const CTL_RTS: u8 = 1;
@@ -210,6 +218,8 @@ pub struct Rts {
     pub data: Option<u32>,
     /// The sender's address.
     pub from: Addr,
+    /// The payload follows the header (nothing to read, no FIN).
+    pub eager: bool,
 }
 
 /// A control message of the tagged protocol.
@@ -231,7 +241,7 @@ impl Ctl {
         match *self {
             Ctl::Rts(r) => {
                 b[0] = CTL_RTS;
-                b[1] = u8::from(r.data.is_some());
+                b[1] = u8::from(r.data.is_some()) | (u8::from(r.eager) << 1);
                 b[4..8].copy_from_slice(&r.data.unwrap_or(0).to_le_bytes());
                 b[8..16].copy_from_slice(&r.tag.to_le_bytes());
                 b[16..24].copy_from_slice(&r.len.to_le_bytes());
@@ -267,6 +277,7 @@ impl Ctl {
                     id: u64_at(40),
                     data: (b[1] & 1 != 0).then(|| u32_at(4)),
                     from,
+                    eager: b[1] & 2 != 0,
                 }))
             }
             CTL_FIN => Some(Ctl::Fin {
@@ -349,7 +360,8 @@ pub struct Ep {
     /// Tagged receives waiting for a message, in posting order.
     tposted: VecDeque<TRecv>,
     /// Tagged messages that came before a receive matched them, in arrival order.
-    unexpected: VecDeque<Rts>,
+    /// Eager ones with their payload.
+    unexpected: VecDeque<(Rts, Vec<u8>)>,
     /// Tagged sends waiting for their FIN, by id.
     tsends: HashMap<u64, TSend>,
 }
@@ -577,7 +589,9 @@ impl State {
             let tsrq =
                 d.pd.create_srq(SLOTS as u32, 1, 0)
                     .map_err(|_| abi::FI_ENOMEM)?;
-            let buf = dev.alloc_dma(SLOTS * CTL_LEN).map_err(|_| abi::FI_ENOMEM)?;
+            let buf = dev
+                .alloc_dma(SLOTS * SLOT_LEN)
+                .map_err(|_| abi::FI_ENOMEM)?;
             let mr =
                 d.pd.reg_mr(&buf, Access::LOCAL_WRITE)
                     .map_err(|_| abi::FI_ENOMEM)?;
@@ -927,25 +941,34 @@ impl State {
                 }
             }
             OpKind::Slot(slot) => {
-                let mut b = [0u8; CTL_LEN];
+                let mut b = [0u8; SLOT_LEN];
+                let n = (w.byte_len as usize).min(SLOT_LEN);
                 let got = ok
+                    && n >= CTL_LEN
                     && e.staging
                         .as_ref()
-                        .is_some_and(|s| s.buf.read(slot * CTL_LEN, &mut b).is_ok());
+                        .is_some_and(|s| s.buf.read(slot * SLOT_LEN, &mut b[..n]).is_ok());
                 // The slot serves again at once: its message is copied out.
                 let _ = e.post_slot(slot);
                 if !got {
                     return;
                 }
                 match Ctl::decode(&b) {
-                    Some(Ctl::Rts(r)) => self.on_rts(ep, r),
+                    Some(Ctl::Rts(r)) if r.eager && r.len as usize == n - CTL_LEN => {
+                        self.on_rts(ep, r, b[CTL_LEN..n].to_vec());
+                    }
+                    // An eager request whose payload does not have its length is dropped.
+                    Some(Ctl::Rts(r)) if r.eager => {}
+                    Some(Ctl::Rts(r)) => self.on_rts(ep, r, Vec::new()),
                     Some(Ctl::Fin { id, ok }) => self.finish_tsend(ep, id, ok, 0),
                     None => {}
                 }
             }
-            OpKind::Ctl { send } => {
+            OpKind::Ctl { send, eager } => {
                 if let (false, Some(id)) = (ok, send) {
                     self.finish_tsend(ep, id, false, w.status as i32);
+                } else if let (true, Some(id)) = (eager, send) {
+                    self.finish_tsend(ep, id, true, 0);
                 }
             }
             OpKind::Read(m) => self.finish_read(ep, *m, ok, w.status as i32),
@@ -977,24 +1000,41 @@ impl State {
 
     /// A request to send arrived: the earliest posted receive that takes it reads it, or it
     /// waits in the unexpected queue.
-    fn on_rts(&mut self, ep: usize, r: Rts) {
+    fn on_rts(&mut self, ep: usize, r: Rts, payload: Vec<u8>) {
         let Ok(e) = self.ep_mut(ep) else { return };
         match e.tposted.iter().position(|t| t.takes(&r)) {
             Some(i) => {
                 if let Some(t) = e.tposted.remove(i) {
-                    self.start_read(ep, t, r);
+                    self.start_read(ep, t, r, &payload);
                 }
             }
-            None => e.unexpected.push_back(r),
+            None => e.unexpected.push_back((r, payload)),
         }
     }
 
     /// Reads a matched message into its receive (or finishes at once when there is nothing
     /// to read).
-    fn start_read(&mut self, ep: usize, recv: TRecv, rts: Rts) {
+    fn start_read(&mut self, ep: usize, recv: TRecv, rts: Rts, payload: &[u8]) {
         let n = rts.len.min(recv.cap);
         let m = Matched { recv, rts, n };
-        if n == 0 {
+        if rts.eager {
+            // The payload came with the request: copied into the receive's buffers.
+            let mut at = 0usize;
+            for s in &m.recv.sges {
+                let l = (s.len as usize).min(payload.len().min(n as usize) - at);
+                if l == 0 {
+                    break;
+                }
+                // SAFETY: a receive's buffers are the application's memory, mapped and
+                // writable until the receive completes (the contract of `post_trecv`);
+                // `l` bytes fit in this one and are within the payload.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(payload[at..].as_ptr(), s.addr as *mut u8, l)
+                };
+                at += l;
+            }
+        }
+        if n == 0 || rts.eager {
             self.finish_read(ep, m, true, 0);
             return;
         }
@@ -1041,8 +1081,10 @@ impl State {
     /// A matched message was read (or could not be): the FIN to its sender, the receive's
     /// completion (an error entry `FI_ETRUNC` when the message was longer than the buffer).
     fn finish_read(&mut self, ep: usize, m: Matched, ok: bool, prov_errno: i32) {
-        let fin = Ctl::Fin { id: m.rts.id, ok }.encode();
-        let _ = self.send_ctl(ep, m.rts.from, &fin, None);
+        if !m.rts.eager {
+            let fin = Ctl::Fin { id: m.rts.id, ok }.encode();
+            let _ = self.send_ctl(ep, m.rts.from, &fin, None, false);
+        }
         let Ok(e) = self.ep_mut(ep) else { return };
         let rxcq = e.rxcq;
         let truncated = m.rts.len > m.n;
@@ -1080,13 +1122,15 @@ impl State {
         &mut self,
         ep: usize,
         peer: Addr,
-        msg: &[u8; CTL_LEN],
+        msg: &[u8],
         send: Option<u64>,
+        eager: bool,
     ) -> Result<(), Errno> {
         let e = self.ep_mut(ep)?;
         let wr_id = e.next_wr;
         e.next_wr += 1;
-        e.ops.insert(wr_id, Op::internal(OpKind::Ctl { send }));
+        e.ops
+            .insert(wr_id, Op::internal(OpKind::Ctl { send, eager }));
         let p = Pending {
             wr_id,
             sges: Vec::new(),
@@ -1132,7 +1176,18 @@ impl State {
         let parts: Vec<_> = bufs.iter().filter(|b| b.1 > 0).copied().collect();
         let mut copy = Vec::new();
         let mut tmp = Vec::new();
+        let max_inline = self.domain(dom)?.pd.device().caps().max_inline as usize;
+        let eager = total <= EAGER_MAX && CTL_LEN + total <= max_inline;
         let (va, rkey) = match parts[..] {
+            _ if eager => {
+                for &(addr, len, _) in &parts {
+                    // SAFETY: readable now, per the caller.
+                    copy.extend_from_slice(unsafe {
+                        std::slice::from_raw_parts(addr as *const u8, len)
+                    });
+                }
+                (0, 0)
+            }
             [] => (0, 0),
             [(addr, len, desc)] if !req.inject => {
                 let rkey = if desc != 0 {
@@ -1168,6 +1223,21 @@ impl State {
         let id = e.next_wr;
         e.next_wr += 1;
         let report = !req.inject && (req.report || !e.tx_selective);
+        let rts = Ctl::Rts(Rts {
+            tag,
+            len: total as u64,
+            va,
+            rkey,
+            id,
+            data: req.imm,
+            from: own,
+            eager,
+        });
+        let mut msg = rts.encode().to_vec();
+        if eager {
+            // Inline: the send WQE holds the bytes, so the copy is not kept.
+            msg.append(&mut copy);
+        }
         e.tsends.insert(
             id,
             TSend {
@@ -1177,16 +1247,7 @@ impl State {
                 _copy: copy,
             },
         );
-        let rts = Ctl::Rts(Rts {
-            tag,
-            len: total as u64,
-            va,
-            rkey,
-            id,
-            data: req.imm,
-            from: own,
-        });
-        if let Err(err) = self.send_ctl(ep, peer, &rts.encode(), Some(id)) {
+        if let Err(err) = self.send_ctl(ep, peer, &msg, Some(id), eager) {
             self.ep_mut(ep)?.tsends.remove(&id);
             return Err(err);
         }
@@ -1231,10 +1292,10 @@ impl State {
             report: req.report || !selective,
         };
         let e = self.ep_mut(ep)?;
-        match e.unexpected.iter().position(|r| t.takes(r)) {
+        match e.unexpected.iter().position(|(r, _)| t.takes(r)) {
             Some(i) => {
-                if let Some(r) = e.unexpected.remove(i) {
-                    self.start_read(ep, t, r);
+                if let Some((r, payload)) = e.unexpected.remove(i) {
+                    self.start_read(ep, t, r, &payload);
                 }
             }
             None => e.tposted.push_back(t),
@@ -1364,7 +1425,7 @@ impl State {
                     },
                 );
             }
-            OpKind::Ctl { send: Some(id) } => self.finish_tsend(ep, id, false, 0),
+            OpKind::Ctl { send: Some(id), .. } => self.finish_tsend(ep, id, false, 0),
             OpKind::Read(m) => {
                 // No FIN can reach the sender: only the receive's error.
                 let rxcq = self.ep_mut(ep).ok().and_then(|e| e.rxcq);
@@ -1380,7 +1441,7 @@ impl State {
                     },
                 );
             }
-            OpKind::Ctl { send: None } | OpKind::Slot(_) => {}
+            OpKind::Ctl { send: None, .. } | OpKind::Slot(_) => {}
         }
     }
 
@@ -1482,7 +1543,7 @@ impl Ep {
         let wr_id = self.next_wr;
         self.next_wr += 1;
         let st = self.staging.as_mut().ok_or(abi::FI_EOPBADSTATE)?;
-        let sge = [st.mr.sge((slot * CTL_LEN) as u64, CTL_LEN as u32)];
+        let sge = [st.mr.sge((slot * SLOT_LEN) as u64, SLOT_LEN as u32)];
         st.srq
             .post_recv(&[RecvWr { wr_id, sgl: &sge }])
             .map_err(|_| EAGAIN)?;
@@ -1520,11 +1581,16 @@ mod tests {
             id: 99,
             data: Some(0xfeed),
             from: make_addr([10, 0, 0, 2], 77),
+            eager: false,
         });
         assert_eq!(Ctl::decode(&rts.encode()), Some(rts));
         let mut none = rts;
         if let Ctl::Rts(r) = &mut none {
             r.data = None;
+        }
+        assert_eq!(Ctl::decode(&none.encode()), Some(none));
+        if let Ctl::Rts(r) = &mut none {
+            r.eager = true;
         }
         assert_eq!(Ctl::decode(&none.encode()), Some(none));
         for ok in [true, false] {

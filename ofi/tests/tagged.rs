@@ -114,31 +114,34 @@ fn tagged_messages_in_one_process() {
         assert_eq!(sent, [23, 24]);
 
         // Ignore masks: 0x12ab matches 0x1200 ignoring the low byte; 0x13ab does not, and
-        // waits until a receive for it comes.
-        fill(&mut s1[..100], 4);
-        fill(&mut s2[..100], 5);
-        trecv(b, &mut r1[..100], u64::MAX, 0x1200, 0xff, 31);
-        tsend(a, &s2[..100], 0x13ab, 32);
-        tsend(a, &s1[..100], 0x12ab, 33);
+        // waits until a receive for it comes. Above the eager size, its send is not
+        // complete until a receive has read it.
+        fill(&mut s1[..1000], 4);
+        fill(&mut s2[..1000], 5);
+        trecv(b, &mut r1[..1000], u64::MAX, 0x1200, 0xff, 31);
+        tsend(a, &s2[..1000], 0x13ab, 32);
+        tsend(a, &s1[..1000], 0x12ab, 33);
         let r = one(b.cq);
-        assert_eq!((r.op_context, r.tag, r.len), (ctx(31), 0x12ab, 100));
-        assert_eq!(r1[..100], s1[..100]);
+        assert_eq!((r.op_context, r.tag, r.len), (ctx(31), 0x12ab, 1000));
+        assert_eq!(r1[..1000], s1[..1000]);
         assert_eq!(one(a.cq).op_context, ctx(33));
         quiet(b.cq);
-        quiet(a.cq); // 0x13ab is not complete: no receive has read it
-        trecv(b, &mut r2[..100], u64::MAX, 0x13ab, 0, 34);
+        quiet(a.cq);
+        trecv(b, &mut r2[..1000], u64::MAX, 0x13ab, 0, 34);
         let r = one(b.cq);
         assert_eq!((r.op_context, r.tag), (ctx(34), 0x13ab));
-        assert_eq!(r2[..100], s2[..100]);
+        assert_eq!(r2[..1000], s2[..1000]);
         assert_eq!(one(a.cq).op_context, ctx(32));
 
         // Unexpected: three messages before any receive, then receives in another order;
-        // the two with the same tag are matched in the order they were sent.
+        // the two with the same tag are matched in the order they were sent. The small one
+        // goes eagerly (its send completes at once), the others wait for their receives.
         fill(&mut s1[..700], 6);
-        fill(&mut s2[..900], 7);
+        fill(&mut s2[..1100], 7);
         tsend(a, &s1[..700], 40, 41);
         tsend(a, &s2[..900], 40, 42);
         tsend(a, &s2[1000..1050], 50, 43);
+        assert_eq!(one(a.cq).op_context, ctx(43));
         quiet(b.cq);
         quiet(a.cq);
         trecv(b, &mut r1[..50], u64::MAX, 50, 0, 44);
@@ -153,19 +156,46 @@ fn tagged_messages_in_one_process() {
         assert_eq!((got[1].op_context, got[1].len), (ctx(46), 900));
         assert_eq!(r1[..700], s1[..700]);
         assert_eq!(r2[..900], s2[..900]);
+        let mut sent: Vec<usize> = (0..2).map(|_| one(a.cq).op_context as usize).collect();
+        sent.sort();
+        assert_eq!(sent, [41, 42]);
+
+        // Eager messages unexpected in a row, then matched in order, one truncated.
+        fill(&mut s1[..150], 13);
+        for (i, len) in [150usize, 20, 1].into_iter().enumerate() {
+            tsend(a, &s1[i..i + len], 45, 47 + i);
+        }
         let mut sent: Vec<usize> = (0..3).map(|_| one(a.cq).op_context as usize).collect();
         sent.sort();
-        assert_eq!(sent, [41, 42, 43]);
-
-        // Truncation: 300 bytes into 100: an error entry with the 200 bytes lost; the
-        // first 100 arrive and the send completes.
-        fill(&mut s1[..300], 8);
+        assert_eq!(sent, [47, 48, 49]);
         r1.fill(0);
-        trecv(b, &mut r1[..100], u64::MAX, 7, 0, 51);
-        tsend(a, &s1[..300], 7, 52);
+        trecv(b, &mut r1[..100], u64::MAX, 45, 0, 55);
         let e = one_err(b.cq);
         assert_eq!(e.err, abi::FI_ETRUNC as i32);
-        assert_eq!((e.op_context, e.len, e.olen, e.tag), (ctx(51), 100, 200, 7));
+        assert_eq!((e.op_context, e.len, e.olen, e.tag), (ctx(55), 100, 50, 45));
+        assert_eq!(r1[..100], s1[..100]);
+        assert_eq!(r1[100], 0);
+        trecv(b, &mut r2[..100], u64::MAX, 45, 0, 56);
+        let r = one(b.cq);
+        assert_eq!((r.op_context, r.len), (ctx(56), 20));
+        assert_eq!(r2[..20], s1[1..21]);
+        trecv(b, &mut r2[200..300], u64::MAX, 45, 0, 57);
+        let r = one(b.cq);
+        assert_eq!((r.op_context, r.len), (ctx(57), 1));
+        assert_eq!(r2[200], s1[2]);
+
+        // Truncation (rendezvous): 3000 bytes into 100: an error entry with the 2900 bytes
+        // lost; the first 100 arrive and the send completes.
+        fill(&mut s1[..3000], 8);
+        r1.fill(0);
+        trecv(b, &mut r1[..100], u64::MAX, 7, 0, 51);
+        tsend(a, &s1[..3000], 7, 52);
+        let e = one_err(b.cq);
+        assert_eq!(e.err, abi::FI_ETRUNC as i32);
+        assert_eq!(
+            (e.op_context, e.len, e.olen, e.tag),
+            (ctx(51), 100, 2900, 7)
+        );
         assert_eq!(e.flags & TRECV, TRECV);
         assert_eq!(r1[..100], s1[..100]);
         assert_eq!(r1[100], 0);
