@@ -1438,17 +1438,229 @@ static TAGGED_OPS: abi::fi_ops_tagged = abi::fi_ops_tagged {
     injectdata: Some(t_injectdata),
 };
 
-// ---- RMA, atomics, collectives: not implemented yet ----
+// ---- RMA ----
 
-enosys!(r_read(*mut Ep, V, usize, V, A, u64, u64, V) -> isize);
-enosys!(r_readv(*mut Ep, *const Iov, Dv, usize, A, u64, u64, V) -> isize);
-enosys!(r_readmsg(*mut Ep, *const abi::fi_msg_rma, u64) -> isize);
-enosys!(r_write(*mut Ep, Cv, usize, V, A, u64, u64, V) -> isize);
-enosys!(r_writev(*mut Ep, *const Iov, Dv, usize, A, u64, u64, V) -> isize);
-enosys!(r_writemsg(*mut Ep, *const abi::fi_msg_rma, u64) -> isize);
-enosys!(r_inject(*mut Ep, Cv, usize, A, u64, u64) -> isize);
-enosys!(r_writedata(*mut Ep, Cv, usize, V, u64, A, u64, u64, V) -> isize);
-enosys!(r_injectdata(*mut Ep, Cv, usize, u64, A, u64, u64) -> isize);
+const RMA_WRITE: u64 = abi::FI_RMA as u64 | abi::FI_WRITE as u64;
+const RMA_READ: u64 = abi::FI_RMA as u64 | abi::FI_READ as u64;
+
+fn rma_common(ep: *mut Ep, b: &[(usize, usize, usize)], req: prov::RmaReq) -> isize {
+    run_s(|st| {
+        st.check(ep as usize, Kind::Ep)?;
+        // SAFETY: the application's local buffers stay valid until their completion and,
+        // for injects, are readable now (fi_rma(3), fi_atomic(3)).
+        unsafe { st.post_rma(ep as usize, b, req)? };
+        Ok(0)
+    })
+}
+
+#[allow(clippy::too_many_arguments)]
+fn rma_req(
+    dest: A,
+    ctx: V,
+    inject: bool,
+    report: bool,
+    flags: u64,
+    op: prov::RmaOp,
+) -> prov::RmaReq {
+    prov::RmaReq {
+        dest,
+        ctx: ctx as u64,
+        inject,
+        report,
+        flags,
+        op,
+    }
+}
+
+fn write_op(addr: u64, key: u64, imm: Option<u64>) -> prov::RmaOp {
+    prov::RmaOp::Write {
+        addr,
+        key,
+        imm: imm.map(|d| d as u32),
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+unsafe extern "C" fn r_read(
+    ep: *mut Ep,
+    buf: V,
+    len: usize,
+    desc: V,
+    src: A,
+    addr: u64,
+    key: u64,
+    ctx: V,
+) -> isize {
+    let op = prov::RmaOp::Read { addr, key };
+    rma_common(
+        ep,
+        &[(buf as usize, len, desc as usize)],
+        rma_req(src, ctx, false, false, RMA_READ, op),
+    )
+}
+
+#[allow(clippy::too_many_arguments)]
+unsafe extern "C" fn r_readv(
+    ep: *mut Ep,
+    iov: *const Iov,
+    desc: Dv,
+    count: usize,
+    src: A,
+    addr: u64,
+    key: u64,
+    ctx: V,
+) -> isize {
+    let op = prov::RmaOp::Read { addr, key };
+    // SAFETY: `count` iovecs and descriptors (fi_readv(3)).
+    match unsafe { bufs(iov, desc, count) } {
+        Ok(b) => rma_common(ep, &b, rma_req(src, ctx, false, false, RMA_READ, op)),
+        Err(e) => -(e as isize),
+    }
+}
+
+/// The single remote segment of an RMA message.
+///
+/// # Safety
+/// `m.rma_iov` is NULL or holds `m.rma_iov_count` entries.
+unsafe fn rma_iov1(m: &abi::fi_msg_rma) -> Result<abi::fi_rma_iov, Errno> {
+    if m.rma_iov.is_null() || m.rma_iov_count != 1 {
+        return Err(abi::FI_EINVAL);
+    }
+    // SAFETY: one entry, per the caller.
+    Ok(unsafe { *m.rma_iov })
+}
+
+unsafe fn rma_msg(ep: *mut Ep, msg: *const abi::fi_msg_rma, flags: u64, write: bool) -> isize {
+    // SAFETY: NULL or the caller's message (fi_readmsg(3), fi_writemsg(3)).
+    let Some(m) = (unsafe { msg.as_ref() }) else {
+        return -(abi::FI_EINVAL as isize);
+    };
+    // SAFETY: the message's remote segments.
+    let r = match unsafe { rma_iov1(m) } {
+        Ok(r) => r,
+        Err(e) => return -(e as isize),
+    };
+    let report = flags & abi::FI_COMPLETION as u64 != 0;
+    let inject = write && flags & abi::FI_INJECT as u64 != 0;
+    let (op, cflags) = if write {
+        let imm = (flags & abi::FI_REMOTE_CQ_DATA as u64 != 0).then_some(m.data);
+        (write_op(r.addr, r.key, imm), RMA_WRITE)
+    } else {
+        (
+            prov::RmaOp::Read {
+                addr: r.addr,
+                key: r.key,
+            },
+            RMA_READ,
+        )
+    };
+    // SAFETY: the message's `iov_count` iovecs and descriptors.
+    match unsafe { bufs(m.msg_iov, m.desc, m.iov_count) } {
+        Ok(b) if b.iter().map(|x| x.1).sum::<usize>() <= r.len => rma_common(
+            ep,
+            &b,
+            rma_req(m.addr, m.context, inject, report, cflags, op),
+        ),
+        Ok(_) => -(abi::FI_EINVAL as isize),
+        Err(e) => -(e as isize),
+    }
+}
+
+unsafe extern "C" fn r_readmsg(ep: *mut Ep, msg: *const abi::fi_msg_rma, flags: u64) -> isize {
+    // SAFETY: passed on as libfabric gave them.
+    unsafe { rma_msg(ep, msg, flags, false) }
+}
+
+#[allow(clippy::too_many_arguments)]
+unsafe extern "C" fn r_write(
+    ep: *mut Ep,
+    buf: Cv,
+    len: usize,
+    desc: V,
+    dest: A,
+    addr: u64,
+    key: u64,
+    ctx: V,
+) -> isize {
+    let op = write_op(addr, key, None);
+    rma_common(
+        ep,
+        &[(buf as usize, len, desc as usize)],
+        rma_req(dest, ctx, false, false, RMA_WRITE, op),
+    )
+}
+
+#[allow(clippy::too_many_arguments)]
+unsafe extern "C" fn r_writev(
+    ep: *mut Ep,
+    iov: *const Iov,
+    desc: Dv,
+    count: usize,
+    dest: A,
+    addr: u64,
+    key: u64,
+    ctx: V,
+) -> isize {
+    let op = write_op(addr, key, None);
+    // SAFETY: `count` iovecs and descriptors (fi_writev(3)).
+    match unsafe { bufs(iov, desc, count) } {
+        Ok(b) => rma_common(ep, &b, rma_req(dest, ctx, false, false, RMA_WRITE, op)),
+        Err(e) => -(e as isize),
+    }
+}
+
+unsafe extern "C" fn r_writemsg(ep: *mut Ep, msg: *const abi::fi_msg_rma, flags: u64) -> isize {
+    // SAFETY: passed on as libfabric gave them.
+    unsafe { rma_msg(ep, msg, flags, true) }
+}
+
+unsafe extern "C" fn r_inject(
+    ep: *mut Ep,
+    buf: Cv,
+    len: usize,
+    dest: A,
+    addr: u64,
+    key: u64,
+) -> isize {
+    let op = write_op(addr, key, None);
+    let req = rma_req(dest, std::ptr::null_mut(), true, false, RMA_WRITE, op);
+    rma_common(ep, &[(buf as usize, len, 0)], req)
+}
+
+#[allow(clippy::too_many_arguments)]
+unsafe extern "C" fn r_writedata(
+    ep: *mut Ep,
+    buf: Cv,
+    len: usize,
+    desc: V,
+    data: u64,
+    dest: A,
+    addr: u64,
+    key: u64,
+    ctx: V,
+) -> isize {
+    let op = write_op(addr, key, Some(data));
+    rma_common(
+        ep,
+        &[(buf as usize, len, desc as usize)],
+        rma_req(dest, ctx, false, false, RMA_WRITE, op),
+    )
+}
+
+#[allow(clippy::too_many_arguments)]
+unsafe extern "C" fn r_injectdata(
+    ep: *mut Ep,
+    buf: Cv,
+    len: usize,
+    data: u64,
+    dest: A,
+    addr: u64,
+    key: u64,
+) -> isize {
+    let op = write_op(addr, key, Some(data));
+    let req = rma_req(dest, std::ptr::null_mut(), true, false, RMA_WRITE, op);
+    rma_common(ep, &[(buf as usize, len, 0)], req)
+}
 
 static RMA_OPS: abi::fi_ops_rma = abi::fi_ops_rma {
     size: std::mem::size_of::<abi::fi_ops_rma>(),
@@ -1462,6 +1674,8 @@ static RMA_OPS: abi::fi_ops_rma = abi::fi_ops_rma {
     writedata: Some(r_writedata),
     injectdata: Some(r_injectdata),
 };
+
+// ---- atomics: not implemented yet ----
 
 enosys!(a_write(*mut Ep, Cv, usize, V, A, u64, u64, Dt, Op, V) -> isize);
 enosys!(a_writev(*mut Ep, *const Ioc, Dv, usize, A, u64, u64, Dt, Op, V) -> isize);
@@ -1538,6 +1752,8 @@ static ATOMIC_OPS: abi::fi_ops_atomic = abi::fi_ops_atomic {
     readwritevalid: Some(a_valid),
     compwritevalid: Some(a_valid),
 };
+
+// ---- collectives: not implemented ----
 
 enosys!(c_barrier(*mut Ep, A, V) -> isize);
 enosys!(c_broadcast(*mut Ep, V, usize, V, A, A, Dt, u64, V) -> isize);

@@ -28,7 +28,7 @@ use crate::abi;
 use ringbell::cm::{CmEvent, ConnId, ConnectionManager, REJ_CONSUMER};
 use ringbell::{
     Access, AhAttr, CompletionQueue, ConnectOptions, Device, MemoryRegion, ProtectionDomain,
-    QpInit, QueuePair, RecvWr, RemoteAddr, SendWr, Sge, SharedReceiveQueue, WcStatus,
+    QpInit, QueuePair, RecvWr, RemoteAddr, SendWr, Sge, SharedReceiveQueue, WcOpcode, WcStatus,
     WorkCompletion, WrOp,
 };
 use std::collections::{HashMap, VecDeque};
@@ -152,6 +152,8 @@ struct Pending {
     imm: Option<u32>,
     /// An RDMA READ from there into `sges` (tagged rendezvous), not a send.
     read: Option<RemoteAddr>,
+    /// Any other operation (RMA, atomics): posted as it is, over `sges` or `inline`.
+    wr: Option<WrOp>,
 }
 
 struct Op {
@@ -190,6 +192,8 @@ enum OpKind {
     Ctl { send: Option<u64>, eager: bool },
     /// The READ of a matched tagged message.
     Read(Box<Matched>),
+    /// An RMA or atomic operation; its completion carries `flags`.
+    Rma { flags: u64 },
 }
 
 /// Bytes of a tagged-protocol control message's header.
@@ -766,6 +770,7 @@ impl State {
             inline,
             imm,
             read: None,
+            wr: None,
         };
         self.transmit(ep, (peer, CH_MSG), p)?;
         self.ep_mut(ep)?.ops.insert(
@@ -778,6 +783,142 @@ impl State {
                 _tmp: tmp,
                 _copy: copy,
                 kind: OpKind::Msg,
+            },
+        );
+        Ok(())
+    }
+
+    /// `fi_read`, `fi_write`, `fi_writedata`, `fi_atomic` and friends: one work request to
+    /// `req.dest` over the same connection as untagged sends (connecting on first use). The
+    /// remote side is addressed by virtual address and the MR's key (`FI_MR_VIRT_ADDR`,
+    /// `FI_MR_PROV_KEY`). `bufs` are the local buffers: the data written, the buffer read
+    /// into, or an atomic's 8-byte result (none: a scratch word of the provider's).
+    ///
+    /// # Safety
+    /// Every buffer is memory of this process that stays mapped until the operation
+    /// completes; for `inject`, the buffers are readable now.
+    pub unsafe fn post_rma(
+        &mut self,
+        ep: usize,
+        bufs: &[(usize, usize, usize)],
+        req: RmaReq,
+    ) -> Result<(), Errno> {
+        let (dom, nic, tx_selective) = {
+            let e = self.ep_mut(ep)?;
+            if !e.enabled {
+                return Err(abi::FI_EOPBADSTATE);
+            }
+            (e.domain, e.nic, e.tx_selective)
+        };
+        let peer = self.peer(ep, req.dest)?;
+        let (addr, key) = match req.op {
+            RmaOp::Write { addr, key, .. } | RmaOp::Read { addr, key } => (addr, key),
+            RmaOp::FetchAdd { addr, key, .. } | RmaOp::CmpSwap { addr, key, .. } => {
+                if addr % 8 != 0 {
+                    return Err(EINVAL);
+                }
+                (addr, key)
+            }
+        };
+        let report = !req.inject && (req.report || !tx_selective);
+        let Ok(rkey) = u32::try_from(key) else {
+            // Not a key this provider ever gives out: refused by "the target".
+            let txcq = self.ep_mut(ep)?.txcq;
+            self.push(
+                txcq,
+                Entry {
+                    ctx: req.ctx,
+                    flags: req.flags,
+                    src: ADDR_UNSPEC,
+                    err: abi::FI_EACCES as i32,
+                    ..Default::default()
+                },
+            );
+            return Ok(());
+        };
+        let remote = RemoteAddr { addr, rkey };
+        let wr = match req.op {
+            RmaOp::Write { imm: Some(i), .. } => WrOp::WriteImm(remote, i),
+            RmaOp::Write { imm: None, .. } => WrOp::Write(remote),
+            RmaOp::Read { .. } => WrOp::Read(remote),
+            RmaOp::FetchAdd { add, .. } => WrOp::FetchAdd { remote, add },
+            RmaOp::CmpSwap { compare, swap, .. } => WrOp::CmpSwap {
+                remote,
+                compare,
+                swap,
+            },
+        };
+        let atomic = matches!(req.op, RmaOp::FetchAdd { .. } | RmaOp::CmpSwap { .. });
+        let mut copy = Vec::new();
+        let (sges, tmp, inline) = if atomic && bufs.is_empty() {
+            copy = vec![0u8; 8];
+            // SAFETY: `copy` is this library's heap scratch word, kept with the operation
+            // (a Vec's buffer does not move when the Vec does) until it completes.
+            let mr = unsafe { self.reg(dom, copy.as_ptr() as usize, 8)? };
+            let sge = Sge {
+                addr: copy.as_ptr() as u64,
+                len: 8,
+                lkey: mr.lkey(),
+            };
+            (vec![sge], vec![mr], None)
+        } else if req.inject {
+            let total: usize = bufs.iter().map(|b| b.1).sum();
+            if total > INJECT {
+                return Err(abi::FI_EMSGSIZE);
+            }
+            let mut data = Vec::with_capacity(total);
+            for &(a, len, _) in bufs {
+                if len > 0 {
+                    // SAFETY: readable now, per the caller.
+                    data.extend_from_slice(unsafe {
+                        std::slice::from_raw_parts(a as *const u8, len)
+                    });
+                }
+            }
+            let max_inline = self.nics.get(&nic).ok_or(EINVAL)?.dev.caps().max_inline as usize;
+            if data.len() <= max_inline {
+                (Vec::new(), Vec::new(), Some(data))
+            } else {
+                // SAFETY: as the scratch word above.
+                let mr = unsafe { self.reg(dom, data.as_ptr() as usize, data.len())? };
+                let sge = Sge {
+                    addr: data.as_ptr() as u64,
+                    len: data.len() as u32,
+                    lkey: mr.lkey(),
+                };
+                copy = data;
+                (vec![sge], vec![mr], None)
+            }
+        } else {
+            // SAFETY: per the caller.
+            let (s, t) = unsafe { self.sges(dom, bufs)? };
+            (s, t, None)
+        };
+        if atomic && sges.iter().map(|s| s.len).sum::<u32>() != 8 {
+            return Err(EINVAL);
+        }
+        let e = self.ep_mut(ep)?;
+        let wr_id = e.next_wr;
+        e.next_wr += 1;
+        let p = Pending {
+            wr_id,
+            sges,
+            inline,
+            imm: None,
+            read: None,
+            wr: Some(wr),
+        };
+        self.transmit(ep, (peer, CH_MSG), p)?;
+        self.ep_mut(ep)?.ops.insert(
+            wr_id,
+            Op {
+                ctx: req.ctx,
+                send: true,
+                report,
+                buf: 0,
+                _tmp: tmp,
+                _copy: copy,
+                kind: OpKind::Rma { flags: req.flags },
             },
         );
         Ok(())
@@ -924,13 +1065,24 @@ impl State {
                     if !op.send && w.imm.is_some() {
                         flags |= abi::FI_REMOTE_CQ_DATA as u64;
                     }
+                    let remote_write = !op.send && w.opcode == WcOpcode::RecvRdmaWithImm;
+                    if remote_write {
+                        // fi_writedata's remote CQ data (it consumed this posted receive).
+                        flags = abi::FI_RMA as u64
+                            | abi::FI_REMOTE_WRITE as u64
+                            | abi::FI_REMOTE_CQ_DATA as u64;
+                    }
                     self.push(
                         cq,
                         Entry {
                             ctx: op.ctx,
                             flags,
-                            len: if op.send { 0 } else { w.byte_len as u64 },
-                            buf: if op.send { 0 } else { op.buf },
+                            len: if op.send || remote_write {
+                                0
+                            } else {
+                                w.byte_len as u64
+                            },
+                            buf: if op.send || remote_write { 0 } else { op.buf },
                             src: ADDR_UNSPEC,
                             err: if ok { 0 } else { abi::FI_EIO as i32 },
                             prov_errno: if ok { 0 } else { w.status as i32 },
@@ -972,6 +1124,27 @@ impl State {
                 }
             }
             OpKind::Read(m) => self.finish_read(ep, *m, ok, w.status as i32),
+            OpKind::Rma { flags } => {
+                if ok && !op.report {
+                    return;
+                }
+                let err = match w.status {
+                    WcStatus::Success => 0,
+                    WcStatus::RemAccessErr | WcStatus::RemInvReqErr => abi::FI_EACCES as i32,
+                    _ => abi::FI_EIO as i32,
+                };
+                self.push(
+                    txcq,
+                    Entry {
+                        ctx: op.ctx,
+                        flags,
+                        src: ADDR_UNSPEC,
+                        err,
+                        prov_errno: if ok { 0 } else { w.status as i32 },
+                        ..Default::default()
+                    },
+                );
+            }
         }
     }
 
@@ -1060,6 +1233,7 @@ impl State {
             sges,
             inline: None,
             imm: None,
+            wr: None,
             read: Some(RemoteAddr {
                 addr: m.rts.va,
                 rkey: m.rts.rkey,
@@ -1137,6 +1311,7 @@ impl State {
             inline: Some(msg.to_vec()),
             imm: None,
             read: None,
+            wr: None,
         };
         let r = self.transmit(ep, (peer, CH_TAG), p);
         if r.is_err() {
@@ -1441,6 +1616,19 @@ impl State {
                     },
                 );
             }
+            OpKind::Rma { flags } => {
+                let txcq = self.ep_mut(ep).ok().and_then(|e| e.txcq);
+                self.push(
+                    txcq,
+                    Entry {
+                        ctx: op.ctx,
+                        flags,
+                        err: abi::FI_EHOSTUNREACH as i32,
+                        src: ADDR_UNSPEC,
+                        ..Default::default()
+                    },
+                );
+            }
             OpKind::Ctl { send: None, .. } | OpKind::Slot(_) => {}
         }
     }
@@ -1473,10 +1661,11 @@ fn new_qp(d: &Domain, e: &Ep, chan: u8) -> Result<QueuePair, Errno> {
 }
 
 fn post_pending(qp: &mut QueuePair, p: &Pending) -> Result<(), Errno> {
-    let op = match (p.read, p.imm) {
-        (Some(r), _) => WrOp::Read(r),
-        (None, Some(i)) => WrOp::SendImm(i),
-        (None, None) => WrOp::Send,
+    let op = match (p.wr, p.read, p.imm) {
+        (Some(w), _, _) => w,
+        (None, Some(r), _) => WrOp::Read(r),
+        (None, None, Some(i)) => WrOp::SendImm(i),
+        (None, None, None) => WrOp::Send,
     };
     let wr = match &p.inline {
         Some(d) => SendWr::inline(p.wr_id, op, d),
@@ -1565,6 +1754,45 @@ pub struct SendReq {
     pub report: bool,
     /// Immediate data (`fi_senddata`).
     pub imm: Option<u32>,
+}
+
+/// The remote side of an RMA or atomic operation ([`State::post_rma`]).
+#[derive(Clone, Copy, Debug)]
+pub enum RmaOp {
+    /// RDMA WRITE of the local buffers to `addr`, with remote CQ data `imm`.
+    Write {
+        addr: u64,
+        key: u64,
+        imm: Option<u32>,
+    },
+    /// RDMA READ from `addr` into the local buffers.
+    Read { addr: u64, key: u64 },
+    /// 64-bit fetch-and-add at `addr` (8-byte aligned).
+    FetchAdd { addr: u64, key: u64, add: u64 },
+    /// 64-bit compare-and-swap at `addr` (8-byte aligned).
+    CmpSwap {
+        addr: u64,
+        key: u64,
+        compare: u64,
+        swap: u64,
+    },
+}
+
+/// How an RMA or atomic operation goes out.
+#[derive(Clone, Copy, Debug)]
+pub struct RmaReq {
+    /// The destination (an AV index).
+    pub dest: u64,
+    /// The application's context, returned in the completion.
+    pub ctx: u64,
+    /// Copy the data now and report no completion.
+    pub inject: bool,
+    /// Report a completion even under `FI_SELECTIVE_COMPLETION`.
+    pub report: bool,
+    /// The completion's flags (`FI_RMA | FI_WRITE`, ...).
+    pub flags: u64,
+    /// What is done at the target.
+    pub op: RmaOp,
 }
 
 #[cfg(test)]

@@ -477,11 +477,20 @@ fn objects_messages_and_bad_pointers() {
             EINVAL
         );
         assert_eq!(close(bogus as *mut abi::fid) as isize, EINVAL);
-        // RMA: not implemented.
+        // RMA on something that is no endpoint (tests/rma.rs has the rest).
         let read = (*(*a.ep).rma).read.unwrap();
         assert_eq!(
-            read(a.ep, null_mut(), 0, null_mut(), peer, 0, 0, null_mut()),
-            -(abi::FI_ENOSYS as isize)
+            read(
+                bogus as *mut _,
+                null_mut(),
+                0,
+                null_mut(),
+                peer,
+                0,
+                0,
+                null_mut()
+            ),
+            EINVAL
         );
 
         // Close, in fi_pingpong's order; everything once only.
