@@ -438,15 +438,6 @@ enosys!(
     ) -> c_int
 );
 enosys!(
-    no_query_atomic(
-        *mut abi::fid_domain,
-        abi::fi_datatype,
-        abi::fi_op,
-        *mut abi::fi_atomic_attr,
-        u64,
-    ) -> c_int
-);
-enosys!(
     no_query_collective(
         *mut abi::fid_domain,
         abi::fi_collective_op,
@@ -474,7 +465,7 @@ static DOMAIN_OPS: abi::fi_ops_domain = abi::fi_ops_domain {
     poll_open: Some(no_poll_open),
     stx_ctx: Some(no_stx_ctx),
     srx_ctx: Some(no_srx_ctx),
-    query_atomic: Some(no_query_atomic),
+    query_atomic: Some(dom_query_atomic),
     query_collective: Some(no_query_collective),
     endpoint2: Some(no_endpoint2),
 };
@@ -1675,66 +1666,487 @@ static RMA_OPS: abi::fi_ops_rma = abi::fi_ops_rma {
     injectdata: Some(r_injectdata),
 };
 
-// ---- atomics: not implemented yet ----
+// ---- atomics: FI_SUM (fi_atomic, fi_fetch_atomic) and FI_CSWAP (fi_compare_atomic) on
+// FI_UINT64 and FI_INT64, one element per operation ----
 
-enosys!(a_write(*mut Ep, Cv, usize, V, A, u64, u64, Dt, Op, V) -> isize);
-enosys!(a_writev(*mut Ep, *const Ioc, Dv, usize, A, u64, u64, Dt, Op, V) -> isize);
-enosys!(a_writemsg(*mut Ep, *const abi::fi_msg_atomic, u64) -> isize);
-enosys!(a_inject(*mut Ep, Cv, usize, A, u64, u64, Dt, Op) -> isize);
-enosys!(a_readwrite(*mut Ep, Cv, usize, V, V, V, A, u64, u64, Dt, Op, V) -> isize);
-enosys!(
-    a_readwritev(
-        *mut Ep,
-        *const Ioc,
-        Dv,
-        usize,
-        *mut Ioc,
-        Dv,
-        usize,
-        A,
-        u64,
-        u64,
-        Dt,
-        Op,
-        V,
-    ) -> isize
-);
-enosys!(a_readwritemsg(*mut Ep, *const abi::fi_msg_atomic, *mut Ioc, Dv, usize, u64) -> isize);
-enosys!(a_compwrite(*mut Ep, Cv, usize, V, Cv, V, V, V, A, u64, u64, Dt, Op, V) -> isize);
-enosys!(
-    a_compwritev(
-        *mut Ep,
-        *const Ioc,
-        Dv,
-        usize,
-        *const Ioc,
-        Dv,
-        usize,
-        *mut Ioc,
-        Dv,
-        usize,
-        A,
-        u64,
-        u64,
-        Dt,
-        Op,
-        V,
-    ) -> isize
-);
-enosys!(
-    a_compwritemsg(
-        *mut Ep,
-        *const abi::fi_msg_atomic,
-        *const Ioc,
-        Dv,
-        usize,
-        *mut Ioc,
-        Dv,
-        usize,
-        u64,
-    ) -> isize
-);
-enosys!(a_valid(*mut Ep, Dt, Op, *mut usize) -> c_int);
+const ATOMIC_WRITE: u64 = abi::FI_ATOMIC as u64 | abi::FI_WRITE as u64;
+const ATOMIC_READ: u64 = abi::FI_ATOMIC as u64 | abi::FI_READ as u64;
+
+/// Which atomic call is asked about.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Call {
+    Write,
+    Fetch,
+    Compare,
+}
+
+/// Whether `(dt, op)` is supported by call `c` (fi_atomic(3)): 64-bit integers only, FI_SUM
+/// for fi_atomic and fi_fetch_atomic, FI_CSWAP for fi_compare_atomic.
+fn supported(c: Call, dt: Dt, op: Op) -> bool {
+    let int64 = dt == abi::fi_datatype_FI_UINT64 || dt == abi::fi_datatype_FI_INT64;
+    int64
+        && match c {
+            Call::Write | Call::Fetch => op == abi::fi_op_FI_SUM,
+            Call::Compare => op == abi::fi_op_FI_CSWAP,
+        }
+}
+
+fn valid_common(ep: *mut Ep, c: Call, dt: Dt, op: Op, count: *mut usize) -> c_int {
+    run(|st| {
+        st.check(ep as usize, Kind::Ep)?;
+        if !supported(c, dt, op) {
+            return Err(abi::FI_EOPNOTSUPP);
+        }
+        put(count, 1).map(|()| 0)
+    })
+}
+
+unsafe extern "C" fn a_writevalid(ep: *mut Ep, dt: Dt, op: Op, count: *mut usize) -> c_int {
+    valid_common(ep, Call::Write, dt, op, count)
+}
+
+unsafe extern "C" fn a_readwritevalid(ep: *mut Ep, dt: Dt, op: Op, count: *mut usize) -> c_int {
+    valid_common(ep, Call::Fetch, dt, op, count)
+}
+
+unsafe extern "C" fn a_compwritevalid(ep: *mut Ep, dt: Dt, op: Op, count: *mut usize) -> c_int {
+    valid_common(ep, Call::Compare, dt, op, count)
+}
+
+unsafe extern "C" fn dom_query_atomic(
+    dom: *mut abi::fid_domain,
+    dt: Dt,
+    op: Op,
+    attr: *mut abi::fi_atomic_attr,
+    flags: u64,
+) -> c_int {
+    run(|st| {
+        st.check(dom as usize, Kind::Domain)?;
+        let c = match flags & (abi::FI_FETCH_ATOMIC | abi::FI_COMPARE_ATOMIC) {
+            0 => Call::Write,
+            abi::FI_FETCH_ATOMIC => Call::Fetch,
+            abi::FI_COMPARE_ATOMIC => Call::Compare,
+            _ => return Err(abi::FI_EINVAL),
+        };
+        if !supported(c, dt, op) {
+            return Err(abi::FI_EOPNOTSUPP);
+        }
+        put(attr, abi::fi_atomic_attr { count: 1, size: 8 }).map(|()| 0)
+    })
+}
+
+/// Reads one 64-bit operand.
+///
+/// # Safety
+/// `p` is NULL or points at `count` elements of 8 bytes.
+unsafe fn operand(p: Cv, count: usize) -> Result<u64, Errno> {
+    if p.is_null() || count != 1 {
+        return Err(abi::FI_EINVAL);
+    }
+    // SAFETY: one readable 8-byte element, per the caller (fi_atomic(3) buffers need not
+    // be aligned).
+    Ok(unsafe { (p as *const u64).read_unaligned() })
+}
+
+/// The single element of an ioc array.
+///
+/// # Safety
+/// `ioc` is NULL or holds `count` entries; `desc` NULL or `count` descriptors.
+unsafe fn ioc1(ioc: *const Ioc, desc: Dv, count: usize) -> Result<(Cv, usize, usize), Errno> {
+    if ioc.is_null() || count != 1 {
+        return Err(abi::FI_EINVAL);
+    }
+    // SAFETY: one entry each, per the caller.
+    let (i, d) = unsafe { (*ioc, if desc.is_null() { 0 } else { *desc as usize }) };
+    Ok((i.addr as Cv, i.count, d))
+}
+
+/// One atomic operation: `buf` holds the operand, `cmp` the compare value (FI_CSWAP),
+/// `res` with its descriptor the fetched value (NULL for fi_atomic).
+#[allow(clippy::too_many_arguments)]
+fn atomic_common(
+    ep: *mut Ep,
+    c: Call,
+    (buf, count): (Cv, usize),
+    cmp: Cv,
+    res: (usize, usize),
+    (dest, addr, key): (A, u64, u64),
+    (dt, op, ctx, inject, report): (Dt, Op, V, bool, bool),
+) -> isize {
+    run_s(|st| {
+        st.check(ep as usize, Kind::Ep)?;
+        if !supported(c, dt, op) {
+            return Err(abi::FI_EOPNOTSUPP);
+        }
+        // SAFETY: the operands are readable now (fi_atomic(3)).
+        let v = unsafe { operand(buf, count)? };
+        let (rop, flags) = match c {
+            Call::Compare => {
+                // SAFETY: as above.
+                let compare = unsafe { operand(cmp, 1)? };
+                let swap = v;
+                let r = prov::RmaOp::CmpSwap {
+                    addr,
+                    key,
+                    compare,
+                    swap,
+                };
+                (r, ATOMIC_READ)
+            }
+            Call::Fetch => (prov::RmaOp::FetchAdd { addr, key, add: v }, ATOMIC_READ),
+            Call::Write => (prov::RmaOp::FetchAdd { addr, key, add: v }, ATOMIC_WRITE),
+        };
+        let b: Vec<(usize, usize, usize)> = if c == Call::Write {
+            Vec::new()
+        } else if res.0 == 0 {
+            return Err(abi::FI_EINVAL);
+        } else {
+            vec![(res.0, 8, res.1)]
+        };
+        let req = rma_req(dest, ctx, inject, report, flags, rop);
+        // SAFETY: the result buffer stays valid until the completion (fi_atomic(3)).
+        unsafe { st.post_rma(ep as usize, &b, req)? };
+        Ok(0)
+    })
+}
+
+#[allow(clippy::too_many_arguments)]
+unsafe extern "C" fn a_write(
+    ep: *mut Ep,
+    buf: Cv,
+    count: usize,
+    _desc: V,
+    dest: A,
+    addr: u64,
+    key: u64,
+    dt: Dt,
+    op: Op,
+    ctx: V,
+) -> isize {
+    let null = std::ptr::null();
+    atomic_common(
+        ep,
+        Call::Write,
+        (buf, count),
+        null,
+        (0, 0),
+        (dest, addr, key),
+        (dt, op, ctx, false, false),
+    )
+}
+
+#[allow(clippy::too_many_arguments)]
+unsafe extern "C" fn a_writev(
+    ep: *mut Ep,
+    iov: *const Ioc,
+    desc: Dv,
+    count: usize,
+    dest: A,
+    addr: u64,
+    key: u64,
+    dt: Dt,
+    op: Op,
+    ctx: V,
+) -> isize {
+    // SAFETY: `count` iocs and descriptors (fi_atomicv(3)).
+    match unsafe { ioc1(iov, desc, count) } {
+        Ok((b, n, _)) => {
+            let t = (dt, op, ctx, false, false);
+            atomic_common(
+                ep,
+                Call::Write,
+                (b, n),
+                std::ptr::null(),
+                (0, 0),
+                (dest, addr, key),
+                t,
+            )
+        }
+        Err(e) => -(e as isize),
+    }
+}
+
+/// The single remote element of an atomic message.
+///
+/// # Safety
+/// `m.rma_iov` is NULL or holds `m.rma_iov_count` entries.
+unsafe fn rma_ioc1(m: &abi::fi_msg_atomic) -> Result<(u64, u64), Errno> {
+    if m.rma_iov.is_null() || m.rma_iov_count != 1 {
+        return Err(abi::FI_EINVAL);
+    }
+    // SAFETY: one entry, per the caller.
+    let r = unsafe { *m.rma_iov };
+    if r.count != 1 {
+        return Err(abi::FI_EINVAL);
+    }
+    Ok((r.addr, r.key))
+}
+
+/// An atomic message's operand and remote element.
+///
+/// # Safety
+/// `msg` is NULL or the caller's message, with its arrays as fi_atomicmsg(3) says.
+unsafe fn atomic_msg<'a>(
+    msg: *const abi::fi_msg_atomic,
+) -> Result<(&'a abi::fi_msg_atomic, Cv, usize, u64, u64), Errno> {
+    // SAFETY: per the caller; the message outlives the call it is used in.
+    let m = unsafe { msg.as_ref() }.ok_or(abi::FI_EINVAL)?;
+    // SAFETY: per the caller.
+    let (b, n, _) = unsafe { ioc1(m.msg_iov, m.desc, m.iov_count)? };
+    // SAFETY: per the caller.
+    let (addr, key) = unsafe { rma_ioc1(m)? };
+    Ok((m, b, n, addr, key))
+}
+
+unsafe extern "C" fn a_writemsg(ep: *mut Ep, msg: *const abi::fi_msg_atomic, flags: u64) -> isize {
+    // SAFETY: as libfabric gave it.
+    match unsafe { atomic_msg(msg) } {
+        Ok((m, b, n, addr, key)) => {
+            let inject = flags & abi::FI_INJECT as u64 != 0;
+            let report = flags & abi::FI_COMPLETION as u64 != 0;
+            let null = std::ptr::null();
+            let t = (m.datatype, m.op, m.context, inject, report);
+            atomic_common(
+                ep,
+                Call::Write,
+                (b, n),
+                null,
+                (0, 0),
+                (m.addr, addr, key),
+                t,
+            )
+        }
+        Err(e) => -(e as isize),
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+unsafe extern "C" fn a_inject(
+    ep: *mut Ep,
+    buf: Cv,
+    count: usize,
+    dest: A,
+    addr: u64,
+    key: u64,
+    dt: Dt,
+    op: Op,
+) -> isize {
+    let null = std::ptr::null();
+    let t = (dt, op, std::ptr::null_mut(), true, false);
+    atomic_common(
+        ep,
+        Call::Write,
+        (buf, count),
+        null,
+        (0, 0),
+        (dest, addr, key),
+        t,
+    )
+}
+
+#[allow(clippy::too_many_arguments)]
+unsafe extern "C" fn a_readwrite(
+    ep: *mut Ep,
+    buf: Cv,
+    count: usize,
+    _desc: V,
+    res: V,
+    res_desc: V,
+    dest: A,
+    addr: u64,
+    key: u64,
+    dt: Dt,
+    op: Op,
+    ctx: V,
+) -> isize {
+    let null = std::ptr::null();
+    let r = (res as usize, res_desc as usize);
+    atomic_common(
+        ep,
+        Call::Fetch,
+        (buf, count),
+        null,
+        r,
+        (dest, addr, key),
+        (dt, op, ctx, false, false),
+    )
+}
+
+#[allow(clippy::too_many_arguments)]
+unsafe extern "C" fn a_readwritev(
+    ep: *mut Ep,
+    iov: *const Ioc,
+    desc: Dv,
+    count: usize,
+    resv: *mut Ioc,
+    res_desc: Dv,
+    res_count: usize,
+    dest: A,
+    addr: u64,
+    key: u64,
+    dt: Dt,
+    op: Op,
+    ctx: V,
+) -> isize {
+    // SAFETY: `count` and `res_count` iocs and descriptors (fi_fetch_atomicv(3)).
+    match unsafe { (ioc1(iov, desc, count), ioc1(resv, res_desc, res_count)) } {
+        (Ok((b, n, _)), Ok((r, 1, rd))) => {
+            let t = (dt, op, ctx, false, false);
+            atomic_common(
+                ep,
+                Call::Fetch,
+                (b, n),
+                std::ptr::null(),
+                (r as usize, rd),
+                (dest, addr, key),
+                t,
+            )
+        }
+        (Err(e), _) | (_, Err(e)) => -(e as isize),
+        _ => -(abi::FI_EINVAL as isize),
+    }
+}
+
+unsafe extern "C" fn a_readwritemsg(
+    ep: *mut Ep,
+    msg: *const abi::fi_msg_atomic,
+    resv: *mut Ioc,
+    res_desc: Dv,
+    res_count: usize,
+    flags: u64,
+) -> isize {
+    // SAFETY: as libfabric gave them (fi_fetch_atomicmsg(3)).
+    match unsafe { (atomic_msg(msg), ioc1(resv, res_desc, res_count)) } {
+        (Ok((m, b, n, addr, key)), Ok((r, 1, rd))) => {
+            let report = flags & abi::FI_COMPLETION as u64 != 0;
+            let t = (m.datatype, m.op, m.context, false, report);
+            atomic_common(
+                ep,
+                Call::Fetch,
+                (b, n),
+                std::ptr::null(),
+                (r as usize, rd),
+                (m.addr, addr, key),
+                t,
+            )
+        }
+        (Err(e), _) | (_, Err(e)) => -(e as isize),
+        _ => -(abi::FI_EINVAL as isize),
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+unsafe extern "C" fn a_compwrite(
+    ep: *mut Ep,
+    buf: Cv,
+    count: usize,
+    _desc: V,
+    cmp: Cv,
+    _cmp_desc: V,
+    res: V,
+    res_desc: V,
+    dest: A,
+    addr: u64,
+    key: u64,
+    dt: Dt,
+    op: Op,
+    ctx: V,
+) -> isize {
+    let r = (res as usize, res_desc as usize);
+    atomic_common(
+        ep,
+        Call::Compare,
+        (buf, count),
+        cmp,
+        r,
+        (dest, addr, key),
+        (dt, op, ctx, false, false),
+    )
+}
+
+#[allow(clippy::too_many_arguments)]
+unsafe extern "C" fn a_compwritev(
+    ep: *mut Ep,
+    iov: *const Ioc,
+    desc: Dv,
+    count: usize,
+    cmpv: *const Ioc,
+    cmp_desc: Dv,
+    cmp_count: usize,
+    resv: *mut Ioc,
+    res_desc: Dv,
+    res_count: usize,
+    dest: A,
+    addr: u64,
+    key: u64,
+    dt: Dt,
+    op: Op,
+    ctx: V,
+) -> isize {
+    // SAFETY: the iocs and descriptors with their counts (fi_compare_atomicv(3)).
+    let all = unsafe {
+        (
+            ioc1(iov, desc, count),
+            ioc1(cmpv, cmp_desc, cmp_count),
+            ioc1(resv, res_desc, res_count),
+        )
+    };
+    match all {
+        (Ok((b, n, _)), Ok((c, 1, _)), Ok((r, 1, rd))) => {
+            let t = (dt, op, ctx, false, false);
+            atomic_common(
+                ep,
+                Call::Compare,
+                (b, n),
+                c,
+                (r as usize, rd),
+                (dest, addr, key),
+                t,
+            )
+        }
+        (Err(e), _, _) | (_, Err(e), _) | (_, _, Err(e)) => -(e as isize),
+        _ => -(abi::FI_EINVAL as isize),
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+unsafe extern "C" fn a_compwritemsg(
+    ep: *mut Ep,
+    msg: *const abi::fi_msg_atomic,
+    cmpv: *const Ioc,
+    cmp_desc: Dv,
+    cmp_count: usize,
+    resv: *mut Ioc,
+    res_desc: Dv,
+    res_count: usize,
+    flags: u64,
+) -> isize {
+    // SAFETY: as libfabric gave them (fi_compare_atomicmsg(3)).
+    let all = unsafe {
+        (
+            atomic_msg(msg),
+            ioc1(cmpv, cmp_desc, cmp_count),
+            ioc1(resv, res_desc, res_count),
+        )
+    };
+    match all {
+        (Ok((m, b, n, addr, key)), Ok((c, 1, _)), Ok((r, 1, rd))) => {
+            let report = flags & abi::FI_COMPLETION as u64 != 0;
+            let t = (m.datatype, m.op, m.context, false, report);
+            atomic_common(
+                ep,
+                Call::Compare,
+                (b, n),
+                c,
+                (r as usize, rd),
+                (m.addr, addr, key),
+                t,
+            )
+        }
+        (Err(e), _, _) | (_, Err(e), _) | (_, _, Err(e)) => -(e as isize),
+        _ => -(abi::FI_EINVAL as isize),
+    }
+}
 
 static ATOMIC_OPS: abi::fi_ops_atomic = abi::fi_ops_atomic {
     size: std::mem::size_of::<abi::fi_ops_atomic>(),
@@ -1748,9 +2160,9 @@ static ATOMIC_OPS: abi::fi_ops_atomic = abi::fi_ops_atomic {
     compwrite: Some(a_compwrite),
     compwritev: Some(a_compwritev),
     compwritemsg: Some(a_compwritemsg),
-    writevalid: Some(a_valid),
-    readwritevalid: Some(a_valid),
-    compwritevalid: Some(a_valid),
+    writevalid: Some(a_writevalid),
+    readwritevalid: Some(a_readwritevalid),
+    compwritevalid: Some(a_compwritevalid),
 };
 
 // ---- collectives: not implemented ----

@@ -534,7 +534,10 @@ impl State {
     /// `addr..addr+len` is memory of this process that stays mapped while registered.
     pub unsafe fn reg(&self, dom: usize, addr: usize, len: usize) -> Result<MemoryRegion, Errno> {
         let d = self.domain(dom)?;
-        let acc = Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::REMOTE_READ;
+        let acc = Access::LOCAL_WRITE
+            | Access::REMOTE_WRITE
+            | Access::REMOTE_READ
+            | Access::REMOTE_ATOMIC;
         // SAFETY: per the caller.
         unsafe { d.pd.reg_user_mr(addr as *mut u8, len, addr as u64, acc) }.map_err(|e| {
             eprintln!("ringbell-fi: registering {len} bytes at {addr:#x}: {e}");
