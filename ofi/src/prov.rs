@@ -28,8 +28,8 @@ use crate::abi;
 use ringbell::cm::{CmEvent, ConnId, ConnectionManager, REJ_CONSUMER};
 use ringbell::{
     Access, AhAttr, CompletionQueue, ConnectOptions, Device, MemoryRegion, ProtectionDomain,
-    QpInit, QueuePair, RecvWr, RemoteAddr, SendWr, Sge, SharedReceiveQueue, WcOpcode, WcStatus,
-    WorkCompletion, WrOp,
+    QpInit, QpState, QueuePair, RecvWr, RemoteAddr, SendWr, Sge, SharedReceiveQueue, WcOpcode,
+    WcStatus, WorkCompletion, WrOp,
 };
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Mutex, MutexGuard, OnceLock};
@@ -356,6 +356,10 @@ pub struct Ep {
     pub directed: bool,
     conns: HashMap<ConnKey, Conn>,
     extra: Vec<(ConnKey, Conn)>,
+    /// Connections whose QP failed (a work request completed in error, which moves an RC
+    /// QP to the error state): kept until the endpoint closes so that the work requests
+    /// still on them complete (flushed); the next operation to that peer connects anew.
+    dead: Vec<Conn>,
     ops: HashMap<u64, Op>,
     next_wr: u64,
     srq: Option<SharedReceiveQueue>,
@@ -565,6 +569,7 @@ impl State {
             directed: false,
             conns: HashMap::new(),
             extra: Vec::new(),
+            dead: Vec::new(),
             ops: HashMap::new(),
             next_wr: 1,
             srq: None,
@@ -1056,6 +1061,9 @@ impl State {
             return;
         };
         let ok = w.status == WcStatus::Success;
+        if !ok {
+            e.retire(w.qpn);
+        }
         let (txcq, rxcq) = (e.txcq, e.rxcq);
         match op.kind {
             OpKind::Msg => {
@@ -1517,6 +1525,15 @@ impl State {
                     return;
                 }
                 let Ok(e) = self.ep_mut(key) else { return };
+                // The peer connects again after its QP failed: ours has failed too (the
+                // device moves both ends of an RC connection to the error state).
+                let failed = matches!(e.conns.get(&(peer, chan)),
+                    Some(Conn::Up(_, qp)) if qp.query_state().is_ok_and(|s| s == QpState::Err));
+                if failed {
+                    if let Some(old) = e.conns.remove(&(peer, chan)) {
+                        e.dead.push(old);
+                    }
+                }
                 if let std::collections::hash_map::Entry::Vacant(v) = e.conns.entry((peer, chan)) {
                     v.insert(Conn::Pending(id, Vec::new()));
                 } else {
@@ -1730,6 +1747,20 @@ pub struct TRecvReq {
 }
 
 impl Ep {
+    /// Moves the connection whose QP is `qpn` (now in the error state) out of use.
+    fn retire(&mut self, qpn: u32) {
+        let up = |c: &Conn| matches!(c, Conn::Up(_, qp) if qp.qpn() == qpn);
+        if let Some(k) = self.conns.iter().find(|(_, c)| up(c)).map(|(k, _)| *k) {
+            if let Some(c) = self.conns.remove(&k) {
+                self.dead.push(c);
+            }
+        }
+        if let Some(i) = self.extra.iter().position(|(_, c)| up(c)) {
+            let (_, c) = self.extra.remove(i);
+            self.dead.push(c);
+        }
+    }
+
     /// Posts staging slot `slot` to the tagged channel's SRQ.
     fn post_slot(&mut self, slot: usize) -> Result<(), Errno> {
         let wr_id = self.next_wr;

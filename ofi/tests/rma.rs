@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::fi::{one, one_err, pages, pair, quiet};
+use common::fi::{insert, one, one_err, pages, pair, quiet, side_bound};
 use ringbell_fi::{abi, info};
 use std::ffi::c_void;
 use std::ptr::{null, null_mut};
@@ -286,6 +286,51 @@ fn rma_writes_and_reads_remote_memory() {
         assert_eq!((t.op_context, t.data), (ctx(42), 7));
         assert_eq!(&remote[3200..3203], b"rem");
         quiet(a.cq);
+        // A third endpoint, on rb0, binds its CQ with FI_SELECTIVE_COMPLETION: only a
+        // writemsg/readmsg with FI_COMPLETION reports.
+        let c = side_bound(p.fabric, p.list, abi::FI_SELECTIVE_COMPLETION);
+        let cpeer = insert(c.av, &b.name);
+        let crma = &*(*c.ep).rma;
+        local[..4].copy_from_slice(b"quit");
+        assert_eq!(
+            (crma.write.unwrap())(
+                c.ep,
+                local.as_ptr() as *const c_void,
+                4,
+                null_mut(),
+                cpeer,
+                raddr + 5000,
+                key,
+                ctx(45)
+            ),
+            0
+        );
+        let smsg = abi::fi_msg_rma {
+            msg_iov: &wiov,
+            addr: cpeer,
+            context: ctx(46),
+            ..msg
+        };
+        assert_eq!((crma.writemsg.unwrap())(c.ep, &smsg, 0), 0);
+        let rmsg2 = abi::fi_msg_rma {
+            addr: cpeer,
+            context: ctx(47),
+            ..rmsg
+        };
+        got.fill(0);
+        assert_eq!(
+            (crma.readmsg.unwrap())(c.ep, &rmsg2, abi::FI_COMPLETION as u64),
+            0
+        );
+        let r = one(c.cq);
+        assert_eq!(
+            (r.op_context, r.flags),
+            (ctx(47), READ),
+            "only the one asked for"
+        );
+        assert_eq!(&remote[5000..5004], b"quit");
+        assert_eq!(&got, b"messaged");
+        quiet(c.cq);
         // Bad objects and a peer not in the AV.
         let bogus = local.as_mut_ptr() as *mut abi::fid_ep;
         assert_eq!(
@@ -351,7 +396,8 @@ fn rma_writes_and_reads_remote_memory() {
             (e.op_context, e.err, e.flags),
             (ctx(50), abi::FI_EACCES as i32, WRITE)
         );
-        // A key that is not the target's (last: the target's NAK breaks the connection).
+        // A key that is not the target's: the NAK breaks the RC connection (both ends go
+        // to the error state), and the next operation connects anew.
         let wrong = key ^ 0x5a5a00;
         assert_eq!(
             (rma.read.unwrap())(
@@ -371,6 +417,52 @@ fn rma_writes_and_reads_remote_memory() {
             (e.op_context, e.err, e.flags),
             (ctx(51), abi::FI_EACCES as i32, READ)
         );
+        local[..8].copy_from_slice(b"again!!!");
+        assert_eq!(
+            (rma.write.unwrap())(
+                a.ep,
+                local.as_ptr() as *const c_void,
+                8,
+                null_mut(),
+                a.peer,
+                raddr + 4000,
+                key,
+                ctx(52)
+            ),
+            0
+        );
+        assert_eq!(one(a.cq).op_context, ctx(52));
+        assert_eq!(&remote[4000..4008], b"again!!!");
+        // The target's end of the failed connection is replaced too: it sends back.
+        let am = &*(*a.ep).msg;
+        let got = pages(8);
+        let reply = pages(8);
+        reply.copy_from_slice(b"replied!");
+        assert_eq!(
+            (am.recv.unwrap())(
+                a.ep,
+                got.as_mut_ptr() as *mut c_void,
+                8,
+                null_mut(),
+                u64::MAX,
+                ctx(53)
+            ),
+            0
+        );
+        assert_eq!(
+            (bm.send.unwrap())(
+                b.ep,
+                reply.as_ptr() as *const c_void,
+                8,
+                null_mut(),
+                b.peer,
+                ctx(54)
+            ),
+            0
+        );
+        assert_eq!(one(b.cq).op_context, ctx(54));
+        assert_eq!(one(a.cq).op_context, ctx(53));
+        assert_eq!(&got[..], b"replied!");
         common::free_info(p.list);
     }
 }

@@ -111,6 +111,20 @@ pub unsafe fn insert(av: *mut abi::fid_av, name: &[u8; 16]) -> u64 {
 }
 
 pub unsafe fn side(fabric: *mut abi::fid_fabric, info: *mut abi::fi_info) -> Side {
+    // SAFETY: per the caller.
+    unsafe { side_bound(fabric, info, 0) }
+}
+
+/// As [`side`], the CQ bound with `flags` added to `FI_TRANSMIT | FI_RECV` (such as
+/// `FI_SELECTIVE_COMPLETION`).
+///
+/// # Safety
+/// As [`side`].
+pub unsafe fn side_bound(
+    fabric: *mut abi::fid_fabric,
+    info: *mut abi::fi_info,
+    flags: u64,
+) -> Side {
     // SAFETY: live objects of this provider; out-pointers to locals.
     unsafe {
         let mut dom = null_mut();
@@ -144,7 +158,7 @@ pub unsafe fn side(fabric: *mut abi::fid_fabric, info: *mut abi::fi_info) -> Sid
         let fops = &*(*ep).fid.ops;
         let epfid = &mut (*ep).fid as *mut abi::fid;
         assert_eq!((fops.bind.unwrap())(epfid, &mut (*av).fid, 0), 0);
-        let both = abi::FI_TRANSMIT as u64 | abi::FI_RECV as u64;
+        let both = abi::FI_TRANSMIT as u64 | abi::FI_RECV as u64 | flags;
         assert_eq!((fops.bind.unwrap())(epfid, &mut (*cq).fid, both), 0);
         assert_eq!(
             (fops.control.unwrap())(epfid, abi::FI_ENABLE as i32, null_mut()),
