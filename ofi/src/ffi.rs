@@ -1722,6 +1722,10 @@ unsafe extern "C" fn dom_query_atomic(
 ) -> c_int {
     run(|st| {
         st.check(dom as usize, Kind::Domain)?;
+        if flags & abi::FI_TAGGED as u64 != 0 {
+            // No atomics into tagged receive buffers.
+            return Err(abi::FI_EOPNOTSUPP);
+        }
         let c = match flags & (abi::FI_FETCH_ATOMIC | abi::FI_COMPARE_ATOMIC) {
             0 => Call::Write,
             abi::FI_FETCH_ATOMIC => Call::Fetch,
@@ -1740,7 +1744,11 @@ unsafe extern "C" fn dom_query_atomic(
 /// # Safety
 /// `p` is NULL or points at `count` elements of 8 bytes.
 unsafe fn operand(p: Cv, count: usize) -> Result<u64, Errno> {
-    if p.is_null() || count != 1 {
+    if count > 1 {
+        // More elements than the valid calls allow (fi_atomic(3)).
+        return Err(abi::FI_EMSGSIZE);
+    }
+    if p.is_null() || count == 0 {
         return Err(abi::FI_EINVAL);
     }
     // SAFETY: one readable 8-byte element, per the caller (fi_atomic(3) buffers need not
@@ -1876,8 +1884,10 @@ unsafe fn rma_ioc1(m: &abi::fi_msg_atomic) -> Result<(u64, u64), Errno> {
     }
     // SAFETY: one entry, per the caller.
     let r = unsafe { *m.rma_iov };
-    if r.count != 1 {
-        return Err(abi::FI_EINVAL);
+    match r.count {
+        1 => {}
+        0 => return Err(abi::FI_EINVAL),
+        _ => return Err(abi::FI_EMSGSIZE),
     }
     Ok((r.addr, r.key))
 }

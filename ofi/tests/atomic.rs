@@ -282,6 +282,10 @@ fn atomics_add_fetch_and_swap_remote_words() {
             ) as isize,
             EINVAL
         );
+        assert_eq!(
+            q(a.dom, U64, SUM, &mut attr, abi::FI_TAGGED as u64) as isize,
+            NOTSUP
+        );
         assert_eq!(q(bogus as *mut _, U64, SUM, &mut attr, 0) as isize, EINVAL);
         // The operations refuse what the valid calls refuse, bad counts, misaligned
         // targets, missing results and bad endpoints.
@@ -330,7 +334,7 @@ fn atomics_add_fetch_and_swap_remote_words() {
                 SUM,
                 null_mut()
             ),
-            EINVAL
+            -(abi::FI_EMSGSIZE as isize)
         );
         assert_eq!(
             w(
