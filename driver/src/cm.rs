@@ -178,6 +178,17 @@ fn be32(b: &[u8], o: usize) -> u32 {
 }
 
 impl CmMsg {
+    /// A message of `kind` about connection `local` (ours) / `remote` (the peer's), with
+    /// every other field zero.
+    fn about(kind: CmKind, local: u32, remote: u32) -> CmMsg {
+        CmMsg {
+            kind: Some(kind),
+            local_comm_id: local,
+            remote_comm_id: remote,
+            ..Default::default()
+        }
+    }
+
     /// Parses a message; never panics.
     pub fn parse(b: &[u8]) -> Result<CmMsg, CmParseError> {
         if b.len() < CM_HEADER_LEN {
@@ -648,12 +659,7 @@ impl ConnectionManager {
             self.conns.insert(id.0, conn);
             return Err(Error::InvalidArgument("the connection is not established"));
         }
-        let dreq = CmMsg {
-            kind: Some(CmKind::Dreq),
-            local_comm_id: id.0,
-            remote_comm_id: conn.remote_comm_id,
-            ..Default::default()
-        };
+        let dreq = CmMsg::about(CmKind::Dreq, id.0, conn.remote_comm_id);
         dreq.emit(&mut conn.last);
         conn.state = State::DreqSent;
         conn.repeats = 0;
@@ -851,11 +857,8 @@ impl ConnectionManager {
         };
         if !self.listening.contains(&m.service_id) || !(1..=5).contains(&m.path_mtu) {
             let rej = CmMsg {
-                kind: Some(CmKind::Rej),
-                local_comm_id: id,
-                remote_comm_id: m.local_comm_id,
                 reason: REJ_INVALID_SERVICE_ID,
-                ..Default::default()
+                ..CmMsg::about(CmKind::Rej, id, m.local_comm_id)
             };
             rej.emit(&mut conn.last);
             let _ = self.send(from, &conn.last);
@@ -902,11 +905,8 @@ impl ConnectionManager {
                 if up.is_err() {
                     // The QP could not take the peer's parameters: refuse, give it back.
                     let rej = CmMsg {
-                        kind: Some(CmKind::Rej),
-                        local_comm_id: id,
-                        remote_comm_id: m.local_comm_id,
                         reason: REJ_CONSUMER,
-                        ..Default::default()
+                        ..CmMsg::about(CmKind::Rej, id, m.local_comm_id)
                     };
                     rej.emit(&mut conn.last);
                     let _ = self.send(from, &conn.last);
@@ -918,12 +918,7 @@ impl ConnectionManager {
                         qp: Some(qp),
                     });
                 } else {
-                    let rtu = CmMsg {
-                        kind: Some(CmKind::Rtu),
-                        local_comm_id: id,
-                        remote_comm_id: m.local_comm_id,
-                        ..Default::default()
-                    };
+                    let rtu = CmMsg::about(CmKind::Rtu, id, m.local_comm_id);
                     rtu.emit(&mut conn.last);
                     let _ = self.send(from, &conn.last);
                     conn.state = State::Established;
@@ -995,17 +990,7 @@ impl ConnectionManager {
         };
         let mut conn = self.conns.remove(&id).expect("conn_of found it");
         match std::mem::replace(&mut conn.state, State::TimeWait) {
-            State::ReqSent { qp, .. } => {
-                conn.last.clear();
-                self.time_wait(&mut conn);
-                self.events.push_back(CmEvent::Rejected {
-                    id: ConnId(id),
-                    reason: m.reason,
-                    private: m.private,
-                    qp: Some(qp),
-                });
-            }
-            State::RepSent { qp, .. } => {
+            State::ReqSent { qp, .. } | State::RepSent { qp, .. } => {
                 conn.last.clear();
                 self.time_wait(&mut conn);
                 self.events.push_back(CmEvent::Rejected {
@@ -1027,24 +1012,14 @@ impl ConnectionManager {
         let Some(id) = self.conn_of(from, &m) else {
             // Already forgotten, or never known: a DREP closes the peer's side anyway.
             self.stats.ignored += 1;
-            let drep = CmMsg {
-                kind: Some(CmKind::Drep),
-                local_comm_id: m.remote_comm_id,
-                remote_comm_id: m.local_comm_id,
-                ..Default::default()
-            };
+            let drep = CmMsg::about(CmKind::Drep, m.remote_comm_id, m.local_comm_id);
             let mut b = Vec::new();
             drep.emit(&mut b);
             let _ = self.send(from, &b);
             return;
         };
         let mut conn = self.conns.remove(&id).expect("conn_of found it");
-        let drep = CmMsg {
-            kind: Some(CmKind::Drep),
-            local_comm_id: id,
-            remote_comm_id: m.local_comm_id,
-            ..Default::default()
-        };
+        let drep = CmMsg::about(CmKind::Drep, id, m.local_comm_id);
         match std::mem::replace(&mut conn.state, State::TimeWait) {
             State::Established | State::RepSent { .. } | State::DreqSent => {
                 self.events

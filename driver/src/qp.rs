@@ -931,6 +931,15 @@ impl QueuePair {
         )
     }
 
+    /// Receive requests the QP's own receive queue holds (its ring, rounded up from
+    /// `max_recv_wr` to a power of two, two at least); 0 on an SRQ.
+    pub fn recv_queue_depth(&self) -> u32 {
+        match self.rq {
+            Some(_) => 1 << self.rq_log,
+            None => 0,
+        }
+    }
+
     /// Free send-queue blocks.
     pub fn sq_free(&self) -> u32 {
         (1u32 << self.sq_log) - self.sq_pi.wrapping_sub(self.rings.sq_ci.get())

@@ -15,6 +15,7 @@ pub mod faults;
 mod iommu;
 pub mod peer;
 pub mod perf;
+mod planned;
 mod port;
 pub mod profile;
 mod scenario;
@@ -28,6 +29,7 @@ pub use faults::{
     FaultAction, FaultPlan, FaultRule, FaultStats, FrameKind, FrameMatch, LinkFaults,
 };
 pub use iommu::Iommu;
+pub use planned::{open_planned_nic, PlannedNicError};
 pub use port::EmuPort;
 pub use scenario::{Scenario, ScenarioError};
 pub use timeline::{Timeline, TimelineStats};

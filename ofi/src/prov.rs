@@ -497,29 +497,14 @@ impl State {
             return Ok(());
         }
         let plan = ringbell::discover::NicPlan::from_env();
-        let src = plan.nics.get(i).cloned().ok_or(abi::FI_ENODEV)?;
-        let dev = match src {
-            ringbell::discover::NicSource::Served(path) => {
-                let port = ringbell::VfioPort::connect(&path).map_err(|e| {
-                    eprintln!("ringbell-fi: {}: {e}", path.display());
+        let dev =
+            ringbell_emu::open_planned_nic(&plan, i, &mut self.fabric).map_err(|e| match e {
+                ringbell_emu::PlannedNicError::NoSuchNic => abi::FI_ENODEV,
+                e => {
+                    eprintln!("ringbell-fi: rb{i}: {e}");
                     abi::FI_ENODEV
-                })?;
-                Device::open(Box::new(port)).map_err(|e| {
-                    eprintln!("ringbell-fi: opening rb{i}: {e}");
-                    abi::FI_ENODEV
-                })?
-            }
-            ringbell::discover::NicSource::InProcess(node) => {
-                let (n, seed) = (plan.nics.len(), plan.seed);
-                let fabric = self.fabric.get_or_insert_with(|| {
-                    ringbell_emu::Fabric::new(ringbell_emu::FabricConfig::new(n, seed))
-                });
-                Device::open(Box::new(fabric.port(node))).map_err(|e| {
-                    eprintln!("ringbell-fi: opening rb{i}: {e}");
-                    abi::FI_ENODEV
-                })?
-            }
-        };
+                }
+            })?;
         let cm = ConnectionManager::new(&dev).map_err(|_| abi::FI_ENODEV)?;
         self.nics.insert(i, Nic { dev, cm });
         Ok(())
@@ -631,6 +616,47 @@ impl State {
     ///
     /// # Safety
     /// Every buffer is memory of this process that stays mapped until the operation completes.
+    /// The data of an injected operation, copied now (the caller may reuse its buffers at
+    /// once): inline when the NIC takes it inline, otherwise a registered copy, returned last,
+    /// to keep with the operation until it completes. `-FI_EMSGSIZE` above the inject size.
+    ///
+    /// # Safety
+    /// Each `(address, length, _)` of `bufs` is readable for its length.
+    #[allow(clippy::type_complexity)]
+    unsafe fn inject_copy(
+        &self,
+        dom: usize,
+        nic: usize,
+        bufs: &[(usize, usize, usize)],
+    ) -> Result<(Vec<Sge>, Vec<MemoryRegion>, Option<Vec<u8>>, Vec<u8>), Errno> {
+        let total: usize = bufs.iter().map(|b| b.1).sum();
+        if total > INJECT {
+            return Err(abi::FI_EMSGSIZE);
+        }
+        let mut data = Vec::with_capacity(total);
+        for &(addr, len, _) in bufs {
+            if len > 0 {
+                // SAFETY: readable now, per the caller.
+                data.extend_from_slice(unsafe {
+                    std::slice::from_raw_parts(addr as *const u8, len)
+                });
+            }
+        }
+        let max_inline = self.nics.get(&nic).ok_or(EINVAL)?.dev.caps().max_inline as usize;
+        if data.len() <= max_inline {
+            return Ok((Vec::new(), Vec::new(), Some(data), Vec::new()));
+        }
+        // SAFETY: `data` is this library's heap copy, kept with the operation (a Vec's
+        // buffer does not move when the Vec does) until it completes.
+        let mr = unsafe { self.reg(dom, data.as_ptr() as usize, data.len())? };
+        let sge = Sge {
+            addr: data.as_ptr() as u64,
+            len: data.len() as u32,
+            lkey: mr.lkey(),
+        };
+        Ok((vec![sge], vec![mr], None, data))
+    }
+
     unsafe fn sges(
         &self,
         dom: usize,
@@ -735,34 +761,10 @@ impl State {
         let peer = self.peer(ep, dest)?;
         let mut copy = Vec::new();
         let (sges, tmp, inline) = if inject {
-            let total: usize = bufs.iter().map(|b| b.1).sum();
-            if total > INJECT {
-                return Err(abi::FI_EMSGSIZE);
-            }
-            let mut data = Vec::with_capacity(total);
-            for &(addr, len, _) in bufs {
-                if len > 0 {
-                    // SAFETY: readable now, per the caller.
-                    data.extend_from_slice(unsafe {
-                        std::slice::from_raw_parts(addr as *const u8, len)
-                    });
-                }
-            }
-            let max_inline = self.nics.get(&nic).ok_or(EINVAL)?.dev.caps().max_inline as usize;
-            if data.len() <= max_inline {
-                (Vec::new(), Vec::new(), Some(data))
-            } else {
-                // SAFETY: `data` is this library's heap copy, kept with the operation (a
-                // Vec's buffer does not move when the Vec does) until it completes.
-                let mr = unsafe { self.reg(dom, data.as_ptr() as usize, data.len())? };
-                let sge = Sge {
-                    addr: data.as_ptr() as u64,
-                    len: data.len() as u32,
-                    lkey: mr.lkey(),
-                };
-                copy = data;
-                (vec![sge], vec![mr], None)
-            }
+            // SAFETY: per the caller.
+            let (sges, tmp, inline, data) = unsafe { self.inject_copy(dom, nic, bufs)? };
+            copy = data;
+            (sges, tmp, inline)
         } else {
             // SAFETY: per the caller.
             let (s, t) = unsafe { self.sges(dom, bufs)? };
@@ -870,33 +872,10 @@ impl State {
             };
             (vec![sge], vec![mr], None)
         } else if req.inject {
-            let total: usize = bufs.iter().map(|b| b.1).sum();
-            if total > INJECT {
-                return Err(abi::FI_EMSGSIZE);
-            }
-            let mut data = Vec::with_capacity(total);
-            for &(a, len, _) in bufs {
-                if len > 0 {
-                    // SAFETY: readable now, per the caller.
-                    data.extend_from_slice(unsafe {
-                        std::slice::from_raw_parts(a as *const u8, len)
-                    });
-                }
-            }
-            let max_inline = self.nics.get(&nic).ok_or(EINVAL)?.dev.caps().max_inline as usize;
-            if data.len() <= max_inline {
-                (Vec::new(), Vec::new(), Some(data))
-            } else {
-                // SAFETY: as the scratch word above.
-                let mr = unsafe { self.reg(dom, data.as_ptr() as usize, data.len())? };
-                let sge = Sge {
-                    addr: data.as_ptr() as u64,
-                    len: data.len() as u32,
-                    lkey: mr.lkey(),
-                };
-                copy = data;
-                (vec![sge], vec![mr], None)
-            }
+            // SAFETY: per the caller.
+            let (sges, tmp, inline, data) = unsafe { self.inject_copy(dom, nic, bufs)? };
+            copy = data;
+            (sges, tmp, inline)
         } else {
             // SAFETY: per the caller.
             let (s, t) = unsafe { self.sges(dom, bufs)? };

@@ -158,14 +158,10 @@ pub(crate) fn create(
     let drv = pd.drv.create_qp(&init).map_err(|e| crate::errno_of(&e))?;
     // What the QP really has (libibverbs writes it back into the caller's attributes).
     c.max_send_wr = init.max_send_wr;
-    // The receive ring: the driver gives it a power-of-two number of entries, two at
-    // least, and every entry takes a request (so the request after the last one reported
-    // here is refused with ENOMEM, as on mlx5, which reports its rounded-up ring too).
-    c.max_recv_wr = if srq.is_some() {
-        0
-    } else {
-        init.max_recv_wr.next_power_of_two().max(2)
-    };
+    // The receive ring as the driver made it: every entry takes a request (so the request
+    // after the last one reported here is refused with ENOMEM, as on mlx5, which reports its
+    // rounded-up ring too).
+    c.max_recv_wr = drv.recv_queue_depth();
     c.max_send_sge = init.max_send_sge;
     c.max_recv_sge = if srq.is_some() { 0 } else { init.max_recv_sge };
     let cap = *c;

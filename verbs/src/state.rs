@@ -10,15 +10,12 @@ use ringbell::Device;
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Mutex, MutexGuard, OnceLock};
 
-/// Where a NIC is.
-pub(crate) use ringbell::discover::NicSource as Source;
 pub use ringbell::discover::{DEFAULT_NICS, DEFAULT_SEED, ENV_NICS, ENV_SEED, ENV_SERVE};
 
 /// One ringbell NIC as libibverbs shows it.
 pub(crate) struct Nic {
     /// `rb{i}`.
     pub name: String,
-    pub source: Source,
     /// The open device, shared by every context on the NIC (opened at the first
     /// `ibv_open_device`, kept until the process ends).
     pub dev: Option<Device>,
@@ -55,7 +52,8 @@ pub(crate) enum Owner {
 pub(crate) struct State {
     pub nics: Vec<Nic>,
     pub fabric: Option<ringbell_emu::Fabric>,
-    pub seed: u64,
+    /// Where the NICs are (the environment's choice).
+    pub plan: ringbell::discover::NicPlan,
     /// Live objects by address.
     live: BTreeMap<usize, Kind>,
     /// Addresses of destroyed objects not reused since.
@@ -107,16 +105,12 @@ impl std::ops::DerefMut for StateGuard {
 impl State {
     fn from_env() -> State {
         let plan = ringbell::discover::NicPlan::from_env();
-        let (sources, seed) = (plan.nics, plan.seed);
-        let nics = sources
-            .into_iter()
-            .enumerate()
-            .map(|(i, source)| {
-                let name = format!("rb{i}");
+        let nics = (0..plan.nics.len())
+            .map(|i| {
+                let name = ringbell::discover::NicPlan::name(i);
                 Nic {
                     ibdev: crate::device::new_ibv_device(&name),
                     name,
-                    source,
                     dev: None,
                 }
             })
@@ -124,7 +118,7 @@ impl State {
         State {
             nics,
             fabric: None,
-            seed,
+            plan,
             live: BTreeMap::new(),
             dead: BTreeSet::new(),
             lists: BTreeMap::new(),
@@ -178,26 +172,12 @@ impl State {
         if let Some(d) = &self.nics[i].dev {
             return Ok(d.clone());
         }
-        let dev = match self.nics[i].source.clone() {
-            Source::InProcess(node) => {
-                let n = self.nics.len();
-                let seed = self.seed;
-                let fabric = self.fabric.get_or_insert_with(|| {
-                    ringbell_emu::Fabric::new(ringbell_emu::FabricConfig::new(n, seed))
-                });
-                Device::open(Box::new(fabric.port(node)))
+        let dev = ringbell_emu::open_planned_nic(&self.plan, i, &mut self.fabric).map_err(|e| {
+            eprintln!("ringbell-verbs: {}: {e}", self.nics[i].name);
+            match e {
+                ringbell_emu::PlannedNicError::Open(e) => crate::errno_of(&e),
+                _ => libc::ENODEV,
             }
-            Source::Served(path) => match ringbell::VfioPort::connect(&path) {
-                Ok(port) => Device::open(Box::new(port)),
-                Err(e) => {
-                    eprintln!("ringbell-verbs: {}: {e}", path.display());
-                    return Err(libc::ENODEV);
-                }
-            },
-        }
-        .map_err(|e| {
-            eprintln!("ringbell-verbs: opening {}: {e}", self.nics[i].name);
-            crate::errno_of(&e)
         })?;
         self.nics[i].dev = Some(dev.clone());
         Ok(dev)
