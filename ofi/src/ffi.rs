@@ -50,6 +50,7 @@ fn free_box(key: usize, k: Kind) {
             Kind::Av => drop(Box::from_raw(key as *mut abi::fid_av)),
             Kind::Mr => drop(Box::from_raw(key as *mut abi::fid_mr)),
             Kind::Ep => drop(Box::from_raw(key as *mut abi::fid_ep)),
+            Kind::Cntr => drop(Box::from_raw(key as *mut abi::fid_cntr)),
         }
     }
 }
@@ -85,6 +86,10 @@ macro_rules! enosys {
 unsafe extern "C" fn obj_close(fid: *mut abi::fid) -> c_int {
     run(|st| {
         let key = fid as usize;
+        if st.objs.get(&key).map(Obj::kind) == Some(Kind::Cntr) && st.cntr_bound(key) {
+            // Still bound to an endpoint (as libfabric's own providers refuse it).
+            return Err(abi::FI_EBUSY);
+        }
         let obj = st.objs.remove(&key).ok_or(abi::FI_EINVAL)?;
         let k = obj.kind();
         if let Obj::Ep(ep) = &obj {
@@ -99,8 +104,14 @@ unsafe extern "C" fn obj_close(fid: *mut abi::fid) -> c_int {
 unsafe extern "C" fn obj_bind(fid: *mut abi::fid, bfid: *mut abi::fid, flags: u64) -> c_int {
     run(|st| {
         let (key, b) = (fid as usize, bfid as usize);
+        if st.check(key, Kind::Mr).is_ok() {
+            return st.bind_mr_cntr(key, b, flags).map(|()| 0);
+        }
         st.check(key, Kind::Ep).map_err(|_| abi::FI_ENOSYS)?;
         let kind = st.objs.get(&b).map(Obj::kind).ok_or(abi::FI_EINVAL)?;
+        if kind == Kind::Cntr {
+            return st.bind_ep_cntr(key, b, flags).map(|()| 0);
+        }
         let sel = flags & abi::FI_SELECTIVE_COMPLETION != 0;
         let ep = st.ep_mut(key)?;
         if ep.enabled {
@@ -125,15 +136,181 @@ unsafe extern "C" fn obj_bind(fid: *mut abi::fid, bfid: *mut abi::fid, flags: u6
     })
 }
 
-unsafe extern "C" fn obj_control(fid: *mut abi::fid, cmd: c_int, _arg: *mut c_void) -> c_int {
+unsafe extern "C" fn obj_control(fid: *mut abi::fid, cmd: c_int, arg: *mut c_void) -> c_int {
+    let key = fid as usize;
+    let kind = run(|st| Ok(st.objs.get(&key).map_or(-1, |o| o.kind() as c_int)));
+    if kind == Kind::Domain as c_int && cmd as u32 == abi::FI_QUEUE_WORK {
+        // Not under the lock: the work is posted through the endpoint's own entry points.
+        // SAFETY: `arg` is NULL or the application's work request (fi_trigger(3)).
+        return unsafe { queue_work(key, arg as *mut abi::fi_deferred_work) };
+    }
     run(|st| {
-        let key = fid as usize;
         let kind = st.objs.get(&key).map(Obj::kind).ok_or(abi::FI_EINVAL)?;
         match (kind, cmd as u32) {
             (Kind::Ep, abi::FI_ENABLE) => st.enable(key).map(|()| 0),
+            (Kind::Domain, abi::FI_CANCEL_WORK) => {
+                if arg.is_null() {
+                    return Err(abi::FI_EINVAL);
+                }
+                st.cancel_work(key, arg as u64).map(|()| 0)
+            }
+            (Kind::Domain, abi::FI_FLUSH_WORK) => {
+                // NULL: all of the domain's work; else the work waiting on the triggering
+                // counter of the request given.
+                let w = arg as *const abi::fi_deferred_work;
+                // SAFETY: NULL or the application's work request (fi_trigger(3)).
+                let cntr = unsafe { w.as_ref() }.map(|w| w.triggering_cntr as usize);
+                st.flush_work(key, cntr).map(|()| 0)
+            }
             _ => Err(abi::FI_ENOSYS),
         }
     })
+}
+
+/// `fi_control(domain, FI_QUEUE_WORK, work)`: the work's operation posted as a triggered
+/// operation of its endpoint (transfers) or of the domain (counter operations).
+///
+/// # Safety
+/// `work` is NULL or a deferred work request with its operation, as fi_trigger(3)
+/// describes them, valid until the work completes or is cancelled.
+unsafe fn queue_work(dom: usize, work: *mut abi::fi_deferred_work) -> c_int {
+    // SAFETY: per the caller.
+    let Some(w) = (unsafe { work.as_ref() }) else {
+        return neg(abi::FI_EINVAL);
+    };
+    let comp = (!w.completion_cntr.is_null()).then_some(w.completion_cntr as usize);
+    let trig = prov::Trig {
+        cntr: w.triggering_cntr as usize,
+        threshold: w.threshold,
+        work: Some(prov::WorkOp {
+            key: work as u64,
+            comp,
+        }),
+    };
+    // The endpoint a transfer names must be one of this domain's.
+    let ep_ok = |ep: *mut abi::fid_ep| {
+        run(|st| {
+            st.check(dom, Kind::Domain)?;
+            match st.ep_mut(ep as usize) {
+                Ok(e) if e.domain == dom => Ok(0),
+                _ => Err(abi::FI_EINVAL),
+            }
+        })
+    };
+    let r: isize = match w.op_type {
+        abi::fi_op_type_FI_OP_CNTR_SET | abi::fi_op_type_FI_OP_CNTR_ADD => {
+            // SAFETY: the union member `op_type` selects.
+            let Some(c) = (unsafe { w.op.cntr.as_ref() }) else {
+                return neg(abi::FI_EINVAL);
+            };
+            let set = w.op_type == abi::fi_op_type_FI_OP_CNTR_SET;
+            return run(|st| {
+                // Counter operations complete nothing: no completion counter (fi_trigger(3)).
+                if comp.is_some() {
+                    return Err(abi::FI_EINVAL);
+                }
+                st.queue_cntr_work(
+                    dom,
+                    work as u64,
+                    (trig.cntr, trig.threshold),
+                    c.cntr as usize,
+                    c.value,
+                    set,
+                )
+                .map(|()| 0)
+            });
+        }
+        abi::fi_op_type_FI_OP_SEND => {
+            // SAFETY: the union member `op_type` selects.
+            let Some(o) = (unsafe { w.op.msg.as_ref() }) else {
+                return neg(abi::FI_EINVAL);
+            };
+            match ep_ok(o.ep) {
+                // SAFETY: the operation's message, as the application gave it.
+                0 => unsafe { sendmsg_t(o.ep, &o.msg, o.flags, Some(trig)) },
+                e => e as isize,
+            }
+        }
+        abi::fi_op_type_FI_OP_TSEND => {
+            // SAFETY: the union member `op_type` selects.
+            let Some(o) = (unsafe { w.op.tagged.as_ref() }) else {
+                return neg(abi::FI_EINVAL);
+            };
+            match ep_ok(o.ep) {
+                // SAFETY: the operation's message, as the application gave it.
+                0 => unsafe { tsendmsg_t(o.ep, &o.msg, o.flags, Some(trig)) },
+                e => e as isize,
+            }
+        }
+        abi::fi_op_type_FI_OP_READ | abi::fi_op_type_FI_OP_WRITE => {
+            // SAFETY: the union member `op_type` selects.
+            let Some(o) = (unsafe { w.op.rma.as_ref() }) else {
+                return neg(abi::FI_EINVAL);
+            };
+            let write = w.op_type == abi::fi_op_type_FI_OP_WRITE;
+            match ep_ok(o.ep) {
+                // SAFETY: the operation's message, as the application gave it.
+                0 => unsafe { rma_msg(o.ep, &o.msg, o.flags, write, Some(trig)) },
+                e => e as isize,
+            }
+        }
+        abi::fi_op_type_FI_OP_ATOMIC => {
+            // SAFETY: the union member `op_type` selects.
+            let Some(o) = (unsafe { w.op.atomic.as_ref() }) else {
+                return neg(abi::FI_EINVAL);
+            };
+            match ep_ok(o.ep) {
+                // SAFETY: the operation's message, as the application gave it.
+                0 => unsafe { atomicmsg_t(o.ep, &o.msg, o.flags, Some(trig)) },
+                e => e as isize,
+            }
+        }
+        abi::fi_op_type_FI_OP_FETCH_ATOMIC => {
+            // SAFETY: the union member `op_type` selects.
+            let Some(o) = (unsafe { w.op.fetch_atomic.as_ref() }) else {
+                return neg(abi::FI_EINVAL);
+            };
+            let f = &o.fetch;
+            match ep_ok(o.ep) {
+                // SAFETY: the operation's messages, as the application gave them.
+                0 => unsafe {
+                    fetchmsg_t(
+                        o.ep,
+                        &o.msg,
+                        (f.msg_iov, f.desc, f.iov_count),
+                        o.flags,
+                        Some(trig),
+                    )
+                },
+                e => e as isize,
+            }
+        }
+        abi::fi_op_type_FI_OP_COMPARE_ATOMIC => {
+            // SAFETY: the union member `op_type` selects.
+            let Some(o) = (unsafe { w.op.compare_atomic.as_ref() }) else {
+                return neg(abi::FI_EINVAL);
+            };
+            let (f, c) = (&o.fetch, &o.compare);
+            match ep_ok(o.ep) {
+                // SAFETY: the operation's messages, as the application gave them.
+                0 => unsafe {
+                    compmsg_t(
+                        o.ep,
+                        &o.msg,
+                        (c.msg_iov, c.desc, c.iov_count),
+                        (f.msg_iov, f.desc, f.iov_count),
+                        o.flags,
+                        Some(trig),
+                    )
+                },
+                e => e as isize,
+            }
+        }
+        // Receives cannot be triggered: the NIC's table holds send-side work only.
+        abi::fi_op_type_FI_OP_RECV | abi::fi_op_type_FI_OP_TRECV => -(abi::FI_ENOSYS as isize),
+        _ => -(abi::FI_EINVAL as isize),
+    };
+    r as c_int
 }
 
 enosys!(no_ops_open(*mut abi::fid, *const c_char, u64, *mut *mut c_void, *mut c_void) -> c_int);
@@ -411,14 +588,6 @@ enosys!(
     ) -> c_int
 );
 enosys!(
-    no_cntr_open(
-        *mut abi::fid_domain,
-        *mut abi::fi_cntr_attr,
-        *mut *mut abi::fid_cntr,
-        *mut c_void,
-    ) -> c_int
-);
-enosys!(
     no_poll_open(*mut abi::fid_domain, *mut abi::fi_poll_attr, *mut *mut abi::fid_poll) -> c_int
 );
 enosys!(
@@ -461,7 +630,7 @@ static DOMAIN_OPS: abi::fi_ops_domain = abi::fi_ops_domain {
     cq_open: Some(cq_open),
     endpoint: Some(endpoint),
     scalable_ep: Some(no_scalable_ep),
-    cntr_open: Some(no_cntr_open),
+    cntr_open: Some(cntr_open),
     poll_open: Some(no_poll_open),
     stx_ctx: Some(no_stx_ctx),
     srx_ctx: Some(no_srx_ctx),
@@ -470,23 +639,169 @@ static DOMAIN_OPS: abi::fi_ops_domain = abi::fi_ops_domain {
     endpoint2: Some(no_endpoint2),
 };
 
+// ---- counters ----
+
+/// `fi_cntr_open`: completion-event counters (`FI_CNTR_EVENTS_COMP`); waiting polls, so
+/// every wait object but a file descriptor or a wait set is taken.
+unsafe extern "C" fn cntr_open(
+    dom: *mut abi::fid_domain,
+    attr: *mut abi::fi_cntr_attr,
+    out: *mut *mut abi::fid_cntr,
+    context: *mut c_void,
+) -> c_int {
+    run(|st| {
+        st.check(dom as usize, Kind::Domain)?;
+        if out.is_null() {
+            return Err(abi::FI_EINVAL);
+        }
+        // SAFETY: NULL or the caller's attributes (fi_cntr_open(3)).
+        if let Some(a) = unsafe { attr.as_ref() } {
+            if a.events != abi::fi_cntr_events_FI_CNTR_EVENTS_COMP {
+                return Err(abi::FI_ENOSYS);
+            }
+            if a.flags != 0 {
+                return Err(abi::FI_EINVAL);
+            }
+            match a.wait_obj {
+                abi::fi_wait_obj_FI_WAIT_NONE
+                | abi::fi_wait_obj_FI_WAIT_UNSPEC
+                | abi::fi_wait_obj_FI_WAIT_YIELD
+                | abi::fi_wait_obj_FI_WAIT_MUTEX_COND => {}
+                abi::fi_wait_obj_FI_WAIT_SET
+                | abi::fi_wait_obj_FI_WAIT_FD
+                | abi::fi_wait_obj_FI_WAIT_POLLFD => return Err(abi::FI_ENOSYS),
+                _ => return Err(abi::FI_EINVAL),
+            }
+        }
+        let c = st.new_cntr(dom as usize)?;
+        let p = publish(
+            st,
+            abi::fid_cntr {
+                fid: fid_of(abi::FI_CLASS_CNTR, context),
+                ops: &CNTR_OPS as *const _ as *mut _,
+            },
+            Obj::Cntr(c),
+        );
+        put(out, p).map(|()| 0)
+    })
+}
+
+/// Runs `f` on live counter `c` under the lock; `None` for a dead one or a panic.
+fn with_cntr<T>(
+    c: *mut abi::fid_cntr,
+    f: impl FnOnce(&mut State, usize) -> Result<T, Errno>,
+) -> Result<T, Errno> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        let mut st = prov::state();
+        st.check(c as usize, Kind::Cntr)?;
+        f(&mut st, c as usize)
+    }))
+    .unwrap_or(Err(abi::FI_EOTHER))
+}
+
+/// Both values of counter `c` after a round of progress (manual progress: reading a counter
+/// is what moves the provider's work on).
+fn cntr_values(c: *mut abi::fid_cntr) -> Result<(u64, u64), Errno> {
+    with_cntr(c, |st, k| {
+        st.progress();
+        Ok(st.cntr(k)?.read())
+    })
+}
+
+unsafe extern "C" fn cntr_read(c: *mut abi::fid_cntr) -> u64 {
+    cntr_values(c).map_or(0, |v| v.0)
+}
+
+unsafe extern "C" fn cntr_readerr(c: *mut abi::fid_cntr) -> u64 {
+    cntr_values(c).map_or(0, |v| v.1)
+}
+
+/// Applies `f` to counter `c`'s device counter.
+fn cntr_update(
+    c: *mut abi::fid_cntr,
+    f: impl FnOnce(&ringbell::Counter) -> Result<(), ringbell::Error>,
+) -> c_int {
+    with_cntr(c, |st, k| f(st.cntr(k)?).map_err(|_| abi::FI_EIO)).map_or_else(neg, |()| 0)
+}
+
+unsafe extern "C" fn cntr_add(c: *mut abi::fid_cntr, v: u64) -> c_int {
+    cntr_update(c, |x| x.add_wide(v, 0))
+}
+
+unsafe extern "C" fn cntr_adderr(c: *mut abi::fid_cntr, v: u64) -> c_int {
+    cntr_update(c, |x| x.add_wide(0, v))
+}
+
+unsafe extern "C" fn cntr_set(c: *mut abi::fid_cntr, v: u64) -> c_int {
+    cntr_update(c, |x| x.set(v))
+}
+
+unsafe extern "C" fn cntr_seterr(c: *mut abi::fid_cntr, v: u64) -> c_int {
+    cntr_update(c, |x| x.set_error(v))
+}
+
+/// `fi_cntr_wait`: progresses until the success value reaches `threshold` (0), the error
+/// value changes (`-FI_EAVAIL`) or `timeout` milliseconds pass (`-FI_ETIMEDOUT`; a negative
+/// timeout waits for ever). The lock is let go between rounds.
+unsafe extern "C" fn cntr_wait(c: *mut abi::fid_cntr, threshold: u64, timeout: c_int) -> c_int {
+    let start = std::time::Instant::now();
+    let err0 = match with_cntr(c, |st, k| Ok(st.cntr(k)?.read().1)) {
+        Ok(e) => e,
+        Err(e) => return neg(e),
+    };
+    let mut round = 0u32;
+    loop {
+        match cntr_values(c) {
+            Err(e) => return neg(e),
+            Ok((_, e)) if e != err0 => return neg(abi::FI_EAVAIL),
+            Ok((s, _)) if s >= threshold => return 0,
+            Ok(_) => {}
+        }
+        if timeout >= 0 && start.elapsed().as_millis() >= timeout as u128 {
+            return neg(abi::FI_ETIMEDOUT);
+        }
+        round += 1;
+        if round % 64 == 0 {
+            std::thread::sleep(std::time::Duration::from_micros(50));
+        } else {
+            std::thread::yield_now();
+        }
+    }
+}
+
+static CNTR_OPS: abi::fi_ops_cntr = abi::fi_ops_cntr {
+    size: std::mem::size_of::<abi::fi_ops_cntr>(),
+    read: Some(cntr_read),
+    readerr: Some(cntr_readerr),
+    add: Some(cntr_add),
+    set: Some(cntr_set),
+    wait: Some(cntr_wait),
+    adderr: Some(cntr_adderr),
+    seterr: Some(cntr_seterr),
+};
+
 // ---- memory registration ----
 
+#[allow(clippy::too_many_arguments)]
 fn mr_reg_one(
     st: &mut State,
     dom: usize,
     buf: usize,
     len: usize,
+    access: u64,
+    offset: u64,
     out: *mut *mut abi::fid_mr,
     context: *mut c_void,
 ) -> Result<c_int, Errno> {
     st.check(dom, Kind::Domain)?;
-    if out.is_null() || buf == 0 || len == 0 {
+    // fi_mr(3): the offset "is reserved for future use and must be 0".
+    if out.is_null() || buf == 0 || len == 0 || offset != 0 {
         return Err(abi::FI_EINVAL);
     }
+    let acc = prov::mr_access(access)?;
     // SAFETY: the application registers its own mapped memory (fi_mr_reg(3)) and keeps it
     // mapped until it closes the region.
-    let mr = unsafe { st.reg(dom, buf, len)? };
+    let mr = unsafe { st.reg_access(dom, buf, len, acc)? };
     let key = mr.rkey() as u64;
     let p = publish(
         st,
@@ -495,7 +810,7 @@ fn mr_reg_one(
             mem_desc: std::ptr::null_mut(),
             key,
         },
-        Obj::Mr(prov::Mr { mr }),
+        Obj::Mr(prov::Mr { mr, access: acc }),
     );
     // SAFETY: `p` was just allocated by `publish`.
     unsafe { (*p).mem_desc = p as *mut c_void };
@@ -506,14 +821,25 @@ unsafe extern "C" fn mr_reg(
     fid: *mut abi::fid,
     buf: *const c_void,
     len: usize,
-    _access: u64,
-    _offset: u64,
+    access: u64,
+    offset: u64,
     _key: u64,
     _flags: u64,
     out: *mut *mut abi::fid_mr,
     context: *mut c_void,
 ) -> c_int {
-    run(|st| mr_reg_one(st, fid as usize, buf as usize, len, out, context))
+    run(|st| {
+        mr_reg_one(
+            st,
+            fid as usize,
+            buf as usize,
+            len,
+            access,
+            offset,
+            out,
+            context,
+        )
+    })
 }
 
 /// The `(base, len)` pairs of an iovec array.
@@ -536,8 +862,8 @@ unsafe extern "C" fn mr_regv(
     fid: *mut abi::fid,
     iov: *const abi::iovec,
     count: usize,
-    _access: u64,
-    _offset: u64,
+    access: u64,
+    offset: u64,
     _key: u64,
     _flags: u64,
     out: *mut *mut abi::fid_mr,
@@ -550,7 +876,7 @@ unsafe extern "C" fn mr_regv(
         let [(b, l)] = v[..] else {
             return Err(abi::FI_EINVAL);
         };
-        mr_reg_one(st, fid as usize, b, l, out, context)
+        mr_reg_one(st, fid as usize, b, l, access, offset, out, context)
     })
 }
 
@@ -569,7 +895,7 @@ unsafe extern "C" fn mr_regattr(
         let [(b, l)] = v[..] else {
             return Err(abi::FI_EINVAL);
         };
-        mr_reg_one(st, fid as usize, b, l, out, a.context)
+        mr_reg_one(st, fid as usize, b, l, a.access, a.offset, out, a.context)
     })
 }
 
@@ -1029,6 +1355,7 @@ fn send_common(
     inject: bool,
     report: bool,
     imm: Option<u32>,
+    trig: Option<prov::Trig>,
 ) -> isize {
     run_s(|st| {
         st.check(ep as usize, Kind::Ep)?;
@@ -1044,6 +1371,7 @@ fn send_common(
                     inject,
                     report,
                     imm,
+                    trig,
                 },
             )?
         };
@@ -1086,6 +1414,10 @@ unsafe extern "C" fn msg_recvmsg(
     let Some(m) = (unsafe { msg.as_ref() }) else {
         return -(abi::FI_EINVAL as isize);
     };
+    if flags & abi::FI_TRIGGER as u64 != 0 {
+        // The NIC's table holds send-side work only.
+        return -(abi::FI_ENOSYS as isize);
+    }
     // SAFETY: the message's `iov_count` iovecs and descriptors.
     match unsafe { bufs(m.msg_iov, m.desc, m.iov_count) } {
         Ok(b) => recv_common(ep, &b, m.context, flags & abi::FI_COMPLETION as u64 != 0),
@@ -1109,6 +1441,7 @@ unsafe extern "C" fn msg_send(
         false,
         false,
         None,
+        None,
     )
 }
 
@@ -1122,7 +1455,7 @@ unsafe extern "C" fn msg_sendv(
 ) -> isize {
     // SAFETY: `count` iovecs and descriptors (fi_sendv(3)).
     match unsafe { bufs(iov, desc, count) } {
-        Ok(b) => send_common(ep, &b, dest, ctx, false, false, None),
+        Ok(b) => send_common(ep, &b, dest, ctx, false, false, None, None),
         Err(e) => -(e as isize),
     }
 }
@@ -1132,9 +1465,28 @@ unsafe extern "C" fn msg_sendmsg(
     msg: *const abi::fi_msg,
     flags: u64,
 ) -> isize {
+    // SAFETY: passed on as libfabric gave them.
+    unsafe { sendmsg_t(ep, msg, flags, None) }
+}
+
+/// `fi_sendmsg`, or deferred work's send (`work`).
+///
+/// # Safety
+/// `msg` is NULL or a message as fi_sendmsg(3) describes it.
+unsafe fn sendmsg_t(
+    ep: *mut abi::fid_ep,
+    msg: *const abi::fi_msg,
+    flags: u64,
+    work: Option<prov::Trig>,
+) -> isize {
     // SAFETY: NULL or the caller's message (fi_sendmsg(3)).
     let Some(m) = (unsafe { msg.as_ref() }) else {
         return -(abi::FI_EINVAL as isize);
+    };
+    // SAFETY: the context of a message sent with FI_TRIGGER (fi_trigger(3)).
+    let trig = match work.map_or_else(|| unsafe { trigger_of(flags, m.context) }, |t| Ok(Some(t))) {
+        Ok(t) => t,
+        Err(e) => return -(e as isize),
     };
     // SAFETY: the message's `iov_count` iovecs and descriptors.
     match unsafe { bufs(m.msg_iov, m.desc, m.iov_count) } {
@@ -1146,9 +1498,34 @@ unsafe extern "C" fn msg_sendmsg(
             flags & abi::FI_INJECT as u64 != 0,
             flags & abi::FI_COMPLETION as u64 != 0,
             (flags & abi::FI_REMOTE_CQ_DATA as u64 != 0).then_some(m.data as u32),
+            trig,
         ),
         Err(e) => -(e as isize),
     }
+}
+
+/// The trigger of an operation posted with `FI_TRIGGER`, whose context is a
+/// `struct fi_triggered_context` (fi_trigger(3)); `None` without the flag. Threshold
+/// triggers only (`-FI_ENOSYS` for others).
+///
+/// # Safety
+/// With `FI_TRIGGER` in `flags`, `ctx` is NULL or a triggered context.
+unsafe fn trigger_of(flags: u64, ctx: *mut c_void) -> Result<Option<prov::Trig>, Errno> {
+    if flags & abi::FI_TRIGGER as u64 == 0 {
+        return Ok(None);
+    }
+    // SAFETY: per the caller.
+    let c = unsafe { (ctx as *const abi::fi_triggered_context).as_ref() }.ok_or(abi::FI_EINVAL)?;
+    if c.event_type != abi::fi_trigger_event_FI_TRIGGER_THRESHOLD {
+        return Err(abi::FI_ENOSYS);
+    }
+    // SAFETY: the threshold member, which FI_TRIGGER_THRESHOLD selects.
+    let th = unsafe { c.trigger.threshold };
+    Ok(Some(prov::Trig {
+        cntr: th.cntr as usize,
+        threshold: th.threshold as u64,
+        work: None,
+    }))
 }
 
 unsafe extern "C" fn msg_inject(
@@ -1164,6 +1541,7 @@ unsafe extern "C" fn msg_inject(
         std::ptr::null_mut(),
         true,
         false,
+        None,
         None,
     )
 }
@@ -1185,6 +1563,7 @@ unsafe extern "C" fn msg_senddata(
         false,
         false,
         Some(data as u32),
+        None,
     )
 }
 
@@ -1203,6 +1582,7 @@ unsafe extern "C" fn msg_injectdata(
         true,
         false,
         Some(data as u32),
+        None,
     )
 }
 
@@ -1255,6 +1635,7 @@ fn sreq(dest: A, ctx: V, inject: bool, report: bool, imm: Option<u32>) -> prov::
         inject,
         report,
         imm,
+        trig: None,
     }
 }
 
@@ -1308,7 +1689,8 @@ unsafe extern "C" fn t_recvmsg(ep: *mut Ep, msg: *const abi::fi_msg_tagged, flag
     let Some(m) = (unsafe { msg.as_ref() }) else {
         return -(abi::FI_EINVAL as isize);
     };
-    if flags & (abi::FI_PEEK as u64 | abi::FI_CLAIM | abi::FI_DISCARD) != 0 {
+    if flags & (abi::FI_PEEK as u64 | abi::FI_CLAIM | abi::FI_DISCARD | abi::FI_TRIGGER as u64) != 0
+    {
         return -(abi::FI_ENOSYS as isize);
     }
     let req = prov::TRecvReq {
@@ -1355,17 +1737,37 @@ unsafe extern "C" fn t_sendv(
 }
 
 unsafe extern "C" fn t_sendmsg(ep: *mut Ep, msg: *const abi::fi_msg_tagged, flags: u64) -> isize {
+    // SAFETY: passed on as libfabric gave them.
+    unsafe { tsendmsg_t(ep, msg, flags, None) }
+}
+
+/// `fi_tsendmsg`, or deferred work's tagged send (`work`).
+///
+/// # Safety
+/// `msg` is NULL or a message as fi_tsendmsg(3) describes it.
+unsafe fn tsendmsg_t(
+    ep: *mut Ep,
+    msg: *const abi::fi_msg_tagged,
+    flags: u64,
+    work: Option<prov::Trig>,
+) -> isize {
     // SAFETY: NULL or the caller's message (fi_tsendmsg(3)).
     let Some(m) = (unsafe { msg.as_ref() }) else {
         return -(abi::FI_EINVAL as isize);
     };
-    let req = sreq(
+    // SAFETY: the context of a message sent with FI_TRIGGER (fi_trigger(3)).
+    let trig = match work.map_or_else(|| unsafe { trigger_of(flags, m.context) }, |t| Ok(Some(t))) {
+        Ok(t) => t,
+        Err(e) => return -(e as isize),
+    };
+    let mut req = sreq(
         m.addr,
         m.context,
         flags & abi::FI_INJECT as u64 != 0,
         flags & abi::FI_COMPLETION as u64 != 0,
         (flags & abi::FI_REMOTE_CQ_DATA as u64 != 0).then_some(m.data as u32),
     );
+    req.trig = trig;
     // SAFETY: the message's `iov_count` iovecs and descriptors.
     match unsafe { bufs(m.msg_iov, m.desc, m.iov_count) } {
         Ok(b) => tsend_common(ep, &b, req, m.tag),
@@ -1460,6 +1862,8 @@ fn rma_req(
         report,
         flags,
         op,
+        trig: None,
+        operand: 0,
     }
 }
 
@@ -1521,10 +1925,25 @@ unsafe fn rma_iov1(m: &abi::fi_msg_rma) -> Result<abi::fi_rma_iov, Errno> {
     Ok(unsafe { *m.rma_iov })
 }
 
-unsafe fn rma_msg(ep: *mut Ep, msg: *const abi::fi_msg_rma, flags: u64, write: bool) -> isize {
+/// `fi_readmsg` / `fi_writemsg`, or deferred work's RMA (`work`).
+///
+/// # Safety
+/// `msg` is NULL or a message as fi_readmsg(3) describes it.
+unsafe fn rma_msg(
+    ep: *mut Ep,
+    msg: *const abi::fi_msg_rma,
+    flags: u64,
+    write: bool,
+    work: Option<prov::Trig>,
+) -> isize {
     // SAFETY: NULL or the caller's message (fi_readmsg(3), fi_writemsg(3)).
     let Some(m) = (unsafe { msg.as_ref() }) else {
         return -(abi::FI_EINVAL as isize);
+    };
+    // SAFETY: the context of a message sent with FI_TRIGGER (fi_trigger(3)).
+    let trig = match work.map_or_else(|| unsafe { trigger_of(flags, m.context) }, |t| Ok(Some(t))) {
+        Ok(t) => t,
+        Err(e) => return -(e as isize),
     };
     // SAFETY: the message's remote segments.
     let r = match unsafe { rma_iov1(m) } {
@@ -1547,11 +1966,11 @@ unsafe fn rma_msg(ep: *mut Ep, msg: *const abi::fi_msg_rma, flags: u64, write: b
     };
     // SAFETY: the message's `iov_count` iovecs and descriptors.
     match unsafe { bufs(m.msg_iov, m.desc, m.iov_count) } {
-        Ok(b) if b.iter().map(|x| x.1).sum::<usize>() <= r.len => rma_common(
-            ep,
-            &b,
-            rma_req(m.addr, m.context, inject, report, cflags, op),
-        ),
+        Ok(b) if b.iter().map(|x| x.1).sum::<usize>() <= r.len => {
+            let mut req = rma_req(m.addr, m.context, inject, report, cflags, op);
+            req.trig = trig;
+            rma_common(ep, &b, req)
+        }
         Ok(_) => -(abi::FI_EINVAL as isize),
         Err(e) => -(e as isize),
     }
@@ -1559,7 +1978,7 @@ unsafe fn rma_msg(ep: *mut Ep, msg: *const abi::fi_msg_rma, flags: u64, write: b
 
 unsafe extern "C" fn r_readmsg(ep: *mut Ep, msg: *const abi::fi_msg_rma, flags: u64) -> isize {
     // SAFETY: passed on as libfabric gave them.
-    unsafe { rma_msg(ep, msg, flags, false) }
+    unsafe { rma_msg(ep, msg, flags, false, None) }
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -1602,7 +2021,7 @@ unsafe extern "C" fn r_writev(
 
 unsafe extern "C" fn r_writemsg(ep: *mut Ep, msg: *const abi::fi_msg_rma, flags: u64) -> isize {
     // SAFETY: passed on as libfabric gave them.
-    unsafe { rma_msg(ep, msg, flags, true) }
+    unsafe { rma_msg(ep, msg, flags, true, None) }
 }
 
 unsafe extern "C" fn r_inject(
@@ -1779,7 +2198,22 @@ fn atomic_common(
     cmp: Cv,
     res: (usize, usize),
     (dest, addr, key): (A, u64, u64),
+    t: (Dt, Op, V, bool, bool),
+) -> isize {
+    atomic_common_t(ep, c, (buf, count), cmp, res, (dest, addr, key), t, None)
+}
+
+/// [`atomic_common`], triggered by `trig` (the operand is read when it fires).
+#[allow(clippy::too_many_arguments)]
+fn atomic_common_t(
+    ep: *mut Ep,
+    c: Call,
+    (buf, count): (Cv, usize),
+    cmp: Cv,
+    res: (usize, usize),
+    (dest, addr, key): (A, u64, u64),
     (dt, op, ctx, inject, report): (Dt, Op, V, bool, bool),
+    trig: Option<prov::Trig>,
 ) -> isize {
     run_s(|st| {
         st.check(ep as usize, Kind::Ep)?;
@@ -1811,7 +2245,9 @@ fn atomic_common(
         } else {
             vec![(res.0, 8, res.1)]
         };
-        let req = rma_req(dest, ctx, inject, report, flags, rop);
+        let mut req = rma_req(dest, ctx, inject, report, flags, rop);
+        req.trig = trig;
+        req.operand = buf as usize;
         // SAFETY: the result buffer stays valid until the completion (fi_atomic(3)).
         unsafe { st.post_rma(ep as usize, &b, req)? };
         Ok(0)
@@ -1909,14 +2345,35 @@ unsafe fn atomic_msg<'a>(
 }
 
 unsafe extern "C" fn a_writemsg(ep: *mut Ep, msg: *const abi::fi_msg_atomic, flags: u64) -> isize {
+    // SAFETY: passed on as libfabric gave them.
+    unsafe { atomicmsg_t(ep, msg, flags, None) }
+}
+
+/// `fi_atomicmsg`, or deferred work's atomic (`work`).
+///
+/// # Safety
+/// `msg` is NULL or a message as fi_atomicmsg(3) describes it.
+unsafe fn atomicmsg_t(
+    ep: *mut Ep,
+    msg: *const abi::fi_msg_atomic,
+    flags: u64,
+    work: Option<prov::Trig>,
+) -> isize {
     // SAFETY: as libfabric gave it.
     match unsafe { atomic_msg(msg) } {
         Ok((m, b, n, addr, key)) => {
+            // SAFETY: the context of a message sent with FI_TRIGGER (fi_trigger(3)).
+            let trig = match work
+                .map_or_else(|| unsafe { trigger_of(flags, m.context) }, |t| Ok(Some(t)))
+            {
+                Ok(t) => t,
+                Err(e) => return -(e as isize),
+            };
             let inject = flags & abi::FI_INJECT as u64 != 0;
             let report = flags & abi::FI_COMPLETION as u64 != 0;
             let null = std::ptr::null();
             let t = (m.datatype, m.op, m.context, inject, report);
-            atomic_common(
+            atomic_common_t(
                 ep,
                 Call::Write,
                 (b, n),
@@ -1924,6 +2381,7 @@ unsafe extern "C" fn a_writemsg(ep: *mut Ep, msg: *const abi::fi_msg_atomic, fla
                 (0, 0),
                 (m.addr, addr, key),
                 t,
+                trig,
             )
         }
         Err(e) => -(e as isize),
@@ -2025,12 +2483,34 @@ unsafe extern "C" fn a_readwritemsg(
     res_count: usize,
     flags: u64,
 ) -> isize {
+    // SAFETY: passed on as libfabric gave them.
+    unsafe { fetchmsg_t(ep, msg, (resv, res_desc, res_count), flags, None) }
+}
+
+/// `fi_fetch_atomicmsg`, or deferred work's fetching atomic (`work`).
+///
+/// # Safety
+/// `msg` and the result array are as fi_fetch_atomicmsg(3) describes them.
+unsafe fn fetchmsg_t(
+    ep: *mut Ep,
+    msg: *const abi::fi_msg_atomic,
+    (resv, res_desc, res_count): (*mut Ioc, Dv, usize),
+    flags: u64,
+    work: Option<prov::Trig>,
+) -> isize {
     // SAFETY: as libfabric gave them (fi_fetch_atomicmsg(3)).
     match unsafe { (atomic_msg(msg), ioc1(resv, res_desc, res_count)) } {
         (Ok((m, b, n, addr, key)), Ok((r, 1, rd))) => {
+            // SAFETY: the context of a message sent with FI_TRIGGER (fi_trigger(3)).
+            let trig = match work
+                .map_or_else(|| unsafe { trigger_of(flags, m.context) }, |t| Ok(Some(t)))
+            {
+                Ok(t) => t,
+                Err(e) => return -(e as isize),
+            };
             let report = flags & abi::FI_COMPLETION as u64 != 0;
             let t = (m.datatype, m.op, m.context, false, report);
-            atomic_common(
+            atomic_common_t(
                 ep,
                 Call::Fetch,
                 (b, n),
@@ -2038,6 +2518,7 @@ unsafe extern "C" fn a_readwritemsg(
                 (r as usize, rd),
                 (m.addr, addr, key),
                 t,
+                trig,
             )
         }
         (Err(e), _) | (_, Err(e)) => -(e as isize),
@@ -2131,6 +2612,31 @@ unsafe extern "C" fn a_compwritemsg(
     res_count: usize,
     flags: u64,
 ) -> isize {
+    // SAFETY: passed on as libfabric gave them.
+    unsafe {
+        compmsg_t(
+            ep,
+            msg,
+            (cmpv, cmp_desc, cmp_count),
+            (resv, res_desc, res_count),
+            flags,
+            None,
+        )
+    }
+}
+
+/// `fi_compare_atomicmsg`, or deferred work's compare-and-swap (`work`).
+///
+/// # Safety
+/// `msg` and the arrays are as fi_compare_atomicmsg(3) describes them.
+unsafe fn compmsg_t(
+    ep: *mut Ep,
+    msg: *const abi::fi_msg_atomic,
+    (cmpv, cmp_desc, cmp_count): (*const Ioc, Dv, usize),
+    (resv, res_desc, res_count): (*mut Ioc, Dv, usize),
+    flags: u64,
+    work: Option<prov::Trig>,
+) -> isize {
     // SAFETY: as libfabric gave them (fi_compare_atomicmsg(3)).
     let all = unsafe {
         (
@@ -2141,9 +2647,16 @@ unsafe extern "C" fn a_compwritemsg(
     };
     match all {
         (Ok((m, b, n, addr, key)), Ok((c, 1, _)), Ok((r, 1, rd))) => {
+            // SAFETY: the context of a message sent with FI_TRIGGER (fi_trigger(3)).
+            let trig = match work
+                .map_or_else(|| unsafe { trigger_of(flags, m.context) }, |t| Ok(Some(t)))
+            {
+                Ok(t) => t,
+                Err(e) => return -(e as isize),
+            };
             let report = flags & abi::FI_COMPLETION as u64 != 0;
             let t = (m.datatype, m.op, m.context, false, report);
-            atomic_common(
+            atomic_common_t(
                 ep,
                 Call::Compare,
                 (b, n),
@@ -2151,6 +2664,7 @@ unsafe extern "C" fn a_compwritemsg(
                 (r as usize, rd),
                 (m.addr, addr, key),
                 t,
+                trig,
             )
         }
         (Err(e), _, _) | (_, Err(e), _) | (_, _, Err(e)) => -(e as isize),

@@ -38,6 +38,7 @@ pub const FI_REMOTE_READ: u64 = abi::FI_REMOTE_READ as u64;
 pub const FI_REMOTE_WRITE: u64 = abi::FI_REMOTE_WRITE as u64;
 pub const FI_DIRECTED_RECV: u64 = abi::FI_DIRECTED_RECV;
 pub const FI_TRIGGER: u64 = abi::FI_TRIGGER as u64;
+pub const FI_RMA_EVENT: u64 = abi::FI_RMA_EVENT;
 pub const FI_LOCAL_COMM: u64 = abi::FI_LOCAL_COMM;
 pub const FI_REMOTE_COMM: u64 = abi::FI_REMOTE_COMM;
 /// Mode bit: local buffers must be registered (before API 1.5; `FI_MR_LOCAL` since).
@@ -56,7 +57,7 @@ pub const PRIMARY_CAPS: u64 = FI_MSG
     | FI_REMOTE_READ
     | FI_REMOTE_WRITE;
 /// Secondary capabilities: offered whether or not they were asked for.
-pub const SECONDARY_CAPS: u64 = FI_TRIGGER | FI_LOCAL_COMM | FI_REMOTE_COMM;
+pub const SECONDARY_CAPS: u64 = FI_TRIGGER | FI_RMA_EVENT | FI_LOCAL_COMM | FI_REMOTE_COMM;
 /// Everything the provider can do.
 pub const CAPS: u64 = PRIMARY_CAPS | SECONDARY_CAPS;
 /// Transmit-side capabilities.
@@ -80,6 +81,7 @@ pub const RX_CAPS: u64 = FI_MSG
     | FI_REMOTE_WRITE
     | FI_DIRECTED_RECV
     | FI_TRIGGER
+    | FI_RMA_EVENT
     | FI_LOCAL_COMM
     | FI_REMOTE_COMM;
 

@@ -31,8 +31,12 @@ use ringbell::{
     QpInit, QpState, QueuePair, RecvWr, RemoteAddr, SendWr, Sge, SharedReceiveQueue, WcOpcode,
     WcStatus, WorkCompletion, WrOp,
 };
+use ringbell::{Counter, TriggerHandle};
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Mutex, MutexGuard, OnceLock};
+
+mod trig;
+pub use trig::{Trig, WorkOp};
 
 /// Length of an endpoint address.
 pub const ADDR_LEN: usize = 16;
@@ -81,6 +85,33 @@ pub fn addr_str(b: &[u8]) -> String {
     }
 }
 
+/// The access bits `fi_mr_reg(3)` defines.
+const MR_ACCESS_BITS: u64 = (abi::FI_SEND
+    | abi::FI_RECV
+    | abi::FI_READ
+    | abi::FI_WRITE
+    | abi::FI_REMOTE_READ
+    | abi::FI_REMOTE_WRITE
+    | abi::FI_COLLECTIVE) as u64;
+
+/// The device rights of a region registered with libfabric `access` bits: local use always
+/// (buffers of any local operation); `FI_REMOTE_READ` lets peers read it, `FI_REMOTE_WRITE`
+/// lets them write it and run atomics on it (fi_mr(3): "the target buffer of an RMA write or
+/// atomic operation"). A bit `fi_mr_reg(3)` does not define is `-FI_EINVAL`.
+pub fn mr_access(access: u64) -> Result<Access, Errno> {
+    if access & !MR_ACCESS_BITS != 0 {
+        return Err(EINVAL);
+    }
+    let mut acc = Access::LOCAL_WRITE;
+    if access & abi::FI_REMOTE_READ as u64 != 0 {
+        acc |= Access::REMOTE_READ;
+    }
+    if access & abi::FI_REMOTE_WRITE as u64 != 0 {
+        acc |= Access::REMOTE_WRITE | Access::REMOTE_ATOMIC;
+    }
+    Ok(acc)
+}
+
 /// What kind of object a key names.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Kind {
@@ -91,6 +122,7 @@ pub enum Kind {
     Av,
     Mr,
     Ep,
+    Cntr,
 }
 
 /// A completion as libfabric's CQ formats carry it.
@@ -125,10 +157,32 @@ pub struct Av {
 pub struct Domain {
     pub nic: usize,
     pub pd: ProtectionDomain,
+    /// Deferred work queued to the domain (`FI_QUEUE_WORK`) and not known to be over, by
+    /// the address of its `struct fi_deferred_work`.
+    pub work: HashMap<u64, trig::Work>,
+}
+
+/// An event counter (`fi_cntr_open`): the device's counter in the domain's PD.
+pub struct Cntr {
+    pub domain: usize,
+    pub c: Counter,
+}
+
+/// The counters bound to an endpoint (`fi_ep_bind` with a counter), by key.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct EpCntrs {
+    pub send: Option<usize>,
+    pub recv: Option<usize>,
+    pub read: Option<usize>,
+    pub write: Option<usize>,
+    pub remote_read: Option<usize>,
+    pub remote_write: Option<usize>,
 }
 
 pub struct Mr {
     pub mr: MemoryRegion,
+    /// The device rights it was registered with.
+    pub access: Access,
 }
 
 /// The channel of a connection: untagged messages (received on the endpoint's SRQ) or the
@@ -154,6 +208,9 @@ struct Pending {
     read: Option<RemoteAddr>,
     /// Any other operation (RMA, atomics): posted as it is, over `sges` or `inline`.
     wr: Option<WrOp>,
+    /// Posted as a triggered operation (held by the NIC until its counter reaches the
+    /// threshold), not sent at once.
+    trig: Option<trig::TrigPost>,
 }
 
 struct Op {
@@ -194,6 +251,8 @@ enum OpKind {
     Read(Box<Matched>),
     /// An RMA or atomic operation; its completion carries `flags`.
     Rma { flags: u64 },
+    /// A triggered transfer (any kind); its completion carries `flags`.
+    Trig(trig::TrigOp),
 }
 
 /// Bytes of a tagged-protocol control message's header.
@@ -372,6 +431,8 @@ pub struct Ep {
     unexpected: VecDeque<(Rts, Vec<u8>)>,
     /// Tagged sends waiting for their FIN, by id.
     tsends: HashMap<u64, TSend>,
+    /// Bound counters.
+    pub cntrs: EpCntrs,
 }
 
 pub enum Obj {
@@ -382,6 +443,7 @@ pub enum Obj {
     Av(Av),
     Mr(Mr),
     Ep(Box<Ep>),
+    Cntr(Cntr),
 }
 
 impl Obj {
@@ -394,6 +456,7 @@ impl Obj {
             Obj::Av(_) => Kind::Av,
             Obj::Mr(_) => Kind::Mr,
             Obj::Ep(_) => Kind::Ep,
+            Obj::Cntr(_) => Kind::Cntr,
         }
     }
 }
@@ -514,7 +577,11 @@ impl State {
     pub fn new_domain(&mut self, nic: usize) -> Result<Domain, Errno> {
         self.open_nic(nic)?;
         let pd = self.nics[&nic].dev.alloc_pd().map_err(|_| abi::FI_ENOMEM)?;
-        Ok(Domain { nic, pd })
+        Ok(Domain {
+            nic,
+            pd,
+            work: HashMap::new(),
+        })
     }
 
     /// Registers `len` bytes at `addr` (user memory) in domain `dom`.
@@ -522,11 +589,23 @@ impl State {
     /// # Safety
     /// `addr..addr+len` is memory of this process that stays mapped while registered.
     pub unsafe fn reg(&self, dom: usize, addr: usize, len: usize) -> Result<MemoryRegion, Errno> {
+        // SAFETY: per the caller.
+        unsafe { self.reg_access(dom, addr, len, Access::LOCAL_WRITE | Access::REMOTE_READ) }
+    }
+
+    /// Registers `len` bytes at `addr` (user memory) in domain `dom` with the device rights
+    /// `acc` (see [`mr_access`]).
+    ///
+    /// # Safety
+    /// `addr..addr+len` is memory of this process that stays mapped while registered.
+    pub unsafe fn reg_access(
+        &self,
+        dom: usize,
+        addr: usize,
+        len: usize,
+        acc: Access,
+    ) -> Result<MemoryRegion, Errno> {
         let d = self.domain(dom)?;
-        let acc = Access::LOCAL_WRITE
-            | Access::REMOTE_WRITE
-            | Access::REMOTE_READ
-            | Access::REMOTE_ATOMIC;
         // SAFETY: per the caller.
         unsafe { d.pd.reg_user_mr(addr as *mut u8, len, addr as u64, acc) }.map_err(|e| {
             eprintln!("ringbell-fi: registering {len} bytes at {addr:#x}: {e}");
@@ -563,6 +642,7 @@ impl State {
             tposted: VecDeque::new(),
             unexpected: VecDeque::new(),
             tsends: HashMap::new(),
+            cntrs: EpCntrs::default(),
         })
     }
 
@@ -750,6 +830,7 @@ impl State {
             inject,
             report,
             imm,
+            trig,
         } = req;
         let (dom, nic) = {
             let e = self.ep_mut(ep)?;
@@ -773,7 +854,7 @@ impl State {
         let e = self.ep_mut(ep)?;
         let wr_id = e.next_wr;
         e.next_wr += 1;
-        let report = !inject && (report || !e.tx_selective);
+        let tx_selective = e.tx_selective;
         let p = Pending {
             wr_id,
             sges,
@@ -781,20 +862,27 @@ impl State {
             imm,
             read: None,
             wr: None,
+            trig: None,
         };
-        self.transmit(ep, (peer, CH_MSG), p)?;
-        self.ep_mut(ep)?.ops.insert(
-            wr_id,
-            Op {
-                ctx,
-                send: true,
-                report,
-                buf: bufs.first().map_or(0, |b| b.0 as u64),
-                _tmp: tmp,
-                _copy: copy,
-                kind: OpKind::Msg,
+        let op = Op {
+            ctx,
+            send: true,
+            // Deferred work reports only with FI_COMPLETION (fi_trigger(3)).
+            report: match trig {
+                Some(Trig { work: Some(_), .. }) => report && !inject,
+                _ => !inject && (report || !tx_selective),
             },
-        );
+            buf: bufs.first().map_or(0, |b| b.0 as u64),
+            _tmp: tmp,
+            _copy: copy,
+            kind: OpKind::Msg,
+        };
+        if let Some(t) = trig {
+            let flags = abi::FI_SEND as u64 | abi::FI_MSG as u64;
+            return self.post_triggered_op(ep, (peer, CH_MSG), p, op, &t, flags, None);
+        }
+        self.transmit(ep, (peer, CH_MSG), p)?;
+        self.ep_mut(ep)?.ops.insert(wr_id, op);
         Ok(())
     }
 
@@ -834,6 +922,7 @@ impl State {
         let Ok(rkey) = u32::try_from(key) else {
             // Not a key this provider ever gives out: refused by "the target".
             let txcq = self.ep_mut(ep)?.txcq;
+            self.count(ep, req.flags, false);
             self.push(
                 txcq,
                 Entry {
@@ -894,20 +983,37 @@ impl State {
             imm: None,
             read: None,
             wr: Some(wr),
+            trig: None,
         };
+        let mut op = Op {
+            ctx: req.ctx,
+            send: true,
+            report,
+            buf: 0,
+            _tmp: tmp,
+            _copy: copy,
+            kind: OpKind::Rma { flags: req.flags },
+        };
+        if let Some(t) = req.trig {
+            if t.work.is_some() {
+                // Deferred work reports only with FI_COMPLETION (fi_trigger(3)).
+                op.report = req.report && !req.inject;
+            }
+            // The operand is read when the operation fires, through a registration.
+            let operand = if atomic && req.operand != 0 {
+                // SAFETY: the operand buffer stays valid until the operation completes
+                // (fi_atomic(3)), per the caller.
+                let mr = unsafe { self.reg(dom, req.operand, 8)? };
+                let sge = mr.sge(req.operand as u64 - mr.addr(), 8);
+                op._tmp.push(mr);
+                Some(sge)
+            } else {
+                None
+            };
+            return self.post_triggered_op(ep, (peer, CH_MSG), p, op, &t, req.flags, operand);
+        }
         self.transmit(ep, (peer, CH_MSG), p)?;
-        self.ep_mut(ep)?.ops.insert(
-            wr_id,
-            Op {
-                ctx: req.ctx,
-                send: true,
-                report,
-                buf: 0,
-                _tmp: tmp,
-                _copy: copy,
-                kind: OpKind::Rma { flags: req.flags },
-            },
-        );
+        self.ep_mut(ep)?.ops.insert(wr_id, op);
         Ok(())
     }
 
@@ -940,7 +1046,14 @@ impl State {
     /// Posts `p` on endpoint `ep`'s connection `key`, or queues it until the connection is
     /// up, connecting first if there is none. A pending READ uses any connection of the
     /// channel to that peer that is up (an accepted one included).
-    fn transmit(&mut self, ep: usize, key: ConnKey, p: Pending) -> Result<(), Errno> {
+    ///
+    /// A triggered operation posted at once returns its handle.
+    fn transmit(
+        &mut self,
+        ep: usize,
+        key: ConnKey,
+        p: Pending,
+    ) -> Result<Option<TriggerHandle>, Errno> {
         let (dom, nic, own) = {
             let e = self.ep_mut(ep)?;
             (e.domain, e.nic, e.addr)
@@ -961,6 +1074,7 @@ impl State {
                 let (ip, service) = parse_addr(&key.0).ok_or(EINVAL)?;
                 let ah = AhAttr::on_fabric(ip).ok_or(abi::FI_EHOSTUNREACH)?;
                 let qp = new_qp(self.domain(dom)?, self.objs_ep(ep)?, key.1)?;
+                self.bind_remote_cntrs(ep, &qp, key.1);
                 let mut private = own.to_vec();
                 private.push(key.1);
                 let id = self
@@ -975,7 +1089,7 @@ impl State {
                     .insert(key, Conn::Pending(id, vec![p]));
             }
         }
-        Ok(())
+        Ok(None)
     }
 
     fn objs_ep(&self, ep: usize) -> Result<&Ep, Errno> {
@@ -1046,7 +1160,7 @@ impl State {
         let (txcq, rxcq) = (e.txcq, e.rxcq);
         match op.kind {
             OpKind::Msg => {
-                if !ok || op.report {
+                {
                     let (cq, mut flags) = if op.send {
                         (txcq, abi::FI_SEND as u64 | abi::FI_MSG as u64)
                     } else {
@@ -1061,6 +1175,10 @@ impl State {
                         flags = abi::FI_RMA as u64
                             | abi::FI_REMOTE_WRITE as u64
                             | abi::FI_REMOTE_CQ_DATA as u64;
+                    }
+                    self.count(ep, flags, ok);
+                    if ok && !op.report {
+                        return;
                     }
                     self.push(
                         cq,
@@ -1114,7 +1232,9 @@ impl State {
                 }
             }
             OpKind::Read(m) => self.finish_read(ep, *m, ok, w.status as i32),
+            OpKind::Trig(t) => self.finish_trig(ep, t, w),
             OpKind::Rma { flags } => {
+                self.count(ep, flags, ok);
                 if ok && !op.report {
                     return;
                 }
@@ -1145,6 +1265,7 @@ impl State {
             return;
         };
         let txcq = e.txcq;
+        self.count(ep, abi::FI_SEND as u64, ok);
         if ok && !t.report {
             return;
         }
@@ -1228,6 +1349,7 @@ impl State {
                 addr: m.rts.va,
                 rkey: m.rts.rkey,
             }),
+            trig: None,
         };
         let from = m.rts.from;
         e.ops.insert(wr_id, Op::internal(OpKind::Read(Box::new(m))));
@@ -1252,6 +1374,7 @@ impl State {
         let Ok(e) = self.ep_mut(ep) else { return };
         let rxcq = e.rxcq;
         let truncated = m.rts.len > m.n;
+        self.count(ep, abi::FI_RECV as u64, ok && !truncated);
         if ok && !truncated && !m.recv.report {
             return;
         }
@@ -1302,6 +1425,7 @@ impl State {
             imm: None,
             read: None,
             wr: None,
+            trig: None,
         };
         let r = self.transmit(ep, (peer, CH_TAG), p);
         if r.is_err() {
@@ -1309,7 +1433,7 @@ impl State {
                 e.ops.remove(&wr_id);
             }
         }
-        r
+        r.map(|_| ())
     }
 
     /// `fi_tsend` and friends: the data stays where it is (a copy for `inject` and for
@@ -1338,6 +1462,10 @@ impl State {
         if req.inject && total > INJECT {
             return Err(abi::FI_EMSGSIZE);
         }
+        if let Some(t) = req.trig {
+            // SAFETY: per the caller.
+            return unsafe { self.post_tsend_triggered(ep, (dom, own, peer), bufs, req, tag, t) };
+        }
         let parts: Vec<_> = bufs.iter().filter(|b| b.1 > 0).copied().collect();
         let mut copy = Vec::new();
         let mut tmp = Vec::new();
@@ -1355,11 +1483,16 @@ impl State {
             }
             [] => (0, 0),
             [(addr, len, desc)] if !req.inject => {
-                let rkey = if desc != 0 {
-                    match self.objs.get(&desc) {
-                        Some(Obj::Mr(m)) => m.mr.rkey(),
-                        _ => return Err(EINVAL),
-                    }
+                let given = match (desc, self.objs.get(&desc)) {
+                    (0, _) => None,
+                    (_, Some(Obj::Mr(m))) => Some(m),
+                    _ => return Err(EINVAL),
+                };
+                // The receiver reads the data: the application's region serves when it
+                // lets peers read it, else a registration of the provider's own does.
+                let rkey = if let Some(m) = given.filter(|m| m.access.contains(Access::REMOTE_READ))
+                {
+                    m.mr.rkey()
                 } else {
                     // SAFETY: per the caller.
                     let mr = unsafe { self.reg(dom, addr, len)? };
@@ -1497,6 +1630,7 @@ impl State {
                     }
                     return;
                 };
+                self.bind_remote_cntrs(key, &qp, chan);
                 let Some(n) = self.nics.get_mut(&nic) else {
                     return;
                 };
@@ -1520,11 +1654,13 @@ impl State {
                 }
             }
             CmEvent::Established { id, mut qp, .. } => {
-                for o in self.objs.values_mut() {
+                let mut failed = Vec::new();
+                'eps: for (&k, o) in self.objs.iter_mut() {
                     let Obj::Ep(e) = o else { continue };
                     if e.nic != nic {
                         continue;
                     }
+                    let mut handles = Vec::new();
                     for c in e
                         .conns
                         .values_mut()
@@ -1533,12 +1669,30 @@ impl State {
                         if let Conn::Pending(cid, q) = c {
                             if *cid == id {
                                 for p in q.iter() {
-                                    let _ = post_pending(&mut qp, p);
+                                    match post_pending(&mut qp, p) {
+                                        Ok(Some(h)) => handles.push((p.wr_id, h)),
+                                        Ok(None) => {}
+                                        // Only a triggered operation is refused here (the
+                                        // send queue has room for what waited).
+                                        Err(_) => failed.push((k, p.wr_id)),
+                                    }
                                 }
                                 *c = Conn::Up(id, Box::new(qp));
-                                return;
+                                for (wr_id, h) in handles {
+                                    if let Some(OpKind::Trig(t)) =
+                                        e.ops.get_mut(&wr_id).map(|o| &mut o.kind)
+                                    {
+                                        t.handle = Some(h);
+                                    }
+                                }
+                                break 'eps;
                             }
                         }
+                    }
+                }
+                for (k, wr_id) in failed {
+                    if let Some(op) = self.ep_mut(k).ok().and_then(|e| e.ops.remove(&wr_id)) {
+                        self.fail_op(k, op);
                     }
                 }
             }
@@ -1587,6 +1741,7 @@ impl State {
     fn fail_op(&mut self, ep: usize, op: Op) {
         match op.kind {
             OpKind::Msg => {
+                self.count(ep, abi::FI_SEND as u64, false);
                 let txcq = self.ep_mut(ep).ok().and_then(|e| e.txcq);
                 self.push(
                     txcq,
@@ -1602,6 +1757,7 @@ impl State {
             OpKind::Ctl { send: Some(id), .. } => self.finish_tsend(ep, id, false, 0),
             OpKind::Read(m) => {
                 // No FIN can reach the sender: only the receive's error.
+                self.count(ep, abi::FI_RECV as u64, false);
                 let rxcq = self.ep_mut(ep).ok().and_then(|e| e.rxcq);
                 self.push(
                     rxcq,
@@ -1616,6 +1772,7 @@ impl State {
                 );
             }
             OpKind::Rma { flags } => {
+                self.count(ep, flags, false);
                 let txcq = self.ep_mut(ep).ok().and_then(|e| e.txcq);
                 self.push(
                     txcq,
@@ -1628,6 +1785,7 @@ impl State {
                     },
                 );
             }
+            OpKind::Trig(t) => self.fail_trig(ep, t),
             OpKind::Ctl { send: None, .. } | OpKind::Slot(_) => {}
         }
     }
@@ -1659,7 +1817,9 @@ fn new_qp(d: &Domain, e: &Ep, chan: u8) -> Result<QueuePair, Errno> {
     })
 }
 
-fn post_pending(qp: &mut QueuePair, p: &Pending) -> Result<(), Errno> {
+/// Posts `p` on `qp`: sent now, or, for a triggered operation, handed to the NIC's table
+/// (its handle returned).
+fn post_pending(qp: &mut QueuePair, p: &Pending) -> Result<Option<TriggerHandle>, Errno> {
     let op = match (p.wr, p.read, p.imm) {
         (Some(w), _, _) => w,
         (None, Some(r), _) => WrOp::Read(r),
@@ -1670,7 +1830,11 @@ fn post_pending(qp: &mut QueuePair, p: &Pending) -> Result<(), Errno> {
         Some(d) => SendWr::inline(p.wr_id, op, d),
         None => SendWr::new(p.wr_id, op, &p.sges),
     };
+    if let Some(t) = &p.trig {
+        return trig::post(qp, t, &wr).map(Some);
+    }
     qp.post_send(&[wr.flags(ringbell::SendFlags::SIGNALED)])
+        .map(|()| None)
         .map_err(|_| EAGAIN)
 }
 
@@ -1767,6 +1931,8 @@ pub struct SendReq {
     pub report: bool,
     /// Immediate data (`fi_senddata`).
     pub imm: Option<u32>,
+    /// A triggered send.
+    pub trig: Option<Trig>,
 }
 
 /// The remote side of an RMA or atomic operation ([`State::post_rma`]).
@@ -1806,6 +1972,10 @@ pub struct RmaReq {
     pub flags: u64,
     /// What is done at the target.
     pub op: RmaOp,
+    /// A triggered operation.
+    pub trig: Option<Trig>,
+    /// A triggered atomic's operand: the local 8 bytes it is read from when it fires.
+    pub operand: usize,
 }
 
 #[cfg(test)]

@@ -1,0 +1,658 @@
+/* Counters, triggered operations and the deferred work queue of the ringbell provider,
+ * through libfabric's own API (fi_cntr(3), fi_trigger(3), fi_mr(3)): two endpoints of one
+ * process, on NICs rb0 and rb1 of the in-process fabric (RINGBELL_NICS=2). Every check
+ * prints on failure; the last line is "trigger: N passed, M failed" and the exit status is
+ * non-zero when anything failed. */
+#include <rdma/fabric.h>
+#include <rdma/fi_atomic.h>
+#include <rdma/fi_cm.h>
+#include <rdma/fi_domain.h>
+#include <rdma/fi_endpoint.h>
+#include <rdma/fi_errno.h>
+#include <rdma/fi_rma.h>
+#include <rdma/fi_tagged.h>
+#include <rdma/fi_trigger.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+
+static int passed, failed;
+
+#define CHECK(cond)                                                                  \
+	do {                                                                         \
+		if (cond) {                                                          \
+			passed++;                                                    \
+		} else {                                                             \
+			failed++;                                                    \
+			fprintf(stderr, "%s:%d: check failed: %s\n", __FILE__, __LINE__, \
+				#cond);                                              \
+		}                                                                    \
+	} while (0)
+
+#define CHECK_EQ(a, b)                                                               \
+	do {                                                                         \
+		long long _a = (long long)(a), _b = (long long)(b);                  \
+		if (_a == _b) {                                                      \
+			passed++;                                                    \
+		} else {                                                             \
+			failed++;                                                    \
+			fprintf(stderr, "%s:%d: %s == %lld, expected %s == %lld\n",     \
+				__FILE__, __LINE__, #a, _a, #b, _b);                 \
+		}                                                                    \
+	} while (0)
+
+/* A fatal set-up step. */
+#define MUST(call)                                                                   \
+	do {                                                                         \
+		long long _r = (long long)(call);                                    \
+		if (_r < 0) {                                                        \
+			fprintf(stderr, "%s:%d: %s: %lld (%s)\n", __FILE__, __LINE__,   \
+				#call, _r, fi_strerror((int)-_r));                   \
+			exit(2);                                                     \
+		}                                                                    \
+	} while (0)
+
+struct side {
+	struct fid_domain *dom;
+	struct fid_cq *cq;
+	struct fid_av *av;
+	struct fid_ep *ep;
+	fi_addr_t peer;
+	char name[64];
+	size_t namelen;
+};
+
+static struct fid_fabric *fabric;
+static struct side A, B;
+
+/* Memory on pages of its own (each NIC adopts the pages it registers). */
+static void *pages(size_t len)
+{
+	void *p = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+	if (p == MAP_FAILED) {
+		perror("mmap");
+		exit(2);
+	}
+	return p;
+}
+
+static void open_side(struct fi_info *info, struct side *s, struct fid_cntr **cntrs,
+		      const uint64_t *flags, int ncntr)
+{
+	struct fi_cq_attr cq_attr = {.format = FI_CQ_FORMAT_TAGGED, .size = 256};
+	struct fi_av_attr av_attr = {.type = FI_AV_TABLE};
+	MUST(fi_domain(fabric, info, &s->dom, NULL));
+	MUST(fi_cq_open(s->dom, &cq_attr, &s->cq, NULL));
+	MUST(fi_av_open(s->dom, &av_attr, &s->av, NULL));
+	MUST(fi_endpoint(s->dom, info, &s->ep, NULL));
+	MUST(fi_ep_bind(s->ep, &s->av->fid, 0));
+	MUST(fi_ep_bind(s->ep, &s->cq->fid, FI_TRANSMIT | FI_RECV));
+	for (int i = 0; i < ncntr; i++) {
+		struct fi_cntr_attr ca = {.events = FI_CNTR_EVENTS_COMP,
+					  .wait_obj = FI_WAIT_UNSPEC};
+		MUST(fi_cntr_open(s->dom, &ca, &cntrs[i], NULL));
+		MUST(fi_ep_bind(s->ep, &cntrs[i]->fid, flags[i]));
+	}
+	MUST(fi_enable(s->ep));
+	s->namelen = sizeof(s->name);
+	MUST(fi_getname(&s->ep->fid, s->name, &s->namelen));
+}
+
+/* One completion of `cq`, or an error number (-FI_EAVAIL for an error entry), reading until
+ * something comes or `tries` reads pass (-FI_EAGAIN). */
+static ssize_t one(struct fid_cq *cq, struct fi_cq_tagged_entry *e, int tries)
+{
+	for (int i = 0; i < tries; i++) {
+		ssize_t r = fi_cq_read(cq, e, 1);
+		if (r != -FI_EAGAIN)
+			return r == 1 ? 0 : r;
+	}
+	return -FI_EAGAIN;
+}
+
+/* The error entry waiting in `cq`. */
+static int one_err(struct fid_cq *cq, struct fi_cq_err_entry *e)
+{
+	struct fi_cq_tagged_entry t;
+	ssize_t r = one(cq, &t, 200000);
+	if (r != -FI_EAVAIL)
+		return (int)r;
+	memset(e, 0, sizeof(*e));
+	return fi_cq_readerr(cq, e, 0) == 1 ? 0 : -1;
+}
+
+/* Drives both sides (progress is manual: it comes with CQ reads). */
+static void spin(int rounds)
+{
+	struct fi_cq_tagged_entry e;
+	for (int i = 0; i < rounds; i++) {
+		(void)fi_cq_read(A.cq, &e, 0);
+		(void)fi_cq_read(B.cq, &e, 0);
+	}
+}
+
+static struct fid_cntr *cntr(struct side *s)
+{
+	struct fi_cntr_attr ca = {.events = FI_CNTR_EVENTS_COMP, .wait_obj = FI_WAIT_UNSPEC};
+	struct fid_cntr *c;
+	MUST(fi_cntr_open(s->dom, &ca, &c, NULL));
+	return c;
+}
+
+/* What deferred work compares its threshold with: success + error. */
+static uint64_t level(struct fid_cntr *c)
+{
+	return fi_cntr_read(c) + fi_cntr_readerr(c);
+}
+
+static struct fid_mr *reg(struct side *s, void *buf, size_t len, uint64_t access)
+{
+	struct fid_mr *mr;
+	MUST(fi_mr_reg(s->dom, buf, len, access, 0, 0, 0, &mr, NULL));
+	return mr;
+}
+
+/* fi_cntr(3) on its own. */
+static void test_counter_calls(void)
+{
+	struct fid_cntr *c = cntr(&A);
+	CHECK_EQ(fi_cntr_read(c), 0);
+	CHECK_EQ(fi_cntr_add(c, 5), 0);
+	CHECK_EQ(fi_cntr_read(c), 5);
+	CHECK_EQ(fi_cntr_adderr(c, 2), 0);
+	CHECK_EQ(fi_cntr_readerr(c), 2);
+	CHECK_EQ(fi_cntr_set(c, 1ULL << 40), 0);
+	CHECK_EQ(fi_cntr_read(c), 1ULL << 40);
+	CHECK_EQ(fi_cntr_seterr(c, 0), 0);
+	CHECK_EQ(fi_cntr_readerr(c), 0);
+	CHECK_EQ(fi_cntr_set(c, 10), 0);
+	CHECK_EQ(fi_cntr_wait(c, 10, 0), 0);
+	CHECK_EQ(fi_cntr_wait(c, 11, 20), -FI_ETIMEDOUT);
+	CHECK_EQ(fi_cntr_adderr(c, 1), 0);
+	/* fi_cntr_wait returns when the error value changes while it waits; here it has
+	 * changed before: a wait started now sees the new value as its own. */
+	CHECK_EQ(fi_cntr_wait(c, 11, 20), -FI_ETIMEDOUT);
+	CHECK_EQ(fi_close(&c->fid), 0);
+
+	struct fi_cntr_attr bad = {.events = (enum fi_cntr_events)7};
+	struct fid_cntr *x = NULL;
+	CHECK_EQ(fi_cntr_open(A.dom, &bad, &x, NULL), -FI_ENOSYS);
+	bad.events = FI_CNTR_EVENTS_COMP;
+	bad.wait_obj = FI_WAIT_FD;
+	CHECK_EQ(fi_cntr_open(A.dom, &bad, &x, NULL), -FI_ENOSYS);
+	bad.wait_obj = FI_WAIT_UNSPEC;
+	bad.flags = 1;
+	CHECK_EQ(fi_cntr_open(A.dom, &bad, &x, NULL), -FI_EINVAL);
+}
+
+/* Endpoint counters: sends (injects too), receives, writes, reads, remote writes counted
+ * on an MR's counter; an error on the error value. */
+static void test_bound_counters(struct fid_cntr *const *ca, struct fid_cntr *const *cb)
+{
+	struct fid_cntr *send = ca[0], *write = ca[1], *read = ca[2], *recv = cb[0];
+	uint64_t s0 = fi_cntr_read(send), r0 = fi_cntr_read(recv);
+	char *rbuf = pages(4096), *sbuf = pages(4096);
+	for (int i = 0; i < 3; i++)
+		MUST(fi_recv(B.ep, rbuf + 64 * i, 64, NULL, FI_ADDR_UNSPEC, NULL));
+	strcpy(sbuf, "hello");
+	MUST(fi_send(A.ep, sbuf, 6, NULL, A.peer, NULL));
+	MUST(fi_send(A.ep, sbuf, 6, NULL, A.peer, NULL));
+	MUST(fi_inject(A.ep, sbuf, 6, A.peer));
+	CHECK_EQ(fi_cntr_wait(send, s0 + 3, 5000), 0);
+	CHECK_EQ(fi_cntr_wait(recv, r0 + 3, 5000), 0);
+	CHECK_EQ(fi_cntr_read(send), s0 + 3);
+	CHECK_EQ(fi_cntr_read(recv), r0 + 3);
+	struct fi_cq_tagged_entry e;
+	for (int i = 0; i < 2; i++)
+		CHECK_EQ(one(A.cq, &e, 200000), 0);
+	for (int i = 0; i < 3; i++)
+		CHECK_EQ(one(B.cq, &e, 200000), 0);
+
+	/* RMA: B's region counts remote writes (fi_mr_bind) on the device. */
+	char *target = pages(4096);
+	struct fid_mr *mr = reg(&B, target, 4096, FI_REMOTE_WRITE | FI_REMOTE_READ);
+	struct fid_cntr *rw = cntr(&B);
+	CHECK_EQ(fi_mr_bind(mr, &rw->fid, FI_REMOTE_WRITE), 0);
+	CHECK_EQ(fi_mr_bind(mr, &rw->fid, FI_SEND), -FI_EINVAL);
+	uint64_t w0 = fi_cntr_read(write), rd0 = fi_cntr_read(read);
+	MUST(fi_write(A.ep, sbuf, 6, NULL, A.peer, (uint64_t)(uintptr_t)target, fi_mr_key(mr),
+		      NULL));
+	MUST(fi_inject_write(A.ep, sbuf, 3, A.peer, (uint64_t)(uintptr_t)target + 8,
+			     fi_mr_key(mr)));
+	MUST(fi_read(A.ep, rbuf + 1024, 6, NULL, A.peer, (uint64_t)(uintptr_t)target,
+		     fi_mr_key(mr), NULL));
+	CHECK_EQ(fi_cntr_wait(write, w0 + 2, 5000), 0);
+	CHECK_EQ(fi_cntr_wait(read, rd0 + 1, 5000), 0);
+	CHECK_EQ(fi_cntr_wait(rw, 2, 5000), 0);
+	CHECK(memcmp(rbuf + 1024, "hello", 6) == 0);
+	for (int i = 0; i < 2; i++)
+		CHECK_EQ(one(A.cq, &e, 200000), 0);
+
+	/* A key that is not ours: an error completion (FI_EACCES) and the error value. */
+	uint64_t we0 = fi_cntr_readerr(write);
+	MUST(fi_write(A.ep, sbuf, 6, NULL, A.peer, (uint64_t)(uintptr_t)target, 0x7777777,
+		      NULL));
+	struct fi_cq_err_entry err;
+	CHECK_EQ(one_err(A.cq, &err), 0);
+	CHECK_EQ(err.err, FI_EACCES);
+	CHECK_EQ(fi_cntr_readerr(write), we0 + 1);
+
+	/* A counter still bound cannot be closed; one in another domain cannot be bound. */
+	CHECK_EQ(fi_close(&send->fid), -FI_EBUSY);
+	CHECK_EQ(fi_close(&mr->fid), 0);
+	CHECK_EQ(fi_close(&rw->fid), 0);
+}
+
+/* fi_mr_reg's access bits: a region without FI_REMOTE_WRITE refuses remote writes and
+ * atomics, one without FI_REMOTE_READ remote reads. */
+static void test_mr_access(void)
+{
+	char *target = pages(4096), *local = pages(4096);
+	struct fid_mr *ro = reg(&B, target, 2048, FI_REMOTE_READ);
+	struct fid_mr *wo = reg(&B, target + 2048, 2048, FI_REMOTE_WRITE);
+	struct fi_cq_tagged_entry e;
+	struct fi_cq_err_entry err;
+	memcpy(target, "readable", 9);
+	MUST(fi_write(A.ep, local, 8, NULL, A.peer, (uint64_t)(uintptr_t)target, fi_mr_key(ro),
+		      NULL));
+	CHECK_EQ(one_err(A.cq, &err), 0);
+	CHECK_EQ(err.err, FI_EACCES);
+	MUST(fi_read(A.ep, local, 9, NULL, A.peer, (uint64_t)(uintptr_t)target, fi_mr_key(ro),
+		     NULL));
+	CHECK_EQ(one(A.cq, &e, 200000), 0);
+	CHECK(memcmp(local, "readable", 9) == 0);
+	MUST(fi_read(A.ep, local, 8, NULL, A.peer, (uint64_t)(uintptr_t)target + 2048,
+		     fi_mr_key(wo), NULL));
+	CHECK_EQ(one_err(A.cq, &err), 0);
+	CHECK_EQ(err.err, FI_EACCES);
+	uint64_t one64 = 1, res = 0;
+	MUST(fi_fetch_atomic(A.ep, &one64, 1, NULL, &res, NULL, A.peer,
+			     (uint64_t)(uintptr_t)target, fi_mr_key(ro), FI_UINT64, FI_SUM, NULL));
+	CHECK_EQ(one_err(A.cq, &err), 0);
+	CHECK_EQ(err.err, FI_EACCES);
+	MUST(fi_atomic(A.ep, &one64, 1, NULL, A.peer, (uint64_t)(uintptr_t)target + 2048,
+		       fi_mr_key(wo), FI_UINT64, FI_SUM, NULL));
+	CHECK_EQ(one(A.cq, &e, 200000), 0);
+	CHECK_EQ(*(uint64_t *)(target + 2048), 1);
+	struct fid_mr *bad;
+	CHECK_EQ(fi_mr_reg(B.dom, target, 64, 1ULL << 60, 0, 0, 0, &bad, NULL), -FI_EINVAL);
+	CHECK_EQ(fi_mr_reg(B.dom, target, 64, FI_REMOTE_READ, 8, 0, 0, &bad, NULL), -FI_EINVAL);
+	fi_close(&ro->fid);
+	fi_close(&wo->fid);
+}
+
+/* FI_TRIGGER: a send held until a counter's success value reaches the threshold; its data
+ * read when it fires; threshold order, then submission order. */
+static void test_fi_trigger(struct fid_cntr *send_cntr)
+{
+	struct fid_cntr *t = cntr(&A);
+	char *rbuf = pages(4096), *sbuf = pages(4096);
+	struct fi_triggered_context tc[4];
+	struct iovec iov[4];
+	struct fi_msg msg[4];
+	struct fi_cq_tagged_entry e;
+	uint64_t s0 = fi_cntr_read(send_cntr);
+	for (int i = 0; i < 4; i++)
+		MUST(fi_recv(B.ep, rbuf + 256 * i, 256, NULL, FI_ADDR_UNSPEC, NULL));
+	/* Thresholds 3, 1, 2, 2 (posted in that order). */
+	size_t th[4] = {3, 1, 2, 2};
+	for (int i = 0; i < 4; i++) {
+		tc[i].event_type = FI_TRIGGER_THRESHOLD;
+		tc[i].trigger.threshold.cntr = t;
+		tc[i].trigger.threshold.threshold = th[i];
+		sprintf(sbuf + 64 * i, "old %d", i);
+		iov[i].iov_base = sbuf + 64 * i;
+		iov[i].iov_len = 16;
+		msg[i] = (struct fi_msg){.msg_iov = &iov[i], .iov_count = 1, .addr = A.peer,
+					 .context = &tc[i]};
+		CHECK_EQ(fi_sendmsg(A.ep, &msg[i], FI_TRIGGER), 0);
+	}
+	/* Nothing goes before the counter moves (the connection is made meanwhile). */
+	CHECK_EQ(one(B.cq, &e, 20000), -FI_EAGAIN);
+	/* The data is read when the operation fires. */
+	for (int i = 0; i < 4; i++)
+		sprintf(sbuf + 64 * i, "new %d", i);
+	CHECK_EQ(fi_cntr_add(t, 1), 0);
+	CHECK_EQ(one(B.cq, &e, 200000), 0);
+	CHECK(strcmp((char *)e.buf, "new 1") == 0);
+	CHECK_EQ(one(B.cq, &e, 20000), -FI_EAGAIN);
+	/* One add passing two thresholds: 2, 2 (submission order), then 3. */
+	CHECK_EQ(fi_cntr_add(t, 2), 0);
+	const char *want[3] = {"new 2", "new 3", "new 0"};
+	for (int i = 0; i < 3; i++) {
+		CHECK_EQ(one(B.cq, &e, 200000), 0);
+		CHECK(e.buf && strcmp((char *)e.buf, want[i]) == 0);
+	}
+	/* The sender's completions carry the triggered contexts, and its send counter (the
+	 * NIC counts it) moved by 4. */
+	int seen = 0;
+	for (int i = 0; i < 4; i++) {
+		CHECK_EQ(one(A.cq, &e, 200000), 0);
+		for (int j = 0; j < 4; j++)
+			if (e.op_context == &tc[j])
+				seen |= 1 << j;
+		CHECK(e.flags & FI_SEND);
+	}
+	CHECK_EQ(seen, 15);
+	CHECK_EQ(fi_cntr_wait(send_cntr, s0 + 4, 5000), 0);
+
+	/* A threshold already reached fires at once. */
+	MUST(fi_recv(B.ep, rbuf, 256, NULL, FI_ADDR_UNSPEC, NULL));
+	tc[0].trigger.threshold.threshold = 2;
+	CHECK_EQ(fi_sendmsg(A.ep, &msg[0], FI_TRIGGER), 0);
+	CHECK_EQ(one(B.cq, &e, 200000), 0);
+	CHECK_EQ(one(A.cq, &e, 200000), 0);
+
+	/* Bad triggers: a closed counter, another event type, no context; receives cannot be
+	 * triggered. */
+	struct fid_cntr *gone = cntr(&A);
+	fi_close(&gone->fid);
+	tc[1].trigger.threshold.cntr = gone;
+	CHECK_EQ(fi_sendmsg(A.ep, &msg[1], FI_TRIGGER), -FI_EINVAL);
+	tc[1].trigger.threshold.cntr = t;
+	tc[1].event_type = FI_TRIGGER_XPU;
+	CHECK_EQ(fi_sendmsg(A.ep, &msg[1], FI_TRIGGER), -FI_ENOSYS);
+	tc[1].event_type = FI_TRIGGER_THRESHOLD;
+	msg[1].context = NULL;
+	CHECK_EQ(fi_sendmsg(A.ep, &msg[1], FI_TRIGGER), -FI_EINVAL);
+	msg[1].context = &tc[1];
+	CHECK_EQ(fi_recvmsg(B.ep, &msg[1], FI_TRIGGER), -FI_ENOSYS);
+	/* A counter of the other domain cannot trigger this endpoint's work. */
+	struct fid_cntr *other = cntr(&B);
+	tc[1].trigger.threshold.cntr = other;
+	CHECK_EQ(fi_sendmsg(A.ep, &msg[1], FI_TRIGGER), -FI_EINVAL);
+	fi_close(&other->fid);
+	fi_close(&t->fid);
+}
+
+/* The deferred work queue: RMA, atomics, tagged sends and counter operations queued to
+ * the domain, with fi_trigger(3)'s completion rules; cancel and flush; bad requests. */
+static void test_deferred_work(void)
+{
+	struct fid_cntr *t = cntr(&A), *comp = cntr(&A), *d = cntr(&A);
+	char *target = pages(8192), *src = pages(4096);
+	struct fid_mr *mr = reg(&B, target, 8192, FI_REMOTE_WRITE | FI_REMOTE_READ);
+	uint64_t key = fi_mr_key(mr), base = (uint64_t)(uintptr_t)target;
+	struct fi_cq_tagged_entry e;
+	struct iovec iov = {.iov_base = src, .iov_len = 32};
+	struct fi_rma_iov riov = {.addr = base, .len = 32, .key = key};
+	struct fi_op_rma rma = {.ep = A.ep,
+				.msg = {.msg_iov = &iov, .iov_count = 1, .addr = A.peer,
+					.rma_iov = &riov, .rma_iov_count = 1, .context = src}};
+	struct fi_deferred_work w = {.threshold = 2, .triggering_cntr = t,
+				     .completion_cntr = comp, .op_type = FI_OP_WRITE};
+	w.op.rma = &rma;
+	strcpy(src, "deferred write");
+	CHECK_EQ(fi_control(&A.dom->fid, FI_QUEUE_WORK, &w), 0);
+	spin(2000);
+	CHECK_EQ(fi_cntr_read(comp), 0);
+	CHECK(target[0] == 0);
+	CHECK_EQ(fi_cntr_add(t, 1), 0);
+	CHECK_EQ(fi_cntr_adderr(t, 1), 0); /* success + error reaches 2 */
+	CHECK_EQ(fi_cntr_wait(comp, 1, 5000), 0);
+	CHECK(strcmp(target, "deferred write") == 0);
+	/* No endpoint completion without FI_COMPLETION. */
+	CHECK_EQ(one(A.cq, &e, 5000), -FI_EAGAIN);
+	/* With FI_COMPLETION: an entry with the message's context. */
+	rma.flags = FI_COMPLETION;
+	riov.addr = base + 64;
+	w.threshold = 3;
+	CHECK_EQ(fi_control(&A.dom->fid, FI_QUEUE_WORK, &w), 0);
+	CHECK_EQ(fi_cntr_add(t, 1), 0);
+	CHECK_EQ(one(A.cq, &e, 200000), 0);
+	CHECK(e.op_context == src);
+	CHECK(e.flags & FI_WRITE);
+	CHECK_EQ(fi_cntr_read(comp), 2);
+	CHECK(strcmp(target + 64, "deferred write") == 0);
+
+	/* Counter operations: add and set, in threshold order; never the completion counter. */
+	struct fi_op_cntr add = {.cntr = d, .value = 5}, set = {.cntr = d, .value = 100};
+	struct fi_deferred_work wa = {.threshold = 4, .triggering_cntr = t,
+				      .op_type = FI_OP_CNTR_ADD};
+	struct fi_deferred_work ws = {.threshold = 5, .triggering_cntr = t,
+				      .op_type = FI_OP_CNTR_SET};
+	wa.op.cntr = &add;
+	ws.op.cntr = &set;
+	CHECK_EQ(fi_control(&A.dom->fid, FI_QUEUE_WORK, &ws), 0);
+	CHECK_EQ(fi_control(&A.dom->fid, FI_QUEUE_WORK, &wa), 0);
+	CHECK_EQ(fi_cntr_add(t, 1), 0); /* 4: add */
+	CHECK_EQ(fi_cntr_read(d), 5);
+	CHECK_EQ(fi_cntr_add(t, 1), 0); /* 5: set */
+	CHECK_EQ(fi_cntr_read(d), 100);
+	struct fi_deferred_work wbad = wa;
+	wbad.completion_cntr = comp;
+	CHECK_EQ(fi_control(&A.dom->fid, FI_QUEUE_WORK, &wbad), -FI_EINVAL);
+
+	/* Atomics: fetch-add and compare-and-swap, the operand read when they fire. */
+	uint64_t *word = (uint64_t *)(target + 4096);
+	uint64_t *operand = (uint64_t *)(src + 1024), *result = (uint64_t *)(src + 2048);
+	uint64_t *cmpv = (uint64_t *)(src + 3072);
+	*word = 40;
+	*operand = 1;
+	struct fi_ioc oioc = {.addr = operand, .count = 1}, rioc = {.addr = result, .count = 1};
+	struct fi_ioc cioc = {.addr = cmpv, .count = 1};
+	struct fi_rma_ioc aioc = {.addr = base + 4096, .count = 1, .key = key};
+	struct fi_op_fetch_atomic fa = {
+		.ep = A.ep,
+		.msg = {.msg_iov = &oioc, .iov_count = 1, .addr = A.peer, .rma_iov = &aioc,
+			.rma_iov_count = 1, .datatype = FI_UINT64, .op = FI_SUM},
+		.fetch = {.msg_iov = &rioc, .iov_count = 1}};
+	struct fi_deferred_work wf = {.threshold = 6, .triggering_cntr = t,
+				      .completion_cntr = comp, .op_type = FI_OP_FETCH_ATOMIC};
+	wf.op.fetch_atomic = &fa;
+	CHECK_EQ(fi_control(&A.dom->fid, FI_QUEUE_WORK, &wf), 0);
+	*operand = 2; /* read when it fires */
+	CHECK_EQ(fi_cntr_add(t, 1), 0);
+	CHECK_EQ(fi_cntr_wait(comp, 3, 5000), 0);
+	CHECK_EQ(*result, 40);
+	CHECK_EQ(*word, 42);
+	*cmpv = 42;
+	*operand = 7;
+	struct fi_op_compare_atomic ca = {
+		.ep = A.ep,
+		.msg = {.msg_iov = &oioc, .iov_count = 1, .addr = A.peer, .rma_iov = &aioc,
+			.rma_iov_count = 1, .datatype = FI_UINT64, .op = FI_CSWAP},
+		.fetch = {.msg_iov = &rioc, .iov_count = 1},
+		.compare = {.msg_iov = &cioc, .iov_count = 1}};
+	struct fi_deferred_work wc = {.threshold = 7, .triggering_cntr = t,
+				      .completion_cntr = comp, .op_type = FI_OP_COMPARE_ATOMIC};
+	wc.op.compare_atomic = &ca;
+	CHECK_EQ(fi_control(&A.dom->fid, FI_QUEUE_WORK, &wc), 0);
+	CHECK_EQ(fi_cntr_add(t, 1), 0);
+	CHECK_EQ(fi_cntr_wait(comp, 4, 5000), 0);
+	CHECK_EQ(*result, 42);
+	CHECK_EQ(*word, 7);
+
+	/* A tagged send (eager), and one too large to be triggered. */
+	char *tbuf = pages(4096);
+	MUST(fi_trecv(B.ep, tbuf, 256, NULL, FI_ADDR_UNSPEC, 0x77, 0, NULL));
+	struct iovec tiov = {.iov_base = src, .iov_len = 20};
+	struct fi_op_tagged tg = {.ep = A.ep,
+				  .msg = {.msg_iov = &tiov, .iov_count = 1, .addr = A.peer,
+					  .tag = 0x77}};
+	struct fi_deferred_work wt = {.threshold = 8, .triggering_cntr = t,
+				      .completion_cntr = comp, .op_type = FI_OP_TSEND};
+	wt.op.tagged = &tg;
+	strcpy(src, "tagged deferred");
+	CHECK_EQ(fi_control(&A.dom->fid, FI_QUEUE_WORK, &wt), 0);
+	CHECK_EQ(fi_cntr_add(t, 1), 0);
+	CHECK_EQ(one(B.cq, &e, 200000), 0);
+	CHECK_EQ(e.tag, 0x77);
+	CHECK(strcmp(tbuf, "tagged deferred") == 0);
+	CHECK_EQ(fi_cntr_wait(comp, 5, 5000), 0);
+	tiov.iov_len = 1000;
+	CHECK_EQ(fi_control(&A.dom->fid, FI_QUEUE_WORK, &wt), -FI_ENOSYS);
+
+	/* Receives cannot be deferred. */
+	struct fi_op_msg rm = {.ep = B.ep, .msg = {.msg_iov = &iov, .iov_count = 1}};
+	struct fi_deferred_work wr = {.threshold = 1, .triggering_cntr = t, .op_type = FI_OP_RECV};
+	wr.op.msg = &rm;
+	CHECK_EQ(fi_control(&A.dom->fid, FI_QUEUE_WORK, &wr), -FI_ENOSYS);
+
+	/* Cancel: taken back before it fires, never runs; a second cancel, and a cancel of
+	 * work never queued, are -FI_ENOENT. */
+	uint64_t c0 = fi_cntr_read(comp);
+	riov.addr = base + 128;
+	rma.flags = 0;
+	w.threshold = 100;
+	CHECK_EQ(fi_control(&A.dom->fid, FI_QUEUE_WORK, &w), 0);
+	CHECK_EQ(fi_control(&A.dom->fid, FI_CANCEL_WORK, &w), 0);
+	CHECK_EQ(fi_control(&A.dom->fid, FI_CANCEL_WORK, &w), -FI_ENOENT);
+	struct fi_deferred_work never = w;
+	CHECK_EQ(fi_control(&A.dom->fid, FI_CANCEL_WORK, &never), -FI_ENOENT);
+	/* Work that fired cannot be cancelled. */
+	CHECK_EQ(fi_control(&A.dom->fid, FI_CANCEL_WORK, &wf), -FI_ENOENT);
+
+	/* Flush by triggering counter, then everything. */
+	struct fid_cntr *t2 = cntr(&A);
+	struct fi_deferred_work w1 = w, w2 = w;
+	struct fi_op_rma rma2 = rma;
+	struct fi_rma_iov riov2 = riov;
+	riov2.addr = base + 192;
+	rma2.msg.rma_iov = &riov2;
+	w2.op.rma = &rma2;
+	w1.threshold = level(t) + 1;
+	w2.triggering_cntr = t2;
+	w2.threshold = 1;
+	CHECK_EQ(fi_control(&A.dom->fid, FI_QUEUE_WORK, &w1), 0);
+	CHECK_EQ(fi_control(&A.dom->fid, FI_QUEUE_WORK, &w2), 0);
+	struct fi_deferred_work which = {.triggering_cntr = t};
+	CHECK_EQ(fi_control(&A.dom->fid, FI_FLUSH_WORK, &which), 0);
+	CHECK_EQ(fi_cntr_add(t, 200), 0);
+	CHECK_EQ(fi_cntr_add(t2, 1), 0); /* w2 survived the flush of t's work */
+	CHECK_EQ(fi_cntr_wait(comp, c0 + 1, 5000), 0);
+	spin(5000);
+	CHECK_EQ(fi_cntr_read(comp), c0 + 1);
+	CHECK(target[128] == 0);
+	CHECK(strcmp(target + 192, "tagged deferred") == 0);
+	w1.threshold = level(t) + 1;
+	w2.threshold = fi_cntr_read(t2) + 1;
+	CHECK_EQ(fi_control(&A.dom->fid, FI_QUEUE_WORK, &w1), 0);
+	CHECK_EQ(fi_control(&A.dom->fid, FI_QUEUE_WORK, &w2), 0);
+	CHECK_EQ(fi_control(&A.dom->fid, FI_FLUSH_WORK, NULL), 0);
+	CHECK_EQ(fi_cntr_add(t, 1), 0);
+	CHECK_EQ(fi_cntr_add(t2, 1), 0);
+	spin(5000);
+	CHECK_EQ(fi_cntr_read(comp), c0 + 1);
+	CHECK_EQ(fi_control(&A.dom->fid, FI_CANCEL_WORK, &w1), -FI_ENOENT);
+
+	/* A key that is not ours: the completion counter's error value, nothing else. */
+	uint64_t ce0 = fi_cntr_readerr(comp);
+	riov.key = 0x5555555;
+	w.threshold = level(t) + 1;
+	CHECK_EQ(fi_control(&A.dom->fid, FI_QUEUE_WORK, &w), 0);
+	CHECK_EQ(fi_cntr_add(t, 1), 0);
+	spin(20000);
+	CHECK_EQ(fi_cntr_readerr(comp), ce0 + 1);
+	CHECK_EQ(one(A.cq, &e, 5000), -FI_EAGAIN);
+	riov.key = key;
+
+	/* Bad requests: a closed triggering counter, an AV index out of range, an endpoint of
+	 * another domain, an unknown operation, no request. */
+	struct fid_cntr *gone = cntr(&A);
+	fi_close(&gone->fid);
+	struct fi_deferred_work wg = w;
+	wg.triggering_cntr = gone;
+	CHECK_EQ(fi_control(&A.dom->fid, FI_QUEUE_WORK, &wg), -FI_EINVAL);
+	struct fi_op_rma far = rma;
+	far.msg.addr = 999;
+	wg = w;
+	wg.op.rma = &far;
+	CHECK_EQ(fi_control(&A.dom->fid, FI_QUEUE_WORK, &wg), -FI_EINVAL);
+	struct fi_op_rma foreign = rma;
+	foreign.ep = B.ep;
+	wg.op.rma = &foreign;
+	CHECK_EQ(fi_control(&A.dom->fid, FI_QUEUE_WORK, &wg), -FI_EINVAL);
+	wg = w;
+	wg.op_type = (enum fi_op_type)99;
+	CHECK_EQ(fi_control(&A.dom->fid, FI_QUEUE_WORK, &wg), -FI_EINVAL);
+	CHECK_EQ(fi_control(&A.dom->fid, FI_QUEUE_WORK, NULL), -FI_EINVAL);
+	CHECK_EQ(fi_control(&A.dom->fid, FI_CANCEL_WORK, NULL), -FI_EINVAL);
+
+	/* Table exhaustion: -FI_ENOSPC once the NIC's table (2048 entries) is full; nothing
+	 * queued fires twice, and a flush empties it. */
+	static struct fi_deferred_work many[2100];
+	static struct fi_op_cntr inc;
+	inc = (struct fi_op_cntr){.cntr = d, .value = 1};
+	int queued = 0, r = 0;
+	for (int i = 0; i < 2100; i++) {
+		many[i] = (struct fi_deferred_work){.threshold = 1ULL << 50, .triggering_cntr = t,
+						    .op_type = FI_OP_CNTR_ADD};
+		many[i].op.cntr = &inc;
+		r = fi_control(&A.dom->fid, FI_QUEUE_WORK, &many[i]);
+		if (r)
+			break;
+		queued++;
+	}
+	CHECK_EQ(r, -FI_ENOSPC);
+	CHECK(queued > 1000 && queued <= 2048);
+	CHECK_EQ(fi_control(&A.dom->fid, FI_FLUSH_WORK, NULL), 0);
+	CHECK_EQ(fi_control(&A.dom->fid, FI_QUEUE_WORK, &many[0]), 0);
+	CHECK_EQ(fi_control(&A.dom->fid, FI_CANCEL_WORK, &many[0]), 0);
+	uint64_t d0 = fi_cntr_read(d);
+	CHECK_EQ(fi_cntr_set(t, 1ULL << 51), 0);
+	CHECK_EQ(fi_cntr_read(d), d0);
+
+	fi_close(&mr->fid);
+	fi_close(&t2->fid);
+}
+
+/* Tagged receives with a bad buffer. */
+static void test_bad_trecv(void)
+{
+	CHECK_EQ(fi_trecv(B.ep, NULL, 64, NULL, FI_ADDR_UNSPEC, 1, 0, NULL), -FI_EINVAL);
+	char *buf = pages(4096);
+	CHECK_EQ(fi_trecv(B.ep, buf, 64, (void *)0x1234, FI_ADDR_UNSPEC, 1, 0, NULL), -FI_EINVAL);
+}
+
+/* An endpoint that is not enabled takes no triggered work. */
+static void test_not_enabled(struct fi_info *info)
+{
+	struct fid_ep *ep;
+	MUST(fi_endpoint(A.dom, info, &ep, NULL));
+	struct fid_cntr *t = cntr(&A);
+	char buf[8] = {0};
+	struct iovec iov = {.iov_base = buf, .iov_len = 8};
+	struct fi_op_msg m = {.ep = ep, .msg = {.msg_iov = &iov, .iov_count = 1}};
+	struct fi_deferred_work w = {.threshold = 1, .triggering_cntr = t, .op_type = FI_OP_SEND};
+	w.op.msg = &m;
+	CHECK_EQ(fi_control(&A.dom->fid, FI_QUEUE_WORK, &w), -FI_EOPBADSTATE);
+	fi_close(&ep->fid);
+	fi_close(&t->fid);
+}
+
+int main(void)
+{
+	struct fi_info *hints = fi_allocinfo(), *list;
+	hints->caps = FI_MSG | FI_TAGGED | FI_RMA | FI_ATOMIC | FI_TRIGGER | FI_RMA_EVENT;
+	hints->ep_attr->type = FI_EP_RDM;
+	hints->domain_attr->mr_mode = FI_MR_VIRT_ADDR | FI_MR_ALLOCATED | FI_MR_PROV_KEY;
+	hints->fabric_attr->prov_name = strdup("ringbell");
+	MUST(fi_getinfo(FI_VERSION(1, 17), NULL, NULL, 0, hints, &list));
+	if (!list->next) {
+		fprintf(stderr, "two NICs are needed (RINGBELL_NICS=2)\n");
+		return 2;
+	}
+	MUST(fi_fabric(list->fabric_attr, &fabric, NULL));
+	struct fid_cntr *ca[3], *cb[1];
+	const uint64_t fa[3] = {FI_SEND, FI_WRITE, FI_READ}, fb[1] = {FI_RECV};
+	open_side(list, &A, ca, fa, 3);
+	open_side(list->next, &B, cb, fb, 1);
+	MUST(fi_av_insert(A.av, B.name, 1, &A.peer, 0, NULL));
+	MUST(fi_av_insert(B.av, A.name, 1, &B.peer, 0, NULL));
+
+	test_counter_calls();
+	test_bound_counters(ca, cb);
+	test_mr_access();
+	test_fi_trigger(ca[0]);
+	test_deferred_work();
+	test_not_enabled(list);
+	test_bad_trecv();
+
+	printf("trigger: %d passed, %d failed\n", passed, failed);
+	fi_freeinfo(hints);
+	fi_freeinfo(list);
+	return failed ? 1 : 0;
+}
