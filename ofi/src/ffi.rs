@@ -313,7 +313,75 @@ unsafe fn queue_work(dom: usize, work: *mut abi::fi_deferred_work) -> c_int {
     r as c_int
 }
 
-enosys!(no_ops_open(*mut abi::fid, *const c_char, u64, *mut *mut c_void, *mut c_void) -> c_int);
+/// The provider's own domain operations, opened with
+/// `fi_open_ops(&domain->fid, RINGBELL_DOMAIN_OPS, 0, &ops, NULL)`: the device clock, so
+/// that a program can time simulated work.
+#[repr(C)]
+pub struct DomainOps {
+    pub size: usize,
+    /// The domain's device clock in picoseconds (simulated time on the emulator); 0 for
+    /// anything but a live domain.
+    pub clock_ps: unsafe extern "C" fn(domain: *mut abi::fid) -> u64,
+    /// Arms a counter: the device notes the time its success value reaches `threshold`.
+    /// 0, or a negative error number.
+    pub cntr_arm: unsafe extern "C" fn(cntr: *mut abi::fid_cntr, threshold: u64) -> c_int,
+    /// 1 and the device time (picoseconds) at which an armed counter reached its threshold,
+    /// 0 while it has not, `-FI_EIO` if its error value changed first, or another negative
+    /// error number.
+    pub cntr_reached: unsafe extern "C" fn(cntr: *mut abi::fid_cntr, ps: *mut u64) -> c_int,
+}
+
+/// The name `fi_open_ops` takes for [`DomainOps`].
+pub const DOMAIN_OPS_NAME: &std::ffi::CStr = c"ringbell_domain_ops_v1";
+
+unsafe extern "C" fn dom_clock_ps(domain: *mut abi::fid) -> u64 {
+    std::panic::catch_unwind(|| {
+        let st = prov::state();
+        st.clock_ps(domain as usize).unwrap_or(0)
+    })
+    .unwrap_or(0)
+}
+
+unsafe extern "C" fn dom_cntr_arm(cntr: *mut abi::fid_cntr, threshold: u64) -> c_int {
+    with_cntr(cntr, |st, k| st.cntr_arm(k, threshold)).map_or_else(neg, |()| 0)
+}
+
+unsafe extern "C" fn dom_cntr_reached(cntr: *mut abi::fid_cntr, ps: *mut u64) -> c_int {
+    match with_cntr(cntr, |st, k| {
+        st.progress();
+        st.cntr_reached(k)
+    }) {
+        Ok(Some(t)) => put(ps, t).map_or_else(neg, |()| 1),
+        Ok(None) => 0,
+        Err(e) => neg(e),
+    }
+}
+
+static RB_DOMAIN_OPS: DomainOps = DomainOps {
+    size: std::mem::size_of::<DomainOps>(),
+    clock_ps: dom_clock_ps,
+    cntr_arm: dom_cntr_arm,
+    cntr_reached: dom_cntr_reached,
+};
+
+unsafe extern "C" fn obj_ops_open(
+    fid: *mut abi::fid,
+    name: *const c_char,
+    flags: u64,
+    ops: *mut *mut c_void,
+    _context: *mut c_void,
+) -> c_int {
+    run(|st| {
+        st.check(fid as usize, Kind::Domain)
+            .map_err(|_| abi::FI_ENOSYS)?;
+        // SAFETY: NULL or the caller's NUL-terminated name (fi_open_ops(3)).
+        let name = unsafe { crate::string(name) };
+        if name.as_deref() != DOMAIN_OPS_NAME.to_str().ok() || flags != 0 {
+            return Err(abi::FI_ENOSYS);
+        }
+        put(ops, &RB_DOMAIN_OPS as *const DomainOps as *mut c_void).map(|()| 0)
+    })
+}
 enosys!(no_tostr(*const abi::fid, *mut c_char, usize) -> c_int);
 enosys!(no_ops_set(*mut abi::fid, *const c_char, u64, *mut c_void, *mut c_void) -> c_int);
 
@@ -323,7 +391,7 @@ pub static FID_OPS: abi::fi_ops = abi::fi_ops {
     close: Some(obj_close),
     bind: Some(obj_bind),
     control: Some(obj_control),
-    ops_open: Some(no_ops_open),
+    ops_open: Some(obj_ops_open),
     tostr: Some(no_tostr),
     ops_set: Some(no_ops_set),
 };
@@ -724,12 +792,26 @@ fn cntr_update(
     with_cntr(c, |st, k| f(st.cntr(k)?).map_err(|_| abi::FI_EIO)).map_or_else(neg, |()| 0)
 }
 
+/// Adds to counter `c`: one posted register store when the amount fits 32 bits, else a
+/// command.
 unsafe extern "C" fn cntr_add(c: *mut abi::fid_cntr, v: u64) -> c_int {
-    cntr_update(c, |x| x.add_wide(v, 0))
+    cntr_update(c, |x| match u32::try_from(v) {
+        Ok(v) => {
+            x.add(v);
+            Ok(())
+        }
+        Err(_) => x.add_wide(v, 0),
+    })
 }
 
 unsafe extern "C" fn cntr_adderr(c: *mut abi::fid_cntr, v: u64) -> c_int {
-    cntr_update(c, |x| x.add_wide(0, v))
+    cntr_update(c, |x| match u32::try_from(v) {
+        Ok(v) => {
+            x.add_error(v);
+            Ok(())
+        }
+        Err(_) => x.add_wide(0, v),
+    })
 }
 
 unsafe extern "C" fn cntr_set(c: *mut abi::fid_cntr, v: u64) -> c_int {

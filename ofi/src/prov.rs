@@ -474,6 +474,8 @@ pub struct State {
     /// The in-process fabric (without `RINGBELL_SERVE`): made when its first NIC opens,
     /// with the plan's NIC count and seed, and kept for the life of the process.
     pub fabric: Option<ringbell_emu::Fabric>,
+    /// COUNTER events of armed counters (the provider's timing ops), by NIC.
+    pub cntr_events: HashMap<usize, Vec<ringbell::AsyncEvent>>,
 }
 
 /// The guarded state.
@@ -737,10 +739,18 @@ impl State {
         Ok((vec![sge], vec![mr], None, data))
     }
 
+    /// The SGEs of buffers `(addr, len, desc)`: a buffer without a descriptor is registered
+    /// for the operation with device rights `acc` (none for a buffer the NIC only reads,
+    /// which may be read-only memory; `LOCAL_WRITE` for one it writes).
+    ///
+    /// # Safety
+    /// Every buffer is memory of this process that stays mapped until the operation
+    /// completes.
     unsafe fn sges(
         &self,
         dom: usize,
         bufs: &[(usize, usize, usize)],
+        acc: Access,
     ) -> Result<(Vec<Sge>, Vec<MemoryRegion>), Errno> {
         let mut sges = Vec::new();
         let mut tmp = Vec::new();
@@ -756,7 +766,7 @@ impl State {
                 }
             } else {
                 // SAFETY: per the caller.
-                let mr = unsafe { self.reg(dom, addr, len)? };
+                let mr = unsafe { self.reg_access(dom, addr, len, acc)? };
                 let k = mr.lkey();
                 tmp.push(mr);
                 k
@@ -790,7 +800,7 @@ impl State {
             e.domain
         };
         // SAFETY: per the caller.
-        let (sges, tmp) = unsafe { self.sges(dom, bufs)? };
+        let (sges, tmp) = unsafe { self.sges(dom, bufs, Access::LOCAL_WRITE)? };
         let e = self.ep_mut(ep)?;
         let wr_id = e.next_wr;
         e.next_wr += 1;
@@ -848,7 +858,7 @@ impl State {
             (sges, tmp, inline)
         } else {
             // SAFETY: per the caller.
-            let (s, t) = unsafe { self.sges(dom, bufs)? };
+            let (s, t) = unsafe { self.sges(dom, bufs, Access::empty())? };
             (s, t, None)
         };
         let e = self.ep_mut(ep)?;
@@ -966,8 +976,13 @@ impl State {
             copy = data;
             (sges, tmp, inline)
         } else {
+            // The NIC reads a WRITE's source and writes every other operation's buffer.
+            let acc = match req.op {
+                RmaOp::Write { .. } => Access::empty(),
+                _ => Access::LOCAL_WRITE,
+            };
             // SAFETY: per the caller.
-            let (s, t) = unsafe { self.sges(dom, bufs)? };
+            let (s, t) = unsafe { self.sges(dom, bufs, acc)? };
             (s, t, None)
         };
         if atomic && sges.iter().map(|s| s.len).sum::<u32>() != 8 {
@@ -1003,7 +1018,7 @@ impl State {
             let operand = if atomic && req.operand != 0 {
                 // SAFETY: the operand buffer stays valid until the operation completes
                 // (fi_atomic(3)), per the caller.
-                let mr = unsafe { self.reg(dom, req.operand, 8)? };
+                let mr = unsafe { self.reg_access(dom, req.operand, 8, Access::empty())? };
                 let sge = mr.sge(req.operand as u64 - mr.addr(), 8);
                 op._tmp.push(mr);
                 Some(sge)
@@ -1495,7 +1510,7 @@ impl State {
                     m.mr.rkey()
                 } else {
                     // SAFETY: per the caller.
-                    let mr = unsafe { self.reg(dom, addr, len)? };
+                    let mr = unsafe { self.reg_access(dom, addr, len, Access::REMOTE_READ)? };
                     let k = mr.rkey();
                     tmp.push(mr);
                     k
@@ -1577,7 +1592,7 @@ impl State {
             None
         };
         // SAFETY: per the caller.
-        let (sges, tmp) = unsafe { self.sges(dom, bufs)? };
+        let (sges, tmp) = unsafe { self.sges(dom, bufs, Access::LOCAL_WRITE)? };
         let t = TRecv {
             ctx: req.ctx,
             tag: req.tag,

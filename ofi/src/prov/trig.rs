@@ -176,6 +176,40 @@ impl State {
         }
     }
 
+    /// The device clock of domain `dom`, in picoseconds.
+    pub fn clock_ps(&self, dom: usize) -> Result<u64, Errno> {
+        let nic = self.domain(dom)?.nic;
+        Ok(self.nics.get(&nic).ok_or(EINVAL)?.dev.clock_ps())
+    }
+
+    /// Arms counter `key`: the device notes the time its success value reaches `threshold`
+    /// (see [`State::cntr_reached`]).
+    pub fn cntr_arm(&mut self, key: usize, threshold: u64) -> Result<(), Errno> {
+        self.cntr(key)?.arm(threshold).map_err(|_| abi::FI_EIO)
+    }
+
+    /// The device time at which armed counter `key` reached its threshold, if it has.
+    pub fn cntr_reached(&mut self, key: usize) -> Result<Option<u64>, Errno> {
+        let (dom, num) = match self.objs.get(&key) {
+            Some(Obj::Cntr(c)) => (c.domain, c.c.num()),
+            _ => return Err(EINVAL),
+        };
+        let nic = self.domain(dom)?.nic;
+        let dev = self.nics.get(&nic).ok_or(EINVAL)?.dev.clone();
+        let stash = self.cntr_events.entry(nic).or_default();
+        while let Some(e) = dev.poll_event() {
+            if e.kind == ringbell_specs::cqe::EventType::Counter {
+                stash.push(e);
+            }
+        }
+        let at = stash.iter().position(|e| e.obj == num);
+        match at.map(|i| stash.remove(i)) {
+            None => Ok(None),
+            Some(e) if e.subtype == 0 => Ok(Some(e.timestamp)),
+            Some(_) => Err(abi::FI_EIO),
+        }
+    }
+
     /// The live counter `key`.
     pub fn cntr(&self, key: usize) -> Result<&Counter, Errno> {
         match self.objs.get(&key) {
@@ -431,7 +465,7 @@ impl State {
             (Vec::new(), Vec::new())
         } else {
             // SAFETY: per the caller.
-            unsafe { self.sges(dom, bufs)? }
+            unsafe { self.sges(dom, bufs, Access::empty())? }
         };
         // SAFETY: `hdr` is this library's heap copy, kept with the operation (a Vec's buffer
         // does not move when the Vec does) until it completes.
