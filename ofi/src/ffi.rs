@@ -1737,6 +1737,7 @@ unsafe extern "C" fn t_recv(
         ignore,
         src,
         report: false,
+        peek: prov::Peek::None,
     };
     trecv_common(ep, &[(buf as usize, len, desc as usize)], req)
 }
@@ -1758,6 +1759,7 @@ unsafe extern "C" fn t_recvv(
         ignore,
         src,
         report: false,
+        peek: prov::Peek::None,
     };
     // SAFETY: `count` iovecs and descriptors (fi_trecvv(3)).
     match unsafe { bufs(iov, desc, count) } {
@@ -1771,16 +1773,21 @@ unsafe extern "C" fn t_recvmsg(ep: *mut Ep, msg: *const abi::fi_msg_tagged, flag
     let Some(m) = (unsafe { msg.as_ref() }) else {
         return -(abi::FI_EINVAL as isize);
     };
-    if flags & (abi::FI_PEEK as u64 | abi::FI_CLAIM | abi::FI_DISCARD | abi::FI_TRIGGER as u64) != 0
-    {
+    if flags & abi::FI_TRIGGER as u64 != 0 {
+        // The NIC's table holds send-side work only.
         return -(abi::FI_ENOSYS as isize);
     }
+    let peek = match prov::Peek::from_flags(flags) {
+        Ok(p) => p,
+        Err(e) => return -(e as isize),
+    };
     let req = prov::TRecvReq {
         ctx: m.context as u64,
         tag: m.tag,
         ignore: m.ignore,
         src: m.addr,
         report: flags & abi::FI_COMPLETION as u64 != 0,
+        peek,
     };
     // SAFETY: the message's `iov_count` iovecs and descriptors.
     match unsafe { bufs(m.msg_iov, m.desc, m.iov_count) } {

@@ -35,7 +35,9 @@ use ringbell::{Counter, TriggerHandle};
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Mutex, MutexGuard, OnceLock};
 
+mod peek;
 mod trig;
+pub use peek::Peek;
 pub use trig::{Trig, WorkOp};
 
 /// Length of an endpoint address.
@@ -433,6 +435,8 @@ pub struct Ep {
     tsends: HashMap<u64, TSend>,
     /// Bound counters.
     pub cntrs: EpCntrs,
+    /// Messages claimed by `FI_PEEK | FI_CLAIM`, by the context of the claim.
+    claimed: HashMap<u64, (Rts, Vec<u8>)>,
 }
 
 pub enum Obj {
@@ -645,6 +649,7 @@ impl State {
             unexpected: VecDeque::new(),
             tsends: HashMap::new(),
             cntrs: EpCntrs::default(),
+            claimed: HashMap::new(),
         })
     }
 
@@ -1591,6 +1596,9 @@ impl State {
         } else {
             None
         };
+        if req.peek != Peek::None && self.peek_trecv(ep, &req, src)?.is_some() {
+            return Ok(());
+        }
         // SAFETY: per the caller.
         let (sges, tmp) = unsafe { self.sges(dom, bufs, Access::LOCAL_WRITE)? };
         let t = TRecv {
@@ -1605,6 +1613,12 @@ impl State {
             report: req.report || !selective,
         };
         let e = self.ep_mut(ep)?;
+        if let Peek::Claim { .. } = req.peek {
+            // The message claimed with this context, into these buffers.
+            let (r, payload) = e.claimed.remove(&req.ctx).ok_or(EINVAL)?;
+            self.start_read(ep, t, r, &payload);
+            return Ok(());
+        }
         match e.unexpected.iter().position(|(r, _)| t.takes(r)) {
             Some(i) => {
                 if let Some((r, payload)) = e.unexpected.remove(i) {
@@ -1902,6 +1916,8 @@ pub struct TRecvReq {
     pub src: u64,
     /// Report a completion even under `FI_SELECTIVE_COMPLETION`.
     pub report: bool,
+    /// `FI_PEEK`, `FI_CLAIM`, `FI_DISCARD`.
+    pub peek: Peek,
 }
 
 impl Ep {

@@ -599,6 +599,85 @@ static void test_deferred_work(void)
 	fi_close(&t2->fid);
 }
 
+/* FI_PEEK, FI_CLAIM and FI_DISCARD (fi_tagged(3)) on eager and rendezvous messages. */
+static void test_peek(void)
+{
+	char *sbuf = pages(1 << 16), *rbuf = pages(1 << 16);
+	struct fi_cq_tagged_entry e;
+	struct fi_cq_err_entry err;
+	struct fi_context pctx, cctx;
+	struct iovec iov = {.iov_base = rbuf, .iov_len = 1 << 16};
+	struct fi_msg_tagged m = {.msg_iov = &iov, .iov_count = 1, .addr = FI_ADDR_UNSPEC,
+				  .tag = 0x500, .context = &pctx};
+	/* Nothing there yet: an FI_ENOMSG error entry. */
+	CHECK_EQ(fi_trecvmsg(B.ep, &m, FI_PEEK), 0);
+	CHECK_EQ(one_err(B.cq, &err), 0);
+	CHECK_EQ(err.err, FI_ENOMSG);
+	CHECK(err.op_context == &pctx);
+	/* An eager and a rendezvous message, unexpected at B. */
+	memset(sbuf, 'e', 100);
+	memset(sbuf + 1000, 'r', 40000);
+	MUST(fi_tsenddata(A.ep, sbuf, 100, NULL, 77, A.peer, 0x500, NULL));
+	MUST(fi_tsend(A.ep, sbuf + 1000, 40000, NULL, A.peer, 0x501, NULL));
+	/* Peek until each has arrived: its tag, length, CQ data; nothing is consumed. */
+	for (int tries = 0;; tries++) {
+		CHECK_EQ(fi_trecvmsg(B.ep, &m, FI_PEEK), 0);
+		ssize_t r = one(B.cq, &e, 200000);
+		if (r == 0)
+			break;
+		struct fi_cq_err_entry x;
+		fi_cq_readerr(B.cq, &x, 0);
+		if (tries > 1000) {
+			CHECK(0);
+			break;
+		}
+	}
+	CHECK_EQ(e.len, 100);
+	CHECK_EQ(e.tag, 0x500);
+	CHECK_EQ(e.data, 77);
+	CHECK(e.flags & FI_REMOTE_CQ_DATA);
+	CHECK(e.buf == NULL);
+	CHECK_EQ(fi_trecvmsg(B.ep, &m, FI_PEEK), 0);
+	CHECK_EQ(one(B.cq, &e, 200000), 0);
+	/* Claim the eager one, then receive it with the same context. */
+	CHECK_EQ(fi_trecvmsg(B.ep, &m, FI_PEEK | FI_CLAIM), 0);
+	CHECK_EQ(one(B.cq, &e, 200000), 0);
+	CHECK_EQ(fi_trecvmsg(B.ep, &m, FI_PEEK), 0); /* claimed: no longer there */
+	CHECK_EQ(one_err(B.cq, &err), 0);
+	CHECK_EQ(err.err, FI_ENOMSG);
+	memset(rbuf, 0, 200);
+	CHECK_EQ(fi_trecvmsg(B.ep, &m, FI_CLAIM), 0);
+	CHECK_EQ(one(B.cq, &e, 200000), 0);
+	CHECK_EQ(e.len, 100);
+	CHECK(e.op_context == &pctx);
+	CHECK(rbuf[0] == 'e' && rbuf[99] == 'e');
+	CHECK_EQ(one(A.cq, &e, 200000), 0); /* the eager send's completion */
+	/* A claim of a context that claimed nothing. */
+	m.context = &cctx;
+	CHECK_EQ(fi_trecvmsg(B.ep, &m, FI_CLAIM), -FI_EINVAL);
+	/* Discard the rendezvous one: its sender completes, no receive takes it. */
+	m.tag = 0x501;
+	for (int tries = 0;; tries++) {
+		CHECK_EQ(fi_trecvmsg(B.ep, &m, FI_PEEK | FI_DISCARD), 0);
+		if (one(B.cq, &e, 200000) == 0)
+			break;
+		struct fi_cq_err_entry x;
+		fi_cq_readerr(B.cq, &x, 0);
+		if (tries > 1000) {
+			CHECK(0);
+			break;
+		}
+	}
+	CHECK_EQ(e.len, 40000);
+	CHECK_EQ(one(A.cq, &e, 200000), 0);
+	CHECK(e.flags & FI_SEND);
+	CHECK_EQ(fi_trecvmsg(B.ep, &m, FI_PEEK), 0);
+	CHECK_EQ(one_err(B.cq, &err), 0);
+	CHECK_EQ(err.err, FI_ENOMSG);
+	/* FI_DISCARD alone means nothing. */
+	CHECK_EQ(fi_trecvmsg(B.ep, &m, FI_DISCARD), -FI_EINVAL);
+}
+
 /* Tagged receives with a bad buffer. */
 static void test_bad_trecv(void)
 {
@@ -650,6 +729,7 @@ int main(void)
 	test_deferred_work();
 	test_not_enabled(list);
 	test_bad_trecv();
+	test_peek();
 
 	printf("trigger: %d passed, %d failed\n", passed, failed);
 	fi_freeinfo(hints);
