@@ -82,8 +82,9 @@ static int ct_passed, ct_failed, ct_known;
 /* A step that everything after it needs: stop the program if it fails. */
 #define REQUIRE(cond)                                                                \
 	do {                                                                         \
-		CHECK(cond);                                                         \
-		if (!(cond)) {                                                       \
+		int ct_ok_ = !!(cond);                                               \
+		CHECK(ct_ok_ && #cond);                                              \
+		if (!ct_ok_) {                                                       \
 			fprintf(stderr, "%s:%d: cannot go on\n", __FILE__, __LINE__); \
 			exit(ct_summary_exit());                                     \
 		}                                                                    \
