@@ -118,6 +118,8 @@ fn c_messages() {
             &["local", "context"],
             &["local", "msg"],
             &["nolocal", "data"],
+            &["local", "tagged", "map"],
+            &["nolocal", "msg", "sread"],
             &["local", "tagged", "selective"],
             &["nolocal", "data", "selective"],
         ],

@@ -158,6 +158,7 @@ struct ct_opts {
 	enum fi_cq_format format; /* 0: FI_CQ_FORMAT_TAGGED */
 	uint64_t bind_flags;      /* added to FI_TRANSMIT | FI_RECV */
 	enum fi_av_type av_type;  /* 0: FI_AV_TABLE */
+	enum fi_wait_obj wait_obj; /* of the CQs; 0: FI_WAIT_NONE */
 };
 
 static inline void ct_side_open(struct ct_pair *p, struct ct_side *s, struct fi_info *info,
@@ -168,7 +169,7 @@ static inline void ct_side_open(struct ct_pair *p, struct ct_side *s, struct fi_
 	s->info = info;
 	REQUIRE(fi_domain(p->fab, info, &s->dom, NULL) == 0);
 	cq_attr.format = o->format ? o->format : FI_CQ_FORMAT_TAGGED;
-	cq_attr.wait_obj = FI_WAIT_NONE;
+	cq_attr.wait_obj = o->wait_obj;
 	cq_attr.size = 256;
 	REQUIRE(fi_cq_open(s->dom, &cq_attr, &s->cq, NULL) == 0);
 	av_attr.type = o->av_type ? o->av_type : FI_AV_TABLE;

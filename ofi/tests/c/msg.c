@@ -4,16 +4,20 @@
  * completion, and bad input (addresses out of the AV, descriptors that are not regions,
  * oversized injects, NULL messages).
  *
- * Usage: msg local|nolocal context|msg|data|tagged [selective]
+ * Usage: msg local|nolocal context|msg|data|tagged [selective|map|sread]
  *   local: FI_MR_LOCAL in the hints, every buffer registered and its descriptor passed;
  *   nolocal: no mode bit, no descriptor (the provider registers itself).
  *   selective: the CQs are bound with FI_SELECTIVE_COMPLETION.
+ *   map: FI_AV_MAP address vectors instead of FI_AV_TABLE.
+ *   sread: CQs with a wait object (FI_WAIT_UNSPEC), completions waited for with
+ *   fi_cq_sread/fi_cq_sreadfrom.
  */
 #include "ctest.h"
 
 static struct ct_pair P;
 static int local;
 static enum fi_cq_format fmt;
+static int sread;
 static char *abuf, *bbuf; /* each side's buffers, 2 MiB + a page each */
 static struct fid_mr *amr, *bmr;
 #define BUFLEN ((size_t)(2 << 20) + 4096)
@@ -44,7 +48,14 @@ static int wait_entry(struct fid_cq *cq, struct fi_cq_tagged_entry *out, fi_addr
 		      : fmt == FI_CQ_FORMAT_DATA  ? sizeof(u.d)
 						  : sizeof(u.t);
 	memset(&u, 0xa5, sizeof(u));
-	ssize_t r = ct_read(cq, &u, src, 30);
+	ssize_t r;
+	if (sread) {
+		/* Blocks (the provider polls) until an entry comes, at most 30 s. */
+		r = src ? fi_cq_sreadfrom(cq, &u, 1, src, NULL, 30000)
+			: fi_cq_sread(cq, &u, 1, NULL, 30000);
+	} else {
+		r = ct_read(cq, &u, src, 30);
+	}
 	if (r != 1) {
 		fprintf(stderr, "wait_entry: %zd (%s)\n", r, r < 0 ? fi_strerror((int)-r) : "");
 		return 0;
@@ -120,8 +131,25 @@ static void order_and_readfrom(void)
 		ct_fill(abuf + i * 256, 10 + i, 20 + i);
 		CHECK_EQ(fi_send(P.a.ep, abuf + i * 256, 10 + i, adesc(), P.a.peer, NULL), 0);
 	}
-	for (int i = 0; i < 3; i++)
-		expect(P.a.cq, NULL, FI_SEND | FI_MSG, 0, 0);
+	/* The three send completions, several per fi_cq_read when the format allows it. */
+	if (fmt == FI_CQ_FORMAT_TAGGED && !sread) {
+		struct fi_cq_tagged_entry es[4];
+		int got = 0;
+		double end = ct_now() + 30;
+		while (got < 3 && ct_now() < end) {
+			ssize_t r = fi_cq_read(P.a.cq, es + got, 4 - got);
+			if (r > 0)
+				got += (int)r;
+			else
+				CHECK_EQ(r, -FI_EAGAIN);
+		}
+		CHECK_EQ(got, 3);
+		for (int i = 0; i < got; i++)
+			CHECK_EQ(es[i].flags, FI_SEND | FI_MSG);
+	} else {
+		for (int i = 0; i < 3; i++)
+			expect(P.a.cq, NULL, FI_SEND | FI_MSG, 0, 0);
+	}
 	for (int i = 0; i < 3; i++) {
 		struct fi_cq_tagged_entry e;
 		fi_addr_t src = 12345;
@@ -243,6 +271,30 @@ static void untagged_truncation(void)
 		fprintf(stderr, "msg.c: sender of the truncated message: fi_cq_read gave %zd\n", r);
 }
 
+/* An endpoint sending to itself: the offer has FI_LOCAL_COMM. */
+static void loopback(void)
+{
+	fi_addr_t self = FI_ADDR_NOTAVAIL;
+	struct fi_cq_tagged_entry e;
+	CHECK_EQ(fi_av_insert(P.a.av, P.a.name, 1, &self, 0, NULL), 1);
+	CHECK(P.list->caps & FI_LOCAL_COMM);
+	ct_fill(abuf, 32, 14);
+	CHECK_EQ(fi_recv(P.a.ep, abuf + 4096, 64, adesc(), FI_ADDR_UNSPEC, (void *)0x5e1f), 0);
+	CHECK_EQ(fi_send(P.a.ep, abuf, 32, adesc(), self, (void *)0x5e2f), 0);
+	int sent = 0, got = 0;
+	double end = ct_now() + 5;
+	while ((!sent || !got) && ct_now() < end) {
+		ssize_t r = fi_cq_read(P.a.cq, &e, 1);
+		if (r == 1 && e.op_context == (void *)0x5e2f)
+			sent = 1;
+		if (r == 1 && e.op_context == (void *)0x5e1f)
+			got = 1;
+		if (r == -FI_EAVAIL)
+			break;
+	}
+	CHECK(sent && got && ct_same(abuf + 4096, 32, 14));
+}
+
 static void bad_input(void)
 {
 	/* An AV index out of range, FI_ADDR_UNSPEC as a destination, a removed address. */
@@ -318,12 +370,16 @@ int main(int argc, char **argv)
 	      : strcmp(argv[2], "msg") == 0   ? FI_CQ_FORMAT_MSG
 	      : strcmp(argv[2], "data") == 0  ? FI_CQ_FORMAT_DATA
 					      : FI_CQ_FORMAT_TAGGED;
-	int sel = argc > 3 && strcmp(argv[3], "selective") == 0;
-	snprintf(name, sizeof(name), "msg %s %s%s", argv[1], argv[2], sel ? " selective" : "");
+	const char *opt = argc > 3 ? argv[3] : "";
+	int sel = strcmp(opt, "selective") == 0, map = strcmp(opt, "map") == 0;
+	sread = strcmp(opt, "sread") == 0;
+	snprintf(name, sizeof(name), "msg %s %s%s%s", argv[1], argv[2], *opt ? " " : "", opt);
 	ct_name = name;
 
 	struct ct_opts o = { .caps = FI_MSG, .mr_local = local, .format = fmt,
-			     .bind_flags = sel ? FI_SELECTIVE_COMPLETION : 0 };
+			     .bind_flags = sel ? FI_SELECTIVE_COMPLETION : 0,
+			     .av_type = map ? FI_AV_MAP : FI_AV_TABLE,
+			     .wait_obj = sread ? FI_WAIT_UNSPEC : FI_WAIT_NONE };
 	ct_pair_open(&P, &o);
 	if (local)
 		CHECK(P.list->domain_attr->mr_mode & FI_MR_LOCAL);
@@ -346,6 +402,7 @@ int main(int argc, char **argv)
 		vectors_and_msgs();
 		bad_input();
 		untagged_truncation();
+		loopback();
 	}
 	if (local) {
 		CHECK_EQ(fi_close(&amr->fid), 0);
