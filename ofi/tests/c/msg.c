@@ -271,6 +271,75 @@ static void untagged_truncation(void)
 		fprintf(stderr, "msg.c: sender of the truncated message: fi_cq_read gave %zd\n", r);
 }
 
+/* (Tagged-format CQs: several entries per read, each naming its buffer's slot.)
+ * Many messages through bounded windows of sends and receives: a send or receive the
+ * provider cannot take now is -FI_EAGAIN (fi_msg(3)) and is retried after reading the
+ * CQs; every message arrives once, in order (FI_ORDER_SAS), with its bytes. */
+static void many(void)
+{
+	enum { N = 6000, W = 1500, LEN = 64 };
+	int posted = 0, received = 0, sent = 0, completed = 0, bad = 0, eagain = 0;
+	struct fi_cq_tagged_entry es[16];
+	double end = ct_now() + 60;
+	while ((received < N || completed < N) && ct_now() < end) {
+		while (posted < N && posted - received < W) {
+			ssize_t r = fi_recv(P.b.ep, bbuf + (posted % W) * LEN, LEN, bdesc(),
+					    FI_ADDR_UNSPEC, (void *)(uintptr_t)(posted % W));
+			if (r == -FI_EAGAIN) {
+				eagain++;
+				break;
+			}
+			if (r) {
+				CHECK_EQ(r, 0);
+				return;
+			}
+			posted++;
+		}
+		while (sent < N && sent - completed < W) {
+			char *b = abuf + (sent % W) * LEN;
+			ct_fill(b, LEN, (unsigned)sent);
+			memcpy(b, &sent, sizeof(sent));
+			ssize_t r = fi_send(P.a.ep, b, LEN, adesc(), P.a.peer, NULL);
+			if (r == -FI_EAGAIN) {
+				eagain++;
+				break;
+			}
+			if (r) {
+				CHECK_EQ(r, 0);
+				return;
+			}
+			sent++;
+		}
+		ssize_t r = fi_cq_read(P.a.cq, es, 16);
+		if (r > 0)
+			completed += (int)r;
+		else if (r != -FI_EAGAIN) {
+			CHECK_EQ(r, -FI_EAGAIN);
+			return;
+		}
+		r = fi_cq_read(P.b.cq, es, 16);
+		if (r < 0 && r != -FI_EAGAIN) {
+			CHECK_EQ(r, -FI_EAGAIN);
+			return;
+		}
+		for (ssize_t i = 0; i < r; i++) {
+			uintptr_t slot = (uintptr_t)es[i].op_context;
+			char *b = bbuf + slot * LEN;
+			char want[LEN];
+			ct_fill(want, LEN, (unsigned)received);
+			memcpy(want, &received, sizeof(received));
+			if (memcmp(b, want, LEN) != 0 || es[i].len != LEN)
+				bad++;
+			received++;
+		}
+	}
+	fprintf(stderr, "msg.c: %d messages, %d sends completed, %d -FI_EAGAIN\n", received,
+		completed, eagain);
+	CHECK_EQ(received, N);
+	CHECK_EQ(completed, N);
+	CHECK_EQ(bad, 0);
+}
+
 /* An endpoint sending to itself: the offer has FI_LOCAL_COMM. */
 static void loopback(void)
 {
@@ -401,6 +470,8 @@ int main(int argc, char **argv)
 		data_and_inject();
 		vectors_and_msgs();
 		bad_input();
+		if (fmt == FI_CQ_FORMAT_TAGGED && !sread)
+			many();
 		untagged_truncation();
 		loopback();
 	}

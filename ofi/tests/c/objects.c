@@ -105,6 +105,12 @@ static void getinfo(void)
 	h->tx_attr->inject_size = 1 << 20;
 	CHECK_EQ(fi_getinfo(CT_VERSION, NULL, NULL, 0, h, &list), -FI_ENODATA);
 	h->tx_attr->inject_size = 0;
+	/* The memory-registration modes of libfabric 1.4 and before. */
+	h->domain_attr->mr_mode = FI_MR_BASIC;
+	CHECK_EQ(fi_getinfo(CT_VERSION, NULL, NULL, 0, h, &list), -FI_ENODATA);
+	h->domain_attr->mr_mode = FI_MR_SCALABLE;
+	CHECK_EQ(fi_getinfo(CT_VERSION, NULL, NULL, 0, h, &list), -FI_ENODATA);
+	h->domain_attr->mr_mode = FI_MR_LOCAL;
 	/* A version libfabric 1.17 does not know. */
 	CHECK_EQ(fi_getinfo(FI_VERSION(2, 0), NULL, NULL, 0, h, &list), -FI_ENOSYS);
 	CHECK(list == NULL);
@@ -414,6 +420,24 @@ static void endpoints(struct fid_fabric *fab, struct fi_info *info, struct fid_d
 	CHECK_EQ(fi_getname(&ep->fid, name, &len), 0);
 	CHECK_EQ(len, need);
 	CHECK_EQ(fi_getname(&ep->fid, name, NULL), -FI_EINVAL);
+	char before[64];
+	memcpy(before, name, need);
+
+	/* An event queue (RDM endpoints report nothing on it): empty, bindable. */
+	struct fi_eq_attr eq_attr = { .size = 16, .wait_obj = FI_WAIT_NONE };
+	struct fid_eq *eq = NULL;
+	uint32_t event;
+	struct fi_eq_entry eqe;
+	struct fi_eq_err_entry eqerr = { 0 };
+	CHECK_EQ(fi_eq_open(fab, &eq_attr, &eq, (void *)0xe0), 0);
+	if (eq) {
+		CHECK_EQ(eq->fid.fclass, FI_CLASS_EQ);
+		CHECK_EQ(fi_eq_read(eq, &event, &eqe, sizeof(eqe), 0), -FI_EAGAIN);
+		CHECK_EQ(fi_eq_readerr(eq, &eqerr, 0), -FI_EAGAIN);
+		CHECK_EQ(fi_eq_sread(eq, &event, &eqe, sizeof(eqe), 10, 0), -FI_EAGAIN);
+		CHECK_EQ(fi_ep_bind(ep, &eq->fid, 0), 0);
+	}
+	CHECK_EQ(fi_eq_open(fab, &eq_attr, NULL, NULL), -FI_EINVAL);
 
 	/* Nothing moves before fi_enable (fi_endpoint(3): -FI_EOPBADSTATE). */
 	CHECK_EQ(fi_send(ep, buf, 8, NULL, 0, NULL), -FI_EOPBADSTATE);
@@ -434,6 +458,10 @@ static void endpoints(struct fid_fabric *fab, struct fi_info *info, struct fid_d
 	CHECK_EQ(fi_ep_bind(ep, &cq->fid, FI_RECV | FI_SELECTIVE_COMPLETION), 0);
 	CHECK_EQ(fi_enable(ep), 0);
 	CHECK_EQ(fi_enable(ep), 0);
+	/* The address does not change when the endpoint is enabled. */
+	len = sizeof(name);
+	CHECK_EQ(fi_getname(&ep->fid, name, &len), 0);
+	CHECK(memcmp(before, name, need) == 0);
 	/* Bindings are set before fi_enable. */
 	CHECK_EQ(fi_ep_bind(ep, &cq->fid, FI_TRANSMIT), -FI_EOPBADSTATE);
 	/* Options the provider does not have. */
@@ -447,6 +475,8 @@ static void endpoints(struct fid_fabric *fab, struct fi_info *info, struct fid_d
 	CHECK_EQ(fi_tsend(ep, buf, 8, NULL, 3, 1, NULL), -FI_EINVAL);
 
 	CHECK_EQ(fi_close(&ep->fid), 0);
+	if (eq)
+		CHECK_EQ(fi_close(&eq->fid), 0);
 	CHECK_EQ(fi_close(&av->fid), 0);
 	CHECK_EQ(fi_close(&cq->fid), 0);
 }

@@ -329,8 +329,79 @@ static void directed(void)
 		CHECK_EQ(ct_read(P.b.cq, &e, NULL, 30), 1);
 	CHECK(ct_quiet(P.b.cq));
 
+	/* Two endpoints of one NIC (A and C on rb0), rendezvous and eager. */
+	fi_addr_t a_to_c;
+	REQUIRE(fi_av_insert(P.a.av, C.name, 1, &a_to_c, 0, NULL) == 1);
+	for (size_t len = 100; len <= 100000; len *= 1000) {
+		ct_fill(abuf, len, 96);
+		memset(cbuf, 0, len);
+		CHECK_EQ(fi_trecv(C.ep, cbuf, len, cdesc(), FI_ADDR_UNSPEC, 9, 0, (void *)0xc9), 0);
+		CHECK_EQ(fi_tsend(P.a.ep, abuf, len, adesc(), a_to_c, 9, (void *)0xa9), 0);
+		if (ct_wait(C.cq, &e)) {
+			CHECK(e.op_context == (void *)0xc9);
+			CHECK_EQ(e.len, len);
+		} else {
+			CHECK(!"the receive on the same NIC");
+		}
+		expect_send(P.a.cq, (void *)0xa9);
+		CHECK(ct_same(cbuf, len, 96));
+	}
+
 	/* A directed receive from an address not in the AV. */
 	CHECK_EQ(fi_trecv(P.b.ep, bbuf, 64, bdesc(), 4242, 4, 0, NULL), -FI_EINVAL);
+}
+
+/* Many messages before any receive (the unexpected queue), eager and rendezvous, then
+ * received newest first by tag: each once, with its bytes. */
+static void many_unexpected(void)
+{
+	static const struct {
+		int n;
+		size_t len;
+	} runs[] = { { 2000, 64 }, { 40, 20000 } };
+	struct fi_cq_tagged_entry e;
+	for (int k = 0; k < 2; k++) {
+		int n = runs[k].n, completed = 0, bad = 0;
+		size_t len = runs[k].len;
+		for (int i = 0; i < n; i++) {
+			char *b = abuf + (size_t)i * len;
+			ct_fill(b, len, (unsigned)i + 1000 * k);
+			ssize_t r;
+			while ((r = fi_tsend(P.a.ep, b, len, adesc(), P.a.peer, 0x10000 + i,
+					     NULL)) == -FI_EAGAIN) {
+				if (fi_cq_read(P.a.cq, &e, 1) == 1)
+					completed++;
+				fi_cq_read(P.b.cq, &e, 0);
+			}
+			if (r) {
+				CHECK_EQ(r, 0);
+				return;
+			}
+		}
+		/* Eager sends complete on their own; let them (the receiver progresses too). */
+		double end = ct_now() + 30;
+		while (len <= EAGER_MAX && completed < n && ct_now() < end)
+			if (fi_cq_read(P.a.cq, &e, 1) == 1)
+				completed++;
+		for (int i = n - 1; i >= 0; i--) {
+			char *b = bbuf + (size_t)i * len;
+			memset(b, 0, len);
+			if (fi_trecv(P.b.ep, b, len, bdesc(), FI_ADDR_UNSPEC, 0x10000 + i, 0,
+				     (void *)(uintptr_t)i) != 0 ||
+			    ct_read(P.b.cq, &e, NULL, 30) != 1 || e.op_context != (void *)(uintptr_t)i ||
+			    e.tag != (uint64_t)(0x10000 + i) || e.len != len ||
+			    !ct_same(b, len, (unsigned)i + 1000 * k))
+				bad++;
+		}
+		end = ct_now() + 30;
+		while (completed < n && ct_now() < end)
+			if (fi_cq_read(P.a.cq, &e, 1) == 1)
+				completed++;
+		CHECK_EQ(bad, 0);
+		CHECK_EQ(completed, n);
+	}
+	CHECK(ct_quiet(P.a.cq));
+	CHECK(ct_quiet(P.b.cq));
 }
 
 static void bad_input(void)
@@ -402,6 +473,7 @@ int main(int argc, char **argv)
 	truncation();
 	data_inject_forms();
 	directed();
+	many_unexpected();
 	bad_input();
 	if (local) {
 		CHECK_EQ(fi_close(&amr->fid), 0);
