@@ -143,3 +143,8 @@ fn c_rma_and_atomics() {
         ],
     );
 }
+
+#[test]
+fn c_peers_that_are_not_there() {
+    run("peers", &[&[]]);
+}
