@@ -70,8 +70,8 @@ static int ct_passed, ct_failed, ct_known;
 	do {                                                                         \
 		if (cond) {                                                          \
 			ct_passed++;                                                 \
-			fprintf(stderr, "%s:%d: known bug fixed? now holds: %s\n", \
-				__FILE__, __LINE__, #cond);                          \
+			fprintf(stderr, "%s:%d: known bug fixed? %s: now holds: %s\n", \
+				__FILE__, __LINE__, what, #cond);                    \
 		} else {                                                             \
 			ct_known++;                                                  \
 			fprintf(stderr, "%s:%d: known provider bug: %s (%s)\n",     \
