@@ -25,8 +25,17 @@ fn sources() -> PathBuf {
 fn built() -> &'static Path {
     static DIR: OnceLock<PathBuf> = OnceLock::new();
     DIR.get_or_init(|| {
-        let out = Path::new(env!("CARGO_TARGET_TMPDIR"))
-            .join(format!("ringbell-c-suite-{}", std::process::id()));
+        let tmp = Path::new(env!("CARGO_TARGET_TMPDIR"));
+        // The binaries of earlier runs whose test process is gone.
+        for f in std::fs::read_dir(tmp).into_iter().flatten().flatten() {
+            let name = f.file_name().to_string_lossy().into_owned();
+            if let Some(pid) = name.strip_prefix("ringbell-c-suite-") {
+                if !Path::new("/proc").join(pid).exists() {
+                    let _ = std::fs::remove_dir_all(f.path());
+                }
+            }
+        }
+        let out = tmp.join(format!("ringbell-c-suite-{}", std::process::id()));
         std::fs::create_dir_all(&out).unwrap();
         let mut n = 0;
         for f in std::fs::read_dir(sources()).unwrap() {
