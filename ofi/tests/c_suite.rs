@@ -1,0 +1,167 @@
+//! The C suite: the programs of `ofi/tests/c/` (each `*.c` there, with the shared
+//! `ctest.h`) compiled with the system's `cc` against the installed libfabric headers
+//! (Debian's libfabric-dev 1.17) and `-lfabric`, `-Wall -Werror`, then run as any
+//! libfabric program would be: under `timeout 120`, with `FI_PROVIDER_PATH` naming a
+//! directory that holds only this provider, `FI_PROVIDER=ringbell`, on the in-process
+//! fabric of two NICs (`RINGBELL_NICS=2`). Each run must exit 0; its summary line
+//! (`ctests NAME: N passed, 0 failed, K known provider bugs`) is printed. What the
+//! provider does not do yet as the man pages ask is a `KNOWN_BUG` check in the programs:
+//! reported on stderr (and printed here under the summary) and counted apart, not a
+//! failure.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::sync::OnceLock;
+
+/// The directory of the C sources.
+fn sources() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/c")
+}
+
+/// Every program of `tests/c`, compiled once per test process into the target's tmp
+/// directory; the directory of the binaries.
+fn built() -> &'static Path {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| {
+        let tmp = Path::new(env!("CARGO_TARGET_TMPDIR"));
+        // The binaries of earlier runs whose test process is gone.
+        for f in std::fs::read_dir(tmp).into_iter().flatten().flatten() {
+            let name = f.file_name().to_string_lossy().into_owned();
+            if let Some(pid) = name.strip_prefix("ringbell-c-suite-") {
+                if !Path::new("/proc").join(pid).exists() {
+                    let _ = std::fs::remove_dir_all(f.path());
+                }
+            }
+        }
+        let out = tmp.join(format!("ringbell-c-suite-{}", std::process::id()));
+        std::fs::create_dir_all(&out).unwrap();
+        let mut n = 0;
+        for f in std::fs::read_dir(sources()).unwrap() {
+            let path = f.unwrap().path();
+            if path.extension().is_none_or(|e| e != "c") {
+                continue;
+            }
+            let name = path.file_stem().unwrap().to_str().unwrap().to_string();
+            let o = Command::new("cc")
+                .args(["-std=gnu11", "-Wall", "-Wextra", "-Wno-unused-parameter"])
+                .args(["-Werror", "-O1", "-g", "-o"])
+                .arg(out.join(&name))
+                .arg(&path)
+                .arg("-lfabric")
+                .output()
+                .unwrap_or_else(|e| panic!("running cc: {e} (install a C compiler)"));
+            assert!(
+                o.status.success(),
+                "compiling {}:\n{}",
+                path.display(),
+                text(&o)
+            );
+            n += 1;
+        }
+        assert!(n > 0, "no C programs in {}", sources().display());
+        out
+    })
+}
+
+fn text(o: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
+/// Runs `program` once per argument list, each in its own process, and checks its exit
+/// status and summary line.
+fn run(program: &str, runs: &[&[&str]]) {
+    let bin = built().join(program);
+    let prov = common::provider_dir(&format!("c-{program}"));
+    for args in runs {
+        let o = Command::new("timeout")
+            .arg("120")
+            .arg(&bin)
+            .args(*args)
+            .env("FI_PROVIDER_PATH", &prov)
+            .env("FI_PROVIDER", "ringbell")
+            .env("RINGBELL_NICS", "2")
+            .env("RINGBELL_SEED", "7")
+            .env_remove("RINGBELL_SERVE")
+            .env_remove("RINGBELL_NIC")
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&o.stdout);
+        let summary: Vec<&str> = stdout
+            .lines()
+            .filter(|l| l.starts_with("ctests "))
+            .collect();
+        for l in &summary {
+            println!("{l}");
+        }
+        // What the provider does not do yet as libfabric asks (not failures), or now does.
+        for l in String::from_utf8_lossy(&o.stderr)
+            .lines()
+            .filter(|l| l.contains("known provider bug") || l.contains("known bug fixed?"))
+        {
+            println!("  {l}");
+        }
+        assert!(
+            o.status.success(),
+            "{program} {args:?} exited with {:?}:\n{}",
+            o.status,
+            text(&o)
+        );
+        assert!(
+            summary.len() == 1 && summary[0].contains(" 0 failed"),
+            "{program} {args:?}: no clean summary line:\n{}",
+            text(&o)
+        );
+    }
+}
+
+#[test]
+fn c_objects() {
+    run("objects", &[&[]]);
+}
+
+#[test]
+fn c_messages() {
+    run(
+        "msg",
+        &[
+            &["nolocal", "tagged"],
+            &["local", "tagged"],
+            &["local", "context"],
+            &["local", "msg"],
+            &["nolocal", "data"],
+            &["local", "tagged", "map"],
+            &["nolocal", "msg", "sread"],
+            &["local", "tagged", "selective"],
+            &["nolocal", "data", "selective"],
+        ],
+    );
+}
+
+#[test]
+fn c_tagged() {
+    run("tagged", &[&["nolocal"], &["local"]]);
+}
+
+#[test]
+fn c_rma_and_atomics() {
+    run(
+        "rma",
+        &[
+            &["nolocal"],
+            &["local"],
+            &["local", "selective"],
+            &["nolocal", "selective"],
+        ],
+    );
+}
+
+#[test]
+fn c_peers_that_are_not_there() {
+    run("peers", &[&[]]);
+}
