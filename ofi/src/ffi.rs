@@ -86,11 +86,13 @@ macro_rules! enosys {
 unsafe extern "C" fn obj_close(fid: *mut abi::fid) -> c_int {
     run(|st| {
         let key = fid as usize;
-        if st.objs.get(&key).map(Obj::kind) == Some(Kind::Cntr) && st.cntr_bound(key) {
-            // Still bound to an endpoint (as libfabric's own providers refuse it).
+        if st.in_use(key) {
+            // Still holding objects, or bound to an endpoint (fi_domain(3), fi_cq(3),
+            // fi_av(3), fi_cntr(3)).
             return Err(abi::FI_EBUSY);
         }
         let obj = st.objs.remove(&key).ok_or(abi::FI_EINVAL)?;
+        st.parents.remove(&key);
         let k = obj.kind();
         if let Obj::Ep(ep) = &obj {
             st.close_ep(ep);
@@ -449,6 +451,7 @@ pub unsafe extern "C" fn domain_open(
             },
             Obj::Domain(d),
         );
+        st.parents.insert(p as usize, fabric as usize);
         put(out, p).map(|()| 0)
     })
 }
@@ -474,6 +477,7 @@ pub unsafe extern "C" fn eq_open(
             },
             Obj::Eq,
         );
+        st.parents.insert(p as usize, fabric as usize);
         put(out, p).map(|()| 0)
     })
 }
@@ -581,6 +585,7 @@ unsafe extern "C" fn cq_open(
             },
             Obj::Cq(cq),
         );
+        st.parents.insert(p as usize, dom as usize);
         put(out, p).map(|()| 0)
     })
 }
@@ -610,6 +615,7 @@ unsafe extern "C" fn av_open(
             },
             Obj::Av(prov::Av { addrs: Vec::new() }),
         );
+        st.parents.insert(p as usize, dom as usize);
         put(out, p).map(|()| 0)
     })
 }
@@ -643,6 +649,7 @@ unsafe extern "C" fn endpoint(
             },
             Obj::Ep(Box::new(ep)),
         );
+        st.parents.insert(p as usize, dom as usize);
         put(out, p).map(|()| 0)
     })
 }
@@ -750,6 +757,7 @@ unsafe extern "C" fn cntr_open(
             },
             Obj::Cntr(c),
         );
+        st.parents.insert(p as usize, dom as usize);
         put(out, p).map(|()| 0)
     })
 }
@@ -894,6 +902,7 @@ fn mr_reg_one(
         },
         Obj::Mr(prov::Mr { mr, access: acc }),
     );
+    st.parents.insert(p as usize, dom);
     // SAFETY: `p` was just allocated by `publish`.
     unsafe { (*p).mem_desc = p as *mut c_void };
     put(out, p).map(|()| 0)
@@ -1429,12 +1438,23 @@ fn recv_common(
 }
 
 #[allow(clippy::too_many_arguments)]
+/// How a send takes its data.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Inject {
+    No,
+    /// An `fi_inject` call: copied now, no completion.
+    Call,
+    /// `FI_INJECT` in a `*msg` call: copied now, completed as usual.
+    Flag,
+}
+
+#[allow(clippy::too_many_arguments)]
 fn send_common(
     ep: *mut abi::fid_ep,
     b: &[(usize, usize, usize)],
     dest: u64,
     ctx: *mut c_void,
-    inject: bool,
+    inject: Inject,
     report: bool,
     imm: Option<u32>,
     trig: Option<prov::Trig>,
@@ -1450,7 +1470,8 @@ fn send_common(
                 prov::SendReq {
                     dest,
                     ctx: ctx as u64,
-                    inject,
+                    inject: inject != Inject::No,
+                    silent: inject == Inject::Call,
                     report,
                     imm,
                     trig,
@@ -1520,7 +1541,7 @@ unsafe extern "C" fn msg_send(
         &[(buf as usize, len, desc as usize)],
         dest,
         ctx,
-        false,
+        Inject::No,
         false,
         None,
         None,
@@ -1537,7 +1558,7 @@ unsafe extern "C" fn msg_sendv(
 ) -> isize {
     // SAFETY: `count` iovecs and descriptors (fi_sendv(3)).
     match unsafe { bufs(iov, desc, count) } {
-        Ok(b) => send_common(ep, &b, dest, ctx, false, false, None, None),
+        Ok(b) => send_common(ep, &b, dest, ctx, Inject::No, false, None, None),
         Err(e) => -(e as isize),
     }
 }
@@ -1577,7 +1598,11 @@ unsafe fn sendmsg_t(
             &b,
             m.addr,
             m.context,
-            flags & abi::FI_INJECT as u64 != 0,
+            if flags & abi::FI_INJECT as u64 != 0 {
+                Inject::Flag
+            } else {
+                Inject::No
+            },
             flags & abi::FI_COMPLETION as u64 != 0,
             (flags & abi::FI_REMOTE_CQ_DATA as u64 != 0).then_some(m.data as u32),
             trig,
@@ -1621,7 +1646,7 @@ unsafe extern "C" fn msg_inject(
         &[(buf as usize, len, 0)],
         dest,
         std::ptr::null_mut(),
-        true,
+        Inject::Call,
         false,
         None,
         None,
@@ -1642,7 +1667,7 @@ unsafe extern "C" fn msg_senddata(
         &[(buf as usize, len, desc as usize)],
         dest,
         ctx,
-        false,
+        Inject::No,
         false,
         Some(data as u32),
         None,
@@ -1661,7 +1686,7 @@ unsafe extern "C" fn msg_injectdata(
         &[(buf as usize, len, 0)],
         dest,
         std::ptr::null_mut(),
-        true,
+        Inject::Call,
         false,
         Some(data as u32),
         None,
@@ -1715,6 +1740,7 @@ fn sreq(dest: A, ctx: V, inject: bool, report: bool, imm: Option<u32>) -> prov::
         dest,
         ctx: ctx as u64,
         inject,
+        silent: inject,
         report,
         imm,
         trig: None,
@@ -1857,6 +1883,8 @@ unsafe fn tsendmsg_t(
         (flags & abi::FI_REMOTE_CQ_DATA as u64 != 0).then_some(m.data as u32),
     );
     req.trig = trig;
+    // FI_INJECT in a message: the data is copied, the completion reported as usual.
+    req.silent = false;
     // SAFETY: the message's `iov_count` iovecs and descriptors.
     match unsafe { bufs(m.msg_iov, m.desc, m.iov_count) } {
         Ok(b) => tsend_common(ep, &b, req, m.tag),
@@ -1948,6 +1976,7 @@ fn rma_req(
         dest,
         ctx: ctx as u64,
         inject,
+        silent: inject,
         report,
         flags,
         op,
@@ -2058,6 +2087,8 @@ unsafe fn rma_msg(
         Ok(b) if b.iter().map(|x| x.1).sum::<usize>() <= r.len => {
             let mut req = rma_req(m.addr, m.context, inject, report, cflags, op);
             req.trig = trig;
+            // FI_INJECT in a message: the data is copied, the completion reported as usual.
+            req.silent = false;
             rma_common(ep, &b, req)
         }
         Ok(_) => -(abi::FI_EINVAL as isize),
@@ -2458,10 +2489,11 @@ unsafe fn atomicmsg_t(
                 Ok(t) => t,
                 Err(e) => return -(e as isize),
             };
-            let inject = flags & abi::FI_INJECT as u64 != 0;
+            // FI_INJECT changes nothing: the operand is read now (or, triggered, when the
+            // operation fires), and the completion is reported as usual.
             let report = flags & abi::FI_COMPLETION as u64 != 0;
             let null = std::ptr::null();
-            let t = (m.datatype, m.op, m.context, inject, report);
+            let t = (m.datatype, m.op, m.context, false, report);
             atomic_common_t(
                 ep,
                 Call::Write,

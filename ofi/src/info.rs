@@ -58,6 +58,9 @@ pub const PRIMARY_CAPS: u64 = FI_MSG
     | FI_REMOTE_WRITE;
 /// Secondary capabilities: offered whether or not they were asked for.
 pub const SECONDARY_CAPS: u64 = FI_TRIGGER | FI_RMA_EVENT | FI_LOCAL_COMM | FI_REMOTE_COMM;
+/// The capabilities that address a peer's registered memory.
+pub const REMOTE_MEMORY_CAPS: u64 =
+    FI_RMA | FI_ATOMIC | FI_REMOTE_READ | FI_REMOTE_WRITE | FI_RMA_EVENT;
 /// Everything the provider can do.
 pub const CAPS: u64 = PRIMARY_CAPS | SECONDARY_CAPS;
 /// Transmit-side capabilities.
@@ -386,6 +389,18 @@ pub fn match_offer(version: u32, hints: &Hints, offer: &Offer) -> Result<Offer, 
         offer.caps & PRIMARY_CAPS
     };
     out.caps = primary | (offer.caps & SECONDARY_CAPS) | (hints.caps & SECONDARY_CAPS);
+    // Remote memory is addressed by virtual address and the provider's key: an application
+    // that handles neither (its mr_mode lacks FI_MR_VIRT_ADDR or FI_MR_PROV_KEY) gets no
+    // RMA or atomics, and is refused if it asked for them (fi_domain(3), fi_mr(3)).
+    if hints
+        .mr_mode
+        .is_some_and(|m| m & (FI_MR_VIRT_ADDR | FI_MR_PROV_KEY) != FI_MR_VIRT_ADDR | FI_MR_PROV_KEY)
+    {
+        if hints.caps & REMOTE_MEMORY_CAPS != 0 {
+            return Err(NoMatch::MrMode);
+        }
+        out.caps &= !REMOTE_MEMORY_CAPS;
+    }
     out.dest_addr = hints.dest_addr.clone();
     Ok(out)
 }

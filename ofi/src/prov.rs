@@ -478,6 +478,9 @@ pub struct State {
     /// The in-process fabric (without `RINGBELL_SERVE`): made when its first NIC opens,
     /// with the plan's NIC count and seed, and kept for the life of the process.
     pub fabric: Option<ringbell_emu::Fabric>,
+    /// The object each domain-level object was opened in (its domain), and each domain's
+    /// and event queue's fabric: what `fi_close` of a parent checks.
+    pub parents: HashMap<usize, usize>,
     /// COUNTER events of armed counters (the provider's timing ops), by NIC.
     pub cntr_events: HashMap<usize, Vec<ringbell::AsyncEvent>>,
 }
@@ -524,6 +527,20 @@ fn connect_opts() -> ConnectOptions {
 }
 
 impl State {
+    /// Whether object `key` may not be closed yet: a fabric or domain with objects opened
+    /// in it, or a CQ, AV or counter bound to an endpoint.
+    pub fn in_use(&self, key: usize) -> bool {
+        let bound =
+            |f: &dyn Fn(&Ep) -> bool| self.objs.values().any(|o| matches!(o, Obj::Ep(e) if f(e)));
+        match self.objs.get(&key).map(Obj::kind) {
+            Some(Kind::Fabric | Kind::Domain) => self.parents.values().any(|&p| p == key),
+            Some(Kind::Cq) => bound(&|e| e.txcq == Some(key) || e.rxcq == Some(key)),
+            Some(Kind::Av) => bound(&|e| e.av == Some(key)),
+            Some(Kind::Cntr) => self.cntr_bound(key),
+            _ => false,
+        }
+    }
+
     /// The object `key` if it is live and of kind `k`.
     pub fn check(&self, key: usize, k: Kind) -> Result<(), Errno> {
         match self.objs.get(&key) {
@@ -843,6 +860,7 @@ impl State {
             dest,
             ctx,
             inject,
+            silent,
             report,
             imm,
             trig,
@@ -884,8 +902,8 @@ impl State {
             send: true,
             // Deferred work reports only with FI_COMPLETION (fi_trigger(3)).
             report: match trig {
-                Some(Trig { work: Some(_), .. }) => report && !inject,
-                _ => !inject && (report || !tx_selective),
+                Some(Trig { work: Some(_), .. }) => report && !silent,
+                _ => !silent && (report || !tx_selective),
             },
             buf: bufs.first().map_or(0, |b| b.0 as u64),
             _tmp: tmp,
@@ -933,7 +951,7 @@ impl State {
                 (addr, key)
             }
         };
-        let report = !req.inject && (req.report || !tx_selective);
+        let report = !req.silent && (req.report || !tx_selective);
         let Ok(rkey) = u32::try_from(key) else {
             // Not a key this provider ever gives out: refused by "the target".
             let txcq = self.ep_mut(ep)?.txcq;
@@ -1017,7 +1035,7 @@ impl State {
         if let Some(t) = req.trig {
             if t.work.is_some() {
                 // Deferred work reports only with FI_COMPLETION (fi_trigger(3)).
-                op.report = req.report && !req.inject;
+                op.report = req.report && !req.silent;
             }
             // The operand is read when the operation fires, through a registration.
             let operand = if atomic && req.operand != 0 {
@@ -1540,7 +1558,7 @@ impl State {
         let e = self.ep_mut(ep)?;
         let id = e.next_wr;
         e.next_wr += 1;
-        let report = !req.inject && (req.report || !e.tx_selective);
+        let report = !req.silent && (req.report || !e.tx_selective);
         let rts = Ctl::Rts(Rts {
             tag,
             len: total as u64,
@@ -1956,8 +1974,10 @@ pub struct SendReq {
     pub dest: u64,
     /// The application's context, returned in the completion.
     pub ctx: u64,
-    /// Copy the data now and report no completion.
+    /// Copy the data now (`FI_INJECT`).
     pub inject: bool,
+    /// Report no completion (the `fi_inject` calls; not `FI_INJECT` in a `*msg` call).
+    pub silent: bool,
     /// Report a completion even under `FI_SELECTIVE_COMPLETION`.
     pub report: bool,
     /// Immediate data (`fi_senddata`).
@@ -1995,8 +2015,10 @@ pub struct RmaReq {
     pub dest: u64,
     /// The application's context, returned in the completion.
     pub ctx: u64,
-    /// Copy the data now and report no completion.
+    /// Copy the data now (`FI_INJECT`).
     pub inject: bool,
+    /// Report no completion (the `fi_inject` calls; not `FI_INJECT` in a `*msg` call).
+    pub silent: bool,
     /// Report a completion even under `FI_SELECTIVE_COMPLETION`.
     pub report: bool,
     /// The completion's flags (`FI_RMA | FI_WRITE`, ...).

@@ -76,6 +76,11 @@ fn text(o: &Output) -> String {
 /// Runs `program` once per argument list, each in its own process, and checks its exit
 /// status and summary line.
 fn run(program: &str, runs: &[&[&str]]) {
+    run_on(program, runs, 2);
+}
+
+/// [`run`] on `nics` NICs of the in-process fabric.
+fn run_on(program: &str, runs: &[&[&str]], nics: usize) {
     let bin = built().join(program);
     let prov = common::provider_dir(&format!("c-{program}"));
     for args in runs {
@@ -85,7 +90,7 @@ fn run(program: &str, runs: &[&[&str]]) {
             .args(*args)
             .env("FI_PROVIDER_PATH", &prov)
             .env("FI_PROVIDER", "ringbell")
-            .env("RINGBELL_NICS", "2")
+            .env("RINGBELL_NICS", nics.to_string())
             .env("RINGBELL_SEED", "7")
             .env_remove("RINGBELL_SERVE")
             .env_remove("RINGBELL_NIC")
@@ -96,6 +101,10 @@ fn run(program: &str, runs: &[&[&str]]) {
             .lines()
             .filter(|l| l.starts_with("ctests "))
             .collect();
+        // Figures a program reports (such as a simulated latency).
+        for l in stdout.lines().filter(|l| !l.starts_with("ctests ")) {
+            println!("{l}");
+        }
         for l in &summary {
             println!("{l}");
         }
@@ -164,4 +173,18 @@ fn c_rma_and_atomics() {
 #[test]
 fn c_peers_that_are_not_there() {
     run("peers", &[&[]]);
+}
+
+/// Counters, `FI_TRIGGER`, the deferred work queue, access bits, `FI_PEEK`/`FI_CLAIM`/
+/// `FI_DISCARD` and their bad inputs.
+#[test]
+fn c_counters_and_triggered_operations() {
+    run("trigger", &[&[]]);
+}
+
+/// An allreduce of 8 ranks built only from deferred work, its results checked and its
+/// simulated latency printed.
+#[test]
+fn c_allreduce_of_deferred_work_on_8_ranks() {
+    run_on("allreduce", &[&["8"]], 8);
 }

@@ -487,8 +487,8 @@ impl State {
             trig: None,
         };
         let report = match t.work {
-            Some(_) => req.report && !req.inject,
-            None => !req.inject && (req.report || !tx_selective),
+            Some(_) => req.report && !req.silent,
+            None => !req.silent && (req.report || !tx_selective),
         };
         let op = Op {
             ctx: req.ctx,

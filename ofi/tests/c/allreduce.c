@@ -9,21 +9,11 @@
  * The simulated latency, from the starts to the last rank holding the total and its own
  * transfers complete, comes from the device clock and the times the devices note when armed
  * counters reach their thresholds, through the provider's domain ops (fi_open_ops
- * "ringbell_domain_ops_v1"). Prints "allreduce: N ranks, R rounds, latency
- * X us (simulated), results checked" and exits non-zero on any wrong result. */
-#include <rdma/fabric.h>
-#include <rdma/fi_atomic.h>
-#include <rdma/fi_cm.h>
-#include <rdma/fi_domain.h>
-#include <rdma/fi_endpoint.h>
-#include <rdma/fi_errno.h>
-#include <rdma/fi_rma.h>
+ * "ringbell_domain_ops_v1"). Prints "allreduce: N ranks, R rounds, latency X us (simulated,
+ * mean)" and the summary line of ctest.h. */
+#include "ctest.h"
+
 #include <rdma/fi_trigger.h>
-#include <stdint.h>
-#include <stdio.h>
-#include <stdlib.h>
-#include <string.h>
-#include <sys/mman.h>
 
 #define MAXR 64
 #define ROUNDS 3
@@ -88,13 +78,7 @@ static int children(int r, int *out)
 	return c;
 }
 
-static void *pages(size_t len)
-{
-	void *p = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-	if (p == MAP_FAILED)
-		exit(2);
-	return p;
-}
+static void *pages(size_t len) { return ct_pages(len); }
 
 /* Queues rank r's part of one round whose counters start at `base` arrivals. */
 static void arm(int r, uint64_t base)
@@ -200,7 +184,6 @@ int main(int argc, char **argv)
 				got++;
 
 	uint64_t total_ps = 0;
-	int bad = 0;
 	for (int round = 0; round < ROUNDS; round++) {
 		uint64_t expect = 0, ops_done[MAXR];
 		for (int r = 0; r < n; r++) {
@@ -246,30 +229,20 @@ int main(int argc, char **argv)
 				return 1;
 			}
 		}
-		for (int r = 0; r < n; r++)
-			if (fi_cntr_read(R[r].done) != ops_done[r] || fi_cntr_readerr(R[r].done)) {
-				fprintf(stderr, "rank %d: completions %llu, expected %llu\n", r,
-					(unsigned long long)fi_cntr_read(R[r].done),
-					(unsigned long long)ops_done[r]);
-				bad++;
-			}
-		for (int r = 0; r < n; r++)
-			if (*R[r].word != expect) {
-				fprintf(stderr, "round %d rank %d: %llu, expected %llu\n", round, r,
-					(unsigned long long)*R[r].word, (unsigned long long)expect);
-				bad++;
-			}
+		for (int r = 0; r < n; r++) {
+			CHECK_EQ(fi_cntr_read(R[r].done), ops_done[r]);
+			CHECK_EQ(fi_cntr_readerr(R[r].done), 0);
+			CHECK_EQ(*R[r].word, expect);
+		}
 		total_ps += t1 - t0;
 	}
 	/* Nothing reached the endpoints' completion queues (no FI_COMPLETION). */
 	for (int r = 0; r < n; r++)
-		if (fi_cq_read(R[r].cq, &e, 1) != -FI_EAGAIN) {
-			fprintf(stderr, "rank %d: an unexpected completion\n", r);
-			bad++;
-		}
-	printf("allreduce: %d ranks, %d rounds, latency %.3f us (simulated, mean), results %s\n",
-	       n, ROUNDS, total_ps / 1e6 / ROUNDS, bad ? "WRONG" : "checked");
+		CHECK_EQ(fi_cq_read(R[r].cq, &e, 1), -FI_EAGAIN);
+	printf("allreduce: %d ranks, %d rounds, latency %.3f us (simulated, mean)\n", n, ROUNDS,
+	       total_ps / 1e6 / ROUNDS);
 	fi_freeinfo(hints);
 	fi_freeinfo(list);
-	return bad ? 1 : 0;
+	ct_name = "allreduce";
+	return ct_summary_exit();
 }

@@ -120,7 +120,9 @@ static inline double ct_now(void)
 }
 
 /* Hints for an RDM endpoint of this provider with `caps`; FI_MR_LOCAL and the remote-key
- * bits when `mr_local`, no mode bit at all otherwise (the provider registers itself). */
+ * bits when `mr_local`; otherwise no FI_MR_LOCAL (the provider registers itself), and the
+ * remote-key bits only with RMA or atomics, which need them (no mode bit at all for
+ * messages alone, as Open MPI asks). */
 static inline struct fi_info *ct_hints(uint64_t caps, int mr_local)
 {
 	struct fi_info *h = fi_allocinfo();
@@ -128,8 +130,11 @@ static inline struct fi_info *ct_hints(uint64_t caps, int mr_local)
 		exit(2);
 	h->caps = caps;
 	h->ep_attr->type = FI_EP_RDM;
+	int remote = (caps & (FI_RMA | FI_ATOMIC)) != 0;
 	h->domain_attr->mr_mode =
-		mr_local ? FI_MR_LOCAL | FI_MR_VIRT_ADDR | FI_MR_ALLOCATED | FI_MR_PROV_KEY : 0;
+		mr_local ? FI_MR_LOCAL | FI_MR_VIRT_ADDR | FI_MR_ALLOCATED | FI_MR_PROV_KEY
+		: remote ? FI_MR_VIRT_ADDR | FI_MR_ALLOCATED | FI_MR_PROV_KEY
+			 : 0;
 	h->fabric_attr->prov_name = strdup("ringbell");
 	return h;
 }

@@ -238,9 +238,7 @@ static void vectors_and_msgs(void)
 	CHECK(ct_same(bbuf, 100, 8));
 	struct fi_cq_tagged_entry e;
 	ssize_t r = ct_read(P.a.cq, &e, NULL, 2);
-	KNOWN_BUG(r == 1 && e.op_context == (void *)0xa8,
-		  "fi_sendmsg(FI_INJECT) writes no send completion on an endpoint without "
-		  "selective completion (fi_msg(3): only fi_inject suppresses it)");
+	CHECK(r == 1 && e.op_context == (void *)0xa8);
 }
 
 /* Last: a message longer than its (untagged) receive. fi_cq(3) and fi_msg(3): the

@@ -123,36 +123,22 @@ static void getinfo(void)
 static void mr_mode_without_remote_bits(void)
 {
 	struct fi_info *h = ct_hints(FI_RMA, 1), *list = NULL;
-	struct fid_fabric *fab = NULL;
-	struct fid_domain *dom = NULL;
-	struct fid_mr *mr = NULL;
+	/* RMA asked for: refused. */
 	h->domain_attr->mr_mode = FI_MR_LOCAL;
-	int r = fi_getinfo(CT_VERSION, NULL, NULL, 0, h, &list);
-	fi_freeinfo(h);
-	const char *what = "FI_RMA offered with mr_mode lacking FI_MR_PROV_KEY|FI_MR_VIRT_ADDR, yet "
-			   "the requested key is ignored and peers must use virtual addresses";
-	/* Refusing (-FI_ENODATA) or keeping both bits in the offer is right. */
-	if (r == -FI_ENODATA || (r == 0 && (list->domain_attr->mr_mode &
-					     (FI_MR_PROV_KEY | FI_MR_VIRT_ADDR)) ==
-					    (FI_MR_PROV_KEY | FI_MR_VIRT_ADDR))) {
-		KNOWN_BUG(1, what);
-		fi_freeinfo(list);
-		return;
-	}
-	CHECK_EQ(r, 0);
-	if (r)
-		return;
-	/* Offered without FI_MR_PROV_KEY: the key the application asks for must be the key. */
-	char *buf = ct_pages(4096);
-	REQUIRE(fi_fabric(list->fabric_attr, &fab, NULL) == 0);
-	REQUIRE(fi_domain(fab, list, &dom, NULL) == 0);
-	CHECK_EQ(fi_mr_reg(dom, buf, 4096, FI_REMOTE_WRITE, 0, 0x77, 0, &mr, NULL), 0);
-	KNOWN_BUG(mr && fi_mr_key(mr) == 0x77, what);
-	if (mr)
-		CHECK_EQ(fi_close(&mr->fid), 0);
-	CHECK_EQ(fi_close(&dom->fid), 0);
-	CHECK_EQ(fi_close(&fab->fid), 0);
+	CHECK_EQ(fi_getinfo(CT_VERSION, NULL, NULL, 0, h, &list), -FI_ENODATA);
+	h->domain_attr->mr_mode = FI_MR_LOCAL | FI_MR_VIRT_ADDR;
+	CHECK_EQ(fi_getinfo(CT_VERSION, NULL, NULL, 0, h, &list), -FI_ENODATA);
+	h->domain_attr->mr_mode = FI_MR_PROV_KEY;
+	h->caps = FI_ATOMIC;
+	CHECK_EQ(fi_getinfo(CT_VERSION, NULL, NULL, 0, h, &list), -FI_ENODATA);
+	/* Nothing asked for: offered without remote memory. */
+	h->caps = 0;
+	h->domain_attr->mr_mode = 0;
+	REQUIRE(fi_getinfo(CT_VERSION, NULL, NULL, 0, h, &list) == 0);
+	CHECK((list->caps & (FI_RMA | FI_ATOMIC | FI_REMOTE_READ | FI_REMOTE_WRITE)) == 0);
+	CHECK(list->caps & FI_TAGGED);
 	fi_freeinfo(list);
+	fi_freeinfo(h);
 }
 
 static void domains(struct fid_fabric *fab, struct fi_info *list)
@@ -586,17 +572,12 @@ static int wrong_order_then_use(void)
 
 static void closing(void)
 {
-	KNOWN_BUG(ct_in_child(close_domain_with_endpoint) == 0,
-		  "fi_close(domain) with an endpoint, CQ and AV open returns 0, not -FI_EBUSY "
-		  "(fi_domain(3))");
-	KNOWN_BUG(ct_in_child(close_cq_bound_to_endpoint) == 0,
-		  "fi_close(cq) bound to an open endpoint returns 0, not -FI_EBUSY (fi_cq(3))");
-	KNOWN_BUG(ct_in_child(close_av_bound_to_endpoint) == 0,
-		  "fi_close(av) bound to an open endpoint returns 0, not -FI_EBUSY (fi_av(3))");
-	int f = ct_in_child(close_fabric_with_domain);
-	fprintf(stderr, "objects.c: closing the fabric with a domain open: child exit %d (fi_fabric(3) "
-		"names no errno)\n", f);
-	CHECK(f < 128);
+	/* -FI_EBUSY while objects are open in the domain, or bound to an endpoint
+	 * (fi_domain(3), fi_cq(3), fi_av(3)); a fabric with a domain open too. */
+	CHECK_EQ(ct_in_child(close_domain_with_endpoint), 0);
+	CHECK_EQ(ct_in_child(close_cq_bound_to_endpoint), 0);
+	CHECK_EQ(ct_in_child(close_av_bound_to_endpoint), 0);
+	CHECK_EQ(ct_in_child(close_fabric_with_domain), 0);
 	CHECK_EQ(ct_in_child(close_twice), 0);
 	CHECK_EQ(ct_in_child(wrong_order_then_use), 0);
 }

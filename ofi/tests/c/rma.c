@@ -141,9 +141,7 @@ static void forms(void)
 	CHECK_EQ(fi_writemsg(P.a.ep, &m, FI_INJECT), 0);
 	memset(abuf, 0, 100);
 	ssize_t r = ct_read(P.a.cq, &e, NULL, 2);
-	KNOWN_BUG(r == 1 && e.op_context == (void *)0xaf,
-		  "fi_writemsg(FI_INJECT) writes no completion on an endpoint without selective "
-		  "completion (fi_rma(3): only fi_inject_write suppresses it)");
+	CHECK(r == 1 && e.op_context == (void *)0xaf);
 	CHECK_EQ(fi_read(P.a.ep, abuf + 65536, 100, adesc(), P.a.peer, RADDR(1000), bkey,
 			 (void *)0xa7),
 		 0);

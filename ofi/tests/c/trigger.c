@@ -1,47 +1,10 @@
 /* Counters, triggered operations and the deferred work queue of the ringbell provider,
  * through libfabric's own API (fi_cntr(3), fi_trigger(3), fi_mr(3)): two endpoints of one
- * process, on NICs rb0 and rb1 of the in-process fabric (RINGBELL_NICS=2). Every check
- * prints on failure; the last line is "trigger: N passed, M failed" and the exit status is
- * non-zero when anything failed. */
-#include <rdma/fabric.h>
-#include <rdma/fi_atomic.h>
-#include <rdma/fi_cm.h>
-#include <rdma/fi_domain.h>
-#include <rdma/fi_endpoint.h>
-#include <rdma/fi_errno.h>
-#include <rdma/fi_rma.h>
-#include <rdma/fi_tagged.h>
+ * process, on NICs rb0 and rb1 of the in-process fabric (RINGBELL_NICS=2), with the checks
+ * and the summary line of ctest.h. */
+#include "ctest.h"
+
 #include <rdma/fi_trigger.h>
-#include <stdint.h>
-#include <stdio.h>
-#include <stdlib.h>
-#include <string.h>
-#include <sys/mman.h>
-
-static int passed, failed;
-
-#define CHECK(cond)                                                                  \
-	do {                                                                         \
-		if (cond) {                                                          \
-			passed++;                                                    \
-		} else {                                                             \
-			failed++;                                                    \
-			fprintf(stderr, "%s:%d: check failed: %s\n", __FILE__, __LINE__, \
-				#cond);                                              \
-		}                                                                    \
-	} while (0)
-
-#define CHECK_EQ(a, b)                                                               \
-	do {                                                                         \
-		long long _a = (long long)(a), _b = (long long)(b);                  \
-		if (_a == _b) {                                                      \
-			passed++;                                                    \
-		} else {                                                             \
-			failed++;                                                    \
-			fprintf(stderr, "%s:%d: %s == %lld, expected %s == %lld\n",     \
-				__FILE__, __LINE__, #a, _a, #b, _b);                 \
-		}                                                                    \
-	} while (0)
 
 /* A fatal set-up step. */
 #define MUST(call)                                                                   \
@@ -67,16 +30,7 @@ struct side {
 static struct fid_fabric *fabric;
 static struct side A, B;
 
-/* Memory on pages of its own (each NIC adopts the pages it registers). */
-static void *pages(size_t len)
-{
-	void *p = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-	if (p == MAP_FAILED) {
-		perror("mmap");
-		exit(2);
-	}
-	return p;
-}
+static void *pages(size_t len) { return ct_pages(len); }
 
 static void open_side(struct fi_info *info, struct side *s, struct fid_cntr **cntrs,
 		      const uint64_t *flags, int ncntr)
@@ -731,8 +685,8 @@ int main(void)
 	test_bad_trecv();
 	test_peek();
 
-	printf("trigger: %d passed, %d failed\n", passed, failed);
 	fi_freeinfo(hints);
 	fi_freeinfo(list);
-	return failed ? 1 : 0;
+	ct_name = "trigger";
+	return ct_summary_exit();
 }
