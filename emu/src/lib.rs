@@ -18,10 +18,12 @@ pub mod perf;
 mod planned;
 mod port;
 pub mod profile;
+pub mod scale;
 mod scenario;
 pub mod serve;
 pub mod timeline;
 pub mod tmbench;
+pub mod yardstick;
 
 pub use capture::CaptureStats;
 pub use fabric::{stream_seed, Fabric, FabricConfig, FabricStats, Topology};

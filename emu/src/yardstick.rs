@@ -1,0 +1,112 @@
+//! Yardsticks: two fixed pieces of work timed in the same run as a benchmark, so that a
+//! wall-clock figure can be given as a ratio that holds from one machine to another of the
+//! same class (a slower machine is slower at both).
+//!
+//! - **memcpy**: copying a 64 MiB buffer (beyond the caches), in nanoseconds per 4 KiB.
+//! - **chase**: dependent loads through a random cycle over 8 MiB of `u32` indices, in
+//!   nanoseconds per load (the latency of a cache miss, what an event queue and scattered
+//!   per-QP state cost).
+//!
+//! Each is the best of a few repetitions (the least disturbed by other load).
+
+use std::time::Instant;
+
+/// Yardsticks measured now.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Yardstick {
+    /// Nanoseconds to copy 4 KiB within a 64 MiB copy.
+    pub memcpy_ns_per_4k: f64,
+    /// Nanoseconds per dependent load of the pointer chase.
+    pub chase_ns: f64,
+}
+
+const COPY_BYTES: usize = 64 << 20;
+const CHASE_ENTRIES: usize = 2 << 20;
+const CHASE_STEPS: usize = 4 << 20;
+const REPEATS: usize = 3;
+
+impl Yardstick {
+    /// Measures both (about a quarter of a second on a current machine).
+    pub fn measure() -> Yardstick {
+        Yardstick {
+            memcpy_ns_per_4k: best(|| memcpy_once() / (COPY_BYTES / 4096) as f64),
+            chase_ns: best(chase_once),
+        }
+    }
+
+    /// `ns` as a multiple of one chase load.
+    pub fn in_chases(&self, ns: f64) -> f64 {
+        ns / self.chase_ns
+    }
+
+    /// One line for a report.
+    pub fn describe(&self) -> String {
+        format!(
+            "yardsticks: memcpy {:.1} ns per 4 KiB, pointer chase {:.2} ns per load",
+            self.memcpy_ns_per_4k, self.chase_ns
+        )
+    }
+}
+
+fn best(f: impl Fn() -> f64) -> f64 {
+    (0..REPEATS).map(|_| f()).fold(f64::INFINITY, f64::min)
+}
+
+/// Nanoseconds for one copy of `COPY_BYTES`.
+fn memcpy_once() -> f64 {
+    let src = vec![0x5Au8; COPY_BYTES];
+    let mut dst = vec![0u8; COPY_BYTES];
+    let t = Instant::now();
+    dst.copy_from_slice(&src);
+    let ns = t.elapsed().as_nanos() as f64;
+    std::hint::black_box(&dst);
+    ns
+}
+
+/// A successor table forming one cycle through all `n` entries (Sattolo's shuffle), from
+/// a fixed xorshift stream.
+fn cycle(n: usize) -> Vec<u32> {
+    let mut next: Vec<u32> = (0..n as u32).collect();
+    let mut x = 0x9E37_79B9_7F4A_7C15u64;
+    for i in (1..n).rev() {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        let j = (x % i as u64) as usize;
+        next.swap(i, j);
+    }
+    next
+}
+
+/// Nanoseconds per step of a dependent walk through one random cycle.
+fn chase_once() -> f64 {
+    let next = cycle(CHASE_ENTRIES);
+    let mut at = 0u32;
+    let t = Instant::now();
+    for _ in 0..CHASE_STEPS {
+        at = next[at as usize];
+    }
+    let ns = t.elapsed().as_nanos() as f64;
+    std::hint::black_box(at);
+    ns / CHASE_STEPS as f64
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_chase_visits_every_entry_once() {
+        let n = 1000usize;
+        let next = cycle(n);
+        let mut seen = vec![false; n];
+        let mut at = 0usize;
+        for _ in 0..n {
+            assert!(!seen[at]);
+            seen[at] = true;
+            at = next[at] as usize;
+        }
+        assert_eq!(at, 0);
+        assert!(seen.iter().all(|&s| s));
+    }
+}
