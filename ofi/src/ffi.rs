@@ -192,7 +192,7 @@ pub unsafe extern "C" fn domain_open(
                 .strip_prefix("rb")
                 .and_then(|i| i.parse::<usize>().ok())
                 .ok_or(abi::FI_ENODATA)?,
-            None => prov::selected_nic().unwrap_or(0),
+            None => crate::claim::default_nic(),
         };
         let d = st.new_domain(nic)?;
         let p = publish(
@@ -383,6 +383,14 @@ unsafe extern "C" fn endpoint(
         // SAFETY: NULL or the info libfabric passes on (fi_endpoint(3)).
         if let Some(i) = unsafe { info.as_ref() } {
             ep.directed = i.caps & abi::FI_DIRECTED_RECV != 0;
+            // SAFETY: the info's attribute pointers are NULL or valid (fi_getinfo(3)).
+            if let Some(t) = unsafe { i.tx_attr.as_ref() } {
+                ep.tx_op_flags = t.op_flags;
+            }
+            // SAFETY: as above.
+            if let Some(r) = unsafe { i.rx_attr.as_ref() } {
+                ep.rx_op_flags = r.op_flags;
+            }
         }
         let p = publish(
             st,
@@ -1005,6 +1013,17 @@ unsafe fn bufs(
     Ok(v.into_iter().zip(d).map(|((a, l), d)| (a, l, d)).collect())
 }
 
+/// Whether a call without a flags argument asks for a completion: the endpoint's default
+/// operation flags hold FI_COMPLETION (transmit side, or receive side when `rx`). Only
+/// consulted under selective completion (fi_endpoint(3)).
+fn dflt(ep: *mut abi::fid_ep, rx: bool) -> bool {
+    let mut st = prov::state();
+    st.ep_mut(ep as usize).is_ok_and(|e| {
+        let f = if rx { e.rx_op_flags } else { e.tx_op_flags };
+        f & abi::FI_COMPLETION as u64 != 0
+    })
+}
+
 fn recv_common(
     ep: *mut abi::fid_ep,
     b: &[(usize, usize, usize)],
@@ -1059,7 +1078,12 @@ unsafe extern "C" fn msg_recv(
     _src: abi::fi_addr_t,
     ctx: *mut c_void,
 ) -> isize {
-    recv_common(ep, &[(buf as usize, len, desc as usize)], ctx, false)
+    recv_common(
+        ep,
+        &[(buf as usize, len, desc as usize)],
+        ctx,
+        dflt(ep, true),
+    )
 }
 
 unsafe extern "C" fn msg_recvv(
@@ -1072,7 +1096,7 @@ unsafe extern "C" fn msg_recvv(
 ) -> isize {
     // SAFETY: `count` iovecs and descriptors (fi_recvv(3)).
     match unsafe { bufs(iov, desc, count) } {
-        Ok(b) => recv_common(ep, &b, ctx, false),
+        Ok(b) => recv_common(ep, &b, ctx, dflt(ep, true)),
         Err(e) => -(e as isize),
     }
 }
@@ -1107,7 +1131,7 @@ unsafe extern "C" fn msg_send(
         dest,
         ctx,
         false,
-        false,
+        dflt(ep, false),
         None,
     )
 }
@@ -1122,7 +1146,7 @@ unsafe extern "C" fn msg_sendv(
 ) -> isize {
     // SAFETY: `count` iovecs and descriptors (fi_sendv(3)).
     match unsafe { bufs(iov, desc, count) } {
-        Ok(b) => send_common(ep, &b, dest, ctx, false, false, None),
+        Ok(b) => send_common(ep, &b, dest, ctx, false, dflt(ep, false), None),
         Err(e) => -(e as isize),
     }
 }
@@ -1183,7 +1207,7 @@ unsafe extern "C" fn msg_senddata(
         dest,
         ctx,
         false,
-        false,
+        dflt(ep, false),
         Some(data as u32),
     )
 }
@@ -1273,7 +1297,7 @@ unsafe extern "C" fn t_recv(
         tag,
         ignore,
         src,
-        report: false,
+        report: dflt(ep, true),
     };
     trecv_common(ep, &[(buf as usize, len, desc as usize)], req)
 }
@@ -1294,7 +1318,7 @@ unsafe extern "C" fn t_recvv(
         tag,
         ignore,
         src,
-        report: false,
+        report: dflt(ep, true),
     };
     // SAFETY: `count` iovecs and descriptors (fi_trecvv(3)).
     match unsafe { bufs(iov, desc, count) } {
@@ -1335,7 +1359,7 @@ unsafe extern "C" fn t_send(
     ctx: V,
 ) -> isize {
     let b = [(buf as usize, len, desc as usize)];
-    tsend_common(ep, &b, sreq(dest, ctx, false, false, None), tag)
+    tsend_common(ep, &b, sreq(dest, ctx, false, dflt(ep, false), None), tag)
 }
 
 unsafe extern "C" fn t_sendv(
@@ -1349,7 +1373,7 @@ unsafe extern "C" fn t_sendv(
 ) -> isize {
     // SAFETY: `count` iovecs and descriptors (fi_tsendv(3)).
     match unsafe { bufs(iov, desc, count) } {
-        Ok(b) => tsend_common(ep, &b, sreq(dest, ctx, false, false, None), tag),
+        Ok(b) => tsend_common(ep, &b, sreq(dest, ctx, false, dflt(ep, false), None), tag),
         Err(e) => -(e as isize),
     }
 }
@@ -1398,7 +1422,7 @@ unsafe extern "C" fn t_senddata(
     tsend_common(
         ep,
         &b,
-        sreq(dest, ctx, false, false, Some(data as u32)),
+        sreq(dest, ctx, false, dflt(ep, false), Some(data as u32)),
         tag,
     )
 }
@@ -1486,7 +1510,7 @@ unsafe extern "C" fn r_read(
     rma_common(
         ep,
         &[(buf as usize, len, desc as usize)],
-        rma_req(src, ctx, false, false, RMA_READ, op),
+        rma_req(src, ctx, false, dflt(ep, false), RMA_READ, op),
     )
 }
 
@@ -1504,7 +1528,11 @@ unsafe extern "C" fn r_readv(
     let op = prov::RmaOp::Read { addr, key };
     // SAFETY: `count` iovecs and descriptors (fi_readv(3)).
     match unsafe { bufs(iov, desc, count) } {
-        Ok(b) => rma_common(ep, &b, rma_req(src, ctx, false, false, RMA_READ, op)),
+        Ok(b) => rma_common(
+            ep,
+            &b,
+            rma_req(src, ctx, false, dflt(ep, false), RMA_READ, op),
+        ),
         Err(e) => -(e as isize),
     }
 }
@@ -1577,7 +1605,7 @@ unsafe extern "C" fn r_write(
     rma_common(
         ep,
         &[(buf as usize, len, desc as usize)],
-        rma_req(dest, ctx, false, false, RMA_WRITE, op),
+        rma_req(dest, ctx, false, dflt(ep, false), RMA_WRITE, op),
     )
 }
 
@@ -1595,7 +1623,11 @@ unsafe extern "C" fn r_writev(
     let op = write_op(addr, key, None);
     // SAFETY: `count` iovecs and descriptors (fi_writev(3)).
     match unsafe { bufs(iov, desc, count) } {
-        Ok(b) => rma_common(ep, &b, rma_req(dest, ctx, false, false, RMA_WRITE, op)),
+        Ok(b) => rma_common(
+            ep,
+            &b,
+            rma_req(dest, ctx, false, dflt(ep, false), RMA_WRITE, op),
+        ),
         Err(e) => -(e as isize),
     }
 }
@@ -1634,7 +1666,7 @@ unsafe extern "C" fn r_writedata(
     rma_common(
         ep,
         &[(buf as usize, len, desc as usize)],
-        rma_req(dest, ctx, false, false, RMA_WRITE, op),
+        rma_req(dest, ctx, false, dflt(ep, false), RMA_WRITE, op),
     )
 }
 
@@ -1839,7 +1871,7 @@ unsafe extern "C" fn a_write(
         null,
         (0, 0),
         (dest, addr, key),
-        (dt, op, ctx, false, false),
+        (dt, op, ctx, false, dflt(ep, false)),
     )
 }
 
@@ -1859,7 +1891,7 @@ unsafe extern "C" fn a_writev(
     // SAFETY: `count` iocs and descriptors (fi_atomicv(3)).
     match unsafe { ioc1(iov, desc, count) } {
         Ok((b, n, _)) => {
-            let t = (dt, op, ctx, false, false);
+            let t = (dt, op, ctx, false, dflt(ep, false));
             atomic_common(
                 ep,
                 Call::Write,
@@ -1978,7 +2010,7 @@ unsafe extern "C" fn a_readwrite(
         null,
         r,
         (dest, addr, key),
-        (dt, op, ctx, false, false),
+        (dt, op, ctx, false, dflt(ep, false)),
     )
 }
 
@@ -2001,7 +2033,7 @@ unsafe extern "C" fn a_readwritev(
     // SAFETY: `count` and `res_count` iocs and descriptors (fi_fetch_atomicv(3)).
     match unsafe { (ioc1(iov, desc, count), ioc1(resv, res_desc, res_count)) } {
         (Ok((b, n, _)), Ok((r, 1, rd))) => {
-            let t = (dt, op, ctx, false, false);
+            let t = (dt, op, ctx, false, dflt(ep, false));
             atomic_common(
                 ep,
                 Call::Fetch,
@@ -2070,7 +2102,7 @@ unsafe extern "C" fn a_compwrite(
         cmp,
         r,
         (dest, addr, key),
-        (dt, op, ctx, false, false),
+        (dt, op, ctx, false, dflt(ep, false)),
     )
 }
 
@@ -2103,7 +2135,7 @@ unsafe extern "C" fn a_compwritev(
     };
     match all {
         (Ok((b, n, _)), Ok((c, 1, _)), Ok((r, 1, rd))) => {
-            let t = (dt, op, ctx, false, false);
+            let t = (dt, op, ctx, false, dflt(ep, false));
             atomic_common(
                 ep,
                 Call::Compare,

@@ -351,6 +351,11 @@ pub struct Ep {
     pub rxcq: Option<usize>,
     pub tx_selective: bool,
     pub rx_selective: bool,
+    /// The default operation flags (the info's `tx_attr`/`rx_attr->op_flags`): with
+    /// selective completion, calls without a flags argument report iff these hold
+    /// FI_COMPLETION (fi_endpoint(3)).
+    pub tx_op_flags: u64,
+    pub rx_op_flags: u64,
     pub enabled: bool,
     /// Accept tagged messages only from a receive's source address (FI_DIRECTED_RECV).
     pub directed: bool,
@@ -550,6 +555,8 @@ impl State {
             rxcq: None,
             tx_selective: false,
             rx_selective: false,
+            tx_op_flags: 0,
+            rx_op_flags: 0,
             enabled: false,
             directed: false,
             conns: HashMap::new(),
