@@ -1,6 +1,7 @@
 //! Which NIC this process uses.
 //!
-//! - `RINGBELL_NIC=i`: NIC `i` only.
+//! - `RINGBELL_NIC=i`: NIC `i` only; `RINGBELL_NIC=all`: every NIC of the plan, no claim
+//!   (one process driving several served NICs).
 //! - Otherwise, with `RINGBELL_SERVE=DIR` (the NICs of a `ringbell-emu serve`, which serves
 //!   one client per NIC): the process claims the first NIC `i` whose lock file
 //!   `DIR/nic{i}.lock` it can lock with an exclusive, non-blocking `flock(2)`. The lock is
@@ -16,6 +17,9 @@ use std::fs::File;
 use std::os::fd::AsRawFd;
 use std::path::Path;
 use std::sync::OnceLock;
+
+/// The value of `RINGBELL_NIC` that asks for every NIC.
+pub const ALL: &str = "all";
 
 /// A NIC held under its lock file; the lock is released when this is dropped (or the
 /// process exits).
@@ -60,11 +64,14 @@ pub enum Choice {
     None,
 }
 
-/// This process's choice: `RINGBELL_NIC`, else its claim on a served NIC (made on the first
+/// This process's choice: `RINGBELL_NIC` (a NIC or `all`), else its claim on a served NIC (made on the first
 /// call and kept), else every NIC.
 pub fn choice(plan: &NicPlan) -> Choice {
     if let Some(i) = crate::prov::selected_nic() {
         return Choice::One(i);
+    }
+    if std::env::var(crate::prov::ENV_NIC).is_ok_and(|v| v.trim() == ALL) {
+        return Choice::All;
     }
     let dir = match plan.nics.first() {
         Some(NicSource::Served(p)) => match p.parent() {

@@ -1,7 +1,7 @@
 //! A NIC per process on a served fabric: with `RINGBELL_SERVE` and no `RINGBELL_NIC`, a
 //! process claims the first NIC whose `nic{i}.lock` it can `flock` and offers only that NIC
 //! (`fi_info -p ringbell`, Debian's libfabric-bin, run as a user would). Claims held by this
-//! test process stand for other processes; `RINGBELL_NIC` still wins.
+//! test process stand for other processes; `RINGBELL_NIC` (a NIC, or `all`) still wins.
 
 mod common;
 
@@ -57,6 +57,9 @@ fn each_process_offers_the_first_nic_it_can_lock() {
     // Every NIC taken: no offer (fi_info fails with no data).
     let (ok, doms) = domains(&prov, dir, None);
     assert!(!ok && doms.is_empty(), "{doms:?}");
+    // RINGBELL_NIC=all: every NIC, claimed or not.
+    let all = ["rb0", "rb1", "rb2"].map(String::from).to_vec();
+    assert_eq!(domains(&prov, dir, Some("all")), (true, all));
     // A released claim is free again.
     drop(c1);
     assert_eq!(domains(&prov, dir, None), (true, vec!["rb1".to_string()]));
