@@ -897,7 +897,14 @@ static AV_OPS: abi::fi_ops_av = abi::fi_ops_av {
 
 // ---- endpoint ----
 
-enosys!(ep_cancel(*mut abi::fid, *mut c_void) -> isize);
+/// `fi_cancel`: tagged receives still waiting (prov/peek.rs); 0 once submitted.
+unsafe extern "C" fn ep_cancel(fid: *mut abi::fid, ctx: *mut c_void) -> isize {
+    run_s(|st| {
+        st.check(fid as usize, Kind::Ep)?;
+        st.cancel(fid as usize, ctx as u64)?;
+        Ok(0)
+    })
+}
 unsafe extern "C" fn ep_getopt(
     _: *mut abi::fid,
     _: c_int,
@@ -1332,9 +1339,6 @@ unsafe extern "C" fn t_recvmsg(ep: *mut Ep, msg: *const abi::fi_msg_tagged, flag
     let Some(m) = (unsafe { msg.as_ref() }) else {
         return -(abi::FI_EINVAL as isize);
     };
-    if flags & (abi::FI_PEEK as u64 | abi::FI_CLAIM | abi::FI_DISCARD) != 0 {
-        return -(abi::FI_ENOSYS as isize);
-    }
     let req = prov::TRecvReq {
         ctx: m.context as u64,
         tag: m.tag,
@@ -1343,10 +1347,21 @@ unsafe extern "C" fn t_recvmsg(ep: *mut Ep, msg: *const abi::fi_msg_tagged, flag
         report: flags & abi::FI_COMPLETION as u64 != 0,
     };
     // SAFETY: the message's `iov_count` iovecs and descriptors.
-    match unsafe { bufs(m.msg_iov, m.desc, m.iov_count) } {
-        Ok(b) => trecv_common(ep, &b, req),
-        Err(e) => -(e as isize),
+    let b = match unsafe { bufs(m.msg_iov, m.desc, m.iov_count) } {
+        Ok(b) => b,
+        Err(e) => return -(e as isize),
+    };
+    let special = flags & (abi::FI_PEEK as u64 | abi::FI_CLAIM | abi::FI_DISCARD);
+    if special == 0 {
+        return trecv_common(ep, &b, req);
     }
+    run_s(|st| {
+        st.check(ep as usize, Kind::Ep)?;
+        // SAFETY: the application's receive buffers stay valid until their completion
+        // (fi_tagged(3)).
+        unsafe { st.trecv_special(ep as usize, &b, req, special)? };
+        Ok(0)
+    })
 }
 
 unsafe extern "C" fn t_send(

@@ -24,6 +24,8 @@
 //! ([`State::fabric`]) those polls are what steps the emulator; a CM with nothing to do
 //! but wait lets the idle clock run to its next timer ([`ConnectionManager::poll`]).
 
+mod peek;
+
 use crate::abi;
 use ringbell::cm::{CmEvent, ConnId, ConnectionManager, REJ_CONSUMER};
 use ringbell::{
@@ -375,6 +377,8 @@ pub struct Ep {
     /// Tagged messages that came before a receive matched them, in arrival order.
     /// Eager ones with their payload.
     unexpected: VecDeque<(Rts, Vec<u8>)>,
+    /// Messages claimed by a peek (`FI_PEEK|FI_CLAIM`), by the peek's context ([`peek`]).
+    claimed: Vec<(u64, Rts, Vec<u8>)>,
     /// Tagged sends waiting for their FIN, by id.
     tsends: HashMap<u64, TSend>,
 }
@@ -569,6 +573,7 @@ impl State {
             staging: None,
             tposted: VecDeque::new(),
             unexpected: VecDeque::new(),
+            claimed: Vec::new(),
             tsends: HashMap::new(),
         })
     }

@@ -3,14 +3,15 @@
 //! rank on its own NIC of one `ringbell-emu serve` (claimed by lock file: every rank has the
 //! same environment). The programs (`tests/mpi/*.c`) check their own results and exit
 //! non-zero with a message on a mismatch: a ring, wildcard receives, barriers and
-//! allreduces, and large (rendezvous) messages.
+//! allreduces, large (rendezvous) messages, and probes (MPI_Probe, MPI_Iprobe, MPI_Mprobe,
+//! MPI_Improbe with MPI_Mrecv) with a cancelled receive.
 
 mod common;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
-const PROGRAMS: [&str; 4] = ["ring", "wildcard", "collectives", "large"];
+const PROGRAMS: [&str; 5] = ["ring", "wildcard", "collectives", "large", "probe"];
 
 fn text(o: &Output) -> String {
     format!(
