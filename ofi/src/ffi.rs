@@ -125,15 +125,43 @@ unsafe extern "C" fn obj_bind(fid: *mut abi::fid, bfid: *mut abi::fid, flags: u6
     })
 }
 
-unsafe extern "C" fn obj_control(fid: *mut abi::fid, cmd: c_int, _arg: *mut c_void) -> c_int {
+unsafe extern "C" fn obj_control(fid: *mut abi::fid, cmd: c_int, arg: *mut c_void) -> c_int {
     run(|st| {
         let key = fid as usize;
         let kind = st.objs.get(&key).map(Obj::kind).ok_or(abi::FI_EINVAL)?;
         match (kind, cmd as u32) {
             (Kind::Ep, abi::FI_ENABLE) => st.enable(key).map(|()| 0),
+            (Kind::Ep, c @ (abi::FI_GETOPSFLAG | abi::FI_SETOPSFLAG)) => {
+                ops_flags(st, key, c == abi::FI_SETOPSFLAG, arg as *mut u64).map(|()| 0)
+            }
             _ => Err(abi::FI_ENOSYS),
         }
     })
+}
+
+/// `fi_control(ep, FI_GETOPSFLAG / FI_SETOPSFLAG, uint64_t *flags)` (fi_endpoint(3)): `flags`
+/// names FI_TRANSMIT or FI_RECV (not both); get writes that side's default operation flags,
+/// set replaces them with the other bits of `flags`.
+fn ops_flags(st: &mut State, ep: usize, set: bool, arg: *mut u64) -> Result<(), Errno> {
+    if arg.is_null() {
+        return Err(abi::FI_EINVAL);
+    }
+    let (tx, rx) = (abi::FI_TRANSMIT as u64, abi::FI_RECV as u64);
+    // SAFETY: non-NULL: the caller's flags word (fi_endpoint(3)).
+    let f = unsafe { arg.read() };
+    let e = st.ep_mut(ep)?;
+    let side = match (f & tx != 0, f & rx != 0) {
+        (true, false) => &mut e.tx_op_flags,
+        (false, true) => &mut e.rx_op_flags,
+        _ => return Err(abi::FI_EINVAL),
+    };
+    if set {
+        *side = f & !(tx | rx);
+    } else {
+        // SAFETY: as above.
+        unsafe { arg.write(*side) };
+    }
+    Ok(())
 }
 
 enosys!(no_ops_open(*mut abi::fid, *const c_char, u64, *mut *mut c_void, *mut c_void) -> c_int);

@@ -2,7 +2,8 @@
 //! CQ is bound with `FI_SELECTIVE_COMPLETION` reports a call without a flags argument
 //! (`fi_tsend`, `fi_trecv`, `fi_send`, ...) when the info it was opened with has
 //! `FI_COMPLETION` in `tx_attr`/`rx_attr->op_flags` (as Open MPI's ofi MTL asks), and not
-//! otherwise; a `*msg` call reports only with `FI_COMPLETION` in its own flags. On the
+//! otherwise; a `*msg` call reports only with `FI_COMPLETION` in its own flags;
+//! `fi_control` `FI_GETOPSFLAG`/`FI_SETOPSFLAG` read and replace those defaults. On the
 //! in-process fabric; one test (the provider's state is process-wide).
 
 mod common;
@@ -149,5 +150,44 @@ fn default_op_flags_decide_selective_completions() {
         tsend(&t, &buf[..5], 10, 12);
         assert_eq!(one(t.cq).op_context, ctx(12));
         quiet(s.cq);
+
+        // fi_control FI_GETOPSFLAG / FI_SETOPSFLAG: read and replace one side's defaults.
+        let tx = abi::FI_TRANSMIT as u64;
+        let rx = abi::FI_RECV as u64;
+        assert_eq!(opsflag(&c, abi::FI_GETOPSFLAG, tx), Ok(COMPLETION));
+        assert_eq!(opsflag(&s, abi::FI_GETOPSFLAG, rx), Ok(0));
+        assert_eq!(
+            opsflag(&s, abi::FI_SETOPSFLAG, tx | COMPLETION),
+            Ok(tx | COMPLETION)
+        );
+        assert_eq!(opsflag(&s, abi::FI_GETOPSFLAG, tx), Ok(COMPLETION));
+        assert_eq!(opsflag(&s, abi::FI_GETOPSFLAG, rx), Ok(0), "one side only");
+        let einval = Err(-(abi::FI_EINVAL as i32));
+        assert_eq!(opsflag(&s, abi::FI_GETOPSFLAG, tx | rx), einval);
+        assert_eq!(opsflag(&s, abi::FI_SETOPSFLAG, COMPLETION), einval);
+        // Now s's fi_tsend reports.
+        trecv(&t, &mut got[..16], 11, 13);
+        tsend(&s, &buf[..5], 11, 14);
+        assert_eq!(one(t.cq).op_context, ctx(13));
+        assert_eq!(one(s.cq).op_context, ctx(14));
+        quiet(s.cq);
+    }
+}
+
+/// `fi_control(ep, cmd, &flags)` with `flags` in; the word after the call, or the error.
+unsafe fn opsflag(s: &Side, cmd: u32, flags: u64) -> Result<u64, i32> {
+    let mut f = flags;
+    // SAFETY: a live endpoint and a flags word.
+    let r = unsafe {
+        ((*(*s.ep).fid.ops).control.unwrap())(
+            &mut (*s.ep).fid,
+            cmd as i32,
+            &mut f as *mut u64 as *mut c_void,
+        )
+    };
+    if r == 0 {
+        Ok(f)
+    } else {
+        Err(r)
     }
 }
