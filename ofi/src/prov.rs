@@ -24,6 +24,7 @@
 //! ([`State::fabric`]) those polls are what steps the emulator; a CM with nothing to do
 //! but wait lets the idle clock run to its next timer ([`ConnectionManager::poll`]).
 
+mod bounce;
 mod peek;
 
 use crate::abi;
@@ -312,6 +313,9 @@ struct TRecv {
     cap: u64,
     buf: u64,
     report: bool,
+    /// Some buffer has no descriptor: `sges` are process addresses, and a rendezvous reads
+    /// through a bounce buffer ([`bounce`]).
+    bounce: bool,
 }
 
 impl TRecv {
@@ -326,14 +330,16 @@ struct Matched {
     rts: Rts,
     /// Bytes read (the rest, if any, is truncated).
     n: u64,
+    /// Where the data is read when the receive has buffers without a descriptor.
+    bounce: Option<bounce::Bounce>,
 }
 
 /// A tagged send waiting for its FIN.
 struct TSend {
     ctx: u64,
     report: bool,
-    _tmp: Vec<MemoryRegion>,
-    _copy: Vec<u8>,
+    /// The copy the receiver reads, unless the data is eager or in a registered region.
+    _bounce: Option<bounce::Bounce>,
 }
 
 /// The tagged channel's receive side of an endpoint.
@@ -1191,7 +1197,12 @@ impl State {
     /// to read).
     fn start_read(&mut self, ep: usize, recv: TRecv, rts: Rts, payload: &[u8]) {
         let n = rts.len.min(recv.cap);
-        let m = Matched { recv, rts, n };
+        let mut m = Matched {
+            recv,
+            rts,
+            n,
+            bounce: None,
+        };
         if rts.eager {
             // The payload came with the request: copied into the receive's buffers.
             let mut at = 0usize;
@@ -1213,9 +1224,23 @@ impl State {
             self.finish_read(ep, m, true, 0);
             return;
         }
-        // The receive's SGEs, cut to the bytes read.
+        // The receive's SGEs, cut to the bytes read; or a bounce buffer of that size.
         let mut left = n;
         let mut sges = Vec::new();
+        if m.recv.bounce {
+            let b = match (self.ep_mut(ep).map(|e| e.domain))
+                .and_then(|dom| self.bounce(dom, n as usize))
+            {
+                Ok(b) => b,
+                Err(_) => {
+                    self.finish_read(ep, m, false, 0);
+                    return;
+                }
+            };
+            sges.push(b.sge(n as u32));
+            m.bounce = Some(b);
+            left = 0;
+        }
         for s in &m.recv.sges {
             if left == 0 {
                 break;
@@ -1256,7 +1281,12 @@ impl State {
 
     /// A matched message was read (or could not be): the FIN to its sender, the receive's
     /// completion (an error entry `FI_ETRUNC` when the message was longer than the buffer).
-    fn finish_read(&mut self, ep: usize, m: Matched, ok: bool, prov_errno: i32) {
+    fn finish_read(&mut self, ep: usize, m: Matched, mut ok: bool, prov_errno: i32) {
+        if let (true, Some(b)) = (ok, &m.bounce) {
+            // SAFETY: the receive's buffers are the application's memory, writable until
+            // the receive completes (the contract of `post_trecv`); `m.n` bytes fit them.
+            ok = unsafe { b.copy_out(&m.recv.sges, m.n) }.is_ok();
+        }
         if !m.rts.eager {
             let fin = Ctl::Fin { id: m.rts.id, ok }.encode();
             let _ = self.send_ctl(ep, m.rts.from, &fin, None, false);
@@ -1352,7 +1382,7 @@ impl State {
         }
         let parts: Vec<_> = bufs.iter().filter(|b| b.1 > 0).copied().collect();
         let mut copy = Vec::new();
-        let mut tmp = Vec::new();
+        let mut bounced = None;
         let max_inline = self.domain(dom)?.pd.device().caps().max_inline as usize;
         let eager = total <= EAGER_MAX && CTL_LEN + total <= max_inline;
         let (va, rkey) = match parts[..] {
@@ -1366,34 +1396,18 @@ impl State {
                 (0, 0)
             }
             [] => (0, 0),
-            [(addr, len, desc)] if !req.inject => {
-                let rkey = if desc != 0 {
-                    match self.objs.get(&desc) {
-                        Some(Obj::Mr(m)) => m.mr.rkey(),
-                        _ => return Err(EINVAL),
-                    }
-                } else {
-                    // SAFETY: per the caller.
-                    let mr = unsafe { self.reg(dom, addr, len)? };
-                    let k = mr.rkey();
-                    tmp.push(mr);
-                    k
-                };
-                (addr as u64, rkey)
-            }
+            [(addr, _, desc)] if !req.inject && desc != 0 => match self.objs.get(&desc) {
+                Some(Obj::Mr(m)) => (addr as u64, m.mr.rkey()),
+                _ => return Err(EINVAL),
+            },
             _ => {
-                for &(addr, len, _) in &parts {
-                    // SAFETY: readable now, per the caller.
-                    copy.extend_from_slice(unsafe {
-                        std::slice::from_raw_parts(addr as *const u8, len)
-                    });
-                }
-                // SAFETY: `copy` is this library's heap copy, kept with the send (a Vec's
-                // buffer does not move when the Vec does) until its FIN.
-                let mr = unsafe { self.reg(dom, copy.as_ptr() as usize, copy.len())? };
-                let k = mr.rkey();
-                tmp.push(mr);
-                (copy.as_ptr() as u64, k)
+                // A copy in a bounce buffer the receiver reads ([`bounce`]): buffers
+                // without a descriptor, several buffers, or an inject.
+                // SAFETY: readable now, per the caller.
+                let b = unsafe { self.bounce_from(dom, &parts, total)? };
+                let at = (b.addr(), b.rkey());
+                bounced = Some(b);
+                at
             }
         };
         let e = self.ep_mut(ep)?;
@@ -1420,8 +1434,7 @@ impl State {
             TSend {
                 ctx: req.ctx,
                 report,
-                _tmp: tmp,
-                _copy: copy,
+                _bounce: bounced,
             },
         );
         if let Err(err) = self.send_ctl(ep, peer, &msg, Some(id), eager) {
@@ -1455,8 +1468,13 @@ impl State {
         } else {
             None
         };
-        // SAFETY: per the caller.
-        let (sges, tmp) = unsafe { self.sges(dom, bufs)? };
+        let bounce = bounce::needs_bounce(bufs);
+        let (sges, tmp) = if bounce {
+            (bounce::user_sges(bufs)?, Vec::new())
+        } else {
+            // SAFETY: per the caller.
+            unsafe { self.sges(dom, bufs)? }
+        };
         let t = TRecv {
             ctx: req.ctx,
             tag: req.tag,
@@ -1467,6 +1485,7 @@ impl State {
             _tmp: tmp,
             buf: bufs.first().map_or(0, |b| b.0 as u64),
             report: req.report || !selective,
+            bounce,
         };
         let e = self.ep_mut(ep)?;
         match e.unexpected.iter().position(|(r, _)| t.takes(r)) {

@@ -69,8 +69,14 @@ impl State {
                 return Ok(());
             }
             let dom = self.ep_mut(ep)?.domain;
-            // SAFETY: per the caller.
-            let (sges, tmp) = match unsafe { self.sges(dom, bufs) } {
+            let bounce = super::bounce::needs_bounce(bufs);
+            let got = if bounce {
+                super::bounce::user_sges(bufs).map(|s| (s, Vec::new()))
+            } else {
+                // SAFETY: per the caller.
+                unsafe { self.sges(dom, bufs) }
+            };
+            let (sges, tmp) = match got {
                 Ok(s) => s,
                 Err(err) => {
                     // The claim stays for a retry with good buffers.
@@ -90,6 +96,7 @@ impl State {
                 _tmp: tmp,
                 buf: bufs.first().map_or(0, |b| b.0 as u64),
                 report,
+                bounce,
             };
             self.start_read(ep, t, r, &payload);
             return Ok(());
@@ -109,6 +116,7 @@ impl State {
             cap: 0,
             buf: 0,
             report: true,
+            bounce: false,
         };
         let e = self.ep_mut(ep)?;
         let Some(i) = e.unexpected.iter().position(|(r, _)| probe.takes(r)) else {
