@@ -156,21 +156,21 @@ pub fn run(cfg: ScaleConfig) -> Result<ScaleOutcome, String> {
     let mut links = Vec::new();
     match cfg.pattern {
         Pattern::Ring => {
-            for i in 0..n {
+            for (i, node) in nodes.iter_mut().enumerate() {
                 // QP 0 of i sends to i + 1, whose QP 1 receives from i.
                 links.push(((i, 0), ((i + 1) % n, 1)));
-                nodes[i].peer[0] = Some((i + 1) % n);
+                node.peer[0] = Some((i + 1) % n);
             }
         }
         Pattern::AllToAll => {
             // Node i's QP for peer j is at index j - (j > i).
             let idx = |i: usize, j: usize| j - usize::from(j > i);
-            for i in 0..n {
+            for (i, node) in nodes.iter_mut().enumerate() {
                 for j in i + 1..n {
                     links.push(((i, idx(i, j)), (j, idx(j, i))));
                 }
                 for j in (0..n).filter(|&j| j != i) {
-                    nodes[i].peer[idx(i, j)] = Some(j);
+                    node.peer[idx(i, j)] = Some(j);
                 }
             }
         }

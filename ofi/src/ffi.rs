@@ -164,9 +164,37 @@ unsafe extern "C" fn obj_control(fid: *mut abi::fid, cmd: c_int, arg: *mut c_voi
                 let cntr = unsafe { w.as_ref() }.map(|w| w.triggering_cntr as usize);
                 st.flush_work(key, cntr).map(|()| 0)
             }
+            (Kind::Ep, c @ (abi::FI_GETOPSFLAG | abi::FI_SETOPSFLAG)) => {
+                ops_flags(st, key, c == abi::FI_SETOPSFLAG, arg as *mut u64).map(|()| 0)
+            }
             _ => Err(abi::FI_ENOSYS),
         }
     })
+}
+
+/// `fi_control(ep, FI_GETOPSFLAG / FI_SETOPSFLAG, uint64_t *flags)` (fi_endpoint(3)): `flags`
+/// names FI_TRANSMIT or FI_RECV (not both); get writes that side's default operation flags,
+/// set replaces them with the other bits of `flags`.
+fn ops_flags(st: &mut State, ep: usize, set: bool, arg: *mut u64) -> Result<(), Errno> {
+    if arg.is_null() {
+        return Err(abi::FI_EINVAL);
+    }
+    let (tx, rx) = (abi::FI_TRANSMIT as u64, abi::FI_RECV as u64);
+    // SAFETY: non-NULL: the caller's flags word (fi_endpoint(3)).
+    let f = unsafe { arg.read() };
+    let e = st.ep_mut(ep)?;
+    let side = match (f & tx != 0, f & rx != 0) {
+        (true, false) => &mut e.tx_op_flags,
+        (false, true) => &mut e.rx_op_flags,
+        _ => return Err(abi::FI_EINVAL),
+    };
+    if set {
+        *side = f & !(tx | rx);
+    } else {
+        // SAFETY: as above.
+        unsafe { arg.write(*side) };
+    }
+    Ok(())
 }
 
 /// `fi_control(domain, FI_QUEUE_WORK, work)`: the work's operation posted as a triggered
@@ -439,7 +467,7 @@ pub unsafe extern "C" fn domain_open(
                 .strip_prefix("rb")
                 .and_then(|i| i.parse::<usize>().ok())
                 .ok_or(abi::FI_ENODATA)?,
-            None => prov::selected_nic().unwrap_or(0),
+            None => crate::claim::default_nic(),
         };
         let d = st.new_domain(nic)?;
         let p = publish(
@@ -634,6 +662,14 @@ unsafe extern "C" fn endpoint(
         // SAFETY: NULL or the info libfabric passes on (fi_endpoint(3)).
         if let Some(i) = unsafe { info.as_ref() } {
             ep.directed = i.caps & abi::FI_DIRECTED_RECV != 0;
+            // SAFETY: the info's attribute pointers are NULL or valid (fi_getinfo(3)).
+            if let Some(t) = unsafe { i.tx_attr.as_ref() } {
+                ep.tx_op_flags = t.op_flags;
+            }
+            // SAFETY: as above.
+            if let Some(r) = unsafe { i.rx_attr.as_ref() } {
+                ep.rx_op_flags = r.op_flags;
+            }
         }
         let p = publish(
             st,
@@ -1306,7 +1342,14 @@ static AV_OPS: abi::fi_ops_av = abi::fi_ops_av {
 
 // ---- endpoint ----
 
-enosys!(ep_cancel(*mut abi::fid, *mut c_void) -> isize);
+/// `fi_cancel`: tagged receives still waiting (prov/peek.rs); 0 once submitted.
+unsafe extern "C" fn ep_cancel(fid: *mut abi::fid, ctx: *mut c_void) -> isize {
+    run_s(|st| {
+        st.check(fid as usize, Kind::Ep)?;
+        st.cancel(fid as usize, ctx as u64)?;
+        Ok(0)
+    })
+}
 unsafe extern "C" fn ep_getopt(
     _: *mut abi::fid,
     _: c_int,
@@ -1422,6 +1465,17 @@ unsafe fn bufs(
     Ok(v.into_iter().zip(d).map(|((a, l), d)| (a, l, d)).collect())
 }
 
+/// Whether a call without a flags argument asks for a completion: the endpoint's default
+/// operation flags hold FI_COMPLETION (transmit side, or receive side when `rx`). Only
+/// consulted under selective completion (fi_endpoint(3)).
+fn dflt(ep: *mut abi::fid_ep, rx: bool) -> bool {
+    let mut st = prov::state();
+    st.ep_mut(ep as usize).is_ok_and(|e| {
+        let f = if rx { e.rx_op_flags } else { e.tx_op_flags };
+        f & abi::FI_COMPLETION as u64 != 0
+    })
+}
+
 fn recv_common(
     ep: *mut abi::fid_ep,
     b: &[(usize, usize, usize)],
@@ -1490,7 +1544,12 @@ unsafe extern "C" fn msg_recv(
     _src: abi::fi_addr_t,
     ctx: *mut c_void,
 ) -> isize {
-    recv_common(ep, &[(buf as usize, len, desc as usize)], ctx, false)
+    recv_common(
+        ep,
+        &[(buf as usize, len, desc as usize)],
+        ctx,
+        dflt(ep, true),
+    )
 }
 
 unsafe extern "C" fn msg_recvv(
@@ -1503,7 +1562,7 @@ unsafe extern "C" fn msg_recvv(
 ) -> isize {
     // SAFETY: `count` iovecs and descriptors (fi_recvv(3)).
     match unsafe { bufs(iov, desc, count) } {
-        Ok(b) => recv_common(ep, &b, ctx, false),
+        Ok(b) => recv_common(ep, &b, ctx, dflt(ep, true)),
         Err(e) => -(e as isize),
     }
 }
@@ -1542,7 +1601,7 @@ unsafe extern "C" fn msg_send(
         dest,
         ctx,
         Inject::No,
-        false,
+        dflt(ep, false),
         None,
         None,
     )
@@ -1558,7 +1617,7 @@ unsafe extern "C" fn msg_sendv(
 ) -> isize {
     // SAFETY: `count` iovecs and descriptors (fi_sendv(3)).
     match unsafe { bufs(iov, desc, count) } {
-        Ok(b) => send_common(ep, &b, dest, ctx, Inject::No, false, None, None),
+        Ok(b) => send_common(ep, &b, dest, ctx, Inject::No, dflt(ep, false), None, None),
         Err(e) => -(e as isize),
     }
 }
@@ -1668,7 +1727,7 @@ unsafe extern "C" fn msg_senddata(
         dest,
         ctx,
         Inject::No,
-        false,
+        dflt(ep, false),
         Some(data as u32),
         None,
     )
@@ -1762,8 +1821,7 @@ unsafe extern "C" fn t_recv(
         tag,
         ignore,
         src,
-        report: false,
-        peek: prov::Peek::None,
+        report: dflt(ep, true),
     };
     trecv_common(ep, &[(buf as usize, len, desc as usize)], req)
 }
@@ -1784,8 +1842,7 @@ unsafe extern "C" fn t_recvv(
         tag,
         ignore,
         src,
-        report: false,
-        peek: prov::Peek::None,
+        report: dflt(ep, true),
     };
     // SAFETY: `count` iovecs and descriptors (fi_trecvv(3)).
     match unsafe { bufs(iov, desc, count) } {
@@ -1803,23 +1860,29 @@ unsafe extern "C" fn t_recvmsg(ep: *mut Ep, msg: *const abi::fi_msg_tagged, flag
         // The NIC's table holds send-side work only.
         return -(abi::FI_ENOSYS as isize);
     }
-    let peek = match prov::Peek::from_flags(flags) {
-        Ok(p) => p,
-        Err(e) => return -(e as isize),
-    };
     let req = prov::TRecvReq {
         ctx: m.context as u64,
         tag: m.tag,
         ignore: m.ignore,
         src: m.addr,
         report: flags & abi::FI_COMPLETION as u64 != 0,
-        peek,
     };
     // SAFETY: the message's `iov_count` iovecs and descriptors.
-    match unsafe { bufs(m.msg_iov, m.desc, m.iov_count) } {
-        Ok(b) => trecv_common(ep, &b, req),
-        Err(e) => -(e as isize),
+    let b = match unsafe { bufs(m.msg_iov, m.desc, m.iov_count) } {
+        Ok(b) => b,
+        Err(e) => return -(e as isize),
+    };
+    let special = flags & (abi::FI_PEEK as u64 | abi::FI_CLAIM | abi::FI_DISCARD);
+    if special == 0 {
+        return trecv_common(ep, &b, req);
     }
+    run_s(|st| {
+        st.check(ep as usize, Kind::Ep)?;
+        // SAFETY: the application's receive buffers stay valid until their completion
+        // (fi_tagged(3)).
+        unsafe { st.trecv_special(ep as usize, &b, req, special)? };
+        Ok(0)
+    })
 }
 
 unsafe extern "C" fn t_send(
@@ -1832,7 +1895,7 @@ unsafe extern "C" fn t_send(
     ctx: V,
 ) -> isize {
     let b = [(buf as usize, len, desc as usize)];
-    tsend_common(ep, &b, sreq(dest, ctx, false, false, None), tag)
+    tsend_common(ep, &b, sreq(dest, ctx, false, dflt(ep, false), None), tag)
 }
 
 unsafe extern "C" fn t_sendv(
@@ -1846,7 +1909,7 @@ unsafe extern "C" fn t_sendv(
 ) -> isize {
     // SAFETY: `count` iovecs and descriptors (fi_tsendv(3)).
     match unsafe { bufs(iov, desc, count) } {
-        Ok(b) => tsend_common(ep, &b, sreq(dest, ctx, false, false, None), tag),
+        Ok(b) => tsend_common(ep, &b, sreq(dest, ctx, false, dflt(ep, false), None), tag),
         Err(e) => -(e as isize),
     }
 }
@@ -1917,7 +1980,7 @@ unsafe extern "C" fn t_senddata(
     tsend_common(
         ep,
         &b,
-        sreq(dest, ctx, false, false, Some(data as u32)),
+        sreq(dest, ctx, false, dflt(ep, false), Some(data as u32)),
         tag,
     )
 }
@@ -2008,7 +2071,7 @@ unsafe extern "C" fn r_read(
     rma_common(
         ep,
         &[(buf as usize, len, desc as usize)],
-        rma_req(src, ctx, false, false, RMA_READ, op),
+        rma_req(src, ctx, false, dflt(ep, false), RMA_READ, op),
     )
 }
 
@@ -2026,7 +2089,11 @@ unsafe extern "C" fn r_readv(
     let op = prov::RmaOp::Read { addr, key };
     // SAFETY: `count` iovecs and descriptors (fi_readv(3)).
     match unsafe { bufs(iov, desc, count) } {
-        Ok(b) => rma_common(ep, &b, rma_req(src, ctx, false, false, RMA_READ, op)),
+        Ok(b) => rma_common(
+            ep,
+            &b,
+            rma_req(src, ctx, false, dflt(ep, false), RMA_READ, op),
+        ),
         Err(e) => -(e as isize),
     }
 }
@@ -2116,7 +2183,7 @@ unsafe extern "C" fn r_write(
     rma_common(
         ep,
         &[(buf as usize, len, desc as usize)],
-        rma_req(dest, ctx, false, false, RMA_WRITE, op),
+        rma_req(dest, ctx, false, dflt(ep, false), RMA_WRITE, op),
     )
 }
 
@@ -2134,7 +2201,11 @@ unsafe extern "C" fn r_writev(
     let op = write_op(addr, key, None);
     // SAFETY: `count` iovecs and descriptors (fi_writev(3)).
     match unsafe { bufs(iov, desc, count) } {
-        Ok(b) => rma_common(ep, &b, rma_req(dest, ctx, false, false, RMA_WRITE, op)),
+        Ok(b) => rma_common(
+            ep,
+            &b,
+            rma_req(dest, ctx, false, dflt(ep, false), RMA_WRITE, op),
+        ),
         Err(e) => -(e as isize),
     }
 }
@@ -2173,7 +2244,7 @@ unsafe extern "C" fn r_writedata(
     rma_common(
         ep,
         &[(buf as usize, len, desc as usize)],
-        rma_req(dest, ctx, false, false, RMA_WRITE, op),
+        rma_req(dest, ctx, false, dflt(ep, false), RMA_WRITE, op),
     )
 }
 
@@ -2395,7 +2466,7 @@ unsafe extern "C" fn a_write(
         null,
         (0, 0),
         (dest, addr, key),
-        (dt, op, ctx, false, false),
+        (dt, op, ctx, false, dflt(ep, false)),
     )
 }
 
@@ -2415,7 +2486,7 @@ unsafe extern "C" fn a_writev(
     // SAFETY: `count` iocs and descriptors (fi_atomicv(3)).
     match unsafe { ioc1(iov, desc, count) } {
         Ok((b, n, _)) => {
-            let t = (dt, op, ctx, false, false);
+            let t = (dt, op, ctx, false, dflt(ep, false));
             atomic_common(
                 ep,
                 Call::Write,
@@ -2557,7 +2628,7 @@ unsafe extern "C" fn a_readwrite(
         null,
         r,
         (dest, addr, key),
-        (dt, op, ctx, false, false),
+        (dt, op, ctx, false, dflt(ep, false)),
     )
 }
 
@@ -2580,7 +2651,7 @@ unsafe extern "C" fn a_readwritev(
     // SAFETY: `count` and `res_count` iocs and descriptors (fi_fetch_atomicv(3)).
     match unsafe { (ioc1(iov, desc, count), ioc1(resv, res_desc, res_count)) } {
         (Ok((b, n, _)), Ok((r, 1, rd))) => {
-            let t = (dt, op, ctx, false, false);
+            let t = (dt, op, ctx, false, dflt(ep, false));
             atomic_common(
                 ep,
                 Call::Fetch,
@@ -2672,7 +2743,7 @@ unsafe extern "C" fn a_compwrite(
         cmp,
         r,
         (dest, addr, key),
-        (dt, op, ctx, false, false),
+        (dt, op, ctx, false, dflt(ep, false)),
     )
 }
 
@@ -2705,7 +2776,7 @@ unsafe extern "C" fn a_compwritev(
     };
     match all {
         (Ok((b, n, _)), Ok((c, 1, _)), Ok((r, 1, rd))) => {
-            let t = (dt, op, ctx, false, false);
+            let t = (dt, op, ctx, false, dflt(ep, false));
             atomic_common(
                 ep,
                 Call::Compare,

@@ -4,7 +4,8 @@
 //! It registers as `ringbell` and answers `fi_getinfo` with one reliable-datagram
 //! (`FI_EP_RDM`) offer per NIC of the process's NIC plan ([`ringbell::discover`]:
 //! `RINGBELL_SERVE`, else an in-process fabric of `RINGBELL_NICS` NICs), or only NIC `i`
-//! when `RINGBELL_NIC=i` is set, matched against the caller's hints ([`info`]). Fabrics,
+//! when `RINGBELL_NIC=i` is set, or on a served fabric only the NIC this process claimed by
+//! lock file ([`claim`]), matched against the caller's hints ([`info`]). Fabrics,
 //! domains, (minimal) event queues, completion queues, address vectors, memory registration
 //! and endpoints with message and tagged transfers are implemented ([`prov`]: reliable
 //! datagrams over RC connections made on demand through the datagram connection manager;
@@ -25,6 +26,7 @@
 //! libc.
 
 pub mod abi;
+pub mod claim;
 mod ffi;
 pub mod info;
 pub mod prov;
@@ -313,10 +315,12 @@ unsafe extern "C" fn getinfo(
         let plan = ringbell::discover::NicPlan::from_env();
         let mut head: *mut abi::fi_info = std::ptr::null_mut();
         let mut tail: *mut *mut abi::fi_info = &mut head;
-        let only = prov::selected_nic();
+        let choice = claim::choice(&plan);
         for i in 0..plan.nics.len() {
-            if only.is_some_and(|n| n != i) {
-                continue;
+            match choice {
+                claim::Choice::All => {}
+                claim::Choice::One(n) if n == i => {}
+                _ => continue,
             }
             let offer = Offer::for_nic(&ringbell::discover::NicPlan::name(i));
             let Ok(o) = info::match_offer(version, &h, &offer) else {

@@ -24,6 +24,9 @@
 //! ([`State::fabric`]) those polls are what steps the emulator; a CM with nothing to do
 //! but wait lets the idle clock run to its next timer ([`ConnectionManager::poll`]).
 
+mod bounce;
+mod peek;
+
 use crate::abi;
 use ringbell::cm::{CmEvent, ConnId, ConnectionManager, REJ_CONSUMER};
 use ringbell::{
@@ -35,9 +38,7 @@ use ringbell::{Counter, TriggerHandle};
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Mutex, MutexGuard, OnceLock};
 
-mod peek;
 mod trig;
-pub use peek::Peek;
 pub use trig::{Trig, WorkOp};
 
 /// Length of an endpoint address.
@@ -371,6 +372,9 @@ struct TRecv {
     cap: u64,
     buf: u64,
     report: bool,
+    /// Some buffer has no descriptor: `sges` are process addresses, and a rendezvous reads
+    /// through a bounce buffer ([`bounce`]).
+    bounce: bool,
 }
 
 impl TRecv {
@@ -385,14 +389,16 @@ struct Matched {
     rts: Rts,
     /// Bytes read (the rest, if any, is truncated).
     n: u64,
+    /// Where the data is read when the receive has buffers without a descriptor.
+    bounce: Option<bounce::Bounce>,
 }
 
 /// A tagged send waiting for its FIN.
 struct TSend {
     ctx: u64,
     report: bool,
-    _tmp: Vec<MemoryRegion>,
-    _copy: Vec<u8>,
+    /// The copy the receiver reads, unless the data is eager or in a registered region.
+    _bounce: Option<bounce::Bounce>,
 }
 
 /// The tagged channel's receive side of an endpoint.
@@ -412,6 +418,11 @@ pub struct Ep {
     pub rxcq: Option<usize>,
     pub tx_selective: bool,
     pub rx_selective: bool,
+    /// The default operation flags (the info's `tx_attr`/`rx_attr->op_flags`): with
+    /// selective completion, calls without a flags argument report iff these hold
+    /// FI_COMPLETION (fi_endpoint(3)).
+    pub tx_op_flags: u64,
+    pub rx_op_flags: u64,
     pub enabled: bool,
     /// Accept tagged messages only from a receive's source address (FI_DIRECTED_RECV).
     pub directed: bool,
@@ -431,12 +442,12 @@ pub struct Ep {
     /// Tagged messages that came before a receive matched them, in arrival order.
     /// Eager ones with their payload.
     unexpected: VecDeque<(Rts, Vec<u8>)>,
+    /// Messages claimed by a peek (`FI_PEEK|FI_CLAIM`), by the peek's context ([`peek`]).
+    claimed: Vec<(u64, Rts, Vec<u8>)>,
     /// Tagged sends waiting for their FIN, by id.
     tsends: HashMap<u64, TSend>,
     /// Bound counters.
     pub cntrs: EpCntrs,
-    /// Messages claimed by `FI_PEEK | FI_CLAIM`, by the context of the claim.
-    claimed: HashMap<u64, (Rts, Vec<u8>)>,
 }
 
 pub enum Obj {
@@ -652,6 +663,8 @@ impl State {
             rxcq: None,
             tx_selective: false,
             rx_selective: false,
+            tx_op_flags: 0,
+            rx_op_flags: 0,
             enabled: false,
             directed: false,
             conns: HashMap::new(),
@@ -664,9 +677,9 @@ impl State {
             staging: None,
             tposted: VecDeque::new(),
             unexpected: VecDeque::new(),
+            claimed: Vec::new(),
             tsends: HashMap::new(),
             cntrs: EpCntrs::default(),
-            claimed: HashMap::new(),
         })
     }
 
@@ -1338,7 +1351,12 @@ impl State {
     /// to read).
     fn start_read(&mut self, ep: usize, recv: TRecv, rts: Rts, payload: &[u8]) {
         let n = rts.len.min(recv.cap);
-        let m = Matched { recv, rts, n };
+        let mut m = Matched {
+            recv,
+            rts,
+            n,
+            bounce: None,
+        };
         if rts.eager {
             // The payload came with the request: copied into the receive's buffers.
             let mut at = 0usize;
@@ -1360,9 +1378,23 @@ impl State {
             self.finish_read(ep, m, true, 0);
             return;
         }
-        // The receive's SGEs, cut to the bytes read.
+        // The receive's SGEs, cut to the bytes read; or a bounce buffer of that size.
         let mut left = n;
         let mut sges = Vec::new();
+        if m.recv.bounce {
+            let b = match (self.ep_mut(ep).map(|e| e.domain))
+                .and_then(|dom| self.bounce(dom, n as usize))
+            {
+                Ok(b) => b,
+                Err(_) => {
+                    self.finish_read(ep, m, false, 0);
+                    return;
+                }
+            };
+            sges.push(b.sge(n as u32));
+            m.bounce = Some(b);
+            left = 0;
+        }
         for s in &m.recv.sges {
             if left == 0 {
                 break;
@@ -1404,7 +1436,12 @@ impl State {
 
     /// A matched message was read (or could not be): the FIN to its sender, the receive's
     /// completion (an error entry `FI_ETRUNC` when the message was longer than the buffer).
-    fn finish_read(&mut self, ep: usize, m: Matched, ok: bool, prov_errno: i32) {
+    fn finish_read(&mut self, ep: usize, m: Matched, mut ok: bool, prov_errno: i32) {
+        if let (true, Some(b)) = (ok, &m.bounce) {
+            // SAFETY: the receive's buffers are the application's memory, writable until
+            // the receive completes (the contract of `post_trecv`); `m.n` bytes fit them.
+            ok = unsafe { b.copy_out(&m.recv.sges, m.n) }.is_ok();
+        }
         if !m.rts.eager {
             let fin = Ctl::Fin { id: m.rts.id, ok }.encode();
             let _ = self.send_ctl(ep, m.rts.from, &fin, None, false);
@@ -1506,7 +1543,7 @@ impl State {
         }
         let parts: Vec<_> = bufs.iter().filter(|b| b.1 > 0).copied().collect();
         let mut copy = Vec::new();
-        let mut tmp = Vec::new();
+        let mut bounced = None;
         let max_inline = self.domain(dom)?.pd.device().caps().max_inline as usize;
         let eager = total <= EAGER_MAX && CTL_LEN + total <= max_inline;
         let (va, rkey) = match parts[..] {
@@ -1520,39 +1557,29 @@ impl State {
                 (0, 0)
             }
             [] => (0, 0),
-            [(addr, len, desc)] if !req.inject => {
-                let given = match (desc, self.objs.get(&desc)) {
-                    (0, _) => None,
-                    (_, Some(Obj::Mr(m))) => Some(m),
+            [(_, _, desc)] if desc != 0 && !matches!(self.objs.get(&desc), Some(Obj::Mr(_))) => {
+                return Err(EINVAL)
+            }
+            // The receiver reads the data in place when the application's region lets
+            // peers read it; otherwise from a bounce buffer (below).
+            [(addr, _, desc)]
+                if !req.inject
+                    && matches!(self.objs.get(&desc),
+                        Some(Obj::Mr(m)) if m.access.contains(Access::REMOTE_READ)) =>
+            {
+                match self.objs.get(&desc) {
+                    Some(Obj::Mr(m)) => (addr as u64, m.mr.rkey()),
                     _ => return Err(EINVAL),
-                };
-                // The receiver reads the data: the application's region serves when it
-                // lets peers read it, else a registration of the provider's own does.
-                let rkey = if let Some(m) = given.filter(|m| m.access.contains(Access::REMOTE_READ))
-                {
-                    m.mr.rkey()
-                } else {
-                    // SAFETY: per the caller.
-                    let mr = unsafe { self.reg_access(dom, addr, len, Access::REMOTE_READ)? };
-                    let k = mr.rkey();
-                    tmp.push(mr);
-                    k
-                };
-                (addr as u64, rkey)
+                }
             }
             _ => {
-                for &(addr, len, _) in &parts {
-                    // SAFETY: readable now, per the caller.
-                    copy.extend_from_slice(unsafe {
-                        std::slice::from_raw_parts(addr as *const u8, len)
-                    });
-                }
-                // SAFETY: `copy` is this library's heap copy, kept with the send (a Vec's
-                // buffer does not move when the Vec does) until its FIN.
-                let mr = unsafe { self.reg(dom, copy.as_ptr() as usize, copy.len())? };
-                let k = mr.rkey();
-                tmp.push(mr);
-                (copy.as_ptr() as u64, k)
+                // A copy in a bounce buffer the receiver reads ([`bounce`]): buffers
+                // without a descriptor, several buffers, or an inject.
+                // SAFETY: readable now, per the caller.
+                let b = unsafe { self.bounce_from(dom, &parts, total)? };
+                let at = (b.addr(), b.rkey());
+                bounced = Some(b);
+                at
             }
         };
         let e = self.ep_mut(ep)?;
@@ -1579,8 +1606,7 @@ impl State {
             TSend {
                 ctx: req.ctx,
                 report,
-                _tmp: tmp,
-                _copy: copy,
+                _bounce: bounced,
             },
         );
         if let Err(err) = self.send_ctl(ep, peer, &msg, Some(id), eager) {
@@ -1614,11 +1640,13 @@ impl State {
         } else {
             None
         };
-        if req.peek != Peek::None && self.peek_trecv(ep, &req, src)?.is_some() {
-            return Ok(());
-        }
-        // SAFETY: per the caller.
-        let (sges, tmp) = unsafe { self.sges(dom, bufs, Access::LOCAL_WRITE)? };
+        let bounce = bounce::needs_bounce(bufs);
+        let (sges, tmp) = if bounce {
+            (bounce::user_sges(bufs)?, Vec::new())
+        } else {
+            // SAFETY: per the caller.
+            unsafe { self.sges(dom, bufs, Access::LOCAL_WRITE)? }
+        };
         let t = TRecv {
             ctx: req.ctx,
             tag: req.tag,
@@ -1629,14 +1657,9 @@ impl State {
             _tmp: tmp,
             buf: bufs.first().map_or(0, |b| b.0 as u64),
             report: req.report || !selective,
+            bounce,
         };
         let e = self.ep_mut(ep)?;
-        if let Peek::Claim { .. } = req.peek {
-            // The message claimed with this context, into these buffers.
-            let (r, payload) = e.claimed.remove(&req.ctx).ok_or(EINVAL)?;
-            self.start_read(ep, t, r, &payload);
-            return Ok(());
-        }
         match e.unexpected.iter().position(|(r, _)| t.takes(r)) {
             Some(i) => {
                 if let Some((r, payload)) = e.unexpected.remove(i) {
@@ -1934,8 +1957,6 @@ pub struct TRecvReq {
     pub src: u64,
     /// Report a completion even under `FI_SELECTIVE_COMPLETION`.
     pub report: bool,
-    /// `FI_PEEK`, `FI_CLAIM`, `FI_DISCARD`.
-    pub peek: Peek,
 }
 
 impl Ep {

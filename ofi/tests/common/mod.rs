@@ -50,27 +50,34 @@ pub fn emulator() -> PathBuf {
     dir.join("ringbell-emu")
 }
 
-/// A running `ringbell-emu serve` with two NICs, stopped on drop.
+/// A running `ringbell-emu serve`, stopped on drop.
 pub struct Served {
     child: Child,
     pub dir: PathBuf,
 }
 
 impl Served {
+    /// Serves two NICs.
     pub fn start(name: &str) -> Served {
+        Served::start_nodes(name, 2)
+    }
+
+    /// Serves `nodes` NICs.
+    pub fn start_nodes(name: &str, nodes: usize) -> Served {
         let dir = std::env::temp_dir().join(format!("ringbell-ofi-{name}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
         let child = Command::new(emulator())
             .args(["serve", "--socket"])
             .arg(&dir)
-            .args(["--nodes", "2"])
+            .arg("--nodes")
+            .arg(nodes.to_string())
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
             .unwrap();
         let start = Instant::now();
-        while !(dir.join("nic0.sock").exists() && dir.join("nic1.sock").exists()) {
+        while !(0..nodes).all(|i| dir.join(format!("nic{i}.sock")).exists()) {
             assert!(
                 start.elapsed() < Duration::from_secs(20),
                 "serve did not start"

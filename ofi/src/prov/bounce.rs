@@ -1,0 +1,172 @@
+//! Bounce buffers for the tagged rendezvous: application memory passed without a
+//! descriptor (`desc` NULL, as Open MPI passes it with `mr_mode` 0) is not registered in
+//! place for the data the NIC moves; the provider copies it through DMA memory of its own.
+//!
+//! Registering application memory in place adopts its pages ([`ringbell::hostmem`]): a later
+//! registration that overlaps adopted pages without lying inside them adopts the union
+//! anew, and while that happens a device in another process (a served NIC) that reads or
+//! writes the old pages can lose its writes or fault (a `GeneralErr` completion). Buffers
+//! of an MPI program share pages all the time (two `malloc`s, a send and a receive buffer
+//! side by side), and a rendezvous keeps its buffer in use for a round trip, so a send
+//! buffer is copied into a bounce buffer the receiver reads from, and a receive reads into
+//! a bounce buffer copied out when the read completes. A buffer with a descriptor (a region
+//! the application registered) is used in place.
+
+use super::{Errno, State};
+use ringbell::{Access, DmaBuffer, MemoryRegion, Sge};
+
+/// DMA memory of the provider, registered in a domain, standing in for application memory.
+pub(super) struct Bounce {
+    buf: DmaBuffer,
+    mr: MemoryRegion,
+}
+
+impl Bounce {
+    /// The address of the first byte, in the region's address space.
+    pub fn addr(&self) -> u64 {
+        self.mr.addr()
+    }
+
+    pub fn rkey(&self) -> u32 {
+        self.mr.rkey()
+    }
+
+    /// One SGE of the first `len` bytes.
+    pub fn sge(&self, len: u32) -> Sge {
+        Sge {
+            addr: self.mr.addr(),
+            len,
+            lkey: self.mr.lkey(),
+        }
+    }
+
+    /// Copies the first `n` bytes out to the application's buffers `sges` (their `addr` is a
+    /// process address), in order.
+    ///
+    /// # Safety
+    /// Each SGE names memory of this process, writable for its length.
+    pub unsafe fn copy_out(&self, sges: &[Sge], n: u64) -> Result<(), Errno> {
+        let mut at = 0usize;
+        let n = n as usize;
+        for s in sges {
+            let l = (s.len as usize).min(n - at);
+            if l == 0 {
+                break;
+            }
+            // SAFETY: writable for `s.len >= l` bytes, per the caller; no other reference to
+            // that memory is live in this library.
+            let out = unsafe { std::slice::from_raw_parts_mut(s.addr as *mut u8, l) };
+            self.buf.read(at, out).map_err(|_| crate::abi::FI_EIO)?;
+            at += l;
+        }
+        Ok(())
+    }
+}
+
+/// Whether a buffer `(addr, len, desc)` list needs a bounce (some non-empty buffer has no
+/// descriptor).
+pub(super) fn needs_bounce(bufs: &[(usize, usize, usize)]) -> bool {
+    bufs.iter().any(|&(_, len, desc)| len > 0 && desc == 0)
+}
+
+/// Whether `[addr, addr + len)` is mapped in this process (`/proc/self/maps`), readable,
+/// and writable too if `write`.
+fn mapped(addr: usize, len: usize, write: bool) -> bool {
+    if addr == 0 {
+        return false;
+    }
+    let Some(end) = addr.checked_add(len) else {
+        return false;
+    };
+    let Ok(maps) = std::fs::read_to_string("/proc/self/maps") else {
+        return false;
+    };
+    let mut at = addr;
+    for l in maps.lines() {
+        let mut f = l.split_whitespace();
+        let (Some(range), Some(perms)) = (f.next(), f.next()) else {
+            continue;
+        };
+        let Some((a, b)) = range.split_once('-') else {
+            continue;
+        };
+        let (Ok(a), Ok(b)) = (usize::from_str_radix(a, 16), usize::from_str_radix(b, 16)) else {
+            continue;
+        };
+        if b <= at {
+            continue;
+        }
+        if a > at || !perms.starts_with(if write { "rw" } else { "r" }) {
+            return false;
+        }
+        at = b;
+        if at >= end {
+            return true;
+        }
+    }
+    false
+}
+
+/// The application's buffers as SGEs of process addresses (lkey 0: for copies only), each
+/// checked to be writable memory of this process (`-FI_EINVAL` if not: the data is copied
+/// into it when the receive completes).
+pub(super) fn user_sges(bufs: &[(usize, usize, usize)]) -> Result<Vec<Sge>, Errno> {
+    bufs.iter()
+        .filter(|b| b.1 > 0)
+        .map(|&(addr, len, _)| {
+            if !mapped(addr, len, true) {
+                return Err(crate::abi::FI_EINVAL);
+            }
+            Ok(Sge {
+                addr: addr as u64,
+                len: u32::try_from(len).map_err(|_| crate::abi::FI_EMSGSIZE)?,
+                lkey: 0,
+            })
+        })
+        .collect()
+}
+
+impl State {
+    /// A bounce buffer of `len` (> 0) bytes in domain `dom`, which the NIC may write and
+    /// peers may read.
+    pub(super) fn bounce(&self, dom: usize, len: usize) -> Result<Bounce, Errno> {
+        let d = self.domain(dom)?;
+        let buf =
+            d.pd.device()
+                .alloc_dma(len)
+                .map_err(|_| crate::abi::FI_ENOMEM)?;
+        let mr =
+            d.pd.reg_mr_range(&buf, 0, len, Access::LOCAL_WRITE | Access::REMOTE_READ)
+                .map_err(|_| crate::abi::FI_ENOMEM)?;
+        Ok(Bounce { buf, mr })
+    }
+
+    /// A bounce buffer holding a copy of the application's buffers `bufs` (`total` bytes,
+    /// > 0).
+    ///
+    /// # Safety
+    /// Each `(address, length, _)` of `bufs` is readable for its length.
+    pub(super) unsafe fn bounce_from(
+        &self,
+        dom: usize,
+        bufs: &[(usize, usize, usize)],
+        total: usize,
+    ) -> Result<Bounce, Errno> {
+        // What the application names must be its readable memory (`-FI_EINVAL` if not).
+        if bufs
+            .iter()
+            .any(|&(addr, len, _)| len > 0 && !mapped(addr, len, false))
+        {
+            return Err(crate::abi::FI_EINVAL);
+        }
+        let b = self.bounce(dom, total)?;
+        let mut at = 0;
+        for &(addr, len, _) in bufs.iter().filter(|b| b.1 > 0) {
+            // SAFETY: readable now, per the caller.
+            let data = unsafe { std::slice::from_raw_parts(addr as *const u8, len) };
+            b.buf.write(at, data).map_err(|_| crate::abi::FI_ENOMEM)?;
+            at += len;
+        }
+        Ok(b)
+    }
+}

@@ -1,0 +1,85 @@
+//! A NIC per process on a served fabric: with `RINGBELL_SERVE` and no `RINGBELL_NIC`, a
+//! process claims the first NIC whose `nic{i}.lock` it can `flock` and offers only that NIC
+//! (`fi_info -p ringbell`, Debian's libfabric-bin, run as a user would). Claims held by this
+//! test process stand for other processes; `RINGBELL_NIC` (a NIC, or `all`) still wins.
+
+mod common;
+
+use ringbell_fi::claim::{claim_first_free, lock_path};
+use std::path::Path;
+use std::process::Command;
+
+/// The domains `fi_info -p ringbell` lists, and whether it succeeded.
+fn domains(prov: &Path, serve: &Path, nic: Option<&str>) -> (bool, Vec<String>) {
+    assert!(
+        Command::new("fi_info").arg("--version").output().is_ok(),
+        "fi_info is missing: install Debian's libfabric-bin (.ci/run does)"
+    );
+    let mut cmd = Command::new("timeout");
+    cmd.args(["30", "fi_info", "-p", "ringbell"])
+        .env("FI_PROVIDER_PATH", prov)
+        .env("RINGBELL_SERVE", serve)
+        .env_remove("RINGBELL_NIC")
+        .env_remove("FI_PROVIDER");
+    if let Some(n) = nic {
+        cmd.env("RINGBELL_NIC", n);
+    }
+    let o = cmd.output().unwrap();
+    let doms = String::from_utf8_lossy(&o.stdout)
+        .lines()
+        .filter_map(|l| l.trim().strip_prefix("domain: ").map(str::to_string))
+        .collect();
+    (o.status.success(), doms)
+}
+
+#[test]
+fn each_process_offers_the_first_nic_it_can_lock() {
+    let served = common::Served::start_nodes("claim", 3);
+    let prov = common::provider_dir("claim");
+    let dir = &served.dir;
+    // Nothing claimed: NIC 0 (the fi_info process's lock ends with it).
+    assert_eq!(domains(&prov, dir, None), (true, vec!["rb0".to_string()]));
+    assert_eq!(domains(&prov, dir, None), (true, vec!["rb0".to_string()]));
+    let c0 = claim_first_free(dir, 3).unwrap();
+    assert_eq!(c0.nic, 0);
+    assert!(lock_path(dir, 0).exists());
+    assert_eq!(domains(&prov, dir, None), (true, vec!["rb1".to_string()]));
+    let c1 = claim_first_free(dir, 3).unwrap();
+    assert_eq!(c1.nic, 1);
+    assert_eq!(domains(&prov, dir, None), (true, vec!["rb2".to_string()]));
+    // RINGBELL_NIC wins over the locks.
+    assert_eq!(
+        domains(&prov, dir, Some("0")),
+        (true, vec!["rb0".to_string()])
+    );
+    let c2 = claim_first_free(dir, 3).unwrap();
+    assert_eq!(c2.nic, 2);
+    // Every NIC taken: no offer (fi_info fails with no data).
+    let (ok, doms) = domains(&prov, dir, None);
+    assert!(!ok && doms.is_empty(), "{doms:?}");
+    // RINGBELL_NIC=all: every NIC, claimed or not.
+    let all = ["rb0", "rb1", "rb2"].map(String::from).to_vec();
+    assert_eq!(domains(&prov, dir, Some("all")), (true, all));
+    // A released claim is free again.
+    drop(c1);
+    assert_eq!(domains(&prov, dir, None), (true, vec!["rb1".to_string()]));
+    drop((c0, c2));
+}
+
+#[test]
+fn threads_claim_distinct_nics() {
+    let dir = std::env::temp_dir().join(format!("ringbell-claim-threads-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let claims: Vec<_> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..4)
+            .map(|_| s.spawn(|| claim_first_free(&dir, 4)))
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap().unwrap()).collect()
+    });
+    let mut nics: Vec<usize> = claims.iter().map(|c| c.nic).collect();
+    nics.sort();
+    assert_eq!(nics, vec![0, 1, 2, 3]);
+    assert!(claim_first_free(&dir, 4).is_none());
+    drop(claims);
+    std::fs::remove_dir_all(&dir).unwrap();
+}

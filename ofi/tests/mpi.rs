@@ -1,0 +1,118 @@
+//! Debian's Open MPI 4.1 (openmpi-bin, libopenmpi-dev), unmodified, over the provider:
+//! `mpirun --mca pml cm --mca mtl ofi` with `FI_PROVIDER=ringbell` on 2 and 4 ranks, each
+//! rank on its own NIC of one `ringbell-emu serve` (claimed by lock file: every rank has the
+//! same environment). The programs (`tests/mpi/*.c`) check their own results and exit
+//! non-zero with a message on a mismatch: a ring, wildcard receives, barriers and
+//! allreduces, large (rendezvous) messages, and probes (MPI_Probe, MPI_Iprobe, MPI_Mprobe,
+//! MPI_Improbe with MPI_Mrecv) with a cancelled receive.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+const PROGRAMS: [&str; 5] = ["ring", "wildcard", "collectives", "large", "probe"];
+
+fn text(o: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
+/// Compiles the test programs with `mpicc` into a directory of this test process (once).
+fn build() -> PathBuf {
+    static DIR: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    DIR.get_or_init(compile).clone()
+}
+
+fn compile() -> PathBuf {
+    assert!(
+        Command::new("mpicc").arg("--version").output().is_ok(),
+        "mpicc is missing: install Debian's libopenmpi-dev and openmpi-bin (.ci/run does)"
+    );
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/mpi");
+    let out = std::env::temp_dir().join(format!("ringbell-mpi-{}", std::process::id()));
+    std::fs::create_dir_all(&out).unwrap();
+    for p in PROGRAMS {
+        let o = Command::new("mpicc")
+            .args(["-O1", "-Wall", "-Werror", "-o"])
+            .arg(out.join(p))
+            .arg(src.join(format!("{p}.c")))
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "mpicc {p}.c: {}", text(&o));
+    }
+    out
+}
+
+/// Runs `prog` on `ranks` ranks over a served fabric of as many NICs.
+fn mpirun(bin: &Path, prov: &Path, served: &Path, ranks: usize, prog: &str) -> Output {
+    let mut cmd = Command::new("timeout");
+    cmd.args([
+        "300",
+        "mpirun",
+        "--allow-run-as-root",
+        "--oversubscribe",
+        "-np",
+    ])
+    .arg(ranks.to_string())
+    .args(["--mca", "pml", "cm", "--mca", "mtl", "ofi"])
+    .args(["--mca", "mtl_ofi_provider_include", "ringbell"])
+    .args(["--mca", "btl", "self", "--mca", "mtl_ofi_verbose", "1"])
+    .args([
+        "-x",
+        "FI_PROVIDER_PATH",
+        "-x",
+        "RINGBELL_SERVE",
+        "-x",
+        "FI_PROVIDER",
+    ])
+    .arg(bin.join(prog))
+    .current_dir(bin)
+    .env("FI_PROVIDER_PATH", prov)
+    .env("RINGBELL_SERVE", served)
+    .env("FI_PROVIDER", "ringbell")
+    .env_remove("RINGBELL_NIC");
+    cmd.output().unwrap()
+}
+
+fn run_all(ranks: usize) {
+    let bin = build();
+    let prov = common::provider_dir(&format!("mpi{ranks}"));
+    let served = common::Served::start_nodes(&format!("mpi{ranks}"), ranks);
+    for prog in PROGRAMS {
+        let o = mpirun(&bin, &prov, &served.dir, ranks, prog);
+        let out = text(&o);
+        assert!(
+            o.status.success(),
+            "{prog} on {ranks} ranks failed ({}):\n{out}",
+            o.status
+        );
+        let want = format!("{prog} ok: {ranks} ranks");
+        assert!(
+            out.lines().any(|l| l.starts_with(&want)),
+            "{prog}: no '{want}' line:\n{out}"
+        );
+        // Every rank's MTL chose the provider.
+        let chosen = out
+            .lines()
+            .filter(|l| l.ends_with("mtl:ofi:prov: ringbell"))
+            .count();
+        assert_eq!(chosen, ranks, "{prog}: the ofi MTL chose ringbell:\n{out}");
+        for l in out.lines().filter(|l| l.contains(" ok: ")) {
+            println!("{l}");
+        }
+    }
+}
+
+#[test]
+fn open_mpi_on_two_ranks() {
+    run_all(2);
+}
+
+#[test]
+fn open_mpi_on_four_ranks() {
+    run_all(4);
+}
