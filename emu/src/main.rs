@@ -78,6 +78,10 @@ enum Cmd {
     /// Offloaded collectives built only from triggered operations on N emulated NICs:
     /// simulated latency per N, each result checked.
     Coll(CollArgs),
+    /// N NICs in one process with RC traffic in a ring or all-to-all: wall time per
+    /// message and per fabric event beside this run's yardsticks, RSS per node, file
+    /// descriptors and mappings (a benchmark, not a test).
+    Scale(ScaleArgs),
     /// A bandwidth run on two nodes, optionally over a lossy fabric: goodput, retransmissions
     /// and every transport counter.
     Bench {
@@ -263,6 +267,7 @@ fn main() {
     }
     let r = match cli.cmd {
         Cmd::Coll(a) => coll(a),
+        Cmd::Scale(a) => scale(a),
         Cmd::Serve {
             socket,
             nodes,
@@ -396,6 +401,109 @@ fn main() {
         eprintln!("ringbell-emu: {e}");
         std::process::exit(1);
     }
+}
+
+/// `ringbell-emu scale`.
+#[derive(Args)]
+struct ScaleArgs {
+    /// Node counts of the ring (comma separated, each 2..=1024; `0`: none).
+    #[arg(long, value_delimiter = ',', default_values_t = vec![2, 8, 64, 256, 1024])]
+    ring: Vec<usize>,
+    /// Node counts of the all-to-all (comma separated, each 2..=1024; `0`: none).
+    #[arg(long = "all-to-all", value_delimiter = ',', default_values_t = vec![2, 8, 64, 256])]
+    all_to_all: Vec<usize>,
+    /// Messages in each run, spread evenly over its sending QPs (the same total traffic at
+    /// every N).
+    #[arg(long, default_value_t = 1 << 18)]
+    messages: u64,
+    /// Messages outstanding per ring QP.
+    #[arg(long, default_value_t = 256)]
+    depth: u32,
+    /// Messages outstanding per all-to-all QP.
+    #[arg(long, default_value_t = 4)]
+    a2a_depth: u32,
+    /// Root seed.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+}
+
+fn scale(a: ScaleArgs) -> Result<(), String> {
+    use ringbell_emu::scale::{run, Pattern, ScaleConfig};
+    use ringbell_emu::yardstick::Yardstick;
+    // Each node holds a few descriptors (its device's memory arena): let the process use
+    // what the hard limit allows.
+    use nix::sys::resource::{getrlimit, setrlimit, Resource};
+    if let Ok((_, hard)) = getrlimit(Resource::RLIMIT_NOFILE) {
+        let _ = setrlimit(Resource::RLIMIT_NOFILE, hard, hard);
+    }
+    let fd_limit = getrlimit(Resource::RLIMIT_NOFILE).map_or(0, |(soft, _)| soft);
+    let y = Yardstick::measure();
+    println!(
+        "seed {}; {} messages per run (8-byte inline RC WRITEs); descriptor limit {fd_limit}",
+        a.seed, a.messages
+    );
+    println!("{}", y.describe());
+    println!(
+        "{:<10} {:>5} {:>7} {:>9} {:>10} {:>9} {:>9} {:>9} {:>8} {:>10} {:>6} {:>6} {:>8}",
+        "pattern",
+        "N",
+        "QPs",
+        "messages",
+        "events",
+        "ns/msg",
+        "chases",
+        "ns/event",
+        "setup s",
+        "KiB/node",
+        "fds",
+        "maps",
+        "wall s"
+    );
+    let runs = a
+        .ring
+        .iter()
+        .map(|&n| (Pattern::Ring, n, a.depth))
+        .chain(
+            a.all_to_all
+                .iter()
+                .map(|&n| (Pattern::AllToAll, n, a.a2a_depth)),
+        )
+        .filter(|&(_, n, _)| n != 0);
+    for (pattern, n, depth) in runs {
+        if !(2..=1024).contains(&n) {
+            return Err(format!("{} at {n} nodes: must be 2..=1024", pattern.name()));
+        }
+        let senders = match pattern {
+            Pattern::Ring => n as u64,
+            Pattern::AllToAll => (n * (n - 1)) as u64,
+        };
+        let msgs = (a.messages / senders).max(1) as u32;
+        let o = run(ScaleConfig {
+            nodes: n,
+            pattern,
+            msgs,
+            depth,
+            seed: a.seed,
+        })?;
+        println!(
+            "{:<10} {:>5} {:>7} {:>9} {:>10} {:>9.0} {:>9.1} {:>9.0} {:>8.2} {:>10.0} {:>6} {:>6} {:>8.2}",
+            pattern.name(),
+            n,
+            o.qps,
+            o.messages,
+            o.events,
+            o.ns_per_message(),
+            y.in_chases(o.ns_per_message()),
+            o.ns_per_event(),
+            o.setup.as_secs_f64(),
+            o.rss_kib_per_node,
+            o.fds,
+            o.maps,
+            o.wall.as_secs_f64()
+        );
+    }
+    println!("ns/msg and ns/event are wall time during the traffic; chases = ns/msg in pointer-chase loads of the yardstick");
+    Ok(())
 }
 
 /// `ringbell-emu coll`.

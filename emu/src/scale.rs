@@ -67,7 +67,8 @@ pub struct ScaleOutcome {
     pub wall: Duration,
     /// Simulated time of the traffic, in picoseconds.
     pub sim_ps: u64,
-    /// Resident memory the fabric and its nodes added, per node, in KiB.
+    /// Resident memory the fabric and its nodes added by the end of the traffic, per node,
+    /// in KiB.
     pub rss_kib_per_node: f64,
     /// Open file descriptors of the process with the fabric built.
     pub fds: usize,
@@ -188,7 +189,6 @@ pub fn run(cfg: ScaleConfig) -> Result<ScaleOutcome, String> {
     let setup = t_setup.elapsed();
     let fds = fd_count();
     let maps = map_count();
-    let rss_kib_per_node = rss_kib().saturating_sub(rss0) as f64 / n as f64;
 
     let senders: usize = nodes
         .iter()
@@ -237,6 +237,7 @@ pub fn run(cfg: ScaleConfig) -> Result<ScaleOutcome, String> {
         }
     }
     let wall = t.elapsed();
+    let rss_kib_per_node = rss_kib().saturating_sub(rss0) as f64 / n as f64;
     // Every sender's last WRITE landed in its slot of its peer's buffer.
     for (i, node) in nodes.iter().enumerate() {
         for &p in node.peer.iter().flatten() {
