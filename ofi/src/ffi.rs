@@ -537,13 +537,25 @@ unsafe extern "C" fn eq_sread(
     _: *mut u32,
     _: *mut c_void,
     _: usize,
-    _: c_int,
+    timeout: c_int,
     _: u64,
 ) -> isize {
-    run_s(|st| {
-        st.check(eq as usize, Kind::Eq)?;
-        Err(abi::FI_EAGAIN)
-    })
+    // Nothing is ever posted to the event queue of an RDM endpoint: wait out the timeout
+    // (a negative one for ever), letting the provider progress, then -FI_EAGAIN.
+    let start = std::time::Instant::now();
+    loop {
+        let r = run_s(|st| {
+            st.check(eq as usize, Kind::Eq)?;
+            st.progress();
+            Err(abi::FI_EAGAIN)
+        });
+        if r != -(abi::FI_EAGAIN as isize)
+            || (timeout >= 0 && start.elapsed().as_millis() >= timeout as u128)
+        {
+            return r;
+        }
+        std::thread::sleep(std::time::Duration::from_micros(200));
+    }
 }
 enosys!(eq_write(*mut abi::fid_eq, u32, *const c_void, usize, u64) -> isize);
 
@@ -1086,7 +1098,9 @@ fn cq_sread_inner(
         if r != -(abi::FI_EAGAIN as isize) {
             return r;
         }
-        if timeout >= 0 && start.elapsed().as_millis() >= timeout as u128 {
+        // fi_cq_signal unblocks a waiting reader: it returns -FI_EAGAIN at once.
+        let signaled = run(|st| Ok(std::mem::take(&mut st.cq_mut(cq as usize)?.signaled) as c_int));
+        if signaled == 1 || (timeout >= 0 && start.elapsed().as_millis() >= timeout as u128) {
             return r;
         }
         std::thread::yield_now();
@@ -1147,7 +1161,10 @@ unsafe extern "C" fn cq_readerr(
 }
 
 unsafe extern "C" fn cq_signal(cq: *mut abi::fid_cq) -> c_int {
-    run(|st| st.check(cq as usize, Kind::Cq).map(|()| 0))
+    run(|st| {
+        st.cq_mut(cq as usize)?.signaled = true;
+        Ok(0)
+    })
 }
 
 unsafe extern "C" fn cq_strerror(

@@ -43,6 +43,8 @@ pub const FI_LOCAL_COMM: u64 = abi::FI_LOCAL_COMM;
 pub const FI_REMOTE_COMM: u64 = abi::FI_REMOTE_COMM;
 /// Mode bit: local buffers must be registered (before API 1.5; `FI_MR_LOCAL` since).
 pub const FI_LOCAL_MR: u64 = abi::FI_LOCAL_MR;
+/// Mode bit: remote CQ data consumes a posted receive.
+pub const FI_RX_CQ_DATA: u64 = abi::FI_RX_CQ_DATA;
 
 /// Primary capabilities: an application asks for these; what it gets is what it asked for.
 pub const PRIMARY_CAPS: u64 = FI_MSG
@@ -64,16 +66,8 @@ pub const REMOTE_MEMORY_CAPS: u64 =
 /// Everything the provider can do.
 pub const CAPS: u64 = PRIMARY_CAPS | SECONDARY_CAPS;
 /// Transmit-side capabilities.
-pub const TX_CAPS: u64 = FI_MSG
-    | FI_RMA
-    | FI_TAGGED
-    | FI_ATOMIC
-    | FI_READ
-    | FI_WRITE
-    | FI_SEND
-    | FI_TRIGGER
-    | FI_LOCAL_COMM
-    | FI_REMOTE_COMM;
+pub const TX_CAPS: u64 =
+    FI_MSG | FI_RMA | FI_TAGGED | FI_ATOMIC | FI_READ | FI_WRITE | FI_SEND | FI_TRIGGER;
 /// Receive-side capabilities.
 pub const RX_CAPS: u64 = FI_MSG
     | FI_RMA
@@ -84,9 +78,7 @@ pub const RX_CAPS: u64 = FI_MSG
     | FI_REMOTE_WRITE
     | FI_DIRECTED_RECV
     | FI_TRIGGER
-    | FI_RMA_EVENT
-    | FI_LOCAL_COMM
-    | FI_REMOTE_COMM;
+    | FI_RMA_EVENT;
 
 /// Operation flags the endpoints accept.
 pub const OP_FLAGS: u64 = (abi::FI_COMPLETION
@@ -345,7 +337,9 @@ pub fn match_offer(version: u32, hints: &Hints, offer: &Offer) -> Result<Offer, 
         if m & (FI_MR_BASIC | FI_MR_SCALABLE) != 0 {
             return Err(NoMatch::MrMode);
         }
-        let local = m & FI_MR_LOCAL != 0 || hints.mode.is_some_and(|md| md & FI_LOCAL_MR != 0);
+        // (FI_LOCAL_MR, the mode bit of the same meaning, is for API versions before 1.5,
+        // which this provider does not offer.)
+        let local = m & FI_MR_LOCAL != 0;
         // The remote-access bits (virtual addresses, provider keys, allocated memory) are
         // kept only where the application handles them.
         out.mr_mode = if local {
@@ -358,6 +352,12 @@ pub fn match_offer(version: u32, hints: &Hints, offer: &Offer) -> Result<Offer, 
         if out.mode & !app != 0 {
             return Err(NoMatch::Mode);
         }
+    }
+    // Remote CQ data of an RMA write consumes a posted receive at the target: the
+    // FI_RX_CQ_DATA mode, asked of every application that supports it (without it, the
+    // offer stands and such a write still needs a receive posted; README).
+    if hints.mode.is_none_or(|app| app & FI_RX_CQ_DATA != 0) {
+        out.mode |= FI_RX_CQ_DATA;
     }
     let queue = |q: &Option<QueueHints>, caps: u64, size: usize| -> Result<u64, ()> {
         let Some(q) = q else { return Ok(0) };

@@ -151,6 +151,8 @@ pub struct Cq {
     pub words: usize,
     pub entries: VecDeque<Entry>,
     pub errs: VecDeque<Entry>,
+    /// `fi_cq_signal` was called: the next `fi_cq_sread` that would wait returns.
+    pub signaled: bool,
 }
 
 pub struct Av {
@@ -533,6 +535,18 @@ pub type Errno = u32;
 const EINVAL: Errno = abi::FI_EINVAL;
 const EAGAIN: Errno = abi::FI_EAGAIN;
 
+/// The connection manager's timing: the driver's first timeout (4 ms, doubling to 256 ms)
+/// but repeated for about a minute, since progress is manual and a peer may not call into
+/// the provider for seconds (registering large buffers, computing); the time-wait outlasts
+/// the repeats.
+fn cm_config() -> ringbell::cm::CmConfig {
+    ringbell::cm::CmConfig {
+        retries: 240,
+        time_wait_ps: 120_000_000_000_000,
+        ..Default::default()
+    }
+}
+
 fn connect_opts() -> ConnectOptions {
     ConnectOptions::default()
 }
@@ -602,7 +616,7 @@ impl State {
                     abi::FI_ENODEV
                 }
             })?;
-        let cm = ConnectionManager::new(&dev).map_err(|_| abi::FI_ENODEV)?;
+        let cm = ConnectionManager::with_config(&dev, cm_config()).map_err(|_| abi::FI_ENODEV)?;
         self.nics.insert(i, Nic { dev, cm });
         Ok(())
     }
@@ -1921,6 +1935,7 @@ impl Cq {
             words,
             entries: VecDeque::new(),
             errs: VecDeque::new(),
+            signaled: false,
         })
     }
 

@@ -582,6 +582,51 @@ static void closing(void)
 	CHECK_EQ(ct_in_child(wrong_order_then_use), 0);
 }
 
+/* What libfabric's fabtests found (fi_getinfo_test, fi_cq_test, fi_eq_test): the
+ * FI_RX_CQ_DATA mode offered to an application that supports it and not to one that does
+ * not; FI_LOCAL_COMM and FI_REMOTE_COMM in the info's and domain's caps, not the
+ * endpoint's; fi_cq_signal unblocking fi_cq_sread; fi_eq_sread waiting out its timeout. */
+static void fabtests_findings(struct fid_fabric *fab, struct fid_domain *dom)
+{
+	struct fi_info *h = ct_hints(FI_MSG | FI_RMA, 1), *list = NULL;
+	h->mode = FI_CONTEXT | FI_RX_CQ_DATA;
+	REQUIRE(fi_getinfo(CT_VERSION, NULL, NULL, 0, h, &list) == 0);
+	CHECK(list->mode & FI_RX_CQ_DATA);
+	CHECK(list->caps & FI_LOCAL_COMM);
+	CHECK((list->tx_attr->caps & (FI_LOCAL_COMM | FI_REMOTE_COMM)) == 0);
+	CHECK((list->rx_attr->caps & (FI_LOCAL_COMM | FI_REMOTE_COMM)) == 0);
+	fi_freeinfo(list);
+	h->mode = FI_CONTEXT;
+	REQUIRE(fi_getinfo(CT_VERSION, NULL, NULL, 0, h, &list) == 0);
+	CHECK((list->mode & FI_RX_CQ_DATA) == 0);
+	fi_freeinfo(list);
+	fi_freeinfo(h);
+
+	struct fi_cq_attr attr = { .format = FI_CQ_FORMAT_CONTEXT, .size = 16,
+				   .wait_obj = FI_WAIT_UNSPEC };
+	struct fid_cq *cq = NULL;
+	struct fi_cq_entry e;
+	REQUIRE(fi_cq_open(dom, &attr, &cq, NULL) == 0);
+	CHECK_EQ(fi_cq_signal(cq), 0);
+	double t0 = ct_now();
+	CHECK_EQ(fi_cq_sread(cq, &e, 1, NULL, -1), -FI_EAGAIN); /* would wait for ever */
+	CHECK(ct_now() - t0 < 5);
+	t0 = ct_now();
+	CHECK_EQ(fi_cq_sread(cq, &e, 1, NULL, 50), -FI_EAGAIN);
+	CHECK(ct_now() - t0 >= 0.05);
+	CHECK_EQ(fi_close(&cq->fid), 0);
+
+	struct fi_eq_attr eattr = { .size = 8, .wait_obj = FI_WAIT_UNSPEC };
+	struct fid_eq *eq = NULL;
+	uint32_t ev;
+	char buf[64];
+	REQUIRE(fi_eq_open(fab, &eattr, &eq, NULL) == 0);
+	t0 = ct_now();
+	CHECK_EQ(fi_eq_sread(eq, &ev, buf, sizeof(buf), 50, 0), -FI_EAGAIN);
+	CHECK(ct_now() - t0 >= 0.05);
+	CHECK_EQ(fi_close(&eq->fid), 0);
+}
+
 int main(void)
 {
 	ct_name = "objects";
@@ -605,6 +650,7 @@ int main(void)
 	REQUIRE(fi_domain(fab, list, &dom, NULL) == 0);
 	cqs(dom);
 	mrs(dom);
+	fabtests_findings(fab, dom);
 	endpoints(fab, list, dom);
 
 	/* Two real addresses for the AV checks: endpoints of the two NICs. */
