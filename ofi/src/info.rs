@@ -141,6 +141,8 @@ pub struct Offer {
     pub rx_op_flags: u64,
     /// Destination address from the hints, copied through.
     pub dest_addr: Option<Vec<u8>>,
+    /// The local address (the NIC's, with no endpoint).
+    pub src_addr: Option<Vec<u8>>,
 }
 
 impl Offer {
@@ -164,6 +166,7 @@ impl Offer {
             tx_op_flags: 0,
             rx_op_flags: 0,
             dest_addr: None,
+            src_addr: None,
         }
     }
 }
@@ -187,6 +190,8 @@ pub struct QueueHints {
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Hints {
     pub caps: u64,
+    /// The domain's capabilities asked for (`domain_attr->caps`).
+    pub domain_caps: u64,
     /// The modes the application supports (`None`: the hints gave no `fi_info`, so every
     /// mode is supported).
     pub mode: Option<u64>,
@@ -298,6 +303,10 @@ pub fn match_offer(version: u32, hints: &Hints, offer: &Offer) -> Result<Offer, 
     if hints.caps & !offer.caps != 0 {
         return Err(NoMatch::Caps);
     }
+    // A domain offers local and remote communication, nothing else (no shared AV).
+    if hints.domain_caps & !(FI_LOCAL_COMM | FI_REMOTE_COMM) != 0 {
+        return Err(NoMatch::Caps);
+    }
     if hints.addr_format != abi::FI_FORMAT_UNSPEC && hints.addr_format != ADDR_FORMAT {
         return Err(NoMatch::AddrFormat);
     }
@@ -401,7 +410,9 @@ pub fn match_offer(version: u32, hints: &Hints, offer: &Offer) -> Result<Offer, 
         }
         out.caps &= !REMOTE_MEMORY_CAPS;
     }
-    out.dest_addr = hints.dest_addr.clone();
+    if hints.dest_addr.is_some() {
+        out.dest_addr = hints.dest_addr.clone();
+    }
     Ok(out)
 }
 

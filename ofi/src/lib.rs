@@ -148,6 +148,7 @@ unsafe fn read_hints(h: *const abi::fi_info) -> Hints {
         out.resource_mgmt = d.resource_mgmt;
         out.av_type = d.av_type;
         out.mr_mode = Some(d.mr_mode);
+        out.domain_caps = d.caps;
         out.cq_data_size = d.cq_data_size;
     }
     // SAFETY: as above.
@@ -197,6 +198,7 @@ unsafe fn free_info(mut i: *mut abi::fi_info) {
                 (*i).domain_attr as *mut c_void,
                 (*i).fabric_attr as *mut c_void,
                 (*i).dest_addr,
+                (*i).src_addr,
                 i as *mut c_void,
             ] {
                 libc::free(p);
@@ -275,14 +277,19 @@ fn write_info(o: &Offer) -> Option<*mut abi::fi_info> {
             (*dom).caps = info::FI_LOCAL_COMM | info::FI_REMOTE_COMM;
             (*dom).name = strdup(&o.domain)?;
             (*fab).name = strdup(info::PROVIDER_NAME)?;
-            if let Some(a) = &o.dest_addr {
-                let p = libc::malloc(a.len().max(1)) as *mut u8;
-                if p.is_null() {
-                    return None;
+            for (a, at, len) in [
+                (&o.dest_addr, &mut (*i).dest_addr, &mut (*i).dest_addrlen),
+                (&o.src_addr, &mut (*i).src_addr, &mut (*i).src_addrlen),
+            ] {
+                if let Some(a) = a {
+                    let p = libc::malloc(a.len().max(1)) as *mut u8;
+                    if p.is_null() {
+                        return None;
+                    }
+                    std::ptr::copy_nonoverlapping(a.as_ptr(), p, a.len());
+                    *at = p as *mut c_void;
+                    *len = a.len();
                 }
-                std::ptr::copy_nonoverlapping(a.as_ptr(), p, a.len());
-                (*i).dest_addr = p as *mut c_void;
-                (*i).dest_addrlen = a.len();
             }
         }
         Some(())
@@ -298,11 +305,26 @@ fn write_info(o: &Offer) -> Option<*mut abi::fi_info> {
 }
 
 /// `fi_getinfo` for this provider: one RDM offer per NIC that matches the hints.
+/// The IPv4 address `node` names (dotted, or a host name the resolver knows), if any.
+fn node_ip(node: &str) -> Option<[u8; 4]> {
+    use std::net::ToSocketAddrs;
+    if let Ok(ip) = node.parse::<std::net::Ipv4Addr>() {
+        return Some(ip.octets());
+    }
+    (node, 0u16)
+        .to_socket_addrs()
+        .ok()?
+        .find_map(|a| match a.ip() {
+            std::net::IpAddr::V4(ip) => Some(ip.octets()),
+            std::net::IpAddr::V6(_) => None,
+        })
+}
+
 unsafe extern "C" fn getinfo(
     version: u32,
-    _node: *const c_char,
-    _service: *const c_char,
-    _flags: u64,
+    node: *const c_char,
+    service: *const c_char,
+    flags: u64,
     hints: *const abi::fi_info,
     out: *mut *mut abi::fi_info,
 ) -> c_int {
@@ -310,6 +332,29 @@ unsafe extern "C" fn getinfo(
         if out.is_null() {
             return neg(abi::FI_EINVAL);
         }
+        // A node names an IPv4 address (a name that does not resolve matches nothing). With
+        // FI_SOURCE it is the local address: a NIC's address selects that NIC; another
+        // local address (such as 127.0.0.1, which programs pass for their out-of-band
+        // exchange) selects none in particular. Without it, it is the peer's, which the
+        // endpoint's address vector names later: any NIC serves.
+        // SAFETY: NULL or the application's NUL-terminated node (fi_getinfo(3)).
+        let node = unsafe { string(node) };
+        let ip = match node.as_deref().map(node_ip) {
+            None => None,
+            Some(None) => return neg(abi::FI_ENODATA),
+            Some(ip) => ip,
+        };
+        let src_ip = ip.filter(|_| flags & abi::FI_SOURCE != 0);
+        // A peer's node and service (its endpoint's CM service id, a number) make its
+        // address: the offers carry it as their destination.
+        // SAFETY: NULL or the application's NUL-terminated service (fi_getinfo(3)).
+        let service = unsafe { string(service) };
+        let dest = match (ip, service.as_deref().map(str::parse::<u64>)) {
+            (Some(ip), Some(Ok(s))) if flags & abi::FI_SOURCE == 0 => {
+                Some(prov::make_addr(ip, s).to_vec())
+            }
+            _ => None,
+        };
         // SAFETY: libfabric passes the application's hints, NULL or valid (fi_getinfo(3)).
         let h = unsafe { read_hints(hints) };
         let plan = ringbell::discover::NicPlan::from_env();
@@ -322,7 +367,16 @@ unsafe extern "C" fn getinfo(
                 claim::Choice::One(n) if n == i => {}
                 _ => continue,
             }
-            let offer = Offer::for_nic(&ringbell::discover::NicPlan::name(i));
+            let ip = prov::nic_ip(i);
+            if src_ip.is_some_and(|s| s != ip && ringbell::AhAttr::on_fabric(s).is_some()) {
+                continue;
+            }
+            let mut offer = Offer::for_nic(&ringbell::discover::NicPlan::name(i));
+            // The NIC's address, with no endpoint yet (service 0).
+            offer.src_addr = Some(prov::make_addr(ip, 0).to_vec());
+            if dest.is_some() && h.dest_addr.is_none() {
+                offer.dest_addr = dest.clone();
+            }
             let Ok(o) = info::match_offer(version, &h, &offer) else {
                 continue;
             };

@@ -260,6 +260,13 @@ enum OpKind {
     Trig(trig::TrigOp),
 }
 
+/// The IPv4 address of NIC `i` in the fabric's address plan (node `i + 1`: `10.0.hi.lo`,
+/// as [`AhAttr::on_fabric`] reads it).
+pub fn nic_ip(i: usize) -> [u8; 4] {
+    let n = i + 1;
+    [10, 0, (n >> 8) as u8, n as u8]
+}
+
 /// Bytes of a tagged-protocol control message's header.
 pub const CTL_LEN: usize = 64;
 /// Bytes of a staging slot: a header and an eager message's payload.

@@ -599,6 +599,23 @@ static void fabtests_findings(struct fid_fabric *fab, struct fid_domain *dom)
 	h->mode = FI_CONTEXT;
 	REQUIRE(fi_getinfo(CT_VERSION, NULL, NULL, 0, h, &list) == 0);
 	CHECK((list->mode & FI_RX_CQ_DATA) == 0);
+	/* Every offer has a source address: its NIC's (16 bytes). */
+	CHECK(list->src_addr != NULL && list->src_addrlen == 16);
+	fi_freeinfo(list);
+	/* A node that names nothing; a NIC's own address as the source selects that NIC; a
+	 * node and a service name a peer: the offer's destination. */
+	CHECK_EQ(fi_getinfo(CT_VERSION, "g00n13s", NULL, 0, h, &list), -FI_ENODATA);
+	REQUIRE(fi_getinfo(CT_VERSION, "10.0.0.2", NULL, FI_SOURCE, h, &list) == 0);
+	CHECK(list->next == NULL && strcmp(list->domain_attr->name, "rb1") == 0);
+	fi_freeinfo(list);
+	REQUIRE(fi_getinfo(CT_VERSION, "10.0.0.1", "4660", 0, h, &list) == 0);
+	CHECK(list->dest_addr != NULL && list->dest_addrlen == 16);
+	fi_freeinfo(list);
+	/* A domain capability the provider does not have (a shared AV). */
+	h->domain_attr->caps = FI_SHARED_AV;
+	CHECK_EQ(fi_getinfo(CT_VERSION, NULL, NULL, 0, h, &list), -FI_ENODATA);
+	h->domain_attr->caps = FI_LOCAL_COMM | FI_REMOTE_COMM;
+	REQUIRE(fi_getinfo(CT_VERSION, NULL, NULL, 0, h, &list) == 0);
 	fi_freeinfo(list);
 	fi_freeinfo(h);
 
