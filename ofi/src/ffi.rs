@@ -227,6 +227,11 @@ unsafe fn queue_work(dom: usize, work: *mut abi::fi_deferred_work) -> c_int {
             }
         })
     };
+    // Posts through `post` once `ep` is known to be one of this domain's endpoints.
+    let on_ep = |ep: *mut abi::fid_ep, post: &dyn Fn() -> isize| match ep_ok(ep) {
+        0 => post(),
+        e => e as isize,
+    };
     let r: isize = match w.op_type {
         abi::fi_op_type_FI_OP_CNTR_SET | abi::fi_op_type_FI_OP_CNTR_ADD => {
             // SAFETY: the union member `op_type` selects.
@@ -255,22 +260,20 @@ unsafe fn queue_work(dom: usize, work: *mut abi::fi_deferred_work) -> c_int {
             let Some(o) = (unsafe { w.op.msg.as_ref() }) else {
                 return neg(abi::FI_EINVAL);
             };
-            match ep_ok(o.ep) {
+            on_ep(o.ep, &|| {
                 // SAFETY: the operation's message, as the application gave it.
-                0 => unsafe { sendmsg_t(o.ep, &o.msg, o.flags, Some(trig)) },
-                e => e as isize,
-            }
+                unsafe { sendmsg_t(o.ep, &o.msg, o.flags, Some(trig)) }
+            })
         }
         abi::fi_op_type_FI_OP_TSEND => {
             // SAFETY: the union member `op_type` selects.
             let Some(o) = (unsafe { w.op.tagged.as_ref() }) else {
                 return neg(abi::FI_EINVAL);
             };
-            match ep_ok(o.ep) {
+            on_ep(o.ep, &|| {
                 // SAFETY: the operation's message, as the application gave it.
-                0 => unsafe { tsendmsg_t(o.ep, &o.msg, o.flags, Some(trig)) },
-                e => e as isize,
-            }
+                unsafe { tsendmsg_t(o.ep, &o.msg, o.flags, Some(trig)) }
+            })
         }
         abi::fi_op_type_FI_OP_READ | abi::fi_op_type_FI_OP_WRITE => {
             // SAFETY: the union member `op_type` selects.
@@ -278,22 +281,20 @@ unsafe fn queue_work(dom: usize, work: *mut abi::fi_deferred_work) -> c_int {
                 return neg(abi::FI_EINVAL);
             };
             let write = w.op_type == abi::fi_op_type_FI_OP_WRITE;
-            match ep_ok(o.ep) {
+            on_ep(o.ep, &|| {
                 // SAFETY: the operation's message, as the application gave it.
-                0 => unsafe { rma_msg(o.ep, &o.msg, o.flags, write, Some(trig)) },
-                e => e as isize,
-            }
+                unsafe { rma_msg(o.ep, &o.msg, o.flags, write, Some(trig)) }
+            })
         }
         abi::fi_op_type_FI_OP_ATOMIC => {
             // SAFETY: the union member `op_type` selects.
             let Some(o) = (unsafe { w.op.atomic.as_ref() }) else {
                 return neg(abi::FI_EINVAL);
             };
-            match ep_ok(o.ep) {
+            on_ep(o.ep, &|| {
                 // SAFETY: the operation's message, as the application gave it.
-                0 => unsafe { atomicmsg_t(o.ep, &o.msg, o.flags, Some(trig)) },
-                e => e as isize,
-            }
+                unsafe { atomicmsg_t(o.ep, &o.msg, o.flags, Some(trig)) }
+            })
         }
         abi::fi_op_type_FI_OP_FETCH_ATOMIC => {
             // SAFETY: the union member `op_type` selects.
@@ -301,9 +302,9 @@ unsafe fn queue_work(dom: usize, work: *mut abi::fi_deferred_work) -> c_int {
                 return neg(abi::FI_EINVAL);
             };
             let f = &o.fetch;
-            match ep_ok(o.ep) {
+            on_ep(o.ep, &|| {
                 // SAFETY: the operation's messages, as the application gave them.
-                0 => unsafe {
+                unsafe {
                     fetchmsg_t(
                         o.ep,
                         &o.msg,
@@ -311,9 +312,8 @@ unsafe fn queue_work(dom: usize, work: *mut abi::fi_deferred_work) -> c_int {
                         o.flags,
                         Some(trig),
                     )
-                },
-                e => e as isize,
-            }
+                }
+            })
         }
         abi::fi_op_type_FI_OP_COMPARE_ATOMIC => {
             // SAFETY: the union member `op_type` selects.
@@ -321,9 +321,9 @@ unsafe fn queue_work(dom: usize, work: *mut abi::fi_deferred_work) -> c_int {
                 return neg(abi::FI_EINVAL);
             };
             let (f, c) = (&o.fetch, &o.compare);
-            match ep_ok(o.ep) {
+            on_ep(o.ep, &|| {
                 // SAFETY: the operation's messages, as the application gave them.
-                0 => unsafe {
+                unsafe {
                     compmsg_t(
                         o.ep,
                         &o.msg,
@@ -332,9 +332,8 @@ unsafe fn queue_work(dom: usize, work: *mut abi::fi_deferred_work) -> c_int {
                         o.flags,
                         Some(trig),
                     )
-                },
-                e => e as isize,
-            }
+                }
+            })
         }
         // Receives cannot be triggered: the NIC's table holds send-side work only.
         abi::fi_op_type_FI_OP_RECV | abi::fi_op_type_FI_OP_TRECV => -(abi::FI_ENOSYS as isize),

@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::fi::{one, one_err, pages, pair, quiet};
+use common::fi::{ctx, one, one_err, pages, pair, quiet};
 use ringbell_fi::{abi, info};
 use std::ffi::c_void;
 use std::ptr::{null, null_mut};
@@ -18,10 +18,6 @@ const SUM: abi::fi_op = abi::fi_op_FI_SUM;
 const CSWAP: abi::fi_op = abi::fi_op_FI_CSWAP;
 const NOTSUP: isize = -(abi::FI_EOPNOTSUPP as isize);
 const EINVAL: isize = -(abi::FI_EINVAL as isize);
-
-fn ctx(n: usize) -> *mut c_void {
-    n as *mut c_void
-}
 
 #[test]
 fn atomics_add_fetch_and_swap_remote_words() {

@@ -6,14 +6,10 @@
 
 mod common;
 
-use common::fi::{one, pages, pair, quiet, Side};
+use common::fi::{ctx, one, pages, pair, quiet, tsend, Side};
 use ringbell_fi::abi;
 use std::ffi::c_void;
 use std::ptr::null_mut;
-
-fn ctx(n: usize) -> *mut c_void {
-    n as *mut c_void
-}
 
 /// Whether any byte of `b` lies in memory the driver adopted (a `ringbell-host` file).
 fn adopted(b: &[u8]) -> bool {
@@ -29,22 +25,6 @@ fn adopted(b: &[u8]) -> bool {
             let z = usize::from_str_radix(z, 16).unwrap();
             a < hi && lo < z
         })
-}
-
-unsafe fn tsend(s: &Side, buf: &[u8], tag: u64, c: usize) {
-    // SAFETY: a live endpoint; `buf` is leaked test memory.
-    let r = unsafe {
-        ((*(*s.ep).tagged).send.unwrap())(
-            s.ep,
-            buf.as_ptr() as *const c_void,
-            buf.len(),
-            null_mut(),
-            s.peer,
-            tag,
-            ctx(c),
-        )
-    };
-    assert_eq!(r, 0, "tsend");
 }
 
 unsafe fn trecvv(s: &Side, bufs: &mut [&mut [u8]], tag: u64, c: usize) {

@@ -8,16 +8,12 @@
 
 mod common;
 
-use common::fi::{insert, one, pages, pair, quiet, side, side_bound, Side};
+use common::fi::{ctx, insert, one, pages, pair, quiet, side, side_bound, tsend, Side};
 use ringbell_fi::abi;
 use std::ffi::c_void;
 use std::ptr::null_mut;
 
 const COMPLETION: u64 = abi::FI_COMPLETION as u64;
-
-fn ctx(n: usize) -> *mut c_void {
-    n as *mut c_void
-}
 
 unsafe fn trecv(s: &Side, buf: &mut [u8], tag: u64, c: usize) {
     // SAFETY: a live endpoint; `buf` is leaked test memory.
@@ -34,22 +30,6 @@ unsafe fn trecv(s: &Side, buf: &mut [u8], tag: u64, c: usize) {
         )
     };
     assert_eq!(r, 0, "trecv");
-}
-
-unsafe fn tsend(s: &Side, buf: &[u8], tag: u64, c: usize) {
-    // SAFETY: a live endpoint; `buf` is leaked test memory.
-    let r = unsafe {
-        ((*(*s.ep).tagged).send.unwrap())(
-            s.ep,
-            buf.as_ptr() as *const c_void,
-            buf.len(),
-            null_mut(),
-            s.peer,
-            tag,
-            ctx(c),
-        )
-    };
-    assert_eq!(r, 0, "tsend");
 }
 
 unsafe fn tsendmsg(s: &Side, buf: &[u8], tag: u64, c: usize, flags: u64) {

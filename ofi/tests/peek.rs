@@ -6,7 +6,7 @@
 
 mod common;
 
-use common::fi::{one, one_err, pages, pair, quiet, read, Side, EAGAIN, EAVAIL};
+use common::fi::{ctx, one, one_err, pages, pair, quiet, read, Side, EAGAIN, EAVAIL};
 use ringbell_fi::abi;
 use std::ffi::c_void;
 use std::ptr::null_mut;
@@ -16,10 +16,6 @@ const CLAIM: u64 = abi::FI_CLAIM;
 const DISCARD: u64 = abi::FI_DISCARD;
 const COMPLETION: u64 = abi::FI_COMPLETION as u64;
 const TRECV: u64 = abi::FI_TAGGED as u64 | abi::FI_RECV as u64;
-
-fn ctx(n: usize) -> *mut c_void {
-    n as *mut c_void
-}
 
 /// `fi_trecvmsg` of `buf` (may be empty) for `tag` from any source.
 unsafe fn trecvmsg(s: &Side, buf: &mut [u8], tag: u64, c: usize, flags: u64) -> isize {

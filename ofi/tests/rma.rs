@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::fi::{insert, one, one_err, pages, pair, quiet, side_bound};
+use common::fi::{ctx, insert, one, one_err, pages, pair, quiet, side_bound};
 use ringbell_fi::{abi, info};
 use std::ffi::c_void;
 use std::ptr::{null, null_mut};
@@ -34,10 +34,6 @@ unsafe fn reg(dom: *mut abi::fid_domain, buf: &mut [u8]) -> (*mut abi::fid_mr, u
     assert_eq!(r, 0);
     // SAFETY: the region just made (fi_mr_key reads this field).
     (mr, unsafe { (*mr).key })
-}
-
-fn ctx(n: usize) -> *mut c_void {
-    n as *mut c_void
 }
 
 #[test]

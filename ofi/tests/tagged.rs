@@ -7,17 +7,13 @@
 
 mod common;
 
-use common::fi::{insert, one, one_err, pages, pair, quiet, side, Side};
+use common::fi::{ctx, insert, one, one_err, pages, pair, quiet, side, tsend, Side};
 use ringbell_fi::{abi, info};
 use std::ffi::c_void;
 use std::ptr::null_mut;
 
 const TRECV: u64 = abi::FI_TAGGED as u64 | abi::FI_RECV as u64;
 const TSEND: u64 = abi::FI_TAGGED as u64 | abi::FI_SEND as u64;
-
-fn ctx(n: usize) -> *mut c_void {
-    n as *mut c_void
-}
 
 unsafe fn trecv(s: &Side, buf: &mut [u8], src: u64, tag: u64, ignore: u64, c: usize) {
     // SAFETY: a live endpoint; `buf` is leaked test memory.
@@ -34,22 +30,6 @@ unsafe fn trecv(s: &Side, buf: &mut [u8], src: u64, tag: u64, ignore: u64, c: us
         )
     };
     assert_eq!(r, 0, "trecv");
-}
-
-unsafe fn tsend(s: &Side, buf: &[u8], tag: u64, c: usize) {
-    // SAFETY: a live endpoint; `buf` is leaked test memory.
-    let r = unsafe {
-        ((*(*s.ep).tagged).send.unwrap())(
-            s.ep,
-            buf.as_ptr() as *const c_void,
-            buf.len(),
-            null_mut(),
-            s.peer,
-            tag,
-            ctx(c),
-        )
-    };
-    assert_eq!(r, 0, "tsend");
 }
 
 fn fill(b: &mut [u8], seed: u8) {

@@ -18,16 +18,6 @@
 #define MAXR 64
 #define ROUNDS 3
 
-#define MUST(call)                                                                   \
-	do {                                                                         \
-		long long _r = (long long)(call);                                    \
-		if (_r < 0) {                                                        \
-			fprintf(stderr, "%s:%d: %s: %lld (%s)\n", __FILE__, __LINE__,   \
-				#call, _r, fi_strerror((int)-_r));                   \
-			exit(2);                                                     \
-		}                                                                    \
-	} while (0)
-
 /* The provider's own domain operations (fi_open_ops "ringbell_domain_ops_v1"). */
 struct ringbell_domain_ops {
 	size_t size;

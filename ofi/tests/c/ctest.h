@@ -90,6 +90,17 @@ static int ct_passed, ct_failed, ct_known;
 		}                                                                    \
 	} while (0)
 
+/* A set-up step that must succeed (a negative fabric errno stops the program, exit 2). */
+#define MUST(call)                                                                   \
+	do {                                                                         \
+		long long _r = (long long)(call);                                    \
+		if (_r < 0) {                                                        \
+			fprintf(stderr, "%s:%d: %s: %lld (%s)\n", __FILE__, __LINE__,   \
+				#call, _r, fi_strerror((int)-_r));                   \
+			exit(2);                                                     \
+		}                                                                    \
+	} while (0)
+
 static const char *ct_name = "ctests";
 
 static inline int ct_summary_exit(void)

@@ -248,3 +248,28 @@ pub unsafe fn quiet(cq: *mut abi::fid_cq) {
         }
     }
 }
+
+/// An operation context the tests recognize in completions.
+pub fn ctx(n: usize) -> *mut c_void {
+    n as *mut c_void
+}
+
+/// `fi_tsend` of `buf` with `tag` to the side's peer, context `ctx(c)`; asserts it was taken.
+///
+/// # Safety
+/// `s` is a live side; `buf` stays mapped until the send completes.
+pub unsafe fn tsend(s: &Side, buf: &[u8], tag: u64, c: usize) {
+    // SAFETY: a live endpoint; `buf` is leaked test memory.
+    let r = unsafe {
+        ((*(*s.ep).tagged).send.unwrap())(
+            s.ep,
+            buf.as_ptr() as *const c_void,
+            buf.len(),
+            null_mut(),
+            s.peer,
+            tag,
+            ctx(c),
+        )
+    };
+    assert_eq!(r, 0, "tsend");
+}
