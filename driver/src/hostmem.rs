@@ -437,6 +437,16 @@ impl Segment {
     }
 }
 
+/// Whether `[addr, addr + len)` is mapped in this process and readable, and writable too
+/// if `write` (`/proc/self/maps`, read only as far as the range): for libraries that copy
+/// to or from memory an application names and must refuse what is not memory.
+pub fn is_mapped(addr: usize, len: usize, write: bool) -> bool {
+    let Some(end) = addr.checked_add(len).filter(|_| addr != 0) else {
+        return false;
+    };
+    segments(addr, end).is_ok_and(|segs| segs.iter().all(|s| s.read && (!write || s.write)))
+}
+
 /// The mappings that cover `[a, b)`, clipped to it; an error names the first hole. Reads
 /// `/proc/self/maps` only as far as `b`.
 fn segments(a: usize, b: usize) -> Result<Vec<Segment>, String> {

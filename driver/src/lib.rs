@@ -43,7 +43,7 @@ pub use cq::{CompletionQueue, CqAttr, WcOpcode, WcStatus, WorkCompletion};
 pub use device::{AsyncEvent, Device, DeviceCaps, DmaBuffer};
 pub use dma::DmaMemory;
 pub use error::Error;
-pub use hostmem::HOST_IOVA_OFFSET;
+pub use hostmem::{is_mapped, HOST_IOVA_OFFSET};
 pub use mr::{MemoryRegion, ProtectionDomain, Sge};
 pub use port::{Port, PortError};
 pub use qp::{

@@ -176,11 +176,13 @@ fn strdup(s: &str) -> Option<*mut c_char> {
     (!p.is_null()).then_some(p)
 }
 
-/// Frees a list built by [`write_info`] (on an allocation failure half way).
+/// Frees a list built by [`write_info`] (on an allocation failure half way), every part
+/// with libc `free`, as libfabric's `fi_freeinfo` does with a list a provider returned
+/// (the tests free lists from `getinfo` with it).
 ///
 /// # Safety
-/// `i` is NULL or a list this file built, not yet handed to the caller.
-unsafe fn free_info(mut i: *mut abi::fi_info) {
+/// `i` is NULL or a list this library built, not yet handed to libfabric.
+pub unsafe fn free_info(mut i: *mut abi::fi_info) {
     while !i.is_null() {
         // SAFETY: built by write_info: every pointer is NULL or a libc allocation.
         unsafe {

@@ -438,6 +438,6 @@ fn atomics_add_fetch_and_swap_remote_words() {
             (ctx(9), abi::FI_EACCES as i32, AWRITE)
         );
         assert_eq!(get(0), 777);
-        common::free_info(p.list);
+        ringbell_fi::free_info(p.list);
     }
 }

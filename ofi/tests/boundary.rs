@@ -6,30 +6,6 @@ use ringbell_fi::{abi, fi_prov_ini, info};
 use std::ffi::{c_void, CStr};
 use std::ptr::{null, null_mut};
 
-/// Frees a list as `fi_freeinfo` does (libc `free` of every part).
-unsafe fn free_list(mut i: *mut abi::fi_info) {
-    while !i.is_null() {
-        // SAFETY: a list the provider built with libc allocations.
-        unsafe {
-            let next = (*i).next;
-            libc::free((*(*i).domain_attr).name as *mut c_void);
-            libc::free((*(*i).fabric_attr).name as *mut c_void);
-            for p in [
-                (*i).tx_attr as *mut c_void,
-                (*i).rx_attr as *mut c_void,
-                (*i).ep_attr as *mut c_void,
-                (*i).domain_attr as *mut c_void,
-                (*i).fabric_attr as *mut c_void,
-                (*i).dest_addr,
-                i as *mut c_void,
-            ] {
-                libc::free(p);
-            }
-            i = next;
-        }
-    }
-}
-
 fn domains(mut i: *mut abi::fi_info) -> Vec<String> {
     let mut out = Vec::new();
     while !i.is_null() {
@@ -70,7 +46,7 @@ fn getinfo_and_fabric_through_the_provider_structure() {
         let mut out = null_mut();
         assert_eq!(getinfo(v, null(), null(), 0, null(), &mut out), 0);
         assert_eq!(domains(out), ["rb0", "rb1"]);
-        free_list(out);
+        ringbell_fi::free_info(out);
 
         // Hints: RDM, tagged, domain rb1, a destination address to copy through.
         let mut ep = abi::fi_ep_attr {
@@ -122,7 +98,7 @@ fn getinfo_and_fabric_through_the_provider_structure() {
         assert_eq!((*dom).fid.fclass, abi::FI_CLASS_DOMAIN as usize);
         assert_eq!(((*(*dom).fid.ops).close.unwrap())(&mut (*dom).fid), 0);
         assert_eq!(((*fid.ops).close.unwrap())(fid), 0);
-        free_list(out);
+        ringbell_fi::free_info(out);
 
         // Another fabric's name, and NULL attributes.
         let mut attr = abi::fi_fabric_attr {

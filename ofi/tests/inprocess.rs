@@ -100,6 +100,6 @@ fn two_endpoints_in_one_process_exchange_messages() {
         let r = one(b.cq);
         assert_eq!(r.len, 3);
         quiet(a.cq);
-        common::free_info(p.list);
+        ringbell_fi::free_info(p.list);
     }
 }

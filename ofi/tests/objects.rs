@@ -511,6 +511,6 @@ fn objects_messages_and_bad_pointers() {
             assert_eq!(close(f), 0);
             assert_eq!(close(f) as isize, EINVAL);
         }
-        common::free_info(list);
+        ringbell_fi::free_info(list);
     }
 }

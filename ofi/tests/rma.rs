@@ -459,6 +459,6 @@ fn rma_writes_and_reads_remote_memory() {
         assert_eq!(one(b.cq).op_context, ctx(54));
         assert_eq!(one(a.cq).op_context, ctx(53));
         assert_eq!(&got[..], b"replied!");
-        common::free_info(p.list);
+        ringbell_fi::free_info(p.list);
     }
 }

@@ -291,6 +291,6 @@ fn tagged_messages_in_one_process() {
         assert_eq!(r2[..64], s2[..64]);
         assert_eq!(one(a.cq).op_context, ctx(93));
         assert_eq!(one(c.cq).op_context, ctx(91));
-        common::free_info(p.list);
+        ringbell_fi::free_info(p.list);
     }
 }

@@ -69,44 +69,6 @@ pub(super) fn needs_bounce(bufs: &[(usize, usize, usize)]) -> bool {
     bufs.iter().any(|&(_, len, desc)| len > 0 && desc == 0)
 }
 
-/// Whether `[addr, addr + len)` is mapped in this process (`/proc/self/maps`), readable,
-/// and writable too if `write`.
-fn mapped(addr: usize, len: usize, write: bool) -> bool {
-    if addr == 0 {
-        return false;
-    }
-    let Some(end) = addr.checked_add(len) else {
-        return false;
-    };
-    let Ok(maps) = std::fs::read_to_string("/proc/self/maps") else {
-        return false;
-    };
-    let mut at = addr;
-    for l in maps.lines() {
-        let mut f = l.split_whitespace();
-        let (Some(range), Some(perms)) = (f.next(), f.next()) else {
-            continue;
-        };
-        let Some((a, b)) = range.split_once('-') else {
-            continue;
-        };
-        let (Ok(a), Ok(b)) = (usize::from_str_radix(a, 16), usize::from_str_radix(b, 16)) else {
-            continue;
-        };
-        if b <= at {
-            continue;
-        }
-        if a > at || !perms.starts_with(if write { "rw" } else { "r" }) {
-            return false;
-        }
-        at = b;
-        if at >= end {
-            return true;
-        }
-    }
-    false
-}
-
 /// The application's buffers as SGEs of process addresses (lkey 0: for copies only), each
 /// checked to be writable memory of this process (`-FI_EINVAL` if not: the data is copied
 /// into it when the receive completes).
@@ -114,7 +76,7 @@ pub(super) fn user_sges(bufs: &[(usize, usize, usize)]) -> Result<Vec<Sge>, Errn
     bufs.iter()
         .filter(|b| b.1 > 0)
         .map(|&(addr, len, _)| {
-            if !mapped(addr, len, true) {
+            if !ringbell::is_mapped(addr, len, true) {
                 return Err(crate::abi::FI_EINVAL);
             }
             Ok(Sge {
@@ -155,7 +117,7 @@ impl State {
         // What the application names must be its readable memory (`-FI_EINVAL` if not).
         if bufs
             .iter()
-            .any(|&(addr, len, _)| len > 0 && !mapped(addr, len, false))
+            .any(|&(addr, len, _)| len > 0 && !ringbell::is_mapped(addr, len, false))
         {
             return Err(crate::abi::FI_EINVAL);
         }

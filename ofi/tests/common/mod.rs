@@ -95,32 +95,4 @@ impl Drop for Served {
         let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
-
-/// Frees a list as `fi_freeinfo` does (libc `free` of every part).
-///
-/// # Safety
-/// `i` is a list the provider's getinfo built.
-pub unsafe fn free_info(mut i: *mut ringbell_fi::abi::fi_info) {
-    use std::ffi::c_void;
-    while !i.is_null() {
-        // SAFETY: a list the provider built with libc allocations.
-        unsafe {
-            let next = (*i).next;
-            libc::free((*(*i).domain_attr).name as *mut c_void);
-            libc::free((*(*i).fabric_attr).name as *mut c_void);
-            for p in [
-                (*i).tx_attr as *mut c_void,
-                (*i).rx_attr as *mut c_void,
-                (*i).ep_attr as *mut c_void,
-                (*i).domain_attr as *mut c_void,
-                (*i).fabric_attr as *mut c_void,
-                (*i).dest_addr,
-                i as *mut c_void,
-            ] {
-                libc::free(p);
-            }
-            i = next;
-        }
-    }
-}
 pub mod fi;
