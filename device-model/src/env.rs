@@ -112,6 +112,23 @@ pub trait Env {
     fn schedule(&mut self, at: SimTime, ev: NicEvent);
     /// Puts a frame on the NIC's link; `at` is when its last bit leaves the NIC.
     fn transmit(&mut self, at: SimTime, frame: Vec<u8>);
+    /// An empty byte buffer for a frame or a posted DMA write: one the environment got back
+    /// (a delivered frame, [`Env::recycle`]) or, by default, a new vector.
+    fn buffer(&mut self) -> Vec<u8> {
+        Vec::new()
+    }
+    /// Gives a byte buffer the model is done with back to the environment (dropped by
+    /// default).
+    fn recycle(&mut self, _buf: Vec<u8>) {}
+    /// Whether the environment takes frames whose ICRC is still to be written (four zero
+    /// bytes, see `PacketRepr::emit_unsealed`). One that says so promises that every byte
+    /// anyone observes (a capture, a corrupted copy, a receiver's check) is the frame as
+    /// [`Env::transmit`] got it with its ICRC computed: it seals a frame before it shows or
+    /// changes it, and hands an untouched one to [`crate::Nic::receive_unsealed`]. False by
+    /// default: frames leave sealed.
+    fn defers_icrc(&self) -> bool {
+        false
+    }
     /// Raises interrupt `vector`.
     fn interrupt(&mut self, vector: u32);
     /// Whether [`Env::trace`] records anything. The model builds no [`TraceEvent`] while this

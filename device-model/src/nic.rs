@@ -532,7 +532,10 @@ impl Nic {
     pub fn handle(&mut self, env: &mut dyn Env, ev: NicEvent) {
         match ev {
             NicEvent::Mmio { offset, value } => self.mmio_write(env, offset, value),
-            NicEvent::MmioBlock { offset, data } => self.mmio_write_block(env, offset, &data),
+            NicEvent::MmioBlock { offset, data } => {
+                self.mmio_write_block(env, offset, &data);
+                env.recycle(data);
+            }
             // A reset since the doorbell cancels the command.
             NicEvent::CmdExec if self.cmd_status & regs::CMD_STATUS_BUSY != 0 => {
                 self.exec_command(env)
@@ -576,6 +579,7 @@ impl Nic {
                     // Unmapped since the write was posted.
                     self.iommu_fault(env, qpn, f.iova);
                 }
+                env.recycle(data);
             }
             NicEvent::Respond { qpn, gen } if self.qps.get(qpn).is_some_and(|q| q.gen == gen) => {
                 self.respond(env, qpn)
@@ -752,11 +756,14 @@ impl Nic {
             env.trace(ev(Stage::Visible, done, at));
         }
         self.dma_pending += 1;
+        let mut buf = env.buffer();
+        buf.clear();
+        buf.extend_from_slice(data);
         env.schedule(
             at,
             NicEvent::DmaWrite {
                 iova,
-                data: data.to_vec(),
+                data: buf,
                 qpn,
             },
         );

@@ -28,8 +28,24 @@ enum Fault {
 impl Nic {
     /// A frame arrives from the wire.
     pub fn receive(&mut self, env: &mut dyn Env, frame: &[u8]) {
+        self.receive_frame(env, frame, true);
+    }
+
+    /// A frame arrives from the wire exactly as a NIC of this model built it with its ICRC
+    /// left unwritten ([`Env::defers_icrc`]) and nothing changed on the way: every check but
+    /// the ICRC's (which could only pass), then as [`Nic::receive`].
+    pub fn receive_unsealed(&mut self, env: &mut dyn Env, frame: &[u8]) {
+        self.receive_frame(env, frame, false);
+    }
+
+    fn receive_frame(&mut self, env: &mut dyn Env, frame: &[u8], check_icrc: bool) {
         self.stats.rx_frames += 1;
-        let pkt = match wire::parse_packet(frame) {
+        let parsed = if check_icrc {
+            wire::parse_packet(frame)
+        } else {
+            wire::parse_packet_unsealed(frame)
+        };
+        let pkt = match parsed {
             Ok(p) => p,
             Err(wire::WireError::BadIcrc) => {
                 self.stats.rx_icrc_errors += 1;
@@ -138,8 +154,14 @@ impl Nic {
         payload: &[u8],
         ready: SimTime,
     ) {
-        let mut frame = Vec::with_capacity(repr.frame_len(payload.len()));
-        repr.emit(payload, &mut frame);
+        let mut frame = env.buffer();
+        frame.clear();
+        frame.reserve(repr.frame_len(payload.len()));
+        if env.defers_icrc() {
+            repr.emit_unsealed(payload, &mut frame);
+        } else {
+            repr.emit(payload, &mut frame);
+        }
         let (len, start) = (frame.len(), ready.max(self.egress_free));
         self.send_frame(env, ready, frame);
         let done = self.egress_free;

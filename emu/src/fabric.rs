@@ -11,7 +11,7 @@ use ringbell_model::sim::EventQueue;
 use ringbell_model::{
     DmaFault, Env, FmMsg, Nic, NicConfig, NicEvent, NicStats, Stage, TimingProfile, TraceEvent,
 };
-use ringbell_specs::{regs, SimTime};
+use ringbell_specs::{regs, wire, SimTime};
 use std::cell::RefCell;
 use std::collections::BTreeMap;
 use std::io::{self, Write};
@@ -78,7 +78,9 @@ pub struct FabricStats {
 #[derive(Debug)]
 pub(crate) enum Event {
     Nic(usize, NicEvent),
-    Frame(usize, Vec<u8>),
+    /// A frame for a node; `true`: exactly as its sender built it, ICRC not yet written
+    /// (see [`Env::defers_icrc`]).
+    Frame(usize, Vec<u8>, bool),
 }
 
 #[derive(Debug)]
@@ -88,18 +90,41 @@ pub(crate) struct Node {
     pub(crate) interrupts: u64,
 }
 
-/// FNV-1a, 64 bit: the pinned digest of the event trace.
+/// The digest of the event trace: FNV-1a's offset and prime over 64-bit words (one
+/// multiply per word, not per byte), each step followed by a xor-shift so that high bits
+/// reach the low ones.
 #[derive(Debug, Clone, Copy)]
 struct Digest(u64);
 
 impl Digest {
-    fn feed(&mut self, bytes: &[u8]) {
-        for b in bytes {
-            self.0 ^= *b as u64;
-            self.0 = self.0.wrapping_mul(0x0000_0100_0000_01B3);
+    fn word(&mut self, w: u64) {
+        self.0 = (self.0 ^ w).wrapping_mul(0x0000_0100_0000_01B3);
+        self.0 ^= self.0 >> 29;
+    }
+    /// Feeds `bytes` as little-endian words, the last one zero-padded, then the length.
+    fn bytes(&mut self, bytes: &[u8]) {
+        let mut chunks = bytes.chunks_exact(8);
+        for c in &mut chunks {
+            self.word(u64::from_le_bytes(c.try_into().unwrap_or_default()));
         }
+        let rest = chunks.remainder();
+        if !rest.is_empty() {
+            let mut w = [0u8; 8];
+            w[..rest.len()].copy_from_slice(rest);
+            self.word(u64::from_le_bytes(w));
+        }
+        self.word(bytes.len() as u64);
     }
 }
+
+/// Byte buffers kept for reuse (frames, posted DMA writes, BlueFlame blocks): at most this
+/// many, each of at most [`POOL_MAX_CAP`] bytes of capacity.
+const POOL_MAX: usize = 4096;
+const POOL_MAX_CAP: usize = 16 << 10;
+
+/// The frame headers the digest sees: Ethernet, IPv4, UDP, BTH and the first extended
+/// headers (every RC opcode's RETH, AETH or atomic header lies within them).
+const DIGEST_HDR: usize = 64;
 
 #[derive(Debug)]
 pub(crate) struct Inner {
@@ -127,6 +152,8 @@ pub(crate) struct Inner {
     capture: Option<Box<Capture>>,
     /// The timeline being recorded, when one is.
     timeline: Option<Box<Timeline>>,
+    /// Byte buffers for reuse.
+    pool: Vec<Vec<u8>>,
 }
 
 pub(crate) type Shared = Rc<RefCell<Inner>>;
@@ -157,6 +184,16 @@ struct NodeEnv<'a> {
     after: &'a mut [Node],
     /// While a functional message is delivered: the requester's IOMMU.
     src_iommu: Option<&'a Iommu>,
+    /// Byte buffers for reuse.
+    pool: &'a mut Vec<Vec<u8>>,
+}
+
+/// Keeps `buf` in `pool` for reuse if there is room and it is not too large.
+fn recycle_into(pool: &mut Vec<Vec<u8>>, mut buf: Vec<u8>) {
+    if pool.len() < POOL_MAX && buf.capacity() <= POOL_MAX_CAP {
+        buf.clear();
+        pool.push(buf);
+    }
 }
 
 impl NodeEnv<'_> {
@@ -207,7 +244,15 @@ impl Env for NodeEnv<'_> {
         }
         self.queue.push(at, Event::Nic(self.node, ev));
     }
-    fn transmit(&mut self, at: SimTime, frame: Vec<u8>) {
+    fn transmit(&mut self, at: SimTime, mut frame: Vec<u8>) {
+        // The model leaves the ICRC to whoever needs it (defers_icrc): a capture shows the
+        // frame whole, and a frame that may be changed on the way is sealed first so that
+        // its receiver's check sees the change.
+        let mut unsealed = true;
+        if self.capture.is_some() || !self.faults.inactive() {
+            wire::seal_icrc(&mut frame);
+            unsealed = false;
+        }
         let mut dst_mac = [0u8; 6];
         if let Some(m) = frame.get(..6) {
             dst_mac.copy_from_slice(m);
@@ -250,7 +295,7 @@ impl Env for NodeEnv<'_> {
                 );
             }
             self.in_flight[dst] += 1;
-            self.queue.push(arrival, Event::Frame(dst, frame));
+            self.queue.push(arrival, Event::Frame(dst, frame, unsealed));
             return;
         }
         let link_down = self.faults.stats.link_down;
@@ -288,7 +333,7 @@ impl Env for NodeEnv<'_> {
                 std::mem::take(&mut frame)
             };
             self.in_flight[dst] += 1;
-            self.queue.push(arrival + extra, Event::Frame(dst, f));
+            self.queue.push(arrival + extra, Event::Frame(dst, f, unsealed));
         }
     }
     fn interrupt(&mut self, _vector: u32) {
@@ -299,6 +344,15 @@ impl Env for NodeEnv<'_> {
                 self.raised.push(self.node);
             }
         }
+    }
+    fn buffer(&mut self) -> Vec<u8> {
+        self.pool.pop().unwrap_or_default()
+    }
+    fn recycle(&mut self, buf: Vec<u8>) {
+        recycle_into(self.pool, buf);
+    }
+    fn defers_icrc(&self) -> bool {
+        true
     }
     fn tracing(&self) -> bool {
         self.timeline.is_some()
@@ -355,6 +409,7 @@ impl Env for NodeEnv<'_> {
             before: &mut [],
             after: &mut [],
             src_iommu: Some(self.iommu),
+            pool: &mut *self.pool,
         };
         nic.fm_receive(&mut env, msg)
     }
@@ -408,6 +463,7 @@ impl Inner {
             before,
             after,
             src_iommu: None,
+            pool: &mut self.pool,
         };
         f(nic, &mut env)
     }
@@ -456,15 +512,11 @@ impl Inner {
         if let Some(tl) = &mut self.timeline {
             tl.record_host_store(node, offset, data.len(), now, stored, at);
         }
+        let mut buf = self.pool.pop().unwrap_or_default();
+        buf.extend_from_slice(data);
         self.queue.push(
             at,
-            Event::Nic(
-                node,
-                NicEvent::MmioBlock {
-                    offset,
-                    data: data.to_vec(),
-                },
-            ),
+            Event::Nic(node, NicEvent::MmioBlock { offset, data: buf }),
         );
         self.pending_mmio[node] += 1;
     }
@@ -482,7 +534,7 @@ impl Inner {
             return false;
         };
         self.stats.events += 1;
-        self.digest.feed(&at.ps().to_le_bytes());
+        self.digest.word(at.ps());
         if let Some(c) = &mut self.capture {
             c.flush_until(at);
         }
@@ -491,33 +543,36 @@ impl Inner {
                 if matches!(ev, NicEvent::AckTimer { .. }) {
                     self.timers -= 1;
                 }
-                self.digest.feed(&(node as u32).to_le_bytes());
+                self.digest.word(node as u64);
                 if let NicEvent::Mmio { offset, value } = &ev {
                     self.pending_mmio[node] = self.pending_mmio[node].saturating_sub(1);
-                    self.digest.feed(&offset.to_le_bytes());
-                    self.digest.feed(&value.to_le_bytes());
+                    self.digest.word(*offset);
+                    self.digest.word(u64::from(*value));
                 }
                 if let NicEvent::MmioBlock { offset, data } = &ev {
                     self.pending_mmio[node] = self.pending_mmio[node].saturating_sub(1);
-                    self.digest.feed(&offset.to_le_bytes());
-                    self.digest.feed(&data[..]);
+                    self.digest.word(*offset);
+                    self.digest.bytes(data);
                 }
                 self.with_env(node, |nic, env| nic.handle(env, ev));
             }
-            Event::Frame(node, frame) => {
+            Event::Frame(node, frame, unsealed) => {
                 self.in_flight[node] = self.in_flight[node].saturating_sub(1);
-                self.digest.feed(&(node as u32 | 1 << 31).to_le_bytes());
-                // Frames enter the digest through their length and their last four bytes,
-                // the ICRC: a CRC-32 the sender computed over every byte the receiver checks,
-                // payload included, so it tells frames apart without another pass over them.
-                self.digest.feed(&(frame.len() as u32).to_le_bytes());
-                self.digest.feed(
-                    frame
-                        .get(frame.len().saturating_sub(4)..)
-                        .unwrap_or_default(),
-                );
+                self.digest.word(node as u64 | 1 << 63);
+                // Frames enter the digest through their length and headers (addresses,
+                // opcode, QPN, PSN, RETH/AETH/atomic fields): what tells one packet from
+                // another without a pass over the payload. A payload that differs shows in
+                // what its receiver does next.
+                self.digest.word(frame.len() as u64);
+                self.digest
+                    .bytes(&frame[..frame.len().min(DIGEST_HDR)]);
                 self.stats.frames_delivered += 1;
-                self.with_env(node, |nic, env| nic.receive(env, &frame));
+                if unsealed {
+                    self.with_env(node, |nic, env| nic.receive_unsealed(env, &frame));
+                } else {
+                    self.with_env(node, |nic, env| nic.receive(env, &frame));
+                }
+                recycle_into(&mut self.pool, frame);
             }
         }
         true
@@ -578,6 +633,7 @@ impl Fabric {
             stats: FabricStats::default(),
             capture: None,
             timeline: None,
+            pool: Vec::new(),
             cfg,
         };
         Fabric {
@@ -738,7 +794,7 @@ impl Fabric {
             c.record(None, Some(node), now, &frame, Fate::Delivered);
         }
         s.in_flight[node] += 1;
-        s.queue.push(now, Event::Frame(node, frame));
+        s.queue.push(now, Event::Frame(node, frame, false));
     }
 
     /// Starts a packet capture: every frame the fabric carries from now on is written to `out`

@@ -816,6 +816,15 @@ impl PacketRepr {
     /// saturated at 65535 and is rejected by [`parse_packet`]; callers segment by PMTU.
     pub fn emit(&self, payload: &[u8], out: &mut Vec<u8>) {
         let start = out.len();
+        self.emit_unsealed(payload, out);
+        seal_icrc(&mut out[start..]);
+    }
+
+    /// As [`PacketRepr::emit`], but the ICRC is left as four zero bytes: for a sender that
+    /// lets whoever first needs the bytes compute it with [`seal_icrc`] (a simulated fabric
+    /// that carries the frame untouched to a receiver can skip the CRC on both sides, see
+    /// [`parse_packet_unsealed`]).
+    pub fn emit_unsealed(&self, payload: &[u8], out: &mut Vec<u8>) {
         let pad = pad_len(payload.len());
         let ip_total = self.frame_len(payload.len()) - ETH_HDR_LEN;
         let ip_total = u16::try_from(ip_total).unwrap_or(u16::MAX);
@@ -890,11 +899,10 @@ impl PacketRepr {
         }
         out.extend_from_slice(&hdr[..off]);
 
-        // Payload, pad, ICRC.
+        // Payload, pad, room for the ICRC.
         out.extend_from_slice(payload);
         out.extend_from_slice(&[0u8; 3][..usize::from(pad)]);
-        let icrc = icrc_of(&out[start + ETH_HDR_LEN..]);
-        out.extend_from_slice(&icrc.to_le_bytes());
+        out.extend_from_slice(&[0u8; ICRC_LEN]);
     }
 }
 
@@ -986,6 +994,21 @@ pub fn compute_icrc(frame: &[u8]) -> Result<u32, WireError> {
     Ok(icrc_of(ip))
 }
 
+/// Computes the ICRC of a frame built by [`PacketRepr::emit_unsealed`] (or any frame whose
+/// outer headers are sound) and stores it in the frame's last four IPv4 bytes. A frame too
+/// short or malformed to carry one is left as it is.
+pub fn seal_icrc(frame: &mut [u8]) {
+    let Ok(total) = check_outer(frame) else {
+        return;
+    };
+    if total < IPV4_HDR_LEN + UDP_HDR_LEN + BTH_LEN + ICRC_LEN {
+        return;
+    }
+    let end = ETH_HDR_LEN + total;
+    let icrc = icrc_of(&frame[ETH_HDR_LEN..end - ICRC_LEN]);
+    frame[end - ICRC_LEN..end].copy_from_slice(&icrc.to_le_bytes());
+}
+
 /// Parses and fully validates a frame: Ethernet type, IPv4 version/IHL=5/not a fragment/
 /// protocol/total length vs frame, header checksum, UDP destination port 4791 and length,
 /// BTH TVer == 0, known RC opcode, extended headers present per opcode, pad, ICRC, AETH
@@ -995,6 +1018,18 @@ pub fn compute_icrc(frame: &[u8]) -> Result<u32, WireError> {
 /// ignored, as are the UDP checksum, the IPv4 DF flag, the BTH reserved bits and the values
 /// of the pad bytes (the ICRC still covers the last three).
 pub fn parse_packet(frame: &[u8]) -> Result<Packet<'_>, WireError> {
+    parse(frame, true)
+}
+
+/// As [`parse_packet`], every check but the ICRC's: for a frame whose ICRC is known to be
+/// what its sender would have written over exactly these bytes (built by
+/// [`PacketRepr::emit_unsealed`] and carried unmodified), where the CRC would only be
+/// computed twice to compare equal. Input from anywhere else goes through [`parse_packet`].
+pub fn parse_packet_unsealed(frame: &[u8]) -> Result<Packet<'_>, WireError> {
+    parse(frame, false)
+}
+
+fn parse(frame: &[u8], check_icrc: bool) -> Result<Packet<'_>, WireError> {
     let total = check_outer(frame)?;
     let ip = &frame[ETH_HDR_LEN..ETH_HDR_LEN + total];
     if be_u16(ip, IPV4_CSUM_OFF) != ipv4_checksum(ip) {
@@ -1041,7 +1076,7 @@ pub fn parse_packet(frame: &[u8]) -> Result<Packet<'_>, WireError> {
         ib[icrc_off + 2],
         ib[icrc_off + 3],
     ]);
-    if icrc_of(&ip[..total - ICRC_LEN]) != stored {
+    if check_icrc && icrc_of(&ip[..total - ICRC_LEN]) != stored {
         return Err(WireError::BadIcrc);
     }
 
@@ -2099,6 +2134,28 @@ mod tests {
             let p = parse_packet(&f).unwrap();
             prop_assert_eq!(p.repr, repr);
             prop_assert_eq!(p.payload, &payload[..]);
+        }
+
+        #[test]
+        fn an_unsealed_frame_sealed_later_is_the_emitted_frame((repr, payload) in arb_packet()) {
+            let sealed = emit_vec(&repr, &payload);
+            let mut f = Vec::new();
+            repr.emit_unsealed(&payload, &mut f);
+            prop_assert_eq!(f.len(), sealed.len());
+            prop_assert_eq!(&f[f.len() - ICRC_LEN..], &[0u8; ICRC_LEN][..]);
+            // Unsealed, it parses only without the ICRC check, to the same packet.
+            prop_assert_eq!(parse_packet(&f).map(|_| ()), Err(WireError::BadIcrc));
+            let p = parse_packet_unsealed(&f).unwrap();
+            prop_assert_eq!(p.repr, repr);
+            prop_assert_eq!(p.payload, &payload[..]);
+            seal_icrc(&mut f);
+            prop_assert_eq!(&f, &sealed);
+            // Sealing never touches a frame too short to hold an ICRC.
+            for n in 0..f.len() {
+                let mut cut = sealed[..n].to_vec();
+                seal_icrc(&mut cut);
+                prop_assert_eq!(&cut[..], &sealed[..n]);
+            }
         }
 
         #[test]
