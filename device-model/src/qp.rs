@@ -192,6 +192,63 @@ pub(crate) struct Requester {
     /// The WQE last written through the QP's BlueFlame slot, with its index: the send
     /// engine takes it from here instead of fetching it.
     pub(crate) bf: Option<(u32, Vec<u8>)>,
+    /// False only when no entry of `outstanding` has failed (set whenever one may have; the
+    /// send engine clears it when it looks and finds none), so that the engine does not
+    /// walk the list for a failure on every step.
+    pub(crate) maybe_failed: bool,
+    /// The leading entries of `outstanding` known to need no packet sent (finished,
+    /// failed, or every packet sent): the send engine looks for work after them. Lowered
+    /// by a rewind and by every entry taken off the front.
+    pub(crate) sent_prefix: usize,
+}
+
+impl Requester {
+    /// Appends an outstanding entry.
+    pub(crate) fn push(&mut self, o: Outstanding) {
+        self.maybe_failed |= o.error.is_some();
+        self.outstanding.push_back(o);
+    }
+
+    /// Takes the oldest outstanding entry off the list.
+    pub(crate) fn pop_front(&mut self) -> Option<Outstanding> {
+        let o = self.outstanding.pop_front()?;
+        self.sent_prefix = self.sent_prefix.saturating_sub(1);
+        Some(o)
+    }
+
+    /// Marks outstanding entry `i` failed with `e`.
+    pub(crate) fn fail(&mut self, i: usize, e: (CqeStatus, VendorSyndrome)) {
+        if let Some(o) = self.outstanding.get_mut(i) {
+            o.error = Some(e);
+            self.maybe_failed = true;
+        }
+    }
+
+    /// The first entry before `before` that still has a packet to send, from the known
+    /// prefix on (which grows past every entry found to need none).
+    pub(crate) fn first_unsent(&mut self, before: usize) -> Option<usize> {
+        let mut k = self.sent_prefix;
+        while k < before.min(self.outstanding.len()) {
+            let o = &self.outstanding[k];
+            if o.pending() && o.sent < o.npsn {
+                self.sent_prefix = k;
+                return Some(k);
+            }
+            k += 1;
+        }
+        self.sent_prefix = self.sent_prefix.max(k);
+        None
+    }
+
+    /// The first failed entry, if any.
+    pub(crate) fn first_failed(&mut self) -> Option<usize> {
+        if !self.maybe_failed {
+            return None;
+        }
+        let f = self.outstanding.iter().position(|o| o.error.is_some());
+        self.maybe_failed = f.is_some();
+        f
+    }
 }
 
 pub use ringbell_specs::stats::{QpStats, UdStats};
@@ -934,7 +991,7 @@ impl Nic {
         qp.state = QpState::Err;
         qp.attr.state = QpState::Err as u8;
         let now = env.now();
-        while let Some(o) = qp.req.outstanding.pop_front() {
+        while let Some(o) = qp.req.pop_front() {
             if o.hw.is_some() {
                 self.hw_task_done(
                     env,

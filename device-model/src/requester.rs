@@ -66,15 +66,9 @@ impl Nic {
             |nic: &Nic, qp: &Qp| Some(now.max(qp.req.busy_until).max(nic.egress_free - HORIZON));
         // A failed WQE completes once everything before it has; until then the WQEs before it
         // still go out (and again, on a retry), and nothing after it does.
-        let failed = qp.req.outstanding.iter().position(|o| o.error.is_some());
+        let failed = qp.req.first_failed();
         let before = failed.unwrap_or(qp.req.outstanding.len());
-        if let Some(i) = qp
-            .req
-            .outstanding
-            .iter()
-            .take(before)
-            .position(|o| o.pending() && o.sent < o.npsn)
-        {
+        if let Some(i) = qp.req.first_unsent(before) {
             self.send_packet(env, qp, i);
             return next(self, qp);
         }
@@ -192,7 +186,7 @@ impl Nic {
         }
         qp.fetch = index.wrapping_add(wqe.nbb);
         qp.req.busy_until = now + SimTime(t.nic_per_qp_wqe_ps);
-        qp.req.outstanding.push_back(Outstanding {
+        qp.req.push(Outstanding {
             wqe_index: index,
             wqe,
             first_psn,
@@ -308,7 +302,7 @@ impl Nic {
                 };
                 if let Err(e) = gathered {
                     self.scratch = payload;
-                    qp.req.outstanding[i].error = Some(e);
+                    qp.req.fail(i, e);
                     self.complete_in_order(env, qp);
                     return;
                 }
@@ -375,7 +369,7 @@ impl Nic {
         let w = &o.wqe;
         // A WQE decoded without an address (a triggered operation aimed at a UD QP).
         let Some(dest) = w.ud else {
-            qp.req.outstanding[i].error = Some((CqeStatus::LocQpOpErr, VendorSyndrome::BadSegment));
+            qp.req.fail(i, (CqeStatus::LocQpOpErr, VendorSyndrome::BadSegment));
             self.complete_in_order(env, qp);
             return;
         };
@@ -402,7 +396,7 @@ impl Nic {
         };
         if let Err(e) = gathered {
             self.scratch = payload;
-            qp.req.outstanding[i].error = Some(e);
+            qp.req.fail(i, e);
             self.complete_in_order(env, qp);
             return;
         }
@@ -680,7 +674,7 @@ impl Nic {
         o.first_psn = qp.req.next_psn;
         qp.req.next_psn = o.first_psn.add(o.npsn);
         o.ready_at = self.reserve_msg(ready) + SimTime(self.cfg.timing.nic_tx_wqe_ps);
-        qp.req.outstanding.push_back(o);
+        qp.req.push(o);
         self.kick_qp_sq(env, qp, ready);
     }
 
@@ -702,7 +696,7 @@ impl Nic {
                 self.start_hw_task(env, qp, o, ready);
             } else {
                 o.first_psn = qp.req.next_psn;
-                qp.req.outstanding.push_back(o);
+                qp.req.push(o);
                 failed = true;
                 break;
             }
@@ -748,7 +742,7 @@ impl Nic {
                 return;
             }
             o.first_psn = qp.req.next_psn;
-            qp.req.outstanding.push_back(o);
+            qp.req.push(o);
             self.complete_in_order_at(env, qp, ready);
             return;
         }
@@ -835,7 +829,7 @@ impl Nic {
             .and_then(|_| CtrlSeg::read_from_bytes(&b).ok())
             .and_then(|c| SendOpcode::from_u8(c.opcode))
             .unwrap_or(SendOpcode::Send);
-        qp.req.outstanding.push_back(Outstanding {
+        qp.req.push(Outstanding {
             wqe_index: index,
             wqe: SendWqe::broken(op),
             first_psn: qp.req.next_psn,
@@ -981,6 +975,7 @@ impl Nic {
             };
             o.ready_at = ready;
         }
+        qp.req.sent_prefix = qp.req.sent_prefix.min(i);
         qp.req.since_ack_req = 0;
         Self::stop_ack_timer(qp);
         self.kick_qp_sq(env, qp, at);
@@ -1008,8 +1003,8 @@ impl Nic {
             .iter()
             .position(|o| o.pending() && o.holds(psn));
         let pos = pos.or_else(|| qp.req.outstanding.iter().position(|o| o.pending()));
-        if let Some(o) = pos.and_then(|i| qp.req.outstanding.get_mut(i)) {
-            o.error = Some((status, VendorSyndrome::None));
+        if let Some(i) = pos {
+            qp.req.fail(i, (status, VendorSyndrome::None));
         }
         self.complete_in_order(env, qp);
     }
@@ -1114,7 +1109,7 @@ impl Nic {
         };
         let o = &qp.req.outstanding[i];
         if o.wqe.op != SendOpcode::Read {
-            qp.req.outstanding[i].error = Some((CqeStatus::BadRespErr, VendorSyndrome::None));
+            qp.req.fail(i, (CqeStatus::BadRespErr, VendorSyndrome::None));
             return false;
         }
         if o.first_psn.add(o.acked) != psn {
@@ -1136,12 +1131,12 @@ impl Nic {
             !op.is_last() && len == mtu
         };
         if !aeth_ok || !shape_ok {
-            qp.req.outstanding[i].error = Some((CqeStatus::BadRespErr, VendorSyndrome::None));
+            qp.req.fail(i, (CqeStatus::BadRespErr, VendorSyndrome::None));
             return false;
         }
         let sges = o.wqe.sges.clone();
         if let Err(e) = self.scatter(env, pdn, qpn, &sges, offset, pkt.payload, ready) {
-            qp.req.outstanding[i].error = Some(e);
+            qp.req.fail(i, e);
             return false;
         }
         let o = &mut qp.req.outstanding[i];
@@ -1175,7 +1170,7 @@ impl Nic {
             pkt.repr.atomic_ack,
             qp.req.outstanding[i].wqe.op.is_atomic(),
         ) else {
-            qp.req.outstanding[i].error = Some((CqeStatus::BadRespErr, VendorSyndrome::None));
+            qp.req.fail(i, (CqeStatus::BadRespErr, VendorSyndrome::None));
             return false;
         };
         let sges = qp.req.outstanding[i].wqe.sges.clone();
@@ -1189,6 +1184,7 @@ impl Nic {
             }
             Err(e) => {
                 o.error = Some(e);
+                qp.req.maybe_failed = true;
                 false
             }
         }
@@ -1202,8 +1198,17 @@ impl Nic {
         if qp.req.retrying {
             return false;
         }
-        let lost =
-            qp.req.outstanding.iter().find(|o| {
+        if qp.req.rd_atomic == 0 {
+            return false;
+        }
+        // Entries are in PSN order: none from the first that starts at or after `psn` on
+        // can have ended before it.
+        let lost = qp
+            .req
+            .outstanding
+            .iter()
+            .take_while(|o| o.npsn == 0 || o.first_psn.diff(psn) < 0)
+            .find(|o| {
                 o.pending() && o.is_rd_atomic() && o.sent > 0 && o.last_psn().diff(psn) < 0
             });
         if let Some(o) = lost {
@@ -1317,7 +1322,7 @@ impl Nic {
         let mut freed = false;
         while let Some(front) = qp.req.outstanding.front() {
             if let Some((status, syn)) = front.error {
-                let Some(o) = qp.req.outstanding.pop_front() else {
+                let Some(o) = qp.req.pop_front() else {
                     break;
                 };
                 if o.hw.is_some() {
@@ -1335,7 +1340,7 @@ impl Nic {
             if !front.done {
                 break;
             }
-            let Some(o) = qp.req.outstanding.pop_front() else {
+            let Some(o) = qp.req.pop_front() else {
                 break;
             };
             if o.hw.is_some() {
