@@ -146,11 +146,12 @@ pub trait Env {
         false
     }
     /// Functional mode: hands a whole message to the responder of the peer NIC (see
-    /// [`crate::Nic::fm_receive`]). `true`: executed there (data placed, responder state and
-    /// completions done); `false`: not taken, nothing changed anywhere, and the requester
-    /// sends it on the packet path. The default takes nothing.
-    fn fm_deliver(&mut self, _msg: &FmMsg<'_>) -> bool {
-        false
+    /// [`crate::Nic::fm_receive`]). `Some`: executed there (data placed, READ data copied
+    /// into the requester's ranges, responder state and completions done), with an atomic's
+    /// original value (0 for other operations); `None`: not taken, nothing changed anywhere,
+    /// and the requester sends it on the packet path. The default takes nothing.
+    fn fm_deliver(&mut self, _msg: &FmMsg<'_>) -> Option<u64> {
+        None
     }
     /// Functional mode, on the responder's side of [`Env::fm_deliver`]: copies `len` bytes
     /// from `src_iova` in the requester's IOMMU to `iova` in this NIC's, in one copy.
@@ -161,6 +162,16 @@ pub trait Env {
         _len: usize,
     ) -> Result<(), DmaFault> {
         Err(DmaFault { iova })
+    }
+    /// Functional mode, on the responder's side of [`Env::fm_deliver`] (a READ): copies `len`
+    /// bytes from `iova` in this NIC's IOMMU to `peer_iova` in the requester's, in one copy.
+    fn dma_copy_to_peer(
+        &mut self,
+        peer_iova: u64,
+        _iova: u64,
+        _len: usize,
+    ) -> Result<(), DmaFault> {
+        Err(DmaFault { iova: peer_iova })
     }
 }
 
@@ -175,6 +186,12 @@ pub enum FmOp {
     Send,
     /// SEND with immediate.
     SendImm,
+    /// RDMA READ: the responder's bytes into the requester's ranges ([`FmData::Gather`]).
+    Read,
+    /// Compare-and-swap of 8 bytes (`FmMsg::atomic`: swap, compare).
+    CmpSwap,
+    /// Fetch-and-add of 8 bytes (`FmMsg::atomic`: add).
+    FetchAdd,
 }
 
 /// Where a functional message's payload is.
@@ -215,8 +232,10 @@ pub struct FmMsg<'a> {
     pub solicited: bool,
     /// Message length.
     pub len: u64,
-    /// The payload.
+    /// The payload (SEND, WRITE), or where READ data goes in the requester's memory.
     pub data: FmData<'a>,
+    /// An atomic's operands: (swap or add, compare).
+    pub atomic: (u64, u64),
 }
 
 /// A stage of a message's life, as reported to [`Env::trace`]. The `Host*`, `MmioPost` and

@@ -3,15 +3,19 @@
 //!
 //! The environment opts in ([`Env::functional`]). The send engine of an eligible QP
 //! ([`Nic::fm_eligible`]) then takes its WQEs one after the other in one event: each eligible
-//! one (WRITE, WRITE with immediate, SEND, SEND with immediate; inline or gathered) goes to
-//! [`Env::fm_deliver`], which runs [`Nic::fm_receive`] on the peer NIC. The responder checks
-//! it exactly as the packet path would (sequence, keys, bounds, rights, IOMMU, receive WQE,
-//! length) and executes it only if it would succeed there; anything else (an error to
-//! report, an RNR, a message another message is in the middle of, an SRQ, counters) is
-//! refused with nothing changed, and the requester sends that WQE on the packet path, where
-//! nothing else is outstanding, so ordering holds and errors are reported by the same code.
-//! PSNs and MSNs advance on both sides as the packets would have advanced them, so later
-//! work on the packet path (READs, atomics) continues the same sequence.
+//! one (WRITE, WRITE with immediate, SEND, SEND with immediate, inline or gathered; READ;
+//! compare-and-swap and fetch-and-add) goes to [`Env::fm_deliver`], which runs
+//! [`Nic::fm_receive`] on the peer NIC. The responder checks it exactly as the packet path
+//! would (sequence, keys, bounds, rights, alignment, IOMMU, receive WQE from the RQ or a
+//! plain SRQ, length, responder resources) and executes it only if it would succeed there:
+//! a READ copies the responder's bytes into the requester's scatter list, an atomic runs on
+//! the responder's memory and hands its original value back for the requester's list, and
+//! the responder remembers both as its resources, as for a request packet. Anything else (an
+//! error to report, an RNR, a message another message is in the middle of, a TM-SRQ,
+//! counters) is refused with nothing changed, and the requester sends that WQE on the packet
+//! path, where nothing else is outstanding, so ordering holds and errors are reported by the
+//! same code. PSNs and MSNs advance on both sides as the packets would have advanced them,
+//! so later work on the packet path continues the same sequence.
 //!
 //! Simulated time does not advance for the message itself: data is placed at the instant of
 //! the send engine's event, and completions are queued from that instant (their CQE write
@@ -19,10 +23,11 @@
 
 use crate::env::{Env, FmData, FmMsg, FmOp};
 use crate::nic::Nic;
-use crate::qp::{Qp, RecvCtx};
+use crate::qp::{Qp, RecvCtx, Resource};
 use crate::responder::recv_cqe;
 use ringbell_specs::cmd::{Access, CntrEvents, QpState};
 use ringbell_specs::cqe::{CqeOpcode, CqeStatus, VendorSyndrome, CQE_FLAG_IMM, CQE_FLAG_SOLICITED};
+use ringbell_specs::wire::Opcode;
 use ringbell_specs::wqe::{SendOpcode, WqeFlags};
 use ringbell_specs::SimTime;
 
@@ -85,7 +90,15 @@ impl Nic {
             SendOpcode::WriteImm => FmOp::WriteImm,
             SendOpcode::Send => FmOp::Send,
             SendOpcode::SendImm => FmOp::SendImm,
-            _ => return false,
+            SendOpcode::Read => FmOp::Read,
+            SendOpcode::CmpSwap => FmOp::CmpSwap,
+            SendOpcode::FetchAdd => FmOp::FetchAdd,
+        };
+        // READ data and an atomic's result are written into the local list.
+        let (local, need) = match op {
+            FmOp::Read => (Access::LOCAL_WRITE, w.len),
+            FmOp::CmpSwap | FmOp::FetchAdd => (Access::LOCAL_WRITE, 8),
+            _ => (Access::empty(), 0),
         };
         // The local checks of the packet path, without their side effects: a WQE that would
         // fail them goes to the packet path, which reports the failure.
@@ -94,20 +107,25 @@ impl Nic {
         let mut ok = true;
         for s in &w.sges {
             if s.len == 0 {
-                ok &= self
-                    .check_key(qp.pdn, s.lkey, s.addr, 0, Access::empty())
-                    .is_ok();
+                ok &= self.check_key(qp.pdn, s.lkey, s.addr, 0, local).is_ok();
                 continue;
             }
-            match self.check_key(qp.pdn, s.lkey, s.addr, s.len as u64, Access::empty()) {
+            match self.check_key(qp.pdn, s.lkey, s.addr, s.len as u64, local) {
                 Ok(iova) if env.dma_check(iova, s.len as usize).is_ok() => {
                     ranges.push((iova, s.len))
                 }
                 _ => ok = false,
             }
         }
-        let npsn = (w.len as u32).div_ceil(qp.mtu()).max(1);
-        let taken = ok && {
+        // The results must fit the local list (else the packet path's length error).
+        ok &= ranges.iter().map(|r| u64::from(r.1)).sum::<u64>() >= need;
+        let npsn = match op {
+            FmOp::CmpSwap | FmOp::FetchAdd => 1,
+            _ => (w.len as u32).div_ceil(qp.mtu()).max(1),
+        };
+        let taken = if !ok {
+            None
+        } else {
             let msg = FmMsg {
                 dst_mac: qp.attr.dest_mac,
                 dst_ip: qp.attr.dest_ip,
@@ -127,13 +145,32 @@ impl Nic {
                 } else {
                     FmData::Gather(&ranges)
                 },
+                atomic: w.atomic,
             };
             env.fm_deliver(&msg)
         };
-        self.fm_ranges = ranges;
-        if !taken {
+        let Some(orig) = taken else {
+            self.fm_ranges = ranges;
             return false;
+        };
+        // An atomic's original value lands in the local list, as its ACK would put it.
+        if matches!(op, FmOp::CmpSwap | FmOp::FetchAdd) {
+            let bytes = orig.to_le_bytes();
+            let mut off = 0usize;
+            for &(iova, n) in &ranges {
+                let n = (n as usize).min(bytes.len() - off);
+                if n == 0 {
+                    break;
+                }
+                if let Err(f) = env.dma_write(iova, &bytes[off..off + n]) {
+                    // Checked above; only a mapping gone within this event gets here.
+                    self.iommu_fault(env, qp.qpn, f.iova);
+                    break;
+                }
+                off += n;
+            }
         }
+        self.fm_ranges = ranges;
         // As when the message's last ACK arrives: PSNs used, progress made, completed.
         let now = env.now();
         qp.req.next_psn = qp.req.next_psn.add(npsn);
@@ -156,19 +193,28 @@ impl Nic {
     /// Functional mode, on the responder: executes the whole message `msg` if the packet path
     /// would accept every packet of it and complete it successfully; otherwise returns false
     /// with nothing changed (the requester then sends it as packets). See the module notes.
-    pub fn fm_receive(&mut self, env: &mut dyn Env, msg: &FmMsg<'_>) -> bool {
+    pub fn fm_receive(&mut self, env: &mut dyn Env, msg: &FmMsg<'_>) -> Option<u64> {
         if msg.dst_ip != self.cfg.ip || self.dma_pending != 0 {
-            return false;
+            return None;
         }
         let Some(mut qp) = self.qps.remove(msg.dst_qpn) else {
-            return false;
+            return None;
         };
         let done = self.fm_accept(env, &mut qp, msg);
         self.qps.restore(msg.dst_qpn, qp);
         done
     }
 
-    fn fm_accept(&mut self, env: &mut dyn Env, qp: &mut Qp, msg: &FmMsg<'_>) -> bool {
+    fn fm_accept(&mut self, env: &mut dyn Env, qp: &mut Qp, msg: &FmMsg<'_>) -> Option<u64> {
+        let is_write = matches!(msg.op, FmOp::Write | FmOp::WriteImm);
+        let is_atomic = matches!(msg.op, FmOp::CmpSwap | FmOp::FetchAdd);
+        let rd_atomic = is_atomic || msg.op == FmOp::Read;
+        let needs_recv = matches!(msg.op, FmOp::Send | FmOp::SendImm | FmOp::WriteImm);
+        // A receive WQE from the QP's own RQ or from a plain SRQ (a TM-SRQ matches tags:
+        // packets).
+        let srq_ok = qp.srqn == 0
+            || !needs_recv
+            || self.srqs.get(qp.srqn).is_some_and(|s| s.tm.is_none());
         let idle = matches!(qp.state, QpState::Rtr | QpState::Rts | QpState::Sqd)
             && !qp.ud
             && msg.src_ip == qp.attr.dest_ip
@@ -177,36 +223,51 @@ impl Nic {
             && qp.resp.recv.is_none()
             && qp.resp.write.is_none()
             && qp.resp.epsn == msg.psn
-            // A receive WQE comes from the QP's own RQ (SRQs and tag matching: packets).
-            && (qp.srqn == 0 || msg.op == FmOp::Write)
+            && srq_ok
             && !qp.cntrs.any()
-            && msg.len <= self.cfg.max_msg_size as u64;
-        // Every packet the requester would cut must pass this side's size checks.
+            && msg.len <= self.cfg.max_msg_size as u64
+            && (!rd_atomic || qp.attr.max_dest_rd_atomic != 0);
+        // Every packet the requester would cut must pass this side's size checks (a READ
+        // request is one packet; its responses are cut at this side's MTU).
         let mtu = qp.mtu();
-        let sizes_ok = if msg.npsn == 1 {
-            msg.len <= mtu as u64
+        let sizes_ok = if rd_atomic || msg.npsn == 1 {
+            rd_atomic || msg.len <= mtu as u64
         } else {
             msg.mtu == mtu
         };
         if !idle || !sizes_ok {
-            return false;
+            return None;
+        }
+        if msg.op == FmOp::Read && msg.len.div_ceil(mtu as u64).max(1) != msg.npsn as u64 {
+            return None;
+        }
+        if rd_atomic {
+            return self.fm_read_atomic(env, qp, msg);
         }
         let now = env.now();
         let mut dst = std::mem::take(&mut self.fm_dst);
         dst.clear();
-        let is_write = matches!(msg.op, FmOp::Write | FmOp::WriteImm);
         let has_imm = matches!(msg.op, FmOp::WriteImm | FmOp::SendImm);
         // WRITE with immediate and SEND need a receive WQE (none: the packet path's RNR).
-        let recv = if msg.op == FmOp::Write {
-            None
-        } else {
-            if qp.rq.ci == qp.rq.pi {
+        let recv = if needs_recv {
+            let wq = if qp.srqn == 0 {
+                &qp.rq
+            } else {
+                match self.srqs.get(qp.srqn) {
+                    Some(srq) => &srq.wq,
+                    None => return self.fm_refuse(dst),
+                }
+            };
+            if wq.ci == wq.pi {
                 return self.fm_refuse(dst);
             }
-            match self.read_recv_wqe(env, &qp.rq, qp.rq.ci) {
-                Ok(sges) => Some(sges),
+            let (wq, ci) = (wq.clone(), wq.ci);
+            match self.read_recv_wqe(env, &wq, ci) {
+                Ok(sges) => Some((ci, sges)),
                 Err(_) => return self.fm_refuse(dst),
             }
+        } else {
+            None
         };
         if is_write {
             if !qp.access().contains(Access::REMOTE_WRITE) {
@@ -226,7 +287,7 @@ impl Nic {
         } else {
             // The scatter list of the receive WQE, over the message's bytes.
             let mut left = msg.len;
-            for s in recv.as_deref().unwrap_or_default() {
+            for s in recv.as_ref().map(|r| &r.1[..]).unwrap_or_default() {
                 if left == 0 {
                     break;
                 }
@@ -268,16 +329,20 @@ impl Nic {
             self.qp_count(env, &c, CntrEvents::REMOTE_WRITE, true, now);
             self.mr_count(env, msg.rkey, CntrEvents::REMOTE_WRITE, now);
         }
-        if let Some(sges) = recv {
+        if let Some((index, sges)) = recv {
             let rc = RecvCtx {
-                wqe_index: qp.rq.ci,
-                srqn: 0,
+                wqe_index: index,
+                srqn: qp.srqn,
                 sges,
                 offset: 0,
                 strip: 0,
                 tm: None,
             };
-            qp.rq.ci = qp.rq.ci.wrapping_add(1);
+            if qp.srqn == 0 {
+                qp.rq.ci = qp.rq.ci.wrapping_add(1);
+            } else {
+                self.srq_consumed(env, qp.srqn);
+            }
             if is_write {
                 let mut cqe = recv_cqe(qp.qpn, &rc, CqeStatus::Success, msg.len as u32);
                 cqe.opcode = CqeOpcode::RecvRdmaWithImm as u8;
@@ -298,13 +363,110 @@ impl Nic {
                 );
             }
         }
-        true
+        Some(0)
+    }
+
+    /// A READ or an atomic, under the packet path's checks: the READ's bytes copied into the
+    /// requester's ranges, the atomic executed on this side's memory (its original value
+    /// returned for the requester's list), the responder's resources and counters as the
+    /// request packet would leave them.
+    fn fm_read_atomic(&mut self, env: &mut dyn Env, qp: &mut Qp, msg: &FmMsg<'_>) -> Option<u64> {
+        let now = env.now();
+        let first = msg.psn;
+        if msg.op == FmOp::Read {
+            let FmData::Gather(to) = msg.data else {
+                return None;
+            };
+            if !qp.access().contains(Access::REMOTE_READ) {
+                return None;
+            }
+            let iova = self
+                .check_key(qp.pdn, msg.rkey, msg.raddr, msg.len, Access::REMOTE_READ)
+                .ok()?;
+            // Mapped for the device (writable is what the IOMMU port can check, and a
+            // mapping it may write it may read): else the packet path reports the fault.
+            if msg.len > 0 && env.dma_check(iova, msg.len as usize).is_err() {
+                return None;
+            }
+            // The requester's ranges cover the length (checked there): one copy per range.
+            let (mut src, mut left) = (iova, msg.len);
+            for &(peer, n) in to {
+                let n = u64::from(n).min(left);
+                if n == 0 {
+                    break;
+                }
+                if let Err(f) = env.dma_copy_to_peer(peer, src, n as usize) {
+                    // Mapped on both sides (checked); only a mapping gone now gets here.
+                    self.iommu_fault(env, qp.qpn, f.iova);
+                    break;
+                }
+                src = src.wrapping_add(n);
+                left -= n;
+            }
+            qp.resp.epsn = first.add(msg.npsn);
+            qp.resp.msn = qp.resp.msn.wrapping_add(1);
+            qp.resp.nak_sent = false;
+            self.remember(
+                qp,
+                Resource::Read {
+                    first,
+                    last: first.add(msg.npsn - 1),
+                    va: msg.raddr,
+                    rkey: msg.rkey,
+                    len: msg.len as u32,
+                },
+            );
+            let c = qp.cntrs;
+            self.qp_count(env, &c, CntrEvents::REMOTE_READ, true, now);
+            self.mr_count(env, msg.rkey, CntrEvents::REMOTE_READ, now);
+            return Some(0);
+        }
+        if !qp.access().contains(Access::REMOTE_ATOMIC) || msg.raddr % 8 != 0 {
+            return None;
+        }
+        let iova = self
+            .check_key(qp.pdn, msg.rkey, msg.raddr, 8, Access::REMOTE_ATOMIC)
+            .ok()?;
+        let mut cur = [0u8; 8];
+        env.dma_check(iova, 8).ok()?;
+        env.dma_read(iova, &mut cur).ok()?;
+        let orig = u64::from_le_bytes(cur);
+        let (swap_add, compare) = msg.atomic;
+        let cas = msg.op == FmOp::CmpSwap;
+        let new = match (cas, orig == compare) {
+            (true, true) => swap_add,
+            (true, false) => orig,
+            (false, _) => orig.wrapping_add(swap_add),
+        };
+        if let Err(f) = env.dma_write(iova, &new.to_le_bytes()) {
+            self.iommu_fault(env, qp.qpn, f.iova);
+        }
+        qp.resp.epsn = first.add(1);
+        qp.resp.msn = qp.resp.msn.wrapping_add(1);
+        qp.resp.nak_sent = false;
+        let op = if cas {
+            Opcode::CompareSwap
+        } else {
+            Opcode::FetchAdd
+        };
+        self.remember(
+            qp,
+            Resource::Atomic {
+                psn: first,
+                orig: Some(orig),
+                request: (op as u8, msg.raddr, msg.rkey, swap_add, compare),
+            },
+        );
+        let c = qp.cntrs;
+        self.qp_count(env, &c, CntrEvents::REMOTE_WRITE, true, now);
+        self.mr_count(env, msg.rkey, CntrEvents::REMOTE_WRITE, now);
+        Some(orig)
     }
 
     /// Refuses a message, giving the range buffer back for the next one.
-    fn fm_refuse(&mut self, v: Vec<(u64, u32)>) -> bool {
+    fn fm_refuse(&mut self, v: Vec<(u64, u32)>) -> Option<u64> {
         self.fm_dst = v;
-        false
+        None
     }
 }
 

@@ -222,6 +222,8 @@ pub struct Nic {
     pub(crate) fm_dst: Vec<(u64, u32)>,
     /// Functional mode's scratch WQE: each one is decoded into it, reusing its buffers.
     pub(crate) fm_wqe: crate::qp::SendWqe,
+    /// Decoded WQEs of completed work, kept so that starting a WQE reuses their buffers.
+    pub(crate) wqe_pool: Vec<crate::qp::SendWqe>,
 }
 
 impl Nic {
@@ -272,6 +274,7 @@ impl Nic {
             fm_ranges: Vec::new(),
             fm_dst: Vec::new(),
             fm_wqe: crate::qp::SendWqe::default(),
+            wqe_pool: Vec::new(),
         }
     }
 

@@ -755,7 +755,11 @@ impl Nic {
             self.doorbell_error(env, qpn, DoorbellError::StaleWqe, index);
             return;
         }
-        qp.req.bf = Some((index, data[..nbb as usize * WQEBB].to_vec()));
+        // The copy reuses the buffer of the QP's previous one.
+        let mut buf = qp.req.bf.take().map(|(_, b)| b).unwrap_or_default();
+        buf.clear();
+        buf.extend_from_slice(&data[..nbb as usize * WQEBB]);
+        qp.req.bf = Some((index, buf));
         self.qp_doorbell(env, qpn, regs::DB_SQ, index.wrapping_add(nbb));
         // A refused doorbell (the ring is full) refuses the copy too: a later doorbell over
         // this index must run what the ring holds then.
@@ -864,6 +868,19 @@ impl Nic {
 
     /// Takes the next receive WQE for `qpn` if its capacity is at least `need` bytes; a
     /// smaller one is read and left in place.
+    /// The WQE at the consumer index of SRQ `srqn` was taken: the index moves on, and the
+    /// SRQ's limit event fires when fewer than its limit are left.
+    pub(crate) fn srq_consumed(&mut self, env: &mut dyn Env, srqn: u32) {
+        if let Some(srq) = self.srqs.get_mut(srqn) {
+            srq.wq.ci = srq.wq.ci.wrapping_add(1);
+            let left = srq.wq.pi.wrapping_sub(srq.wq.ci);
+            if srq.limit != 0 && left < srq.limit {
+                srq.limit = 0;
+                self.post_event(env, EventType::SrqLimit, 0, srqn, left as u64);
+            }
+        }
+    }
+
     pub(crate) fn take_recv_wqe_for(
         &mut self,
         env: &mut dyn Env,
@@ -885,14 +902,7 @@ impl Nic {
                 return Ok(RecvTake::TooSmall);
             }
             let srqn = qp.srqn;
-            if let Some(srq) = self.srqs.get_mut(srqn) {
-                srq.wq.ci = srq.wq.ci.wrapping_add(1);
-                let left = srq.wq.pi.wrapping_sub(srq.wq.ci);
-                if srq.limit != 0 && left < srq.limit {
-                    srq.limit = 0;
-                    self.post_event(env, EventType::SrqLimit, 0, srqn, left as u64);
-                }
-            }
+            self.srq_consumed(env, srqn);
             Ok(RecvTake::Wqe(index, srqn, sges))
         } else {
             if qp.rq.ci == qp.rq.pi {

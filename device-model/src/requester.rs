@@ -27,6 +27,8 @@ const HORIZON: SimTime = SimTime(2_000_000);
 const ACK_REQ_EVERY: u32 = 16;
 /// Most PSNs a QP has unacknowledged: far enough below 2^23 that PSN comparisons stay exact.
 pub(crate) const MAX_UNACKED_PSNS: u32 = 1 << 22;
+/// Decoded WQEs kept for reuse by the send engine (see `Nic::wqe_pool`).
+const WQE_POOL_MAX: usize = 256;
 
 /// The local ACK timeout for attribute `timeout`: 4.096 µs × 2^timeout; 0 is infinite.
 pub(crate) fn ack_timeout(timeout: u8) -> Option<SimTime> {
@@ -104,11 +106,15 @@ impl Nic {
         let index = qp.fetch;
         // A WQE written through the BlueFlame slot is in the NIC already.
         let in_nic = qp.req.bf.as_ref().is_some_and(|(i, _)| *i == index);
-        let mut wqe = SendWqe::broken(SendOpcode::Send);
+        let mut wqe = self.wqe_pool.pop().unwrap_or_default();
         match self.read_send_wqe(env, qp, index, &mut wqe) {
             Ok(true) => {}
-            Ok(false) => return false,
+            Ok(false) => {
+                self.wqe_pool.push(wqe);
+                return false;
+            }
             Err((e, nbb)) => {
+                self.wqe_pool.push(wqe);
                 self.fail_wqe(env, qp, index, nbb, e);
                 return false;
             }
@@ -1367,6 +1373,9 @@ impl Nic {
             }
             if o.is_rd_atomic() {
                 qp.req.rd_atomic = qp.req.rd_atomic.saturating_sub(1);
+            }
+            if self.wqe_pool.len() < WQE_POOL_MAX {
+                self.wqe_pool.push(o.wqe);
             }
             freed = true;
         }

@@ -1029,7 +1029,7 @@ impl Nic {
     }
 
     /// Keeps a READ/atomic for duplicates; the oldest is forgotten beyond `max_dest_rd_atomic`.
-    fn remember(&mut self, qp: &mut Qp, r: Resource) {
+    pub(crate) fn remember(&mut self, qp: &mut Qp, r: Resource) {
         let cap = (qp.attr.max_dest_rd_atomic as usize).max(1);
         while qp.resp.resources.len() >= cap {
             qp.resp.resources.pop_front();

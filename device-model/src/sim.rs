@@ -5,38 +5,43 @@
 
 use ringbell_specs::SimTime;
 
-/// One pending event: its order key and the slab slot of its payload.
+/// One pending event: its time and the slab slot of its payload.
 #[derive(Clone, Copy)]
 struct Entry {
-    /// `time << 64 | sequence`: the total order of events as one integer.
-    key: u128,
+    at: u64,
     slot: u32,
 }
 
-/// Buckets of the radix heap: bucket 0 holds keys equal to the last key taken out, bucket
-/// `b` (1..=128) keys whose highest bit differing from it is bit `b - 1`.
-const BUCKETS: usize = 129;
+/// Buckets of the radix heap: bucket 0 holds the events at the time of the last one taken
+/// out, bucket `b` (1..=64) times whose highest bit differing from it is bit `b - 1`.
+const BUCKETS: usize = 65;
 
 /// A queue of events ordered by (time, sequence number).
 ///
-/// A monotone radix heap: no event is ever scheduled before the last one taken out (times in
-/// the past are clamped to now, and sequence numbers only grow), so keys can be kept in
-/// buckets by the highest bit in which they differ from the last key taken out. A push is
-/// one append; a pop takes the smallest key of the lowest non-empty bucket and spreads that
-/// bucket over the lower ones, so each event moves a few times at most whatever the number
-/// pending, and a bucket is a plain vector walked in order. The events themselves sit in a
-/// slab whose slots are reused: nothing is allocated once the queue has grown to the largest
-/// number of pending events.
+/// A monotone radix heap over picosecond times: no event is ever scheduled before the last
+/// one taken out (times in the past are clamped to now), so events can be kept in buckets by
+/// the highest bit in which their time differs from that of the last one taken out. A push
+/// is one append; a pop takes the front of bucket 0, and when bucket 0 is empty, first
+/// spreads the lowest non-empty bucket over the lower ones (its earliest time becomes the
+/// base), so each event moves a few times at most, whatever the number pending.
+///
+/// Every bucket holds its events in the order they were pushed: a push appends, and a
+/// bucket is only ever spread into buckets that are empty at that moment, in order. So
+/// bucket 0, whose events share one time, gives them out first in, first out: the order
+/// of scheduling among equal times, with no sequence numbers stored. The events themselves
+/// sit in a slab whose slots are reused, so nothing is allocated once the queue has grown
+/// to the largest number of pending events.
 pub struct EventQueue<E> {
     buckets: Vec<Vec<Entry>>,
-    /// Bit `b` set: bucket `b` is not empty.
-    occupied: [u64; 3],
-    /// The key of the last event taken out (the base the buckets are relative to).
-    last: u128,
+    /// How many entries at the front of bucket 0 were already taken out.
+    head: usize,
+    /// Bit `b` set: bucket `b` may be non-empty (bucket 0: has entries from `head` on).
+    occupied: [u64; 2],
+    /// The time of the last event taken out (the base the buckets are relative to).
+    last: u64,
     len: usize,
     slab: Vec<Option<E>>,
     free: Vec<u32>,
-    seq: u64,
     now: SimTime,
 }
 
@@ -53,12 +58,12 @@ impl<E> Default for EventQueue<E> {
     fn default() -> Self {
         EventQueue {
             buckets: (0..BUCKETS).map(|_| Vec::new()).collect(),
-            occupied: [0; 3],
+            head: 0,
+            occupied: [0; 2],
             last: 0,
             len: 0,
             slab: Vec::new(),
             free: Vec::new(),
-            seq: 0,
             now: SimTime::ZERO,
         }
     }
@@ -74,19 +79,15 @@ impl<E> EventQueue<E> {
         self.now
     }
 
-    fn bucket_of(&self, key: u128) -> usize {
-        (128 - (key ^ self.last).leading_zeros()) as usize
-    }
-
     fn place(&mut self, e: Entry) {
-        let b = self.bucket_of(e.key);
+        let b = (64 - (e.at ^ self.last).leading_zeros()) as usize;
         self.buckets[b].push(e);
         self.occupied[b / 64] |= 1 << (b % 64);
     }
 
     /// Schedules `ev` at `at`; a time in the past is clamped to now.
     pub fn push(&mut self, at: SimTime, ev: E) {
-        let at = at.max(self.now);
+        let at = at.max(self.now).ps().max(self.last);
         let slot = match self.free.pop() {
             Some(s) => {
                 self.slab[s as usize] = Some(ev);
@@ -97,29 +98,36 @@ impl<E> EventQueue<E> {
                 (self.slab.len() - 1) as u32
             }
         };
-        let key = u128::from(at.ps()) << 64 | u128::from(self.seq);
-        self.seq += 1;
         self.len += 1;
-        self.place(Entry { key, slot });
+        self.place(Entry { at, slot });
     }
 
-    /// Brings the smallest pending key into bucket 0 (and makes it the base, so only a pop
-    /// may call this: a push may not go below the base); false if nothing is pending.
+    /// The lowest non-empty bucket above 0.
+    fn lowest_above_zero(&self) -> Option<usize> {
+        let low = self.occupied[0] & !1;
+        if low != 0 {
+            return Some(low.trailing_zeros() as usize);
+        }
+        (self.occupied[1] != 0).then(|| 64 + self.occupied[1].trailing_zeros() as usize)
+    }
+
+    /// Makes bucket 0 hold the earliest events (their time the base); only a pop may call
+    /// this, since a push may not go below the base. False if nothing is pending.
     fn settle(&mut self) -> bool {
-        if !self.buckets[0].is_empty() {
+        if self.head < self.buckets[0].len() {
             return true;
         }
-        let Some(b) = (0..3).find_map(|w| {
-            let bits = self.occupied[w] & !u64::from(w == 0);
-            (bits != 0).then(|| w * 64 + bits.trailing_zeros() as usize)
-        }) else {
+        self.buckets[0].clear();
+        self.head = 0;
+        self.occupied[0] &= !1;
+        let Some(b) = self.lowest_above_zero() else {
             return false;
         };
         let mut moving = std::mem::take(&mut self.buckets[b]);
         self.occupied[b / 64] &= !(1 << (b % 64));
-        self.last = moving.iter().map(|e| e.key).min().unwrap_or(self.last);
-        // Every key of bucket b shares the bits above b - 1 with the new base, so each
-        // lands in a lower bucket: the smallest in bucket 0.
+        self.last = moving.iter().map(|e| e.at).min().unwrap_or(self.last);
+        // Every time in bucket b shares the bits above b - 1 with the new base, so each
+        // lands in a lower bucket, all empty now, in the order it had: the earliest in 0.
         for e in moving.drain(..) {
             self.place(e);
         }
@@ -133,24 +141,21 @@ impl<E> EventQueue<E> {
     /// The time of the next event, if any. Looks without settling: an event may still be
     /// pushed before the one found here.
     pub fn peek_time(&self) -> Option<SimTime> {
-        let b = (0..3).find_map(|w| {
-            let bits = self.occupied[w];
-            (bits != 0).then(|| w * 64 + bits.trailing_zeros() as usize)
-        })?;
-        let key = self.buckets[b].iter().map(|e| e.key).min()?;
-        Some(SimTime((key >> 64) as u64))
+        if self.head < self.buckets[0].len() {
+            return Some(SimTime(self.last));
+        }
+        let b = self.lowest_above_zero()?;
+        self.buckets[b].iter().map(|e| SimTime(e.at)).min()
     }
     /// Removes the next event and advances the clock to its time.
     pub fn pop(&mut self) -> Option<(SimTime, E)> {
         if !self.settle() {
             return None;
         }
-        let e = self.buckets[0].pop()?;
-        if self.buckets[0].is_empty() {
-            self.occupied[0] &= !1;
-        }
+        let e = *self.buckets[0].get(self.head)?;
+        self.head += 1;
         self.len -= 1;
-        let at = SimTime((e.key >> 64) as u64);
+        let at = SimTime(e.at);
         self.now = at;
         let ev = self.slab[e.slot as usize].take()?;
         self.free.push(e.slot);

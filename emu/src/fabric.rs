@@ -40,9 +40,9 @@ pub struct FabricConfig {
     pub timing: TimingProfile,
     /// Faults injected on the links.
     pub faults: FaultPlan,
-    /// Functional (untimed) mode: messages of RC QPs that are eligible (see
-    /// `ringbell_model::Nic::fm_receive`) go straight from the requester to the peer
-    /// responder, whole and in one copy, with no frames and no ACKs; everything else takes
+    /// Functional (untimed) mode: messages of RC QPs that are eligible (SEND, WRITE, READ and
+    /// atomics; see `ringbell_model::Nic::fm_receive`) go straight from the requester to the
+    /// peer responder, whole and in one copy, with no frames and no ACKs; everything else takes
     /// the packet path. Off by default. It is in force only while no fault plan, capture or
     /// timeline is active (those need the frames).
     pub functional: bool,
@@ -91,15 +91,14 @@ pub(crate) struct Node {
 }
 
 /// The digest of the event trace: FNV-1a's offset and prime over 64-bit words (one
-/// multiply per word, not per byte), each step followed by a xor-shift so that high bits
+/// multiply per word, not per byte), each step followed by a rotation so that high bits
 /// reach the low ones.
 #[derive(Debug, Clone, Copy)]
 struct Digest(u64);
 
 impl Digest {
     fn word(&mut self, w: u64) {
-        self.0 = (self.0 ^ w).wrapping_mul(0x0000_0100_0000_01B3);
-        self.0 ^= self.0 >> 29;
+        self.0 = (self.0 ^ w).wrapping_mul(0x0000_0100_0000_01B3).rotate_left(23);
     }
     /// Feeds `bytes` as little-endian words, the last one zero-padded, then the length.
     fn bytes(&mut self, bytes: &[u8]) {
@@ -122,9 +121,10 @@ impl Digest {
 const POOL_MAX: usize = 4096;
 const POOL_MAX_CAP: usize = 16 << 10;
 
-/// The frame headers the digest sees: Ethernet, IPv4, UDP, BTH and the first extended
-/// headers (every RC opcode's RETH, AETH or atomic header lies within them).
-const DIGEST_HDR: usize = 64;
+/// The frame bytes the digest sees: the BTH and the 20 bytes after it (every RC opcode's
+/// RETH, AETH, atomic header or immediate lies within them), behind the Ethernet, IPv4 and
+/// UDP headers.
+const DIGEST_HDR: std::ops::Range<usize> = 42..74;
 
 #[derive(Debug)]
 pub(crate) struct Inner {
@@ -365,17 +365,17 @@ impl Env for NodeEnv<'_> {
     fn functional(&self) -> bool {
         self.functional
     }
-    fn fm_deliver(&mut self, msg: &FmMsg<'_>) -> bool {
+    fn fm_deliver(&mut self, msg: &FmMsg<'_>) -> Option<u64> {
         if !self.functional {
-            return false;
+            return None;
         }
         let Some(&dst) = self.macs.get(&msg.dst_mac) else {
-            return false;
+            return None;
         };
         // Nothing of the packet path may be under way between the two nodes (a frame still
         // travelling would arrive behind messages placed since).
         if dst == self.node || self.in_flight[dst] != 0 || self.in_flight[self.node] != 0 {
-            return false;
+            return None;
         }
         let peer = if dst < self.node {
             &mut self.before[dst]
@@ -417,6 +417,12 @@ impl Env for NodeEnv<'_> {
         match self.src_iommu {
             Some(src) => self.iommu.copy_from(iova, src, src_iova, len),
             None => Err(DmaFault { iova }),
+        }
+    }
+    fn dma_copy_to_peer(&mut self, peer_iova: u64, iova: u64, len: usize) -> Result<(), DmaFault> {
+        match self.src_iommu {
+            Some(peer) => peer.copy_from(peer_iova, self.iommu, iova, len),
+            None => Err(DmaFault { iova: peer_iova }),
         }
     }
 }
@@ -564,8 +570,8 @@ impl Inner {
                 // another without a pass over the payload. A payload that differs shows in
                 // what its receiver does next.
                 self.digest.word(frame.len() as u64);
-                self.digest
-                    .bytes(&frame[..frame.len().min(DIGEST_HDR)]);
+                let hdr = frame.get(DIGEST_HDR.start..DIGEST_HDR.end.min(frame.len()));
+                self.digest.bytes(hdr.unwrap_or_default());
                 self.stats.frames_delivered += 1;
                 if unsealed {
                     self.with_env(node, |nic, env| nic.receive_unsealed(env, &frame));

@@ -6,6 +6,7 @@
 use proptest::prelude::*;
 use ringbell::*;
 use ringbell_emu::{Fabric, FabricConfig, FaultPlan, LinkFaults};
+use ringbell_specs::cqe::EventType;
 use ringbell_tests::*;
 
 /// A's gather source: never written by the NIC.
@@ -55,6 +56,11 @@ enum Op {
         at: u64,
         add: u64,
     },
+    CmpSwap {
+        at: u64,
+        compare: u64,
+        swap: u64,
+    },
 }
 
 fn len() -> impl Strategy<Value = u32> {
@@ -87,6 +93,12 @@ fn op() -> impl Strategy<Value = Op> {
         1 => (0..SPAN / 2 - MAX_LEN as u64, 0..SPAN - MAX_LEN as u64, len())
             .prop_map(|(dst, src, len)| Op::Read { dst, src, len }),
         1 => (0..512u64, any::<u64>()).prop_map(|(at, add)| Op::FetchAdd { at: at * 8, add }),
+        // Targets hold 0xEE.. or what earlier atomics left: compare with that half the time.
+        1 => (0..512u64, any::<bool>(), any::<u64>()).prop_map(|(at, hit, swap)| Op::CmpSwap {
+            at: at * 8,
+            compare: if hit { u64::from_le_bytes([0xEE; 8]) } else { swap ^ 1 },
+            swap,
+        }),
     ]
 }
 
@@ -122,10 +134,17 @@ fn all() -> Access {
 
 /// Runs `script` (posted in batches of the given sizes, each op signaled or not) on a fresh
 /// 2-node fabric and returns what it left.
-fn run(script: &[(Op, bool)], batches: &[usize], functional: bool) -> Outcome {
+fn run(script: &[(Op, bool)], batches: &[usize], functional: bool, on_srq: bool) -> Outcome {
     let fabric = new_fabric(functional);
     let mut a = side(&fabric, 0, all());
     let mut b = side(&fabric, 1, all());
+    // B's receives come from an SRQ (its QP replaced by one on the SRQ) or from its RQ.
+    let mut srq = on_srq.then(|| b.pd.create_srq(256, 1, 0).unwrap());
+    if let Some(srq) = &srq {
+        let mut init = QpInit::new(&b.cq, &b.cq);
+        init.srq = Some(srq);
+        b.qp = b.pd.create_qp(&init).unwrap();
+    }
     connect(&mut a, &mut b, &ConnectOptions::default());
     for i in 0..BUF {
         a.buf.write(i, &[(i * 7 + 3) as u8]).unwrap();
@@ -140,7 +159,10 @@ fn run(script: &[(Op, bool)], batches: &[usize], functional: bool) -> Outcome {
         .map(|i| [b.mr.sge(RECV + i * RECV_LEN, RECV_LEN as u32)])
         .collect();
     if !sgls.is_empty() {
-        b.qp.post_recv(&recv_wrs(&sgls)).unwrap();
+        match &mut srq {
+            Some(srq) => srq.post_recv(&recv_wrs(&sgls)).unwrap(),
+            None => b.qp.post_recv(&recv_wrs(&sgls)).unwrap(),
+        }
     }
     let remote = |at: u64, key: Key| match key {
         Key::Good => RemoteAddr {
@@ -178,7 +200,7 @@ fn run(script: &[(Op, bool)], batches: &[usize], functional: bool) -> Outcome {
                     vec![a.mr.sge(SRC + src, *len)]
                 }
                 Op::Read { dst, len, .. } => vec![a.mr.sge(RES + dst, *len)],
-                Op::FetchAdd { .. } => {
+                Op::FetchAdd { .. } | Op::CmpSwap { .. } => {
                     vec![a.mr.sge(RES + SPAN / 2 + (posted as u64 % 512) * 8, 8)]
                 }
             })
@@ -251,6 +273,15 @@ fn run(script: &[(Op, bool)], batches: &[usize], functional: bool) -> Outcome {
                     },
                     &sgls[i],
                 ),
+                Op::CmpSwap { at, compare, swap } => SendWr::new(
+                    id,
+                    WrOp::CmpSwap {
+                        remote: remote(ATOM + at, Key::Good),
+                        compare: *compare,
+                        swap: *swap,
+                    },
+                    &sgls[i],
+                ),
             };
             wrs.push(wr.flags(flags));
         }
@@ -279,6 +310,9 @@ fn run(script: &[(Op, bool)], batches: &[usize], functional: bool) -> Outcome {
     let mut mem_b = vec![0u8; BUF];
     a.buf.read(0, &mut mem_a).unwrap();
     b.buf.read(0, &mut mem_b).unwrap();
+    // B's QP goes before the SRQ it takes receives from.
+    drop(b);
+    drop(srq);
     Outcome {
         mem_a,
         mem_b,
@@ -295,9 +329,10 @@ proptest! {
     fn functional_mode_matches_timed_mode(
         script in proptest::collection::vec((op(), any::<bool>()), 1..40),
         batches in proptest::collection::vec(1usize..8, 1..6),
+        on_srq in any::<bool>(),
     ) {
-        let timed = run(&script, &batches, false);
-        let fm = run(&script, &batches, true);
+        let timed = run(&script, &batches, false, on_srq);
+        let fm = run(&script, &batches, true, on_srq);
         prop_assert_eq!(&timed.cq_a, &fm.cq_a, "completions on A");
         prop_assert_eq!(&timed.cq_b, &fm.cq_b, "completions on B");
         prop_assert!(timed.mem_a == fm.mem_a, "memory of A differs");
@@ -361,12 +396,13 @@ fn eligible_writes_and_sends_take_no_frames() {
 }
 
 #[test]
-fn reads_and_atomics_fall_back_and_the_psns_stay_in_step() {
+fn reads_and_atomics_go_straight_and_the_psns_stay_in_step() {
     let (fabric, mut a, mut b) = fm_pair(true);
+    let pattern: Vec<u8> = (0..5000u32).map(|i| (i * 31 + 7) as u8).collect();
+    a.buf.write(0, &pattern).unwrap();
     write(&mut a, &b, 1, 0, 5000);
     ok(&fabric, &mut a.cq);
-    assert_eq!(fabric.stats().frames_delivered, 0);
-    // A READ goes as packets, after two functional messages' worth of PSNs.
+    // A two-packet READ of what the WRITE left: no frames, the bytes back in A.
     let r = RemoteAddr {
         addr: b.mr.addr(),
         rkey: b.mr.rkey(),
@@ -374,22 +410,96 @@ fn reads_and_atomics_fall_back_and_the_psns_stay_in_step() {
     let sge = [a.mr.sge(8192, 5000)];
     a.qp.post_send(&[SendWr::new(2, WrOp::Read(r), &sge).flags(SendFlags::SIGNALED)])
         .unwrap();
-    ok(&fabric, &mut a.cq);
-    let after_read = fabric.stats().frames_delivered;
-    assert!(
-        after_read >= 3,
-        "READ request and two responses: {after_read}"
-    );
-    let (mut x, mut y) = (vec![0u8; 5000], vec![0u8; 5000]);
-    a.buf.read(0, &mut x).unwrap();
+    let w = wait(&fabric, &mut a.cq, 1);
+    assert_eq!((w[0].status, w[0].byte_len), (WcStatus::Success, 5000));
+    let mut y = vec![0u8; 5000];
     a.buf.read(8192, &mut y).unwrap();
-    assert_eq!(x, y);
-    // Nothing outstanding any more: the next WRITE is functional again.
-    write(&mut a, &b, 3, 0, 100);
+    assert_eq!(y, pattern);
+    // Fetch-and-add, then a compare-and-swap that hits and one that misses.
+    b.buf.write(65536, &40u64.to_le_bytes()).unwrap();
+    let at = RemoteAddr {
+        addr: b.mr.addr() + 65536,
+        rkey: b.mr.rkey(),
+    };
+    let res = [a.mr.sge(16384, 8)];
+    let ops = [
+        WrOp::FetchAdd { remote: at, add: 2 },
+        WrOp::CmpSwap {
+            remote: at,
+            compare: 42,
+            swap: 7,
+        },
+        WrOp::CmpSwap {
+            remote: at,
+            compare: 42,
+            swap: 9,
+        },
+    ];
+    let mut origs = Vec::new();
+    for (i, op) in ops.into_iter().enumerate() {
+        a.qp.post_send(&[SendWr::new(3 + i as u64, op, &res).flags(SendFlags::SIGNALED)])
+            .unwrap();
+        ok(&fabric, &mut a.cq);
+        origs.push(a.buf.read_u64(16384).unwrap());
+    }
+    assert_eq!(origs, [40, 42, 7]);
+    assert_eq!(b.buf.read_u64(65536).unwrap(), 7);
+    assert_eq!(fabric.stats().frames_delivered, 0);
+    // A SEND with no receive posted takes the packet path (RNR, then retried); the PSNs
+    // the functional messages used keep both sides in step, so it and the next READ work.
+    let sge = [a.mr.sge(0, 16)];
+    a.qp.post_send(&[SendWr::new(6, WrOp::Send, &sge).flags(SendFlags::SIGNALED)])
+        .unwrap();
+    fabric.run_until_idle(200);
+    let after_send = fabric.stats().frames_delivered;
+    assert!(after_send > 0);
+    let sgl = [[b.mr.sge(32768, 64)]];
+    b.qp.post_recv(&recv_wrs(&sgl)).unwrap();
+    ok(&fabric, &mut a.cq);
+    ok(&fabric, &mut b.cq);
+    settle(&fabric);
+    let after_send = fabric.stats().frames_delivered.max(after_send);
+    let sge = [a.mr.sge(20000, 100)];
+    a.qp.post_send(&[SendWr::new(7, WrOp::Read(r), &sge).flags(SendFlags::SIGNALED)])
+        .unwrap();
     ok(&fabric, &mut a.cq);
     settle(&fabric);
-    assert_eq!(fabric.stats().frames_delivered, after_read);
-    let _ = &mut b;
+    assert_eq!(fabric.stats().frames_delivered, after_send);
+    let mut z = vec![0u8; 100];
+    a.buf.read(20000, &mut z).unwrap();
+    assert_eq!(z, pattern[..100]);
+}
+
+/// A READ or an atomic the packet path would refuse (a key that is not the responder's,
+/// bytes beyond its MR) is reported by the packet path, as in timed mode.
+#[test]
+fn refused_reads_and_atomics_take_the_packet_path() {
+    let (fabric, mut a, b) = fm_pair(true);
+    let r = RemoteAddr {
+        addr: b.mr.addr() + 8,
+        rkey: b.mr.rkey() ^ 0x4400,
+    };
+    let res = [a.mr.sge(0, 8)];
+    a.qp.post_send(&[
+        SendWr::new(1, WrOp::FetchAdd { remote: r, add: 1 }, &res).flags(SendFlags::SIGNALED)
+    ])
+    .unwrap();
+    let w = wait(&fabric, &mut a.cq, 1);
+    assert_eq!(w[0].status, WcStatus::RemAccessErr);
+    assert!(fabric.stats().frames_delivered > 0);
+
+    // A READ that runs past the end of the responder's MR: the packet path's NAK.
+    let (fabric, mut a, b) = fm_pair(true);
+    let r = RemoteAddr {
+        addr: b.mr.addr() + BUF as u64 - 4,
+        rkey: b.mr.rkey(),
+    };
+    let sge = [a.mr.sge(0, 8)];
+    a.qp.post_send(&[SendWr::new(1, WrOp::Read(r), &sge).flags(SendFlags::SIGNALED)])
+        .unwrap();
+    let w = wait(&fabric, &mut a.cq, 1);
+    assert_eq!(w[0].status, WcStatus::RemAccessErr);
+    assert!(fabric.stats().frames_delivered > 0);
 }
 
 #[test]
@@ -421,8 +531,9 @@ fn refused_messages_take_the_packet_path() {
 }
 
 #[test]
-fn srq_counters_faults_and_mtu_mismatch_are_not_eligible() {
-    // A responder QP on an SRQ: SENDs go as packets; WRITEs still go straight.
+fn counters_faults_tm_srqs_and_mtu_mismatch_are_not_eligible() {
+    // A responder QP on a plain SRQ: WRITEs and SENDs go straight, the SEND into the
+    // SRQ's receive (and the SRQ's limit event fires as the packet path would fire it).
     let fabric = new_fabric(true);
     let mut a = side(&fabric, 0, all());
     let dev = Device::open(Box::new(fabric.port(1))).unwrap();
@@ -448,12 +559,23 @@ fn srq_counters_faults_and_mtu_mismatch_are_not_eligible() {
         .unwrap();
     ok(&fabric, &mut a.cq);
     assert_eq!(fabric.stats().frames_delivered, f0);
-    let sgl = [[mr.sge(0, 64)]];
+    let sgl = [[mr.sge(0, 64)], [mr.sge(64, 64)]];
     srq.post_recv(&recv_wrs(&sgl)).unwrap();
+    srq.arm(2).unwrap();
+    a.buf.write(0, b"to the srq").unwrap();
+    let sge = [a.mr.sge(0, 10)];
     a.qp.post_send(&[SendWr::new(2, WrOp::Send, &sge).flags(SendFlags::SIGNALED)])
         .unwrap();
     ok(&fabric, &mut a.cq);
-    assert!(fabric.stats().frames_delivered > f0);
+    let mut cq = cq;
+    let w = wait(&fabric, &mut cq, 1);
+    assert_eq!((w[0].status, w[0].byte_len), (WcStatus::Success, 10));
+    let mut got = [0u8; 10];
+    buf.read(0, &mut got).unwrap();
+    assert_eq!(&got, b"to the srq");
+    assert_eq!(fabric.stats().frames_delivered, f0);
+    let ev = std::iter::from_fn(|| dev.poll_event()).find(|e| e.kind == EventType::SrqLimit);
+    assert!(ev.is_some_and(|e| e.obj == srq.srqn() && e.info == 1), "{ev:?}");
     drop(qb);
 
     // A counter bound to the requester QP.
