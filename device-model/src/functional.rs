@@ -212,9 +212,8 @@ impl Nic {
         let needs_recv = matches!(msg.op, FmOp::Send | FmOp::SendImm | FmOp::WriteImm);
         // A receive WQE from the QP's own RQ or from a plain SRQ (a TM-SRQ matches tags:
         // packets).
-        let srq_ok = qp.srqn == 0
-            || !needs_recv
-            || self.srqs.get(qp.srqn).is_some_and(|s| s.tm.is_none());
+        let srq_ok =
+            qp.srqn == 0 || !needs_recv || self.srqs.get(qp.srqn).is_some_and(|s| s.tm.is_none());
         let idle = matches!(qp.state, QpState::Rtr | QpState::Rts | QpState::Sqd)
             && !qp.ud
             && msg.src_ip == qp.attr.dest_ip

@@ -375,7 +375,8 @@ impl Nic {
         let w = &o.wqe;
         // A WQE decoded without an address (a triggered operation aimed at a UD QP).
         let Some(dest) = w.ud else {
-            qp.req.fail(i, (CqeStatus::LocQpOpErr, VendorSyndrome::BadSegment));
+            qp.req
+                .fail(i, (CqeStatus::LocQpOpErr, VendorSyndrome::BadSegment));
             self.complete_in_order(env, qp);
             return;
         };
@@ -1115,7 +1116,8 @@ impl Nic {
         };
         let o = &qp.req.outstanding[i];
         if o.wqe.op != SendOpcode::Read {
-            qp.req.fail(i, (CqeStatus::BadRespErr, VendorSyndrome::None));
+            qp.req
+                .fail(i, (CqeStatus::BadRespErr, VendorSyndrome::None));
             return false;
         }
         if o.first_psn.add(o.acked) != psn {
@@ -1137,7 +1139,8 @@ impl Nic {
             !op.is_last() && len == mtu
         };
         if !aeth_ok || !shape_ok {
-            qp.req.fail(i, (CqeStatus::BadRespErr, VendorSyndrome::None));
+            qp.req
+                .fail(i, (CqeStatus::BadRespErr, VendorSyndrome::None));
             return false;
         }
         let sges = o.wqe.sges.clone();
@@ -1176,7 +1179,8 @@ impl Nic {
             pkt.repr.atomic_ack,
             qp.req.outstanding[i].wqe.op.is_atomic(),
         ) else {
-            qp.req.fail(i, (CqeStatus::BadRespErr, VendorSyndrome::None));
+            qp.req
+                .fail(i, (CqeStatus::BadRespErr, VendorSyndrome::None));
             return false;
         };
         let sges = qp.req.outstanding[i].wqe.sges.clone();
@@ -1214,9 +1218,7 @@ impl Nic {
             .outstanding
             .iter()
             .take_while(|o| o.npsn == 0 || o.first_psn.diff(psn) < 0)
-            .find(|o| {
-                o.pending() && o.is_rd_atomic() && o.sent > 0 && o.last_psn().diff(psn) < 0
-            });
+            .find(|o| o.pending() && o.is_rd_atomic() && o.sent > 0 && o.last_psn().diff(psn) < 0);
         if let Some(o) = lost {
             let at = o.first_psn.add(o.acked);
             self.retry_from(env, qp, at);

@@ -98,7 +98,9 @@ struct Digest(u64);
 
 impl Digest {
     fn word(&mut self, w: u64) {
-        self.0 = (self.0 ^ w).wrapping_mul(0x0000_0100_0000_01B3).rotate_left(23);
+        self.0 = (self.0 ^ w)
+            .wrapping_mul(0x0000_0100_0000_01B3)
+            .rotate_left(23);
     }
     /// Feeds `bytes` as little-endian words, the last one zero-padded, then the length.
     fn bytes(&mut self, bytes: &[u8]) {
@@ -121,9 +123,9 @@ impl Digest {
 const POOL_MAX: usize = 4096;
 const POOL_MAX_CAP: usize = 16 << 10;
 
-/// The frame bytes the digest sees: the BTH and the 20 bytes after it (every RC opcode's
+/// The frame bytes the digest sees: the BTH and up to 20 bytes after it (every RC opcode's
 /// RETH, AETH, atomic header or immediate lies within them), behind the Ethernet, IPv4 and
-/// UDP headers.
+/// UDP headers; never the ICRC.
 const DIGEST_HDR: std::ops::Range<usize> = 42..74;
 
 #[derive(Debug)]
@@ -333,7 +335,8 @@ impl Env for NodeEnv<'_> {
                 std::mem::take(&mut frame)
             };
             self.in_flight[dst] += 1;
-            self.queue.push(arrival + extra, Event::Frame(dst, f, unsealed));
+            self.queue
+                .push(arrival + extra, Event::Frame(dst, f, unsealed));
         }
     }
     fn interrupt(&mut self, _vector: u32) {
@@ -570,7 +573,12 @@ impl Inner {
                 // another without a pass over the payload. A payload that differs shows in
                 // what its receiver does next.
                 self.digest.word(frame.len() as u64);
-                let hdr = frame.get(DIGEST_HDR.start..DIGEST_HDR.end.min(frame.len()));
+                // Never the ICRC, which a capture or a fault seals and an untouched frame
+                // leaves unwritten.
+                let end = DIGEST_HDR
+                    .end
+                    .min(frame.len().saturating_sub(wire::ICRC_LEN));
+                let hdr = frame.get(DIGEST_HDR.start..end.max(DIGEST_HDR.start));
                 self.digest.bytes(hdr.unwrap_or_default());
                 self.stats.frames_delivered += 1;
                 if unsealed {

@@ -4,6 +4,7 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 use ringbell::ConnectOptions;
 use ringbell_emu::faults::{ppm, LinkFaults, PPM};
 use ringbell_emu::perf::{PerfOp, PerfPair};
+use ringbell_emu::yardstick::Yardstick;
 use ringbell_emu::{FabricConfig, Scenario, Topology};
 use std::time::{Duration, Instant};
 
@@ -429,7 +430,6 @@ struct ScaleArgs {
 
 fn scale(a: ScaleArgs) -> Result<(), String> {
     use ringbell_emu::scale::{run, Pattern, ScaleConfig};
-    use ringbell_emu::yardstick::Yardstick;
     // Each node holds a few descriptors (its device's memory arena): let the process use
     // what the hard limit allows.
     use nix::sys::resource::{getrlimit, setrlimit, Resource};
@@ -544,7 +544,12 @@ struct CollArgs {
 fn coll(a: CollArgs) -> Result<(), String> {
     use ringbell_emu::coll::{run_checked, CollGroup, CollOp};
     let timing = ringbell_emu::profile::load(&a.profile).map_err(|e| e.to_string())?;
+    let y = Yardstick::measure();
     println!("seed {}", a.seed);
+    println!(
+        "{} (wall M chases: the wall time in loads of the chase)",
+        y.describe()
+    );
     println!(
         "offloaded collectives: triggered operations only between start and completion; timing profile {}; loss {} per link; {} runs each",
         timing.name,
@@ -552,8 +557,8 @@ fn coll(a: CollArgs) -> Result<(), String> {
         a.iters.max(1)
     );
     println!(
-        "{:<10} {:>5} {:>5} {:>14} {:>10} {:>10} {:>9}",
-        "op", "N", "root", "latency (us)", "ops/rank", "ops total", "wall (s)"
+        "{:<10} {:>5} {:>5} {:>14} {:>10} {:>10} {:>9} {:>13}",
+        "op", "N", "root", "latency (us)", "ops/rank", "ops total", "wall (s)", "wall M chases"
     );
     let kinds: &[CollKind] = match a.op {
         CollKind::All => &[CollKind::Barrier, CollKind::Bcast, CollKind::Allreduce],
@@ -592,15 +597,17 @@ fn coll(a: CollArgs) -> Result<(), String> {
             let runs = run_checked(&group, op, a.iters.max(1))
                 .map_err(|e| format!("{name} on {n} ranks: {e}"))?;
             let avg = runs.iter().map(|o| o.latency_ps).sum::<u64>() / runs.len() as u64;
+            let el = wall.elapsed().as_secs_f64();
             println!(
-                "{:<10} {:>5} {:>5} {:>14.3} {:>10} {:>10} {:>9.2}",
+                "{:<10} {:>5} {:>5} {:>14.3} {:>10} {:>10} {:>9.3} {:>13.3}",
                 name,
                 n,
                 op_root(op),
                 avg as f64 / 1e6,
                 runs[0].max_ops,
                 runs[0].total_ops,
-                wall.elapsed().as_secs_f64()
+                el,
+                y.in_chases(el * 1e9) / 1e6
             );
         }
     }
@@ -628,6 +635,20 @@ struct BenchArgs {
     profile: String,
     timeline: TimelineArgs,
     functional: bool,
+}
+
+/// Prints the wall time per message of a run that took `el` seconds for `msgs` messages,
+/// beside the yardsticks measured now (after the run, so they do not disturb it), so that
+/// the figure can be compared across machines.
+fn print_per_message(el: f64, msgs: u64) {
+    let y = Yardstick::measure();
+    let ns = el * 1e9 / msgs.max(1) as f64;
+    println!(
+        "wall per message: {ns:.0} ns = {:.1} chases = {:.3} memcpy-4KiB; {}",
+        y.in_chases(ns),
+        ns / y.memcpy_ns_per_4k,
+        y.describe()
+    );
 }
 
 /// Shows progress on stderr once a run has taken more than two seconds of wall time.
@@ -740,6 +761,7 @@ fn perftest(cfg: FabricConfig, a: &BenchArgs) -> Result<(), String> {
         sim_total.as_us_f64() / el,
         msgs as f64 / el / 1e6
     );
+    print_per_message(el, msgs);
     Ok(())
 }
 
@@ -850,6 +872,7 @@ fn bench(a: BenchArgs) -> Result<(), String> {
         f.dropped, f.duplicated, f.delayed, f.corrupted, f.link_down, f.rule_hits
     );
     let st = p.fabric().stats();
+    print_per_message(el, a.count as u64);
     println!(
         "emulation: {:.3} simulated ms in {:.2} wall s; {:.2} M events/s, {:.2} M frames/s",
         p.fabric().now().as_us_f64() / 1e3,
@@ -883,18 +906,19 @@ fn stop_capture(f: &ringbell_emu::Fabric, path: &str) -> Result<(), String> {
 
 fn tag_bench(cfg: &FabricConfig, count: u32) -> Result<(), String> {
     use ringbell_emu::tmbench::{matching, rendezvous, Matching};
+    let y = Yardstick::measure();
     let wall = Instant::now();
     println!("tag matching: 64 B eager messages, {count} per figure, receives of 8 KiB");
     println!("  depth = receives that do not match, posted ahead of each matching one");
     println!(
-        "  {:>6}  {:>8} {:>11} {:>9}   {:>8} {:>11} {:>12}",
-        "depth", "hw lat", "hw rate", "hw match", "sw lat", "sw rate", "sw host/msg"
+        "  {:>6}  {:>8} {:>11} {:>9}   {:>8} {:>11} {:>12} {:>8}",
+        "depth", "hw lat", "hw rate", "hw match", "sw lat", "sw rate", "sw host/msg", "chases"
     );
     for depth in [0u32, 16, 64, 256, 1023, 1024] {
         let hw = matching(cfg, Matching::Hardware, depth, 64, count).map_err(|e| e.to_string())?;
         let sw = matching(cfg, Matching::Software, depth, 64, count).map_err(|e| e.to_string())?;
         println!(
-            "  {:>6}  {:>5.3} µs {:>7.2} M/s {:>8.0}%   {:>5.3} µs {:>7.2} M/s {:>9.2} µs",
+            "  {:>6}  {:>5.3} µs {:>7.2} M/s {:>8.0}%   {:>5.3} µs {:>7.2} M/s {:>9.2} µs {:>8.1}",
             depth,
             hw.latency.ps() as f64 / 1e6,
             hw.rate / 1e6,
@@ -902,9 +926,10 @@ fn tag_bench(cfg: &FabricConfig, count: u32) -> Result<(), String> {
             sw.latency.ps() as f64 / 1e6,
             sw.rate / 1e6,
             sw.host_per_msg.as_secs_f64() * 1e6,
+            y.in_chases(sw.host_per_msg.as_secs_f64() * 1e9),
         );
     }
-    println!("  (simulated time; 'sw host/msg' is the receiver's software time per message on this machine)");
+    println!("  (simulated time; 'sw host/msg' is the receiver's software time per message on this machine, 'chases' the same in loads of the pointer-chase yardstick)");
     println!(
         "rendezvous bandwidth (8 in flight; hw: receive posted first, the NIC reads and FINs;"
     );
@@ -922,7 +947,12 @@ fn tag_bench(cfg: &FabricConfig, count: u32) -> Result<(), String> {
         );
         size *= 2;
     }
-    println!("wall {:.2} s", wall.elapsed().as_secs_f64());
+    let el = wall.elapsed().as_secs_f64();
+    println!(
+        "wall {el:.2} s = {:.2} M chases; {}",
+        y.in_chases(el * 1e9) / 1e6,
+        y.describe()
+    );
     Ok(())
 }
 
@@ -1004,6 +1034,7 @@ fn demo(
         messages as f64 / el / 1e6,
         st.frames_delivered as f64 / el / 1e6
     );
+    print_per_message(el, messages);
     println!("trace digest {:016x}", p.fabric().trace_digest());
     if let Some(path) = &capture {
         stop_capture(p.fabric(), path)?;

@@ -575,7 +575,10 @@ fn counters_faults_tm_srqs_and_mtu_mismatch_are_not_eligible() {
     assert_eq!(&got, b"to the srq");
     assert_eq!(fabric.stats().frames_delivered, f0);
     let ev = std::iter::from_fn(|| dev.poll_event()).find(|e| e.kind == EventType::SrqLimit);
-    assert!(ev.is_some_and(|e| e.obj == srq.srqn() && e.info == 1), "{ev:?}");
+    assert!(
+        ev.is_some_and(|e| e.obj == srq.srqn() && e.info == 1),
+        "{ev:?}"
+    );
     drop(qb);
 
     // A counter bound to the requester QP.
