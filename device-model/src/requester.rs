@@ -27,6 +27,16 @@ const HORIZON: SimTime = SimTime(2_000_000);
 const ACK_REQ_EVERY: u32 = 16;
 /// Most PSNs a QP has unacknowledged: far enough below 2^23 that PSN comparisons stay exact.
 pub(crate) const MAX_UNACKED_PSNS: u32 = 1 << 22;
+/// Sets the length of a reused scratch buffer to `len` without zeroing bytes that the
+/// caller is about to overwrite (only bytes beyond its old length are new, and zero).
+pub(crate) fn scratch_len(v: &mut Vec<u8>, len: usize) {
+    if v.len() < len {
+        v.resize(len, 0);
+    } else {
+        v.truncate(len);
+    }
+}
+
 /// Decoded WQEs kept for reuse by the send engine (see `Nic::wqe_pool`).
 const WQE_POOL_MAX: usize = 256;
 
@@ -288,11 +298,11 @@ impl Nic {
                 let off = k as u64 * mtu as u64;
                 let len = (w.len.saturating_sub(off)).min(mtu as u64) as usize;
                 let mut payload = std::mem::take(&mut self.scratch);
-                payload.clear();
-                payload.resize(len, 0);
+                scratch_len(&mut payload, len);
                 let gathered = if w.sges.is_empty() {
                     let end = (off as usize + len).min(w.inline.len());
                     payload[..end - off as usize].copy_from_slice(&w.inline[off as usize..end]);
+                    payload[end - off as usize..].fill(0);
                     Ok(())
                 } else {
                     let start = ready.max(self.pcie_read_free);
@@ -303,8 +313,8 @@ impl Nic {
                             .psn(psn.get())
                             .bytes(len)
                     });
-                    let sges = w.sges.clone();
-                    self.gather(env, qp.qpn, pdn, &sges, off, &mut payload)
+                    let sges = &qp.req.outstanding[i].wqe.sges;
+                    self.gather(env, qp.qpn, pdn, sges, off, &mut payload)
                 };
                 if let Err(e) = gathered {
                     self.scratch = payload;
@@ -382,12 +392,12 @@ impl Nic {
         };
         let len = w.len as usize;
         let mut payload = std::mem::take(&mut self.scratch);
-        payload.clear();
-        payload.resize(len, 0);
+        scratch_len(&mut payload, len);
         let mut next_ready = ready;
         let gathered = if w.sges.is_empty() {
             let n = len.min(w.inline.len());
             payload[..n].copy_from_slice(&w.inline[..n]);
+            payload[n..].fill(0);
             Ok(())
         } else {
             let start = ready.max(self.pcie_read_free);
@@ -607,6 +617,8 @@ impl Nic {
             done += n;
             offset = 0;
         }
+        // A list shorter than `out` leaves zeros, not what the buffer held before.
+        out[done..].fill(0);
         Ok(())
     }
 

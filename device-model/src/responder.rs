@@ -1197,8 +1197,10 @@ impl Nic {
                     None
                 };
                 let mut payload = std::mem::take(&mut self.scratch);
-                payload.clear();
-                payload.resize(plen, 0);
+                crate::requester::scratch_len(&mut payload, plen);
+                if iova.is_none() {
+                    payload.fill(0);
+                }
                 if let Some(iova) = iova {
                     if let Err(f) = env.dma_read(iova, &mut payload) {
                         self.scratch = payload;
