@@ -300,6 +300,19 @@ fn bench_functional_skips_frames_unless_faults_need_them() {
     }
     assert!(frames_per_s(&timed) > 0.0, "{timed}");
     assert_eq!(frames_per_s(&functional), 0.0, "{functional}");
+    // Wall time per message comes with the yardsticks of the same run, as a ratio.
+    for out in [&timed, &functional] {
+        let line = out
+            .lines()
+            .find(|l| l.starts_with("wall per message:"))
+            .unwrap_or_else(|| panic!("no wall-per-message line: {out}"));
+        let chases: f64 = line
+            .split(" = ")
+            .nth(1)
+            .and_then(|c| c.strip_suffix(" chases")?.parse().ok())
+            .unwrap_or_else(|| panic!("no chase ratio: {line}"));
+        assert!(chases > 0.0 && line.contains("yardsticks: memcpy"), "{line}");
+    }
     // A fault plan needs frames: functional mode steps aside and the run still completes.
     let lossy = bench(&[&args[..], &["--functional", "--loss", "0.01"]].concat());
     assert!(frames_per_s(&lossy) > 0.0, "{lossy}");
