@@ -187,7 +187,10 @@ fn allreduce_64(c: &mut Criterion) {
 /// The yardsticks of this run (memcpy and pointer chase), printed before the benchmarks so
 /// that their wall-clock figures can be given as ratios comparable across machines.
 fn yardsticks(_c: &mut Criterion) {
-    println!("{}", ringbell_emu::yardstick::Yardstick::measure().describe());
+    println!(
+        "{}",
+        ringbell_emu::yardstick::Yardstick::measure().describe()
+    );
 }
 
 criterion_group!(

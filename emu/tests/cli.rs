@@ -311,7 +311,10 @@ fn bench_functional_skips_frames_unless_faults_need_them() {
             .nth(1)
             .and_then(|c| c.strip_suffix(" chases")?.parse().ok())
             .unwrap_or_else(|| panic!("no chase ratio: {line}"));
-        assert!(chases > 0.0 && line.contains("yardsticks: memcpy"), "{line}");
+        assert!(
+            chases > 0.0 && line.contains("yardsticks: memcpy"),
+            "{line}"
+        );
     }
     // A fault plan needs frames: functional mode steps aside and the run still completes.
     let lossy = bench(&[&args[..], &["--functional", "--loss", "0.01"]].concat());
