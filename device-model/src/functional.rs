@@ -197,9 +197,7 @@ impl Nic {
         if msg.dst_ip != self.cfg.ip || self.dma_pending != 0 {
             return None;
         }
-        let Some(mut qp) = self.qps.remove(msg.dst_qpn) else {
-            return None;
-        };
+        let mut qp = self.qps.remove(msg.dst_qpn)?;
         let done = self.fm_accept(env, &mut qp, msg);
         self.qps.restore(msg.dst_qpn, qp);
         done
@@ -420,7 +418,7 @@ impl Nic {
             self.mr_count(env, msg.rkey, CntrEvents::REMOTE_READ, now);
             return Some(0);
         }
-        if !qp.access().contains(Access::REMOTE_ATOMIC) || msg.raddr % 8 != 0 {
+        if !qp.access().contains(Access::REMOTE_ATOMIC) || !msg.raddr.is_multiple_of(8) {
             return None;
         }
         let iova = self

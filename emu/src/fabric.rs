@@ -372,9 +372,7 @@ impl Env for NodeEnv<'_> {
         if !self.functional {
             return None;
         }
-        let Some(&dst) = self.macs.get(&msg.dst_mac) else {
-            return None;
-        };
+        let &dst = self.macs.get(&msg.dst_mac)?;
         // Nothing of the packet path may be under way between the two nodes (a frame still
         // travelling would arrive behind messages placed since).
         if dst == self.node || self.in_flight[dst] != 0 || self.in_flight[self.node] != 0 {
