@@ -354,9 +354,11 @@ const SQ_DEPTH: u32 = 256;
 /// Completions one connection's send queue can hold: its capacity in blocks (every send
 /// WQE takes at least one; the matcher's take two at most).
 const CONN_CQES: u32 = 2 * SQ_DEPTH;
-/// Header slots per connection: twice the send queue, so a slot is written again only long
-/// after the send that used it completed (a retransmission gathers it again until then).
-const HDR_SLOTS: u64 = 2 * SQ_DEPTH as u64;
+/// Header slots per connection: twice as many as the send queue can hold WQEs (at most
+/// [`CONN_CQES`], one block each; `create_conn_qp` checks), so a slot is written again
+/// only long after the send that used it completed (a retransmission gathers it again
+/// until then).
+const HDR_SLOTS: u64 = 2 * CONN_CQES as u64;
 
 /// One connection: its QP, its ring of send headers and the work waiting for room in its
 /// send queue.
@@ -435,6 +437,8 @@ pub struct TagMatcher {
     claimed: BTreeMap<u64, Unexpected>,
     /// Completions of the caller's own work ([`ext_wr_id`]).
     ext: VecDeque<WorkCompletion>,
+    /// Messages that came on QPs of `made` before they were added, in arrival order.
+    early: Vec<WorkCompletion>,
 }
 
 impl TagMatcher {
@@ -528,6 +532,7 @@ impl TagMatcher {
             incomplete: BTreeMap::new(),
             claimed: BTreeMap::new(),
             ext: VecDeque::new(),
+            early: Vec::new(),
         })
     }
 
@@ -592,6 +597,7 @@ impl TagMatcher {
             ));
         }
         self.made.swap_remove(at);
+        let qpn = qp.qpn();
         let hdr_buf = self.pd.device().alloc_dma((HDR * HDR_SLOTS) as usize)?;
         let hdr_mr = self.pd.reg_mr(&hdr_buf, Access::LOCAL_WRITE)?;
         self.conns.push(Conn {
@@ -604,6 +610,12 @@ impl TagMatcher {
             probing: false,
             peer: self.conns.len() as u64,
         });
+        // What came on the QP before it was a connection, in arrival order.
+        let (mine, rest): (Vec<_>, Vec<_>) = self.early.drain(..).partition(|w| w.qpn == qpn);
+        self.early = rest;
+        for w in &mine {
+            let _ = self.handle(w);
+        }
         Ok(self.conns.len() - 1)
     }
 
@@ -1008,7 +1020,13 @@ impl TagMatcher {
         }
         if len <= self.cfg.eager_max {
             let sge = [self.user_mr.sge(off, len)];
-            self.send_sge(id, conn, tag, None, TagSend::Sges(&sge[..usize::from(len > 0)]))
+            self.send_sge(
+                id,
+                conn,
+                tag,
+                None,
+                TagSend::Sges(&sge[..usize::from(len > 0)]),
+            )
         } else {
             let remote = RemoteAddr {
                 addr: self.user_mr.addr() + off,
@@ -1070,11 +1088,7 @@ impl TagMatcher {
                 sgl[0] = self.header(conn, &eager.to_bytes())?;
                 sgl[1..=sges.len()].copy_from_slice(sges);
                 let c = &mut self.conns[conn];
-                c.qp.post_send(&[SendWr::new(
-                    wr(K_EAGER, id),
-                    op,
-                    &sgl[..=sges.len()],
-                )])?;
+                c.qp.post_send(&[SendWr::new(wr(K_EAGER, id), op, &sgl[..=sges.len()])])?;
                 c.hdr_next += 1;
             }
             TagSend::Rndv { remote, len } => {
@@ -1213,6 +1227,13 @@ impl TagMatcher {
 
     fn handle(&mut self, w: &WorkCompletion) -> Result<(), Error> {
         let (kind, v) = (w.wr_id >> K_SHIFT, w.wr_id & ((1 << K_SHIFT) - 1));
+        if w.opcode.is_message() && self.made.contains(&w.qpn) {
+            // A message on a QP of ours that is not a connection yet (its peer sent as
+            // soon as its side was up): kept, and handled when the QP is added. Its
+            // unexpected count waits too, so entries added meanwhile stay disabled.
+            self.early.push(*w);
+            return Ok(());
+        }
         if kind == K_EXT && !w.opcode.is_recv() {
             // The caller's own work: its completion is the caller's. A failure broke the
             // connection, so the rendezvous sends waiting on it fail too.
