@@ -344,11 +344,8 @@ const fn wr(kind: u64, v: u64) -> u64 {
     kind << K_SHIFT | v & ((1 << K_SHIFT) - 1)
 }
 
-/// Bytes of a send header slot: TMH + RVH (+ CQ data), or TMH + a copied eager payload.
+/// Bytes of a send header slot: TMH + RVH, or TMH + a copied eager payload.
 const HDR: u64 = 256;
-/// Bytes of a rendezvous request that carries its CQ data after the RVH: longer than
-/// `max_rndv_hdr_size`, so the NIC never matches it (ABI 14.5) and software reads the data.
-const RNDV_DATA_LEN: usize = 65;
 /// Send queue depth of a connection.
 const SQ_DEPTH: u32 = 256;
 /// Completions one connection's send queue can hold: its capacity in blocks (every send
@@ -546,7 +543,7 @@ impl TagMatcher {
     pub fn add_conn(&mut self) -> Result<(usize, Endpoint), Error> {
         let qp = self.create_conn_qp()?;
         let ep = qp.endpoint(self.conns.len() as u32 * 1000 + 1);
-        Ok((self.add_qp(qp)?, ep))
+        Ok((self.add_qp(qp, None)?, ep))
     }
 
     /// A QP for a new connection, in RESET, on this matcher's CQ and TM-SRQ, to be
@@ -576,16 +573,24 @@ impl TagMatcher {
     /// Adds a connection over `qp`, a QP from [`TagMatcher::create_conn_qp`] that the caller
     /// has connected (RTS); returns its index.
     pub fn add_connected(&mut self, qp: QueuePair) -> Result<usize, Error> {
+        let peer = self.conns.len() as u64;
+        self.add_connected_from(qp, peer)
+    }
+
+    /// As [`TagMatcher::add_connected`], for a connection that reaches `peer`
+    /// ([`TagMatcher::set_peer`]): set before the messages that came on the QP before it
+    /// was added are matched, so receives from that source can take them.
+    pub fn add_connected_from(&mut self, qp: QueuePair, peer: u64) -> Result<usize, Error> {
         if qp.state() != crate::QpState::Rts {
             return Err(Error::InvalidState {
                 qpn: qp.qpn(),
                 state: qp.state(),
             });
         }
-        self.add_qp(qp)
+        self.add_qp(qp, Some(peer))
     }
 
-    fn add_qp(&mut self, qp: QueuePair) -> Result<usize, Error> {
+    fn add_qp(&mut self, qp: QueuePair, peer: Option<u64>) -> Result<usize, Error> {
         let Some(at) = self.made.iter().position(|&n| n == qp.qpn()) else {
             return Err(Error::InvalidArgument(
                 "the QP was not made by this TagMatcher's create_conn_qp",
@@ -608,7 +613,7 @@ impl TagMatcher {
             deferred: VecDeque::new(),
             next_ctx: 1,
             probing: false,
-            peer: self.conns.len() as u64,
+            peer: peer.unwrap_or(self.conns.len() as u64),
         });
         // What came on the QP before it was a connection, in arrival order.
         let (mine, rest): (Vec<_>, Vec<_>) = self.early.drain(..).partition(|w| w.qpn == qpn);
@@ -792,7 +797,10 @@ impl TagMatcher {
     }
 
     /// Sets whom connection `conn` reaches: receives with a source
-    /// ([`TagMatcher::recv_sge`]) take messages of connections with that peer.
+    /// ([`TagMatcher::recv_sge`]) take messages of connections with that peer. Messages
+    /// already unexpected keep the peer they came with; to name the peer of a connection
+    /// before any of its messages is matched, add it with
+    /// [`TagMatcher::add_connected_from`].
     pub fn set_peer(&mut self, conn: usize, peer: u64) -> Result<(), Error> {
         let c = self
             .conns
@@ -804,11 +812,14 @@ impl TagMatcher {
 
     /// CQ-data mode: sends carry 32 bits of remote CQ data ([`TagMatcher::send_sge`]) and
     /// receives report it ([`Received::data`]). An eager message carries it as the
-    /// immediate data of its SEND; a rendezvous request in its TMH `app_ctx` (the data plus
-    /// one; 0 for none), which the NIC reports with its match, except the data `u32::MAX`,
-    /// which goes after the RVH of a request the NIC never matches (software does). A
-    /// rendezvous send's FIN is then found by its tag, `app_ctx` and RVH. Both sides of a
-    /// connection must be in the same mode; set it before the first connection.
+    /// immediate data of its SEND; a rendezvous request in its TMH `app_ctx`, which the NIC
+    /// reports with its match (and drops any other part of the request: its immediate, the
+    /// bytes after the RVH, ABI O38). `app_ctx` 0 reads as no data, so a rendezvous sent
+    /// with data 0 arrives without data (whose value is 0 either way): 32 bits cannot say
+    /// "none" besides 2^32 values, and a request the NIC would not match (to carry more in
+    /// software) would let later messages overtake it in the hardware list. A rendezvous
+    /// send's FIN is then found by its tag, `app_ctx` and RVH. Both sides of a connection
+    /// must be in the same mode; set it before the first connection.
     pub fn carry_cq_data(&mut self) {
         self.cq_data = true;
     }
@@ -1093,36 +1104,26 @@ impl TagMatcher {
             }
             TagSend::Rndv { remote, len } => {
                 let ctx = free_ctx(&self.sends, conn, self.conns[conn].next_ctx);
-                // In CQ-data mode the context on the wire is the data (plus one), and the
-                // FIN is found by tag, context and RVH.
+                // In CQ-data mode the context on the wire is the data, and the FIN is found
+                // by tag, context and RVH.
                 let wire_ctx = match (self.cq_data, data) {
                     (false, _) => ctx,
-                    (true, None) => 0,
-                    (true, Some(d)) => d.wrapping_add(1),
+                    (true, d) => d.unwrap_or(0),
                 };
                 let rvh = Rvh {
                     va: remote.addr,
                     rkey: remote.rkey,
                     len,
                 };
-                let mut msg = [0u8; RNDV_DATA_LEN];
-                msg[..RNDV_HDR_LEN].copy_from_slice(&rndv_header(
+                let msg = rndv_header(
                     &Tmh {
                         opcode: TmhOp::Rndv as u8,
                         app_ctx: wire_ctx,
                         tag,
                     },
                     &rvh,
-                ));
-                // The one value `app_ctx` cannot carry goes after the RVH, in a request the
-                // NIC leaves to software.
-                let n = if data == Some(u32::MAX) {
-                    msg[RNDV_HDR_LEN..RNDV_HDR_LEN + 4].copy_from_slice(&u32::MAX.to_be_bytes());
-                    RNDV_DATA_LEN
-                } else {
-                    RNDV_HDR_LEN
-                };
-                let sgl = [self.header(conn, &msg[..n])?];
+                );
+                let sgl = [self.header(conn, &msg)?];
                 let c = &mut self.conns[conn];
                 c.qp.post_send(&[SendWr::new(wr(K_RNDV_REQ, id), WrOp::Send, &sgl)])?;
                 c.hdr_next += 1;
@@ -1519,7 +1520,7 @@ impl TagMatcher {
     /// device.
     fn untagged(&mut self, w: &WorkCompletion, slot: u32) -> Result<(), Error> {
         let base = slot as u64 * self.slot_bytes;
-        let mut hdr = [0u8; RNDV_HDR_LEN + 4];
+        let mut hdr = [0u8; RNDV_HDR_LEN];
         let n = (w.byte_len as usize).min(hdr.len());
         let read = self.staging.read(base as usize, &mut hdr[..n]);
         let tmh = Tmh::parse(&hdr[..n]);
@@ -1559,13 +1560,6 @@ impl TagMatcher {
                 let cq_data = match (self.cq_data, rndv.is_some()) {
                     (false, _) => None,
                     (true, false) => w.imm,
-                    // A request longer than TMH + RVH carries its data after the RVH.
-                    (true, true) if n >= RNDV_HDR_LEN + 4 => Some(u32::from_be_bytes([
-                        hdr[RNDV_HDR_LEN],
-                        hdr[RNDV_HDR_LEN + 1],
-                        hdr[RNDV_HDR_LEN + 2],
-                        hdr[RNDV_HDR_LEN + 3],
-                    ])),
                     (true, true) => ctx_data(t.app_ctx),
                 };
                 let conn = match conn {
@@ -1933,10 +1927,9 @@ impl TagMatcher {
     }
 }
 
-/// The CQ data a rendezvous request's `app_ctx` carries in CQ-data mode (the data plus
-/// one; 0 for none).
+/// The CQ data a rendezvous request's `app_ctx` carries in CQ-data mode (0: none).
 fn ctx_data(app_ctx: u32) -> Option<u32> {
-    app_ctx.checked_sub(1)
+    (app_ctx != 0).then_some(app_ctx)
 }
 
 /// The first rendezvous context from `start` (wrapping, never 0) that no send of

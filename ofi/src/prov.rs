@@ -966,21 +966,18 @@ impl State {
             (e.domain, e.nic, e.addr)
         };
         let e = self.ep_mut(ep)?;
-        let tag_conn = match e.conns.get(&key) {
-            Some(Conn::Tag(_, c)) => Some(*c),
-            _ => e.extra.iter().find_map(|(k, c)| match c {
-                Conn::Tag(_, i) if *k == key => Some(*i),
-                _ => None,
-            }),
-        };
-        if let Some(c) = tag_conn {
+        // Tagged messages to a peer all go over one connection, the first one made (ours or
+        // the peer's): MPI order holds per sender, and two QPs would not keep it. A second
+        // connection that crossed it (both sides connecting at once) only receives.
+        if let Some(Conn::Tag(_, c)) = e.conns.get(&key) {
+            let c = *c;
             return e.post_tag(c, &p);
         }
         if let Some(Conn::Up(_, qp)) = e.conns.get_mut(&key) {
             return post_pending(qp, &p, p.wr_id);
         }
         for (k, c) in e.extra.iter_mut() {
-            if let (true, Conn::Up(_, qp)) = (*k == key, c) {
+            if let (true, Conn::Up(_, qp)) = (*k == key && key.1 != CH_TAG, c) {
                 return post_pending(qp, &p, p.wr_id);
             }
         }

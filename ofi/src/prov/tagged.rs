@@ -448,9 +448,7 @@ impl State {
         };
         let pid = e.peer_id(key.0);
         let added = match e.tm.as_mut() {
-            Some(tm) => tm
-                .add_connected(qp)
-                .and_then(|c| tm.set_peer(c, pid).map(|()| c)),
+            Some(tm) => tm.add_connected_from(qp, pid),
             None => Err(ringbell::Error::InvalidArgument("no tag matcher")),
         };
         let slot = match e.conns.get_mut(&key) {
