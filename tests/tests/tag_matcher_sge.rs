@@ -156,7 +156,7 @@ fn send(t: &mut Net, from: usize, i: u64, tag: u64, len: u32, data: Option<u32>)
         };
         s.m.send_sge(i, 0, tag, data, TagSend::Rndv { remote, len })
             .unwrap();
-    } else if i % 2 == 0 {
+    } else if i.is_multiple_of(2) {
         s.m.send_sge(i, 0, tag, data, TagSend::Bytes(&bytes))
             .unwrap();
     } else {

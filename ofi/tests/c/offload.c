@@ -106,6 +106,8 @@ static void expected(void)
 	CHECK_EQ(nic, software ? 0 : NLENS);
 	CHECK_EQ(sw, software ? NLENS : 0);
 	CHECK_EQ(c1.hw_posted - c0.hw_posted, software ? 0 : NLENS);
+	/* The NIC read the rendezvous messages and sent their FINs itself. */
+	CHECK_EQ(c1.sw_rndv - c0.sw_rndv, software ? NLENS - 3 : 0);
 	nic_total += nic;
 	sw_total += sw;
 }
@@ -147,6 +149,8 @@ static void unexpected(void)
 	CHECK_EQ(nic, 0);
 	CHECK_EQ(sw, NLENS);
 	CHECK_EQ(c1.unexpected, 0);
+	/* Software read the rendezvous messages (those above the eager limit). */
+	CHECK_EQ(c1.sw_rndv - c0.sw_rndv, NLENS - 3);
 	nic_total += nic;
 	sw_total += sw;
 }
