@@ -1463,9 +1463,7 @@ impl TagMatcher {
         Ok(c.hdr_mr.sge(at, bytes.len() as u32))
     }
 
-    /// The waiting send a FIN on `conn` answers: by context and tag, and in CQ-data mode
-    /// (where the context is the data) also by the RVH it echoes, oldest first. A refusing
-    /// FIN echoes no RVH.
+    /// The waiting send a FIN on `conn` answers ([`fin_match`]).
     fn fin_key(
         &self,
         conn: usize,
@@ -1473,19 +1471,7 @@ impl TagMatcher {
         rvh: Option<Rvh>,
         refused: bool,
     ) -> Option<(usize, u32)> {
-        if !self.cq_data {
-            let key = (conn, t.app_ctx);
-            return self
-                .sends
-                .get(&key)
-                .is_some_and(|s| s.tag == t.tag)
-                .then_some(key);
-        }
-        self.sends
-            .range((conn, 0)..=(conn, u32::MAX))
-            .filter(|(_, s)| s.tag == t.tag && s.wire_ctx == t.app_ctx)
-            .find(|(_, s)| refused || Some(s.rvh) == rvh)
-            .map(|(k, _)| *k)
+        fin_match(&self.sends, self.cq_data, conn, t, rvh, refused)
     }
 
     /// Keeps what receive `r` (of [`TagMatcher::recv_sge`]) got, for
@@ -1927,6 +1913,32 @@ impl TagMatcher {
     }
 }
 
+/// The waiting send a FIN on `conn` answers: by context and tag; in CQ-data mode, where the
+/// context on the wire is the data and not unique, also by the RVH the FIN echoes, the
+/// first by key among equals (sends with the same tag, data and RVH name the same memory,
+/// so which of them completes first does not matter). A refusing FIN echoes no RVH.
+fn fin_match(
+    sends: &BTreeMap<(usize, u32), Waiting>,
+    cq_data: bool,
+    conn: usize,
+    t: &Tmh,
+    rvh: Option<Rvh>,
+    refused: bool,
+) -> Option<(usize, u32)> {
+    if !cq_data {
+        let key = (conn, t.app_ctx);
+        return sends
+            .get(&key)
+            .is_some_and(|s| s.tag == t.tag)
+            .then_some(key);
+    }
+    sends
+        .range((conn, 0)..=(conn, u32::MAX))
+        .filter(|(_, s)| s.tag == t.tag && s.wire_ctx == t.app_ctx)
+        .find(|(_, s)| refused || Some(s.rvh) == rvh)
+        .map(|(k, _)| *k)
+}
+
 /// The CQ data a rendezvous request's `app_ctx` carries in CQ-data mode (0: none).
 fn ctx_data(app_ctx: u32) -> Option<u32> {
     (app_ctx != 0).then_some(app_ctx)
@@ -1972,6 +1984,62 @@ enum Internal {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        /// FIN matching in CQ-data mode against a plain model (a list of waiting sends): a
+        /// FIN finds a send of its connection with its tag, context and RVH exactly when
+        /// the model has one; a refusing FIN needs only tag and context. Contexts and RVHs
+        /// come from small sets, so that many sends share them.
+        #[test]
+        fn fins_find_a_send_with_their_tag_context_and_rvh(
+            waiting in proptest::collection::vec((0usize..3, 0u64..3, 0u32..3, 0u64..3), 0..30),
+            fin in (0usize..3, 0u64..3, 0u32..3, 0u64..3, any::<bool>()),
+        ) {
+            let rvh = |v: u64| Rvh { va: 0x1000 * v, rkey: 7, len: 100 };
+            let mut sends = BTreeMap::new();
+            for (i, &(conn, tag, ctx, va)) in waiting.iter().enumerate() {
+                let w = Waiting { id: i as u64, tag, wire_ctx: ctx, rvh: rvh(va) };
+                sends.insert((conn, i as u32 + 1), w);
+            }
+            let (conn, tag, ctx, va, refused) = fin;
+            let t = Tmh { opcode: TmhOp::Fin as u8, app_ctx: ctx, tag };
+            let got = fin_match(&sends, true, conn, &t, Some(rvh(va)), refused);
+            let model = waiting.iter().any(|&(c, tg, cx, v)| {
+                c == conn && tg == tag && cx == ctx && (refused || v == va)
+            });
+            prop_assert_eq!(got.is_some(), model);
+            if let Some(k) = got {
+                let s = sends[&k];
+                prop_assert_eq!(k.0, conn);
+                prop_assert_eq!((s.tag, s.wire_ctx), (tag, ctx));
+                prop_assert!(refused || s.rvh == rvh(va));
+            }
+        }
+
+        /// Outside CQ-data mode the context is the key: only that send, and only with the
+        /// FIN's tag.
+        #[test]
+        fn fins_find_their_context_outside_cq_data_mode(
+            ctxs in proptest::collection::btree_set(1u32..20, 0..10),
+            ctx in 1u32..20,
+            tag in 0u64..2,
+        ) {
+            let sends: BTreeMap<(usize, u32), Waiting> = ctxs
+                .iter()
+                .map(|&c| ((0, c), Waiting { id: c as u64, tag: 1, wire_ctx: c, rvh: Rvh::default() }))
+                .collect();
+            let t = Tmh { opcode: TmhOp::Fin as u8, app_ctx: ctx, tag };
+            let got = fin_match(&sends, false, 0, &t, None, false);
+            prop_assert_eq!(got, (ctxs.contains(&ctx) && tag == 1).then_some((0, ctx)));
+        }
+
+        /// CQ data in a rendezvous context: every value but 0 reads back as sent.
+        #[test]
+        fn rendezvous_cq_data_reads_back(d in any::<u32>()) {
+            prop_assert_eq!(ctx_data(d), (d != 0).then_some(d));
+        }
+    }
 
     #[test]
     fn a_waiting_sync_takes_the_newer_count_but_never_passes_a_del() {
