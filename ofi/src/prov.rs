@@ -210,8 +210,6 @@ struct Pending {
     sges: Vec<Sge>,
     inline: Option<Vec<u8>>,
     imm: Option<u32>,
-    /// An RDMA READ from there into `sges` (tagged rendezvous), not a send.
-    read: Option<RemoteAddr>,
     /// Any other operation (RMA, atomics): posted as it is, over `sges` or `inline`.
     wr: Option<WrOp>,
     /// Posted as a triggered operation (held by the NIC until its counter reaches the
@@ -760,7 +758,6 @@ impl State {
             sges,
             inline,
             imm,
-            read: None,
             wr: None,
             trig: None,
             tsend: None,
@@ -887,7 +884,6 @@ impl State {
             sges,
             inline,
             imm: None,
-            read: None,
             wr: Some(wr),
             trig: None,
             tsend: None,
@@ -1397,11 +1393,10 @@ fn post_pending(
     p: &Pending,
     wr_id: u64,
 ) -> Result<Option<TriggerHandle>, Errno> {
-    let op = match (p.wr, p.read, p.imm) {
-        (Some(w), _, _) => w,
-        (None, Some(r), _) => WrOp::Read(r),
-        (None, None, Some(i)) => WrOp::SendImm(i),
-        (None, None, None) => WrOp::Send,
+    let op = match (p.wr, p.imm) {
+        (Some(w), _) => w,
+        (None, Some(i)) => WrOp::SendImm(i),
+        (None, None) => WrOp::Send,
     };
     let wr = match &p.inline {
         Some(d) => SendWr::inline(wr_id, op, d),

@@ -401,7 +401,6 @@ impl State {
             sges: Vec::new(),
             inline: None,
             imm: None,
-            read: None,
             wr: None,
             trig: None,
             tsend: Some(TSendReq {

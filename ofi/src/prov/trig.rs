@@ -480,7 +480,6 @@ impl State {
             sges,
             inline: None,
             imm: req.imm,
-            read: None,
             wr: None,
             trig: None,
             tsend: None,
