@@ -6,8 +6,9 @@ use ringbell_specs::cmd::{Access, CmdOpcode, RegMrIn, RegMrOut};
 use std::rc::Rc;
 use zerocopy::{FromBytes, IntoBytes};
 
-/// A protection domain: QPs, SRQs and MRs that may be used together.
-#[derive(Debug)]
+/// A protection domain: QPs, SRQs and MRs that may be used together. A clone is another
+/// handle on the same PD.
+#[derive(Debug, Clone)]
 pub struct ProtectionDomain {
     pub(crate) dev: Device,
     pub(crate) pdn: u32,

@@ -63,7 +63,7 @@
 use crate::cq::{CompletionQueue, WorkCompletion};
 use crate::device::{Device, DmaBuffer};
 use crate::error::Error;
-use crate::mr::{MemoryRegion, ProtectionDomain};
+use crate::mr::{MemoryRegion, ProtectionDomain, Sge};
 use crate::qp::{ConnectOptions, Endpoint, QpInit, QueuePair, RecvWr, RemoteAddr, SendWr, WrOp};
 use crate::srq::SharedReceiveQueue;
 use crate::tm::{rndv_header, Rvh, TmOp, Tmh, TmhOp, RNDV_HDR_LEN, TMH_LEN};
@@ -192,15 +192,82 @@ enum Where {
     Cancelled,
 }
 
+/// Where a receive's data goes.
+#[derive(Clone, Copy, Debug)]
+enum Dst {
+    /// The user region at this offset ([`TagMatcher::recv`]).
+    User(u64),
+    /// Registered memory of the caller's ([`TagMatcher::recv_sge`]).
+    Mem(Sge),
+}
+
 #[derive(Clone, Copy, Debug)]
 struct Posted {
     id: u64,
     tag: u64,
     mask: u64,
-    off: u64,
+    dst: Dst,
     len: u32,
     at: Where,
+    /// Only messages from connections of this peer ([`TagMatcher::set_peer`]).
+    src: Option<u64>,
 }
+
+impl Posted {
+    fn takes(&self, tag: u64, peer: u64) -> bool {
+        tag_matches(tag, self.tag, self.mask) && self.src.is_none_or(|s| s == peer)
+    }
+}
+
+/// What a receive posted with [`TagMatcher::recv_sge`] got, beyond its [`TagEvent::Recv`]
+/// ([`TagMatcher::received`]).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Received {
+    /// The sender's remote CQ data ([`TagMatcher::send_sge`]), in CQ-data mode.
+    pub data: Option<u32>,
+    /// The whole message's length (more than the bytes placed when it was truncated).
+    pub msg_len: u32,
+    /// An eager message software matched: its bytes (cut to the receive's length), for the
+    /// caller to place (the matcher cannot write the caller's memory itself).
+    pub payload: Option<Vec<u8>>,
+    /// The NIC matched the message (a tagged buffer of the hardware list).
+    pub hw: bool,
+}
+
+/// What a tagged send of [`TagMatcher::send_sge`] transmits.
+#[derive(Clone, Copy, Debug)]
+pub enum TagSend<'a> {
+    /// Eager: these bytes, copied now into the connection's header ring (at most
+    /// [`TAG_COPY_MAX`] and `eager_max`).
+    Bytes(&'a [u8]),
+    /// Eager: the bytes of these SGEs (registered in the matcher's PD, at most three), read
+    /// when the SEND goes out; at most `eager_max` in all.
+    Sges(&'a [Sge]),
+    /// Rendezvous: the receiver reads `len` bytes at `remote` (REMOTE_READ in the matcher's
+    /// PD), and the send completes with the receiver's FIN.
+    Rndv {
+        /// Where the data is.
+        remote: RemoteAddr,
+        /// Bytes.
+        len: u32,
+    },
+}
+
+/// An unexpected message, as [`TagMatcher::probe_from`] and [`TagMatcher::claim`] see it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Peeked {
+    /// Its tag.
+    pub tag: u64,
+    /// Its length.
+    pub len: u32,
+    /// The connection it came on.
+    pub conn: usize,
+    /// Its remote CQ data (CQ-data mode).
+    pub data: Option<u32>,
+}
+
+/// Most bytes [`TagSend::Bytes`] copies (a header slot less its TMH).
+pub const TAG_COPY_MAX: usize = HDR as usize - TMH_LEN;
 
 #[derive(Clone, Debug)]
 struct Unexpected {
@@ -211,6 +278,22 @@ struct Unexpected {
     /// Rendezvous: where the data is.
     rndv: Option<Rvh>,
     tmh: Tmh,
+    /// Remote CQ data (CQ-data mode).
+    cq_data: Option<u32>,
+}
+
+impl Unexpected {
+    fn peeked(&self) -> Peeked {
+        Peeked {
+            tag: self.tag,
+            len: match self.rndv {
+                Some(r) => r.len,
+                None => self.data.len() as u32,
+            },
+            conn: self.conn,
+            data: self.cq_data,
+        }
+    }
 }
 
 /// A software rendezvous in progress at the receiver.
@@ -220,6 +303,7 @@ struct SwRndv {
     conn: usize,
     tmh: Tmh,
     rvh: Rvh,
+    data: Option<u32>,
 }
 
 /// A rendezvous send waiting for its FIN.
@@ -227,6 +311,10 @@ struct SwRndv {
 struct Waiting {
     id: u64,
     tag: u64,
+    /// The TMH `app_ctx` it went with (in CQ-data mode its data, not the key's context).
+    wire_ctx: u32,
+    /// Its RVH, which the FIN echoes.
+    rvh: Rvh,
 }
 
 const K_SHIFT: u32 = 56;
@@ -240,24 +328,34 @@ const K_CANCEL: u64 = 7; // DEL of a cancelled receive
 const K_TAKEBACK: u64 = 8; // DEL of a receive an unexpected message goes to
 const K_PROBE: u64 = 9; // keepalive probe
 const K_REFUSE: u64 = 10; // error FIN for a refused rendezvous request
+const K_EXT: u64 = 11; // the caller's own work on a connection's QP ([`ext_wr_id`])
+
+/// The work-request id under which the caller posts work of its own on a connection's QP
+/// ([`TagMatcher::conn_qp_mut`]); its completions come out of
+/// [`TagMatcher::next_ext_completion`] with `wr_id` as given here (at most [`MAX_ID`]).
+pub const fn ext_wr_id(wr_id: u64) -> u64 {
+    wr(K_EXT, wr_id)
+}
 
 /// TMH byte 1 of a FIN that refuses the rendezvous (0 in every FIN that completes one).
 const FIN_REFUSED: u8 = 1;
 
-fn wr(kind: u64, v: u64) -> u64 {
+const fn wr(kind: u64, v: u64) -> u64 {
     kind << K_SHIFT | v & ((1 << K_SHIFT) - 1)
 }
 
-/// Bytes of a send header slot (TMH + RVH).
-const HDR: u64 = 64;
+/// Bytes of a send header slot: TMH + RVH, or TMH + a copied eager payload.
+const HDR: u64 = 256;
 /// Send queue depth of a connection.
 const SQ_DEPTH: u32 = 256;
 /// Completions one connection's send queue can hold: its capacity in blocks (every send
 /// WQE takes at least one; the matcher's take two at most).
 const CONN_CQES: u32 = 2 * SQ_DEPTH;
-/// Header slots per connection: twice the send queue, so a slot is written again only long
-/// after the send that used it completed (a retransmission gathers it again until then).
-const HDR_SLOTS: u64 = 2 * SQ_DEPTH as u64;
+/// Header slots per connection: twice as many as the send queue can hold WQEs (at most
+/// [`CONN_CQES`], one block each; `create_conn_qp` checks), so a slot is written again
+/// only long after the send that used it completed (a retransmission gathers it again
+/// until then).
+const HDR_SLOTS: u64 = 2 * CONN_CQES as u64;
 
 /// One connection: its QP, its ring of send headers and the work waiting for room in its
 /// send queue.
@@ -274,6 +372,8 @@ struct Conn {
     next_ctx: u32,
     /// A keepalive probe is in flight.
     probing: bool,
+    /// Whom the connection reaches ([`TagMatcher::set_peer`]; its index until set).
+    peer: u64,
 }
 
 /// A list operation of the matcher's own, waiting for room in the operation ring.
@@ -312,8 +412,9 @@ pub struct TagMatcher {
     /// Rendezvous sends waiting for their FIN, by (connection, context).
     sends: BTreeMap<(usize, u32), Waiting>,
     sw_rndv: BTreeMap<u64, SwRndv>,
-    /// Tag of a receive matched by hardware, between its MATCH and its data completions.
-    matched: BTreeMap<u64, (u64, usize)>,
+    /// Tag, connection and `app_ctx` of a receive matched by hardware, between its MATCH
+    /// and its data completions.
+    matched: BTreeMap<u64, (u64, usize, u32)>,
     events: VecDeque<TagEvent>,
     wc: Vec<WorkCompletion>,
     stats: TagStats,
@@ -322,13 +423,39 @@ pub struct TagMatcher {
     idle_polls: u32,
     /// QPNs of QPs from `create_conn_qp` not yet added as connections.
     made: Vec<u32>,
+    /// CQ-data mode ([`TagMatcher::carry_cq_data`]).
+    cq_data: bool,
+    /// Details of messages receives of [`TagMatcher::recv_sge`] got, until taken.
+    received: BTreeMap<u64, Received>,
+    /// Receives of [`TagMatcher::recv_sge`] whose rendezvous did not fit the hardware
+    /// buffer: (receive, connection, tag, CQ data), until [`TagMatcher::resume_rndv`].
+    incomplete: BTreeMap<u64, (Posted, usize, u64, Option<u32>)>,
+    /// Unexpected messages claimed ([`TagMatcher::claim`]), by key.
+    claimed: BTreeMap<u64, Unexpected>,
+    /// Completions of the caller's own work ([`ext_wr_id`]).
+    ext: VecDeque<WorkCompletion>,
+    /// Messages that came on QPs of `made` before they were added, in arrival order.
+    early: Vec<WorkCompletion>,
 }
 
 impl TagMatcher {
     /// A matcher on `dev` with no connection yet.
     pub fn new(dev: &Device, cfg: TagConfig) -> Result<TagMatcher, Error> {
-        let caps = dev.caps();
         let pd = dev.alloc_pd()?;
+        Self::with_pd(pd, cfg)
+    }
+
+    /// A matcher whose QPs, SRQ and regions are in `pd`, so that receives and sends may
+    /// name the caller's regions of that PD ([`TagMatcher::recv_sge`],
+    /// [`TagMatcher::send_sge`]).
+    pub fn new_in(pd: &ProtectionDomain, cfg: TagConfig) -> Result<TagMatcher, Error> {
+        Self::with_pd(pd.clone(), cfg)
+    }
+
+    fn with_pd(pd: ProtectionDomain, cfg: TagConfig) -> Result<TagMatcher, Error> {
+        let dev = pd.device().clone();
+        let dev = &dev;
+        let caps = dev.caps();
         let tags = cfg.hw_tags.clamp(1, caps.max_num_tags.max(1));
         let slots = cfg.staging_slots.max(1);
         let max_ops = match cfg.list_ops {
@@ -397,6 +524,12 @@ impl TagMatcher {
             syncs: 0,
             idle_polls: 0,
             made: Vec::new(),
+            cq_data: false,
+            received: BTreeMap::new(),
+            incomplete: BTreeMap::new(),
+            claimed: BTreeMap::new(),
+            ext: VecDeque::new(),
+            early: Vec::new(),
         })
     }
 
@@ -410,7 +543,7 @@ impl TagMatcher {
     pub fn add_conn(&mut self) -> Result<(usize, Endpoint), Error> {
         let qp = self.create_conn_qp()?;
         let ep = qp.endpoint(self.conns.len() as u32 * 1000 + 1);
-        Ok((self.add_qp(qp)?, ep))
+        Ok((self.add_qp(qp, None)?, ep))
     }
 
     /// A QP for a new connection, in RESET, on this matcher's CQ and TM-SRQ, to be
@@ -426,7 +559,7 @@ impl TagMatcher {
         let mut init = QpInit::new(&self.cq, &self.cq);
         init.srq = Some(&self.srq);
         init.max_send_wr = SQ_DEPTH;
-        init.max_send_sge = 2;
+        init.max_send_sge = 4;
         let qp = self.pd.create_qp(&init)?;
         if qp.sq_free() > CONN_CQES {
             return Err(Error::InvalidArgument(
@@ -440,16 +573,24 @@ impl TagMatcher {
     /// Adds a connection over `qp`, a QP from [`TagMatcher::create_conn_qp`] that the caller
     /// has connected (RTS); returns its index.
     pub fn add_connected(&mut self, qp: QueuePair) -> Result<usize, Error> {
+        let peer = self.conns.len() as u64;
+        self.add_connected_from(qp, peer)
+    }
+
+    /// As [`TagMatcher::add_connected`], for a connection that reaches `peer`
+    /// ([`TagMatcher::set_peer`]): set before the messages that came on the QP before it
+    /// was added are matched, so receives from that source can take them.
+    pub fn add_connected_from(&mut self, qp: QueuePair, peer: u64) -> Result<usize, Error> {
         if qp.state() != crate::QpState::Rts {
             return Err(Error::InvalidState {
                 qpn: qp.qpn(),
                 state: qp.state(),
             });
         }
-        self.add_qp(qp)
+        self.add_qp(qp, Some(peer))
     }
 
-    fn add_qp(&mut self, qp: QueuePair) -> Result<usize, Error> {
+    fn add_qp(&mut self, qp: QueuePair, peer: Option<u64>) -> Result<usize, Error> {
         let Some(at) = self.made.iter().position(|&n| n == qp.qpn()) else {
             return Err(Error::InvalidArgument(
                 "the QP was not made by this TagMatcher's create_conn_qp",
@@ -461,6 +602,7 @@ impl TagMatcher {
             ));
         }
         self.made.swap_remove(at);
+        let qpn = qp.qpn();
         let hdr_buf = self.pd.device().alloc_dma((HDR * HDR_SLOTS) as usize)?;
         let hdr_mr = self.pd.reg_mr(&hdr_buf, Access::LOCAL_WRITE)?;
         self.conns.push(Conn {
@@ -471,7 +613,14 @@ impl TagMatcher {
             deferred: VecDeque::new(),
             next_ctx: 1,
             probing: false,
+            peer: peer.unwrap_or(self.conns.len() as u64),
         });
+        // What came on the QP before it was a connection, in arrival order.
+        let (mine, rest): (Vec<_>, Vec<_>) = self.early.drain(..).partition(|w| w.qpn == qpn);
+        self.early = rest;
+        for w in &mine {
+            let _ = self.handle(w);
+        }
         Ok(self.conns.len() - 1)
     }
 
@@ -533,7 +682,7 @@ impl TagMatcher {
     /// or its operation ring (the receive then stays in software).
     pub fn recv(&mut self, id: u64, tag: u64, mask: u64, off: u64, len: u32) -> Result<(), Error> {
         check_id(id)?;
-        if self.posted.iter().any(|p| p.id == id) || self.sw_rndv.contains_key(&id) {
+        if self.id_in_use(id) {
             return Err(Error::InvalidArgument("receive id already in use"));
         }
         if off
@@ -546,29 +695,85 @@ impl TagMatcher {
                 size: self.user.len(),
             });
         }
-        let r = Posted {
+        self.post_recv(Posted {
             id,
             tag,
             mask,
-            off,
+            dst: Dst::User(off),
             len,
             at: Where::Sw,
-        };
+            src: None,
+        });
+        Ok(())
+    }
+
+    /// Posts receive `id` for messages whose tag matches `tag` under `mask` (and, with
+    /// `src`, that come on a connection of that peer, [`TagMatcher::set_peer`]) into `buf`,
+    /// registered memory of the matcher's PD ([`TagMatcher::new_in`]). As
+    /// [`TagMatcher::recv`] otherwise, and a receive with a source stays in software (the
+    /// NIC does not filter by connection). What the message brought beyond its
+    /// [`TagEvent::Recv`] (CQ data, whole length, and the bytes of an eager message matched
+    /// in software, which the caller places) is in [`TagMatcher::received`]. A rendezvous
+    /// the NIC matched into a buffer too small for it ends in [`TagEvent::Failed`] with
+    /// `TmRndvIncomplete`: the buffer starts with the request, and
+    /// [`TagMatcher::resume_rndv`] finishes it.
+    pub fn recv_sge(
+        &mut self,
+        id: u64,
+        tag: u64,
+        mask: u64,
+        src: Option<u64>,
+        buf: Sge,
+    ) -> Result<(), Error> {
+        check_id(id)?;
+        if self.id_in_use(id) {
+            return Err(Error::InvalidArgument("receive id already in use"));
+        }
+        self.post_recv(Posted {
+            id,
+            tag,
+            mask,
+            dst: Dst::Mem(buf),
+            len: buf.len,
+            at: Where::Sw,
+            src,
+        });
+        Ok(())
+    }
+
+    fn id_in_use(&self, id: u64) -> bool {
+        self.posted.iter().any(|p| p.id == id)
+            || self.sw_rndv.contains_key(&id)
+            || self.incomplete.contains_key(&id)
+    }
+
+    /// The sge of `len` bytes of receive `r`'s buffer.
+    fn dst_sge(&self, r: &Posted, len: u32) -> Sge {
+        match r.dst {
+            Dst::User(off) => self.user_mr.sge(off, len),
+            Dst::Mem(s) => Sge { len, ..s },
+        }
+    }
+
+    fn post_recv(&mut self, r: Posted) {
+        let (id, tag, mask, len) = (r.id, r.tag, r.mask, r.len);
         // The earliest unexpected message that matches is this receive's.
+        let conns = &self.conns;
         if let Some(i) = self
             .unexpected
             .iter()
-            .position(|u| tag_matches(u.tag, tag, mask))
+            .position(|u| r.takes(u.tag, conns[u.conn].peer))
         {
             if let Some(u) = self.unexpected.remove(i) {
                 self.deliver_unexpected(r, u);
-                return Ok(());
+                return;
             }
         }
         // To hardware only behind receives that are all in hardware (so the list count is
         // the posted count), only while the list and its operation ring have room, and only
         // when no list operation of ours waits (it must reach the device first).
         if self.cfg.hw_tags > 0
+            && r.src.is_none()
             && len >= self.cfg.hw_min.max(self.cfg.eager_max)
             && self.posted.len() < self.cfg.hw_tags as usize
             && self.srq.tm_free_tags() > 0
@@ -576,7 +781,7 @@ impl TagMatcher {
             && self.list_ops.is_empty()
             && self.posted.iter().all(|p| matches!(p.at, Where::Hw(_)))
         {
-            let sge = self.user_mr.sge(off, len);
+            let sge = self.dst_sge(&r, len);
             let mut op = [TmOp::add(wr(K_OP, id), id, sge, tag, mask).with_count(self.unexp_cnt)];
             op[0].signaled = false;
             if self.srq.post_tm_ops(&mut op).is_ok() {
@@ -585,11 +790,172 @@ impl TagMatcher {
                     at: Where::Hw(op[0].handle),
                     ..r
                 });
-                return Ok(());
+                return;
             }
         }
         self.posted.push_back(r);
+    }
+
+    /// Sets whom connection `conn` reaches: receives with a source
+    /// ([`TagMatcher::recv_sge`]) take messages of connections with that peer. Messages
+    /// already unexpected keep the peer they came with; to name the peer of a connection
+    /// before any of its messages is matched, add it with
+    /// [`TagMatcher::add_connected_from`].
+    pub fn set_peer(&mut self, conn: usize, peer: u64) -> Result<(), Error> {
+        let c = self
+            .conns
+            .get_mut(conn)
+            .ok_or(Error::InvalidArgument("no such connection"))?;
+        c.peer = peer;
         Ok(())
+    }
+
+    /// CQ-data mode: sends carry 32 bits of remote CQ data ([`TagMatcher::send_sge`]) and
+    /// receives report it ([`Received::data`]). An eager message carries it as the
+    /// immediate data of its SEND; a rendezvous request in its TMH `app_ctx`, which the NIC
+    /// reports with its match (and drops any other part of the request: its immediate, the
+    /// bytes after the RVH, ABI O38). `app_ctx` 0 reads as no data, so a rendezvous sent
+    /// with data 0 arrives without data (whose value is 0 either way): 32 bits cannot say
+    /// "none" besides 2^32 values, and a request the NIC would not match (to carry more in
+    /// software) would let later messages overtake it in the hardware list. A rendezvous
+    /// send's FIN is then found by its tag, `app_ctx` and RVH. Both sides of a connection
+    /// must be in the same mode; set it before the first connection.
+    pub fn carry_cq_data(&mut self) {
+        self.cq_data = true;
+    }
+
+    /// The details of the message receive `id` (posted with [`TagMatcher::recv_sge`]) got,
+    /// once its [`TagEvent::Recv`] is out; taken once.
+    pub fn received(&mut self, id: u64) -> Option<Received> {
+        self.received.remove(&id)
+    }
+
+    /// Finishes a rendezvous the NIC matched into receive `id`'s too-small buffer (its
+    /// [`TagEvent::Failed`] with `TmRndvIncomplete`): `hdr` is the start of that buffer
+    /// (TMH and RVH, 32 bytes). The data is read in software, cut to the buffer, and the
+    /// receive completes as usual (truncated). A request that cannot be parsed fails the
+    /// receive (`REM_INV_REQ_ERR`) and its send. Returns false for no such receive.
+    pub fn resume_rndv(&mut self, id: u64, hdr: &[u8]) -> bool {
+        let Some((p, conn, tag, data)) = self.incomplete.remove(&id) else {
+            return false;
+        };
+        match (Tmh::parse(hdr), hdr.get(TMH_LEN..).and_then(Rvh::parse)) {
+            (Some(tmh), Some(rvh)) => self.start_sw_rndv(p, conn, tmh, rvh, data),
+            (tmh, _) => {
+                let tmh = tmh.unwrap_or(Tmh {
+                    opcode: TmhOp::Rndv as u8,
+                    app_ctx: 0,
+                    tag,
+                });
+                self.refuse(conn, tmh);
+                self.events.push_back(TagEvent::Failed {
+                    id,
+                    status: CqeStatus::RemInvReqErr,
+                });
+            }
+        }
+        true
+    }
+
+    /// The earliest unexpected message whose tag matches `tag` under `mask` (and that came
+    /// from peer `src`, if given), without receiving it.
+    pub fn probe_from(&self, tag: u64, mask: u64, src: Option<u64>) -> Option<Peeked> {
+        self.find_unexpected(tag, mask, src)
+            .map(|i| self.unexpected[i].peeked())
+    }
+
+    fn find_unexpected(&self, tag: u64, mask: u64, src: Option<u64>) -> Option<usize> {
+        self.unexpected.iter().position(|u| {
+            tag_matches(u.tag, tag, mask) && src.is_none_or(|s| self.conns[u.conn].peer == s)
+        })
+    }
+
+    /// As [`TagMatcher::probe_from`], and the message found is set aside under `key`: no
+    /// receive takes it but [`TagMatcher::recv_claimed`] with that key. None when nothing
+    /// matches or `key` holds a claim already.
+    pub fn claim(&mut self, key: u64, tag: u64, mask: u64, src: Option<u64>) -> Option<Peeked> {
+        if self.claimed.contains_key(&key) {
+            return None;
+        }
+        let i = self.find_unexpected(tag, mask, src)?;
+        let u = self.unexpected.remove(i)?;
+        let p = u.peeked();
+        self.claimed.insert(key, u);
+        Some(p)
+    }
+
+    /// Receives the message claimed under `key` into `buf` as receive `id` (it completes
+    /// like any receive of [`TagMatcher::recv_sge`]). Ok(false): no such claim.
+    pub fn recv_claimed(&mut self, key: u64, id: u64, buf: Sge) -> Result<bool, Error> {
+        check_id(id)?;
+        if self.id_in_use(id) {
+            return Err(Error::InvalidArgument("receive id already in use"));
+        }
+        let Some(u) = self.claimed.remove(&key) else {
+            return Ok(false);
+        };
+        let r = Posted {
+            id,
+            tag: u.tag,
+            mask: u64::MAX,
+            dst: Dst::Mem(buf),
+            len: buf.len,
+            at: Where::Sw,
+            src: None,
+        };
+        self.deliver_unexpected(r, u);
+        Ok(true)
+    }
+
+    /// Drops the message claimed under `key` (a rendezvous is answered with its FIN, so
+    /// its send completes) and returns what it was; None for no such claim.
+    pub fn discard_claimed(&mut self, key: u64) -> Option<Peeked> {
+        let u = self.claimed.remove(&key)?;
+        Some(self.drop_unexpected(u))
+    }
+
+    /// Drops the earliest unexpected message [`TagMatcher::probe_from`] would find, as
+    /// [`TagMatcher::discard_claimed`] does.
+    pub fn discard(&mut self, tag: u64, mask: u64, src: Option<u64>) -> Option<Peeked> {
+        let i = self.find_unexpected(tag, mask, src)?;
+        let u = self.unexpected.remove(i)?;
+        Some(self.drop_unexpected(u))
+    }
+
+    fn drop_unexpected(&mut self, u: Unexpected) -> Peeked {
+        if let Some(rvh) = u.rndv {
+            let fin = rndv_header(
+                &Tmh {
+                    opcode: TmhOp::Fin as u8,
+                    ..u.tmh
+                },
+                &rvh,
+            );
+            self.post_internal(u.conn, Internal::Refuse { msg: fin });
+        }
+        u.peeked()
+    }
+
+    /// Gives the message claimed under `key` back to the unexpected queue, first (it was
+    /// found before those still there). Returns false for no such claim.
+    pub fn unclaim(&mut self, key: u64) -> bool {
+        let Some(u) = self.claimed.remove(&key) else {
+            return false;
+        };
+        self.unexpected.push_front(u);
+        true
+    }
+
+    /// The QP of connection `conn`, to post work of the caller's own under
+    /// [`ext_wr_id`] (a triggered SEND of a tagged message, say).
+    pub fn conn_qp_mut(&mut self, conn: usize) -> Option<&mut QueuePair> {
+        self.conns.get_mut(conn).map(|c| &mut c.qp)
+    }
+
+    /// The next completion of work posted under [`ext_wr_id`], with its `wr_id` as given
+    /// there.
+    pub fn next_ext_completion(&mut self) -> Option<WorkCompletion> {
+        self.ext.pop_front()
     }
 
     /// The earliest message in the unexpected queue whose tag matches `tag` under `mask`, as
@@ -664,39 +1030,114 @@ impl TagMatcher {
             });
         }
         if len <= self.cfg.eager_max {
-            let tmh = Tmh {
-                opcode: TmhOp::Eager as u8,
-                app_ctx: 0,
+            let sge = [self.user_mr.sge(off, len)];
+            self.send_sge(
+                id,
+                conn,
                 tag,
-            };
-            let sgl = [
-                self.header(conn, &tmh.to_bytes())?,
-                self.user_mr.sge(off, len),
-            ];
-            let n = if len == 0 { 1 } else { 2 };
-            let c = &mut self.conns[conn];
-            c.qp.post_send(&[SendWr::new(wr(K_EAGER, id), WrOp::Send, &sgl[..n])])?;
-            c.hdr_next += 1;
+                None,
+                TagSend::Sges(&sge[..usize::from(len > 0)]),
+            )
         } else {
-            let ctx = free_ctx(&self.sends, conn, self.conns[conn].next_ctx);
-            let req = rndv_header(
-                &Tmh {
-                    opcode: TmhOp::Rndv as u8,
-                    app_ctx: ctx,
-                    tag,
-                },
-                &Rvh {
-                    va: self.user_mr.addr() + off,
-                    rkey: self.user_mr.rkey(),
+            let remote = RemoteAddr {
+                addr: self.user_mr.addr() + off,
+                rkey: self.user_mr.rkey(),
+            };
+            self.send_sge(id, conn, tag, None, TagSend::Rndv { remote, len })
+        }
+    }
+
+    /// Sends `what` with `tag` on connection `conn`, with remote CQ data `data` (CQ-data
+    /// mode only, [`TagMatcher::carry_cq_data`]). The caller chooses eager or rendezvous:
+    /// an eager message longer than `eager_max` is refused, since a hardware-matched
+    /// receive may be as short as that. Otherwise as [`TagMatcher::send`].
+    pub fn send_sge(
+        &mut self,
+        id: u64,
+        conn: usize,
+        tag: u64,
+        data: Option<u32>,
+        what: TagSend<'_>,
+    ) -> Result<(), Error> {
+        check_id(id)?;
+        if conn >= self.conns.len() {
+            return Err(Error::InvalidArgument("no such connection"));
+        }
+        if data.is_some() && !self.cq_data {
+            return Err(Error::InvalidArgument("CQ data outside CQ-data mode"));
+        }
+        let eager = Tmh {
+            opcode: TmhOp::Eager as u8,
+            app_ctx: 0,
+            tag,
+        };
+        let op = match data {
+            Some(d) => WrOp::SendImm(d),
+            None => WrOp::Send,
+        };
+        match what {
+            TagSend::Bytes(b) => {
+                if b.len() > TAG_COPY_MAX || b.len() > self.cfg.eager_max as usize {
+                    return Err(Error::InvalidArgument("eager copy beyond its room"));
+                }
+                let mut msg = [0u8; HDR as usize];
+                msg[..TMH_LEN].copy_from_slice(&eager.to_bytes());
+                msg[TMH_LEN..TMH_LEN + b.len()].copy_from_slice(b);
+                let sgl = [self.header(conn, &msg[..TMH_LEN + b.len()])?];
+                let c = &mut self.conns[conn];
+                c.qp.post_send(&[SendWr::new(wr(K_EAGER, id), op, &sgl)])?;
+                c.hdr_next += 1;
+            }
+            TagSend::Sges(sges) => {
+                let total: u64 = sges.iter().map(|s| s.len as u64).sum();
+                if sges.len() > 3 || total > self.cfg.eager_max as u64 {
+                    return Err(Error::InvalidArgument(
+                        "eager send beyond eager_max or three SGEs",
+                    ));
+                }
+                let mut sgl = [Sge::default(); 4];
+                sgl[0] = self.header(conn, &eager.to_bytes())?;
+                sgl[1..=sges.len()].copy_from_slice(sges);
+                let c = &mut self.conns[conn];
+                c.qp.post_send(&[SendWr::new(wr(K_EAGER, id), op, &sgl[..=sges.len()])])?;
+                c.hdr_next += 1;
+            }
+            TagSend::Rndv { remote, len } => {
+                let ctx = free_ctx(&self.sends, conn, self.conns[conn].next_ctx);
+                // In CQ-data mode the context on the wire is the data, and the FIN is found
+                // by tag, context and RVH.
+                let wire_ctx = match (self.cq_data, data) {
+                    (false, _) => ctx,
+                    (true, d) => d.unwrap_or(0),
+                };
+                let rvh = Rvh {
+                    va: remote.addr,
+                    rkey: remote.rkey,
                     len,
-                },
-            );
-            let sgl = [self.header(conn, &req)?];
-            let c = &mut self.conns[conn];
-            c.qp.post_send(&[SendWr::new(wr(K_RNDV_REQ, id), WrOp::Send, &sgl)])?;
-            c.hdr_next += 1;
-            c.next_ctx = ctx.wrapping_add(1).max(1);
-            self.sends.insert((conn, ctx), Waiting { id, tag });
+                };
+                let msg = rndv_header(
+                    &Tmh {
+                        opcode: TmhOp::Rndv as u8,
+                        app_ctx: wire_ctx,
+                        tag,
+                    },
+                    &rvh,
+                );
+                let sgl = [self.header(conn, &msg)?];
+                let c = &mut self.conns[conn];
+                c.qp.post_send(&[SendWr::new(wr(K_RNDV_REQ, id), WrOp::Send, &sgl)])?;
+                c.hdr_next += 1;
+                c.next_ctx = ctx.wrapping_add(1).max(1);
+                self.sends.insert(
+                    (conn, ctx),
+                    Waiting {
+                        id,
+                        tag,
+                        wire_ctx,
+                        rvh,
+                    },
+                );
+            }
         }
         Ok(())
     }
@@ -787,6 +1228,24 @@ impl TagMatcher {
 
     fn handle(&mut self, w: &WorkCompletion) -> Result<(), Error> {
         let (kind, v) = (w.wr_id >> K_SHIFT, w.wr_id & ((1 << K_SHIFT) - 1));
+        if w.opcode.is_message() && self.made.contains(&w.qpn) {
+            // A message on a QP of ours that is not a connection yet (its peer sent as
+            // soon as its side was up): kept, and handled when the QP is added. Its
+            // unexpected count waits too, so entries added meanwhile stay disabled.
+            self.early.push(*w);
+            return Ok(());
+        }
+        if kind == K_EXT && !w.opcode.is_recv() {
+            // The caller's own work: its completion is the caller's. A failure broke the
+            // connection, so the rendezvous sends waiting on it fail too.
+            self.ext.push_back(WorkCompletion { wr_id: v, ..*w });
+            if w.status != CqeStatus::Success {
+                if let Some(conn) = self.conn_of(w.qpn) {
+                    self.fail_conn(conn, w.status);
+                }
+            }
+            return Ok(());
+        }
         match w.opcode {
             CqeOpcode::TmAdd | CqeOpcode::TmDel | CqeOpcode::TmSync => {
                 self.list_completion(w, kind, v);
@@ -850,6 +1309,7 @@ impl TagMatcher {
                     K_FIN => {
                         if let Some(s) = self.sw_rndv.remove(&v) {
                             let truncated = s.rvh.len > s.recv.len;
+                            self.record(&s.recv, s.data, s.rvh.len, None, false);
                             self.events.push_back(TagEvent::Recv {
                                 id: s.recv.id,
                                 tag: s.tmh.tag,
@@ -922,7 +1382,7 @@ impl TagMatcher {
     fn hw_recv(&mut self, w: &WorkCompletion) {
         let conn = self.conn_of(w.qpn).unwrap_or(0);
         if w.tm_match && !w.tm_data_valid {
-            self.matched.insert(w.wr_id, (w.tag, conn));
+            self.matched.insert(w.wr_id, (w.tag, conn, w.app_ctx));
             return;
         }
         let Some(i) = self.posted.iter().position(|p| p.id == w.wr_id) else {
@@ -931,16 +1391,37 @@ impl TagMatcher {
         let Some(p) = self.posted.remove(i) else {
             return;
         };
-        let (tag, conn) = self.matched.remove(&w.wr_id).unwrap_or((w.tag, conn));
+        let (tag, conn, app_ctx) = self
+            .matched
+            .remove(&w.wr_id)
+            .unwrap_or((w.tag, conn, w.app_ctx));
         self.stats.hw_matched += 1;
+        // Eager data comes as the SEND's immediate, a rendezvous's in its context.
+        let data = if self.cq_data {
+            w.imm.or(ctx_data(app_ctx))
+        } else {
+            None
+        };
         if w.status == CqeStatus::TmRndvIncomplete {
             // The request is at the start of the buffer: finish in software.
+            let off = match p.dst {
+                Dst::User(off) => off,
+                Dst::Mem(_) => {
+                    // The caller reads it back and resumes ([`TagMatcher::resume_rndv`]).
+                    self.incomplete.insert(p.id, (p, conn, tag, data));
+                    self.events.push_back(TagEvent::Failed {
+                        id: p.id,
+                        status: CqeStatus::TmRndvIncomplete,
+                    });
+                    return;
+                }
+            };
             let mut req = [0u8; RNDV_HDR_LEN];
-            let read = self.user.read(p.off as usize, &mut req).is_ok();
+            let read = self.user.read(off as usize, &mut req).is_ok();
             if let (true, Some(tmh), Some(rvh)) =
                 (read, Tmh::parse(&req), Rvh::parse(&req[TMH_LEN..]))
             {
-                self.start_sw_rndv(p, conn, tmh, rvh);
+                self.start_sw_rndv(p, conn, tmh, rvh, data);
                 return;
             }
             // Nothing to read from: the receive fails, and so does the send.
@@ -963,6 +1444,7 @@ impl TagMatcher {
             });
             return;
         }
+        self.record(&p, data, w.byte_len, None, true);
         self.events.push_back(TagEvent::Recv {
             id: p.id,
             tag,
@@ -981,6 +1463,40 @@ impl TagMatcher {
         Ok(c.hdr_mr.sge(at, bytes.len() as u32))
     }
 
+    /// The waiting send a FIN on `conn` answers ([`fin_match`]).
+    fn fin_key(
+        &self,
+        conn: usize,
+        t: &Tmh,
+        rvh: Option<Rvh>,
+        refused: bool,
+    ) -> Option<(usize, u32)> {
+        fin_match(&self.sends, self.cq_data, conn, t, rvh, refused)
+    }
+
+    /// Keeps what receive `r` (of [`TagMatcher::recv_sge`]) got, for
+    /// [`TagMatcher::received`].
+    fn record(
+        &mut self,
+        r: &Posted,
+        data: Option<u32>,
+        msg_len: u32,
+        payload: Option<Vec<u8>>,
+        hw: bool,
+    ) {
+        if matches!(r.dst, Dst::Mem(_)) {
+            self.received.insert(
+                r.id,
+                Received {
+                    data,
+                    msg_len,
+                    payload,
+                    hw,
+                },
+            );
+        }
+    }
+
     fn conn_of(&self, qpn: u32) -> Option<usize> {
         self.conns.iter().position(|c| c.qp.qpn() == qpn)
     }
@@ -997,8 +1513,9 @@ impl TagMatcher {
         let conn = self.conn_of(w.qpn);
         match (w.opcode, tmh) {
             (CqeOpcode::TmNoTag, Some(t)) if t.opcode == TmhOp::Fin as u8 => {
-                let key = (conn.unwrap_or(usize::MAX), t.app_ctx);
-                if self.sends.get(&key).is_some_and(|s| s.tag == t.tag) {
+                let rvh = Rvh::parse(&hdr[TMH_LEN.min(n)..n]);
+                let key = self.fin_key(conn.unwrap_or(usize::MAX), &t, rvh, hdr[1] != 0);
+                if let Some(key) = key {
                     if let Some(s) = self.sends.remove(&key) {
                         self.events.push_back(if hdr[1] == 0 {
                             TagEvent::Send { id: s.id }
@@ -1024,8 +1541,13 @@ impl TagMatcher {
             (CqeOpcode::TmRecv, Some(t)) => {
                 self.unexp_cnt = self.unexp_cnt.wrapping_add(1);
                 let rndv = (t.opcode == TmhOp::Rndv as u8)
-                    .then(|| Rvh::parse(&hdr[TMH_LEN..n]))
+                    .then(|| Rvh::parse(&hdr[TMH_LEN.min(n)..n]))
                     .flatten();
+                let cq_data = match (self.cq_data, rndv.is_some()) {
+                    (false, _) => None,
+                    (true, false) => w.imm,
+                    (true, true) => ctx_data(t.app_ctx),
+                };
                 let conn = match conn {
                     Some(c) if t.opcode != TmhOp::Rndv as u8 || rndv.is_some() => c,
                     _ => {
@@ -1052,6 +1574,7 @@ impl TagMatcher {
                     data,
                     rndv,
                     tmh: t,
+                    cq_data,
                 };
                 self.match_unexpected(u);
                 self.recycle(slot);
@@ -1074,8 +1597,9 @@ impl TagMatcher {
     /// and `u` is delivered when the DEL succeeds. (Should the DEL fail because a message
     /// got the entry after all, `u` is matched again.)
     fn match_unexpected(&mut self, u: Unexpected) {
+        let peer = self.conns[u.conn].peer;
         let hit = self.posted.iter().position(|p| {
-            tag_matches(u.tag, p.tag, p.mask)
+            p.takes(u.tag, peer)
                 && match p.at {
                     Where::Sw => true,
                     Where::Hw(_) => !self.matched.contains_key(&p.id),
@@ -1177,18 +1701,29 @@ impl TagMatcher {
     fn deliver_unexpected(&mut self, r: Posted, u: Unexpected) {
         self.stats.sw_matched += 1;
         if let Some(rvh) = u.rndv {
-            self.start_sw_rndv(r, u.conn, u.tmh, rvh);
+            self.start_sw_rndv(r, u.conn, u.tmh, rvh, u.cq_data);
             return;
         }
         let n = u.data.len().min(r.len as usize);
-        // Within the user region: `recv` checked the buffer.
-        let placed = self.user.write(r.off as usize, &u.data[..n]);
+        let full = u.data.len();
+        let placed = match r.dst {
+            // Within the user region: `recv` checked the buffer.
+            Dst::User(off) => self.user.write(off as usize, &u.data[..n]),
+            // The caller places it.
+            Dst::Mem(_) => {
+                let msg_len = u.data.len() as u32;
+                let mut data = u.data;
+                data.truncate(n);
+                self.record(&r, u.cq_data, msg_len, Some(data), false);
+                Ok(())
+            }
+        };
         self.events.push_back(match placed {
             Ok(()) => TagEvent::Recv {
                 id: r.id,
                 tag: u.tag,
                 len: n as u32,
-                truncated: u.data.len() > n,
+                truncated: full > n,
                 conn: u.conn,
             },
             Err(_) => TagEvent::Failed {
@@ -1199,7 +1734,7 @@ impl TagMatcher {
     }
 
     /// Reads a rendezvous's data into receive `r`, then sends the FIN.
-    fn start_sw_rndv(&mut self, r: Posted, conn: usize, tmh: Tmh, rvh: Rvh) {
+    fn start_sw_rndv(&mut self, r: Posted, conn: usize, tmh: Tmh, rvh: Rvh, data: Option<u32>) {
         self.stats.sw_rndv += 1;
         let n = rvh.len.min(r.len);
         self.sw_rndv.insert(
@@ -1209,16 +1744,28 @@ impl TagMatcher {
                 conn,
                 tmh,
                 rvh,
+                data,
             },
         );
+        if n == 0 {
+            // Nothing to read (an empty message, or an empty receive): the FIN at once.
+            let msg = rndv_header(
+                &Tmh {
+                    opcode: TmhOp::Fin as u8,
+                    ..tmh
+                },
+                &rvh,
+            );
+            self.post_internal(conn, Internal::Fin { id: r.id, msg });
+            return;
+        }
         let remote = RemoteAddr {
             addr: rvh.va,
             rkey: rvh.rkey,
         };
         let read = Internal::Read {
             id: r.id,
-            off: r.off,
-            len: n,
+            sge: self.dst_sge(&r, n),
             remote,
         };
         self.post_internal(conn, read);
@@ -1312,13 +1859,8 @@ impl TagMatcher {
     fn try_post(&mut self, conn: usize, w: Internal) -> Result<(), Error> {
         let mut msg = [0u8; RNDV_HDR_LEN];
         let (kind, id, len) = match w {
-            Internal::Read {
-                id,
-                off,
-                len,
-                remote,
-            } => {
-                let sgl = [self.user_mr.sge(off, len)];
+            Internal::Read { id, sge, remote } => {
+                let sgl = [sge];
                 return self.conns[conn].qp.post_send(&[SendWr::new(
                     wr(K_READ, id),
                     WrOp::Read(remote),
@@ -1371,6 +1913,37 @@ impl TagMatcher {
     }
 }
 
+/// The waiting send a FIN on `conn` answers: by context and tag; in CQ-data mode, where the
+/// context on the wire is the data and not unique, also by the RVH the FIN echoes, the
+/// first by key among equals (sends with the same tag, data and RVH name the same memory,
+/// so which of them completes first does not matter). A refusing FIN echoes no RVH.
+fn fin_match(
+    sends: &BTreeMap<(usize, u32), Waiting>,
+    cq_data: bool,
+    conn: usize,
+    t: &Tmh,
+    rvh: Option<Rvh>,
+    refused: bool,
+) -> Option<(usize, u32)> {
+    if !cq_data {
+        let key = (conn, t.app_ctx);
+        return sends
+            .get(&key)
+            .is_some_and(|s| s.tag == t.tag)
+            .then_some(key);
+    }
+    sends
+        .range((conn, 0)..=(conn, u32::MAX))
+        .filter(|(_, s)| s.tag == t.tag && s.wire_ctx == t.app_ctx)
+        .find(|(_, s)| refused || Some(s.rvh) == rvh)
+        .map(|(k, _)| *k)
+}
+
+/// The CQ data a rendezvous request's `app_ctx` carries in CQ-data mode (0: none).
+fn ctx_data(app_ctx: u32) -> Option<u32> {
+    (app_ctx != 0).then_some(app_ctx)
+}
+
 /// The first rendezvous context from `start` (wrapping, never 0) that no send of
 /// connection `conn` waiting for its FIN uses.
 fn free_ctx(sends: &BTreeMap<(usize, u32), Waiting>, conn: usize, start: u32) -> u32 {
@@ -1394,11 +1967,10 @@ fn queue_list_op(q: &mut VecDeque<ListOp>, op: ListOp) {
 /// Work the matcher posts for itself.
 #[derive(Clone, Copy, Debug)]
 enum Internal {
-    /// The READ of a software rendezvous into receive `id`: `len` bytes at `off`.
+    /// The READ of a software rendezvous into receive `id`, into `sge`.
     Read {
         id: u64,
-        off: u64,
-        len: u32,
+        sge: Sge,
         remote: RemoteAddr,
     },
     /// The FIN of the software rendezvous into receive `id`.
@@ -1412,6 +1984,62 @@ enum Internal {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        /// FIN matching in CQ-data mode against a plain model (a list of waiting sends): a
+        /// FIN finds a send of its connection with its tag, context and RVH exactly when
+        /// the model has one; a refusing FIN needs only tag and context. Contexts and RVHs
+        /// come from small sets, so that many sends share them.
+        #[test]
+        fn fins_find_a_send_with_their_tag_context_and_rvh(
+            waiting in proptest::collection::vec((0usize..3, 0u64..3, 0u32..3, 0u64..3), 0..30),
+            fin in (0usize..3, 0u64..3, 0u32..3, 0u64..3, any::<bool>()),
+        ) {
+            let rvh = |v: u64| Rvh { va: 0x1000 * v, rkey: 7, len: 100 };
+            let mut sends = BTreeMap::new();
+            for (i, &(conn, tag, ctx, va)) in waiting.iter().enumerate() {
+                let w = Waiting { id: i as u64, tag, wire_ctx: ctx, rvh: rvh(va) };
+                sends.insert((conn, i as u32 + 1), w);
+            }
+            let (conn, tag, ctx, va, refused) = fin;
+            let t = Tmh { opcode: TmhOp::Fin as u8, app_ctx: ctx, tag };
+            let got = fin_match(&sends, true, conn, &t, Some(rvh(va)), refused);
+            let model = waiting.iter().any(|&(c, tg, cx, v)| {
+                c == conn && tg == tag && cx == ctx && (refused || v == va)
+            });
+            prop_assert_eq!(got.is_some(), model);
+            if let Some(k) = got {
+                let s = sends[&k];
+                prop_assert_eq!(k.0, conn);
+                prop_assert_eq!((s.tag, s.wire_ctx), (tag, ctx));
+                prop_assert!(refused || s.rvh == rvh(va));
+            }
+        }
+
+        /// Outside CQ-data mode the context is the key: only that send, and only with the
+        /// FIN's tag.
+        #[test]
+        fn fins_find_their_context_outside_cq_data_mode(
+            ctxs in proptest::collection::btree_set(1u32..20, 0..10),
+            ctx in 1u32..20,
+            tag in 0u64..2,
+        ) {
+            let sends: BTreeMap<(usize, u32), Waiting> = ctxs
+                .iter()
+                .map(|&c| ((0, c), Waiting { id: c as u64, tag: 1, wire_ctx: c, rvh: Rvh::default() }))
+                .collect();
+            let t = Tmh { opcode: TmhOp::Fin as u8, app_ctx: ctx, tag };
+            let got = fin_match(&sends, false, 0, &t, None, false);
+            prop_assert_eq!(got, (ctxs.contains(&ctx) && tag == 1).then_some((0, ctx)));
+        }
+
+        /// CQ data in a rendezvous context: every value but 0 reads back as sent.
+        #[test]
+        fn rendezvous_cq_data_reads_back(d in any::<u32>()) {
+            prop_assert_eq!(ctx_data(d), (d != 0).then_some(d));
+        }
+    }
 
     #[test]
     fn a_waiting_sync_takes_the_newer_count_but_never_passes_a_del() {
@@ -1438,7 +2066,12 @@ mod tests {
 
     #[test]
     fn a_rendezvous_context_still_waiting_is_skipped_when_the_counter_wraps() {
-        let w = Waiting { id: 1, tag: 2 };
+        let w = Waiting {
+            id: 1,
+            tag: 2,
+            wire_ctx: 0,
+            rvh: Rvh::default(),
+        };
         let mut sends = BTreeMap::new();
         for ctx in [u32::MAX, 1, 2] {
             sends.insert((0, ctx), w);

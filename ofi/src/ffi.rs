@@ -344,7 +344,8 @@ unsafe fn queue_work(dom: usize, work: *mut abi::fi_deferred_work) -> c_int {
 
 /// The provider's own domain operations, opened with
 /// `fi_open_ops(&domain->fid, RINGBELL_DOMAIN_OPS, 0, &ops, NULL)`: the device clock, so
-/// that a program can time simulated work.
+/// that a program can time simulated work, and what an endpoint's tag matcher did (how
+/// many tagged messages the NIC matched).
 #[repr(C)]
 pub struct DomainOps {
     pub size: usize,
@@ -358,6 +359,12 @@ pub struct DomainOps {
     /// 0 while it has not, `-FI_EIO` if its error value changed first, or another negative
     /// error number.
     pub cntr_reached: unsafe extern "C" fn(cntr: *mut abi::fid_cntr, ps: *mut u64) -> c_int,
+    /// What endpoint `ep`'s tag matcher did so far, after a round of progress
+    /// ([`prov::TagCounts`], six `uint64_t`: receives posted to the NIC's list, messages the
+    /// NIC matched, messages software matched, receives taken back from the list,
+    /// rendezvous finished by software, unexpected messages waiting). 0, or a negative
+    /// error number (`-FI_EOPBADSTATE` before `fi_enable`).
+    pub tag_counts: unsafe extern "C" fn(ep: *mut abi::fid_ep, out: *mut prov::TagCounts) -> c_int,
 }
 
 /// The name `fi_open_ops` takes for [`DomainOps`].
@@ -386,11 +393,21 @@ unsafe extern "C" fn dom_cntr_reached(cntr: *mut abi::fid_cntr, ps: *mut u64) ->
     }
 }
 
+unsafe extern "C" fn dom_tag_counts(ep: *mut abi::fid_ep, out: *mut prov::TagCounts) -> c_int {
+    run(|st| {
+        st.check(ep as usize, Kind::Ep)?;
+        st.progress();
+        let c = st.tag_counts(ep as usize)?;
+        put(out, c).map(|()| 0)
+    })
+}
+
 static RB_DOMAIN_OPS: DomainOps = DomainOps {
     size: std::mem::size_of::<DomainOps>(),
     clock_ps: dom_clock_ps,
     cntr_arm: dom_cntr_arm,
     cntr_reached: dom_cntr_reached,
+    tag_counts: dom_tag_counts,
 };
 
 unsafe extern "C" fn obj_ops_open(

@@ -9,8 +9,9 @@
 //! domains, (minimal) event queues, completion queues, address vectors, memory registration
 //! and endpoints with message and tagged transfers are implemented ([`prov`]: reliable
 //! datagrams over RC connections made on demand through the datagram connection manager;
-//! tagged messages matched in software by the provider, the data moved by an RDMA READ of
-//! the receiver once a receive matched); RMA, atomics and counters are `-FI_ENOSYS` for now.
+//! tagged messages matched by the NIC's tag-matching SRQ through the driver's tag matcher,
+//! which matches in software what the NIC's list does not hold, `prov::tagged`); RMA,
+//! atomics, counters and triggered operations too.
 //!
 //! NICs are served (`RINGBELL_SERVE`: each process opens its own NIC of a
 //! `ringbell-emu serve`) or, by default, in-process: the provider then hosts a

@@ -12,20 +12,17 @@
 //! the endpoint's one SRQ and completes on its one driver CQ. Progress is manual: reading a
 //! completion queue polls the CMs and the driver CQs.
 //!
-//! Tagged messages are matched here, in software, over a second channel of RC connections
-//! per peer ([`CH_TAG`]) whose QPs receive into the endpoint's staging SRQ (64-byte control
-//! headers, [`Ctl`]). A message of up to [`EAGER_MAX`] bytes follows its header in the
-//! same inline SEND (eager: complete when that SEND is). A larger send posts a request to
-//! send ([`Rts`]: tag, length, CQ data, the buffer's address and rkey, the sender's
-//! address); the receiver matches it against its
-//! posted tagged receives in order ([`tag_matches`], and the source with FI_DIRECTED_RECV)
-//! or keeps it as unexpected; a matched message is RDMA READ into the receive buffer (cut
-//! to its length: `FI_ETRUNC`), and a FIN completes the send. On the in-process fabric
-//! ([`State::fabric`]) those polls are what steps the emulator; a CM with nothing to do
-//! but wait lets the idle clock run to its next timer ([`ConnectionManager::poll`]).
+//! Tagged messages go over a second channel of RC connections per peer ([`CH_TAG`]) whose
+//! QPs belong to the endpoint's tag matcher (the driver's [`ringbell::tagmatch`]): the NIC
+//! matches them against the receives in its hardware list of the endpoint's TM-SRQ, and
+//! the matcher's software half matches the rest in MPI order ([`tagged`] says what goes
+//! where). On the in-process fabric ([`State::fabric`]) the polls of progress are what
+//! steps the emulator; a CM with nothing to do but wait lets the idle clock run to its
+//! next timer ([`ConnectionManager::poll`]).
 
 mod bounce;
 mod peek;
+mod tagged;
 
 use crate::abi;
 use ringbell::cm::{CmEvent, ConnId, ConnectionManager, REJ_CONSUMER};
@@ -39,6 +36,7 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::{Mutex, MutexGuard, OnceLock};
 
 mod trig;
+pub use tagged::{TagCounts, EAGER_MAX};
 pub use trig::{Trig, WorkOp};
 
 /// Length of an endpoint address.
@@ -190,8 +188,8 @@ pub struct Mr {
     pub access: Access,
 }
 
-/// The channel of a connection: untagged messages (received on the endpoint's SRQ) or the
-/// tagged protocol's control messages (received into its staging SRQ).
+/// The channel of a connection: untagged messages (received on the endpoint's SRQ) or
+/// tagged messages (the QPs of the endpoint's tag matcher, on its TM-SRQ).
 pub const CH_MSG: u8 = 0;
 /// See [`CH_MSG`].
 pub const CH_TAG: u8 = 1;
@@ -202,6 +200,9 @@ enum Conn {
     /// Connecting (or accepting): the sends that wait.
     Pending(ConnId, Vec<Pending>),
     Up(ConnId, Box<QueuePair>),
+    /// A tagged channel's connection, up: connection `.1` of the endpoint's tag matcher,
+    /// which owns the QP.
+    Tag(ConnId, usize),
 }
 
 struct Pending {
@@ -209,13 +210,13 @@ struct Pending {
     sges: Vec<Sge>,
     inline: Option<Vec<u8>>,
     imm: Option<u32>,
-    /// An RDMA READ from there into `sges` (tagged rendezvous), not a send.
-    read: Option<RemoteAddr>,
     /// Any other operation (RMA, atomics): posted as it is, over `sges` or `inline`.
     wr: Option<WrOp>,
     /// Posted as a triggered operation (held by the NIC until its counter reaches the
     /// threshold), not sent at once.
     trig: Option<trig::TrigPost>,
+    /// A tagged send through the tag matcher (`wr_id` is its id).
+    tsend: Option<tagged::TSendReq>,
 }
 
 struct Op {
@@ -229,31 +230,10 @@ struct Op {
     kind: OpKind,
 }
 
-impl Op {
-    fn internal(kind: OpKind) -> Op {
-        Op {
-            ctx: 0,
-            send: true,
-            report: false,
-            buf: 0,
-            _tmp: Vec::new(),
-            _copy: Vec::new(),
-            kind,
-        }
-    }
-}
-
 /// What a work request of an endpoint is.
 enum OpKind {
     /// An untagged send or receive.
     Msg,
-    /// A staging receive of the tagged channel (slot index).
-    Slot(usize),
-    /// A control message of the tagged protocol (RTS of tagged send `send`, or a FIN);
-    /// `eager`: the send is complete when this message is.
-    Ctl { send: Option<u64>, eager: bool },
-    /// The READ of a matched tagged message.
-    Read(Box<Matched>),
     /// An RMA or atomic operation; its completion carries `flags`.
     Rma { flags: u64 },
     /// A triggered transfer (any kind); its completion carries `flags`.
@@ -267,139 +247,9 @@ pub fn nic_ip(i: usize) -> [u8; 4] {
     [10, 0, (n >> 8) as u8, n as u8]
 }
 
-/// Bytes of a tagged-protocol control message's header.
-pub const CTL_LEN: usize = 64;
-/// Bytes of a staging slot: a header and an eager message's payload.
-const SLOT_LEN: usize = 256;
-/// The largest tagged message sent eagerly: header and payload in one inline SEND, no
-/// rendezvous (bounded by the send's inline room, [`INJECT`]).
-pub const EAGER_MAX: usize = INJECT - CTL_LEN;
-/// Staging slots (control messages in flight towards an endpoint).
-const SLOTS: usize = 512;
-const CTL_RTS: u8 = 1;
-const CTL_FIN: u8 = 2;
-
-/// A tagged message announced by its sender (request to send): the receiver matches it,
-/// reads the data from `va` with `rkey`, and answers with a FIN naming `id`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Rts {
-    pub tag: u64,
-    pub len: u64,
-    pub va: u64,
-    pub rkey: u32,
-    /// The sender's id of the send.
-    pub id: u64,
-    /// Remote CQ data.
-    pub data: Option<u32>,
-    /// The sender's address.
-    pub from: Addr,
-    /// The payload follows the header (nothing to read, no FIN).
-    pub eager: bool,
-}
-
-/// A control message of the tagged protocol.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Ctl {
-    Rts(Rts),
-    /// Send `id` is done (`ok`: the receiver read it; else it failed).
-    Fin {
-        id: u64,
-        ok: bool,
-    },
-}
-
-impl Ctl {
-    /// The wire form: kind, flags, 2 reserved, data (u32), tag, len, va, rkey (u32), 4
-    /// reserved, id, sender address; little endian.
-    pub fn encode(&self) -> [u8; CTL_LEN] {
-        let mut b = [0u8; CTL_LEN];
-        match *self {
-            Ctl::Rts(r) => {
-                b[0] = CTL_RTS;
-                b[1] = u8::from(r.data.is_some()) | (u8::from(r.eager) << 1);
-                b[4..8].copy_from_slice(&r.data.unwrap_or(0).to_le_bytes());
-                b[8..16].copy_from_slice(&r.tag.to_le_bytes());
-                b[16..24].copy_from_slice(&r.len.to_le_bytes());
-                b[24..32].copy_from_slice(&r.va.to_le_bytes());
-                b[32..36].copy_from_slice(&r.rkey.to_le_bytes());
-                b[40..48].copy_from_slice(&r.id.to_le_bytes());
-                b[48..64].copy_from_slice(&r.from);
-            }
-            Ctl::Fin { id, ok } => {
-                b[0] = CTL_FIN;
-                b[1] = u8::from(!ok);
-                b[40..48].copy_from_slice(&id.to_le_bytes());
-            }
-        }
-        b
-    }
-
-    /// Parses a control message (`None` for anything malformed).
-    pub fn decode(b: &[u8]) -> Option<Ctl> {
-        if b.len() < CTL_LEN {
-            return None;
-        }
-        let u64_at = |i: usize| u64::from_le_bytes(b[i..i + 8].try_into().unwrap_or([0; 8]));
-        let u32_at = |i: usize| u32::from_le_bytes(b[i..i + 4].try_into().unwrap_or([0; 4]));
-        match b[0] {
-            CTL_RTS => {
-                let from: Addr = b[48..64].try_into().ok()?;
-                Some(Ctl::Rts(Rts {
-                    tag: u64_at(8),
-                    len: u64_at(16),
-                    va: u64_at(24),
-                    rkey: u32_at(32),
-                    id: u64_at(40),
-                    data: (b[1] & 1 != 0).then(|| u32_at(4)),
-                    from,
-                    eager: b[1] & 2 != 0,
-                }))
-            }
-            CTL_FIN => Some(Ctl::Fin {
-                id: u64_at(40),
-                ok: b[1] == 0,
-            }),
-            _ => None,
-        }
-    }
-}
-
 /// Whether a message tagged `msg` matches a receive for `tag` ignoring the bits of `ignore`.
 pub fn tag_matches(msg: u64, tag: u64, ignore: u64) -> bool {
     (msg & !ignore) == (tag & !ignore)
-}
-
-/// A posted tagged receive.
-struct TRecv {
-    ctx: u64,
-    tag: u64,
-    ignore: u64,
-    /// Only from this address (FI_DIRECTED_RECV).
-    src: Option<Addr>,
-    sges: Vec<Sge>,
-    _tmp: Vec<MemoryRegion>,
-    cap: u64,
-    buf: u64,
-    report: bool,
-    /// Some buffer has no descriptor: `sges` are process addresses, and a rendezvous reads
-    /// through a bounce buffer ([`bounce`]).
-    bounce: bool,
-}
-
-impl TRecv {
-    fn takes(&self, r: &Rts) -> bool {
-        tag_matches(r.tag, self.tag, self.ignore) && self.src.is_none_or(|s| s == r.from)
-    }
-}
-
-/// A tagged receive and the message it matched, while the data is read.
-struct Matched {
-    recv: TRecv,
-    rts: Rts,
-    /// Bytes read (the rest, if any, is truncated).
-    n: u64,
-    /// Where the data is read when the receive has buffers without a descriptor.
-    bounce: Option<bounce::Bounce>,
 }
 
 /// A tagged send waiting for its FIN.
@@ -408,13 +258,6 @@ struct TSend {
     report: bool,
     /// The copy the receiver reads, unless the data is eager or in a registered region.
     _bounce: Option<bounce::Bounce>,
-}
-
-/// The tagged channel's receive side of an endpoint.
-struct Staging {
-    srq: SharedReceiveQueue,
-    buf: ringbell::DmaBuffer,
-    mr: MemoryRegion,
 }
 
 pub struct Ep {
@@ -445,15 +288,15 @@ pub struct Ep {
     next_wr: u64,
     srq: Option<SharedReceiveQueue>,
     cq: Option<CompletionQueue>,
-    staging: Option<Staging>,
-    /// Tagged receives waiting for a message, in posting order.
-    tposted: VecDeque<TRecv>,
-    /// Tagged messages that came before a receive matched them, in arrival order.
-    /// Eager ones with their payload.
-    unexpected: VecDeque<(Rts, Vec<u8>)>,
-    /// Messages claimed by a peek (`FI_PEEK|FI_CLAIM`), by the peek's context ([`peek`]).
-    claimed: Vec<(u64, Rts, Vec<u8>)>,
-    /// Tagged sends waiting for their FIN, by id.
+    /// The tag matcher of the tagged channel: its TM-SRQ, CQ and connections.
+    tm: Option<ringbell::tagmatch::TagMatcher>,
+    /// Tagged receives posted to the matcher, by id.
+    trecvs: HashMap<u64, tagged::TRecv>,
+    /// The peer each of the matcher's connections reaches, by connection index.
+    tconn_peer: Vec<Addr>,
+    /// Peers named as a receive's source: the matcher's peer id is the index.
+    peer_ids: Vec<Addr>,
+    /// Tagged sends waiting for their completion, by id.
     tsends: HashMap<u64, TSend>,
     /// Bound counters.
     pub cntrs: EpCntrs,
@@ -695,10 +538,10 @@ impl State {
             next_wr: 1,
             srq: None,
             cq: None,
-            staging: None,
-            tposted: VecDeque::new(),
-            unexpected: VecDeque::new(),
-            claimed: Vec::new(),
+            tm: None,
+            trecvs: HashMap::new(),
+            tconn_peer: Vec::new(),
+            peer_ids: Vec::new(),
             tsends: HashMap::new(),
             cntrs: EpCntrs::default(),
         })
@@ -716,21 +559,12 @@ impl State {
             }
             (e.domain, e.nic, e.service)
         };
-        let (srq, cq, staging) = {
+        let (srq, cq, tm) = {
             let d = self.domain(dom)?;
             let srq = d.pd.create_srq(1024, 4, 0).map_err(|_| abi::FI_ENOMEM)?;
             let dev = &self.nics[&nic].dev;
             let cq = dev.create_cq(8192).map_err(|_| abi::FI_ENOMEM)?;
-            let tsrq =
-                d.pd.create_srq(SLOTS as u32, 1, 0)
-                    .map_err(|_| abi::FI_ENOMEM)?;
-            let buf = dev
-                .alloc_dma(SLOTS * SLOT_LEN)
-                .map_err(|_| abi::FI_ENOMEM)?;
-            let mr =
-                d.pd.reg_mr(&buf, Access::LOCAL_WRITE)
-                    .map_err(|_| abi::FI_ENOMEM)?;
-            (srq, cq, Staging { srq: tsrq, buf, mr })
+            (srq, cq, tagged::matcher(&d.pd)?)
         };
         self.nics
             .get_mut(&nic)
@@ -741,11 +575,8 @@ impl State {
         let e = self.ep_mut(ep)?;
         e.srq = Some(srq);
         e.cq = Some(cq);
-        e.staging = Some(staging);
+        e.tm = Some(tm);
         e.enabled = true;
-        for slot in 0..SLOTS {
-            e.post_slot(slot)?;
-        }
         Ok(())
     }
 
@@ -927,9 +758,9 @@ impl State {
             sges,
             inline,
             imm,
-            read: None,
             wr: None,
             trig: None,
+            tsend: None,
         };
         let op = Op {
             ctx,
@@ -1053,9 +884,9 @@ impl State {
             sges,
             inline,
             imm: None,
-            read: None,
             wr: Some(wr),
             trig: None,
+            tsend: None,
         };
         let mut op = Op {
             ctx: req.ctx,
@@ -1131,21 +962,32 @@ impl State {
             (e.domain, e.nic, e.addr)
         };
         let e = self.ep_mut(ep)?;
+        // Tagged messages to a peer all go over one connection, the first one made (ours or
+        // the peer's): MPI order holds per sender, and two QPs would not keep it. A second
+        // connection that crossed it (both sides connecting at once) only receives.
+        if let Some(Conn::Tag(_, c)) = e.conns.get(&key) {
+            let c = *c;
+            return e.post_tag(c, &p);
+        }
         if let Some(Conn::Up(_, qp)) = e.conns.get_mut(&key) {
-            return post_pending(qp, &p);
+            return post_pending(qp, &p, p.wr_id);
         }
         for (k, c) in e.extra.iter_mut() {
-            if let (true, Conn::Up(_, qp)) = (*k == key, c) {
-                return post_pending(qp, &p);
+            if let (true, Conn::Up(_, qp)) = (*k == key && key.1 != CH_TAG, c) {
+                return post_pending(qp, &p, p.wr_id);
             }
         }
         match e.conns.get_mut(&key) {
-            Some(Conn::Up(..)) => unreachable!("handled above"),
+            Some(Conn::Up(..) | Conn::Tag(..)) => unreachable!("handled above"),
             Some(Conn::Pending(_, q)) => q.push(p),
             None => {
                 let (ip, service) = parse_addr(&key.0).ok_or(EINVAL)?;
                 let ah = AhAttr::on_fabric(ip).ok_or(abi::FI_EHOSTUNREACH)?;
-                let qp = new_qp(self.domain(dom)?, self.objs_ep(ep)?, key.1)?;
+                let qp = if key.1 == CH_TAG {
+                    self.ep_mut(ep)?.tag_qp()?
+                } else {
+                    new_qp(self.domain(dom)?, self.objs_ep(ep)?, key.1)?
+                };
                 self.bind_remote_cntrs(ep, &qp, key.1);
                 let mut private = own.to_vec();
                 private.push(key.1);
@@ -1205,6 +1047,7 @@ impl State {
                     break;
                 }
             }
+            self.tag_progress(key);
         }
     }
 
@@ -1272,38 +1115,6 @@ impl State {
                     );
                 }
             }
-            OpKind::Slot(slot) => {
-                let mut b = [0u8; SLOT_LEN];
-                let n = (w.byte_len as usize).min(SLOT_LEN);
-                let got = ok
-                    && n >= CTL_LEN
-                    && e.staging
-                        .as_ref()
-                        .is_some_and(|s| s.buf.read(slot * SLOT_LEN, &mut b[..n]).is_ok());
-                // The slot serves again at once: its message is copied out.
-                let _ = e.post_slot(slot);
-                if !got {
-                    return;
-                }
-                match Ctl::decode(&b) {
-                    Some(Ctl::Rts(r)) if r.eager && r.len as usize == n - CTL_LEN => {
-                        self.on_rts(ep, r, b[CTL_LEN..n].to_vec());
-                    }
-                    // An eager request whose payload does not have its length is dropped.
-                    Some(Ctl::Rts(r)) if r.eager => {}
-                    Some(Ctl::Rts(r)) => self.on_rts(ep, r, Vec::new()),
-                    Some(Ctl::Fin { id, ok }) => self.finish_tsend(ep, id, ok, 0),
-                    None => {}
-                }
-            }
-            OpKind::Ctl { send, eager } => {
-                if let (false, Some(id)) = (ok, send) {
-                    self.finish_tsend(ep, id, false, w.status as i32);
-                } else if let (true, Some(id)) = (eager, send) {
-                    self.finish_tsend(ep, id, true, 0);
-                }
-            }
-            OpKind::Read(m) => self.finish_read(ep, *m, ok, w.status as i32),
             OpKind::Trig(t) => self.finish_trig(ep, t, w),
             OpKind::Rma { flags } => {
                 self.count(ep, flags, ok);
@@ -1354,344 +1165,6 @@ impl State {
         );
     }
 
-    /// A request to send arrived: the earliest posted receive that takes it reads it, or it
-    /// waits in the unexpected queue.
-    fn on_rts(&mut self, ep: usize, r: Rts, payload: Vec<u8>) {
-        let Ok(e) = self.ep_mut(ep) else { return };
-        match e.tposted.iter().position(|t| t.takes(&r)) {
-            Some(i) => {
-                if let Some(t) = e.tposted.remove(i) {
-                    self.start_read(ep, t, r, &payload);
-                }
-            }
-            None => e.unexpected.push_back((r, payload)),
-        }
-    }
-
-    /// Reads a matched message into its receive (or finishes at once when there is nothing
-    /// to read).
-    fn start_read(&mut self, ep: usize, recv: TRecv, rts: Rts, payload: &[u8]) {
-        let n = rts.len.min(recv.cap);
-        let mut m = Matched {
-            recv,
-            rts,
-            n,
-            bounce: None,
-        };
-        if rts.eager {
-            // The payload came with the request: copied into the receive's buffers.
-            let mut at = 0usize;
-            for s in &m.recv.sges {
-                let l = (s.len as usize).min(payload.len().min(n as usize) - at);
-                if l == 0 {
-                    break;
-                }
-                // SAFETY: a receive's buffers are the application's memory, mapped and
-                // writable until the receive completes (the contract of `post_trecv`);
-                // `l` bytes fit in this one and are within the payload.
-                unsafe {
-                    std::ptr::copy_nonoverlapping(payload[at..].as_ptr(), s.addr as *mut u8, l)
-                };
-                at += l;
-            }
-        }
-        if n == 0 || rts.eager {
-            self.finish_read(ep, m, true, 0);
-            return;
-        }
-        // The receive's SGEs, cut to the bytes read; or a bounce buffer of that size.
-        let mut left = n;
-        let mut sges = Vec::new();
-        if m.recv.bounce {
-            let b = match (self.ep_mut(ep).map(|e| e.domain))
-                .and_then(|dom| self.bounce(dom, n as usize))
-            {
-                Ok(b) => b,
-                Err(_) => {
-                    self.finish_read(ep, m, false, 0);
-                    return;
-                }
-            };
-            sges.push(b.sge(n as u32));
-            m.bounce = Some(b);
-            left = 0;
-        }
-        for s in &m.recv.sges {
-            if left == 0 {
-                break;
-            }
-            let l = (s.len as u64).min(left);
-            sges.push(Sge {
-                len: l as u32,
-                ..*s
-            });
-            left -= l;
-        }
-        let Ok(e) = self.ep_mut(ep) else { return };
-        let wr_id = e.next_wr;
-        e.next_wr += 1;
-        let p = Pending {
-            wr_id,
-            sges,
-            inline: None,
-            imm: None,
-            wr: None,
-            read: Some(RemoteAddr {
-                addr: m.rts.va,
-                rkey: m.rts.rkey,
-            }),
-            trig: None,
-        };
-        let from = m.rts.from;
-        e.ops.insert(wr_id, Op::internal(OpKind::Read(Box::new(m))));
-        if self.transmit(ep, (from, CH_TAG), p).is_err() {
-            if let Some(Op {
-                kind: OpKind::Read(m),
-                ..
-            }) = self.ep_mut(ep).ok().and_then(|e| e.ops.remove(&wr_id))
-            {
-                self.finish_read(ep, *m, false, 0);
-            }
-        }
-    }
-
-    /// A matched message was read (or could not be): the FIN to its sender, the receive's
-    /// completion (an error entry `FI_ETRUNC` when the message was longer than the buffer).
-    fn finish_read(&mut self, ep: usize, m: Matched, mut ok: bool, prov_errno: i32) {
-        if let (true, Some(b)) = (ok, &m.bounce) {
-            // SAFETY: the receive's buffers are the application's memory, writable until
-            // the receive completes (the contract of `post_trecv`); `m.n` bytes fit them.
-            ok = unsafe { b.copy_out(&m.recv.sges, m.n) }.is_ok();
-        }
-        if !m.rts.eager {
-            let fin = Ctl::Fin { id: m.rts.id, ok }.encode();
-            let _ = self.send_ctl(ep, m.rts.from, &fin, None, false);
-        }
-        let Ok(e) = self.ep_mut(ep) else { return };
-        let rxcq = e.rxcq;
-        let truncated = m.rts.len > m.n;
-        self.count(ep, abi::FI_RECV as u64, ok && !truncated);
-        if ok && !truncated && !m.recv.report {
-            return;
-        }
-        let mut flags = abi::FI_RECV as u64 | abi::FI_TAGGED as u64;
-        if m.rts.data.is_some() {
-            flags |= abi::FI_REMOTE_CQ_DATA as u64;
-        }
-        let src = self.av_index(ep, &m.rts.from);
-        self.push(
-            rxcq,
-            Entry {
-                ctx: m.recv.ctx,
-                flags,
-                len: m.n,
-                buf: m.recv.buf,
-                data: m.rts.data.map_or(0, u64::from),
-                tag: m.rts.tag,
-                src,
-                olen: if ok { m.rts.len - m.n } else { 0 },
-                err: match (ok, truncated) {
-                    (false, _) => abi::FI_EIO as i32,
-                    (true, true) => abi::FI_ETRUNC as i32,
-                    (true, false) => 0,
-                },
-                prov_errno,
-            },
-        );
-    }
-
-    /// Sends a control message of the tagged protocol (inline) to `peer`.
-    fn send_ctl(
-        &mut self,
-        ep: usize,
-        peer: Addr,
-        msg: &[u8],
-        send: Option<u64>,
-        eager: bool,
-    ) -> Result<(), Errno> {
-        let e = self.ep_mut(ep)?;
-        let wr_id = e.next_wr;
-        e.next_wr += 1;
-        e.ops
-            .insert(wr_id, Op::internal(OpKind::Ctl { send, eager }));
-        let p = Pending {
-            wr_id,
-            sges: Vec::new(),
-            inline: Some(msg.to_vec()),
-            imm: None,
-            read: None,
-            wr: None,
-            trig: None,
-        };
-        let r = self.transmit(ep, (peer, CH_TAG), p);
-        if r.is_err() {
-            if let Ok(e) = self.ep_mut(ep) {
-                e.ops.remove(&wr_id);
-            }
-        }
-        r.map(|_| ())
-    }
-
-    /// `fi_tsend` and friends: the data stays where it is (a copy for `inject` and for
-    /// several buffers) and the receiver reads it once a receive matched; the send completes
-    /// with the receiver's FIN.
-    ///
-    /// # Safety
-    /// Every buffer is memory of this process that stays mapped until the operation
-    /// completes, and is readable now.
-    pub unsafe fn post_tsend(
-        &mut self,
-        ep: usize,
-        bufs: &[(usize, usize, usize)],
-        req: SendReq,
-        tag: u64,
-    ) -> Result<(), Errno> {
-        let (dom, own) = {
-            let e = self.ep_mut(ep)?;
-            if !e.enabled {
-                return Err(abi::FI_EOPBADSTATE);
-            }
-            (e.domain, e.addr)
-        };
-        let peer = self.peer(ep, req.dest)?;
-        let total: usize = bufs.iter().map(|b| b.1).sum();
-        if req.inject && total > INJECT {
-            return Err(abi::FI_EMSGSIZE);
-        }
-        if let Some(t) = req.trig {
-            // SAFETY: per the caller.
-            return unsafe { self.post_tsend_triggered(ep, (dom, own, peer), bufs, req, tag, t) };
-        }
-        let parts: Vec<_> = bufs.iter().filter(|b| b.1 > 0).copied().collect();
-        let mut copy = Vec::new();
-        let mut bounced = None;
-        let max_inline = self.domain(dom)?.pd.device().caps().max_inline as usize;
-        let eager = total <= EAGER_MAX && CTL_LEN + total <= max_inline;
-        let (va, rkey) = match parts[..] {
-            _ if eager => {
-                for &(addr, len, _) in &parts {
-                    // SAFETY: readable now, per the caller.
-                    copy.extend_from_slice(unsafe {
-                        std::slice::from_raw_parts(addr as *const u8, len)
-                    });
-                }
-                (0, 0)
-            }
-            [] => (0, 0),
-            [(_, _, desc)] if desc != 0 && !matches!(self.objs.get(&desc), Some(Obj::Mr(_))) => {
-                return Err(EINVAL)
-            }
-            // The receiver reads the data in place when the application's region lets
-            // peers read it; otherwise from a bounce buffer (below).
-            [(addr, _, desc)]
-                if !req.inject
-                    && matches!(self.objs.get(&desc),
-                        Some(Obj::Mr(m)) if m.access.contains(Access::REMOTE_READ)) =>
-            {
-                match self.objs.get(&desc) {
-                    Some(Obj::Mr(m)) => (addr as u64, m.mr.rkey()),
-                    _ => return Err(EINVAL),
-                }
-            }
-            _ => {
-                // A copy in a bounce buffer the receiver reads ([`bounce`]): buffers
-                // without a descriptor, several buffers, or an inject.
-                // SAFETY: readable now, per the caller.
-                let b = unsafe { self.bounce_from(dom, &parts, total)? };
-                let at = (b.addr(), b.rkey());
-                bounced = Some(b);
-                at
-            }
-        };
-        let e = self.ep_mut(ep)?;
-        let id = e.next_wr;
-        e.next_wr += 1;
-        let report = !req.silent && (req.report || !e.tx_selective);
-        let rts = Ctl::Rts(Rts {
-            tag,
-            len: total as u64,
-            va,
-            rkey,
-            id,
-            data: req.imm,
-            from: own,
-            eager,
-        });
-        let mut msg = rts.encode().to_vec();
-        if eager {
-            // Inline: the send WQE holds the bytes, so the copy is not kept.
-            msg.append(&mut copy);
-        }
-        e.tsends.insert(
-            id,
-            TSend {
-                ctx: req.ctx,
-                report,
-                _bounce: bounced,
-            },
-        );
-        if let Err(err) = self.send_ctl(ep, peer, &msg, Some(id), eager) {
-            self.ep_mut(ep)?.tsends.remove(&id);
-            return Err(err);
-        }
-        Ok(())
-    }
-
-    /// `fi_trecv` and friends: matched at once against the unexpected messages, else
-    /// posted in order.
-    ///
-    /// # Safety
-    /// Every buffer is memory of this process that stays mapped until the operation
-    /// completes.
-    pub unsafe fn post_trecv(
-        &mut self,
-        ep: usize,
-        bufs: &[(usize, usize, usize)],
-        req: TRecvReq,
-    ) -> Result<(), Errno> {
-        let (dom, directed, selective) = {
-            let e = self.ep_mut(ep)?;
-            if !e.enabled {
-                return Err(abi::FI_EOPBADSTATE);
-            }
-            (e.domain, e.directed, e.rx_selective)
-        };
-        let src = if directed && req.src != ADDR_UNSPEC {
-            Some(self.peer(ep, req.src)?)
-        } else {
-            None
-        };
-        let bounce = bounce::needs_bounce(bufs);
-        let (sges, tmp) = if bounce {
-            (bounce::user_sges(bufs)?, Vec::new())
-        } else {
-            // SAFETY: per the caller.
-            unsafe { self.sges(dom, bufs, Access::LOCAL_WRITE)? }
-        };
-        let t = TRecv {
-            ctx: req.ctx,
-            tag: req.tag,
-            ignore: req.ignore,
-            src,
-            cap: sges.iter().map(|s| s.len as u64).sum(),
-            sges,
-            _tmp: tmp,
-            buf: bufs.first().map_or(0, |b| b.0 as u64),
-            report: req.report || !selective,
-            bounce,
-        };
-        let e = self.ep_mut(ep)?;
-        match e.unexpected.iter().position(|(r, _)| t.takes(r)) {
-            Some(i) => {
-                if let Some((r, payload)) = e.unexpected.remove(i) {
-                    self.start_read(ep, t, r, &payload);
-                }
-            }
-            None => e.tposted.push_back(t),
-        }
-        Ok(())
-    }
-
     fn on_cm_event(&mut self, nic: usize, ev: CmEvent) {
         match ev {
             CmEvent::ConnectRequest {
@@ -1714,8 +1187,18 @@ impl State {
                 };
                 let Ok(e) = self.objs_ep(key) else { return };
                 let own = e.addr;
-                let Ok(d) = self.domain(e.domain) else { return };
-                let Ok(qp) = new_qp(d, e, chan) else {
+                let made = if chan == CH_TAG {
+                    match self.ep_mut(key) {
+                        Ok(e) => e.tag_qp(),
+                        Err(err) => Err(err),
+                    }
+                } else {
+                    match self.domain(e.domain) {
+                        Ok(d) => new_qp(d, e, chan),
+                        Err(err) => Err(err),
+                    }
+                };
+                let Ok(qp) = made else {
                     if let Some(n) = self.nics.get_mut(&nic) {
                         let _ = n.cm.reject(id, REJ_CONSUMER, &[]);
                     }
@@ -1731,8 +1214,11 @@ impl State {
                 let Ok(e) = self.ep_mut(key) else { return };
                 // The peer connects again after its QP failed: ours has failed too (the
                 // device moves both ends of an RC connection to the error state).
-                let failed = matches!(e.conns.get(&(peer, chan)),
-                    Some(Conn::Up(_, qp)) if qp.query_state().is_ok_and(|s| s == QpState::Err));
+                let failed = match e.conns.get(&(peer, chan)) {
+                    Some(Conn::Up(_, qp)) => qp.query_state().is_ok_and(|s| s == QpState::Err),
+                    Some(Conn::Tag(_, c)) => e.tag_conn_failed(*c),
+                    _ => false,
+                };
                 if failed {
                     if let Some(old) = e.conns.remove(&(peer, chan)) {
                         e.dead.push(old);
@@ -1745,6 +1231,10 @@ impl State {
                 }
             }
             CmEvent::Established { id, mut qp, .. } => {
+                if let Some(ep) = self.pending_tag_conn(nic, id) {
+                    self.tag_established(ep, id, qp);
+                    return;
+                }
                 let mut failed = Vec::new();
                 'eps: for (&k, o) in self.objs.iter_mut() {
                     let Obj::Ep(e) = o else { continue };
@@ -1760,7 +1250,7 @@ impl State {
                         if let Conn::Pending(cid, q) = c {
                             if *cid == id {
                                 for p in q.iter() {
-                                    match post_pending(&mut qp, p) {
+                                    match post_pending(&mut qp, p, p.wr_id) {
                                         Ok(Some(h)) => handles.push((p.wr_id, h)),
                                         Ok(None) => {}
                                         // Only a triggered operation is refused here (the
@@ -1789,6 +1279,7 @@ impl State {
             }
             CmEvent::Rejected { id, .. } | CmEvent::TimedOut { id, .. } => {
                 let mut failed = Vec::new();
+                let mut tsends = Vec::new();
                 for (&k, o) in self.objs.iter_mut() {
                     let Obj::Ep(e) = o else { continue };
                     if e.nic != nic {
@@ -1803,7 +1294,9 @@ impl State {
                     for a in gone {
                         if let Some(Conn::Pending(_, q)) = e.conns.remove(&a) {
                             for p in q {
-                                if let Some(op) = e.ops.remove(&p.wr_id) {
+                                if p.tsend.is_some() {
+                                    tsends.push((k, p.wr_id));
+                                } else if let Some(op) = e.ops.remove(&p.wr_id) {
                                     failed.push((k, op));
                                 }
                             }
@@ -1813,15 +1306,20 @@ impl State {
                 for (k, op) in failed {
                     self.fail_op(k, op);
                 }
+                for (k, id) in tsends {
+                    self.finish_tsend(k, id, false, 0);
+                }
             }
             CmEvent::Disconnected { id } => {
                 for o in self.objs.values_mut() {
                     let Obj::Ep(e) = o else { continue };
                     if e.nic == nic {
-                        e.conns
-                            .retain(|_, c| !matches!(c, Conn::Up(cid, _) if *cid == id));
-                        e.extra
-                            .retain(|(_, c)| !matches!(c, Conn::Up(cid, _) if *cid == id));
+                        let gone = |c: &Conn| match c {
+                            Conn::Up(cid, _) | Conn::Tag(cid, _) => *cid == id,
+                            Conn::Pending(..) => false,
+                        };
+                        e.conns.retain(|_, c| !gone(c));
+                        e.extra.retain(|(_, c)| !gone(c));
                     }
                 }
             }
@@ -1845,23 +1343,6 @@ impl State {
                     },
                 );
             }
-            OpKind::Ctl { send: Some(id), .. } => self.finish_tsend(ep, id, false, 0),
-            OpKind::Read(m) => {
-                // No FIN can reach the sender: only the receive's error.
-                self.count(ep, abi::FI_RECV as u64, false);
-                let rxcq = self.ep_mut(ep).ok().and_then(|e| e.rxcq);
-                self.push(
-                    rxcq,
-                    Entry {
-                        ctx: m.recv.ctx,
-                        flags: abi::FI_RECV as u64 | abi::FI_TAGGED as u64,
-                        tag: m.rts.tag,
-                        err: abi::FI_EHOSTUNREACH as i32,
-                        src: ADDR_UNSPEC,
-                        ..Default::default()
-                    },
-                );
-            }
             OpKind::Rma { flags } => {
                 self.count(ep, flags, false);
                 let txcq = self.ep_mut(ep).ok().and_then(|e| e.txcq);
@@ -1877,7 +1358,6 @@ impl State {
                 );
             }
             OpKind::Trig(t) => self.fail_trig(ep, t),
-            OpKind::Ctl { send: None, .. } | OpKind::Slot(_) => {}
         }
     }
 
@@ -1891,14 +1371,12 @@ impl State {
     }
 }
 
-fn new_qp(d: &Domain, e: &Ep, chan: u8) -> Result<QueuePair, Errno> {
+/// A QP of the untagged channel (the tagged channel's come from the tag matcher,
+/// [`Ep::tag_qp`]).
+fn new_qp(d: &Domain, e: &Ep, _chan: u8) -> Result<QueuePair, Errno> {
     let cq = e.cq.as_ref().ok_or(abi::FI_EOPBADSTATE)?;
     let mut init = QpInit::new(cq, cq);
-    init.srq = if chan == CH_TAG {
-        e.staging.as_ref().map(|s| &s.srq)
-    } else {
-        e.srq.as_ref()
-    };
+    init.srq = e.srq.as_ref();
     init.max_inline = d.pd.device().caps().max_inline.min(INJECT as u32);
     init.max_send_wr = 256;
     init.max_send_sge = 4;
@@ -1908,18 +1386,21 @@ fn new_qp(d: &Domain, e: &Ep, chan: u8) -> Result<QueuePair, Errno> {
     })
 }
 
-/// Posts `p` on `qp`: sent now, or, for a triggered operation, handed to the NIC's table
-/// (its handle returned).
-fn post_pending(qp: &mut QueuePair, p: &Pending) -> Result<Option<TriggerHandle>, Errno> {
-    let op = match (p.wr, p.read, p.imm) {
-        (Some(w), _, _) => w,
-        (None, Some(r), _) => WrOp::Read(r),
-        (None, None, Some(i)) => WrOp::SendImm(i),
-        (None, None, None) => WrOp::Send,
+/// Posts `p` on `qp` as work request `wr_id`: sent now, or, for a triggered operation,
+/// handed to the NIC's table (its handle returned).
+fn post_pending(
+    qp: &mut QueuePair,
+    p: &Pending,
+    wr_id: u64,
+) -> Result<Option<TriggerHandle>, Errno> {
+    let op = match (p.wr, p.imm) {
+        (Some(w), _) => w,
+        (None, Some(i)) => WrOp::SendImm(i),
+        (None, None) => WrOp::Send,
     };
     let wr = match &p.inline {
-        Some(d) => SendWr::inline(p.wr_id, op, d),
-        None => SendWr::new(p.wr_id, op, &p.sges),
+        Some(d) => SendWr::inline(wr_id, op, d),
+        None => SendWr::new(wr_id, op, &p.sges),
     };
     if let Some(t) = &p.trig {
         return trig::post(qp, t, &wr).map(Some);
@@ -1995,19 +1476,6 @@ impl Ep {
             self.dead.push(c);
         }
     }
-
-    /// Posts staging slot `slot` to the tagged channel's SRQ.
-    fn post_slot(&mut self, slot: usize) -> Result<(), Errno> {
-        let wr_id = self.next_wr;
-        self.next_wr += 1;
-        let st = self.staging.as_mut().ok_or(abi::FI_EOPBADSTATE)?;
-        let sge = [st.mr.sge((slot * SLOT_LEN) as u64, SLOT_LEN as u32)];
-        st.srq
-            .post_recv(&[RecvWr { wr_id, sgl: &sge }])
-            .map_err(|_| EAGAIN)?;
-        self.ops.insert(wr_id, Op::internal(OpKind::Slot(slot)));
-        Ok(())
-    }
 }
 
 /// How a send goes out.
@@ -2077,36 +1545,6 @@ pub struct RmaReq {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn control_messages_round_trip() {
-        let rts = Ctl::Rts(Rts {
-            tag: 0xdead_beef_0123_4567,
-            len: 1 << 33,
-            va: 0x7fff_1234_5000,
-            rkey: 0x1122_3344,
-            id: 99,
-            data: Some(0xfeed),
-            from: make_addr([10, 0, 0, 2], 77),
-            eager: false,
-        });
-        assert_eq!(Ctl::decode(&rts.encode()), Some(rts));
-        let mut none = rts;
-        if let Ctl::Rts(r) = &mut none {
-            r.data = None;
-        }
-        assert_eq!(Ctl::decode(&none.encode()), Some(none));
-        if let Ctl::Rts(r) = &mut none {
-            r.eager = true;
-        }
-        assert_eq!(Ctl::decode(&none.encode()), Some(none));
-        for ok in [true, false] {
-            let fin = Ctl::Fin { id: 1 << 40, ok };
-            assert_eq!(Ctl::decode(&fin.encode()), Some(fin));
-        }
-        assert_eq!(Ctl::decode(&[0u8; CTL_LEN]), None);
-        assert_eq!(Ctl::decode(&rts.encode()[..CTL_LEN - 1]), None);
-    }
 
     #[test]
     fn tags_match_under_the_ignore_mask() {

@@ -157,6 +157,17 @@ fn c_tagged() {
     run("tagged", &[&["nolocal"], &["local"]]);
 }
 
+/// Who matches tagged messages: the NIC for receives posted first (eager and rendezvous),
+/// software for unexpected messages and the receives the hardware list does not take; and
+/// software for everything with the hardware list off.
+#[test]
+fn c_tagged_offload() {
+    run(
+        "offload",
+        &[&["nolocal"], &["local"], &["local", "software"]],
+    );
+}
+
 #[test]
 fn c_rma_and_atomics() {
     run(

@@ -1,6 +1,8 @@
-//! Bounce buffers for the tagged rendezvous: application memory passed without a
-//! descriptor (`desc` NULL, as Open MPI passes it with `mr_mode` 0) is not registered in
-//! place for the data the NIC moves; the provider copies it through DMA memory of its own.
+//! Bounce buffers for tagged messages: application memory passed without a descriptor
+//! (`desc` NULL, as Open MPI passes it with `mr_mode` 0) is not registered in place for the
+//! data the NIC moves; the provider copies it through DMA memory of its own. A tagged
+//! receive with such buffers (or with several) gets a bounce buffer of its length when it
+//! is posted, since the NIC may match it and write it at any time.
 //!
 //! Registering application memory in place adopts its pages ([`ringbell::hostmem`]): a later
 //! registration that overlaps adopted pages without lying inside them adopts the union
@@ -40,6 +42,11 @@ impl Bounce {
         }
     }
 
+    /// Reads the first bytes of the buffer into `out`.
+    pub fn read(&self, out: &mut [u8]) -> Result<(), Errno> {
+        self.buf.read(0, out).map_err(|_| crate::abi::FI_EIO)
+    }
+
     /// Copies the first `n` bytes out to the application's buffers `sges` (their `addr` is a
     /// process address), in order.
     ///
@@ -63,10 +70,24 @@ impl Bounce {
     }
 }
 
-/// Whether a buffer `(addr, len, desc)` list needs a bounce (some non-empty buffer has no
-/// descriptor).
-pub(super) fn needs_bounce(bufs: &[(usize, usize, usize)]) -> bool {
-    bufs.iter().any(|&(_, len, desc)| len > 0 && desc == 0)
+/// Copies `data` to the application's buffers `sges` (their `addr` is a process address),
+/// in order, as far as they reach.
+///
+/// # Safety
+/// Each SGE names memory of this process, writable for its length.
+pub(super) unsafe fn copy_to_user(sges: &[Sge], data: &[u8]) -> Result<(), Errno> {
+    let mut at = 0usize;
+    for s in sges {
+        let l = (s.len as usize).min(data.len() - at);
+        if l == 0 {
+            break;
+        }
+        // SAFETY: writable for `s.len >= l` bytes, per the caller; `l` bytes of `data`
+        // from `at` exist; the two do not overlap (`data` is the provider's copy).
+        unsafe { std::ptr::copy_nonoverlapping(data[at..].as_ptr(), s.addr as *mut u8, l) };
+        at += l;
+    }
+    Ok(())
 }
 
 /// The application's buffers as SGEs of process addresses (lkey 0: for copies only), each

@@ -419,8 +419,8 @@ impl State {
     }
 
     /// A triggered tagged send (eager only: at most [`EAGER_MAX`] bytes, else
-    /// `-FI_ENOSYS`): one SEND of the request header, from a registered copy of the
-    /// provider's, and the data, read from the application's buffers when it fires (from a
+    /// `-FI_ENOSYS`): one SEND (on the tag matcher's connection, as work of the provider's
+    /// own) of the TMH, from a registered copy of the provider's, and the data, read from the application's buffers when it fires (from a
     /// copy taken now for an inject).
     ///
     /// # Safety
@@ -440,21 +440,19 @@ impl State {
         if total > EAGER_MAX {
             return Err(abi::FI_ENOSYS);
         }
+        let _ = own;
         let e = self.ep_mut(ep)?;
         let id = e.next_wr;
         e.next_wr += 1;
         let tx_selective = e.tx_selective;
-        let rts = Ctl::Rts(Rts {
+        // An eager tagged message: the TMH, then the data; remote CQ data as the SEND's
+        // immediate (the tag matcher's CQ-data mode).
+        let tmh = ringbell::tm::Tmh {
+            opcode: ringbell::tm::TmhOp::Eager as u8,
+            app_ctx: 0,
             tag,
-            len: total as u64,
-            va: 0,
-            rkey: 0,
-            id,
-            data: req.imm,
-            from: own,
-            eager: true,
-        });
-        let mut hdr = rts.encode().to_vec();
+        };
+        let mut hdr = tmh.to_bytes().to_vec();
         let (data, mut tmp) = if req.inject {
             for &(addr, len, _) in bufs.iter().filter(|b| b.1 > 0) {
                 // SAFETY: readable now, per the caller.
@@ -481,10 +479,10 @@ impl State {
             wr_id: id,
             sges,
             inline: None,
-            imm: None,
-            read: None,
+            imm: req.imm,
             wr: None,
             trig: None,
+            tsend: None,
         };
         let report = match t.work {
             Some(_) => req.report && !req.silent,

@@ -15,7 +15,7 @@ static char *abuf, *bbuf, *cbuf;
 static struct fid_mr *amr, *bmr, *cmr;
 static fi_addr_t b_to_c; /* C in B's AV */
 #define BUFLEN ((size_t)(2 << 20) + 4096)
-#define EAGER_MAX 172 /* README: up to 172 bytes go eagerly */
+#define EAGER_MAX 240 /* README: up to 240 bytes go eagerly */
 
 static void *adesc(void)
 {
