@@ -91,6 +91,9 @@ unsafe extern "C" fn obj_close(fid: *mut abi::fid) -> c_int {
             // fi_av(3), fi_cntr(3)).
             return Err(abi::FI_EBUSY);
         }
+        if st.check(key, Kind::Ep).is_ok() {
+            st.linger(key);
+        }
         let obj = st.objs.remove(&key).ok_or(abi::FI_EINVAL)?;
         st.parents.remove(&key);
         let k = obj.kind();

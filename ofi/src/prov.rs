@@ -188,6 +188,9 @@ pub struct Mr {
     pub access: Access,
 }
 
+/// How long closing an endpoint waits for its sends to go out and complete.
+pub const LINGER: std::time::Duration = std::time::Duration::from_secs(3);
+
 /// The channel of a connection: untagged messages (received on the endpoint's SRQ) or
 /// tagged messages (the QPs of the endpoint's tag matcher, on its TM-SRQ).
 pub const CH_MSG: u8 = 0;
@@ -1362,6 +1365,34 @@ impl State {
     }
 
     /// Closes the endpoint's listener (before the endpoint is dropped).
+    /// Whether endpoint `key` still has transmit work the provider holds or the network has
+    /// not finished: sends waiting for their connection, untagged sends, RMA and atomics in
+    /// flight, tagged sends waiting for their completion.
+    pub fn tx_busy(&self, key: usize) -> bool {
+        let Ok(e) = self.objs_ep(key) else {
+            return false;
+        };
+        let waiting = |c: &Conn| matches!(c, Conn::Pending(_, v) if !v.is_empty());
+        e.conns.values().any(waiting)
+            || e.extra.iter().any(|(_, c)| waiting(c))
+            || e.ops.values().any(|o| o.send)
+            || !e.tsends.is_empty()
+    }
+
+    /// Before endpoint `key` closes: progress until what it was asked to send has gone out
+    /// and completed, for at most [`LINGER`] (a program may post a send and close without
+    /// reading its completion; the message must still reach its peer, as on a NIC that
+    /// sends it at once, rather than die with a connection still being made).
+    pub fn linger(&mut self, key: usize) {
+        let start = std::time::Instant::now();
+        while self.tx_busy(key) && start.elapsed() < LINGER {
+            self.progress();
+            if self.tx_busy(key) {
+                std::thread::sleep(std::time::Duration::from_micros(50));
+            }
+        }
+    }
+
     pub fn close_ep(&mut self, ep: &Ep) {
         if ep.enabled {
             if let Some(n) = self.nics.get_mut(&ep.nic) {

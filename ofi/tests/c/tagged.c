@@ -446,6 +446,43 @@ static void bad_input(void)
 	CHECK(ct_quiet(P.b.cq));
 }
 
+/* An endpoint that sends and closes at once, without reading its completions: closing
+ * waits for its sends to go out and complete (their connection is still to be made), so
+ * the receiver gets both the eager and the rendezvous message. */
+static void close_after_send(void)
+{
+	struct ct_side d;
+	struct ct_opts o = { .caps = FI_MSG | FI_TAGGED | FI_DIRECTED_RECV, .mr_local = local };
+	struct fid_mr *dmr = NULL;
+	fi_addr_t b_to_d;
+	char *dbuf = ct_pages(BUFLEN);
+	ct_side_open(&P, &d, P.list, &o);
+	REQUIRE(fi_av_insert(d.av, P.b.name, 1, &d.peer, 0, NULL) == 1);
+	REQUIRE(fi_av_insert(P.b.av, d.name, 1, &b_to_d, 0, NULL) == 1);
+	if (local)
+		REQUIRE(fi_mr_reg(d.dom, dbuf, BUFLEN, FI_SEND | FI_REMOTE_READ, 0, 0, 0, &dmr,
+				  NULL) == 0);
+	ct_fill(dbuf, 100, 70);
+	ct_fill(dbuf + 65536, 20000, 71);
+	CHECK_EQ(fi_trecv(P.b.ep, bbuf, 4096, bdesc(), FI_ADDR_UNSPEC, 8, 0, (void *)0xe1), 0);
+	CHECK_EQ(fi_trecv(P.b.ep, bbuf + 65536, 65536, bdesc(), FI_ADDR_UNSPEC, 9, 0,
+			  (void *)0xe2),
+		 0);
+	void *dd = dmr ? fi_mr_desc(dmr) : NULL;
+	CHECK_EQ(fi_tsend(d.ep, dbuf, 100, dd, d.peer, 8, (void *)0xf1), 0);
+	CHECK_EQ(fi_tsend(d.ep, dbuf + 65536, 20000, dd, d.peer, 9, (void *)0xf2), 0);
+	CHECK_EQ(fi_close(&d.ep->fid), 0);
+	expect_recv((void *)0xe1, 8, 100, 0, 0, b_to_d);
+	expect_recv((void *)0xe2, 9, 20000, 0, 0, b_to_d);
+	CHECK(ct_same(bbuf, 100, 70));
+	CHECK(ct_same(bbuf + 65536, 20000, 71));
+	if (dmr)
+		CHECK_EQ(fi_close(&dmr->fid), 0);
+	CHECK_EQ(fi_close(&d.av->fid), 0);
+	CHECK_EQ(fi_close(&d.cq->fid), 0);
+	CHECK_EQ(fi_close(&d.dom->fid), 0);
+}
+
 int main(int argc, char **argv)
 {
 	static char name[64];
@@ -476,6 +513,7 @@ int main(int argc, char **argv)
 	data_inject_forms();
 	directed();
 	many_unexpected();
+	close_after_send();
 	bad_input();
 	if (local) {
 		CHECK_EQ(fi_close(&amr->fid), 0);
