@@ -380,8 +380,18 @@ unsafe extern "C" fn getinfo(
             if dest.is_some() && h.dest_addr.is_none() {
                 offer.dest_addr = dest.clone();
             }
-            let Ok(o) = info::match_offer(version, &h, &offer) else {
-                continue;
+            let o = match info::match_offer(version, &h, &offer) {
+                Ok(o) => o,
+                Err(why) => {
+                    // Why an application's hints get nothing, for whoever asks.
+                    if std::env::var_os("RINGBELL_FI_DEBUG").is_some() {
+                        eprintln!(
+                            "ringbell-fi: fi_getinfo: {} does not match: {why:?} (hints: caps {:#x}, mode {:x?}, mr_mode {:x?})",
+                            offer.domain, h.caps, h.mode, h.mr_mode
+                        );
+                    }
+                    continue;
+                }
             };
             let Some(node) = write_info(&o) else {
                 // SAFETY: the list was built here and not handed out.
