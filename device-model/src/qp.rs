@@ -866,8 +866,6 @@ impl Nic {
         })
     }
 
-    /// Takes the next receive WQE for `qpn` if its capacity is at least `need` bytes; a
-    /// smaller one is read and left in place.
     /// The WQE at the consumer index of SRQ `srqn` was taken: the index moves on, and the
     /// SRQ's limit event fires when fewer than its limit are left.
     pub(crate) fn srq_consumed(&mut self, env: &mut dyn Env, srqn: u32) {
@@ -881,6 +879,8 @@ impl Nic {
         }
     }
 
+    /// Takes the next receive WQE for `qpn` if its capacity is at least `need` bytes; a
+    /// smaller one is read and left in place.
     pub(crate) fn take_recv_wqe_for(
         &mut self,
         env: &mut dyn Env,

@@ -250,10 +250,9 @@ impl Env for NodeEnv<'_> {
         // The model leaves the ICRC to whoever needs it (defers_icrc): a capture shows the
         // frame whole, and a frame that may be changed on the way is sealed first so that
         // its receiver's check sees the change.
-        let mut unsealed = true;
-        if self.capture.is_some() || !self.faults.inactive() {
+        let unsealed = self.capture.is_none() && self.faults.inactive();
+        if !unsealed {
             wire::seal_icrc(&mut frame);
-            unsealed = false;
         }
         let mut dst_mac = [0u8; 6];
         if let Some(m) = frame.get(..6) {
@@ -566,8 +565,8 @@ impl Inner {
             Event::Frame(node, frame, unsealed) => {
                 self.in_flight[node] = self.in_flight[node].saturating_sub(1);
                 self.digest.word(node as u64 | 1 << 63);
-                // Frames enter the digest through their length and headers (addresses,
-                // opcode, QPN, PSN, RETH/AETH/atomic fields): what tells one packet from
+                // Frames enter the digest through their length and transport headers
+                // (opcode, QPN, PSN, RETH/AETH/atomic fields): what tells one packet from
                 // another without a pass over the payload. A payload that differs shows in
                 // what its receiver does next.
                 self.digest.word(frame.len() as u64);
