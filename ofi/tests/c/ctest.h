@@ -262,6 +262,27 @@ static inline int ct_wait(struct fid_cq *cq, struct fi_cq_tagged_entry *e)
 	return r == 1;
 }
 
+/* Reads a tagged receive's completion from `cq` (within 30 s, with its source) and checks
+ * it: context, flags FI_RECV | FI_TAGGED | `flags`, tag, length, the data when `flags` has
+ * FI_REMOTE_CQ_DATA, and the source `from`. */
+static inline void ct_expect_trecv(struct fid_cq *cq, void *ctx, uint64_t tag, size_t len,
+				   uint64_t flags, uint64_t data, fi_addr_t from)
+{
+	struct fi_cq_tagged_entry e;
+	fi_addr_t src = 777;
+	if (ct_read(cq, &e, &src, 30) != 1) {
+		CHECK(!"a receive completion");
+		return;
+	}
+	CHECK(e.op_context == ctx);
+	CHECK_EQ(e.flags, FI_RECV | FI_TAGGED | flags);
+	CHECK_EQ(e.tag, tag);
+	CHECK_EQ(e.len, len);
+	if (flags & FI_REMOTE_CQ_DATA)
+		CHECK_EQ(e.data, data);
+	CHECK_EQ(src, from);
+}
+
 /* Waits for an error entry on `cq` and reads it; 1 on success. */
 static inline int ct_wait_err(struct fid_cq *cq, struct fi_cq_err_entry *err)
 {

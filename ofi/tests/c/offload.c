@@ -52,18 +52,7 @@ static struct ringbell_tag_counts counts(void)
 
 static void expect_recv(void *ctx, uint64_t tag, size_t len, uint64_t data)
 {
-	struct fi_cq_tagged_entry e;
-	fi_addr_t src = 777;
-	if (ct_read(P.b.cq, &e, &src, 30) != 1) {
-		CHECK(!"a receive completion");
-		return;
-	}
-	CHECK(e.op_context == ctx);
-	CHECK_EQ(e.flags, FI_RECV | FI_TAGGED | FI_REMOTE_CQ_DATA);
-	CHECK_EQ(e.tag, tag);
-	CHECK_EQ(e.len, len);
-	CHECK_EQ(e.data, data);
-	CHECK_EQ(src, P.b.peer);
+	ct_expect_trecv(P.b.cq, ctx, tag, len, FI_REMOTE_CQ_DATA, data, P.b.peer);
 }
 
 static void expect_send(void *ctx)

@@ -54,23 +54,11 @@ static void expect_send_msg(struct fid_cq *cq, void *ctx)
 	CHECK_EQ(e.flags, FI_SEND | FI_MSG);
 }
 
+/* fi_cq_readfrom names the sender (README). */
 static void expect_recv(void *ctx, uint64_t tag, size_t len, uint64_t flags, uint64_t data,
 			fi_addr_t from)
 {
-	struct fi_cq_tagged_entry e;
-	fi_addr_t src = 777;
-	if (ct_read(P.b.cq, &e, &src, 30) != 1) {
-		CHECK(!"a receive completion");
-		return;
-	}
-	CHECK(e.op_context == ctx);
-	CHECK_EQ(e.flags, FI_RECV | FI_TAGGED | flags);
-	CHECK_EQ(e.tag, tag);
-	CHECK_EQ(e.len, len);
-	if (flags & FI_REMOTE_CQ_DATA)
-		CHECK_EQ(e.data, data);
-	/* fi_cq_readfrom names the sender (README). */
-	CHECK_EQ(src, from);
+	ct_expect_trecv(P.b.cq, ctx, tag, len, flags, data, from);
 }
 
 /* A to B: `len` bytes tagged `tag` into a receive for `want` ignoring `ignore`. */
