@@ -566,7 +566,19 @@ impl TagMatcher {
                 "send queue larger than the CQ room kept for a connection",
             ));
         }
-        self.made.push(qp.qpn());
+        // The device reuses the QPN of a QP destroyed before it became a connection (its
+        // connection was refused or timed out): what that QP left is no concern of the new
+        // one, whose messages must not be parked for ever. Its staging buffers serve again.
+        let qpn = qp.qpn();
+        self.made.retain(|&n| n != qpn);
+        let (stale, rest): (Vec<_>, Vec<_>) = self.early.drain(..).partition(|w| w.qpn == qpn);
+        self.early = rest;
+        for w in stale {
+            if w.wr_id >> K_SHIFT == K_SLOT {
+                self.recycle((w.wr_id & ((1 << K_SHIFT) - 1)) as u32);
+            }
+        }
+        self.made.push(qpn);
         Ok(qp)
     }
 

@@ -37,6 +37,28 @@ fn publish<T>(st: &mut State, fid: T, obj: Obj) -> *mut T {
     p
 }
 
+/// Before an endpoint closes: progress until what it was asked to send has gone out and
+/// completed, for at most [`prov::LINGER`] (a program may post a send and close without
+/// reading its completion; the message must still reach its peer, as on a NIC that sends it
+/// at once, rather than die with its connection still being made). The lock is released
+/// between rounds, so other threads (a receiver in the same process) go on meanwhile.
+fn linger(key: usize) {
+    let start = std::time::Instant::now();
+    while start.elapsed() < prov::LINGER {
+        let busy = run(|st| {
+            if st.check(key, Kind::Ep).is_err() || st.in_use(key) {
+                return Ok(0);
+            }
+            st.progress();
+            Ok(c_int::from(st.tx_busy(key)))
+        });
+        if busy != 1 {
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_micros(50));
+    }
+}
+
 /// Frees the box of a registered object of kind `k` at `key` (just removed from the registry).
 fn free_box(key: usize, k: Kind) {
     // SAFETY: `key` was registered by `publish` with a box of the type `k` names, and has
@@ -84,15 +106,13 @@ macro_rules! enosys {
 // ---- fid operations, shared by every object ----
 
 unsafe extern "C" fn obj_close(fid: *mut abi::fid) -> c_int {
+    linger(fid as usize);
     run(|st| {
         let key = fid as usize;
         if st.in_use(key) {
             // Still holding objects, or bound to an endpoint (fi_domain(3), fi_cq(3),
             // fi_av(3), fi_cntr(3)).
             return Err(abi::FI_EBUSY);
-        }
-        if st.check(key, Kind::Ep).is_ok() {
-            st.linger(key);
         }
         let obj = st.objs.remove(&key).ok_or(abi::FI_EINVAL)?;
         st.parents.remove(&key);

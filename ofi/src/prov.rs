@@ -250,12 +250,7 @@ pub fn nic_ip(i: usize) -> [u8; 4] {
     [10, 0, (n >> 8) as u8, n as u8]
 }
 
-/// Whether a message tagged `msg` matches a receive for `tag` ignoring the bits of `ignore`.
-pub fn tag_matches(msg: u64, tag: u64, ignore: u64) -> bool {
-    (msg & !ignore) == (tag & !ignore)
-}
-
-/// A tagged send waiting for its FIN.
+/// A tagged send waiting for its completion (an eager send's, or a rendezvous send's FIN).
 struct TSend {
     ctx: u64,
     report: bool,
@@ -989,7 +984,7 @@ impl State {
                 let qp = if key.1 == CH_TAG {
                     self.ep_mut(ep)?.tag_qp()?
                 } else {
-                    new_qp(self.domain(dom)?, self.objs_ep(ep)?, key.1)?
+                    new_qp(self.domain(dom)?, self.objs_ep(ep)?)?
                 };
                 self.bind_remote_cntrs(ep, &qp, key.1);
                 let mut private = own.to_vec();
@@ -1197,7 +1192,7 @@ impl State {
                     }
                 } else {
                     match self.domain(e.domain) {
-                        Ok(d) => new_qp(d, e, chan),
+                        Ok(d) => new_qp(d, e),
                         Err(err) => Err(err),
                     }
                 };
@@ -1364,10 +1359,10 @@ impl State {
         }
     }
 
-    /// Closes the endpoint's listener (before the endpoint is dropped).
     /// Whether endpoint `key` still has transmit work the provider holds or the network has
     /// not finished: sends waiting for their connection, untagged sends, RMA and atomics in
-    /// flight, tagged sends waiting for their completion.
+    /// flight, tagged sends waiting for their completion. Triggered operations do not count:
+    /// their counter may never reach its threshold.
     pub fn tx_busy(&self, key: usize) -> bool {
         let Ok(e) = self.objs_ep(key) else {
             return false;
@@ -1375,24 +1370,13 @@ impl State {
         let waiting = |c: &Conn| matches!(c, Conn::Pending(_, v) if !v.is_empty());
         e.conns.values().any(waiting)
             || e.extra.iter().any(|(_, c)| waiting(c))
-            || e.ops.values().any(|o| o.send)
+            || e.ops
+                .values()
+                .any(|o| o.send && !matches!(o.kind, OpKind::Trig(_)))
             || !e.tsends.is_empty()
     }
 
-    /// Before endpoint `key` closes: progress until what it was asked to send has gone out
-    /// and completed, for at most [`LINGER`] (a program may post a send and close without
-    /// reading its completion; the message must still reach its peer, as on a NIC that
-    /// sends it at once, rather than die with a connection still being made).
-    pub fn linger(&mut self, key: usize) {
-        let start = std::time::Instant::now();
-        while self.tx_busy(key) && start.elapsed() < LINGER {
-            self.progress();
-            if self.tx_busy(key) {
-                std::thread::sleep(std::time::Duration::from_micros(50));
-            }
-        }
-    }
-
+    /// Closes the endpoint's listener (before the endpoint is dropped).
     pub fn close_ep(&mut self, ep: &Ep) {
         if ep.enabled {
             if let Some(n) = self.nics.get_mut(&ep.nic) {
@@ -1404,7 +1388,7 @@ impl State {
 
 /// A QP of the untagged channel (the tagged channel's come from the tag matcher,
 /// [`Ep::tag_qp`]).
-fn new_qp(d: &Domain, e: &Ep, _chan: u8) -> Result<QueuePair, Errno> {
+fn new_qp(d: &Domain, e: &Ep) -> Result<QueuePair, Errno> {
     let cq = e.cq.as_ref().ok_or(abi::FI_EOPBADSTATE)?;
     let mut init = QpInit::new(cq, cq);
     init.srq = e.srq.as_ref();
@@ -1571,18 +1555,4 @@ pub struct RmaReq {
     pub trig: Option<Trig>,
     /// A triggered atomic's operand: the local 8 bytes it is read from when it fires.
     pub operand: usize,
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn tags_match_under_the_ignore_mask() {
-        assert!(tag_matches(5, 5, 0));
-        assert!(!tag_matches(5, 6, 0));
-        assert!(tag_matches(0x12ab, 0x1200, 0xff));
-        assert!(!tag_matches(0x13ab, 0x1200, 0xff));
-        assert!(tag_matches(u64::MAX, 0, u64::MAX));
-    }
 }
