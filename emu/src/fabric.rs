@@ -13,7 +13,6 @@ use ringbell_model::{
 };
 use ringbell_specs::{regs, wire, SimTime};
 use std::cell::RefCell;
-use std::collections::BTreeMap;
 use std::io::{self, Write};
 use std::path::Path;
 use std::rc::Rc;
@@ -132,7 +131,7 @@ const DIGEST_HDR: std::ops::Range<usize> = 42..74;
 pub(crate) struct Inner {
     pub(crate) queue: EventQueue<Event>,
     pub(crate) nodes: Vec<Node>,
-    macs: BTreeMap<[u8; 6], usize>,
+    macs: MacTable,
     switch_free: Vec<SimTime>,
     faults: Faults,
     /// ACK-timer events pending (most are cancelled timers that fire into nothing).
@@ -160,13 +159,40 @@ pub(crate) struct Inner {
 
 pub(crate) type Shared = Rc<RefCell<Inner>>;
 
+/// Which node owns a MAC address. Node `i`'s NIC has the MAC `NicConfig::for_node(i)`
+/// gives it, whose last two bytes are `i + 1`: a frame's destination is found from those
+/// two bytes and one comparison, whatever the number of nodes (a tree lookup cost a few
+/// cache misses per frame on a large fabric). Any other address goes through a sorted list.
+#[derive(Debug)]
+struct MacTable {
+    by_node: Vec<[u8; 6]>,
+    sorted: Vec<([u8; 6], usize)>,
+}
+
+impl MacTable {
+    fn new(by_node: Vec<[u8; 6]>) -> MacTable {
+        let mut sorted: Vec<_> = by_node.iter().copied().zip(0..).collect();
+        sorted.sort_unstable();
+        MacTable { by_node, sorted }
+    }
+
+    fn node(&self, mac: &[u8; 6]) -> Option<usize> {
+        let guess = (usize::from(mac[4]) << 8 | usize::from(mac[5])).wrapping_sub(1);
+        if self.by_node.get(guess) == Some(mac) {
+            return Some(guess);
+        }
+        let i = self.sorted.binary_search_by(|(m, _)| m.cmp(mac)).ok()?;
+        Some(self.sorted[i].1)
+    }
+}
+
 /// The environment a NIC sees while it handles one input.
 struct NodeEnv<'a> {
     node: usize,
     now: SimTime,
     iommu: &'a Iommu,
     queue: &'a mut EventQueue<Event>,
-    macs: &'a BTreeMap<[u8; 6], usize>,
+    macs: &'a MacTable,
     switch_free: &'a mut [SimTime],
     timing: &'a TimingProfile,
     topology: Topology,
@@ -263,7 +289,7 @@ impl Env for NodeEnv<'_> {
         // A capture stamps the frame when its first bit goes on the wire.
         let first_bit = (at - ser).max(self.now);
         let hop = SimTime(t.link_phy_mac_ps + t.link_prop_ps);
-        let Some(&dst) = self.macs.get(&dst_mac) else {
+        let Some(dst) = self.macs.node(&dst_mac) else {
             self.trace_flight(&frame, None, at, at + hop, 3);
             self.stats.frames_unroutable += 1;
             if let Some(c) = self.capture {
@@ -371,7 +397,7 @@ impl Env for NodeEnv<'_> {
         if !self.functional {
             return None;
         }
-        let &dst = self.macs.get(&msg.dst_mac)?;
+        let dst = self.macs.node(&msg.dst_mac)?;
         // Nothing of the packet path may be under way between the two nodes (a frame still
         // travelling would arrive behind messages placed since).
         if dst == self.node || self.in_flight[dst] != 0 || self.in_flight[self.node] != 0 {
@@ -617,11 +643,11 @@ impl Fabric {
             "back-to-back needs exactly two nodes"
         );
         let mut nodes = Vec::new();
-        let mut macs = BTreeMap::new();
+        let mut macs = Vec::new();
         for i in 0..cfg.nodes {
             let mut nc = NicConfig::for_node(i as u32);
             nc.timing = cfg.timing.clone();
-            macs.insert(nc.mac, i);
+            macs.push(nc.mac);
             nodes.push(Node {
                 nic: Nic::new(nc),
                 iommu: Iommu::default(),
@@ -639,7 +665,7 @@ impl Fabric {
             timers: 0,
             faults: Faults::new(cfg.faults.clone(), cfg.nodes, cfg.seed),
             nodes,
-            macs,
+            macs: MacTable::new(macs),
             digest: Digest(0xCBF2_9CE4_8422_2325),
             stats: FabricStats::default(),
             capture: None,
@@ -888,5 +914,41 @@ impl Fabric {
         let st = t.write_json(&mut w)?;
         w.flush()?;
         Ok(st)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_mac_table_finds_every_node_and_nothing_else() {
+        let nodes: Vec<[u8; 6]> = (0..1024)
+            .map(|i| NicConfig::for_node(i as u32).mac)
+            .collect();
+        let t = MacTable::new(nodes.clone());
+        for (i, m) in nodes.iter().enumerate() {
+            assert_eq!(t.node(m), Some(i));
+        }
+        // Right last bytes, wrong prefix; a node number past the end; broadcast; zero.
+        for m in [
+            [0x04, 0, 0, 0, 0, 1],
+            [0x02, 0, 0, 0, 4, 1],
+            [0xff; 6],
+            [0; 6],
+        ] {
+            assert_eq!(t.node(&m), None, "{m:x?}");
+        }
+        // Addresses of another form are found through the sorted list.
+        let other = vec![
+            [0x0a, 1, 2, 3, 4, 5],
+            [0x02, 0, 0, 0, 0, 1],
+            [0x0a, 0, 0, 0, 0, 0],
+        ];
+        let t = MacTable::new(other.clone());
+        for (i, m) in other.iter().enumerate() {
+            assert_eq!(t.node(m), Some(i));
+        }
+        assert_eq!(t.node(&[0x0a, 1, 2, 3, 4, 6]), None);
     }
 }

@@ -185,6 +185,8 @@ pub(crate) struct Faults {
     rngs: Vec<Pcg64Mcg>,
     seen: Vec<u64>,
     fired: Vec<u64>,
+    /// The plan injects nothing (kept with the plan: asked twice per frame).
+    quiet: bool,
     pub(crate) stats: FaultStats,
 }
 
@@ -195,10 +197,11 @@ impl Faults {
             .collect();
         let rules = plan.rules.len();
         Faults {
-            plan,
             rngs,
             seen: vec![0; rules],
             fired: vec![0; rules],
+            quiet: plan.injects_nothing(),
+            plan,
             stats: FaultStats::default(),
         }
     }
@@ -206,6 +209,7 @@ impl Faults {
     pub(crate) fn set_plan(&mut self, plan: FaultPlan) {
         self.seen = vec![0; plan.rules.len()];
         self.fired = vec![0; plan.rules.len()];
+        self.quiet = plan.injects_nothing();
         self.plan = plan;
     }
 
@@ -213,6 +217,7 @@ impl Faults {
         self.plan.rules.push(rule);
         self.seen.push(0);
         self.fired.push(0);
+        self.quiet = false;
     }
 
     fn link(&self, node: usize) -> &LinkFaults {
@@ -221,7 +226,7 @@ impl Faults {
 
     /// Whether nothing can happen (the common case costs one check).
     pub(crate) fn inactive(&self) -> bool {
-        self.plan.injects_nothing()
+        self.quiet
     }
 
     /// Decides the fate of `frame` from `from` to `to`, leaving the NIC at `at`.
