@@ -32,7 +32,7 @@ const BUCKETS: usize = 65;
 /// sit in a slab whose slots are reused, so nothing is allocated once the queue has grown
 /// to the largest number of pending events.
 pub struct EventQueue<E> {
-    buckets: Vec<Vec<Entry>>,
+    buckets: [Vec<Entry>; BUCKETS],
     /// How many entries at the front of bucket 0 were already taken out.
     head: usize,
     /// Bit `b` set: bucket `b` may be non-empty (bucket 0: has entries from `head` on).
@@ -57,7 +57,7 @@ impl<E> std::fmt::Debug for EventQueue<E> {
 impl<E> Default for EventQueue<E> {
     fn default() -> Self {
         EventQueue {
-            buckets: (0..BUCKETS).map(|_| Vec::new()).collect(),
+            buckets: std::array::from_fn(|_| Vec::new()),
             head: 0,
             occupied: [0; 2],
             last: 0,
@@ -123,6 +123,17 @@ impl<E> EventQueue<E> {
         let Some(b) = self.lowest_above_zero() else {
             return false;
         };
+        if let [only] = self.buckets[b][..] {
+            // One event: it is the earliest, and no other bucket changes with the base
+            // (every other time differs from the new base in the same highest bit as from
+            // the old one), so it is taken from where it is.
+            self.buckets[b].clear();
+            self.occupied[b / 64] &= !(1 << (b % 64));
+            self.last = only.at;
+            self.buckets[0].push(only);
+            self.occupied[0] |= 1;
+            return true;
+        }
         let mut moving = std::mem::take(&mut self.buckets[b]);
         self.occupied[b / 64] &= !(1 << (b % 64));
         self.last = moving.iter().map(|e| e.at).min().unwrap_or(self.last);
