@@ -337,7 +337,19 @@ proptest! {
         prop_assert_eq!(&timed.cq_b, &fm.cq_b, "completions on B");
         prop_assert!(timed.mem_a == fm.mem_a, "memory of A differs");
         prop_assert!(timed.mem_b == fm.mem_b, "memory of B differs");
-        prop_assert!(fm.frames <= timed.frames);
+        // Without errors, functional mode carries the work with fewer frames, never more.
+        // After an error it need not: a message it ran at once can let a later one (say a
+        // WRITE fenced behind a READ) go out before the NAK that fails the QP arrives, where
+        // the timed run flushed it unsent. Completions and memory agree either way.
+        let clean = fm.cq_a.iter().chain(&fm.cq_b).all(|s| s.1 == WcStatus::Success);
+        if clean {
+            prop_assert!(
+                fm.frames <= timed.frames,
+                "frames: functional {}, timed {}",
+                fm.frames,
+                timed.frames
+            );
+        }
     }
 }
 
