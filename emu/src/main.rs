@@ -444,7 +444,7 @@ fn scale(a: ScaleArgs) -> Result<(), String> {
     );
     println!("{}", y.describe());
     println!(
-        "{:<10} {:>5} {:>7} {:>9} {:>10} {:>9} {:>9} {:>9} {:>8} {:>10} {:>6} {:>6} {:>8}",
+        "{:<10} {:>5} {:>7} {:>9} {:>10} {:>9} {:>9} {:>7} {:>9} {:>8} {:>10} {:>6} {:>6} {:>8}",
         "pattern",
         "N",
         "QPs",
@@ -452,6 +452,7 @@ fn scale(a: ScaleArgs) -> Result<(), String> {
         "events",
         "ns/msg",
         "chases",
+        "loops",
         "ns/event",
         "setup s",
         "KiB/node",
@@ -486,7 +487,7 @@ fn scale(a: ScaleArgs) -> Result<(), String> {
             seed: a.seed,
         })?;
         println!(
-            "{:<10} {:>5} {:>7} {:>9} {:>10} {:>9.0} {:>9.1} {:>9.0} {:>8.2} {:>10.0} {:>6} {:>6} {:>8.2}",
+            "{:<10} {:>5} {:>7} {:>9} {:>10} {:>9.0} {:>9.1} {:>7.2} {:>9.0} {:>8.2} {:>10.0} {:>6} {:>6} {:>8.2}",
             pattern.name(),
             n,
             o.qps,
@@ -494,6 +495,7 @@ fn scale(a: ScaleArgs) -> Result<(), String> {
             o.events,
             o.ns_per_message(),
             y.in_chases(o.ns_per_message()),
+            y.in_loops(o.ns_per_message()),
             o.ns_per_event(),
             o.setup.as_secs_f64(),
             o.rss_kib_per_node,
@@ -502,7 +504,7 @@ fn scale(a: ScaleArgs) -> Result<(), String> {
             o.wall.as_secs_f64()
         );
     }
-    println!("ns/msg and ns/event are wall time during the traffic; chases = ns/msg in pointer-chase loads of the yardstick");
+    println!("ns/msg and ns/event are wall time during the traffic; chases and loops = ns/msg in pointer-chase loads and in runs of the cached loop (yardsticks of this run)");
     Ok(())
 }
 
@@ -644,9 +646,10 @@ fn print_per_message(el: f64, msgs: u64) {
     let y = Yardstick::measure();
     let ns = el * 1e9 / msgs.max(1) as f64;
     println!(
-        "wall per message: {ns:.0} ns = {:.1} chases = {:.3} memcpy-4KiB; {}",
+        "wall per message: {ns:.0} ns = {:.1} chases = {:.3} memcpy-4KiB = {:.2} loops; {}",
         y.in_chases(ns),
         ns / y.memcpy_ns_per_4k,
+        y.in_loops(ns),
         y.describe()
     );
 }

@@ -315,6 +315,30 @@ fn bench_functional_skips_frames_unless_faults_need_them() {
             chases > 0.0 && line.contains("yardsticks: memcpy"),
             "{line}"
         );
+        // And in runs of the cached loop, which agree with the loop's own figure.
+        let num = |s: &str| -> f64 {
+            s.trim()
+                .parse()
+                .unwrap_or_else(|_| panic!("{s:?} in {line}"))
+        };
+        let ns = num(line["wall per message:".len()..]
+            .split(" ns")
+            .next()
+            .unwrap());
+        let loops = num(line
+            .split(" = ")
+            .nth(3)
+            .and_then(|c| c.split(" loops").next())
+            .unwrap());
+        let loop_ns = num(line
+            .split("loop ")
+            .nth(1)
+            .and_then(|c| c.split(" ns per 100 steps").next())
+            .unwrap());
+        assert!(
+            loop_ns > 0.0 && (ns / loop_ns - loops).abs() <= 0.01 + loops * 0.01,
+            "{line}"
+        );
     }
     // A fault plan needs frames: functional mode steps aside and the run still completes.
     let lossy = bench(&[&args[..], &["--functional", "--loss", "0.01"]].concat());
