@@ -432,10 +432,8 @@ fn scale(a: ScaleArgs) -> Result<(), String> {
     use ringbell_emu::scale::{run, Pattern, ScaleConfig};
     // Each node holds a few descriptors (its device's memory arena): let the process use
     // what the hard limit allows.
-    use nix::sys::resource::{getrlimit, setrlimit, Resource};
-    if let Ok((_, hard)) = getrlimit(Resource::RLIMIT_NOFILE) {
-        let _ = setrlimit(Resource::RLIMIT_NOFILE, hard, hard);
-    }
+    raise_fd_limit();
+    use nix::sys::resource::{getrlimit, Resource};
     let fd_limit = getrlimit(Resource::RLIMIT_NOFILE).map_or(0, |(soft, _)| soft);
     let y = Yardstick::measure();
     println!(
@@ -1134,6 +1132,15 @@ fn breakdown(seed: u64, size: u32, wiring: Wiring, profile: &str) -> Result<(), 
     }
 }
 
+/// Raises the soft limit on open descriptors to the hard limit: a large fabric needs a few
+/// per NIC (its DMA arena, and when served, its BAR file, socket and wake-up eventfd).
+fn raise_fd_limit() {
+    use nix::sys::resource::{getrlimit, setrlimit, Resource};
+    if let Ok((_, hard)) = getrlimit(Resource::RLIMIT_NOFILE) {
+        let _ = setrlimit(Resource::RLIMIT_NOFILE, hard, hard);
+    }
+}
+
 fn serve(
     dir: &std::path::Path,
     nodes: usize,
@@ -1142,9 +1149,10 @@ fn serve(
     profile: &str,
     opts: ringbell_emu::serve::ServeOptions,
 ) -> Result<(), String> {
-    if !(1..=64).contains(&nodes) {
-        return Err(format!("--nodes {nodes}: 1..=64 NICs can be served"));
+    if !(1..=1024).contains(&nodes) {
+        return Err(format!("--nodes {nodes}: 1..=1024 NICs can be served"));
     }
+    raise_fd_limit();
     let mut cfg = FabricConfig::new(nodes, seed);
     cfg.timing = ringbell_emu::profile::load(profile).map_err(|e| e.to_string())?;
     if !(0.0..=1.0).contains(&loss) {

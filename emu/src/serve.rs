@@ -1362,7 +1362,7 @@ mod tests {
             0,
             "nothing beyond the reserve"
         );
-        for nodes in 1..=64 {
+        for nodes in 1..=1024 {
             assert!(nodes * mapping_budget(65530, nodes, usize::MAX) + RESERVED_MAPPINGS <= 65530);
         }
     }

@@ -255,6 +255,30 @@ fn processes_on_their_own_nics_run_rc_and_tagged_traffic() {
 }
 
 #[test]
+fn a_server_of_1024_nics_serves_its_last_ones_and_refuses_more() {
+    // A job of many ranks gets a NIC each from one server, up to the fabric's 1024 NICs.
+    let srv = Server::start("wide", 1024);
+    let tgt = Peer::spawn(&srv.socket(1023), None, "rc", 24, 4096);
+    let ip = tgt.listening_ip();
+    // Node i's address ends in i + 1, over two bytes: 1024 is 4 * 256.
+    assert_eq!(ip, "10.0.4.0", "node 1023's address");
+    let ini = Peer::spawn(&srv.socket(1000), Some(&ip), "rc", 24, 4096);
+    ini.line("rb-connected");
+    tgt.line("rb-connected");
+    ok(ini, "initiator on NIC 1000");
+    ok(tgt, "target on NIC 1023");
+    drop(srv);
+    let out = Command::new(BIN)
+        .args(["serve", "--nodes", "1025", "--socket"])
+        .arg(std::env::temp_dir().join(format!("rb-serve-{}-toomany", std::process::id())))
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("1..=1024 NICs can be served"), "{err}");
+}
+
+#[test]
 fn a_client_killed_mid_transfer_is_reclaimed_and_nobody_else_notices() {
     let mut srv = Server::start("crash", 4);
     let (a, b) = pair(&srv, 0, 1, "rc", 96, 4096);
