@@ -110,8 +110,9 @@ pub struct TagConfig {
     pub staging_slots: u32,
     /// Bytes of the user region.
     pub user_bytes: usize,
-    /// Most connections ([`TagMatcher::add_conn`]); the CQ is sized for this many full
-    /// send queues.
+    /// Most connections ([`TagMatcher::add_conn`]). Their send completions go to CQs of
+    /// room for [`CONNS_PER_CQ`] full send queues each, the first made with the matcher
+    /// (sized for `max_conns` of them when fewer), the others when connections need them.
     pub max_conns: u32,
     /// Progress calls that find the CQ empty, while rendezvous sends wait for FINs, before
     /// their connections are probed (0: never probe).
@@ -351,6 +352,9 @@ const SQ_DEPTH: u32 = 256;
 /// Completions one connection's send queue can hold: its capacity in blocks (every send
 /// WQE takes at least one; the matcher's take two at most).
 const CONN_CQES: u32 = 2 * SQ_DEPTH;
+/// Connections whose send completions one CQ of the matcher takes (room for the full send
+/// queues of each).
+pub const CONNS_PER_CQ: u32 = 64;
 /// Header slots per connection: twice as many as the send queue can hold WQEs (at most
 /// [`CONN_CQES`], one block each; `create_conn_qp` checks), so a slot is written again
 /// only long after the send that used it completed (a retransmission gathers it again
@@ -391,6 +395,11 @@ pub struct TagMatcher {
     conns: Vec<Conn>,
     srq: SharedReceiveQueue,
     cq: CompletionQueue,
+    /// CQs of the send queues of connections beyond the first [`CONNS_PER_CQ`], made as
+    /// needed: `send_cqs[i]` takes those of QPs `(i + 1) * CONNS_PER_CQ` and on.
+    send_cqs: Vec<CompletionQueue>,
+    /// Connection QPs made so far ([`TagMatcher::create_conn_qp`]).
+    conn_qps: u32,
     user_mr: MemoryRegion,
     user: DmaBuffer,
     staging_mr: MemoryRegion,
@@ -472,7 +481,7 @@ impl TagMatcher {
         let cqes = slots.next_power_of_two() as u64
             + 2 * tags as u64
             + max_ops.next_power_of_two() as u64
-            + cfg.max_conns as u64 * CONN_CQES as u64;
+            + cfg.max_conns.min(CONNS_PER_CQ) as u64 * CONN_CQES as u64;
         if cqes > caps.max_cqe as u64 {
             return Err(Error::InvalidArgument(
                 "TagConfig needs a CQ beyond the device's max_cqe (fewer max_conns)",
@@ -497,6 +506,8 @@ impl TagMatcher {
             conns: Vec::new(),
             srq,
             cq,
+            send_cqs: Vec::new(),
+            conn_qps: 0,
             user_mr,
             user,
             staging_mr,
@@ -556,11 +567,22 @@ impl TagMatcher {
                 "TagMatcher has TagConfig::max_conns connections already",
             ));
         }
-        let mut init = QpInit::new(&self.cq, &self.cq);
+        // Send completions go to the CQ of this QP's group; receives to the matcher's CQ.
+        let group = (self.conn_qps / CONNS_PER_CQ) as usize;
+        if group > self.send_cqs.len() {
+            let cq = self.pd.device().create_cq(CONNS_PER_CQ * CONN_CQES)?;
+            self.send_cqs.push(cq);
+        }
+        let send_cq = match group {
+            0 => &self.cq,
+            g => &self.send_cqs[g - 1],
+        };
+        let mut init = QpInit::new(send_cq, &self.cq);
         init.srq = Some(&self.srq);
         init.max_send_wr = SQ_DEPTH;
         init.max_send_sge = 4;
         let qp = self.pd.create_qp(&init)?;
+        self.conn_qps += 1;
         if qp.sq_free() > CONN_CQES {
             return Err(Error::InvalidArgument(
                 "send queue larger than the CQ room kept for a connection",
@@ -615,7 +637,9 @@ impl TagMatcher {
         }
         self.made.swap_remove(at);
         let qpn = qp.qpn();
-        let hdr_buf = self.pd.device().alloc_dma((HDR * HDR_SLOTS) as usize)?;
+        // From the device's arena (256 KiB blocks of 1 MiB files): a few connections share a
+        // memory file and a mapping, so hundreds of them do not cost hundreds of each.
+        let hdr_buf = self.pd.device().alloc_ring((HDR * HDR_SLOTS) as usize)?;
         let hdr_mr = self.pd.reg_mr(&hdr_buf, Access::LOCAL_WRITE)?;
         self.conns.push(Conn {
             qp,
@@ -1204,18 +1228,28 @@ impl TagMatcher {
 
     fn handle_completions(&mut self, progress_device: bool) -> Result<usize, Error> {
         let mut wc = std::mem::take(&mut self.wc);
-        let n = if progress_device {
+        let mut n = if progress_device {
             self.cq.poll(&mut wc)
         } else {
             self.cq.poll_ready(&mut wc)
         };
         // Every completion polled is handled even if one fails: the first error is returned.
-        let mut r = Ok(n);
+        let mut r = Ok(());
         for w in &wc[..n] {
             if let (Err(e), true) = (self.handle(w), r.is_ok()) {
                 r = Err(e);
             }
         }
+        for g in 0..self.send_cqs.len() {
+            let m = self.send_cqs[g].poll_ready(&mut wc);
+            for w in &wc[..m] {
+                if let (Err(e), true) = (self.handle(w), r.is_ok()) {
+                    r = Err(e);
+                }
+            }
+            n += m;
+        }
+        let mut r = r.map(|()| n);
         self.wc = wc;
         if !self.idle_slots.is_empty() {
             if let (Err(e), true) = (self.repost_idle(), r.is_ok()) {

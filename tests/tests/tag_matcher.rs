@@ -1066,6 +1066,72 @@ fn cancelled_receives_match_nothing() {
 }
 
 #[test]
+fn connections_beyond_one_cq_group_carry_their_sends() {
+    // 130 connections: their send completions go to three CQs (64 connections each), made
+    // as the connections come.
+    let cfg = TagConfig {
+        staging_slots: 8192,
+        max_conns: 1024,
+        eager_max: 64,
+        hw_min: 0,
+        ..TagConfig::default()
+    };
+    let conns = 130u64;
+    let (fabric, _devs, mut a, mut b) = pair_with_conns(cfg, 12, conns as usize);
+    let mut next = 0u64;
+    let mut exchange =
+        |a: &mut TagMatcher, b: &mut TagMatcher, on: &[u64], len: u32, idle: bool| {
+            let ids: Vec<u64> = (next..next + on.len() as u64).collect();
+            next += ids.len() as u64;
+            let at = |i: u64| (i % 8192) * 256;
+            for &i in &ids {
+                b.recv(i, i, u64::MAX, at(i), len).unwrap();
+            }
+            for (&i, &c) in ids.iter().zip(on) {
+                a.user().write(at(i) as usize, &pattern(i, len)).unwrap();
+                a.send(i, c as usize, i, at(i), len).unwrap();
+            }
+            if idle {
+                // Everything the NICs can do without the matchers' software, before either
+                // looks at a CQ: every send completion is in a CQ at once.
+                fabric.run_until_idle(u64::MAX);
+            }
+            let (mut got, mut sent) = (BTreeSet::new(), 0);
+            for _ in 0..50_000_000 {
+                if got.len() == ids.len() && sent == ids.len() {
+                    break;
+                }
+                a.progress().unwrap();
+                b.progress().unwrap();
+                while let Some(e) = a.next_event() {
+                    assert!(matches!(e, TagEvent::Send { .. }), "{e:?}");
+                    sent += 1;
+                }
+                while let Some(e) = b.next_event() {
+                    let TagEvent::Recv {
+                        id, tag, len: l, ..
+                    } = e
+                    else {
+                        panic!("{e:?}")
+                    };
+                    assert_eq!((tag, l), (id, len));
+                    assert_eq!(get(b, at(id), l), pattern(id, l), "message {id}");
+                    assert!(got.insert(id), "message {id} twice");
+                }
+            }
+            assert_eq!((got.len(), sent), (ids.len(), ids.len()));
+        };
+    // Eager and rendezvous messages on every connection.
+    let every: Vec<u64> = (0..conns).cycle().take(conns as usize * 3).collect();
+    exchange(&mut a, &mut b, &every, 8, false);
+    exchange(&mut a, &mut b, &every, 256, false);
+    // 120 eager sends on each connection of the second group, all complete before the
+    // sender polls: its CQ for that group must hold 7,680 completions.
+    let second: Vec<u64> = (64..128).cycle().take(64 * 120).collect();
+    exchange(&mut a, &mut b, &second, 8, true);
+}
+
+#[test]
 fn many_sends_in_flight_on_many_connections_keep_their_headers() {
     // Five connections with 250 sends each in flight at once: every send's header must
     // survive until the NIC has sent (and could resend) it.

@@ -41,9 +41,10 @@ pub const EAGER_MAX: usize = TAG_COPY_MAX;
 /// only); 128 by default.
 pub const ENV_HW_TAGS: &str = "RINGBELL_TM_HW_TAGS";
 
-/// Most connections of an endpoint's tagged channel over its life (the matcher's CQ is
-/// sized for their send queues).
-const MAX_CONNS: u32 = 64;
+/// Most connections of an endpoint's tagged channel over its life: as many as a fabric has
+/// NICs. The matcher adds a CQ for their send queues every 64 connections, and takes their
+/// header rings from the device's arena, so a connection costs what it uses.
+const MAX_CONNS: u32 = 1024;
 
 /// What the tag matcher of an endpoint did, for `fi_open_ops("ringbell_domain_ops_v1")`'s
 /// `tag_counts` (the driver's [`ringbell::tagmatch::TagStats`], in C layout).
