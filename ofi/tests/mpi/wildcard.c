@@ -10,7 +10,7 @@
 #include <string.h>
 
 #define PER_RANK 8
-#define MAX_RANKS 64
+#define MAX_RANKS 1024
 
 static void fill(int *buf, int n, int src, int tag)
 {
