@@ -1065,6 +1065,37 @@ fn cancelled_receives_match_nothing() {
     assert_eq!(get(&t.b, 2 * REGION, 50), pattern(3, 50));
 }
 
+/// Progresses sender `a` and receiver `b` until `n` sends have completed and `n` messages
+/// arrived, each message (id, tag, length) checked by `check` against `b`, and a message
+/// arriving twice a failure; every event is a send on `a` and a receive on `b`.
+fn sends_arrive(
+    a: &mut TagMatcher,
+    b: &mut TagMatcher,
+    n: usize,
+    mut check: impl FnMut(&TagMatcher, u64, u64, u32),
+) {
+    let (mut got, mut sent) = (BTreeSet::new(), 0);
+    for _ in 0..50_000_000 {
+        if got.len() == n && sent == n {
+            return;
+        }
+        a.progress().unwrap();
+        b.progress().unwrap();
+        while let Some(e) = a.next_event() {
+            assert!(matches!(e, TagEvent::Send { .. }), "{e:?}");
+            sent += 1;
+        }
+        while let Some(e) = b.next_event() {
+            let TagEvent::Recv { id, tag, len, .. } = e else {
+                panic!("{e:?}")
+            };
+            check(b, id, tag, len);
+            assert!(got.insert(id), "message {id} twice");
+        }
+    }
+    panic!("{} of {n} received, {sent} sent", got.len());
+}
+
 #[test]
 fn connections_beyond_one_cq_group_carry_their_sends() {
     // 130 connections: their send completions go to three CQs (64 connections each), made
@@ -1096,30 +1127,10 @@ fn connections_beyond_one_cq_group_carry_their_sends() {
                 // looks at a CQ: every send completion is in a CQ at once.
                 fabric.run_until_idle(u64::MAX);
             }
-            let (mut got, mut sent) = (BTreeSet::new(), 0);
-            for _ in 0..50_000_000 {
-                if got.len() == ids.len() && sent == ids.len() {
-                    break;
-                }
-                a.progress().unwrap();
-                b.progress().unwrap();
-                while let Some(e) = a.next_event() {
-                    assert!(matches!(e, TagEvent::Send { .. }), "{e:?}");
-                    sent += 1;
-                }
-                while let Some(e) = b.next_event() {
-                    let TagEvent::Recv {
-                        id, tag, len: l, ..
-                    } = e
-                    else {
-                        panic!("{e:?}")
-                    };
-                    assert_eq!((tag, l), (id, len));
-                    assert_eq!(get(b, at(id), l), pattern(id, l), "message {id}");
-                    assert!(got.insert(id), "message {id} twice");
-                }
-            }
-            assert_eq!((got.len(), sent), (ids.len(), ids.len()));
+            sends_arrive(a, b, ids.len(), |b, id, tag, l| {
+                assert_eq!((tag, l), (id, len));
+                assert_eq!(get(b, at(id), l), pattern(id, l), "message {id}");
+            });
         };
     // Eager and rendezvous messages on every connection.
     let every: Vec<u64> = (0..conns).cycle().take(conns as usize * 3).collect();
@@ -1148,26 +1159,12 @@ fn many_sends_in_flight_on_many_connections_keep_their_headers() {
         a.user().write(i as usize * 8, &i.to_le_bytes()).unwrap();
         a.send(i, (i % 5) as usize, i, i * 8, 8).unwrap();
     }
-    let mut got = 0;
-    let mut sent = 0;
-    while got < n || sent < n {
-        a.progress().unwrap();
-        b.progress().unwrap();
-        while let Some(e) = a.next_event() {
-            assert!(matches!(e, TagEvent::Send { .. }), "{e:?}");
-            sent += 1;
-        }
-        while let Some(e) = b.next_event() {
-            let TagEvent::Recv { id, tag, len, .. } = e else {
-                panic!("{e:?}")
-            };
-            assert_eq!((tag, len), (id, 8));
-            let mut v = [0u8; 8];
-            b.user().read(id as usize * 8, &mut v).unwrap();
-            assert_eq!(u64::from_le_bytes(v), id);
-            got += 1;
-        }
-    }
+    sends_arrive(&mut a, &mut b, n as usize, |b, id, tag, len| {
+        assert_eq!((tag, len), (id, 8));
+        let mut v = [0u8; 8];
+        b.user().read(id as usize * 8, &mut v).unwrap();
+        assert_eq!(u64::from_le_bytes(v), id);
+    });
 }
 
 #[test]
