@@ -169,6 +169,12 @@ fn run(mtu: u8, seed: u64, ops: &[Op], fill: u8, faults: FaultPlan) {
                 SendWr::new(id, WrOp::Read(remote(src)), &sge)
             }
             Op::Send { src, len } => {
+                // Receives go one after the other through B's receive zone and start again
+                // at its beginning when the next would not fit (messages land in order on
+                // one QP, as the model copies them; nothing else touches the zone).
+                if recv_next + len as u64 > BUF as u64 {
+                    recv_next = RECV;
+                }
                 let d = recv_next as usize;
                 rb[d..d + len as usize]
                     .copy_from_slice(&ra[src as usize..(src + len as u64) as usize]);
