@@ -565,8 +565,9 @@ impl Device {
         })
     }
 
-    /// Allocates at least `len` zeroed bytes for a ring or doorbell record of the driver's
-    /// own, from the device's DMA arena (or, above 256 KiB, as [`Device::alloc_dma`] does).
+    /// Allocates at least `len` zeroed bytes for memory of the driver's own (a ring, a
+    /// doorbell record, a tag matcher's ring of send headers), from the device's DMA arena
+    /// (or, above 256 KiB, as [`Device::alloc_dma`] does).
     pub(crate) fn alloc_ring(&self, len: usize) -> Result<DmaBuffer, Error> {
         match self.inner.arena_alloc(len)? {
             Some((mem, iova, chunk, class)) => Ok(DmaBuffer {

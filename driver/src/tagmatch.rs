@@ -1228,28 +1228,24 @@ impl TagMatcher {
 
     fn handle_completions(&mut self, progress_device: bool) -> Result<usize, Error> {
         let mut wc = std::mem::take(&mut self.wc);
-        let mut n = if progress_device {
-            self.cq.poll(&mut wc)
-        } else {
-            self.cq.poll_ready(&mut wc)
-        };
-        // Every completion polled is handled even if one fails: the first error is returned.
-        let mut r = Ok(());
-        for w in &wc[..n] {
-            if let (Err(e), true) = (self.handle(w), r.is_ok()) {
-                r = Err(e);
-            }
-        }
-        for g in 0..self.send_cqs.len() {
-            let m = self.send_cqs[g].poll_ready(&mut wc);
+        // The matcher's CQ (progressing the device first if asked), then those of the send
+        // queues of connections beyond the first group. Every completion polled is handled
+        // even if one fails: the first error is returned.
+        let (mut n, mut failed) = (0, None);
+        for g in 0..=self.send_cqs.len() {
+            let m = match g {
+                0 if progress_device => self.cq.poll(&mut wc),
+                0 => self.cq.poll_ready(&mut wc),
+                g => self.send_cqs[g - 1].poll_ready(&mut wc),
+            };
             for w in &wc[..m] {
-                if let (Err(e), true) = (self.handle(w), r.is_ok()) {
-                    r = Err(e);
+                if let Err(e) = self.handle(w) {
+                    failed.get_or_insert(e);
                 }
             }
             n += m;
         }
-        let mut r = r.map(|()| n);
+        let mut r = failed.map_or(Ok(n), Err);
         self.wc = wc;
         if !self.idle_slots.is_empty() {
             if let (Err(e), true) = (self.repost_idle(), r.is_ok()) {

@@ -429,11 +429,11 @@ struct ScaleArgs {
 }
 
 fn scale(a: ScaleArgs) -> Result<(), String> {
+    use nix::sys::resource::{getrlimit, Resource};
     use ringbell_emu::scale::{run, Pattern, ScaleConfig};
     // Each node holds a few descriptors (its device's memory arena): let the process use
     // what the hard limit allows.
     raise_fd_limit();
-    use nix::sys::resource::{getrlimit, Resource};
     let fd_limit = getrlimit(Resource::RLIMIT_NOFILE).map_or(0, |(soft, _)| soft);
     let y = Yardstick::measure();
     println!(

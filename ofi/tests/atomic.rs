@@ -21,10 +21,7 @@ const EINVAL: isize = -(abi::FI_EINVAL as isize);
 
 #[test]
 fn atomics_add_fetch_and_swap_remote_words() {
-    std::env::remove_var("RINGBELL_SERVE");
-    std::env::remove_var("RINGBELL_NIC");
-    std::env::set_var("RINGBELL_NICS", "2");
-    std::env::set_var("RINGBELL_SEED", "13");
+    common::fi::in_process(13);
     // SAFETY: pointers to live locals, mapped test buffers and objects the provider made.
     unsafe {
         let p = pair(info::FI_MSG | info::FI_ATOMIC);

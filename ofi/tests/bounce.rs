@@ -54,10 +54,7 @@ unsafe fn trecvv(s: &Side, bufs: &mut [&mut [u8]], tag: u64, c: usize) {
 
 #[test]
 fn rendezvous_without_descriptors_uses_bounce_buffers() {
-    std::env::remove_var("RINGBELL_SERVE");
-    std::env::remove_var("RINGBELL_NIC");
-    std::env::set_var("RINGBELL_NICS", "2");
-    std::env::set_var("RINGBELL_SEED", "19");
+    common::fi::in_process(19);
     // SAFETY: one test in this process; the objects live until the process ends.
     unsafe {
         let p = pair(abi::FI_TAGGED as u64);

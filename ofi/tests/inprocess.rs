@@ -12,10 +12,7 @@ use std::ptr::null_mut;
 
 #[test]
 fn two_endpoints_in_one_process_exchange_messages() {
-    std::env::remove_var("RINGBELL_SERVE");
-    std::env::remove_var("RINGBELL_NIC");
-    std::env::set_var("RINGBELL_NICS", "2");
-    std::env::set_var("RINGBELL_SEED", "7");
+    common::fi::in_process(7);
     // SAFETY: pointers to live locals, mapped test buffers and objects the provider made.
     unsafe {
         let p = pair(info::FI_MSG);

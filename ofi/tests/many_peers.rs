@@ -14,10 +14,7 @@ const PEERS: usize = 100;
 
 #[test]
 fn an_endpoint_takes_tagged_messages_from_a_hundred_peers() {
-    std::env::remove_var("RINGBELL_SERVE");
-    std::env::remove_var("RINGBELL_NIC");
-    std::env::set_var("RINGBELL_NICS", "2");
-    std::env::set_var("RINGBELL_SEED", "5");
+    common::fi::in_process(5);
     // SAFETY: pointers to live locals, leaked test buffers and objects the provider made.
     unsafe {
         let p = pair(info::FI_TAGGED | info::FI_MSG);

@@ -75,10 +75,7 @@ unsafe fn selective_side(
 
 #[test]
 fn default_op_flags_decide_selective_completions() {
-    std::env::remove_var("RINGBELL_SERVE");
-    std::env::remove_var("RINGBELL_NIC");
-    std::env::set_var("RINGBELL_NICS", "2");
-    std::env::set_var("RINGBELL_SEED", "5");
+    common::fi::in_process(5);
     // SAFETY: one test in this process; the objects live until the process ends.
     unsafe {
         let p = pair(abi::FI_TAGGED as u64);

@@ -112,10 +112,7 @@ fn fill(b: &mut [u8], seed: u8) {
 
 #[test]
 fn peek_claim_discard_and_cancel() {
-    std::env::remove_var("RINGBELL_SERVE");
-    std::env::remove_var("RINGBELL_NIC");
-    std::env::set_var("RINGBELL_NICS", "2");
-    std::env::set_var("RINGBELL_SEED", "17");
+    common::fi::in_process(17);
     // SAFETY: one test in this process; the objects live until the process ends.
     unsafe {
         let p = pair(abi::FI_TAGGED as u64);

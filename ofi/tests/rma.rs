@@ -38,10 +38,7 @@ unsafe fn reg(dom: *mut abi::fid_domain, buf: &mut [u8]) -> (*mut abi::fid_mr, u
 
 #[test]
 fn rma_writes_and_reads_remote_memory() {
-    std::env::remove_var("RINGBELL_SERVE");
-    std::env::remove_var("RINGBELL_NIC");
-    std::env::set_var("RINGBELL_NICS", "2");
-    std::env::set_var("RINGBELL_SEED", "11");
+    common::fi::in_process(11);
     // SAFETY: pointers to live locals, mapped test buffers and objects the provider made.
     unsafe {
         let p = pair(info::FI_MSG | info::FI_RMA);

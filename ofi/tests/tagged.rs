@@ -40,10 +40,7 @@ fn fill(b: &mut [u8], seed: u8) {
 
 #[test]
 fn tagged_messages_in_one_process() {
-    std::env::remove_var("RINGBELL_SERVE");
-    std::env::remove_var("RINGBELL_NIC");
-    std::env::set_var("RINGBELL_NICS", "2");
-    std::env::set_var("RINGBELL_SEED", "3");
+    common::fi::in_process(3);
     // SAFETY: pointers to live locals, leaked test buffers and objects the provider made.
     unsafe {
         let p = pair(info::FI_TAGGED | info::FI_MSG | info::FI_DIRECTED_RECV);

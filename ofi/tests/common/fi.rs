@@ -26,6 +26,15 @@ pub fn pages(len: usize) -> &'static mut [u8] {
     }
 }
 
+/// Sets the environment for the provider's own in-process fabric of two NICs (rb0, rb1)
+/// seeded with `seed`: no served fabric, no NIC chosen.
+pub fn in_process(seed: u64) {
+    std::env::remove_var("RINGBELL_SERVE");
+    std::env::remove_var("RINGBELL_NIC");
+    std::env::set_var("RINGBELL_NICS", "2");
+    std::env::set_var("RINGBELL_SEED", seed.to_string());
+}
+
 /// One endpoint with its domain, CQ (format TAGGED, both directions) and AV.
 pub struct Side {
     pub dom: *mut abi::fid_domain,
