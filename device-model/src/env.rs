@@ -120,13 +120,13 @@ pub trait Env {
     /// Gives a byte buffer the model is done with back to the environment (dropped by
     /// default).
     fn recycle(&mut self, _buf: Vec<u8>) {}
-    /// Whether the environment takes frames whose ICRC is still to be written (four zero
-    /// bytes, see `PacketRepr::emit_unsealed`). One that says so promises that every byte
-    /// anyone observes (a capture, a corrupted copy, a receiver's check) is the frame as
-    /// [`Env::transmit`] got it with its ICRC computed: it seals a frame before it shows or
-    /// changes it, and hands an untouched one to [`crate::Nic::receive_unsealed`]. False by
-    /// default: frames leave sealed.
-    fn defers_icrc(&self) -> bool {
+    /// Whether the environment takes frames whose two sums, the IPv4 header checksum and the
+    /// ICRC, are still to be written (zeros, see `PacketRepr::emit_unsealed`). One that says
+    /// so promises that every byte anyone observes (a capture, a corrupted copy, a receiver's
+    /// check) is the frame as [`Env::transmit`] got it with its sums computed: it seals a
+    /// frame (`wire::seal`) before it shows or changes it, and hands an untouched one to
+    /// [`crate::Nic::receive_unsealed`]. False by default: frames leave sealed.
+    fn defers_sums(&self) -> bool {
         false
     }
     /// Raises interrupt `vector`.

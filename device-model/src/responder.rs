@@ -31,16 +31,17 @@ impl Nic {
         self.receive_frame(env, frame, true);
     }
 
-    /// A frame arrives from the wire exactly as a NIC of this model built it with its ICRC
-    /// left unwritten ([`Env::defers_icrc`]) and nothing changed on the way: every check but
-    /// the ICRC's (which could only pass), then as [`Nic::receive`].
+    /// A frame arrives from the wire exactly as a NIC of this model built it with its IPv4
+    /// checksum and ICRC left unwritten ([`Env::defers_sums`]) and nothing changed on the
+    /// way: every check but those of the two sums (which could only pass), then as
+    /// [`Nic::receive`].
     pub fn receive_unsealed(&mut self, env: &mut dyn Env, frame: &[u8]) {
         self.receive_frame(env, frame, false);
     }
 
-    fn receive_frame(&mut self, env: &mut dyn Env, frame: &[u8], check_icrc: bool) {
+    fn receive_frame(&mut self, env: &mut dyn Env, frame: &[u8], check_sums: bool) {
         self.stats.rx_frames += 1;
-        let parsed = if check_icrc {
+        let parsed = if check_sums {
             wire::parse_packet(frame)
         } else {
             wire::parse_packet_unsealed(frame)
@@ -157,7 +158,7 @@ impl Nic {
         let mut frame = env.buffer();
         frame.clear();
         frame.reserve(repr.frame_len(payload.len()));
-        if env.defers_icrc() {
+        if env.defers_sums() {
             repr.emit_unsealed(payload, &mut frame);
         } else {
             repr.emit(payload, &mut frame);
@@ -510,12 +511,14 @@ impl Nic {
                 return;
             }
         };
-        // The GRH area: 20 bytes of zeros, then the IPv4 header as received (RoCEv2).
+        // The GRH area: 20 bytes of zeros, then the IPv4 header as received (RoCEv2), its
+        // checksum as the sender sealed it (an unsealed frame carries zeros there).
         let mut grh = [0u8; GRH_LEN];
         let ip = frame
             .get(wire::ETH_HDR_LEN..wire::ETH_HDR_LEN + wire::IPV4_HDR_LEN)
             .unwrap_or_default();
         grh[GRH_LEN - ip.len()..].copy_from_slice(ip);
+        wire::write_ipv4_checksum(&mut grh[GRH_LEN - ip.len()..]);
         let placed = self
             .scatter(env, qp.pdn, qp.qpn, &sges, 0, &grh, ready)
             .and_then(|()| {

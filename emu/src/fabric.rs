@@ -77,8 +77,8 @@ pub struct FabricStats {
 #[derive(Debug)]
 pub(crate) enum Event {
     Nic(usize, NicEvent),
-    /// A frame for a node; `true`: exactly as its sender built it, ICRC not yet written
-    /// (see [`Env::defers_icrc`]).
+    /// A frame for a node; `true`: exactly as its sender built it, sums not yet written
+    /// (see [`Env::defers_sums`]).
     Frame(usize, Vec<u8>, bool),
 }
 
@@ -273,12 +273,12 @@ impl Env for NodeEnv<'_> {
         self.queue.push(at, Event::Nic(self.node, ev));
     }
     fn transmit(&mut self, at: SimTime, mut frame: Vec<u8>) {
-        // The model leaves the ICRC to whoever needs it (defers_icrc): a capture shows the
-        // frame whole, and a frame that may be changed on the way is sealed first so that
-        // its receiver's check sees the change.
+        // The model leaves the IPv4 checksum and the ICRC to whoever needs them (defers_sums):
+        // a capture shows the frame whole, and a frame that may be changed on the way is
+        // sealed first so that its receiver's checks see the change.
         let unsealed = self.capture.is_none() && self.faults.inactive();
         if !unsealed {
-            wire::seal_icrc(&mut frame);
+            wire::seal(&mut frame);
         }
         let mut dst_mac = [0u8; 6];
         if let Some(m) = frame.get(..6) {
@@ -379,7 +379,7 @@ impl Env for NodeEnv<'_> {
     fn recycle(&mut self, buf: Vec<u8>) {
         recycle_into(self.pool, buf);
     }
-    fn defers_icrc(&self) -> bool {
+    fn defers_sums(&self) -> bool {
         true
     }
     fn tracing(&self) -> bool {
@@ -719,6 +719,29 @@ impl Fabric {
             n += 1;
         }
         n
+    }
+
+    /// Runs events until one of `nodes` has written a completion (a CQE now visible in host
+    /// memory) or none is pending; true if a CQE was written. A harness that polls CQs
+    /// calls this instead of polling after every event: a poll between two events that
+    /// wrote no CQE can find nothing, so the run (and every simulated time in it) is the
+    /// same.
+    pub fn run_until_cqe(&self, nodes: &[usize]) -> bool {
+        let mut s = self.shared.borrow_mut();
+        let cqes = |s: &Inner| -> u64 {
+            nodes
+                .iter()
+                .filter_map(|&n| s.nodes.get(n))
+                .map(|n| n.nic.stats().cqes)
+                .sum()
+        };
+        let before = cqes(&s);
+        while s.step() {
+            if cqes(&s) != before {
+                return true;
+            }
+        }
+        false
     }
 
     /// Runs until nothing but ACK timers is pending: the fabric is quiet unless a timer finds

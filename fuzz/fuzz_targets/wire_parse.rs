@@ -14,7 +14,7 @@
 //!    that carries none).
 //!
 //! Individual header parsers must round-trip through their `emit` as well, and
-//! `seal_icrc` + `parse_packet` must agree with `parse_packet_unsealed` on every input.
+//! `seal` + `parse_packet` must agree with `parse_packet_unsealed` on every input.
 #![no_main]
 
 use libfuzzer_sys::arbitrary::{self, Arbitrary, Unstructured};
@@ -46,10 +46,11 @@ fn parse_direction(data: &[u8]) {
         header_round_trips(b);
     }
 
-    // Sealing writes the ICRC and nothing else; the unsealed parser accepts exactly what the
-    // full parser accepts once the frame is sealed, to the same packet.
+    // Sealing writes the two sums (IPv4 checksum, ICRC) and nothing else; the unsealed parser
+    // accepts exactly what the full parser accepts once the frame is sealed, to the same
+    // packet.
     let mut sealed = data.to_vec();
-    wire::seal_icrc(&mut sealed);
+    wire::seal(&mut sealed);
     assert_eq!(sealed.len(), data.len());
     let unsealed = wire::parse_packet_unsealed(data);
     match (&unsealed, parse_packet(&sealed)) {

@@ -199,11 +199,7 @@ impl Opcode {
 
     /// The opcode with BTH byte 0 equal to `v`, if it is one ringbell knows.
     pub fn from_u8(v: u8) -> Option<Opcode> {
-        match v {
-            0x64 => Some(Opcode::UdSendOnly),
-            0x65 => Some(Opcode::UdSendOnlyImm),
-            _ => Opcode::ALL[..21].get(usize::from(v)).copied(),
-        }
+        BY_BYTE[usize::from(v)]
     }
 
     /// The BTH byte 0 value.
@@ -241,7 +237,7 @@ impl Opcode {
     }
 
     /// A RETH follows the BTH.
-    pub fn has_reth(self) -> bool {
+    pub const fn has_reth(self) -> bool {
         matches!(
             self,
             Opcode::WriteFirst | Opcode::WriteOnly | Opcode::WriteOnlyImm | Opcode::ReadRequest
@@ -249,7 +245,7 @@ impl Opcode {
     }
 
     /// An AETH follows the BTH.
-    pub fn has_aeth(self) -> bool {
+    pub const fn has_aeth(self) -> bool {
         matches!(
             self,
             Opcode::ReadResponseFirst
@@ -261,17 +257,17 @@ impl Opcode {
     }
 
     /// An AtomicETH follows the BTH.
-    pub fn has_atomic_eth(self) -> bool {
+    pub const fn has_atomic_eth(self) -> bool {
         matches!(self, Opcode::CompareSwap | Opcode::FetchAdd)
     }
 
     /// An AtomicAckETH follows the AETH.
-    pub fn has_atomic_ack_eth(self) -> bool {
-        self == Opcode::AtomicAcknowledge
+    pub const fn has_atomic_ack_eth(self) -> bool {
+        matches!(self, Opcode::AtomicAcknowledge)
     }
 
     /// An ImmDt header is present (after the RETH or DETH, if any).
-    pub fn has_immdt(self) -> bool {
+    pub const fn has_immdt(self) -> bool {
         matches!(
             self,
             Opcode::SendLastImm
@@ -283,12 +279,12 @@ impl Opcode {
     }
 
     /// A DETH follows the BTH: the UD opcodes.
-    pub fn has_deth(self) -> bool {
+    pub const fn has_deth(self) -> bool {
         self.is_ud()
     }
 
     /// A UD opcode (ABI 1.5).
-    pub fn is_ud(self) -> bool {
+    pub const fn is_ud(self) -> bool {
         matches!(self, Opcode::UdSendOnly | Opcode::UdSendOnlyImm)
     }
 
@@ -360,6 +356,11 @@ impl Opcode {
 
     /// BTH plus the extended headers of this opcode, in bytes.
     pub fn header_len(self) -> usize {
+        usize::from(HEADER_LEN[self as usize])
+    }
+
+    /// [`Opcode::header_len`] worked out from the per-header predicates (the table's source).
+    const fn header_len_of(self) -> usize {
         let mut len = BTH_LEN;
         if self.has_deth() {
             len += DETH_LEN;
@@ -387,6 +388,29 @@ impl Opcode {
         self.is_send() || self.is_write() || self.is_read_response() || self.is_ud()
     }
 }
+
+/// [`Opcode::from_u8`] as a table over every byte value.
+const BY_BYTE: [Option<Opcode>; 256] = {
+    let mut t = [None; 256];
+    let mut i = 0;
+    while i < Opcode::ALL.len() {
+        t[Opcode::ALL[i] as usize] = Some(Opcode::ALL[i]);
+        i += 1;
+    }
+    t
+};
+
+/// [`Opcode::header_len`] by opcode byte, for every opcode (others 0, never read).
+const HEADER_LEN: [u8; Opcode::UdSendOnlyImm as usize + 1] = {
+    let mut t = [0u8; Opcode::UdSendOnlyImm as usize + 1];
+    let mut i = 0;
+    while i < Opcode::ALL.len() {
+        let op = Opcode::ALL[i];
+        t[op as usize] = op.header_len_of() as u8;
+        i += 1;
+    }
+    t
+};
 
 impl From<Opcode> for u8 {
     fn from(op: Opcode) -> u8 {
@@ -817,92 +841,91 @@ impl PacketRepr {
     pub fn emit(&self, payload: &[u8], out: &mut Vec<u8>) {
         let start = out.len();
         self.emit_unsealed(payload, out);
-        seal_icrc(&mut out[start..]);
+        seal(&mut out[start..]);
     }
 
-    /// As [`PacketRepr::emit`], but the ICRC is left as four zero bytes: for a sender that
-    /// lets whoever first needs the bytes compute it with [`seal_icrc`] (a simulated fabric
-    /// that carries the frame untouched to a receiver can skip the CRC on both sides, see
+    /// As [`PacketRepr::emit`], but the two sums over the frame's bytes, the IPv4 header
+    /// checksum and the ICRC, are left as zeros: for a sender that lets whoever first needs
+    /// the bytes compute them with [`seal`] (a simulated fabric that carries the frame
+    /// untouched to a receiver can skip both sums on both sides, see
     /// [`parse_packet_unsealed`]).
     pub fn emit_unsealed(&self, payload: &[u8], out: &mut Vec<u8>) {
-        let pad = pad_len(payload.len());
-        let ip_total = self.frame_len(payload.len()) - ETH_HDR_LEN;
-        let ip_total = u16::try_from(ip_total).unwrap_or(u16::MAX);
-        let udp_len = ip_total.saturating_sub(IPV4_HDR_LEN as u16);
-
-        // Ethernet II.
-        out.extend_from_slice(&self.dst.mac);
-        out.extend_from_slice(&self.src.mac);
-        out.extend_from_slice(&ETHERTYPE_IPV4.to_be_bytes());
-
-        // IPv4.
-        let mut ip = [0u8; IPV4_HDR_LEN];
-        ip[0] = 0x45;
-        ip[IPV4_TOS_OFF] = self.tos;
-        ip[2..4].copy_from_slice(&ip_total.to_be_bytes());
-        ip[4..6].copy_from_slice(&self.ip_id.to_be_bytes());
-        ip[6..8].copy_from_slice(&IPV4_FLAG_DF.to_be_bytes());
-        ip[IPV4_TTL_OFF] = self.ttl;
-        ip[9] = IPPROTO_UDP;
-        ip[12..16].copy_from_slice(&self.src.ip);
-        ip[16..20].copy_from_slice(&self.dst.ip);
-        let csum = ipv4_checksum(&ip);
-        ip[IPV4_CSUM_OFF..IPV4_CSUM_OFF + 2].copy_from_slice(&csum.to_be_bytes());
-        out.extend_from_slice(&ip);
-
-        // UDP.
-        out.extend_from_slice(&self.udp_src_port.to_be_bytes());
-        out.extend_from_slice(&ROCEV2_UDP_PORT.to_be_bytes());
-        out.extend_from_slice(&udp_len.to_be_bytes());
-        out.extend_from_slice(&[0, 0]);
-
-        // BTH and extended headers.
-        let mut hdr = [0u8; BTH_LEN
+        /// The longest run of headers: outer ones, then BTH and every extended header.
+        const MAX_HDR: usize = ROCE_OUTER_LEN
+            + BTH_LEN
             + DETH_LEN
             + RETH_LEN
             + ATOMIC_ETH_LEN
             + AETH_LEN
             + ATOMIC_ACK_ETH_LEN
-            + IMMDT_LEN];
+            + IMMDT_LEN;
+        const IP: usize = ETH_HDR_LEN;
+        const UDP: usize = ETH_HDR_LEN + IPV4_HDR_LEN;
+        let pad = pad_len(payload.len());
+        let frame_len = self.frame_len(payload.len());
+        let ip_total = u16::try_from(frame_len - ETH_HDR_LEN).unwrap_or(u16::MAX);
+        let udp_len = ip_total.saturating_sub(IPV4_HDR_LEN as u16);
+
+        // All headers are written into one block, appended at once.
+        let mut h = [0u8; MAX_HDR];
+        // Ethernet II.
+        h[0..6].copy_from_slice(&self.dst.mac);
+        h[6..12].copy_from_slice(&self.src.mac);
+        h[12..14].copy_from_slice(&ETHERTYPE_IPV4.to_be_bytes());
+        // IPv4, its checksum left for [`seal`].
+        h[IP] = 0x45;
+        h[IP + IPV4_TOS_OFF] = self.tos;
+        h[IP + 2..IP + 4].copy_from_slice(&ip_total.to_be_bytes());
+        h[IP + 4..IP + 6].copy_from_slice(&self.ip_id.to_be_bytes());
+        h[IP + 6..IP + 8].copy_from_slice(&IPV4_FLAG_DF.to_be_bytes());
+        h[IP + IPV4_TTL_OFF] = self.ttl;
+        h[IP + 9] = IPPROTO_UDP;
+        h[IP + 12..IP + 16].copy_from_slice(&self.src.ip);
+        h[IP + 16..IP + 20].copy_from_slice(&self.dst.ip);
+        // UDP, checksum 0.
+        h[UDP..UDP + 2].copy_from_slice(&self.udp_src_port.to_be_bytes());
+        h[UDP + 2..UDP + 4].copy_from_slice(&ROCEV2_UDP_PORT.to_be_bytes());
+        h[UDP + 4..UDP + 6].copy_from_slice(&udp_len.to_be_bytes());
+
+        // BTH and extended headers.
         let bth = BthRepr { pad, ..self.bth };
-        bth.emit(&mut hdr);
-        let mut off = BTH_LEN;
+        bth.emit(&mut h[ROCE_OUTER_LEN..]);
+        let mut off = ROCE_OUTER_LEN + BTH_LEN;
         if let Some(op) = self.opcode() {
             if op.has_deth() {
-                self.deth.unwrap_or_default().emit(&mut hdr[off..]);
+                self.deth.unwrap_or_default().emit(&mut h[off..]);
                 off += DETH_LEN;
             }
             if op.has_reth() {
-                self.reth.unwrap_or_default().emit(&mut hdr[off..]);
+                self.reth.unwrap_or_default().emit(&mut h[off..]);
                 off += RETH_LEN;
             }
             if op.has_aeth() {
                 if let Some(aeth) = self.aeth {
-                    aeth.emit(&mut hdr[off..]);
+                    aeth.emit(&mut h[off..]);
                 }
                 off += AETH_LEN;
             }
             if op.has_atomic_eth() {
-                self.atomic_eth.unwrap_or_default().emit(&mut hdr[off..]);
+                self.atomic_eth.unwrap_or_default().emit(&mut h[off..]);
                 off += ATOMIC_ETH_LEN;
             }
             if op.has_atomic_ack_eth() {
                 let orig = self.atomic_ack.unwrap_or(0);
-                hdr[off..off + ATOMIC_ACK_ETH_LEN].copy_from_slice(&orig.to_be_bytes());
+                h[off..off + ATOMIC_ACK_ETH_LEN].copy_from_slice(&orig.to_be_bytes());
                 off += ATOMIC_ACK_ETH_LEN;
             }
             if op.has_immdt() {
                 let imm = self.imm.unwrap_or(0);
-                hdr[off..off + IMMDT_LEN].copy_from_slice(&imm.to_be_bytes());
+                h[off..off + IMMDT_LEN].copy_from_slice(&imm.to_be_bytes());
                 off += IMMDT_LEN;
             }
         }
-        out.extend_from_slice(&hdr[..off]);
-
-        // Payload, pad, room for the ICRC.
+        out.reserve(frame_len);
+        out.extend_from_slice(&h[..off]);
+        // Payload, then pad and room for the ICRC in one append.
         out.extend_from_slice(payload);
-        out.extend_from_slice(&[0u8; 3][..usize::from(pad)]);
-        out.extend_from_slice(&[0u8; ICRC_LEN]);
+        out.extend_from_slice(&[0u8; 3 + ICRC_LEN][..usize::from(pad) + ICRC_LEN]);
     }
 }
 
@@ -917,16 +940,28 @@ pub struct Packet<'a> {
 
 /// The IPv4 header checksum of a 20-byte header, computed as if its checksum field were 0.
 fn ipv4_checksum(ip: &[u8]) -> u16 {
+    let ip = &ip[..IPV4_HDR_LEN];
     let mut sum: u32 = 0;
-    for (i, w) in ip[..IPV4_HDR_LEN].chunks_exact(2).enumerate() {
-        if i != IPV4_CSUM_OFF / 2 {
-            sum += u32::from(u16::from_be_bytes([w[0], w[1]]));
-        }
+    for (i, w) in ip.chunks_exact(2).enumerate() {
+        // The checksum's own word counts as zero.
+        let word = u32::from(u16::from_be_bytes([w[0], w[1]]));
+        sum += if i == IPV4_CSUM_OFF / 2 { 0 } else { word };
     }
-    while sum > 0xFFFF {
-        sum = (sum & 0xFFFF) + (sum >> 16);
-    }
+    // Ten 16-bit words: two folds bring the sum into 16 bits.
+    sum = (sum & 0xFFFF) + (sum >> 16);
+    sum = (sum & 0xFFFF) + (sum >> 16);
     !(sum as u16)
+}
+
+/// Writes the header checksum of the 20-byte IPv4 header at the start of `ip` (nothing if
+/// `ip` is shorter): for a receiver that shows the header of a frame that may have arrived
+/// unsealed ([`parse_packet_unsealed`]) as the sender would have sealed it. On a header
+/// whose checksum is already right it changes nothing.
+pub fn write_ipv4_checksum(ip: &mut [u8]) {
+    if ip.len() >= IPV4_HDR_LEN {
+        let csum = ipv4_checksum(ip);
+        ip[IPV4_CSUM_OFF..IPV4_CSUM_OFF + 2].copy_from_slice(&csum.to_be_bytes());
+    }
 }
 
 /// ICRC over `ip_to_end`: the bytes from the IPv4 header to just before the ICRC.
@@ -994,10 +1029,10 @@ pub fn compute_icrc(frame: &[u8]) -> Result<u32, WireError> {
     Ok(icrc_of(ip))
 }
 
-/// Computes the ICRC of a frame built by [`PacketRepr::emit_unsealed`] (or any frame whose
-/// outer headers are sound) and stores it in the frame's last four IPv4 bytes. A frame too
-/// short or malformed to carry one is left as it is.
-pub fn seal_icrc(frame: &mut [u8]) {
+/// Writes the two sums [`PacketRepr::emit_unsealed`] leaves as zeros: the IPv4 header
+/// checksum and the ICRC (in the frame's last four IPv4 bytes). Works on any frame whose
+/// outer headers are sound; a frame too short or malformed to carry an ICRC is left as it is.
+pub fn seal(frame: &mut [u8]) {
     let Ok(total) = check_outer(frame) else {
         return;
     };
@@ -1005,6 +1040,7 @@ pub fn seal_icrc(frame: &mut [u8]) {
         return;
     }
     let end = ETH_HDR_LEN + total;
+    write_ipv4_checksum(&mut frame[ETH_HDR_LEN..]);
     let icrc = icrc_of(&frame[ETH_HDR_LEN..end - ICRC_LEN]);
     frame[end - ICRC_LEN..end].copy_from_slice(&icrc.to_le_bytes());
 }
@@ -1021,18 +1057,20 @@ pub fn parse_packet(frame: &[u8]) -> Result<Packet<'_>, WireError> {
     parse(frame, true)
 }
 
-/// As [`parse_packet`], every check but the ICRC's: for a frame whose ICRC is known to be
-/// what its sender would have written over exactly these bytes (built by
-/// [`PacketRepr::emit_unsealed`] and carried unmodified), where the CRC would only be
-/// computed twice to compare equal. Input from anywhere else goes through [`parse_packet`].
+/// As [`parse_packet`], every check but those of the two sums (IPv4 header checksum and
+/// ICRC): for a frame whose sums are known to be what its sender would have written over
+/// exactly these bytes (built by [`PacketRepr::emit_unsealed`] and carried unmodified), where
+/// each sum would only be computed twice to compare equal. Input from anywhere else goes
+/// through [`parse_packet`]; [`seal`] followed by [`parse_packet`] accepts exactly what this
+/// accepts.
 pub fn parse_packet_unsealed(frame: &[u8]) -> Result<Packet<'_>, WireError> {
     parse(frame, false)
 }
 
-fn parse(frame: &[u8], check_icrc: bool) -> Result<Packet<'_>, WireError> {
+fn parse(frame: &[u8], check_sums: bool) -> Result<Packet<'_>, WireError> {
     let total = check_outer(frame)?;
     let ip = &frame[ETH_HDR_LEN..ETH_HDR_LEN + total];
-    if be_u16(ip, IPV4_CSUM_OFF) != ipv4_checksum(ip) {
+    if check_sums && be_u16(ip, IPV4_CSUM_OFF) != ipv4_checksum(ip) {
         return Err(WireError::BadIpChecksum);
     }
     if be_u16(ip, 6) & 0x3FFF != 0 {
@@ -1076,7 +1114,7 @@ fn parse(frame: &[u8], check_icrc: bool) -> Result<Packet<'_>, WireError> {
         ib[icrc_off + 2],
         ib[icrc_off + 3],
     ]);
-    if check_icrc && icrc_of(&ip[..total - ICRC_LEN]) != stored {
+    if check_sums && icrc_of(&ip[..total - ICRC_LEN]) != stored {
         return Err(WireError::BadIcrc);
     }
 
@@ -2143,17 +2181,29 @@ mod tests {
             repr.emit_unsealed(&payload, &mut f);
             prop_assert_eq!(f.len(), sealed.len());
             prop_assert_eq!(&f[f.len() - ICRC_LEN..], &[0u8; ICRC_LEN][..]);
-            // Unsealed, it parses only without the ICRC check, to the same packet.
-            prop_assert_eq!(parse_packet(&f).map(|_| ()), Err(WireError::BadIcrc));
+            let csum = ETH_HDR_LEN + IPV4_CSUM_OFF;
+            prop_assert_eq!(&f[csum..csum + 2], &[0u8; 2][..]);
+            // Only the two sums differ from the sealed frame.
+            let mut masked = sealed.clone();
+            masked[csum..csum + 2].fill(0);
+            let n = masked.len();
+            masked[n - ICRC_LEN..].fill(0);
+            prop_assert_eq!(&f, &masked);
+            // Unsealed, it parses only without the checks of the sums, to the same packet.
+            let full = parse_packet(&f).map(|_| ());
+            prop_assert!(
+                matches!(full, Err(WireError::BadIpChecksum | WireError::BadIcrc)),
+                "an unsealed frame passed the full parse: {:?}", full
+            );
             let p = parse_packet_unsealed(&f).unwrap();
             prop_assert_eq!(p.repr, repr);
             prop_assert_eq!(p.payload, &payload[..]);
-            seal_icrc(&mut f);
+            seal(&mut f);
             prop_assert_eq!(&f, &sealed);
             // Sealing never touches a frame too short to hold an ICRC.
             for n in 0..f.len() {
                 let mut cut = sealed[..n].to_vec();
-                seal_icrc(&mut cut);
+                seal(&mut cut);
                 prop_assert_eq!(&cut[..], &sealed[..n]);
             }
         }
