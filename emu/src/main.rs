@@ -558,7 +558,7 @@ fn coll(a: CollArgs) -> Result<(), String> {
     );
     println!(
         "{:<10} {:>5} {:>5} {:>14} {:>10} {:>10} {:>9} {:>13}",
-        "op", "N", "root", "latency (us)", "ops/rank", "ops total", "wall (s)", "wall M chases"
+        "op", "N", "root", "latency (us)", "ops/rank", "ops total", "wall (ms)", "wall M chases"
     );
     let kinds: &[CollKind] = match a.op {
         CollKind::All => &[CollKind::Barrier, CollKind::Bcast, CollKind::Allreduce],
@@ -599,14 +599,14 @@ fn coll(a: CollArgs) -> Result<(), String> {
             let avg = runs.iter().map(|o| o.latency_ps).sum::<u64>() / runs.len() as u64;
             let el = wall.elapsed().as_secs_f64();
             println!(
-                "{:<10} {:>5} {:>5} {:>14.3} {:>10} {:>10} {:>9.3} {:>13.3}",
+                "{:<10} {:>5} {:>5} {:>14.3} {:>10} {:>10} {:>9.2} {:>13.3}",
                 name,
                 n,
                 op_root(op),
                 avg as f64 / 1e6,
                 runs[0].max_ops,
                 runs[0].total_ops,
-                el,
+                el * 1e3,
                 y.in_chases(el * 1e9) / 1e6
             );
         }
