@@ -129,8 +129,21 @@ const DIGEST_HDR: std::ops::Range<usize> = 42..74;
 
 #[derive(Debug)]
 pub(crate) struct Inner {
-    pub(crate) queue: EventQueue<Event>,
     pub(crate) nodes: Vec<Node>,
+    /// Everything but the nodes: what a node's NIC reaches through its [`NodeEnv`].
+    pub(crate) w: World,
+    /// Register writes of each node still on their way to the device.
+    pending_mmio: Vec<u32>,
+    /// When each node's last posted store reaches its device.
+    mmio_last: Vec<SimTime>,
+    digest: Digest,
+}
+
+/// The fabric apart from its nodes, so that a node's environment is one reference to it
+/// beside the node's own parts (built for every event).
+#[derive(Debug)]
+pub(crate) struct World {
+    pub(crate) queue: EventQueue<Event>,
     macs: MacTable,
     switch_free: Vec<SimTime>,
     faults: Faults,
@@ -142,12 +155,7 @@ pub(crate) struct Inner {
     irq_flag: Vec<bool>,
     /// The nodes whose flag is set, in the order they were raised.
     raised: Vec<usize>,
-    /// Register writes of each node still on their way to the device.
-    pending_mmio: Vec<u32>,
-    /// When each node's last posted store reaches its device.
-    mmio_last: Vec<SimTime>,
     cfg: FabricConfig,
-    digest: Digest,
     stats: FabricStats,
     /// The packet capture, when one runs.
     capture: Option<Box<Capture>>,
@@ -190,21 +198,10 @@ impl MacTable {
 struct NodeEnv<'a> {
     node: usize,
     now: SimTime,
+    /// The rest of the fabric.
+    w: &'a mut World,
     iommu: &'a Iommu,
-    queue: &'a mut EventQueue<Event>,
-    macs: &'a MacTable,
-    switch_free: &'a mut [SimTime],
-    timing: &'a TimingProfile,
-    topology: Topology,
-    stats: &'a mut FabricStats,
     interrupts: &'a mut u64,
-    timers: &'a mut u64,
-    faults: &'a mut Faults,
-    capture: &'a mut Option<Box<Capture>>,
-    timeline: &'a mut Option<Box<Timeline>>,
-    in_flight: &'a mut [u32],
-    irq_flag: &'a mut [bool],
-    raised: &'a mut Vec<usize>,
     /// Functional mode is in force.
     functional: bool,
     /// The nodes before and after this one (functional mode reaches the peer through them).
@@ -212,8 +209,6 @@ struct NodeEnv<'a> {
     after: &'a mut [Node],
     /// While a functional message is delivered: the requester's IOMMU.
     src_iommu: Option<&'a Iommu>,
-    /// Byte buffers for reuse.
-    pool: &'a mut Vec<Vec<u8>>,
 }
 
 /// Keeps `buf` in `pool` for reuse if there is room and it is not too large.
@@ -235,8 +230,8 @@ impl NodeEnv<'_> {
         arrival: SimTime,
         status: u8,
     ) {
-        if let Some(t) = self.timeline {
-            let stage = match self.topology {
+        if let Some(t) = &mut self.w.timeline {
+            let stage = match self.w.cfg.topology {
                 Topology::BackToBack => Stage::Flight,
                 Topology::Switch => Stage::SwitchedFlight,
             };
@@ -268,15 +263,15 @@ impl Env for NodeEnv<'_> {
     }
     fn schedule(&mut self, at: SimTime, ev: NicEvent) {
         if matches!(ev, NicEvent::AckTimer { .. }) {
-            *self.timers += 1;
+            self.w.timers += 1;
         }
-        self.queue.push(at, Event::Nic(self.node, ev));
+        self.w.queue.push(at, Event::Nic(self.node, ev));
     }
     fn transmit(&mut self, at: SimTime, mut frame: Vec<u8>) {
         // The model leaves the IPv4 checksum and the ICRC to whoever needs them (defers_sums):
         // a capture shows the frame whole, and a frame that may be changed on the way is
         // sealed first so that its receiver's checks see the change.
-        let unsealed = self.capture.is_none() && self.faults.inactive();
+        let unsealed = self.w.capture.is_none() && self.w.faults.inactive();
         if !unsealed {
             wire::seal(&mut frame);
         }
@@ -284,35 +279,35 @@ impl Env for NodeEnv<'_> {
         if let Some(m) = frame.get(..6) {
             dst_mac.copy_from_slice(m);
         }
-        let t = self.timing;
+        let t = &self.w.cfg.timing;
         let ser = SimTime(t.serialize_ps(frame.len()));
         // A capture stamps the frame when its first bit goes on the wire.
         let first_bit = (at - ser).max(self.now);
         let hop = SimTime(t.link_phy_mac_ps + t.link_prop_ps);
-        let Some(dst) = self.macs.node(&dst_mac) else {
+        let Some(dst) = self.w.macs.node(&dst_mac) else {
             self.trace_flight(&frame, None, at, at + hop, 3);
-            self.stats.frames_unroutable += 1;
-            if let Some(c) = self.capture {
+            self.w.stats.frames_unroutable += 1;
+            if let Some(c) = &mut self.w.capture {
                 c.record(Some(self.node), None, first_bit, &frame, Fate::Unroutable);
             }
             return;
         };
-        self.stats.bytes_on_wire += frame.len() as u64;
-        let arrival = match self.topology {
+        self.w.stats.bytes_on_wire += frame.len() as u64;
+        let arrival = match self.w.cfg.topology {
             Topology::BackToBack => at + hop,
             Topology::Switch => {
                 // Head of the frame reaches the switch, is forwarded after the cut-through
                 // latency once the egress port is free, and arrives whole one hop later.
                 let head = at - ser + hop;
-                let free = &mut self.switch_free[dst];
+                let free = &mut self.w.switch_free[dst];
                 let start = (head + SimTime(t.switch_cut_through_ps)).max(*free);
                 *free = start + ser;
                 start + ser + hop
             }
         };
-        if self.faults.inactive() {
+        if self.w.faults.inactive() {
             self.trace_flight(&frame, Some(dst), at, arrival, 0);
-            if let Some(c) = self.capture {
+            if let Some(c) = &mut self.w.capture {
                 c.record(
                     Some(self.node),
                     Some(dst),
@@ -321,16 +316,18 @@ impl Env for NodeEnv<'_> {
                     Fate::Delivered,
                 );
             }
-            self.in_flight[dst] += 1;
-            self.queue.push(arrival, Event::Frame(dst, frame, unsealed));
+            self.w.in_flight[dst] += 1;
+            self.w
+                .queue
+                .push(arrival, Event::Frame(dst, frame, unsealed));
             return;
         }
-        let link_down = self.faults.stats.link_down;
-        let v = self.faults.decide(self.node, dst, at, &frame);
-        if self.timeline.is_some() {
+        let link_down = self.w.faults.stats.link_down;
+        let v = self.w.faults.decide(self.node, dst, at, &frame);
+        if self.w.timeline.is_some() {
             match v.copies.as_slice() {
                 [] => {
-                    let lost = 1 + (self.faults.stats.link_down > link_down) as u8;
+                    let lost = 1 + (self.w.faults.stats.link_down > link_down) as u8;
                     self.trace_flight(&frame, Some(dst), at, arrival, lost);
                 }
                 copies => {
@@ -342,8 +339,8 @@ impl Env for NodeEnv<'_> {
                 }
             }
         }
-        if let Some(c) = self.capture {
-            let fate = Fate::of(&v, self.faults.stats.link_down > link_down);
+        if let Some(c) = &mut self.w.capture {
+            let fate = Fate::of(&v, self.w.faults.stats.link_down > link_down);
             c.record(Some(self.node), Some(dst), first_bit, &frame, fate);
         }
         let mut frame = frame;
@@ -359,34 +356,35 @@ impl Env for NodeEnv<'_> {
             } else {
                 std::mem::take(&mut frame)
             };
-            self.in_flight[dst] += 1;
-            self.queue
+            self.w.in_flight[dst] += 1;
+            self.w
+                .queue
                 .push(arrival + extra, Event::Frame(dst, f, unsealed));
         }
     }
     fn interrupt(&mut self, _vector: u32) {
         *self.interrupts += 1;
-        if let Some(f) = self.irq_flag.get_mut(self.node) {
+        if let Some(f) = self.w.irq_flag.get_mut(self.node) {
             if !*f {
                 *f = true;
-                self.raised.push(self.node);
+                self.w.raised.push(self.node);
             }
         }
     }
     fn buffer(&mut self) -> Vec<u8> {
-        self.pool.pop().unwrap_or_default()
+        self.w.pool.pop().unwrap_or_default()
     }
     fn recycle(&mut self, buf: Vec<u8>) {
-        recycle_into(self.pool, buf);
+        recycle_into(&mut self.w.pool, buf);
     }
     fn defers_sums(&self) -> bool {
         true
     }
     fn tracing(&self) -> bool {
-        self.timeline.is_some()
+        self.w.timeline.is_some()
     }
     fn trace(&mut self, ev: TraceEvent) {
-        if let Some(t) = self.timeline {
+        if let Some(t) = &mut self.w.timeline {
             t.record(self.node, ev);
         }
     }
@@ -397,10 +395,10 @@ impl Env for NodeEnv<'_> {
         if !self.functional {
             return None;
         }
-        let dst = self.macs.node(&msg.dst_mac)?;
+        let dst = self.w.macs.node(&msg.dst_mac)?;
         // Nothing of the packet path may be under way between the two nodes (a frame still
         // travelling would arrive behind messages placed since).
-        if dst == self.node || self.in_flight[dst] != 0 || self.in_flight[self.node] != 0 {
+        if dst == self.node || self.w.in_flight[dst] != 0 || self.w.in_flight[self.node] != 0 {
             return None;
         }
         let peer = if dst < self.node {
@@ -416,26 +414,13 @@ impl Env for NodeEnv<'_> {
         let mut env = NodeEnv {
             node: dst,
             now: self.now,
+            w: &mut *self.w,
             iommu,
-            queue: &mut *self.queue,
-            macs: self.macs,
-            switch_free: &mut *self.switch_free,
-            timing: self.timing,
-            topology: self.topology,
-            stats: &mut *self.stats,
             interrupts,
-            timers: &mut *self.timers,
-            faults: &mut *self.faults,
-            capture: &mut *self.capture,
-            timeline: &mut *self.timeline,
-            in_flight: &mut *self.in_flight,
-            irq_flag: &mut *self.irq_flag,
-            raised: &mut *self.raised,
             functional: false,
             before: &mut [],
             after: &mut [],
             src_iommu: Some(self.iommu),
-            pool: &mut *self.pool,
         };
         nic.fm_receive(&mut env, msg)
     }
@@ -455,12 +440,9 @@ impl Env for NodeEnv<'_> {
 
 impl Inner {
     fn with_env<R>(&mut self, node: usize, f: impl FnOnce(&mut Nic, &mut NodeEnv<'_>) -> R) -> R {
-        let now = self.queue.now();
-        let topology = self.cfg.topology;
-        let functional = self.cfg.functional
-            && self.faults.inactive()
-            && self.capture.is_none()
-            && self.timeline.is_none();
+        let w = &mut self.w;
+        let functional =
+            w.cfg.functional && w.faults.inactive() && w.capture.is_none() && w.timeline.is_none();
         let (before, rest) = self.nodes.split_at_mut(node);
         let Some((
             Node {
@@ -475,27 +457,14 @@ impl Inner {
         };
         let mut env = NodeEnv {
             node,
-            now,
+            now: w.queue.now(),
+            w,
             iommu,
-            queue: &mut self.queue,
-            macs: &self.macs,
-            switch_free: &mut self.switch_free,
-            timing: &self.cfg.timing,
-            topology,
-            stats: &mut self.stats,
             interrupts,
-            timers: &mut self.timers,
-            faults: &mut self.faults,
-            capture: &mut self.capture,
-            timeline: &mut self.timeline,
-            in_flight: &mut self.in_flight,
-            irq_flag: &mut self.irq_flag,
-            raised: &mut self.raised,
             functional,
             before,
             after,
             src_iommu: None,
-            pool: &mut self.pool,
         };
         f(nic, &mut env)
     }
@@ -504,22 +473,23 @@ impl Inner {
         // A read does not pass earlier writes (PCIe ordering): the CPU stalls until they
         // have reached the device, and simulated time moves on meanwhile.
         while self.pending_mmio[node] > 0 && self.step() {}
-        let now = self.queue.now();
+        let now = self.w.queue.now();
         self.nodes[node].nic.mmio_read(now, offset)
     }
 
     /// A CPU store to BAR0: it reaches the device after the host and PCIe posting costs.
     pub(crate) fn mmio_write(&mut self, node: usize, offset: u64, value: u32) {
         let (db, mmio) = (
-            self.cfg.timing.host_doorbell_ps,
-            self.cfg.timing.mmio_post_ps,
+            self.w.cfg.timing.host_doorbell_ps,
+            self.w.cfg.timing.mmio_post_ps,
         );
-        let now = self.queue.now();
+        let now = self.w.queue.now();
         let at = self.in_order(node, now + SimTime(db + mmio));
-        if let Some(tl) = &mut self.timeline {
+        if let Some(tl) = &mut self.w.timeline {
             tl.record_host_store(node, offset, 4, now, now + SimTime(db), at);
         }
-        self.queue
+        self.w
+            .queue
             .push(at, Event::Nic(node, NicEvent::Mmio { offset, value }));
         self.pending_mmio[node] += 1;
     }
@@ -536,17 +506,17 @@ impl Inner {
     /// A write-combined store of up to 256 bytes to BAR0 (BlueFlame): the WQE copy costs the
     /// host the post, then it travels as one posted write.
     pub(crate) fn mmio_write_block(&mut self, node: usize, offset: u64, data: &[u8]) {
-        let t = &self.cfg.timing;
+        let t = &self.w.cfg.timing;
         let (post, mmio) = (t.host_post_wqe_ps + t.host_doorbell_ps, t.mmio_post_ps);
-        let now = self.queue.now();
+        let now = self.w.queue.now();
         let stored = now + SimTime(post);
         let at = self.in_order(node, stored + SimTime(mmio));
-        if let Some(tl) = &mut self.timeline {
+        if let Some(tl) = &mut self.w.timeline {
             tl.record_host_store(node, offset, data.len(), now, stored, at);
         }
-        let mut buf = self.pool.pop().unwrap_or_default();
+        let mut buf = self.w.pool.pop().unwrap_or_default();
         buf.extend_from_slice(data);
-        self.queue.push(
+        self.w.queue.push(
             at,
             Event::Nic(node, NicEvent::MmioBlock { offset, data: buf }),
         );
@@ -557,23 +527,23 @@ impl Inner {
     /// Moves simulated time forward to `t` with nothing happening, or to the next pending
     /// event if that comes first.
     pub(crate) fn idle_until(&mut self, t: SimTime) {
-        let t = self.queue.peek_time().map_or(t, |next| next.min(t));
-        self.queue.advance_to(t);
+        let t = self.w.queue.peek_time().map_or(t, |next| next.min(t));
+        self.w.queue.advance_to(t);
     }
 
     pub(crate) fn step(&mut self) -> bool {
-        let Some((at, ev)) = self.queue.pop() else {
+        let Some((at, ev)) = self.w.queue.pop() else {
             return false;
         };
-        self.stats.events += 1;
+        self.w.stats.events += 1;
         self.digest.word(at.ps());
-        if let Some(c) = &mut self.capture {
+        if let Some(c) = &mut self.w.capture {
             c.flush_until(at);
         }
         match ev {
             Event::Nic(node, ev) => {
                 if matches!(ev, NicEvent::AckTimer { .. }) {
-                    self.timers -= 1;
+                    self.w.timers -= 1;
                 }
                 self.digest.word(node as u64);
                 if let NicEvent::Mmio { offset, value } = &ev {
@@ -589,7 +559,7 @@ impl Inner {
                 self.with_env(node, |nic, env| nic.handle(env, ev));
             }
             Event::Frame(node, frame, unsealed) => {
-                self.in_flight[node] = self.in_flight[node].saturating_sub(1);
+                self.w.in_flight[node] = self.w.in_flight[node].saturating_sub(1);
                 self.digest.word(node as u64 | 1 << 63);
                 // Frames enter the digest through their length and transport headers
                 // (opcode, QPN, PSN, RETH/AETH/atomic fields): what tells one packet from
@@ -603,13 +573,13 @@ impl Inner {
                     .min(frame.len().saturating_sub(wire::ICRC_LEN));
                 let hdr = frame.get(DIGEST_HDR.start..end.max(DIGEST_HDR.start));
                 self.digest.bytes(hdr.unwrap_or_default());
-                self.stats.frames_delivered += 1;
+                self.w.stats.frames_delivered += 1;
                 if unsealed {
                     self.with_env(node, |nic, env| nic.receive_unsealed(env, &frame));
                 } else {
                     self.with_env(node, |nic, env| nic.receive(env, &frame));
                 }
-                recycle_into(&mut self.pool, frame);
+                recycle_into(&mut self.w.pool, frame);
             }
         }
         true
@@ -655,23 +625,25 @@ impl Fabric {
             });
         }
         let inner = Inner {
-            queue: EventQueue::new(),
-            switch_free: vec![SimTime::ZERO; cfg.nodes],
             pending_mmio: vec![0; cfg.nodes],
-            in_flight: vec![0; cfg.nodes],
-            irq_flag: vec![false; cfg.nodes],
-            raised: Vec::new(),
             mmio_last: vec![SimTime::ZERO; cfg.nodes],
-            timers: 0,
-            faults: Faults::new(cfg.faults.clone(), cfg.nodes, cfg.seed),
             nodes,
-            macs: MacTable::new(macs),
             digest: Digest(0xCBF2_9CE4_8422_2325),
-            stats: FabricStats::default(),
-            capture: None,
-            timeline: None,
-            pool: Vec::new(),
-            cfg,
+            w: World {
+                queue: EventQueue::new(),
+                switch_free: vec![SimTime::ZERO; cfg.nodes],
+                in_flight: vec![0; cfg.nodes],
+                irq_flag: vec![false; cfg.nodes],
+                raised: Vec::new(),
+                timers: 0,
+                faults: Faults::new(cfg.faults.clone(), cfg.nodes, cfg.seed),
+                macs: MacTable::new(macs),
+                stats: FabricStats::default(),
+                capture: None,
+                timeline: None,
+                pool: Vec::new(),
+                cfg,
+            },
         };
         Fabric {
             shared: Rc::new(RefCell::new(inner)),
@@ -694,7 +666,7 @@ impl Fabric {
 
     /// The root seed.
     pub fn seed(&self) -> u64 {
-        self.shared.borrow().cfg.seed
+        self.shared.borrow().w.cfg.seed
     }
 
     /// A deterministic random stream derived from the seed (PCG-64 MCG, pinned).
@@ -704,7 +676,7 @@ impl Fabric {
 
     /// Current simulated time.
     pub fn now(&self) -> SimTime {
-        self.shared.borrow().queue.now()
+        self.shared.borrow().w.queue.now()
     }
 
     /// Processes one event; `false` if the queue was empty.
@@ -751,7 +723,7 @@ impl Fabric {
         loop {
             let quiet = {
                 let s = self.shared.borrow();
-                s.queue.len() as u64 <= s.timers
+                s.w.queue.len() as u64 <= s.w.timers
             };
             if quiet || !self.step() {
                 return n;
@@ -767,7 +739,7 @@ impl Fabric {
 
     /// Fabric counters.
     pub fn stats(&self) -> FabricStats {
-        self.shared.borrow().stats.clone()
+        self.shared.borrow().w.stats.clone()
     }
 
     /// A node's NIC counters.
@@ -783,7 +755,7 @@ impl Fabric {
 
     /// When the next pending event is due, if one is.
     pub fn next_event_at(&self) -> Option<SimTime> {
-        self.shared.borrow().queue.peek_time()
+        self.shared.borrow().w.queue.peek_time()
     }
 
     /// The BAR0 offsets of node `node`'s live doorbell slots (see
@@ -815,9 +787,9 @@ impl Fabric {
         let mut s = self.shared.borrow_mut();
         let s = &mut *s;
         out.clear();
-        out.append(&mut s.raised);
+        out.append(&mut s.w.raised);
         for &n in out.iter() {
-            s.irq_flag[n] = false;
+            s.w.irq_flag[n] = false;
         }
     }
 
@@ -828,33 +800,33 @@ impl Fabric {
 
     /// The timing profile.
     pub fn timing(&self) -> TimingProfile {
-        self.shared.borrow().cfg.timing.clone()
+        self.shared.borrow().w.cfg.timing.clone()
     }
 
     /// Replaces the fault plan (rule counters restart; the random streams go on).
     pub fn set_faults(&self, plan: FaultPlan) {
-        self.shared.borrow_mut().faults.set_plan(plan);
+        self.shared.borrow_mut().w.faults.set_plan(plan);
     }
 
     /// Adds a targeted fault rule.
     pub fn add_fault_rule(&self, rule: FaultRule) {
-        self.shared.borrow_mut().faults.add_rule(rule);
+        self.shared.borrow_mut().w.faults.add_rule(rule);
     }
 
     /// What fault injection has done so far.
     pub fn fault_stats(&self) -> FaultStats {
-        self.shared.borrow().faults.stats.clone()
+        self.shared.borrow().w.faults.stats.clone()
     }
 
     /// Injects a raw frame towards `node` at the current time (tests and fuzzing).
     pub fn inject_frame(&self, node: usize, frame: Vec<u8>) {
         let mut s = self.shared.borrow_mut();
-        let now = s.queue.now();
-        if let Some(c) = &mut s.capture {
+        let now = s.w.queue.now();
+        if let Some(c) = &mut s.w.capture {
             c.record(None, Some(node), now, &frame, Fate::Delivered);
         }
-        s.in_flight[node] += 1;
-        s.queue.push(now, Event::Frame(node, frame, false));
+        s.w.in_flight[node] += 1;
+        s.w.queue.push(now, Event::Frame(node, frame, false));
     }
 
     /// Starts a packet capture: every frame the fabric carries from now on is written to `out`
@@ -863,15 +835,15 @@ impl Fabric {
     /// written at once. Fails if a capture already runs or `out` fails.
     pub fn start_capture(&self, out: impl Write + 'static) -> io::Result<()> {
         let mut s = self.shared.borrow_mut();
-        if s.capture.is_some() {
+        if s.w.capture.is_some() {
             return Err(io::Error::new(
                 io::ErrorKind::AlreadyExists,
                 "a capture is already running on this fabric",
             ));
         }
-        let bits_per_s = s.cfg.timing.link_bits_per_us.saturating_mul(1_000_000);
-        let c = Capture::new(Box::new(out), s.nodes.len(), s.cfg.seed, bits_per_s)?;
-        s.capture = Some(Box::new(c));
+        let bits_per_s = s.w.cfg.timing.link_bits_per_us.saturating_mul(1_000_000);
+        let c = Capture::new(Box::new(out), s.nodes.len(), s.w.cfg.seed, bits_per_s)?;
+        s.w.capture = Some(Box::new(c));
         Ok(())
     }
 
@@ -886,7 +858,7 @@ impl Fabric {
     /// was written, or the first write error. `Ok` with zero counts if none was running.
     /// (Dropping the fabric also ends it, silently.)
     pub fn stop_capture(&self) -> io::Result<CaptureStats> {
-        let c = self.shared.borrow_mut().capture.take();
+        let c = self.shared.borrow_mut().w.capture.take();
         match c {
             Some(mut c) => c.finish(),
             None => Ok(CaptureStats::default()),
@@ -898,7 +870,7 @@ impl Fabric {
     /// counted, not kept). Recording changes no simulated result. Fails if one already runs.
     pub fn start_timeline(&self, max_events: usize) -> io::Result<()> {
         let mut s = self.shared.borrow_mut();
-        if s.timeline.is_some() {
+        if s.w.timeline.is_some() {
             return Err(io::Error::new(
                 io::ErrorKind::AlreadyExists,
                 "a timeline is already being recorded on this fabric",
@@ -906,23 +878,23 @@ impl Fabric {
         }
         let t = Timeline::new(
             s.nodes.len(),
-            s.cfg.seed,
-            s.cfg.timing.name.clone(),
-            s.cfg.topology == Topology::BackToBack,
+            s.w.cfg.seed,
+            s.w.cfg.timing.name.clone(),
+            s.w.cfg.topology == Topology::BackToBack,
             max_events,
         );
-        s.timeline = Some(Box::new(t));
+        s.w.timeline = Some(Box::new(t));
         Ok(())
     }
 
     /// Whether a timeline is being recorded.
     pub fn timeline_running(&self) -> bool {
-        self.shared.borrow().timeline.is_some()
+        self.shared.borrow().w.timeline.is_some()
     }
 
     /// Ends the timeline and returns what it recorded (`None` if none was running).
     pub fn take_timeline(&self) -> Option<Timeline> {
-        self.shared.borrow_mut().timeline.take().map(|t| *t)
+        self.shared.borrow_mut().w.timeline.take().map(|t| *t)
     }
 
     /// Ends the timeline and writes it to the file at `path` (created or truncated) as
