@@ -46,7 +46,8 @@ impl Nic {
         } else {
             wire::parse_packet_unsealed(frame)
         };
-        let pkt = match parsed {
+        // Read in place: the parsed headers are a few hundred bytes.
+        let pkt = match &parsed {
             Ok(p) => p,
             Err(wire::WireError::BadIcrc) => {
                 self.stats.rx_icrc_errors += 1;
@@ -86,16 +87,16 @@ impl Nic {
             if pkt.repr.bth.pkey == 0xFFFF
                 && matches!(qp.state, QpState::Rtr | QpState::Rts | QpState::Sqd)
             {
-                self.rx_datagram(env, &mut qp, &pkt, frame);
+                self.rx_datagram(env, &mut qp, pkt, frame);
             } else {
                 self.stats.rx_dropped += 1;
             }
         } else if pkt.repr.src.ip != qp.attr.dest_ip || pkt.repr.bth.pkey != 0xFFFF {
             self.stats.rx_dropped += 1;
         } else if Opcode::from_u8(pkt.repr.bth.opcode).is_some_and(|o| o.is_response()) {
-            self.handle_response(env, &mut qp, &pkt);
+            self.handle_response(env, &mut qp, pkt);
         } else if matches!(qp.state, QpState::Rtr | QpState::Rts | QpState::Sqd) {
-            self.handle_request(env, &mut qp, &pkt);
+            self.handle_request(env, &mut qp, pkt);
         } else {
             self.stats.rx_dropped += 1;
         }
