@@ -12,6 +12,8 @@
 use crate::abi;
 
 /// The name of the provider and of its fabric.
+/// Buffers one send or receive may name (`iov_limit`).
+pub const IOV_LIMIT: usize = 4;
 pub const PROVIDER_NAME: &str = "ringbell";
 /// The libfabric API version the provider implements (`FI_VERSION(1, 17)`).
 pub const API_VERSION: u32 = (1 << 16) | 17;
@@ -162,7 +164,7 @@ impl Offer {
             inject_size: INJECT_SIZE,
             tx_size: 1024,
             rx_size: 1024,
-            iov_limit: 4,
+            iov_limit: IOV_LIMIT,
             tx_op_flags: 0,
             rx_op_flags: 0,
             dest_addr: None,

@@ -27,9 +27,9 @@ mod tagged;
 use crate::abi;
 use ringbell::cm::{CmEvent, ConnId, ConnectionManager, REJ_CONSUMER};
 use ringbell::{
-    Access, AhAttr, CompletionQueue, ConnectOptions, Device, MemoryRegion, ProtectionDomain,
-    QpInit, QpState, QueuePair, RecvWr, RemoteAddr, SendWr, Sge, SharedReceiveQueue, WcOpcode,
-    WcStatus, WorkCompletion, WrOp,
+    Access, AhAttr, CompletionQueue, ConnectOptions, Device, DmaBuffer, MemoryRegion,
+    ProtectionDomain, QpInit, QpState, QueuePair, RecvWr, RemoteAddr, SendWr, Sge,
+    SharedReceiveQueue, WcOpcode, WcStatus, WorkCompletion, WrOp,
 };
 use ringbell::{Counter, TriggerHandle};
 use std::collections::{HashMap, VecDeque};
@@ -163,6 +163,25 @@ pub struct Domain {
     /// Deferred work queued to the domain (`FI_QUEUE_WORK`) and not known to be over, by
     /// the address of its `struct fi_deferred_work`.
     pub work: HashMap<u64, trig::Work>,
+    /// Where the bytes of untagged messages longer than their receive land (see
+    /// [`SINK_LEN`]); made when the domain's first endpoint is enabled.
+    sink: Option<Sink>,
+}
+
+/// Bytes of the overflow every untagged receive ends with: an SGE after the caller's
+/// buffers, in memory nobody reads, so that a message longer than the buffers still lands
+/// (its excess there) and completes, reported as `FI_ETRUNC` with the bytes cut off
+/// (fi_msg(3)), instead of failing the connection as an RC SEND too long for its receive
+/// does. One per domain, shared by its endpoints. 64 MiB: on the emulator the memory file
+/// is sparse (only bytes written take memory), but a device behind the kernel's VFIO pins
+/// what is mapped; a message more than this longer than its receive still fails the
+/// connection (`FI_EIO` at both ends), as before.
+const SINK_LEN: u32 = 64 << 20;
+
+/// The overflow of a domain's untagged receives (the registration before the memory).
+struct Sink {
+    mr: MemoryRegion,
+    _buf: DmaBuffer,
 }
 
 /// An event counter (`fi_cntr_open`): the device's counter in the domain's PD.
@@ -227,6 +246,8 @@ struct Op {
     send: bool,
     report: bool,
     buf: u64,
+    /// A receive: the bytes its buffers hold (a longer message is truncated to them).
+    room: u64,
     _tmp: Vec<MemoryRegion>,
     /// An injected message too long to be inline: the copy its registration covers.
     _copy: Vec<u8>,
@@ -477,7 +498,30 @@ impl State {
             nic,
             pd,
             work: HashMap::new(),
+            sink: None,
         })
+    }
+
+    /// The overflow SGE of domain `dom`'s untagged receives (see [`SINK_LEN`]), made on
+    /// first use.
+    fn sink(&mut self, dom: usize) -> Result<Sge, Errno> {
+        let d = self.domain(dom)?;
+        if let Some(s) = &d.sink {
+            return Ok(s.mr.sge(0, SINK_LEN));
+        }
+        let dev = &self.nics.get(&d.nic).ok_or(EINVAL)?.dev;
+        let buf = dev
+            .alloc_dma(SINK_LEN as usize)
+            .map_err(|_| abi::FI_ENOMEM)?;
+        let mr =
+            d.pd.reg_mr(&buf, Access::LOCAL_WRITE)
+                .map_err(|_| abi::FI_ENOMEM)?;
+        let sge = mr.sge(0, SINK_LEN);
+        match self.objs.get_mut(&dom) {
+            Some(Obj::Domain(d)) => d.sink = Some(Sink { mr, _buf: buf }),
+            _ => return Err(EINVAL),
+        }
+        Ok(sge)
     }
 
     /// Registers `len` bytes at `addr` (user memory) in domain `dom`.
@@ -557,9 +601,12 @@ impl State {
             }
             (e.domain, e.nic, e.service)
         };
+        self.sink(dom)?;
         let (srq, cq, tm) = {
             let d = self.domain(dom)?;
-            let srq = d.pd.create_srq(1024, 4, 0).map_err(|_| abi::FI_ENOMEM)?;
+            // The caller's buffers (iov_limit) and the overflow.
+            let sges = crate::info::IOV_LIMIT as u32 + 1;
+            let srq = d.pd.create_srq(1024, sges, 0).map_err(|_| abi::FI_ENOMEM)?;
             let dev = &self.nics[&nic].dev;
             let cq = dev.create_cq(8192).map_err(|_| abi::FI_ENOMEM)?;
             (srq, cq, tagged::matcher(&d.pd)?)
@@ -684,8 +731,13 @@ impl State {
             }
             e.domain
         };
+        if bufs.len() > crate::info::IOV_LIMIT {
+            return Err(EINVAL);
+        }
         // SAFETY: per the caller.
-        let (sges, tmp) = unsafe { self.sges(dom, bufs, Access::LOCAL_WRITE)? };
+        let (mut sges, tmp) = unsafe { self.sges(dom, bufs, Access::LOCAL_WRITE)? };
+        let room = sges.iter().map(|s| u64::from(s.len)).sum();
+        sges.push(self.sink(dom)?);
         let e = self.ep_mut(ep)?;
         let wr_id = e.next_wr;
         e.next_wr += 1;
@@ -700,6 +752,7 @@ impl State {
                 send: false,
                 report,
                 buf: bufs.first().map_or(0, |b| b.0 as u64),
+                room,
                 _tmp: tmp,
                 _copy: Vec::new(),
                 kind: OpKind::Msg,
@@ -769,6 +822,7 @@ impl State {
                 _ => !silent && (report || !tx_selective),
             },
             buf: bufs.first().map_or(0, |b| b.0 as u64),
+            room: 0,
             _tmp: tmp,
             _copy: copy,
             kind: OpKind::Msg,
@@ -891,6 +945,7 @@ impl State {
             send: true,
             report,
             buf: 0,
+            room: 0,
             _tmp: tmp,
             _copy: copy,
             kind: OpKind::Rma { flags: req.flags },
@@ -1089,8 +1144,17 @@ impl State {
                             | abi::FI_REMOTE_WRITE as u64
                             | abi::FI_REMOTE_CQ_DATA as u64;
                     }
-                    self.count(ep, flags, ok);
-                    if ok && !op.report {
+                    // A message longer than the receive's buffers: the excess went to the
+                    // domain's overflow (see SINK_LEN); the receive fails FI_ETRUNC with
+                    // the bytes cut off, the connection and the sender are unaffected.
+                    let received = u64::from(w.byte_len);
+                    let cut = if ok && !op.send && !remote_write {
+                        received.saturating_sub(op.room)
+                    } else {
+                        0
+                    };
+                    self.count(ep, flags, ok && cut == 0);
+                    if ok && cut == 0 && !op.report {
                         return;
                     }
                     self.push(
@@ -1101,11 +1165,16 @@ impl State {
                             len: if op.send || remote_write {
                                 0
                             } else {
-                                w.byte_len as u64
+                                received - cut
                             },
                             buf: if op.send || remote_write { 0 } else { op.buf },
                             src: ADDR_UNSPEC,
-                            err: if ok { 0 } else { abi::FI_EIO as i32 },
+                            olen: cut,
+                            err: match (ok, cut) {
+                                (false, _) => abi::FI_EIO as i32,
+                                (true, 0) => 0,
+                                (true, _) => abi::FI_ETRUNC as i32,
+                            },
                             prov_errno: if ok { 0 } else { w.status as i32 },
                             data: w.imm.map_or(0, u64::from),
                             ..Default::default()

@@ -493,6 +493,7 @@ impl State {
             send: true,
             report,
             buf: 0,
+            room: 0,
             _tmp: tmp,
             _copy: hdr,
             kind: OpKind::Msg,
