@@ -146,11 +146,12 @@ impl PerfPair {
     }
 
     fn step(&self) -> Result<(), Error> {
-        if self.fabric.step() {
-            Ok(())
-        } else {
-            Err(Error::DeviceIdle("a perf run"))
-        }
+        ran(self.fabric.step())
+    }
+
+    /// Runs to the next completion of one of `nodes` (see [`Fabric::run_until_cqe`]).
+    fn run_until_cqe(&self, nodes: &[usize]) -> Result<(), Error> {
+        ran(self.fabric.run_until_cqe(nodes))
     }
 
     /// Mean one-way latency (WRITE, SEND) or round-trip latency (READ, atomic) of
@@ -399,13 +400,20 @@ impl PerfPair {
                 // Nothing to post until a completion shows: run to the next CQE of A (or
                 // of B, whose receives a SEND completes), not one event per poll.
                 let watch: &[usize] = if op == PerfOp::Send { &[0, 1] } else { &[0] };
-                if !self.fabric.run_until_cqe(watch) {
-                    return Err(Error::DeviceIdle("a perf run"));
-                }
+                self.run_until_cqe(watch)?;
             }
         }
         let secs = ((last_done - start).ps() as f64 / 1e12).max(1e-12);
         Ok((count as f64 * size as f64 * 8.0 / secs, count as f64 / secs))
+    }
+}
+
+/// A fabric that ran out of events before the harness got what it waits for is an error.
+fn ran(progressed: bool) -> Result<(), Error> {
+    if progressed {
+        Ok(())
+    } else {
+        Err(Error::DeviceIdle("a perf run"))
     }
 }
 

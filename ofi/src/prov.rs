@@ -319,6 +319,9 @@ pub struct Ep {
     tsends: HashMap<u64, TSend>,
     /// Bound counters.
     pub cntrs: EpCntrs,
+    /// The domain's overflow SGE that ends each untagged receive (see [`SINK_LEN`]), taken
+    /// when the endpoint is enabled (the domain outlives its endpoints).
+    sink: Option<Sge>,
 }
 
 pub enum Obj {
@@ -502,8 +505,8 @@ impl State {
         })
     }
 
-    /// The overflow SGE of domain `dom`'s untagged receives (see [`SINK_LEN`]), made on
-    /// first use.
+    /// The overflow SGE of domain `dom`'s untagged receives (see [`SINK_LEN`]), made when
+    /// the domain's first endpoint is enabled.
     fn sink(&mut self, dom: usize) -> Result<Sge, Errno> {
         let d = self.domain(dom)?;
         if let Some(s) = &d.sink {
@@ -586,6 +589,7 @@ impl State {
             peer_ids: Vec::new(),
             tsends: HashMap::new(),
             cntrs: EpCntrs::default(),
+            sink: None,
         })
     }
 
@@ -601,7 +605,7 @@ impl State {
             }
             (e.domain, e.nic, e.service)
         };
-        self.sink(dom)?;
+        let sink = self.sink(dom)?;
         let (srq, cq, tm) = {
             let d = self.domain(dom)?;
             // The caller's buffers (iov_limit) and the overflow.
@@ -621,6 +625,7 @@ impl State {
         e.srq = Some(srq);
         e.cq = Some(cq);
         e.tm = Some(tm);
+        e.sink = Some(sink);
         e.enabled = true;
         Ok(())
     }
@@ -724,12 +729,12 @@ impl State {
         ctx: u64,
         report: bool,
     ) -> Result<(), Errno> {
-        let dom = {
+        let (dom, sink) = {
             let e = self.ep_mut(ep)?;
-            if !e.enabled {
-                return Err(abi::FI_EOPBADSTATE);
+            match (e.enabled, e.sink) {
+                (true, Some(sink)) => (e.domain, sink),
+                _ => return Err(abi::FI_EOPBADSTATE),
             }
-            e.domain
         };
         if bufs.len() > crate::info::IOV_LIMIT {
             return Err(EINVAL);
@@ -737,7 +742,7 @@ impl State {
         // SAFETY: per the caller.
         let (mut sges, tmp) = unsafe { self.sges(dom, bufs, Access::LOCAL_WRITE)? };
         let room = sges.iter().map(|s| u64::from(s.len)).sum();
-        sges.push(self.sink(dom)?);
+        sges.push(sink);
         let e = self.ep_mut(ep)?;
         let wr_id = e.next_wr;
         e.next_wr += 1;
