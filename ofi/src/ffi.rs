@@ -73,6 +73,7 @@ fn free_box(key: usize, k: Kind) {
             Kind::Mr => drop(Box::from_raw(key as *mut abi::fid_mr)),
             Kind::Ep => drop(Box::from_raw(key as *mut abi::fid_ep)),
             Kind::Cntr => drop(Box::from_raw(key as *mut abi::fid_cntr)),
+            Kind::Alias => drop(Box::from_raw(key as *mut abi::fid_ep)),
         }
     }
 }
@@ -173,6 +174,9 @@ unsafe extern "C" fn obj_control(fid: *mut abi::fid, cmd: c_int, arg: *mut c_voi
         let kind = st.objs.get(&key).map(Obj::kind).ok_or(abi::FI_EINVAL)?;
         match (kind, cmd as u32) {
             (Kind::Ep, abi::FI_ENABLE) => st.enable(key).map(|()| 0),
+            // An alias is enabled with its endpoint.
+            (Kind::Alias, abi::FI_ENABLE) => st.enable(st.ep_key(key)).map(|()| 0),
+            (Kind::Ep | Kind::Alias, abi::FI_ALIAS) => alias(st, key, arg as *mut abi::fi_alias),
             (Kind::Domain, abi::FI_CANCEL_WORK) => {
                 if arg.is_null() {
                     return Err(abi::FI_EINVAL);
@@ -187,7 +191,7 @@ unsafe extern "C" fn obj_control(fid: *mut abi::fid, cmd: c_int, arg: *mut c_voi
                 let cntr = unsafe { w.as_ref() }.map(|w| w.triggering_cntr as usize);
                 st.flush_work(key, cntr).map(|()| 0)
             }
-            (Kind::Ep, c @ (abi::FI_GETOPSFLAG | abi::FI_SETOPSFLAG)) => {
+            (Kind::Ep | Kind::Alias, c @ (abi::FI_GETOPSFLAG | abi::FI_SETOPSFLAG)) => {
                 ops_flags(st, key, c == abi::FI_SETOPSFLAG, arg as *mut u64).map(|()| 0)
             }
             _ => Err(abi::FI_ENOSYS),
@@ -205,10 +209,9 @@ fn ops_flags(st: &mut State, ep: usize, set: bool, arg: *mut u64) -> Result<(), 
     let (tx, rx) = (abi::FI_TRANSMIT as u64, abi::FI_RECV as u64);
     // SAFETY: non-NULL: the caller's flags word (fi_endpoint(3)).
     let f = unsafe { arg.read() };
-    let e = st.ep_mut(ep)?;
     let side = match (f & tx != 0, f & rx != 0) {
-        (true, false) => &mut e.tx_op_flags,
-        (false, true) => &mut e.rx_op_flags,
+        (true, false) => st.op_flags_mut(ep, false)?,
+        (false, true) => st.op_flags_mut(ep, true)?,
         _ => return Err(abi::FI_EINVAL),
     };
     if set {
@@ -218,6 +221,42 @@ fn ops_flags(st: &mut State, ep: usize, set: bool, arg: *mut u64) -> Result<(), 
         unsafe { arg.write(*side) };
     }
     Ok(())
+}
+
+/// `fi_ep_alias` (`fi_control(ep, FI_ALIAS, &alias)`, fi_endpoint(3)): a new `fid_ep` for
+/// the endpoint `key` names, with that endpoint's (or alias's) default operation flags and,
+/// on the side `FI_TRANSMIT` or `FI_RECV` in the request's flags (exactly one), the request's
+/// other flags instead. Operations posted through it are the endpoint's own; the endpoint
+/// cannot close while it has aliases.
+fn alias(st: &mut State, key: usize, arg: *mut abi::fi_alias) -> Result<c_int, Errno> {
+    // SAFETY: NULL or the caller's request (fi_endpoint(3)).
+    let a = unsafe { arg.as_ref() }.ok_or(abi::FI_EINVAL)?;
+    if a.fid.is_null() {
+        return Err(abi::FI_EINVAL);
+    }
+    let (tx, rx) = (abi::FI_TRANSMIT as u64, abi::FI_RECV as u64);
+    let side_rx = match (a.flags & tx != 0, a.flags & rx != 0) {
+        (true, false) => false,
+        (false, true) => true,
+        _ => return Err(abi::FI_EINVAL),
+    };
+    let ep = st.ep_key(key);
+    let mut t = *st.op_flags_mut(key, false)?;
+    let mut r = *st.op_flags_mut(key, true)?;
+    *(if side_rx { &mut r } else { &mut t }) = a.flags & !(tx | rx);
+    let context = st.ep_context(ep)? as *mut c_void;
+    let p = publish(
+        st,
+        ep_fid(context),
+        Obj::Alias(prov::Alias {
+            ep,
+            tx_op_flags: t,
+            rx_op_flags: r,
+        }),
+    );
+    // SAFETY: non-NULL: where the caller wants the alias (fi_endpoint(3)).
+    unsafe { a.fid.write(p as *mut abi::fid) };
+    Ok(0)
 }
 
 /// `fi_control(domain, FI_QUEUE_WORK, work)`: the work's operation posted as a triggered
@@ -244,7 +283,7 @@ unsafe fn queue_work(dom: usize, work: *mut abi::fi_deferred_work) -> c_int {
     let ep_ok = |ep: *mut abi::fid_ep| {
         run(|st| {
             st.check(dom, Kind::Domain)?;
-            match st.ep_mut(ep as usize) {
+            match st.ep_mut(st.ep_key(ep as usize)) {
                 Ok(e) if e.domain == dom => Ok(0),
                 _ => Err(abi::FI_EINVAL),
             }
@@ -418,9 +457,10 @@ unsafe extern "C" fn dom_cntr_reached(cntr: *mut abi::fid_cntr, ps: *mut u64) ->
 
 unsafe extern "C" fn dom_tag_counts(ep: *mut abi::fid_ep, out: *mut prov::TagCounts) -> c_int {
     run(|st| {
-        st.check(ep as usize, Kind::Ep)?;
+        let ep = st.ep_key(ep as usize);
+        st.check(ep, Kind::Ep)?;
         st.progress();
-        let c = st.tag_counts(ep as usize)?;
+        let c = st.tag_counts(ep)?;
         put(out, c).map(|()| 0)
     })
 }
@@ -722,23 +762,25 @@ unsafe extern "C" fn endpoint(
                 ep.rx_op_flags = r.op_flags;
             }
         }
-        let p = publish(
-            st,
-            abi::fid_ep {
-                fid: fid_of(abi::FI_CLASS_EP, context),
-                ops: &EP_OPS as *const _ as *mut _,
-                cm: &CM_OPS as *const _ as *mut _,
-                msg: &MSG_OPS as *const _ as *mut _,
-                rma: &RMA_OPS as *const _ as *mut _,
-                tagged: &TAGGED_OPS as *const _ as *mut _,
-                atomic: &ATOMIC_OPS as *const _ as *mut _,
-                collective: &COLL_OPS as *const _ as *mut _,
-            },
-            Obj::Ep(Box::new(ep)),
-        );
+        ep.context = context as usize;
+        let p = publish(st, ep_fid(context), Obj::Ep(Box::new(ep)));
         st.parents.insert(p as usize, dom as usize);
         put(out, p).map(|()| 0)
     })
+}
+
+/// The `fid_ep` of an endpoint or alias: every one has the same operations.
+fn ep_fid(context: *mut c_void) -> abi::fid_ep {
+    abi::fid_ep {
+        fid: fid_of(abi::FI_CLASS_EP, context),
+        ops: &EP_OPS as *const _ as *mut _,
+        cm: &CM_OPS as *const _ as *mut _,
+        msg: &MSG_OPS as *const _ as *mut _,
+        rma: &RMA_OPS as *const _ as *mut _,
+        tagged: &TAGGED_OPS as *const _ as *mut _,
+        atomic: &ATOMIC_OPS as *const _ as *mut _,
+        collective: &COLL_OPS as *const _ as *mut _,
+    }
 }
 
 enosys!(
@@ -1401,8 +1443,9 @@ static AV_OPS: abi::fi_ops_av = abi::fi_ops_av {
 /// `fi_cancel`: tagged receives still waiting (prov/peek.rs); 0 once submitted.
 unsafe extern "C" fn ep_cancel(fid: *mut abi::fid, ctx: *mut c_void) -> isize {
     run_s(|st| {
-        st.check(fid as usize, Kind::Ep)?;
-        st.cancel(fid as usize, ctx as u64)?;
+        let ep = st.ep_key(fid as usize);
+        st.check(ep, Kind::Ep)?;
+        st.cancel(ep, ctx as u64)?;
         Ok(0)
     })
 }
@@ -1457,7 +1500,7 @@ static EP_OPS: abi::fi_ops_ep = abi::fi_ops_ep {
 
 unsafe extern "C" fn cm_getname(fid: *mut abi::fid, addr: *mut c_void, len: *mut usize) -> c_int {
     run(|st| {
-        let a = st.ep_mut(fid as usize)?.addr;
+        let a = st.ep_mut(st.ep_key(fid as usize))?.addr;
         if len.is_null() {
             return Err(abi::FI_EINVAL);
         }
@@ -1525,11 +1568,25 @@ unsafe fn bufs(
 /// operation flags hold FI_COMPLETION (transmit side, or receive side when `rx`). Only
 /// consulted under selective completion (fi_endpoint(3)).
 fn dflt(ep: *mut abi::fid_ep, rx: bool) -> bool {
+    dflt_flags(ep, rx) & abi::FI_COMPLETION as u64 != 0
+}
+
+/// The default operation flags of endpoint or alias `ep` (receive side when `rx`); 0 for
+/// anything else.
+fn dflt_flags(ep: *mut abi::fid_ep, rx: bool) -> u64 {
     let mut st = prov::state();
-    st.ep_mut(ep as usize).is_ok_and(|e| {
-        let f = if rx { e.rx_op_flags } else { e.tx_op_flags };
-        f & abi::FI_COMPLETION as u64 != 0
-    })
+    st.op_flags_mut(ep as usize, rx).map_or(0, |f| *f)
+}
+
+/// The trigger of a transfer posted without a flags argument: the endpoint's (or alias's)
+/// default transmit flags hold `FI_TRIGGER`, so its context is a triggered context
+/// (fi_trigger(3); an alias made with `FI_TRANSMIT | FI_TRIGGER` is how a program asks).
+///
+/// # Safety
+/// With `FI_TRIGGER` in those flags, `ctx` is NULL or a triggered context.
+unsafe fn dflt_trig(ep: *mut abi::fid_ep, ctx: *mut c_void) -> Result<Option<prov::Trig>, Errno> {
+    // SAFETY: per the caller.
+    unsafe { trigger_of(dflt_flags(ep, false), ctx) }
 }
 
 fn recv_common(
@@ -1539,10 +1596,11 @@ fn recv_common(
     report: bool,
 ) -> isize {
     run_s(|st| {
-        st.check(ep as usize, Kind::Ep)?;
+        let ep = st.ep_key(ep as usize);
+        st.check(ep, Kind::Ep)?;
         // SAFETY: the application's receive buffers stay valid until their completion
         // (fi_msg(3)).
-        unsafe { st.post_recv(ep as usize, b, ctx as u64, report)? };
+        unsafe { st.post_recv(ep, b, ctx as u64, report)? };
         Ok(0)
     })
 }
@@ -1570,12 +1628,13 @@ fn send_common(
     trig: Option<prov::Trig>,
 ) -> isize {
     run_s(|st| {
-        st.check(ep as usize, Kind::Ep)?;
+        let ep = st.ep_key(ep as usize);
+        st.check(ep, Kind::Ep)?;
         // SAFETY: the application's send buffers stay valid until their completion, or
         // are read now for an inject (fi_msg(3)).
         unsafe {
             st.post_send(
-                ep as usize,
+                ep,
                 b,
                 prov::SendReq {
                     dest,
@@ -1590,6 +1649,21 @@ fn send_common(
         };
         Ok(0)
     })
+}
+
+/// A send posted without a flags argument: completion and trigger from the default flags.
+fn send_dflt(
+    ep: *mut abi::fid_ep,
+    b: &[(usize, usize, usize)],
+    dest: u64,
+    ctx: *mut c_void,
+    imm: Option<u32>,
+) -> isize {
+    // SAFETY: the context of a send posted with FI_TRIGGER in the default flags.
+    match unsafe { dflt_trig(ep, ctx) } {
+        Ok(t) => send_common(ep, b, dest, ctx, Inject::No, dflt(ep, false), imm, t),
+        Err(e) => -(e as isize),
+    }
 }
 
 unsafe extern "C" fn msg_recv(
@@ -1651,16 +1725,7 @@ unsafe extern "C" fn msg_send(
     dest: abi::fi_addr_t,
     ctx: *mut c_void,
 ) -> isize {
-    send_common(
-        ep,
-        &[(buf as usize, len, desc as usize)],
-        dest,
-        ctx,
-        Inject::No,
-        dflt(ep, false),
-        None,
-        None,
-    )
+    send_dflt(ep, &[(buf as usize, len, desc as usize)], dest, ctx, None)
 }
 
 unsafe extern "C" fn msg_sendv(
@@ -1673,7 +1738,7 @@ unsafe extern "C" fn msg_sendv(
 ) -> isize {
     // SAFETY: `count` iovecs and descriptors (fi_sendv(3)).
     match unsafe { bufs(iov, desc, count) } {
-        Ok(b) => send_common(ep, &b, dest, ctx, Inject::No, dflt(ep, false), None, None),
+        Ok(b) => send_dflt(ep, &b, dest, ctx, None),
         Err(e) => -(e as isize),
     }
 }
@@ -1777,15 +1842,12 @@ unsafe extern "C" fn msg_senddata(
     dest: abi::fi_addr_t,
     ctx: *mut c_void,
 ) -> isize {
-    send_common(
+    send_dflt(
         ep,
         &[(buf as usize, len, desc as usize)],
         dest,
         ctx,
-        Inject::No,
-        dflt(ep, false),
         Some(data as u32),
-        None,
     )
 }
 
@@ -1832,22 +1894,36 @@ type Dv = *mut *mut c_void;
 
 fn trecv_common(ep: *mut Ep, b: &[(usize, usize, usize)], req: prov::TRecvReq) -> isize {
     run_s(|st| {
-        st.check(ep as usize, Kind::Ep)?;
+        let ep = st.ep_key(ep as usize);
+        st.check(ep, Kind::Ep)?;
         // SAFETY: the application's receive buffers stay valid until their completion
         // (fi_tagged(3)).
-        unsafe { st.post_trecv(ep as usize, b, req)? };
+        unsafe { st.post_trecv(ep, b, req)? };
         Ok(0)
     })
 }
 
 fn tsend_common(ep: *mut Ep, b: &[(usize, usize, usize)], req: prov::SendReq, tag: u64) -> isize {
     run_s(|st| {
-        st.check(ep as usize, Kind::Ep)?;
+        let ep = st.ep_key(ep as usize);
+        st.check(ep, Kind::Ep)?;
         // SAFETY: the application's send buffers stay valid until their completion and are
         // readable now (fi_tagged(3)).
-        unsafe { st.post_tsend(ep as usize, b, req, tag)? };
+        unsafe { st.post_tsend(ep, b, req, tag)? };
         Ok(0)
     })
+}
+
+/// A tagged send posted without a flags argument: its trigger from the default flags.
+fn tsend_dflt(ep: *mut Ep, b: &[(usize, usize, usize)], mut req: prov::SendReq, tag: u64) -> isize {
+    // SAFETY: the context of a send posted with FI_TRIGGER in the default flags.
+    match unsafe { dflt_trig(ep, req.ctx as V) } {
+        Ok(t) => {
+            req.trig = t;
+            tsend_common(ep, b, req, tag)
+        }
+        Err(e) => -(e as isize),
+    }
 }
 
 fn sreq(dest: A, ctx: V, inject: bool, report: bool, imm: Option<u32>) -> prov::SendReq {
@@ -1933,10 +2009,11 @@ unsafe extern "C" fn t_recvmsg(ep: *mut Ep, msg: *const abi::fi_msg_tagged, flag
         return trecv_common(ep, &b, req);
     }
     run_s(|st| {
-        st.check(ep as usize, Kind::Ep)?;
+        let ep = st.ep_key(ep as usize);
+        st.check(ep, Kind::Ep)?;
         // SAFETY: the application's receive buffers stay valid until their completion
         // (fi_tagged(3)).
-        unsafe { st.trecv_special(ep as usize, &b, req, special)? };
+        unsafe { st.trecv_special(ep, &b, req, special)? };
         Ok(0)
     })
 }
@@ -1951,7 +2028,7 @@ unsafe extern "C" fn t_send(
     ctx: V,
 ) -> isize {
     let b = [(buf as usize, len, desc as usize)];
-    tsend_common(ep, &b, sreq(dest, ctx, false, dflt(ep, false), None), tag)
+    tsend_dflt(ep, &b, sreq(dest, ctx, false, dflt(ep, false), None), tag)
 }
 
 unsafe extern "C" fn t_sendv(
@@ -1965,7 +2042,7 @@ unsafe extern "C" fn t_sendv(
 ) -> isize {
     // SAFETY: `count` iovecs and descriptors (fi_tsendv(3)).
     match unsafe { bufs(iov, desc, count) } {
-        Ok(b) => tsend_common(ep, &b, sreq(dest, ctx, false, dflt(ep, false), None), tag),
+        Ok(b) => tsend_dflt(ep, &b, sreq(dest, ctx, false, dflt(ep, false), None), tag),
         Err(e) => -(e as isize),
     }
 }
@@ -2033,7 +2110,7 @@ unsafe extern "C" fn t_senddata(
     ctx: V,
 ) -> isize {
     let b = [(buf as usize, len, desc as usize)];
-    tsend_common(
+    tsend_dflt(
         ep,
         &b,
         sreq(dest, ctx, false, dflt(ep, false), Some(data as u32)),
@@ -2074,10 +2151,11 @@ const RMA_READ: u64 = abi::FI_RMA as u64 | abi::FI_READ as u64;
 
 fn rma_common(ep: *mut Ep, b: &[(usize, usize, usize)], req: prov::RmaReq) -> isize {
     run_s(|st| {
-        st.check(ep as usize, Kind::Ep)?;
+        let ep = st.ep_key(ep as usize);
+        st.check(ep, Kind::Ep)?;
         // SAFETY: the application's local buffers stay valid until their completion and,
         // for injects, are readable now (fi_rma(3), fi_atomic(3)).
-        unsafe { st.post_rma(ep as usize, b, req)? };
+        unsafe { st.post_rma(ep, b, req)? };
         Ok(0)
     })
 }
@@ -2104,6 +2182,18 @@ fn rma_req(
     }
 }
 
+/// An RMA transfer posted without a flags argument: its trigger from the default flags.
+fn rma_dflt(ep: *mut Ep, b: &[(usize, usize, usize)], mut req: prov::RmaReq) -> isize {
+    // SAFETY: the context of a transfer posted with FI_TRIGGER in the default flags.
+    match unsafe { dflt_trig(ep, req.ctx as V) } {
+        Ok(t) => {
+            req.trig = t;
+            rma_common(ep, b, req)
+        }
+        Err(e) => -(e as isize),
+    }
+}
+
 fn write_op(addr: u64, key: u64, imm: Option<u64>) -> prov::RmaOp {
     prov::RmaOp::Write {
         addr,
@@ -2124,7 +2214,7 @@ unsafe extern "C" fn r_read(
     ctx: V,
 ) -> isize {
     let op = prov::RmaOp::Read { addr, key };
-    rma_common(
+    rma_dflt(
         ep,
         &[(buf as usize, len, desc as usize)],
         rma_req(src, ctx, false, dflt(ep, false), RMA_READ, op),
@@ -2145,7 +2235,7 @@ unsafe extern "C" fn r_readv(
     let op = prov::RmaOp::Read { addr, key };
     // SAFETY: `count` iovecs and descriptors (fi_readv(3)).
     match unsafe { bufs(iov, desc, count) } {
-        Ok(b) => rma_common(
+        Ok(b) => rma_dflt(
             ep,
             &b,
             rma_req(src, ctx, false, dflt(ep, false), RMA_READ, op),
@@ -2236,7 +2326,7 @@ unsafe extern "C" fn r_write(
     ctx: V,
 ) -> isize {
     let op = write_op(addr, key, None);
-    rma_common(
+    rma_dflt(
         ep,
         &[(buf as usize, len, desc as usize)],
         rma_req(dest, ctx, false, dflt(ep, false), RMA_WRITE, op),
@@ -2257,7 +2347,7 @@ unsafe extern "C" fn r_writev(
     let op = write_op(addr, key, None);
     // SAFETY: `count` iovecs and descriptors (fi_writev(3)).
     match unsafe { bufs(iov, desc, count) } {
-        Ok(b) => rma_common(
+        Ok(b) => rma_dflt(
             ep,
             &b,
             rma_req(dest, ctx, false, dflt(ep, false), RMA_WRITE, op),
@@ -2297,7 +2387,7 @@ unsafe extern "C" fn r_writedata(
     ctx: V,
 ) -> isize {
     let op = write_op(addr, key, Some(data));
-    rma_common(
+    rma_dflt(
         ep,
         &[(buf as usize, len, desc as usize)],
         rma_req(dest, ctx, false, dflt(ep, false), RMA_WRITE, op),
@@ -2359,7 +2449,8 @@ fn supported(c: Call, dt: Dt, op: Op) -> bool {
 
 fn valid_common(ep: *mut Ep, c: Call, dt: Dt, op: Op, count: *mut usize) -> c_int {
     run(|st| {
-        st.check(ep as usize, Kind::Ep)?;
+        let ep = st.ep_key(ep as usize);
+        st.check(ep, Kind::Ep)?;
         if !supported(c, dt, op) {
             return Err(abi::FI_EOPNOTSUPP);
         }
@@ -2447,7 +2538,17 @@ fn atomic_common(
     (dest, addr, key): (A, u64, u64),
     t: (Dt, Op, V, bool, bool),
 ) -> isize {
-    atomic_common_t(ep, c, (buf, count), cmp, res, (dest, addr, key), t, None)
+    // An injected atomic has no context to trigger by.
+    let trig = if t.3 {
+        Ok(None)
+    } else {
+        // SAFETY: the context of an atomic posted with FI_TRIGGER in the default flags.
+        unsafe { dflt_trig(ep, t.2) }
+    };
+    match trig {
+        Ok(trig) => atomic_common_t(ep, c, (buf, count), cmp, res, (dest, addr, key), t, trig),
+        Err(e) => -(e as isize),
+    }
 }
 
 /// [`atomic_common`], triggered by `trig` (the operand is read when it fires).
@@ -2463,7 +2564,8 @@ fn atomic_common_t(
     trig: Option<prov::Trig>,
 ) -> isize {
     run_s(|st| {
-        st.check(ep as usize, Kind::Ep)?;
+        let ep = st.ep_key(ep as usize);
+        st.check(ep, Kind::Ep)?;
         if !supported(c, dt, op) {
             return Err(abi::FI_EOPNOTSUPP);
         }
@@ -2496,7 +2598,7 @@ fn atomic_common_t(
         req.trig = trig;
         req.operand = buf as usize;
         // SAFETY: the result buffer stays valid until the completion (fi_atomic(3)).
-        unsafe { st.post_rma(ep as usize, &b, req)? };
+        unsafe { st.post_rma(ep, &b, req)? };
         Ok(0)
     })
 }

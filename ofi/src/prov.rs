@@ -124,6 +124,7 @@ pub enum Kind {
     Mr,
     Ep,
     Cntr,
+    Alias,
 }
 
 /// A completion as libfabric's CQ formats carry it.
@@ -293,6 +294,8 @@ pub struct Ep {
     /// selective completion, calls without a flags argument report iff these hold
     /// FI_COMPLETION (fi_endpoint(3)).
     pub tx_op_flags: u64,
+    /// The application's context of the endpoint (its aliases carry it too).
+    pub context: usize,
     pub rx_op_flags: u64,
     pub enabled: bool,
     /// Accept tagged messages only from a receive's source address (FI_DIRECTED_RECV).
@@ -333,6 +336,17 @@ pub enum Obj {
     Mr(Mr),
     Ep(Box<Ep>),
     Cntr(Cntr),
+    Alias(Alias),
+}
+
+/// An alias of an endpoint (`fi_ep_alias`, fi_endpoint(3)): the same endpoint reached
+/// through another `fid_ep`, with default operation flags of its own.
+#[derive(Debug)]
+pub struct Alias {
+    /// The endpoint it stands for.
+    pub ep: usize,
+    pub tx_op_flags: u64,
+    pub rx_op_flags: u64,
 }
 
 impl Obj {
@@ -346,6 +360,7 @@ impl Obj {
             Obj::Mr(_) => Kind::Mr,
             Obj::Ep(_) => Kind::Ep,
             Obj::Cntr(_) => Kind::Cntr,
+            Obj::Alias(_) => Kind::Alias,
         }
     }
 }
@@ -434,8 +449,37 @@ impl State {
             Some(Kind::Cq) => bound(&|e| e.txcq == Some(key) || e.rxcq == Some(key)),
             Some(Kind::Av) => bound(&|e| e.av == Some(key)),
             Some(Kind::Cntr) => self.cntr_bound(key),
+            // An endpoint is released once its aliases are closed (fi_endpoint(3)).
+            Some(Kind::Ep) => self
+                .objs
+                .values()
+                .any(|o| matches!(o, Obj::Alias(a) if a.ep == key)),
             _ => false,
         }
+    }
+
+    /// The application's context of endpoint `key`.
+    pub fn ep_context(&mut self, key: usize) -> Result<usize, Errno> {
+        Ok(self.ep_mut(key)?.context)
+    }
+
+    /// The endpoint that `key` names: itself, or the endpoint of an alias.
+    pub fn ep_key(&self, key: usize) -> usize {
+        match self.objs.get(&key) {
+            Some(Obj::Alias(a)) => a.ep,
+            _ => key,
+        }
+    }
+
+    /// The default operation flags of endpoint or alias `key`: the receive side's when
+    /// `rx`, else the transmit side's.
+    pub fn op_flags_mut(&mut self, key: usize, rx: bool) -> Result<&mut u64, Errno> {
+        let (tx, rx_flags) = match self.objs.get_mut(&key) {
+            Some(Obj::Alias(a)) => (&mut a.tx_op_flags, &mut a.rx_op_flags),
+            Some(Obj::Ep(e)) => (&mut e.tx_op_flags, &mut e.rx_op_flags),
+            _ => return Err(EINVAL),
+        };
+        Ok(if rx { rx_flags } else { tx })
     }
 
     /// The object `key` if it is live and of kind `k`.
@@ -573,6 +617,7 @@ impl State {
             tx_selective: false,
             rx_selective: false,
             tx_op_flags: 0,
+            context: 0,
             rx_op_flags: 0,
             enabled: false,
             directed: false,

@@ -310,6 +310,106 @@ static void test_fi_trigger(struct fid_cntr *send_cntr)
 	fi_close(&t->fid);
 }
 
+/* fi_ep_alias (fi_endpoint(3)): another fid_ep for the same endpoint with default flags of
+ * its own. An alias made with FI_TRANSMIT | FI_TRIGGER posts fi_write / fi_send /
+ * fi_atomic as triggered operations (their contexts are triggered contexts), as
+ * fabtests' fi_rdm_rma_trigger does; the endpoint posts as before. */
+static void test_alias(void)
+{
+	struct fid_ep *al = NULL, *rx_al = NULL;
+	struct fid_cntr *t = cntr(&A);
+	char *target = pages(4096), *sbuf = pages(4096), *rbuf = pages(4096);
+	struct fid_mr *mr = reg(&B, target, 4096, FI_REMOTE_WRITE);
+	struct fi_cq_tagged_entry e;
+	uint64_t f;
+
+	/* Exactly one of FI_TRANSMIT and FI_RECV. */
+	CHECK_EQ(fi_ep_alias(A.ep, &al, FI_TRIGGER), -FI_EINVAL);
+	CHECK_EQ(fi_ep_alias(A.ep, &al, FI_TRANSMIT | FI_RECV | FI_TRIGGER), -FI_EINVAL);
+	CHECK_EQ(fi_ep_alias(A.ep, &al, FI_TRANSMIT | FI_TRIGGER), 0);
+	REQUIRE(al != NULL && al != A.ep);
+
+	/* Its transmit flags are the request's; the endpoint's are unchanged. */
+	f = FI_TRANSMIT;
+	CHECK_EQ(fi_control(&al->fid, FI_GETOPSFLAG, &f), 0);
+	CHECK(f & FI_TRIGGER);
+	f = FI_TRANSMIT;
+	CHECK_EQ(fi_control(&A.ep->fid, FI_GETOPSFLAG, &f), 0);
+	CHECK(!(f & FI_TRIGGER));
+	/* It names the endpoint's address. */
+	char name[64];
+	size_t len = sizeof(name);
+	CHECK_EQ(fi_getname(&al->fid, name, &len), 0);
+	CHECK(len == A.namelen && memcmp(name, A.name, len) == 0);
+
+	/* A write through the alias waits for its counter; one through the endpoint does
+	 * not. */
+	struct fi_triggered_context tw = {.event_type = FI_TRIGGER_THRESHOLD};
+	tw.trigger.threshold.cntr = t;
+	tw.trigger.threshold.threshold = fi_cntr_read(t) + 1;
+	strcpy(sbuf, "triggered");
+	strcpy(sbuf + 64, "plain");
+	CHECK_EQ(fi_write(al, sbuf, 10, NULL, A.peer, (uint64_t)(uintptr_t)target,
+			  fi_mr_key(mr), &tw), 0);
+	CHECK_EQ(fi_write(A.ep, sbuf + 64, 6, NULL, A.peer, (uint64_t)(uintptr_t)target + 64,
+			  fi_mr_key(mr), sbuf), 0);
+	CHECK_EQ(one(A.cq, &e, 200000), 0);
+	CHECK(e.op_context == sbuf);
+	CHECK(strcmp(target + 64, "plain") == 0);
+	spin(20000);
+	CHECK(target[0] == 0);
+	CHECK_EQ(one(A.cq, &e, 2000), -FI_EAGAIN);
+	CHECK_EQ(fi_cntr_add(t, 1), 0);
+	CHECK_EQ(one(A.cq, &e, 200000), 0);
+	CHECK(e.op_context == &tw);
+	CHECK(e.flags & FI_WRITE);
+	CHECK(strcmp(target, "triggered") == 0);
+
+	/* A send through the alias as well. */
+	struct fi_triggered_context ts = tw;
+	ts.trigger.threshold.threshold = fi_cntr_read(t) + 1;
+	MUST(fi_recv(B.ep, rbuf, 64, NULL, FI_ADDR_UNSPEC, rbuf));
+	strcpy(sbuf + 128, "sent later");
+	CHECK_EQ(fi_send(al, sbuf + 128, 11, NULL, A.peer, &ts), 0);
+	CHECK_EQ(one(B.cq, &e, 20000), -FI_EAGAIN);
+	CHECK_EQ(fi_cntr_add(t, 1), 0);
+	CHECK_EQ(one(B.cq, &e, 200000), 0);
+	CHECK(strcmp(rbuf, "sent later") == 0);
+	CHECK_EQ(one(A.cq, &e, 200000), 0);
+	CHECK(e.op_context == &ts);
+	/* With FI_TRIGGER in its defaults, a context that is no triggered context is refused
+	 * as fi_sendmsg refuses it. */
+	CHECK_EQ(fi_send(al, sbuf, 4, NULL, A.peer, NULL), -FI_EINVAL);
+
+	/* The alias's flags change on their own (FI_SETOPSFLAG); then it posts at once. */
+	f = FI_TRANSMIT;
+	CHECK_EQ(fi_control(&al->fid, FI_SETOPSFLAG, &f), 0);
+	MUST(fi_recv(B.ep, rbuf, 64, NULL, FI_ADDR_UNSPEC, rbuf));
+	CHECK_EQ(fi_send(al, sbuf + 64, 6, NULL, A.peer, sbuf), 0);
+	CHECK_EQ(one(B.cq, &e, 200000), 0);
+	CHECK(strcmp(rbuf, "plain") == 0);
+	CHECK_EQ(one(A.cq, &e, 200000), 0);
+	CHECK(e.op_context == sbuf);
+
+	/* A receive-side alias posts receives of the endpoint. */
+	CHECK_EQ(fi_ep_alias(B.ep, &rx_al, FI_RECV | FI_COMPLETION), 0);
+	MUST(fi_recv(rx_al, rbuf + 256, 64, NULL, FI_ADDR_UNSPEC, rbuf + 256));
+	MUST(fi_send(A.ep, "via alias", 10, NULL, A.peer, NULL));
+	CHECK_EQ(one(B.cq, &e, 200000), 0);
+	CHECK(e.op_context == rbuf + 256);
+	CHECK(strcmp(rbuf + 256, "via alias") == 0);
+	CHECK_EQ(one(A.cq, &e, 200000), 0);
+
+	/* An endpoint is released only once its aliases are closed; an alias binds
+	 * nothing. */
+	CHECK_EQ(fi_close(&A.ep->fid), -FI_EBUSY);
+	CHECK(fi_ep_bind(al, &A.cq->fid, FI_TRANSMIT) < 0);
+	CHECK_EQ(fi_close(&al->fid), 0);
+	CHECK_EQ(fi_close(&rx_al->fid), 0);
+	CHECK_EQ(fi_close(&mr->fid), 0);
+	fi_close(&t->fid);
+}
+
 /* The deferred work queue: RMA, atomics, tagged sends and counter operations queued to
  * the domain, with fi_trigger(3)'s completion rules; cancel and flush; bad requests. */
 static void test_deferred_work(void)
@@ -663,6 +763,7 @@ int main(void)
 	test_bound_counters(ca, cb);
 	test_mr_access();
 	test_fi_trigger(ca[0]);
+	test_alias();
 	test_deferred_work();
 	test_not_enabled(list);
 	test_bad_trecv();
