@@ -74,6 +74,7 @@ fn free_box(key: usize, k: Kind) {
             Kind::Ep => drop(Box::from_raw(key as *mut abi::fid_ep)),
             Kind::Cntr => drop(Box::from_raw(key as *mut abi::fid_cntr)),
             Kind::Alias => drop(Box::from_raw(key as *mut abi::fid_ep)),
+            Kind::Poll => drop(Box::from_raw(key as *mut abi::fid_poll)),
         }
     }
 }
@@ -791,9 +792,74 @@ enosys!(
         *mut c_void,
     ) -> c_int
 );
-enosys!(
-    no_poll_open(*mut abi::fid_domain, *mut abi::fi_poll_attr, *mut *mut abi::fid_poll) -> c_int
-);
+/// `fi_poll_open` (fi_poll(3)): an empty poll set of the domain; `attr->flags` is reserved
+/// and must be 0.
+unsafe extern "C" fn poll_open(
+    dom: *mut abi::fid_domain,
+    attr: *mut abi::fi_poll_attr,
+    out: *mut *mut abi::fid_poll,
+) -> c_int {
+    run(|st| {
+        st.check(dom as usize, Kind::Domain)?;
+        // SAFETY: NULL or the caller's attributes (fi_poll(3)).
+        if out.is_null() || unsafe { attr.as_ref() }.is_some_and(|a| a.flags != 0) {
+            return Err(abi::FI_EINVAL);
+        }
+        let p = publish(
+            st,
+            abi::fid_poll {
+                fid: fid_of(abi::FI_CLASS_POLL, std::ptr::null_mut()),
+                ops: &POLL_OPS as *const _ as *mut _,
+            },
+            Obj::Poll(prov::Poll::default()),
+        );
+        st.parents.insert(p as usize, dom as usize);
+        put(out, p).map(|()| 0)
+    })
+}
+
+/// `fi_poll`: the contexts of up to `count` members with events (fi_poll(3)).
+unsafe extern "C" fn poll_poll(
+    set: *mut abi::fid_poll,
+    ctx: *mut *mut c_void,
+    count: c_int,
+) -> c_int {
+    run(|st| {
+        st.check(set as usize, Kind::Poll)?;
+        let max = usize::try_from(count).map_err(|_| abi::FI_EINVAL)?;
+        if ctx.is_null() && max > 0 {
+            return Err(abi::FI_EINVAL);
+        }
+        let ready = st.poll(set as usize, max)?;
+        for (i, &fid) in ready.iter().enumerate() {
+            // SAFETY: `fid` is a live CQ or counter of the registry (its box starts with its
+            // `struct fid`), and `ctx` holds `count` > `i` pointers (fi_poll(3)).
+            unsafe { ctx.add(i).write((*(fid as *const abi::fid)).context) };
+        }
+        Ok(ready.len() as c_int)
+    })
+}
+
+unsafe extern "C" fn poll_add(set: *mut abi::fid_poll, fid: *mut abi::fid, _flags: u64) -> c_int {
+    run(|st| {
+        st.check(set as usize, Kind::Poll)?;
+        st.poll_add(set as usize, fid as usize).map(|()| 0)
+    })
+}
+
+unsafe extern "C" fn poll_del(set: *mut abi::fid_poll, fid: *mut abi::fid, _flags: u64) -> c_int {
+    run(|st| {
+        st.check(set as usize, Kind::Poll)?;
+        st.poll_del(set as usize, fid as usize).map(|()| 0)
+    })
+}
+
+static POLL_OPS: abi::fi_ops_poll = abi::fi_ops_poll {
+    size: std::mem::size_of::<abi::fi_ops_poll>(),
+    poll: Some(poll_poll),
+    poll_add: Some(poll_add),
+    poll_del: Some(poll_del),
+};
 enosys!(
     no_stx_ctx(
         *mut abi::fid_domain,
@@ -835,7 +901,7 @@ static DOMAIN_OPS: abi::fi_ops_domain = abi::fi_ops_domain {
     endpoint: Some(endpoint),
     scalable_ep: Some(no_scalable_ep),
     cntr_open: Some(cntr_open),
-    poll_open: Some(no_poll_open),
+    poll_open: Some(poll_open),
     stx_ctx: Some(no_stx_ctx),
     srx_ctx: Some(no_srx_ctx),
     query_atomic: Some(dom_query_atomic),

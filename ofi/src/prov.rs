@@ -125,6 +125,7 @@ pub enum Kind {
     Ep,
     Cntr,
     Alias,
+    Poll,
 }
 
 /// A completion as libfabric's CQ formats carry it.
@@ -337,6 +338,16 @@ pub enum Obj {
     Ep(Box<Ep>),
     Cntr(Cntr),
     Alias(Alias),
+    Poll(Poll),
+}
+
+/// A poll set (`fi_poll_open`, fi_poll(3)): CQs and counters of one domain, checked for
+/// events together.
+#[derive(Debug, Default)]
+pub struct Poll {
+    /// The members in the order they were added, each counter with its values (success,
+    /// error) as the poll set last reported them.
+    pub members: Vec<(usize, Option<(u64, u64)>)>,
 }
 
 /// An alias of an endpoint (`fi_ep_alias`, fi_endpoint(3)): the same endpoint reached
@@ -361,6 +372,7 @@ impl Obj {
             Obj::Ep(_) => Kind::Ep,
             Obj::Cntr(_) => Kind::Cntr,
             Obj::Alias(_) => Kind::Alias,
+            Obj::Poll(_) => Kind::Poll,
         }
     }
 }
@@ -446,9 +458,15 @@ impl State {
             |f: &dyn Fn(&Ep) -> bool| self.objs.values().any(|o| matches!(o, Obj::Ep(e) if f(e)));
         match self.objs.get(&key).map(Obj::kind) {
             Some(Kind::Fabric | Kind::Domain) => self.parents.values().any(|&p| p == key),
-            Some(Kind::Cq) => bound(&|e| e.txcq == Some(key) || e.rxcq == Some(key)),
+            Some(Kind::Cq) => {
+                bound(&|e| e.txcq == Some(key) || e.rxcq == Some(key)) || self.polled(key)
+            }
             Some(Kind::Av) => bound(&|e| e.av == Some(key)),
-            Some(Kind::Cntr) => self.cntr_bound(key),
+            Some(Kind::Cntr) => self.cntr_bound(key) || self.polled(key),
+            // A poll set must be emptied before it closes (fi_poll(3)).
+            Some(Kind::Poll) => {
+                matches!(self.objs.get(&key), Some(Obj::Poll(p)) if !p.members.is_empty())
+            }
             // An endpoint is released once its aliases are closed (fi_endpoint(3)).
             Some(Kind::Ep) => self
                 .objs
@@ -461,6 +479,80 @@ impl State {
     /// The application's context of endpoint `key`.
     pub fn ep_context(&mut self, key: usize) -> Result<usize, Errno> {
         Ok(self.ep_mut(key)?.context)
+    }
+
+    /// Whether a poll set holds CQ or counter `key`.
+    fn polled(&self, key: usize) -> bool {
+        self.objs
+            .values()
+            .any(|o| matches!(o, Obj::Poll(p) if p.members.iter().any(|m| m.0 == key)))
+    }
+
+    fn poll_mut(&mut self, key: usize) -> Result<&mut Poll, Errno> {
+        match self.objs.get_mut(&key) {
+            Some(Obj::Poll(p)) => Ok(p),
+            _ => Err(EINVAL),
+        }
+    }
+
+    /// `fi_poll_add`: CQ or counter `fid` of the poll set's domain joins poll set `set`
+    /// (once; a second add, or another kind of object, is `-FI_EINVAL`).
+    pub fn poll_add(&mut self, set: usize, fid: usize) -> Result<(), Errno> {
+        let dom = self.parents.get(&set).copied();
+        if dom.is_none() || self.parents.get(&fid).copied() != dom {
+            return Err(EINVAL);
+        }
+        let seen = match self.objs.get(&fid).map(Obj::kind) {
+            Some(Kind::Cq) => None,
+            Some(Kind::Cntr) => Some(self.cntr(fid)?.read()),
+            _ => return Err(EINVAL),
+        };
+        let p = self.poll_mut(set)?;
+        if p.members.iter().any(|m| m.0 == fid) {
+            return Err(EINVAL);
+        }
+        p.members.push((fid, seen));
+        Ok(())
+    }
+
+    /// `fi_poll_del`: `fid` leaves poll set `set` (`-FI_EINVAL` if it is not in it).
+    pub fn poll_del(&mut self, set: usize, fid: usize) -> Result<(), Errno> {
+        let p = self.poll_mut(set)?;
+        let i = p.members.iter().position(|m| m.0 == fid).ok_or(EINVAL)?;
+        p.members.remove(i);
+        Ok(())
+    }
+
+    /// `fi_poll`: after a round of progress, up to `max` members with events, in the order
+    /// they were added: a CQ holding an entry or error entry, a counter whose success or
+    /// error value changed since the poll set last reported it (those not reported for
+    /// want of room are reported next time).
+    pub fn poll(&mut self, set: usize, max: usize) -> Result<Vec<usize>, Errno> {
+        self.poll_mut(set)?;
+        self.progress();
+        let members = self.poll_mut(set)?.members.clone();
+        let mut ready = Vec::new();
+        for (i, (fid, seen)) in members.into_iter().enumerate() {
+            if ready.len() == max {
+                break;
+            }
+            match seen {
+                None => {
+                    let c = self.cq_mut(fid)?;
+                    if !c.entries.is_empty() || !c.errs.is_empty() {
+                        ready.push(fid);
+                    }
+                }
+                Some(old) => {
+                    let now = self.cntr(fid)?.read();
+                    if now != old {
+                        self.poll_mut(set)?.members[i].1 = Some(now);
+                        ready.push(fid);
+                    }
+                }
+            }
+        }
+        Ok(ready)
     }
 
     /// The endpoint that `key` names: itself, or the endpoint of an alias.

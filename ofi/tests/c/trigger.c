@@ -410,6 +410,98 @@ static void test_alias(void)
 	fi_close(&t->fid);
 }
 
+/* Poll sets (fi_poll(3)): CQs and counters of one domain; fi_poll gives the contexts of
+ * those with events, in the order they were added: a CQ that holds an entry, a counter
+ * whose value changed since the poll set last reported it. */
+static void test_poll(struct fi_info *info)
+{
+	int cq_tag, cntr_tag;
+	struct fid_domain *d;
+	struct fid_cq *cq;
+	struct fid_av *av;
+	struct fid_ep *ep;
+	struct fid_cntr *sent;
+	struct fid_poll *ps;
+	struct fi_cq_attr cq_attr = {.format = FI_CQ_FORMAT_TAGGED, .size = 64};
+	struct fi_av_attr av_attr = {.type = FI_AV_TABLE};
+	struct fi_cntr_attr ca = {.events = FI_CNTR_EVENTS_COMP, .wait_obj = FI_WAIT_UNSPEC};
+	struct fi_poll_attr pa = {.flags = 0};
+	MUST(fi_domain(fabric, info, &d, NULL));
+	MUST(fi_cq_open(d, &cq_attr, &cq, &cq_tag));
+	MUST(fi_av_open(d, &av_attr, &av, NULL));
+	MUST(fi_cntr_open(d, &ca, &sent, &cntr_tag));
+	MUST(fi_endpoint(d, info, &ep, NULL));
+	MUST(fi_ep_bind(ep, &av->fid, 0));
+	MUST(fi_ep_bind(ep, &cq->fid, FI_TRANSMIT | FI_RECV));
+	MUST(fi_ep_bind(ep, &sent->fid, FI_SEND));
+	MUST(fi_enable(ep));
+	fi_addr_t to_b;
+	MUST(fi_av_insert(av, B.name, 1, &to_b, 0, NULL));
+
+	pa.flags = 1;
+	CHECK_EQ(fi_poll_open(d, &pa, &ps), -FI_EINVAL);
+	pa.flags = 0;
+	MUST(fi_poll_open(d, &pa, &ps));
+	/* Only CQs and counters of the poll set's domain, each once. */
+	CHECK_EQ(fi_poll_add(ps, &B.cq->fid, 0), -FI_EINVAL);
+	CHECK_EQ(fi_poll_add(ps, &ep->fid, 0), -FI_EINVAL);
+	CHECK_EQ(fi_poll_add(ps, &cq->fid, 0), 0);
+	CHECK_EQ(fi_poll_add(ps, &sent->fid, 0), 0);
+	CHECK_EQ(fi_poll_add(ps, &cq->fid, 0), -FI_EINVAL);
+
+	void *ctx[4] = {0};
+	CHECK_EQ(fi_poll(ps, ctx, 4), 0);
+	CHECK_EQ(fi_poll(ps, NULL, 4), -FI_EINVAL);
+
+	/* A send: its completion and its counter. */
+	char *rbuf = pages(4096), *sbuf = pages(4096);
+	strcpy(sbuf, "polled");
+	MUST(fi_recv(B.ep, rbuf, 64, NULL, FI_ADDR_UNSPEC, NULL));
+	MUST(fi_send(ep, sbuf, 7, NULL, to_b, sbuf));
+	struct fi_cq_tagged_entry e;
+	CHECK_EQ(one(B.cq, &e, 200000), 0);
+	CHECK_EQ(fi_cntr_wait(sent, 1, 5000), 0);
+	int n = 0;
+	for (int i = 0; i < 200000 && n < 2; i++)
+		n = fi_poll(ps, ctx, 4);
+	CHECK_EQ(n, 2);
+	CHECK(ctx[0] == &cq_tag && ctx[1] == &cntr_tag);
+	/* The counter was reported; the CQ still holds its entry. */
+	CHECK_EQ(fi_poll(ps, ctx, 4), 1);
+	CHECK(ctx[0] == &cq_tag);
+	CHECK_EQ(fi_cq_read(cq, &e, 1), 1);
+	CHECK(e.op_context == sbuf);
+	CHECK_EQ(fi_poll(ps, ctx, 4), 0);
+	/* A counter change not reported for want of room is reported next time. */
+	CHECK_EQ(fi_cntr_add(sent, 1), 0);
+	MUST(fi_recv(B.ep, rbuf, 64, NULL, FI_ADDR_UNSPEC, NULL));
+	MUST(fi_send(ep, sbuf, 7, NULL, to_b, sbuf));
+	CHECK_EQ(one(B.cq, &e, 200000), 0);
+	CHECK_EQ(fi_cntr_wait(sent, 3, 5000), 0);
+	n = 0;
+	for (int i = 0; i < 200000 && n == 0; i++)
+		n = fi_poll(ps, ctx, 1);
+	CHECK_EQ(n, 1);
+	CHECK(ctx[0] == &cq_tag);
+	CHECK_EQ(fi_cq_read(cq, &e, 1), 1);
+	CHECK_EQ(fi_poll(ps, ctx, 1), 1);
+	CHECK(ctx[0] == &cntr_tag);
+	CHECK_EQ(fi_poll(ps, ctx, 4), 0);
+
+	/* Members cannot close, nor the poll set while it has them. */
+	CHECK_EQ(fi_close(&ps->fid), -FI_EBUSY);
+	CHECK_EQ(fi_close(&sent->fid), -FI_EBUSY);
+	CHECK_EQ(fi_poll_del(ps, &cq->fid, 0), 0);
+	CHECK_EQ(fi_poll_del(ps, &cq->fid, 0), -FI_EINVAL);
+	CHECK_EQ(fi_poll_del(ps, &sent->fid, 0), 0);
+	CHECK_EQ(fi_close(&ps->fid), 0);
+	CHECK_EQ(fi_close(&ep->fid), 0);
+	CHECK_EQ(fi_close(&sent->fid), 0);
+	CHECK_EQ(fi_close(&cq->fid), 0);
+	CHECK_EQ(fi_close(&av->fid), 0);
+	CHECK_EQ(fi_close(&d->fid), 0);
+}
+
 /* The deferred work queue: RMA, atomics, tagged sends and counter operations queued to
  * the domain, with fi_trigger(3)'s completion rules; cancel and flush; bad requests. */
 static void test_deferred_work(void)
@@ -764,6 +856,7 @@ int main(void)
 	test_mr_access();
 	test_fi_trigger(ca[0]);
 	test_alias();
+	test_poll(list);
 	test_deferred_work();
 	test_not_enabled(list);
 	test_bad_trecv();
