@@ -754,6 +754,18 @@ unsafe extern "C" fn endpoint(
         // SAFETY: NULL or the info libfabric passes on (fi_endpoint(3)).
         if let Some(i) = unsafe { info.as_ref() } {
             ep.directed = i.caps & abi::FI_DIRECTED_RECV != 0;
+            // A service number the application chose (fi_getinfo with FI_SOURCE): the
+            // endpoint takes it and is published under it once enabled.
+            if !i.src_addr.is_null() && i.src_addrlen == prov::ADDR_LEN {
+                // SAFETY: non-NULL, `src_addrlen` bytes (fi_getinfo(3)).
+                let a =
+                    unsafe { std::slice::from_raw_parts(i.src_addr as *const u8, prov::ADDR_LEN) };
+                if let Some((_, s)) = prov::parse_addr(a).filter(|&(_, s)| s != 0) {
+                    ep.service = s;
+                    ep.addr[8..16].copy_from_slice(&s.to_le_bytes());
+                    ep.named = true;
+                }
+            }
             // SAFETY: the info's attribute pointers are NULL or valid (fi_getinfo(3)).
             if let Some(t) = unsafe { i.tx_attr.as_ref() } {
                 ep.tx_op_flags = t.op_flags;
@@ -1361,7 +1373,7 @@ unsafe extern "C" fn av_insert(
             let v = if prov::parse_addr(c).is_some() {
                 let mut x = [0u8; prov::ADDR_LEN];
                 x.copy_from_slice(c);
-                a.addrs.push(Some(x));
+                a.addrs.push(Some(prov::resolve_addr(&x)));
                 n += 1;
                 (a.addrs.len() - 1) as u64
             } else {

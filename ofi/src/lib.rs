@@ -352,6 +352,10 @@ unsafe extern "C" fn getinfo(
         // address: the offers carry it as their destination.
         // SAFETY: NULL or the application's NUL-terminated service (fi_getinfo(3)).
         let service = unsafe { string(service) };
+        let src_service = service
+            .as_deref()
+            .and_then(|s| s.parse::<u64>().ok())
+            .filter(|_| flags & abi::FI_SOURCE != 0);
         let dest = match (ip, service.as_deref().map(str::parse::<u64>)) {
             (Some(ip), Some(Ok(s))) if flags & abi::FI_SOURCE == 0 => {
                 Some(prov::make_addr(ip, s).to_vec())
@@ -375,8 +379,9 @@ unsafe extern "C" fn getinfo(
                 continue;
             }
             let mut offer = Offer::for_nic(&ringbell::discover::NicPlan::name(i));
-            // The NIC's address, with no endpoint yet (service 0).
-            offer.src_addr = Some(prov::make_addr(ip, 0).to_vec());
+            // The NIC's address, with no endpoint yet (service 0), or with the service
+            // number a program gave with FI_SOURCE, which its endpoint then takes.
+            offer.src_addr = Some(prov::make_addr(ip, src_service.unwrap_or(0)).to_vec());
             if dest.is_some() && h.dest_addr.is_none() {
                 offer.dest_addr = dest.clone();
             }

@@ -21,6 +21,7 @@
 //! next timer ([`ConnectionManager::poll`]).
 
 mod bounce;
+pub mod names;
 mod peek;
 mod tagged;
 
@@ -54,6 +55,18 @@ pub const ENV_NIC: &str = "RINGBELL_NIC";
 /// The NIC index `RINGBELL_NIC` selects, if any.
 pub fn selected_nic() -> Option<usize> {
     std::env::var(ENV_NIC).ok()?.trim().parse().ok()
+}
+
+/// An address as the fabric knows it: one whose IPv4 address is no NIC's (this host's,
+/// such as 127.0.0.1) names the endpoint published under its service on this host
+/// ([`names`]), if there is one; any other is itself.
+pub fn resolve_addr(a: &Addr) -> Addr {
+    match parse_addr(a) {
+        Some((ip, service)) if AhAttr::on_fabric(ip).is_none() => {
+            names::resolve(service).map_or(*a, |nic| make_addr(nic_ip(nic), service))
+        }
+        _ => *a,
+    }
 }
 
 /// Builds an address.
@@ -286,6 +299,9 @@ pub struct Ep {
     pub nic: usize,
     pub addr: Addr,
     pub service: u64,
+    /// The service number was the application's (`fi_getinfo` with `FI_SOURCE`): the
+    /// endpoint is published under it while enabled ([`names`]).
+    pub named: bool,
     pub av: Option<usize>,
     pub txcq: Option<usize>,
     pub rxcq: Option<usize>,
@@ -703,6 +719,7 @@ impl State {
             nic,
             addr: make_addr(ip, service),
             service,
+            named: false,
             av: None,
             txcq: None,
             rxcq: None,
@@ -759,6 +776,9 @@ impl State {
             .listen(service)
             .map_err(|_| abi::FI_EADDRINUSE)?;
         let e = self.ep_mut(ep)?;
+        if e.named {
+            names::publish(service, nic);
+        }
         e.srq = Some(srq);
         e.cq = Some(cq);
         e.tm = Some(tm);
@@ -1177,7 +1197,9 @@ impl State {
             Some(Conn::Pending(_, q)) => q.push(p),
             None => {
                 let (ip, service) = parse_addr(&key.0).ok_or(EINVAL)?;
-                let ah = AhAttr::on_fabric(ip).ok_or(abi::FI_EHOSTUNREACH)?;
+                let ah = AhAttr::on_fabric(ip)
+                    .or_else(|| AhAttr::on_fabric(nic_ip(names::resolve(service)?)))
+                    .ok_or(abi::FI_EHOSTUNREACH)?;
                 let qp = if key.1 == CH_TAG {
                     self.ep_mut(ep)?.tag_qp()?
                 } else {
@@ -1592,6 +1614,9 @@ impl State {
         if ep.enabled {
             if let Some(n) = self.nics.get_mut(&ep.nic) {
                 n.cm.unlisten(ep.service);
+            }
+            if ep.named {
+                names::unpublish(ep.service, ep.nic);
             }
         }
     }

@@ -431,6 +431,72 @@ static void selective(void)
 	CHECK(ct_read(P.b.cq, &e, NULL, 0.2) == -FI_EAGAIN);
 }
 
+/* Programs without an out-of-band address exchange (fabtests as runfabtests.sh runs them):
+ * the server asks fi_getinfo for a service number with FI_SOURCE and its endpoint takes
+ * that number; the client names this host (127.0.0.1) and the number, and reaches that
+ * endpoint. A number no open endpoint holds reaches nothing. */
+static void host_address(const struct ct_opts *o)
+{
+	struct fi_info *h = ct_hints(FI_MSG, local), *srv = NULL, *cli = NULL, *none = NULL;
+	CHECK_EQ(fi_getinfo(CT_VERSION, NULL, "47011", FI_SOURCE, h, &srv), 0);
+	CHECK_EQ(fi_getinfo(CT_VERSION, "127.0.0.1", "47011", 0, h, &cli), 0);
+	CHECK_EQ(fi_getinfo(CT_VERSION, "127.0.0.1", "47012", 0, h, &none), 0);
+	fi_freeinfo(h);
+	REQUIRE(srv && cli && cli->next && cli->dest_addr && none && none->dest_addr);
+	struct ct_side s, c;
+	ct_side_open(&P, &s, srv, o);	    /* on rb0 */
+	ct_side_open(&P, &c, cli->next, o); /* on rb1 */
+	/* The server's address carries the number it asked for. */
+	struct fi_info *again = NULL;
+	h = ct_hints(FI_MSG, local);
+	CHECK_EQ(fi_getinfo(CT_VERSION, NULL, "47011", FI_SOURCE, h, &again), 0);
+	fi_freeinfo(h);
+	REQUIRE(again && again->src_addrlen == s.namelen);
+	CHECK(memcmp(again->src_addr, s.name, s.namelen) == 0);
+	fi_freeinfo(again);
+
+	char *sb = ct_pages(4096), *cb = ct_pages(4096);
+	struct fid_mr *smr = NULL, *cmr = NULL;
+	if (local) {
+		REQUIRE(fi_mr_reg(s.dom, sb, 4096, FI_SEND | FI_RECV, 0, 0, 0, &smr, NULL) == 0);
+		REQUIRE(fi_mr_reg(c.dom, cb, 4096, FI_SEND | FI_RECV, 0, 0, 0, &cmr, NULL) == 0);
+	}
+	void *sd = smr ? fi_mr_desc(smr) : NULL, *cd = cmr ? fi_mr_desc(cmr) : NULL;
+	fi_addr_t to_srv, to_cli, to_none;
+	CHECK_EQ(fi_av_insert(c.av, cli->dest_addr, 1, &to_srv, 0, NULL), 1);
+	CHECK_EQ(fi_av_insert(c.av, none->dest_addr, 1, &to_none, 0, NULL), 1);
+	CHECK_EQ(fi_av_insert(s.av, c.name, 1, &to_cli, 0, NULL), 1);
+	strcpy(cb, "by host and service");
+	MUST(fi_recv(s.ep, sb, 64, sd, FI_ADDR_UNSPEC, sb));
+	MUST(fi_send(c.ep, cb, 20, cd, to_srv, cb));
+	expect(s.cq, sb, FI_RECV | FI_MSG, 20, 0);
+	CHECK(strcmp(sb, "by host and service") == 0);
+	expect(c.cq, cb, FI_SEND | FI_MSG, 0, 0);
+	/* And back, to the client's own address. */
+	strcpy(sb + 64, "reply");
+	MUST(fi_recv(c.ep, cb + 64, 64, cd, FI_ADDR_UNSPEC, cb + 64));
+	MUST(fi_send(s.ep, sb + 64, 6, sd, to_cli, sb + 64));
+	expect(c.cq, cb + 64, FI_RECV | FI_MSG, 6, 0);
+	CHECK(strcmp(cb + 64, "reply") == 0);
+	expect(s.cq, sb + 64, FI_SEND | FI_MSG, 0, 0);
+	/* 47012: no endpoint holds it. */
+	struct fi_cq_err_entry err = {0};
+	ssize_t r = fi_send(c.ep, cb, 4, cd, to_none, cb);
+	if (r == 0)
+		CHECK(ct_wait_err(c.cq, &err));
+	CHECK(r == -FI_EHOSTUNREACH || err.err == FI_EHOSTUNREACH);
+
+	if (local) {
+		CHECK_EQ(fi_close(&smr->fid), 0);
+		CHECK_EQ(fi_close(&cmr->fid), 0);
+	}
+	ct_side_close(&c);
+	ct_side_close(&s);
+	fi_freeinfo(srv);
+	fi_freeinfo(cli);
+	fi_freeinfo(none);
+}
+
 int main(int argc, char **argv)
 {
 	static char name[64];
@@ -478,6 +544,7 @@ int main(int argc, char **argv)
 			many();
 		untagged_truncation();
 		loopback();
+		host_address(&o);
 	}
 	if (local) {
 		CHECK_EQ(fi_close(&amr->fid), 0);
