@@ -406,6 +406,8 @@ static void test_alias(void)
 	CHECK(fi_ep_bind(al, &A.cq->fid, FI_TRANSMIT) < 0);
 	CHECK_EQ(fi_close(&al->fid), 0);
 	CHECK_EQ(fi_close(&rx_al->fid), 0);
+	/* A missing request is refused. */
+	CHECK_EQ(fi_control(&A.ep->fid, FI_ALIAS, NULL), -FI_EINVAL);
 	CHECK_EQ(fi_close(&mr->fid), 0);
 	fi_close(&t->fid);
 }
