@@ -199,3 +199,50 @@ fn c_counters_and_triggered_operations() {
 fn c_allreduce_of_deferred_work_on_8_ranks() {
     run_on("allreduce", &[&["8"]], 8);
 }
+
+/// Two processes on a served fabric that share only this host's address and a service
+/// number (`hostaddr.c`, as fabtests run without an out-of-band exchange): the server's
+/// endpoint is published under its number while it is open (the file the client resolves
+/// through) and withdrawn when it closes.
+#[test]
+fn c_peers_by_host_address_and_service_number() {
+    let bin = built().join("hostaddr");
+    let served = common::Served::start("c-hostaddr");
+    let prov = common::provider_dir("c-hostaddr");
+    let service = (47000 + std::process::id() % 1000).to_string();
+    let cmd = |role: &str, nic: &str| {
+        let mut c = Command::new("timeout");
+        c.args(["120"])
+            .arg(&bin)
+            .args([role, service.as_str()])
+            .env("FI_PROVIDER_PATH", &prov)
+            .env("FI_PROVIDER", "ringbell")
+            .env("RINGBELL_SERVE", &served.dir)
+            .env("RINGBELL_NIC", nic)
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped());
+        c
+    };
+    let mut server = cmd("server", "0").spawn().unwrap();
+    // The server says when its endpoint listens; its name is published by then.
+    let mut out = std::io::BufReader::new(server.stdout.take().unwrap());
+    let mut line = String::new();
+    std::io::BufRead::read_line(&mut out, &mut line).unwrap();
+    assert_eq!(line.trim(), "listening");
+    let published = served.dir.join(format!("service-{service}"));
+    assert_eq!(std::fs::read_to_string(&published).unwrap().trim(), "0");
+    let client = cmd("client", "1").output().unwrap();
+    let mut rest = String::new();
+    std::io::Read::read_to_string(&mut out, &mut rest).unwrap();
+    let server = server.wait_with_output().unwrap();
+    for (o, rest) in [(&client, ""), (&server, rest.as_str())] {
+        let all = format!("{}{rest}", text(o));
+        assert!(o.status.success(), "exited with {:?}:\n{all}", o.status);
+        assert!(all.contains(" 0 failed"), "no clean summary:\n{all}");
+        println!(
+            "{}",
+            all.lines().find(|l| l.starts_with("ctests")).unwrap_or("")
+        );
+    }
+    assert!(!published.exists(), "the name outlived its endpoint");
+}
