@@ -833,6 +833,39 @@ impl State {
         Ok((vec![sge], vec![mr], None, data))
     }
 
+    /// The data of a small transfer whose buffers have no descriptors, copied now to go
+    /// inline in the work request (it fits the NIC's inline size): no registration, which
+    /// would cost more than the copy, for memory the application may unmap once the
+    /// transfer completes. `None` when a buffer has a descriptor, the data is empty or
+    /// larger than the inline size. A triggered transfer reads its data when it fires, so
+    /// its callers do not ask. A buffer that is not readable memory is left to the
+    /// registration's path.
+    fn small_inline(
+        &self,
+        nic: usize,
+        bufs: &[(usize, usize, usize)],
+    ) -> Result<Option<Vec<u8>>, Errno> {
+        let total: usize = bufs.iter().map(|b| b.1).sum();
+        if total == 0 || bufs.iter().any(|b| b.2 != 0) {
+            return Ok(None);
+        }
+        let max_inline = self.nics.get(&nic).ok_or(EINVAL)?.dev.caps().max_inline as usize;
+        if total > max_inline {
+            return Ok(None);
+        }
+        let mut data = vec![0u8; total];
+        let mut at = 0;
+        for &(addr, len, _) in bufs {
+            // A buffer that is not readable memory takes the registration's path, which
+            // refuses it (-FI_EINVAL) rather than this library faulting on it.
+            if !read_own(addr, &mut data[at..at + len]) {
+                return Ok(None);
+            }
+            at += len;
+        }
+        Ok(Some(data))
+    }
+
     /// The SGEs of buffers `(addr, len, desc)`: a buffer without a descriptor is registered
     /// for the operation with device rights `acc` (none for a buffer the NIC only reads,
     /// which may be read-only memory; `LOCAL_WRITE` for one it writes).
@@ -957,6 +990,11 @@ impl State {
             let (sges, tmp, inline, data) = unsafe { self.inject_copy(dom, nic, bufs)? };
             copy = data;
             (sges, tmp, inline)
+        } else if let Some(d) = match trig {
+            None => self.small_inline(nic, bufs)?,
+            Some(_) => None,
+        } {
+            (Vec::new(), Vec::new(), Some(d))
         } else {
             // SAFETY: per the caller.
             let (s, t) = unsafe { self.sges(dom, bufs, Access::empty())? };
@@ -1077,6 +1115,11 @@ impl State {
             let (sges, tmp, inline, data) = unsafe { self.inject_copy(dom, nic, bufs)? };
             copy = data;
             (sges, tmp, inline)
+        } else if let Some(d) = match (&req.op, &req.trig) {
+            (RmaOp::Write { .. }, None) => self.small_inline(nic, bufs)?,
+            _ => None,
+        } {
+            (Vec::new(), Vec::new(), Some(d))
         } else {
             // The NIC reads a WRITE's source and writes every other operation's buffer.
             let acc = match req.op {
@@ -1620,6 +1663,27 @@ impl State {
             }
         }
     }
+}
+
+/// Copies the bytes at `addr` of this process into `out`; false if any of them is not
+/// readable memory (or the kernel refuses the call): `process_vm_readv(2)` on this process
+/// reports a bad address as `EFAULT` where reading it directly would fault.
+fn read_own(addr: usize, out: &mut [u8]) -> bool {
+    if out.is_empty() {
+        return true;
+    }
+    let local = libc::iovec {
+        iov_base: out.as_mut_ptr().cast(),
+        iov_len: out.len(),
+    };
+    let remote = libc::iovec {
+        iov_base: addr as *mut libc::c_void,
+        iov_len: out.len(),
+    };
+    // SAFETY: `local` describes `out`, writable for its length; the kernel checks
+    // `remote` against this process's mappings and copies nothing it cannot read.
+    let n = unsafe { libc::process_vm_readv(libc::getpid(), &local, 1, &remote, 1, 0) };
+    n == out.len() as isize
 }
 
 /// A QP of the untagged channel (the tagged channel's come from the tag matcher,
