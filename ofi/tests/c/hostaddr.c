@@ -10,46 +10,26 @@
  * Each process claims its own NIC (RINGBELL_NIC or the lock files). */
 #include "ctest.h"
 
-struct side {
-	struct fi_info *info;
-	struct fid_fabric *fab;
-	struct fid_domain *dom;
-	struct fid_cq *cq;
-	struct fid_av *av;
-	struct fid_ep *ep;
-	char name[64];
-	size_t namelen;
-};
+/* One process's side: the pair helpers of ctest.h with this process's own fabric. */
+static struct ct_pair P;
+static const struct ct_opts O = {.caps = FI_MSG};
 
-static void open_side(struct side *s)
+static void open_side(struct ct_side *s)
 {
-	struct fi_cq_attr cq_attr = {.format = FI_CQ_FORMAT_TAGGED, .size = 64};
-	struct fi_av_attr av_attr = {.type = FI_AV_TABLE};
-	MUST(fi_fabric(s->info->fabric_attr, &s->fab, NULL));
-	MUST(fi_domain(s->fab, s->info, &s->dom, NULL));
-	MUST(fi_cq_open(s->dom, &cq_attr, &s->cq, NULL));
-	MUST(fi_av_open(s->dom, &av_attr, &s->av, NULL));
-	MUST(fi_endpoint(s->dom, s->info, &s->ep, NULL));
-	MUST(fi_ep_bind(s->ep, &s->av->fid, 0));
-	MUST(fi_ep_bind(s->ep, &s->cq->fid, FI_TRANSMIT | FI_RECV));
-	MUST(fi_enable(s->ep));
-	s->namelen = sizeof(s->name);
-	MUST(fi_getname(&s->ep->fid, s->name, &s->namelen));
+	MUST(fi_fabric(s->info->fabric_attr, &P.fab, NULL));
+	ct_side_open(&P, s, s->info, &O);
 }
 
-static void close_side(struct side *s)
+static void close_side(struct ct_side *s)
 {
-	CHECK_EQ(fi_close(&s->ep->fid), 0);
-	CHECK_EQ(fi_close(&s->av->fid), 0);
-	CHECK_EQ(fi_close(&s->cq->fid), 0);
-	CHECK_EQ(fi_close(&s->dom->fid), 0);
-	CHECK_EQ(fi_close(&s->fab->fid), 0);
+	ct_side_close(s);
+	CHECK_EQ(fi_close(&P.fab->fid), 0);
 	fi_freeinfo(s->info);
 }
 
 static void server(const char *service)
 {
-	struct side s = {0};
+	struct ct_side s = {0};
 	struct fi_info *h = ct_hints(FI_MSG, 0);
 	MUST(fi_getinfo(CT_VERSION, NULL, service, FI_SOURCE, h, &s.info));
 	fi_freeinfo(h);
@@ -74,7 +54,7 @@ static void server(const char *service)
 
 static void client(const char *service)
 {
-	struct side c = {0};
+	struct ct_side c = {0};
 	struct fi_info *h = ct_hints(FI_MSG, 0);
 	MUST(fi_getinfo(CT_VERSION, "127.0.0.1", service, 0, h, &c.info));
 	fi_freeinfo(h);
