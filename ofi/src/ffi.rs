@@ -245,7 +245,10 @@ fn alias(st: &mut State, key: usize, arg: *mut abi::fi_alias) -> Result<c_int, E
     let mut t = *st.op_flags_mut(key, false)?;
     let mut r = *st.op_flags_mut(key, true)?;
     *(if side_rx { &mut r } else { &mut t }) = a.flags & !(tx | rx);
-    let context = st.ep_context(ep)? as *mut c_void;
+    st.check(ep, Kind::Ep)?;
+    // SAFETY: `ep` is a live endpoint of the registry, whose box starts with its `struct
+    // fid`; the alias carries the endpoint's context.
+    let context = unsafe { (*(ep as *const abi::fid)).context };
     let p = publish(
         st,
         ep_fid(context),
@@ -750,22 +753,21 @@ unsafe extern "C" fn endpoint(
         if out.is_null() {
             return Err(abi::FI_EINVAL);
         }
-        let mut ep = st.new_ep(dom as usize)?;
         // SAFETY: NULL or the info libfabric passes on (fi_endpoint(3)).
-        if let Some(i) = unsafe { info.as_ref() } {
-            ep.directed = i.caps & abi::FI_DIRECTED_RECV != 0;
-            // A service number the application chose (fi_getinfo with FI_SOURCE): the
-            // endpoint takes it and is published under it once enabled.
-            if !i.src_addr.is_null() && i.src_addrlen == prov::ADDR_LEN {
+        let info = unsafe { info.as_ref() };
+        // A service number the application chose (fi_getinfo with FI_SOURCE) is in the
+        // info's source address.
+        let named = info
+            .filter(|i| !i.src_addr.is_null() && i.src_addrlen == prov::ADDR_LEN)
+            .and_then(|i| {
                 // SAFETY: non-NULL, `src_addrlen` bytes (fi_getinfo(3)).
                 let a =
                     unsafe { std::slice::from_raw_parts(i.src_addr as *const u8, prov::ADDR_LEN) };
-                if let Some((_, s)) = prov::parse_addr(a).filter(|&(_, s)| s != 0) {
-                    ep.service = s;
-                    ep.addr[8..16].copy_from_slice(&s.to_le_bytes());
-                    ep.named = true;
-                }
-            }
+                prov::parse_addr(a).map(|(_, s)| s).filter(|&s| s != 0)
+            });
+        let mut ep = st.new_ep(dom as usize, named)?;
+        if let Some(i) = info {
+            ep.directed = i.caps & abi::FI_DIRECTED_RECV != 0;
             // SAFETY: the info's attribute pointers are NULL or valid (fi_getinfo(3)).
             if let Some(t) = unsafe { i.tx_attr.as_ref() } {
                 ep.tx_op_flags = t.op_flags;
@@ -775,7 +777,6 @@ unsafe extern "C" fn endpoint(
                 ep.rx_op_flags = r.op_flags;
             }
         }
-        ep.context = context as usize;
         let p = publish(st, ep_fid(context), Obj::Ep(Box::new(ep)));
         st.parents.insert(p as usize, dom as usize);
         put(out, p).map(|()| 0)
@@ -1656,15 +1657,22 @@ fn dflt_flags(ep: *mut abi::fid_ep, rx: bool) -> u64 {
     st.op_flags_mut(ep as usize, rx).map_or(0, |f| *f)
 }
 
-/// The trigger of a transfer posted without a flags argument: the endpoint's (or alias's)
-/// default transmit flags hold `FI_TRIGGER`, so its context is a triggered context
-/// (fi_trigger(3); an alias made with `FI_TRANSMIT | FI_TRIGGER` is how a program asks).
+/// What the endpoint's (or alias's) default transmit flags ask of a transfer posted without
+/// a flags argument, read once: whether it reports a completion (`FI_COMPLETION`, under
+/// selective completion), and its trigger when they hold `FI_TRIGGER`, its context then
+/// being a triggered context (fi_trigger(3); an alias made with `FI_TRANSMIT | FI_TRIGGER`
+/// is how a program asks).
 ///
 /// # Safety
 /// With `FI_TRIGGER` in those flags, `ctx` is NULL or a triggered context.
-unsafe fn dflt_trig(ep: *mut abi::fid_ep, ctx: *mut c_void) -> Result<Option<prov::Trig>, Errno> {
+unsafe fn tx_dflt(
+    ep: *mut abi::fid_ep,
+    ctx: *mut c_void,
+) -> Result<(bool, Option<prov::Trig>), Errno> {
+    let f = dflt_flags(ep, false);
     // SAFETY: per the caller.
-    unsafe { trigger_of(dflt_flags(ep, false), ctx) }
+    let trig = unsafe { trigger_of(f, ctx)? };
+    Ok((f & abi::FI_COMPLETION as u64 != 0, trig))
 }
 
 fn recv_common(
@@ -1738,8 +1746,8 @@ fn send_dflt(
     imm: Option<u32>,
 ) -> isize {
     // SAFETY: the context of a send posted with FI_TRIGGER in the default flags.
-    match unsafe { dflt_trig(ep, ctx) } {
-        Ok(t) => send_common(ep, b, dest, ctx, Inject::No, dflt(ep, false), imm, t),
+    match unsafe { tx_dflt(ep, ctx) } {
+        Ok((report, t)) => send_common(ep, b, dest, ctx, Inject::No, report, imm, t),
         Err(e) => -(e as isize),
     }
 }
@@ -1992,11 +2000,13 @@ fn tsend_common(ep: *mut Ep, b: &[(usize, usize, usize)], req: prov::SendReq, ta
     })
 }
 
-/// A tagged send posted without a flags argument: its trigger from the default flags.
+/// A tagged send posted without a flags argument: completion and trigger from the default
+/// flags (whatever `req` says of them).
 fn tsend_dflt(ep: *mut Ep, b: &[(usize, usize, usize)], mut req: prov::SendReq, tag: u64) -> isize {
     // SAFETY: the context of a send posted with FI_TRIGGER in the default flags.
-    match unsafe { dflt_trig(ep, req.ctx as V) } {
-        Ok(t) => {
+    match unsafe { tx_dflt(ep, req.ctx as V) } {
+        Ok((report, t)) => {
+            req.report = report;
             req.trig = t;
             tsend_common(ep, b, req, tag)
         }
@@ -2106,7 +2116,7 @@ unsafe extern "C" fn t_send(
     ctx: V,
 ) -> isize {
     let b = [(buf as usize, len, desc as usize)];
-    tsend_dflt(ep, &b, sreq(dest, ctx, false, dflt(ep, false), None), tag)
+    tsend_dflt(ep, &b, sreq(dest, ctx, false, false, None), tag)
 }
 
 unsafe extern "C" fn t_sendv(
@@ -2120,7 +2130,7 @@ unsafe extern "C" fn t_sendv(
 ) -> isize {
     // SAFETY: `count` iovecs and descriptors (fi_tsendv(3)).
     match unsafe { bufs(iov, desc, count) } {
-        Ok(b) => tsend_dflt(ep, &b, sreq(dest, ctx, false, dflt(ep, false), None), tag),
+        Ok(b) => tsend_dflt(ep, &b, sreq(dest, ctx, false, false, None), tag),
         Err(e) => -(e as isize),
     }
 }
@@ -2191,7 +2201,7 @@ unsafe extern "C" fn t_senddata(
     tsend_dflt(
         ep,
         &b,
-        sreq(dest, ctx, false, dflt(ep, false), Some(data as u32)),
+        sreq(dest, ctx, false, false, Some(data as u32)),
         tag,
     )
 }
@@ -2260,11 +2270,13 @@ fn rma_req(
     }
 }
 
-/// An RMA transfer posted without a flags argument: its trigger from the default flags.
+/// An RMA transfer posted without a flags argument: completion and trigger from the
+/// default flags (whatever `req` says of them).
 fn rma_dflt(ep: *mut Ep, b: &[(usize, usize, usize)], mut req: prov::RmaReq) -> isize {
     // SAFETY: the context of a transfer posted with FI_TRIGGER in the default flags.
-    match unsafe { dflt_trig(ep, req.ctx as V) } {
-        Ok(t) => {
+    match unsafe { tx_dflt(ep, req.ctx as V) } {
+        Ok((report, t)) => {
+            req.report = report;
             req.trig = t;
             rma_common(ep, b, req)
         }
@@ -2295,7 +2307,7 @@ unsafe extern "C" fn r_read(
     rma_dflt(
         ep,
         &[(buf as usize, len, desc as usize)],
-        rma_req(src, ctx, false, dflt(ep, false), RMA_READ, op),
+        rma_req(src, ctx, false, false, RMA_READ, op),
     )
 }
 
@@ -2313,11 +2325,7 @@ unsafe extern "C" fn r_readv(
     let op = prov::RmaOp::Read { addr, key };
     // SAFETY: `count` iovecs and descriptors (fi_readv(3)).
     match unsafe { bufs(iov, desc, count) } {
-        Ok(b) => rma_dflt(
-            ep,
-            &b,
-            rma_req(src, ctx, false, dflt(ep, false), RMA_READ, op),
-        ),
+        Ok(b) => rma_dflt(ep, &b, rma_req(src, ctx, false, false, RMA_READ, op)),
         Err(e) => -(e as isize),
     }
 }
@@ -2407,7 +2415,7 @@ unsafe extern "C" fn r_write(
     rma_dflt(
         ep,
         &[(buf as usize, len, desc as usize)],
-        rma_req(dest, ctx, false, dflt(ep, false), RMA_WRITE, op),
+        rma_req(dest, ctx, false, false, RMA_WRITE, op),
     )
 }
 
@@ -2425,11 +2433,7 @@ unsafe extern "C" fn r_writev(
     let op = write_op(addr, key, None);
     // SAFETY: `count` iovecs and descriptors (fi_writev(3)).
     match unsafe { bufs(iov, desc, count) } {
-        Ok(b) => rma_dflt(
-            ep,
-            &b,
-            rma_req(dest, ctx, false, dflt(ep, false), RMA_WRITE, op),
-        ),
+        Ok(b) => rma_dflt(ep, &b, rma_req(dest, ctx, false, false, RMA_WRITE, op)),
         Err(e) => -(e as isize),
     }
 }
@@ -2468,7 +2472,7 @@ unsafe extern "C" fn r_writedata(
     rma_dflt(
         ep,
         &[(buf as usize, len, desc as usize)],
-        rma_req(dest, ctx, false, dflt(ep, false), RMA_WRITE, op),
+        rma_req(dest, ctx, false, false, RMA_WRITE, op),
     )
 }
 
@@ -2616,17 +2620,17 @@ fn atomic_common(
     (dest, addr, key): (A, u64, u64),
     t: (Dt, Op, V, bool, bool),
 ) -> isize {
-    // An injected atomic has no context to trigger by.
-    let trig = if t.3 {
-        Ok(None)
-    } else {
+    // Completion and trigger from the default flags; an injected atomic reports nothing
+    // and has no context to trigger by.
+    let (mut t, mut trig) = (t, None);
+    if !t.3 {
         // SAFETY: the context of an atomic posted with FI_TRIGGER in the default flags.
-        unsafe { dflt_trig(ep, t.2) }
-    };
-    match trig {
-        Ok(trig) => atomic_common_t(ep, c, (buf, count), cmp, res, (dest, addr, key), t, trig),
-        Err(e) => -(e as isize),
+        match unsafe { tx_dflt(ep, t.2) } {
+            Ok((report, tr)) => (t.4, trig) = (report, tr),
+            Err(e) => return -(e as isize),
+        }
     }
+    atomic_common_t(ep, c, (buf, count), cmp, res, (dest, addr, key), t, trig)
 }
 
 /// [`atomic_common`], triggered by `trig` (the operand is read when it fires).
@@ -2702,7 +2706,7 @@ unsafe extern "C" fn a_write(
         null,
         (0, 0),
         (dest, addr, key),
-        (dt, op, ctx, false, dflt(ep, false)),
+        (dt, op, ctx, false, false),
     )
 }
 
@@ -2722,7 +2726,7 @@ unsafe extern "C" fn a_writev(
     // SAFETY: `count` iocs and descriptors (fi_atomicv(3)).
     match unsafe { ioc1(iov, desc, count) } {
         Ok((b, n, _)) => {
-            let t = (dt, op, ctx, false, dflt(ep, false));
+            let t = (dt, op, ctx, false, false);
             atomic_common(
                 ep,
                 Call::Write,
@@ -2864,7 +2868,7 @@ unsafe extern "C" fn a_readwrite(
         null,
         r,
         (dest, addr, key),
-        (dt, op, ctx, false, dflt(ep, false)),
+        (dt, op, ctx, false, false),
     )
 }
 
@@ -2887,7 +2891,7 @@ unsafe extern "C" fn a_readwritev(
     // SAFETY: `count` and `res_count` iocs and descriptors (fi_fetch_atomicv(3)).
     match unsafe { (ioc1(iov, desc, count), ioc1(resv, res_desc, res_count)) } {
         (Ok((b, n, _)), Ok((r, 1, rd))) => {
-            let t = (dt, op, ctx, false, dflt(ep, false));
+            let t = (dt, op, ctx, false, false);
             atomic_common(
                 ep,
                 Call::Fetch,
@@ -2979,7 +2983,7 @@ unsafe extern "C" fn a_compwrite(
         cmp,
         r,
         (dest, addr, key),
-        (dt, op, ctx, false, dflt(ep, false)),
+        (dt, op, ctx, false, false),
     )
 }
 
@@ -3012,7 +3016,7 @@ unsafe extern "C" fn a_compwritev(
     };
     match all {
         (Ok((b, n, _)), Ok((c, 1, _)), Ok((r, 1, rd))) => {
-            let t = (dt, op, ctx, false, dflt(ep, false));
+            let t = (dt, op, ctx, false, false);
             atomic_common(
                 ep,
                 Call::Compare,

@@ -351,16 +351,17 @@ unsafe extern "C" fn getinfo(
         // A peer's node and service (its endpoint's CM service id, a number) make its
         // address: the offers carry it as their destination.
         // SAFETY: NULL or the application's NUL-terminated service (fi_getinfo(3)).
-        let service = unsafe { string(service) };
-        let src_service = service
-            .as_deref()
-            .and_then(|s| s.parse::<u64>().ok())
-            .filter(|_| flags & abi::FI_SOURCE != 0);
-        let dest = match (ip, service.as_deref().map(str::parse::<u64>)) {
-            (Some(ip), Some(Ok(s))) if flags & abi::FI_SOURCE == 0 => {
-                Some(prov::make_addr(ip, s).to_vec())
-            }
-            _ => None,
+        let service = unsafe { string(service) }.and_then(|s| s.parse::<u64>().ok());
+        // With FI_SOURCE the number is the program's own endpoint's (below); without, the
+        // peer's.
+        let (src_service, dest) = if flags & abi::FI_SOURCE != 0 {
+            (service, None)
+        } else {
+            (
+                None,
+                ip.zip(service)
+                    .map(|(ip, s)| prov::make_addr(ip, s).to_vec()),
+            )
         };
         // SAFETY: libfabric passes the application's hints, NULL or valid (fi_getinfo(3)).
         let h = unsafe { read_hints(hints) };

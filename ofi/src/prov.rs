@@ -311,8 +311,6 @@ pub struct Ep {
     /// selective completion, calls without a flags argument report iff these hold
     /// FI_COMPLETION (fi_endpoint(3)).
     pub tx_op_flags: u64,
-    /// The application's context of the endpoint (its aliases carry it too).
-    pub context: usize,
     pub rx_op_flags: u64,
     pub enabled: bool,
     /// Accept tagged messages only from a receive's source address (FI_DIRECTED_RECV).
@@ -490,11 +488,6 @@ impl State {
                 .any(|o| matches!(o, Obj::Alias(a) if a.ep == key)),
             _ => false,
         }
-    }
-
-    /// The application's context of endpoint `key`.
-    pub fn ep_context(&mut self, key: usize) -> Result<usize, Errno> {
-        Ok(self.ep_mut(key)?.context)
     }
 
     /// Whether a poll set holds CQ or counter `key`.
@@ -708,25 +701,28 @@ impl State {
         })
     }
 
-    /// A new endpoint in domain `dom`.
-    pub fn new_ep(&mut self, dom: usize) -> Result<Ep, Errno> {
+    /// A new endpoint in domain `dom`: on the service number `named` when the program chose
+    /// one (it is published under it once enabled, [`names`]), else on one of this
+    /// process's own.
+    pub fn new_ep(&mut self, dom: usize, named: Option<u64>) -> Result<Ep, Errno> {
         let nic = self.domain(dom)?.nic;
-        self.next_service += 1;
-        let service = ((std::process::id() as u64) << 20) | self.next_service;
+        let service = named.unwrap_or_else(|| {
+            self.next_service += 1;
+            ((std::process::id() as u64) << 20) | self.next_service
+        });
         let ip = self.nics[&nic].cm.address().ip;
         Ok(Ep {
             domain: dom,
             nic,
             addr: make_addr(ip, service),
             service,
-            named: false,
+            named: named.is_some(),
             av: None,
             txcq: None,
             rxcq: None,
             tx_selective: false,
             rx_selective: false,
             tx_op_flags: 0,
-            context: 0,
             rx_op_flags: 0,
             enabled: false,
             directed: false,
