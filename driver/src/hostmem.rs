@@ -59,7 +59,7 @@ use crate::mr::{MemoryRegion, ProtectionDomain};
 use nix::errno::Errno;
 use nix::libc;
 use nix::sys::memfd::{memfd_create, MemFdCreateFlag};
-use nix::sys::mman::{mmap, mprotect, mremap, munmap, MRemapFlags, MapFlags, ProtFlags};
+use nix::sys::mman::{mmap, mprotect, munmap, MapFlags, ProtFlags};
 use ringbell_specs::cmd::Access;
 use std::cell::RefCell;
 use std::collections::BTreeMap;
@@ -589,24 +589,33 @@ impl Plan {
         // SAFETY: both ranges are mapped (the caller's contract), they are distinct
         // mappings, and nobody writes the source meanwhile.
         unsafe { std::ptr::copy_nonoverlapping(from, to, self.len) };
-        let (Some(tmp), Some(at)) = (
-            NonNull::new(self.tmp as *mut libc::c_void),
-            NonNull::new(self.at as *mut libc::c_void),
-        ) else {
+        if self.tmp == 0 || self.at == 0 {
             return Err(Errno::EINVAL);
-        };
+        }
+        // The move is the raw system call, not libc's `mremap`: a library that interposes
+        // `mremap` to watch the program's memory (UCX's memory hooks, which forward only
+        // four arguments and so lose the target address of `MREMAP_FIXED`) must neither
+        // redirect it nor take it for the program unmapping its own memory, since the
+        // program sees the same bytes at the same addresses afterwards.
         // SAFETY: moves our temporary mapping over `[at, at + len)`, replacing the pages it
-        // has just copied in one step (a failure leaves both as they were); the program sees
-        // the same bytes at the same addresses afterwards.
-        unsafe {
-            mremap(
-                tmp,
+        // has just copied in one step (a failure leaves both as they were).
+        let moved = unsafe {
+            libc::syscall(
+                libc::SYS_mremap,
+                self.tmp,
                 self.len,
                 self.len,
-                MRemapFlags::MREMAP_MAYMOVE | MRemapFlags::MREMAP_FIXED,
-                Some(at),
+                libc::MREMAP_MAYMOVE | libc::MREMAP_FIXED,
+                self.at,
             )
-        }?;
+        };
+        if moved == -1 {
+            return Err(Errno::last());
+        }
+        if moved as usize != self.at {
+            // Not possible with MREMAP_FIXED; never report a move that did not happen.
+            return Err(Errno::EFAULT);
+        }
         for &(s, l) in &self.readonly {
             if let Some(p) = NonNull::new(s as *mut libc::c_void) {
                 // SAFETY: `[s, s + l)` is inside the range just moved, which was read-only

@@ -370,10 +370,8 @@ unsafe extern "C" fn getinfo(
         let mut tail: *mut *mut abi::fi_info = &mut head;
         let choice = claim::choice(&plan);
         for i in 0..plan.nics.len() {
-            match choice {
-                claim::Choice::All => {}
-                claim::Choice::One(n) if n == i => {}
-                _ => continue,
+            if !choice.includes(i) {
+                continue;
             }
             let ip = prov::nic_ip(i);
             if src_ip.is_some_and(|s| s != ip && ringbell::AhAttr::on_fabric(s).is_some()) {

@@ -49,13 +49,8 @@ pub type Addr = [u8; ADDR_LEN];
 pub const INJECT: usize = crate::info::INJECT_SIZE;
 /// `FI_ADDR_UNSPEC`.
 pub const ADDR_UNSPEC: u64 = u64::MAX;
-/// Environment variable: use only NIC `i` of the plan.
-pub const ENV_NIC: &str = "RINGBELL_NIC";
-
-/// The NIC index `RINGBELL_NIC` selects, if any.
-pub fn selected_nic() -> Option<usize> {
-    std::env::var(ENV_NIC).ok()?.trim().parse().ok()
-}
+/// Environment variable: use only NIC `i` of the plan (or `all`).
+pub const ENV_NIC: &str = ringbell::discover::ENV_NIC;
 
 /// An address as the fabric knows it: one whose IPv4 address is no NIC's (this host's,
 /// such as 127.0.0.1) names the endpoint published under its service on this host

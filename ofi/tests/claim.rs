@@ -1,14 +1,43 @@
 //! A NIC per process on a served fabric: with `RINGBELL_SERVE` and no `RINGBELL_NIC`, a
 //! process claims the first NIC whose `nic{i}.lock` it can `flock` and offers only that NIC
-//! (`fi_info -p ringbell`, Debian's libfabric-bin, run as a user would). Claims held by this
-//! test process stand for other processes; `RINGBELL_NIC` (a NIC, or `all`) still wins.
+//! (`fi_info -p ringbell`, Debian's libfabric-bin, run as a user would). Locks held by helper
+//! processes stand for other programs; `RINGBELL_NIC` (a NIC, or `all`) still wins.
 
 mod common;
 
-use ringbell_fi::claim::{claim_first_free, lock_path};
+use ringbell_fi::claim::lock_path;
+use std::io::{BufRead, BufReader};
 use std::path::Path;
-use std::process::Command;
+use std::process::{Child, Command, Stdio};
 
+/// Another process holding NIC `i`'s lock file (a shell that locks it with `flock(1)` and
+/// sleeps), until dropped.
+struct Holder(Child);
+
+impl Holder {
+    fn hold(dir: &Path, i: usize) -> Holder {
+        let mut child = Command::new("sh")
+            .arg("-c")
+            .arg("exec 9>>\"$0\" && flock -n 9 && echo held && exec sleep 600")
+            .arg(lock_path(dir, i))
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        assert_eq!(line.trim(), "held", "could not lock NIC {i}");
+        Holder(child)
+    }
+}
+
+impl Drop for Holder {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
 /// The domains `fi_info -p ringbell` lists, and whether it succeeded.
 fn domains(prov: &Path, serve: &Path, nic: Option<&str>) -> (bool, Vec<String>) {
     assert!(
@@ -40,20 +69,16 @@ fn each_process_offers_the_first_nic_it_can_lock() {
     // Nothing claimed: NIC 0 (the fi_info process's lock ends with it).
     assert_eq!(domains(&prov, dir, None), (true, vec!["rb0".to_string()]));
     assert_eq!(domains(&prov, dir, None), (true, vec!["rb0".to_string()]));
-    let c0 = claim_first_free(dir, 3).unwrap();
-    assert_eq!(c0.nic, 0);
-    assert!(lock_path(dir, 0).exists());
+    let c0 = Holder::hold(dir, 0);
     assert_eq!(domains(&prov, dir, None), (true, vec!["rb1".to_string()]));
-    let c1 = claim_first_free(dir, 3).unwrap();
-    assert_eq!(c1.nic, 1);
+    let c1 = Holder::hold(dir, 1);
     assert_eq!(domains(&prov, dir, None), (true, vec!["rb2".to_string()]));
     // RINGBELL_NIC wins over the locks.
     assert_eq!(
         domains(&prov, dir, Some("0")),
         (true, vec!["rb0".to_string()])
     );
-    let c2 = claim_first_free(dir, 3).unwrap();
-    assert_eq!(c2.nic, 2);
+    let c2 = Holder::hold(dir, 2);
     // Every NIC taken: no offer (fi_info fails with no data).
     let (ok, doms) = domains(&prov, dir, None);
     assert!(!ok && doms.is_empty(), "{doms:?}");
@@ -64,22 +89,4 @@ fn each_process_offers_the_first_nic_it_can_lock() {
     drop(c1);
     assert_eq!(domains(&prov, dir, None), (true, vec!["rb1".to_string()]));
     drop((c0, c2));
-}
-
-#[test]
-fn threads_claim_distinct_nics() {
-    let dir = std::env::temp_dir().join(format!("ringbell-claim-threads-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let claims: Vec<_> = std::thread::scope(|s| {
-        let hs: Vec<_> = (0..4)
-            .map(|_| s.spawn(|| claim_first_free(&dir, 4)))
-            .collect();
-        hs.into_iter().map(|h| h.join().unwrap().unwrap()).collect()
-    });
-    let mut nics: Vec<usize> = claims.iter().map(|c| c.nic).collect();
-    nics.sort();
-    assert_eq!(nics, vec![0, 1, 2, 3]);
-    assert!(claim_first_free(&dir, 4).is_none());
-    drop(claims);
-    std::fs::remove_dir_all(&dir).unwrap();
 }

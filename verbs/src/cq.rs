@@ -163,13 +163,31 @@ pub(crate) fn to_ibv_wc(w: &WorkCompletion, out: &mut abi::ibv_wc) {
         byte_len: w.byte_len,
         qp_num: w.qpn,
         wc_flags: wc_flags_of(w) as u32,
-        // A datagram: the sending QP. RoCE has no LIDs, service levels or P_Key indices
-        // to report (all 0).
+        // A datagram: the sending QP, and in `sl` the RoCE packet type (see `sl_of`).
+        // RoCE has no LIDs or P_Key indices to report (0).
         src_qp: w.source.map_or(0, |s| s.qpn),
+        sl: sl_of(w),
         ..Default::default()
     };
     if let Some(imm) = w.imm {
         out.__bindgen_anon_1.imm_data = imm.to_be();
+    }
+}
+
+/// What a ConnectX-class NIC reports in a receive completion's `sl` on a RoCE port: not a
+/// service level (RoCE has none) but the received frame's type, bit 3 for a UDP header
+/// (RoCEv2) and bits 2..0 its L3 header (0 GRH, 1 IPv6, 2 IPv4). Datagram receivers read it
+/// to know where the GRH area holds the destination address (UCX's `ud_verbs` drops packets
+/// whose destination is not one of its GIDs). Every ringbell frame is RoCEv2 over IPv4; a
+/// completion of a connected QP reports 0.
+pub(crate) const ROCE_V2_IPV4_SL: u8 = 0x8 | 0x2;
+
+/// The `sl` of a completion: [`ROCE_V2_IPV4_SL`] for a datagram's receive, else 0.
+pub(crate) fn sl_of(w: &WorkCompletion) -> u8 {
+    if w.source.is_some() {
+        ROCE_V2_IPV4_SL
+    } else {
+        0
     }
 }
 

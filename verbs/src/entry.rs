@@ -96,7 +96,16 @@ pub unsafe extern "C" fn ibv_get_device_list(num: *mut c_int) -> *mut *mut abi::
     }
     let list = guard(std::ptr::null_mut(), || {
         let mut st = lock();
-        all.extend(st.nics.iter().map(|n| n.ibdev));
+        // This process's NICs: on a served fabric the one it claims (or `RINGBELL_NIC`), as
+        // the libfabric provider chooses (`ringbell::discover`).
+        let choice = st.plan.choice();
+        all.extend(
+            st.nics
+                .iter()
+                .enumerate()
+                .filter(|(i, _)| choice.includes(*i))
+                .map(|(_, n)| n.ibdev),
+        );
         let n = all.len();
         all.push(std::ptr::null_mut());
         let p = Box::into_raw(all.into_boxed_slice()) as *mut *mut abi::ibv_device;

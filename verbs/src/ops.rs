@@ -462,8 +462,8 @@ unsafe extern "C" fn read_wc_flags(cq: *mut abi::ibv_cq_ex) -> u32 {
 unsafe extern "C" fn read_slid(_cq: *mut abi::ibv_cq_ex) -> u32 {
     0
 }
-unsafe extern "C" fn read_sl(_cq: *mut abi::ibv_cq_ex) -> u8 {
-    0
+unsafe extern "C" fn read_sl(cq: *mut abi::ibv_cq_ex) -> u8 {
+    read(cq, |c| crate::cq::sl_of(&c.cur))
 }
 unsafe extern "C" fn read_dlid_path_bits(_cq: *mut abi::ibv_cq_ex) -> u8 {
     0

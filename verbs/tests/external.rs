@@ -1,9 +1,11 @@
 //! Suites other people wrote, run as installed against ringbell NICs through the library:
 //! rdma-core's own Python tests (pyverbs), perftest's eight programs (and the send tests
 //! over UD) and ibverbs-utils' pingpongs (RC, SRQ, UD) between two processes on one
-//! `ringbell-emu serve`, and `ibv_devinfo`.
+//! `ringbell-emu serve`, and `ibv_devinfo`; UCX (`ucx_perftest` over its `rc_verbs` and
+//! `ud_verbs` transports) and Open MPI with its UCX PML on the served NICs.
 //! `.ci/run` installs the Debian packages (rdma-core, python3-pyverbs, perftest,
-//! ibverbs-utils); a missing one fails the test with the package to install.
+//! ibverbs-utils, ucx-utils, openmpi-bin, libopenmpi-dev) and makes the device nodes UCX
+//! looks for; a missing one fails the test with what to install or make.
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
@@ -85,41 +87,53 @@ fn wait(mut child: Child, limit: Duration) -> Output {
     }
 }
 
-/// A running `ringbell-emu serve` with two NICs, stopped on drop.
+/// A running `ringbell-emu serve`, stopped on drop.
 struct Served {
     child: Child,
     dir: PathBuf,
+    /// More environment for the programs run on it.
+    env: Vec<(&'static str, String)>,
 }
 
 impl Served {
+    /// Two NICs.
     fn start(name: &str) -> Served {
+        Served::start_nodes(name, 2)
+    }
+
+    fn start_nodes(name: &str, nodes: usize) -> Served {
         let dir = std::env::temp_dir().join(format!("ringbell-ext-{name}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
         let child = Command::new(emulator())
             .args(["serve", "--socket"])
             .arg(&dir)
-            .args(["--nodes", "2"])
+            .args(["--nodes", &nodes.to_string()])
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
             .unwrap();
         let start = Instant::now();
-        while !(dir.join("nic0.sock").exists() && dir.join("nic1.sock").exists()) {
+        while !(0..nodes).all(|i| dir.join(format!("nic{i}.sock")).exists()) {
             assert!(
                 start.elapsed() < Duration::from_secs(20),
                 "serve did not start"
             );
             std::thread::sleep(Duration::from_millis(20));
         }
-        Served { child, dir }
+        Served {
+            child,
+            dir,
+            env: Vec::new(),
+        }
     }
 
     /// A command of a program that uses the served NICs through the library.
     fn command(&self, prog: &str) -> Command {
         let mut c = Command::new(prog);
         c.env("LD_PRELOAD", library())
-            .env("RINGBELL_SERVE", &self.dir);
+            .env("RINGBELL_SERVE", &self.dir)
+            .envs(self.env.iter().map(|(k, v)| (k, v)));
         c
     }
 
@@ -142,8 +156,11 @@ impl Served {
             let out = run(cmd, limit);
             let text = String::from_utf8_lossy(&out.stderr).to_string()
                 + &String::from_utf8_lossy(&out.stdout);
-            // The server may not listen yet: perftest and the pingpongs then say so.
-            let refused = text.contains("Couldn't connect") || text.contains("Unable to open");
+            // The server may not listen yet: perftest, the pingpongs and ucx_perftest then
+            // say so.
+            let refused = text.contains("Couldn't connect")
+                || text.contains("Unable to open")
+                || text.contains("Connection refused");
             if !refused || start.elapsed() > Duration::from_secs(20) {
                 break out;
             }
@@ -428,4 +445,115 @@ fn rdma_core_test_suite_passes_on_rb0() {
             "{file}: {passed} passed, {at_least} expected:\n{t}"
         );
     }
+}
+
+/// UCX uses a verbs device only when `/dev/infiniband/<its dev_name>` is a character device
+/// it may read and write, as the kernel's uverbs driver makes them: for ringbell NIC `i`,
+/// `uverbs-rb{i}`. UCX only checks the node (ringbell never opens it); the README says how
+/// to make them, and `.ci/run` does.
+fn ucx_device_nodes(nics: usize) {
+    use std::os::unix::fs::FileTypeExt;
+    for i in 0..nics {
+        let p = format!("/dev/infiniband/uverbs-rb{i}");
+        let ok = std::fs::metadata(&p).is_ok_and(|m| m.file_type().is_char_device());
+        assert!(
+            ok,
+            "{p} is missing: UCX uses a device only when its node exists; as root: \
+             mkdir -p /dev/infiniband && mknod {p} c 1 3 (.ci/run does)"
+        );
+    }
+}
+
+/// `ucx_perftest` between two processes on one server, over the transports `tls` (RC for
+/// the data, UD for UCX's own connection set-up, or UD alone): both ends finish the run
+/// and the client prints its final figures.
+fn ucx_perftest(test: &str, tls: &str, port: u16) {
+    need("ucx_perftest", "ucx-utils");
+    ucx_device_nodes(2);
+    let mut srv = Served::start(&format!("ucx-{test}-{port}"));
+    let p = port.to_string();
+    let args = ["-t", test, "-n", "1000", "-s", "4096", "-p", &p];
+    let client: Vec<&str> = args.iter().copied().chain(["127.0.0.1"]).collect();
+    // UCX may use only these transports, so the run goes through ringbell's NICs or not at
+    // all.
+    srv.env.push(("UCX_TLS", tls.to_string()));
+    let (s, c) = srv.pair("ucx_perftest", &args, &client);
+    for (side, o) in [("server", &s), ("client", &c)] {
+        assert!(
+            o.status.success(),
+            "ucx_perftest -t {test} ({tls}) {side} failed:\n{}",
+            text(o)
+        );
+    }
+    let out = text(&c);
+    let last = out.lines().find(|l| l.starts_with("Final:"));
+    assert!(
+        last.is_some(),
+        "ucx_perftest -t {test}: no final line:\n{out}"
+    );
+    println!(
+        "ucx_perftest -t {test} over {tls}: {}",
+        last.unwrap_or_default()
+    );
+}
+
+#[test]
+fn ucx_perftest_tag_latency_over_rc() {
+    ucx_perftest("tag_lat", "rc_verbs,ud_verbs", 18621);
+}
+
+#[test]
+fn ucx_perftest_tag_bandwidth_over_rc() {
+    ucx_perftest("tag_bw", "rc_verbs,ud_verbs", 18622);
+}
+
+#[test]
+fn ucx_perftest_put_and_get_over_rc() {
+    ucx_perftest("ucp_put_bw", "rc_verbs,ud_verbs", 18623);
+    ucx_perftest("ucp_get", "rc_verbs,ud_verbs", 18624);
+}
+
+#[test]
+fn ucx_perftest_tag_latency_over_ud() {
+    ucx_perftest("tag_lat", "ud_verbs", 18625);
+}
+
+/// Open MPI 4.1's UCX PML (`--mca pml ucx`, which Debian's configuration turns off by
+/// default) on four ranks, each claiming its own NIC of one server: the MPI programs of the
+/// libfabric provider's tests (`ofi/tests/mpi`), checking their own results.
+#[test]
+fn open_mpi_over_ucx_on_four_ranks() {
+    need("mpirun", "openmpi-bin");
+    need("mpicc", "libopenmpi-dev");
+    ucx_device_nodes(4);
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("../ofi/tests/mpi");
+    let out = std::env::temp_dir().join(format!("ringbell-ucx-mpi-{}", std::process::id()));
+    std::fs::create_dir_all(&out).unwrap();
+    let srv = Served::start_nodes("ucx-mpi", 4);
+    for prog in ["ring", "wildcard", "collectives", "large", "probe"] {
+        let mut cc = Command::new("mpicc");
+        cc.args(["-O1", "-Wall", "-Werror", "-o"])
+            .arg(out.join(prog))
+            .arg(src.join(format!("{prog}.c")));
+        let o = run(cc, Duration::from_secs(120));
+        assert!(o.status.success(), "mpicc {prog}.c:\n{}", text(&o));
+        let mut cmd = Command::new("mpirun");
+        cmd.args(["--allow-run-as-root", "--oversubscribe", "-np", "4"])
+            .args(["--mca", "pml", "ucx", "--mca", "osc", "^ucx"])
+            .args(["-x", "LD_PRELOAD", "-x", "RINGBELL_SERVE", "-x", "UCX_TLS"])
+            .arg(out.join(prog))
+            .env("LD_PRELOAD", library())
+            .env("RINGBELL_SERVE", &srv.dir)
+            // Ranks talk over ringbell's RC and UD or not at all (self: a rank to itself).
+            .env("UCX_TLS", "rc_verbs,ud_verbs,self")
+            .env_remove("RINGBELL_NIC");
+        let o = run(cmd, Duration::from_secs(300));
+        let t = text(&o);
+        assert!(o.status.success(), "{prog} over UCX failed:\n{t}");
+        let want = format!("{prog} ok: 4 ranks");
+        let line = t.lines().find(|l| l.starts_with(&want));
+        assert!(line.is_some(), "{prog}: no '{want}' line:\n{t}");
+        println!("{}", line.unwrap_or_default());
+    }
+    let _ = std::fs::remove_dir_all(&out);
 }

@@ -1,10 +1,27 @@
 /* Protection domains and memory regions: registering every kind of process memory (heap,
  * aligned heap, stack, anonymous mapping, static data) and moving data through each with
  * RDMA WRITE and READ; an MR whose iova differs from its address; bad access flags and
- * lengths; EBUSY, double deregistration and deallocation, NULL pointers; ibv_rereg_mr. */
+ * lengths; EBUSY, double deregistration and deallocation, NULL pointers; ibv_rereg_mr.
+ * The program interposes mremap as UCX's memory hooks do, losing the target address of
+ * MREMAP_FIXED: the library's own remapping of registered pages must not go through it. */
 #include "common.h"
+#include <dlfcn.h>
 #include <sys/mman.h>
 #include <sys/wait.h>
+
+/* Like UCX 1.13's memory hooks (ucm): an mremap that forwards four arguments, so a move to
+ * a fixed address goes wherever the kernel likes. Had the library moved a registered
+ * region's memory file over the program's pages through it, the program would keep its
+ * old pages while the NIC wrote the file: every check of data written into registered
+ * memory below would fail. */
+static int mremap_calls;
+void *mremap(void *old, size_t old_size, size_t new_size, int flags, ...)
+{
+	mremap_calls++;
+	void *(*real)(void *, size_t, size_t, int, ...) =
+		(void *(*)(void *, size_t, size_t, int, ...))dlsym(RTLD_NEXT, "mremap");
+	return real(old, old_size, new_size, flags & ~MREMAP_FIXED);
+}
 
 static struct side a, b;
 
@@ -172,6 +189,8 @@ int main(void)
 	CHECK_EQ(munmap(anon, 1 << 16), 0);
 
 	through("static", static_buf, sizeof(static_buf), 6);
+	/* None of those registrations went through the program's mremap. */
+	CHECK_EQ(mremap_calls, 0);
 
 	/* ---- an iova of its own ---- */
 	{

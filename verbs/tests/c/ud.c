@@ -141,7 +141,9 @@ static void received(struct ud *u, struct ibv_wc *wc, uint64_t id, uint32_t len,
 	CHECK_EQ(wc->src_qp, from_qpn);
 	CHECK(wc->wc_flags & IBV_WC_GRH);
 	CHECK_EQ(wc->slid, 0);
-	CHECK_EQ(wc->sl, 0);
+	/* Not a service level on RoCE: the frame type, as ConnectX reports it (bit 3 UDP,
+	 * L3 type 2 IPv4), which datagram receivers such as UCX's ud_verbs read. */
+	CHECK_EQ(wc->sl, 0xa);
 	CHECK_EQ(wc->pkey_index, 0);
 	CHECK_EQ(wc->dlid_path_bits, 0);
 }
@@ -551,7 +553,8 @@ static void builder(void)
 	CHECK(ibv_wc_read_wc_flags(bcq) & IBV_WC_GRH);
 	CHECK_EQ(ibv_wc_read_wc_flags(bcq) & IBV_WC_WITH_IMM, 0);
 	CHECK_EQ(ibv_wc_read_slid(bcq), 0);
-	CHECK_EQ(ibv_wc_read_sl(bcq), 0);
+	/* RoCE: the frame type in sl, as ConnectX reports it (UDP bit, L3 type IPv4). */
+	CHECK_EQ(ibv_wc_read_sl(bcq), 0xa);
 	CHECK_EQ(ibv_wc_read_dlid_path_bits(bcq), 0);
 	CHECK_MEM(b.buf + GRH, a.buf, 700);
 	check_grh(b.buf, &a.gid, &b.gid);
