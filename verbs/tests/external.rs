@@ -472,7 +472,10 @@ fn ucx_perftest(test: &str, tls: &str, port: u16) {
     ucx_device_nodes(2);
     let mut srv = Served::start(&format!("ucx-{test}-{port}"));
     let p = port.to_string();
-    let args = ["-t", test, "-n", "1000", "-s", "4096", "-p", &p];
+    // 4 KiB messages; an atomic's operand is 8 bytes.
+    let atomic = ["add", "swap"].iter().any(|a| test.contains(a));
+    let size = if atomic { "8" } else { "4096" };
+    let args = ["-t", test, "-n", "1000", "-s", size, "-p", &p];
     let client: Vec<&str> = args.iter().copied().chain(["127.0.0.1"]).collect();
     // UCX may use only these transports, so the run goes through ringbell's NICs or not at
     // all.
@@ -508,9 +511,10 @@ fn ucx_perftest_tag_bandwidth_over_rc() {
 }
 
 #[test]
-fn ucx_perftest_put_and_get_over_rc() {
+fn ucx_perftest_put_get_and_atomics_over_rc() {
     ucx_perftest("ucp_put_bw", "rc_verbs,ud_verbs", 18623);
     ucx_perftest("ucp_get", "rc_verbs,ud_verbs", 18624);
+    ucx_perftest("ucp_fadd", "rc_verbs,ud_verbs", 18626);
 }
 
 #[test]
