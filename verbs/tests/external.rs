@@ -2,7 +2,8 @@
 //! rdma-core's own Python tests (pyverbs), perftest's eight programs (and the send tests
 //! over UD) and ibverbs-utils' pingpongs (RC, SRQ, UD) between two processes on one
 //! `ringbell-emu serve`, and `ibv_devinfo`; UCX (`ucx_perftest` over its `rc_verbs` and
-//! `ud_verbs` transports) and Open MPI with its UCX PML on the served NICs.
+//! `ud_verbs` transports), Open MPI with its UCX PML and OpenSHMEM (OSHMEM's UCX SPML) on
+//! the served NICs.
 //! `.ci/run` installs the Debian packages (rdma-core, python3-pyverbs, perftest,
 //! ibverbs-utils, ucx-utils, openmpi-bin, libopenmpi-dev) and makes the device nodes UCX
 //! looks for; a missing one fails the test with what to install or make.
@@ -560,4 +561,43 @@ fn open_mpi_over_ucx_on_four_ranks() {
         println!("{}", line.unwrap_or_default());
     }
     let _ = std::fs::remove_dir_all(&out);
+}
+
+/// OpenSHMEM: Open MPI's OSHMEM with its UCX SPML on four PEs, each claiming its own NIC of
+/// one server (`tests/shmem/check.c`: puts, gets and atomics checked by every PE).
+/// `--mca memory ^patcher`: Debian's Open MPI 4.1.4 otherwise crashes in `shmem_finalize`
+/// (a memory-release hook of a component already closed), over TCP without ringbell too.
+#[test]
+fn openshmem_over_ucx_on_four_pes() {
+    need("oshrun", "openmpi-bin");
+    need("oshcc", "libopenmpi-dev");
+    ucx_device_nodes(4);
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/shmem/check.c");
+    let exe = std::env::temp_dir().join(format!("ringbell-shmem-{}", std::process::id()));
+    let mut cc = Command::new("oshcc");
+    cc.args(["-O1", "-Wall", "-Werror", "-o"])
+        .arg(&exe)
+        .arg(&src);
+    let o = run(cc, Duration::from_secs(120));
+    assert!(o.status.success(), "oshcc check.c:\n{}", text(&o));
+    let srv = Served::start_nodes("shmem", 4);
+    let mut cmd = Command::new("oshrun");
+    cmd.args(["--allow-run-as-root", "--oversubscribe", "-np", "4"])
+        .args([
+            "--mca", "spml", "ucx", "--mca", "pml", "ucx", "--mca", "osc", "^ucx",
+        ])
+        .args(["--mca", "memory", "^patcher"])
+        .args(["-x", "LD_PRELOAD", "-x", "RINGBELL_SERVE", "-x", "UCX_TLS"])
+        .arg(&exe)
+        .env("LD_PRELOAD", library())
+        .env("RINGBELL_SERVE", &srv.dir)
+        .env("UCX_TLS", "rc_verbs,ud_verbs,self")
+        .env_remove("RINGBELL_NIC");
+    let o = run(cmd, Duration::from_secs(300));
+    let t = text(&o);
+    let _ = std::fs::remove_file(&exe);
+    assert!(o.status.success(), "OpenSHMEM over UCX failed:\n{t}");
+    let line = t.lines().find(|l| l.starts_with("shmem ok: 4 PEs"));
+    assert!(line.is_some(), "no 'shmem ok: 4 PEs' line:\n{t}");
+    println!("{}", line.unwrap_or_default());
 }
