@@ -4,7 +4,8 @@
 //! same environment). The programs (`tests/mpi/*.c`) check their own results and exit
 //! non-zero with a message on a mismatch: a ring, wildcard receives, barriers and
 //! allreduces, large (rendezvous) messages, and probes (MPI_Probe, MPI_Iprobe, MPI_Mprobe,
-//! MPI_Improbe with MPI_Mrecv) with a cancelled receive.
+//! MPI_Improbe with MPI_Mrecv) with a cancelled receive. And NetPIPE (netpipe-openmpi),
+//! unmodified: its integrity check of every message size up to 1 MiB between two ranks.
 
 mod common;
 
@@ -115,4 +116,54 @@ fn open_mpi_on_two_ranks() {
 #[test]
 fn open_mpi_on_four_ranks() {
     run_all(4);
+}
+
+/// NetPIPE's integrity run (`NPopenmpi -i`) over the provider: every message size from 1 byte
+/// to 1 MiB (with perturbations) sent between two ranks and checked by the receiver.
+#[test]
+fn netpipe_integrity_over_the_provider() {
+    assert!(
+        Command::new("NPopenmpi").arg("-h").output().is_ok(),
+        "NPopenmpi is missing: install Debian's netpipe-openmpi (.ci/run does)"
+    );
+    let prov = common::provider_dir("netpipe");
+    let served = common::Served::start_nodes("netpipe", 2);
+    let dir = std::env::temp_dir().join(format!("ringbell-np-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let o = Command::new("timeout")
+        .args(["300", "mpirun", "--allow-run-as-root", "-np", "2"])
+        .args(["--mca", "pml", "cm", "--mca", "mtl", "ofi"])
+        .args(["--mca", "mtl_ofi_provider_include", "ringbell"])
+        .args(["--mca", "btl", "self"])
+        .args([
+            "-x",
+            "FI_PROVIDER_PATH",
+            "-x",
+            "RINGBELL_SERVE",
+            "-x",
+            "FI_PROVIDER",
+        ])
+        .args(["NPopenmpi", "-i", "-u", "1048576", "-o"])
+        .arg(dir.join("np.out"))
+        .current_dir(&dir)
+        .env("FI_PROVIDER_PATH", &prov)
+        .env("RINGBELL_SERVE", &served.dir)
+        .env("FI_PROVIDER", "ringbell")
+        .env_remove("RINGBELL_NIC")
+        .output()
+        .unwrap();
+    let out = text(&o);
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(o.status.success(), "NetPIPE failed ({}):\n{out}", o.status);
+    let sizes: Vec<&str> = out.lines().filter(|l| l.contains("-->")).collect();
+    let passed = sizes
+        .iter()
+        .filter(|l| l.ends_with("Integrity check passed"))
+        .count();
+    assert!(
+        sizes.len() >= 30 && passed == sizes.len(),
+        "NetPIPE: {passed} of {} sizes passed:\n{out}",
+        sizes.len()
+    );
+    println!("NetPIPE over the provider: {passed} sizes passed");
 }

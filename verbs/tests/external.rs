@@ -2,8 +2,8 @@
 //! rdma-core's own Python tests (pyverbs), perftest's eight programs (and the send tests
 //! over UD) and ibverbs-utils' pingpongs (RC, SRQ, UD) between two processes on one
 //! `ringbell-emu serve`, and `ibv_devinfo`; UCX (`ucx_perftest` over its `rc_verbs` and
-//! `ud_verbs` transports), Open MPI with its UCX PML and OpenSHMEM (OSHMEM's UCX SPML) on
-//! the served NICs.
+//! `ud_verbs` transports), Open MPI with its UCX PML (our MPI programs and NetPIPE's
+//! integrity check) and OpenSHMEM (OSHMEM's UCX SPML) on the served NICs.
 //! `.ci/run` installs the Debian packages (rdma-core, python3-pyverbs, perftest,
 //! ibverbs-utils, ucx-utils, openmpi-bin, libopenmpi-dev) and makes the device nodes UCX
 //! looks for; a missing one fails the test with what to install or make.
@@ -600,4 +600,49 @@ fn openshmem_over_ucx_on_four_pes() {
     let line = t.lines().find(|l| l.starts_with("shmem ok: 4 PEs"));
     assert!(line.is_some(), "no 'shmem ok: 4 PEs' line:\n{t}");
     println!("{}", line.unwrap_or_default());
+}
+
+/// What NetPIPE's integrity run (`NPopenmpi -i`) printed: every size it sent checked, at
+/// least `min` of them, none failed. Panics with the output otherwise.
+fn netpipe_checked(out: &str, min: usize) -> usize {
+    let sizes: Vec<&str> = out.lines().filter(|l| l.contains("-->")).collect();
+    let bad: Vec<&&str> = sizes
+        .iter()
+        .filter(|l| !l.ends_with("Integrity check passed"))
+        .collect();
+    assert!(
+        sizes.len() >= min && bad.is_empty(),
+        "NetPIPE: {} sizes, {} not passed:\n{out}",
+        sizes.len(),
+        bad.len()
+    );
+    sizes.len()
+}
+
+/// NetPIPE (Debian's netpipe-openmpi), unmodified: its integrity check of every message size
+/// from 1 byte to 1 MiB (with perturbations) between two ranks, over Open MPI's UCX PML.
+#[test]
+fn netpipe_integrity_over_ucx() {
+    need("NPopenmpi", "netpipe-openmpi");
+    need("mpirun", "openmpi-bin");
+    ucx_device_nodes(2);
+    let srv = Served::start("netpipe");
+    let dir = std::env::temp_dir().join(format!("ringbell-netpipe-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut cmd = Command::new("mpirun");
+    cmd.args(["--allow-run-as-root", "-np", "2"])
+        .args(["--mca", "pml", "ucx", "--mca", "osc", "^ucx"])
+        .args(["-x", "LD_PRELOAD", "-x", "RINGBELL_SERVE", "-x", "UCX_TLS"])
+        .args(["NPopenmpi", "-i", "-u", "1048576", "-o"])
+        .arg(dir.join("np.out"))
+        .current_dir(&dir)
+        .env("LD_PRELOAD", library())
+        .env("RINGBELL_SERVE", &srv.dir)
+        .env("UCX_TLS", "rc_verbs,ud_verbs,self")
+        .env_remove("RINGBELL_NIC");
+    let o = run(cmd, Duration::from_secs(300));
+    let t = text(&o);
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(o.status.success(), "NetPIPE over UCX failed:\n{t}");
+    println!("NetPIPE over UCX: {} sizes passed", netpipe_checked(&t, 30));
 }
