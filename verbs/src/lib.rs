@@ -16,6 +16,9 @@
 //! - with `RINGBELL_SERVE=DIR`, the NICs of a running `ringbell-emu serve --socket DIR`,
 //!   so that separate processes reach each other.
 //!
+//! It also answers `stat(2)` and `access(2)` for the device nodes of its NICs when they do
+//! not exist (`devnode`), as libraries such as UCX look for a device's node before using it.
+//!
 //! The C boundary lives in `entry` (exported functions) and `ops` (function tables):
 //! pointer checks and layout conversion; the verbs themselves are safe Rust over the driver.
 
@@ -24,6 +27,7 @@ pub mod abi;
 mod ah;
 mod cq;
 mod device;
+mod devnode;
 mod entry;
 mod events;
 mod ops;

@@ -5,8 +5,9 @@
 //! `ud_verbs` transports), Open MPI with its UCX PML (our MPI programs and NetPIPE's
 //! integrity check) and OpenSHMEM (OSHMEM's UCX SPML) on the served NICs.
 //! `.ci/run` installs the Debian packages (rdma-core, python3-pyverbs, perftest,
-//! ibverbs-utils, ucx-utils, openmpi-bin, libopenmpi-dev) and makes the device nodes UCX
-//! looks for; a missing one fails the test with what to install or make.
+//! ibverbs-utils, ucx-utils, openmpi-bin, libopenmpi-dev, netpipe-openmpi); a missing one
+//! fails the test with the package to install. No device node is needed: UCX's check for
+//! `/dev/infiniband/<dev_name>` is answered by the library when the node does not exist.
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
@@ -448,29 +449,11 @@ fn rdma_core_test_suite_passes_on_rb0() {
     }
 }
 
-/// UCX uses a verbs device only when `/dev/infiniband/<its dev_name>` is a character device
-/// it may read and write, as the kernel's uverbs driver makes them: for ringbell NIC `i`,
-/// `uverbs-rb{i}`. UCX only checks the node (ringbell never opens it); the README says how
-/// to make them, and `.ci/run` does.
-fn ucx_device_nodes(nics: usize) {
-    use std::os::unix::fs::FileTypeExt;
-    for i in 0..nics {
-        let p = format!("/dev/infiniband/uverbs-rb{i}");
-        let ok = std::fs::metadata(&p).is_ok_and(|m| m.file_type().is_char_device());
-        assert!(
-            ok,
-            "{p} is missing: UCX uses a device only when its node exists; as root: \
-             mkdir -p /dev/infiniband && mknod {p} c 1 3 (.ci/run does)"
-        );
-    }
-}
-
 /// `ucx_perftest` between two processes on one server, over the transports `tls` (RC for
 /// the data, UD for UCX's own connection set-up, or UD alone): both ends finish the run
 /// and the client prints its final figures.
 fn ucx_perftest(test: &str, tls: &str, port: u16) {
     need("ucx_perftest", "ucx-utils");
-    ucx_device_nodes(2);
     let mut srv = Served::start(&format!("ucx-{test}-{port}"));
     let p = port.to_string();
     // 4 KiB messages; an atomic's operand is 8 bytes.
@@ -530,7 +513,6 @@ fn ucx_perftest_tag_latency_over_ud() {
 fn open_mpi_over_ucx_on_four_ranks() {
     need("mpirun", "openmpi-bin");
     need("mpicc", "libopenmpi-dev");
-    ucx_device_nodes(4);
     let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("../ofi/tests/mpi");
     let out = std::env::temp_dir().join(format!("ringbell-ucx-mpi-{}", std::process::id()));
     std::fs::create_dir_all(&out).unwrap();
@@ -571,7 +553,6 @@ fn open_mpi_over_ucx_on_four_ranks() {
 fn openshmem_over_ucx_on_four_pes() {
     need("oshrun", "openmpi-bin");
     need("oshcc", "libopenmpi-dev");
-    ucx_device_nodes(4);
     let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/shmem/check.c");
     let exe = std::env::temp_dir().join(format!("ringbell-shmem-{}", std::process::id()));
     let mut cc = Command::new("oshcc");
@@ -625,7 +606,6 @@ fn netpipe_checked(out: &str, min: usize) -> usize {
 fn netpipe_integrity_over_ucx() {
     need("NPopenmpi", "netpipe-openmpi");
     need("mpirun", "openmpi-bin");
-    ucx_device_nodes(2);
     let srv = Served::start("netpipe");
     let dir = std::env::temp_dir().join(format!("ringbell-netpipe-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();

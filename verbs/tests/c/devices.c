@@ -1,7 +1,35 @@
 /* Devices: the device list, names, GUIDs, opening and closing, and every query verb on a
  * ringbell context (device, extended device, port, GID, GID table, P_Key), with bad
- * ports and indices. */
+ * ports and indices; the device nodes that libraries such as UCX look for. */
 #include "common.h"
+#include <sys/stat.h>
+#include <sys/sysmacros.h>
+
+/* /dev/infiniband/<dev_name>, as UCX checks it before using a device: a character device it
+ * may read and write, whether the node exists or the library answers for it. A name that is
+ * no ringbell NIC's keeps the system's answer. */
+static void check_device_node(struct ibv_device *dev)
+{
+	char path[256];
+	snprintf(path, sizeof(path), "/dev/infiniband/%s", dev->dev_name);
+	struct stat st;
+	if (stat(path, &st) != 0)
+		FAIL("stat(%s): %s", path, strerror(errno));
+	CHECK(S_ISCHR(st.st_mode));
+	CHECK_EQ(access(path, R_OK | W_OK), 0);
+	CHECK_EQ(access(path, F_OK), 0);
+	struct stat none;
+	if (stat("/dev/infiniband/uverbs-rb999", &none) == 0)
+		FAIL("a node of no ringbell NIC exists");
+	CHECK_EQ(errno, ENOENT);
+	CHECK_EQ(access("/dev/infiniband/uverbs-rb999", F_OK), -1);
+	CHECK_EQ(errno, ENOENT);
+	/* Other paths are the system's. */
+	CHECK_EQ(stat("/", &none), 0);
+	CHECK(S_ISDIR(none.st_mode));
+	printf("  %s: a character device (%u:%u), readable and writable\n", path,
+	       major(st.st_rdev), minor(st.st_rdev));
+}
 
 static void check_gid(const union ibv_gid *g, uint8_t last)
 {
@@ -215,6 +243,8 @@ int main(void)
 	CHECK(ibv_get_device_index(list[rb0]) >= 0);
 	CHECK(ibv_get_device_index(list[rb0]) != ibv_get_device_index(list[rb1]));
 	CHECK(list[rb0]->transport_type == IBV_TRANSPORT_IB);
+	check_device_node(list[rb0]);
+	check_device_node(list[rb1]);
 
 	/* A second list names the same devices (device pointers live as long as the process). */
 	int n2 = 0;
