@@ -142,7 +142,7 @@ impl<E> EventQueue<E> {
     }
 
     /// Schedules `ev` at `at`; a time in the past is clamped to now.
-    #[inline]
+    #[inline(always)]
     pub fn push(&mut self, at: SimTime, ev: E) {
         let at = at.max(self.now).ps().max(self.last);
         let slot = match self.free.pop() {
