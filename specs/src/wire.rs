@@ -484,6 +484,7 @@ pub struct BthRepr {
 impl BthRepr {
     /// Parses the first [`BTH_LEN`] bytes of `b`. Any bit pattern is a valid BTH here; the
     /// TVer and opcode checks belong to [`parse_packet`].
+    #[inline]
     pub fn parse(b: &[u8]) -> Result<BthRepr, WireError> {
         if b.len() < BTH_LEN {
             return Err(WireError::Truncated);
@@ -535,6 +536,7 @@ pub struct Reth {
 
 impl Reth {
     /// Parses the first [`RETH_LEN`] bytes of `b`.
+    #[inline]
     pub fn parse(b: &[u8]) -> Result<Reth, WireError> {
         if b.len() < RETH_LEN {
             return Err(WireError::Truncated);
@@ -681,6 +683,7 @@ pub enum AethSyndrome {
 impl AethSyndrome {
     /// Decodes a syndrome byte. Bit 7 set or type 10 is [`WireError::BadSyndrome`]; reserved
     /// NAK codes 0x65..=0x7F decode as [`NakCode::RemoteOperationalError`].
+    #[inline]
     pub fn from_u8(v: u8) -> Result<AethSyndrome, WireError> {
         let value = v & 0x1F;
         match v >> 5 {
@@ -712,6 +715,7 @@ pub struct Aeth {
 
 impl Aeth {
     /// Parses the first [`AETH_LEN`] bytes of `b`.
+    #[inline]
     pub fn parse(b: &[u8]) -> Result<Aeth, WireError> {
         if b.len() < AETH_LEN {
             return Err(WireError::Truncated);
@@ -921,11 +925,15 @@ impl PacketRepr {
                 off += IMMDT_LEN;
             }
         }
-        out.reserve(frame_len);
+        // Room for the longest pad, so that the append of the pad below never reallocates.
+        out.reserve(frame_len.saturating_add(3));
         out.extend_from_slice(&h[..off]);
-        // Payload, then pad and room for the ICRC in one append.
         out.extend_from_slice(payload);
-        out.extend_from_slice(&[0u8; 3 + ICRC_LEN][..usize::from(pad) + ICRC_LEN]);
+        // Pad, then room for the ICRC: an append of a fixed length cut back to the one
+        // wanted is a store or two, where one of a length known only here is a call.
+        let end = out.len() + usize::from(pad) + ICRC_LEN;
+        out.extend_from_slice(&[0u8; 3 + ICRC_LEN]);
+        out.truncate(end);
     }
 }
 
