@@ -12,15 +12,63 @@ struct Entry {
     slot: u32,
 }
 
-/// Bits per digit of the radix heap: times are compared 4 bits at a time.
-const DIGIT: u32 = 4;
-/// Digits in a 64-bit time.
-const LEVELS: usize = 64 / DIGIT as usize;
-/// Values of one digit.
-const RADIX: usize = 1 << DIGIT;
-/// Buckets of the radix heap: bucket `RADIX * l + v` holds the times whose highest digit
-/// differing from the base is digit `l` (bits `4l..4l+4`), with value `v` there.
-const BUCKETS: usize = LEVELS * RADIX;
+/// Width of the low digits of the radix heap, and how many there are: times are compared 4
+/// bits at a time up to 65 ns.
+const NARROW: u32 = 4;
+const NARROW_LEVELS: usize = 4;
+/// Width of the digits above them. The events pending are mostly those of the next
+/// microsecond or so: with 4-bit digits throughout, the times of about half of them crossed
+/// a boundary of the digit above 65 ns (every 1.05 µs) and had to be moved once more after
+/// they were pushed; with that digit 7 bits wide (a boundary every 8.4 µs), few do (8-bit
+/// digits everywhere were tried before, and were no gain: every time then has 256 buckets
+/// per level to spread over).
+const WIDE: u32 = 7;
+/// Digits in a 64-bit time (the last one narrower).
+const LEVELS: usize =
+    NARROW_LEVELS + (64 - NARROW_LEVELS * NARROW as usize).div_ceil(WIDE as usize);
+/// Each digit, lowest first: its lowest bit and its width.
+const DIGITS: [(u32, u32); LEVELS] = {
+    let mut d = [(0, 0); LEVELS];
+    let (mut l, mut shift) = (0, 0);
+    while l < LEVELS {
+        let w = if l < NARROW_LEVELS { NARROW } else { WIDE };
+        let w = if shift + w > 64 { 64 - shift } else { w };
+        d[l] = (shift, w);
+        shift += w;
+        l += 1;
+    }
+    d
+};
+/// The first bucket of each level: level `l` has a bucket for each value of its digit.
+const FIRST: [usize; LEVELS + 1] = {
+    let mut f = [0; LEVELS + 1];
+    let mut l = 0;
+    while l < LEVELS {
+        f[l + 1] = f[l] + (1 << DIGITS[l].1);
+        l += 1;
+    }
+    f
+};
+/// Buckets of the radix heap: bucket `FIRST[l] + v` holds the times whose highest digit
+/// differing from the base is digit `l`, with value `v` there.
+const BUCKETS: usize = FIRST[LEVELS];
+/// For each bit of a time: the digit it belongs to, as its first bucket (low 16 bits), its
+/// shift (next 8) and its mask (top 8), so that a time's bucket is one lookup by its highest
+/// bit differing from the base.
+const BY_BIT: [u32; 64] = {
+    let mut t = [0u32; 64];
+    let mut l = 0;
+    while l < LEVELS {
+        let (shift, width) = DIGITS[l];
+        let mut bit = shift;
+        while bit < shift + width {
+            t[bit as usize] = FIRST[l] as u32 | shift << 16 | ((1 << width) - 1) << 24;
+            bit += 1;
+        }
+        l += 1;
+    }
+    t
+};
 /// Words of the bitmap of non-empty buckets.
 const WORDS: usize = BUCKETS.div_ceil(64);
 /// The most events a bucket may hold to become the run by sorting (more are spread over the
@@ -31,11 +79,12 @@ const RUN_MAX: usize = 32;
 
 /// A queue of events ordered by (time, sequence number).
 ///
-/// A monotone radix heap over picosecond times, with 4-bit digits, whose lowest part is one
-/// sorted run. No event is ever scheduled before the last one taken out (times in the past
-/// are clamped to now), so events can be kept in buckets by the highest digit in which
-/// their time differs from that base, and by their value of that digit. Bucket order is
-/// time order: every time in a bucket is below every time in a later one.
+/// A monotone radix heap over picosecond times, with 4-bit digits up to 65 ns and 7-bit
+/// ones above, whose lowest part is one sorted run. No event is ever scheduled before the
+/// last one taken out (times in the past are clamped to now), so events can be kept in
+/// buckets by the highest digit in which their time differs from that base, and by their
+/// value of that digit. Bucket order is time order: every time in a bucket is below every
+/// time in a later one.
 ///
 /// The events being taken out are the run: those of one block of times, the aligned block
 /// of `2^run_shift` picoseconds around the base, sorted. When the run is used up, the
@@ -128,9 +177,9 @@ impl<E> EventQueue<E> {
     /// The bucket of time `at`, which lies outside the run's block (so above the base).
     fn bucket_of(&self, at: u64) -> usize {
         let diff = at ^ self.last;
-        let level = (63 - (diff | 1).leading_zeros()) / DIGIT;
-        let digit = (at >> (level * DIGIT)) as usize & (RADIX - 1);
-        level as usize * RADIX + digit
+        let d = BY_BIT[(63 - (diff | 1).leading_zeros()) as usize];
+        let digit = (at >> ((d >> 16) & 63)) as u32 & (d >> 24);
+        (d & 0xFFFF) as usize + digit as usize
     }
 
     fn place(&mut self, e: Entry) {
@@ -222,7 +271,8 @@ impl<E> EventQueue<E> {
             // level around the earliest of them.
             std::mem::swap(&mut self.run, bucket);
             sort_by_time(&mut self.run);
-            self.run_shift = (b / RADIX) as u32 * DIGIT;
+            let level = FIRST.partition_point(|&f| f <= b) - 1;
+            self.run_shift = DIGITS.get(level).map_or(0, |d| d.0);
             self.last = self.run.first().map_or(self.last, |e| e.at);
             return true;
         }
