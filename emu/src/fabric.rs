@@ -202,12 +202,11 @@ struct NodeEnv<'a> {
     w: &'a mut World,
     iommu: &'a Iommu,
     interrupts: &'a mut u64,
-    /// Functional mode is in force.
-    functional: bool,
     /// The nodes before and after this one (functional mode reaches the peer through them).
     before: &'a mut [Node],
     after: &'a mut [Node],
-    /// While a functional message is delivered: the requester's IOMMU.
+    /// While a functional message is delivered: the requester's IOMMU (and functional
+    /// mode is then not in force for the receiving node, which sends nothing on).
     src_iommu: Option<&'a Iommu>,
 }
 
@@ -220,6 +219,17 @@ fn recycle_into(pool: &mut Vec<Vec<u8>>, mut buf: Vec<u8>) {
 }
 
 impl NodeEnv<'_> {
+    /// Whether functional mode is in force: looked up when the model asks (about once per
+    /// message) rather than for every event.
+    fn functional_mode(&self) -> bool {
+        let w = &*self.w;
+        self.src_iommu.is_none()
+            && w.cfg.functional
+            && w.faults.inactive()
+            && w.capture.is_none()
+            && w.timeline.is_none()
+    }
+
     /// Records the flight of `frame` (sent by this node, last bit out at `at`) towards `dst`,
     /// arriving at `arrival`, with fate `status` (see [`Stage::Flight`]).
     fn trace_flight(
@@ -389,10 +399,10 @@ impl Env for NodeEnv<'_> {
         }
     }
     fn functional(&self) -> bool {
-        self.functional
+        self.functional_mode()
     }
     fn fm_deliver(&mut self, msg: &FmMsg<'_>) -> Option<u64> {
-        if !self.functional {
+        if !self.functional_mode() {
             return None;
         }
         let dst = self.w.macs.node(&msg.dst_mac)?;
@@ -417,7 +427,6 @@ impl Env for NodeEnv<'_> {
             w: &mut *self.w,
             iommu,
             interrupts,
-            functional: false,
             before: &mut [],
             after: &mut [],
             src_iommu: Some(self.iommu),
@@ -441,8 +450,6 @@ impl Env for NodeEnv<'_> {
 impl Inner {
     fn with_env<R>(&mut self, node: usize, f: impl FnOnce(&mut Nic, &mut NodeEnv<'_>) -> R) -> R {
         let w = &mut self.w;
-        let functional =
-            w.cfg.functional && w.faults.inactive() && w.capture.is_none() && w.timeline.is_none();
         let (before, rest) = self.nodes.split_at_mut(node);
         let Some((
             Node {
@@ -461,7 +468,6 @@ impl Inner {
             w,
             iommu,
             interrupts,
-            functional,
             before,
             after,
             src_iommu: None,
