@@ -69,6 +69,21 @@ const BY_BIT: [u32; 64] = {
     }
     t
 };
+/// For each bucket: the lowest bit of its digit. Its times share every bit from there up, so
+/// when it becomes the run, the run's block is `2^shift` picoseconds wide.
+const SHIFT_OF: [u8; BUCKETS] = {
+    let mut t = [0u8; BUCKETS];
+    let mut l = 0;
+    while l < LEVELS {
+        let mut b = FIRST[l];
+        while b < FIRST[l + 1] {
+            t[b] = DIGITS[l].0 as u8;
+            b += 1;
+        }
+        l += 1;
+    }
+    t
+};
 /// Words of the bitmap of non-empty buckets.
 const WORDS: usize = BUCKETS.div_ceil(64);
 /// The most events a bucket may hold to become the run by sorting (more are spread over the
@@ -271,8 +286,7 @@ impl<E> EventQueue<E> {
             // level around the earliest of them.
             std::mem::swap(&mut self.run, bucket);
             sort_by_time(&mut self.run);
-            let level = FIRST.partition_point(|&f| f <= b) - 1;
-            self.run_shift = DIGITS.get(level).map_or(0, |d| d.0);
+            self.run_shift = SHIFT_OF.get(b).map_or(0, |&s| u32::from(s));
             self.last = self.run.first().map_or(self.last, |e| e.at);
             return true;
         }
