@@ -303,7 +303,9 @@ impl PerfPair {
 
     /// Streams `count` `size`-byte messages of `op` (WRITE, SEND or READ) from A to B with up to
     /// `depth` outstanding, every 16th signaled; returns payload bandwidth in bits per
-    /// second of simulated time.
+    /// second of simulated time. Never inlined, so that a profiler can be told to count
+    /// just this call (`--toggle-collect='*PerfPair*bandwidth*'`) in a whole-program build.
+    #[inline(never)]
     pub fn bandwidth(
         &mut self,
         op: PerfOp,
