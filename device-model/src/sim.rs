@@ -166,7 +166,8 @@ impl<E> Default for EventQueue<E> {
 }
 
 /// Sorts `v` by time, keeping the order of equal times: an insertion sort, since a bucket
-/// becomes the run only when it is short, and its events were mostly pushed in time order.
+/// becomes the run only when it is short (in a small WRITE's traffic, six events or so, each
+/// one landing about two places from where it was pushed).
 fn sort_by_time(v: &mut [Entry]) {
     for i in 1..v.len() {
         let e = v[i];
