@@ -114,6 +114,7 @@ impl Nic {
                 }
             }
             CmdOpcode::RegMr => self.reg_mr(params(input)?),
+            CmdOpcode::ReregMr => self.rereg_mr(params(input)?),
             CmdOpcode::DeregMr => {
                 let key = params::<ObjectIn>(input)?.num.get();
                 let idx = key_index(key);
@@ -285,20 +286,8 @@ impl Nic {
     }
 
     fn reg_mr(&mut self, p: RegMrIn) -> Outcome {
-        let access = Access::from_bits(p.access.get()).ok_or(CmdStatus::BadParam)?;
-        if access.intersects(Access::REMOTE_WRITE | Access::REMOTE_ATOMIC)
-            && !access.contains(Access::LOCAL_WRITE)
-        {
-            return Err(CmdStatus::BadParam);
-        }
-        let (va, len, iova) = (p.va.get(), p.length.get(), p.iova.get());
-        if len == 0
-            || len > (1 << 40)
-            || va.checked_add(len).is_none()
-            || iova.checked_add(len).is_none()
-        {
-            return Err(CmdStatus::BadSize);
-        }
+        let access = mr_access(p.access.get())?;
+        let (va, len, iova) = mr_range(p.va.get(), p.length.get(), p.iova.get())?;
         let pdn = p.pdn.get();
         if self.pds.get(pdn).is_none() {
             return Err(CmdStatus::BadResource);
@@ -328,6 +317,51 @@ impl Nic {
             lkey: key.into(),
             rkey: key.into(),
         })
+    }
+
+    /// REREG_MR: every check first, then every change, so a refused command changes
+    /// nothing. The keys stay the region's.
+    fn rereg_mr(&mut self, p: ReregMrIn) -> Outcome {
+        let (key, flags) = (p.key.get(), p.flags.get());
+        let mr = match self.mrs.get(key_index(key)) {
+            Some(mr) if mr.key == key => mr,
+            _ => return Err(CmdStatus::BadResource),
+        };
+        let all = REREG_TRANSLATION | REREG_PD | REREG_ACCESS;
+        if flags == 0 || flags & !all != 0 {
+            return Err(CmdStatus::BadParam);
+        }
+        let access = if flags & REREG_ACCESS != 0 {
+            mr_access(p.access.get())?
+        } else {
+            mr.access
+        };
+        let (va, len, iova) = if flags & REREG_TRANSLATION != 0 {
+            mr_range(p.va.get(), p.length.get(), p.iova.get())?
+        } else {
+            (mr.va, mr.len, mr.iova)
+        };
+        let (old_pdn, pdn) = (
+            mr.pdn,
+            if flags & REREG_PD != 0 {
+                p.pdn.get()
+            } else {
+                mr.pdn
+            },
+        );
+        if self.pds.get(pdn).is_none() {
+            return Err(CmdStatus::BadResource);
+        }
+        if pdn != old_pdn {
+            self.pd_ref(pdn)?;
+            self.pd_unref(old_pdn);
+        }
+        if let Some(mr) = self.mrs.get_mut(key_index(key)) {
+            mr.pdn = pdn;
+            mr.access = access;
+            (mr.va, mr.len, mr.iova) = (va, len, iova);
+        }
+        Ok(Vec::new())
     }
 
     fn create_cq(&mut self, p: CreateCqIn) -> Outcome {
@@ -535,4 +569,28 @@ impl Nic {
         let _ = self.pd_ref(pdn);
         obj(n)
     }
+}
+
+/// A region's access bits as REG_MR and REREG_MR check them: known bits only, and remote
+/// write or atomic access only with local write.
+fn mr_access(bits: u32) -> Result<Access, CmdStatus> {
+    let access = Access::from_bits(bits).ok_or(CmdStatus::BadParam)?;
+    if access.intersects(Access::REMOTE_WRITE | Access::REMOTE_ATOMIC)
+        && !access.contains(Access::LOCAL_WRITE)
+    {
+        return Err(CmdStatus::BadParam);
+    }
+    Ok(access)
+}
+
+/// A region's range as REG_MR and REREG_MR check it: 1 byte to 1 TiB, neither end past 2^64.
+fn mr_range(va: u64, len: u64, iova: u64) -> Result<(u64, u64, u64), CmdStatus> {
+    if len == 0
+        || len > (1 << 40)
+        || va.checked_add(len).is_none()
+        || iova.checked_add(len).is_none()
+    {
+        return Err(CmdStatus::BadSize);
+    }
+    Ok((va, len, iova))
 }

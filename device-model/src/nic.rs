@@ -323,6 +323,7 @@ impl Nic {
             | Caps::TRIGGERED
             | Caps::BLUEFLAME
             | Caps::UD
+            | Caps::REREG_MR
     }
 
     /// A 32-bit register read. Never fails: unknown offsets read 0 and are counted.

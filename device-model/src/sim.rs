@@ -84,6 +84,8 @@ const SHIFT_OF: [u8; BUCKETS] = {
     }
     t
 };
+/// Events every bucket has room for when the queue is made.
+const BUCKET_ROOM: usize = 8;
 /// Words of the bitmap of non-empty buckets.
 const WORDS: usize = BUCKETS.div_ceil(64);
 /// The most events a bucket may hold to become the run by sorting (more are spread over the
@@ -151,10 +153,13 @@ impl<E> std::fmt::Debug for EventQueue<E> {
 impl<E> Default for EventQueue<E> {
     fn default() -> Self {
         EventQueue {
-            run: Vec::new(),
             head: 0,
             run_shift: 0,
-            buckets: Box::new(std::array::from_fn(|_| Vec::new())),
+            // Room for a few events in every bucket from the start: which buckets a run
+            // uses moves with the absolute time (a digit's value), so without it a bucket
+            // first reached late in a run would allocate then, on the event path.
+            buckets: Box::new(std::array::from_fn(|_| Vec::with_capacity(BUCKET_ROOM))),
+            run: Vec::with_capacity(RUN_MAX + 1),
             occupied: [0; WORDS],
             last: 0,
             len: 0,
@@ -285,7 +290,10 @@ impl<E> EventQueue<E> {
         if bucket.len() <= RUN_MAX {
             // Its times share every digit from its level up: they are the block of that
             // level around the earliest of them.
-            std::mem::swap(&mut self.run, bucket);
+            // Copied, not swapped: each vector keeps the capacity its use has grown, so a
+            // run of the steady state allocates nothing.
+            self.run.extend_from_slice(bucket);
+            bucket.clear();
             sort_by_time(&mut self.run);
             self.run_shift = SHIFT_OF.get(b).map_or(0, |&s| u32::from(s));
             self.last = self.run.first().map_or(self.last, |e| e.at);

@@ -289,6 +289,9 @@ impl CompletionQueue {
         } else {
             let qps = self.inner().qps.borrow();
             let q = qps.get(&qpn)?;
+            if q.before_reset(c.timestamp.get()) {
+                return None;
+            }
             if opcode.is_recv() {
                 q.complete_recv(counter)?
             } else {

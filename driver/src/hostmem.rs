@@ -135,6 +135,8 @@ pub(crate) struct AdoptedPages {
     dev: Device,
     /// The first page of the region (inside the mapping that covers it, merges included).
     page: usize,
+    /// The caller's bytes `[start, end)` the pages were adopted for.
+    range: (usize, usize),
 }
 
 impl Drop for AdoptedPages {
@@ -223,6 +225,63 @@ impl ProtectionDomain {
     }
 }
 
+impl MemoryRegion {
+    /// `ibv_rereg_mr` of a region of this process's memory: [`MemoryRegion::rereg_raw`]
+    /// with `pd`, `access` and, for `range` `(addr, len, mr_addr)`, the pages of
+    /// `[addr, addr + len)` adopted first, as [`ProtectionDomain::reg_user_mr`] adopts them
+    /// (with its errors, and nothing changed). A region that becomes writable has its
+    /// pages checked for writing again. The pages the region leaves are given back after
+    /// the device has taken the change.
+    ///
+    /// # Safety
+    ///
+    /// As [`ProtectionDomain::reg_user_mr`], for the new range.
+    pub unsafe fn rereg_user(
+        &mut self,
+        pd: Option<&ProtectionDomain>,
+        range: Option<(*mut u8, usize, u64)>,
+        access: Option<Access>,
+    ) -> Result<(), Error> {
+        let writes = |a: Access| {
+            a.intersects(Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::REMOTE_ATOMIC)
+        };
+        let write = writes(access.unwrap_or(self.access()));
+        let (pages, r) = match range {
+            Some((addr, len, mr_addr)) => {
+                if len == 0 {
+                    return Err(Error::InvalidArgument("memory region of length 0"));
+                }
+                let start = addr as usize;
+                let end = start
+                    .checked_add(len)
+                    .ok_or(Error::InvalidArgument("address + length wraps"))?;
+                if mr_addr.checked_add(len as u64).is_none() {
+                    return Err(Error::InvalidArgument(
+                        "region address + length wraps 64 bits",
+                    ));
+                }
+                let pages = adopt(&self.dev, start, end, write)?;
+                (Some(pages), Some((mr_addr, len as u64, iova(start))))
+            }
+            // The same pages, now for writing: checked (and held) again.
+            None if write && !writes(self.access()) => match &self.host {
+                Some(h) => (Some(adopt(&self.dev, h.range.0, h.range.1, true)?), None),
+                None => (None, None),
+            },
+            None => (None, None),
+        };
+        self.rereg_raw(&crate::mr::Rereg {
+            pd,
+            access,
+            range: r,
+        })?;
+        if let Some(p) = pages {
+            self.host = Some(p);
+        }
+        Ok(())
+    }
+}
+
 /// An EFAULT-class error for the registration of `[start, end)`.
 fn bad(start: usize, end: usize, reason: String) -> Error {
     Error::BadAddress {
@@ -277,6 +336,7 @@ fn adopt(dev: &Device, start: usize, end: usize, write: bool) -> Result<AdoptedP
             return Ok(AdoptedPages {
                 dev: dev.clone(),
                 page: a,
+                range: (start, end),
             });
         }
     }
@@ -344,6 +404,7 @@ fn adopt(dev: &Device, start: usize, end: usize, write: bool) -> Result<AdoptedP
     Ok(AdoptedPages {
         dev: dev.clone(),
         page: a,
+        range: (start, end),
     })
 }
 

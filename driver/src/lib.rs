@@ -44,7 +44,7 @@ pub use device::{AsyncEvent, Device, DeviceCaps, DmaBuffer};
 pub use dma::DmaMemory;
 pub use error::Error;
 pub use hostmem::{is_mapped, HOST_IOVA_OFFSET};
-pub use mr::{MemoryRegion, ProtectionDomain, Sge};
+pub use mr::{MemoryRegion, ProtectionDomain, Rereg, Sge};
 pub use port::{Port, PortError};
 pub use qp::{
     ConnectOptions, Endpoint, QpInit, QpType, QueuePair, RecvWr, RemoteAddr, SendFlags, SendWr,

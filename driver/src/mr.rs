@@ -2,7 +2,9 @@
 
 use crate::device::{Device, DmaBuffer};
 use crate::error::Error;
-use ringbell_specs::cmd::{Access, CmdOpcode, RegMrIn, RegMrOut};
+use ringbell_specs::cmd::{
+    Access, CmdOpcode, RegMrIn, RegMrOut, ReregMrIn, REREG_ACCESS, REREG_PD, REREG_TRANSLATION,
+};
 use std::rc::Rc;
 use zerocopy::{FromBytes, IntoBytes};
 
@@ -106,8 +108,20 @@ impl ProtectionDomain {
             rkey: o.rkey.get(),
             addr: va,
             len,
+            access,
         })
     }
+}
+
+/// What a re-registration changes ([`MemoryRegion::rereg_raw`]); `None` keeps it.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Rereg<'a> {
+    /// The PD the region moves to.
+    pub pd: Option<&'a ProtectionDomain>,
+    /// The access it grants from now on.
+    pub access: Option<Access>,
+    /// Its new `(address, length, iova)`.
+    pub range: Option<(u64, u64, u64)>,
 }
 
 /// A registered memory region.
@@ -115,12 +129,13 @@ impl ProtectionDomain {
 pub struct MemoryRegion {
     /// Counters bound to the MR live at least as long as it (dropped after DEREG_MR).
     cntrs: std::cell::RefCell<Vec<Rc<crate::counter::CntrObject>>>,
-    dev: Device,
+    pub(crate) dev: Device,
     _pd: Rc<PdObject>,
     lkey: u32,
     rkey: u32,
     addr: u64,
     len: u64,
+    access: Access,
     /// Adopted caller memory the region lies in ([`ProtectionDomain::reg_user_mr`]): given
     /// back (and unmapped from the device if it was the last user) after DEREG_MR.
     pub(crate) host: Option<crate::hostmem::AdoptedPages>,
@@ -142,6 +157,58 @@ impl MemoryRegion {
     /// Length in bytes.
     pub fn len(&self) -> u64 {
         self.len
+    }
+    /// The access it grants.
+    pub fn access(&self) -> Access {
+        self.access
+    }
+    /// The number of its PD.
+    pub fn pdn(&self) -> u32 {
+        self._pd.pdn
+    }
+
+    /// Changes the region in place (REREG_MR, ABI 1.6), as `ibv_rereg_mr` does: what `r`
+    /// names, keeping the keys, so work posted later with them uses the new values. Nothing
+    /// changes when the device refuses (a status error, `BAD_PARAM` when `r` names nothing);
+    /// a PD of another device is [`Error::InvalidArgument`], and a device without the
+    /// command answers `BAD_OPCODE`. Like [`ProtectionDomain::reg_mr_raw`], it checks nothing
+    /// about what the new range maps: [`MemoryRegion::rereg_user`] does, for the process's
+    /// memory.
+    pub fn rereg_raw(&mut self, r: &Rereg<'_>) -> Result<(), Error> {
+        if r.pd.is_some_and(|pd| !pd.dev.same_as(&self.dev)) {
+            return Err(Error::InvalidArgument("the PD is another device's"));
+        }
+        let mut input = ReregMrIn {
+            key: self.lkey.into(),
+            ..Default::default()
+        };
+        let mut flags = 0;
+        if let Some(pd) = r.pd {
+            flags |= REREG_PD;
+            input.pdn = pd.pdn.into();
+        }
+        if let Some(a) = r.access {
+            flags |= REREG_ACCESS;
+            input.access = a.bits().into();
+        }
+        if let Some((va, len, iova)) = r.range {
+            flags |= REREG_TRANSLATION;
+            (input.va, input.length, input.iova) = (va.into(), len.into(), iova.into());
+        }
+        input.flags = flags.into();
+        self.dev
+            .inner
+            .command(CmdOpcode::ReregMr, input.as_bytes())?;
+        if let Some(pd) = r.pd {
+            self._pd = pd.obj.clone();
+        }
+        if let Some(a) = r.access {
+            self.access = a;
+        }
+        if let Some((va, len, _)) = r.range {
+            (self.addr, self.len) = (va, len);
+        }
+        Ok(())
     }
     /// Whether the region is empty (never).
     pub fn is_empty(&self) -> bool {

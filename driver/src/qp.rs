@@ -254,9 +254,22 @@ pub(crate) struct QpRings {
     rq_wrid: Box<[Cell<u64>]>,
     rq_ci: Cell<u32>,
     rq_pi: Cell<u32>,
+    /// The device clock when the QP was last reset (0: never): a completion of it written
+    /// no later is the earlier incarnation's ([`QpRings::before_reset`]).
+    reset_ps: Cell<u64>,
 }
 
 impl QpRings {
+    /// Whether a completion of this QP stamped `timestamp_ps` was written before its last
+    /// reset. Such completions are dropped when polled, as rdma-core's providers clean a QP's
+    /// completions from its CQs when it is reset (mlx5's `mlx5_cq_clean`): the ring indices
+    /// start again at 0, and an old completion would otherwise complete a new request. The
+    /// device voids completions still on their way at the reset, so every old one was
+    /// written by then and every new one after (each takes commands and a post).
+    pub(crate) fn before_reset(&self, timestamp_ps: u64) -> bool {
+        let reset = self.reset_ps.get();
+        reset != 0 && timestamp_ps <= reset
+    }
     /// A send CQE for the WQE at `counter`: its wr_id, and everything up to and including it
     /// is free again (unsignaled WQEs complete implicitly). `None` for a counter outside the
     /// posted window (a completion of an earlier incarnation of the QP): it is skipped.
@@ -716,6 +729,7 @@ impl ProtectionDomain {
             rq_wrid: cells(1 << rq_log),
             rq_ci: Cell::new(0),
             rq_pi: Cell::new(0),
+            reset_ps: Cell::new(0),
         });
         self.dev.inner.qps.borrow_mut().insert(qpn, rings.clone());
         Ok(QueuePair {
@@ -818,6 +832,11 @@ impl QueuePair {
                 self.rings.rq_ci.set(0);
                 self.rings.sq_pi.set(0);
                 self.rings.rq_pi.set(0);
+                // Completions written before now are the old incarnation's (on a device
+                // that stamps them; without stamps nothing tells them apart).
+                if self.dev.caps().caps.contains(regs::Caps::CQE_TIMESTAMP) {
+                    self.rings.reset_ps.set(self.dev.clock_ps());
+                }
             }
         }
         Ok(())
@@ -1234,6 +1253,7 @@ mod tests {
             rq_wrid: (0..8).map(|_| Cell::new(0)).collect(),
             rq_ci: Cell::new(0),
             rq_pi: Cell::new(0),
+            reset_ps: Cell::new(0),
         }
     }
 

@@ -56,6 +56,8 @@ pub enum CmdOpcode {
     RegMr = 0x20,
     /// Deregister a memory region.
     DeregMr = 0x21,
+    /// Change a memory region's translation, PD or access, keeping its keys. ABI 1.6.
+    ReregMr = 0x22,
     /// Create a completion queue.
     CreateCq = 0x30,
     /// Query a completion queue.
@@ -114,6 +116,7 @@ impl CmdOpcode {
             0x11 => FreePd,
             0x20 => RegMr,
             0x21 => DeregMr,
+            0x22 => ReregMr,
             0x30 => CreateCq,
             0x31 => QueryCq,
             0x32 => DestroyCq,
@@ -228,6 +231,18 @@ abi_struct!(
     /// REG_MR output.
     RegMrOut, 8, { lkey: U32, rkey: U32 }
 );
+abi_struct!(
+    /// REREG_MR input (ABI 1.6): the region's key, what changes ([`REREG_TRANSLATION`],
+    /// [`REREG_PD`], [`REREG_ACCESS`]) and the new values; fields of what does not change are
+    /// ignored.
+    ReregMrIn, 40, { key: U32, flags: U32, pdn: U32, access: U32, va: U64, length: U64, iova: U64 }
+);
+/// REREG_MR flag: `va`, `length` and `iova` replace the region's.
+pub const REREG_TRANSLATION: u32 = 1 << 0;
+/// REREG_MR flag: the region moves to PD `pdn`.
+pub const REREG_PD: u32 = 1 << 1;
+/// REREG_MR flag: `access` replaces the region's.
+pub const REREG_ACCESS: u32 = 1 << 2;
 abi_struct!(
     /// CREATE_CQ input. The ring holds `1 << log_size` 64-byte CQEs; the doorbell record is
     /// 8 bytes: consumer index (u32) then arm sequence (u32).
@@ -607,6 +622,12 @@ mod tests {
         assert_eq!(CmdOpcode::from_u16(0x45), Some(CmdOpcode::QueryQpUdStats));
         assert_eq!(CmdOpcode::QueryQpUdStats as u16, 0x45);
         assert_eq!(CmdOpcode::from_u16(0x46), None);
+        // ABI 1.6: REREG_MR, after DEREG_MR.
+        assert_eq!(CmdOpcode::from_u16(0x22), Some(CmdOpcode::ReregMr));
+        assert_eq!(CmdOpcode::from_u16(0x23), None);
+        assert_eq!(offset_of!(ReregMrIn, va), 0x10);
+        assert_eq!(offset_of!(ReregMrIn, iova), 0x20);
+        assert_eq!((REREG_TRANSLATION, REREG_PD, REREG_ACCESS), (1, 2, 4));
         assert_eq!(
             crate::stats::UdStats::SIZE,
             48,

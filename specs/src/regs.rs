@@ -209,6 +209,8 @@ bitflags! {
         const BLUEFLAME = 1 << 8;
         /// Unreliable datagram QPs, DETH on the wire and the UD CQE fields (ABI 1.5).
         const UD = 1 << 9;
+        /// REREG_MR: a memory region's translation, PD or access changed in place (ABI 1.6).
+        const REREG_MR = 1 << 10;
     }
 }
 
@@ -270,8 +272,9 @@ mod tests {
     #[test]
     fn capability_bits() {
         assert_eq!(Caps::UD.bits(), 1 << 9);
-        // Bits 0..9 are defined (ABI 1.5); 31:10 are reserved.
-        assert_eq!(Caps::all().bits(), 0x3FF);
-        assert_eq!(Caps::from_bits(1 << 10), None);
+        assert_eq!(Caps::REREG_MR.bits(), 1 << 10);
+        // Bits 0..10 are defined (ABI 1.6); 31:11 are reserved.
+        assert_eq!(Caps::all().bits(), 0x7FF);
+        assert_eq!(Caps::from_bits(1 << 11), None);
     }
 }

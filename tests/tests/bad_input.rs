@@ -601,6 +601,58 @@ fn malformed_commands_get_status_codes() {
             ..
         })
     ));
+    // REREG_MR: every refusal leaves the region as it was; a key no MR has is BAD_RESOURCE.
+    let mut mr =
+        p.a.pd
+            .reg_mr_raw(0x1000, 64, 0x1000, Access::LOCAL_WRITE)
+            .unwrap();
+    let refused = |r: Result<(), Error>| match r {
+        Err(Error::Command { status, .. }) => Some(status),
+        _ => None,
+    };
+    assert_eq!(
+        refused(mr.rereg_raw(&Rereg::default())),
+        Some(CmdStatus::BadParam),
+        "nothing to change"
+    );
+    let remote_only = Rereg {
+        access: Some(Access::REMOTE_WRITE),
+        ..Default::default()
+    };
+    assert_eq!(
+        refused(mr.rereg_raw(&remote_only)),
+        Some(CmdStatus::BadParam)
+    );
+    let empty = Rereg {
+        range: Some((0x2000, 0, 0x2000)),
+        ..Default::default()
+    };
+    assert_eq!(refused(mr.rereg_raw(&empty)), Some(CmdStatus::BadSize));
+    let wraps = Rereg {
+        range: Some((u64::MAX - 8, 64, 0x2000)),
+        ..Default::default()
+    };
+    assert_eq!(refused(mr.rereg_raw(&wraps)), Some(CmdStatus::BadSize));
+    let foreign = Rereg {
+        pd: Some(&p.b.pd),
+        ..Default::default()
+    };
+    assert!(matches!(
+        mr.rereg_raw(&foreign),
+        Err(Error::InvalidArgument(_))
+    ));
+    assert_eq!(
+        (mr.addr(), mr.len(), mr.access(), mr.pdn()),
+        (0x1000, 64, Access::LOCAL_WRITE, p.a.pd.pdn())
+    );
+    let mut rereg_in = [0u8; 40];
+    rereg_in[..4].copy_from_slice(&(mr.lkey() ^ 0xFF).to_le_bytes());
+    rereg_in[4..8].copy_from_slice(&4u32.to_le_bytes());
+    assert_eq!(
+        status(dev.raw_command(0x22, &rereg_in)),
+        Some(CmdStatus::BadResource as u8)
+    );
+    drop(mr);
     // Illegal QP transition: RTS -> INIT.
     let attr = ringbell_specs::cmd::QpAttr {
         state: QpState::Init as u8,
@@ -757,6 +809,122 @@ fn reset_with_completions_in_flight_then_reuse() {
     let wc = wait(&p.fabric, &mut p.a.cq, 1);
     assert_eq!((wc[0].wr_id, wc[0].status), (50, WcStatus::Success));
     assert_eq!(wait(&p.fabric, &mut p.b.cq, 1)[0].byte_len, 5);
+}
+
+#[test]
+fn completions_left_in_the_cq_at_reset_do_not_complete_new_requests() {
+    // As rdma-core's providers clean a reset QP's completions from its CQs: flush completions
+    // still unpolled in the CQ when the QP is reset (its ring indices start again at 0) are
+    // never reported, and the first request after the reset completes as itself.
+    let mut p = pair();
+    let wrs: Vec<SendWr> = (0..8)
+        .map(|i| SendWr::inline(i, WrOp::Send, b"early"))
+        .collect();
+    p.a.qp.post_send(&wrs).unwrap();
+    p.a.qp.to_error().unwrap();
+    // Every flush completion lands in the CQ; none is polled.
+    for _ in 0..20_000 {
+        p.fabric.step();
+    }
+    let attr = ringbell_specs::cmd::QpAttr {
+        state: QpState::Reset as u8,
+        ..Default::default()
+    };
+    p.a.qp
+        .modify(ringbell_specs::cmd::QpAttrMask::STATE, &attr)
+        .unwrap();
+    let eb = p.b.qp.endpoint(9000);
+    p.a.qp
+        .connect(&eb, 100, &ConnectOptions::default())
+        .unwrap();
+    let rs = [p.b.mr.sge(0, 64)];
+    p.b.qp.post_recv(&[RecvWr { wr_id: 1, sgl: &rs }]).unwrap();
+    // Index 0 again: an old completion of index 0 would report this request as flushed.
+    p.a.qp
+        .post_send(&[SendWr::inline(50, WrOp::Send, b"again")])
+        .unwrap();
+    let wc = wait(&p.fabric, &mut p.a.cq, 1);
+    assert_eq!(
+        (wc[0].wr_id, wc[0].status),
+        (50, WcStatus::Success),
+        "{wc:?}"
+    );
+    assert!(drain(&p.fabric, &mut p.a.cq).is_empty());
+    assert_eq!(wait(&p.fabric, &mut p.b.cq, 1)[0].byte_len, 5);
+}
+
+#[test]
+fn a_reregistered_region_moves_keeps_its_key_and_counts_on_its_new_pd() {
+    // REREG_MR (ABI 1.6): a WRITE with the region's unchanged key lands at its new range; the
+    // region follows its new PD (the old one may be freed), and without remote write access
+    // the same WRITE is a remote access error that leaves memory untouched.
+    let mut p = pair();
+    let mut mr = p.b.pd.reg_mr(&p.b.buf, all()).unwrap();
+    let base = p.b.buf.iova();
+    let rkey = mr.rkey();
+    let moved = Rereg {
+        range: Some((0x5_0000_0000, 4096, base + 65536)),
+        ..Default::default()
+    };
+    mr.rereg_raw(&moved).unwrap();
+    assert_eq!(
+        (mr.rkey(), mr.addr(), mr.len()),
+        (rkey, 0x5_0000_0000, 4096)
+    );
+    p.a.buf.write(0, b"moved region").unwrap();
+    let write = |p: &mut Pair, id: u64| {
+        p.a.qp
+            .post_send(&[SendWr::new(
+                id,
+                WrOp::Write(RemoteAddr {
+                    addr: 0x5_0000_0000 + 100,
+                    rkey,
+                }),
+                &[p.a.mr.sge(0, 12)],
+            )])
+            .unwrap();
+        wait(&p.fabric, &mut p.a.cq, 1)[0].status
+    };
+    assert_eq!(write(&mut p, 1), WcStatus::Success);
+    let mut got = [0u8; 12];
+    p.b.buf.read(65536 + 100, &mut got).unwrap();
+    assert_eq!(&got, b"moved region");
+    // Another PD of B's device and back.
+    let other = p.b.dev.alloc_pd().unwrap();
+    let to_other = Rereg {
+        pd: Some(&other),
+        ..Default::default()
+    };
+    mr.rereg_raw(&to_other).unwrap();
+    assert_eq!(mr.pdn(), other.pdn());
+    // The device counts the region on its new PD: freeing that PD is BUSY now.
+    let free_other = p.b.dev.raw_command(0x11, &other.pdn().to_le_bytes());
+    assert!(
+        matches!(
+            free_other,
+            Err(Error::Command {
+                status: CmdStatus::Busy,
+                ..
+            })
+        ),
+        "{free_other:?}"
+    );
+    let back = Rereg {
+        pd: Some(&p.b.pd),
+        ..Default::default()
+    };
+    mr.rereg_raw(&back).unwrap();
+    drop(other);
+    // Read-only for peers: the WRITE is refused and memory stays as it was.
+    let read_only = Rereg {
+        access: Some(Access::REMOTE_READ),
+        ..Default::default()
+    };
+    mr.rereg_raw(&read_only).unwrap();
+    p.a.buf.write(0, b"not allowed!").unwrap();
+    assert_eq!(write(&mut p, 2), WcStatus::RemAccessErr);
+    p.b.buf.read(65536 + 100, &mut got).unwrap();
+    assert_eq!(&got, b"moved region");
 }
 
 #[test]

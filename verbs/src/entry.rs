@@ -671,8 +671,7 @@ pub unsafe extern "C" fn ibv_dereg_mr(mr: *mut abi::ibv_mr) -> c_int {
     }
 }
 
-/// `ibv_rereg_mr`: a ringbell MR keeps its registration; a device without rereg answers
-/// EOPNOTSUPP, and the program deregisters and registers again.
+/// `ibv_rereg_mr`: a ringbell MR changes in place and keeps its keys (see `pd::rereg`).
 #[no_mangle]
 pub unsafe extern "C" fn ibv_rereg_mr(
     mr: *mut abi::ibv_mr,
@@ -682,13 +681,12 @@ pub unsafe extern "C" fn ibv_rereg_mr(
     len: usize,
     access: c_int,
 ) -> c_int {
-    const ERR_INPUT: c_int = -1;
-    const ERR_CMD: c_int = -4;
+    const ERR_INPUT: c_int = abi::ibv_rereg_mr_err_code_IBV_REREG_MR_ERR_INPUT;
     match owner(mr as usize) {
-        Owner::Ours(Kind::Mr) => {
-            set_errno(libc::EOPNOTSUPP);
-            ERR_CMD
-        }
+        Owner::Ours(Kind::Mr) => with(mr as *mut RbMr, Kind::Mr, ERR_INPUT, |st, m| {
+            // SAFETY: the caller's arguments, as libibverbs takes them.
+            unsafe { crate::pd::rereg(st, m, flags, pd, addr as *mut u8, len, access) }
+        }),
         Owner::Foreign => forward!(
             "ibv_rereg_mr",
             fn(*mut abi::ibv_mr, c_int, *mut abi::ibv_pd, *mut c_void, usize, c_int) -> c_int,

@@ -117,6 +117,86 @@ pub(crate) unsafe fn reg(
     Ok(p as *mut abi::ibv_mr)
 }
 
+/// `ibv_rereg_mr` on a ringbell MR: libibverbs' own checks of the arguments first
+/// (`IBV_REREG_MR_ERR_INPUT`), then the kernel's and the device's (`IBV_REREG_MR_ERR_CMD`):
+/// no change asked for, a PD that is not a live PD of the MR's context, bad access bits,
+/// pages that cannot be registered; `errno` says which. On success the MR keeps its keys and
+/// `mr` shows the new PD, address and length; on failure nothing changed.
+///
+/// # Safety
+/// `pd` is NULL or a pointer the program got from libibverbs; with
+/// `IBV_REREG_MR_CHANGE_TRANSLATION` the program owns `[addr, addr + len)`, as for
+/// `ibv_reg_mr`.
+pub(crate) unsafe fn rereg(
+    st: &mut State,
+    mr: &mut RbMr,
+    flags: i32,
+    pd: *mut abi::ibv_pd,
+    addr: *mut u8,
+    len: usize,
+    access: i32,
+) -> i32 {
+    const ERR_INPUT: i32 = abi::ibv_rereg_mr_err_code_IBV_REREG_MR_ERR_INPUT;
+    const ERR_CMD: i32 = abi::ibv_rereg_mr_err_code_IBV_REREG_MR_ERR_CMD;
+    let fail = |code: i32, e: i32| {
+        crate::set_errno(e);
+        code
+    };
+    let translation = flags & abi::ibv_rereg_mr_flags_IBV_REREG_MR_CHANGE_TRANSLATION as i32 != 0;
+    let change_pd = flags & abi::ibv_rereg_mr_flags_IBV_REREG_MR_CHANGE_PD as i32 != 0;
+    let change_access = flags & abi::ibv_rereg_mr_flags_IBV_REREG_MR_CHANGE_ACCESS as i32 != 0;
+    if flags & !(abi::ibv_rereg_mr_flags_IBV_REREG_MR_FLAGS_SUPPORTED as i32) != 0
+        || (translation && (len == 0 || addr.is_null()))
+        || (access != 0 && !change_access)
+    {
+        return fail(ERR_INPUT, libc::EINVAL);
+    }
+    if flags == 0 {
+        return fail(ERR_CMD, libc::EINVAL);
+    }
+    let new_pd = if change_pd {
+        // A live ringbell PD of the same context.
+        if st.owner(pd as usize) != crate::state::Owner::Ours(Kind::Pd) {
+            return fail(ERR_CMD, libc::EINVAL);
+        }
+        // SAFETY: the registry says `pd` is a live PD, allocated as an `RbPd`; the lock is
+        // held.
+        let p = unsafe { &mut *(pd as *mut RbPd) };
+        if p.pd.context != mr.mr.context {
+            return fail(ERR_CMD, libc::EINVAL);
+        }
+        Some(p)
+    } else {
+        None
+    };
+    let acc = if change_access {
+        match mr_access(access as u32) {
+            Ok(a) => Some(a),
+            Err(e) => return fail(ERR_CMD, e),
+        }
+    } else {
+        None
+    };
+    let range = translation.then_some((addr, len, addr as u64));
+    let drv_pd = new_pd.as_ref().map(|p| &p.drv);
+    // SAFETY: the caller's promise for the new range, passed on.
+    if let Err(e) = unsafe { mr.drv.rereg_user(drv_pd, range, acc) } {
+        return fail(ERR_CMD, crate::errno_of(&e));
+    }
+    if let Some(p) = new_pd {
+        // SAFETY: an MR's PD outlives it (deallocating a PD with MRs is refused).
+        unsafe { (*mr.pd).children -= 1 };
+        p.children += 1;
+        mr.pd = p;
+        mr.mr.pd = &mut p.pd;
+    }
+    if translation {
+        mr.mr.addr = addr as *mut _;
+        mr.mr.length = len;
+    }
+    0
+}
+
 /// `ibv_dereg_mr`.
 pub(crate) fn dereg(st: &mut State, mr: &mut RbMr) -> i32 {
     st.remove(mr as *mut RbMr as usize);

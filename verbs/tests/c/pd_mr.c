@@ -323,12 +323,38 @@ int main(void)
 		struct ibv_mr *mr = ibv_reg_mr(pd, small, sizeof(small), IBV_ACCESS_LOCAL_WRITE);
 		CHECK(mr != NULL);
 		CHECK_RET(ibv_dealloc_pd(pd), EBUSY);
-		/* ibv_rereg_mr: not supported; the MR stays registered and usable. */
+		/* ibv_rereg_mr: libibverbs' checks of its arguments (ERR_INPUT), then the
+		 * kernel's and the device's (ERR_CMD), errno EINVAL; the MR is unchanged. */
+		uint32_t lkey = mr->lkey, rkey = mr->rkey;
 		errno = 0;
-		int r = ibv_rereg_mr(mr, IBV_REREG_MR_CHANGE_ACCESS, NULL, NULL, 0,
-				     IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_READ);
-		CHECK(r < 0);
-		CHECK_EQ(errno, EOPNOTSUPP);
+		CHECK_EQ(ibv_rereg_mr(mr, 1 << 3, NULL, NULL, 0, 0), IBV_REREG_MR_ERR_INPUT);
+		CHECK_EQ(errno, EINVAL);
+		CHECK_EQ(ibv_rereg_mr(mr, IBV_REREG_MR_CHANGE_TRANSLATION, NULL, NULL, 64, 0),
+			 IBV_REREG_MR_ERR_INPUT);
+		CHECK_EQ(ibv_rereg_mr(mr, IBV_REREG_MR_CHANGE_TRANSLATION, NULL, small, 0, 0),
+			 IBV_REREG_MR_ERR_INPUT);
+		CHECK_EQ(ibv_rereg_mr(mr, IBV_REREG_MR_CHANGE_PD, pd, NULL, 0,
+				      IBV_ACCESS_LOCAL_WRITE),
+			 IBV_REREG_MR_ERR_INPUT);
+		errno = 0;
+		CHECK_EQ(ibv_rereg_mr(mr, 0, NULL, NULL, 0, 0), IBV_REREG_MR_ERR_CMD);
+		CHECK_EQ(errno, EINVAL);
+		errno = 0;
+		CHECK_EQ(ibv_rereg_mr(mr, IBV_REREG_MR_CHANGE_PD, NULL, NULL, 0, 0),
+			 IBV_REREG_MR_ERR_CMD);
+		CHECK_EQ(errno, EINVAL);
+		errno = 0;
+		CHECK_EQ(ibv_rereg_mr(mr, IBV_REREG_MR_CHANGE_ACCESS, NULL, NULL, 0,
+				      IBV_ACCESS_REMOTE_WRITE),
+			 IBV_REREG_MR_ERR_CMD);
+		CHECK_EQ(errno, EINVAL);
+		CHECK(mr->pd == pd && mr->addr == small && mr->length == sizeof(small));
+		/* A change that is allowed: the keys stay. */
+		CHECK_EQ(ibv_rereg_mr(mr, IBV_REREG_MR_CHANGE_ACCESS, NULL, NULL, 0,
+				      IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_READ),
+			 0);
+		CHECK_EQ(mr->lkey, lkey);
+		CHECK_EQ(mr->rkey, rkey);
 		CHECK_RET(ibv_dereg_mr(mr), 0);
 		CHECK_RET(ibv_dereg_mr(mr), EINVAL);
 		CHECK_RET(ibv_dealloc_pd(pd), 0);
@@ -338,6 +364,49 @@ int main(void)
 				 EINVAL);
 		/* A PD with a QP is busy too. */
 		CHECK_RET(ibv_dealloc_pd(a.pd), EBUSY);
+	}
+
+	/* ---- ibv_rereg_mr moves a region: new buffer, other PD and back ---- */
+	{
+		uint8_t *x = malloc(4096), *y = malloc(8192);
+		CHECK(x != NULL && y != NULL);
+		memset(x, 0x5a, 4096);
+		memset(y, 0, 8192);
+		struct ibv_mr *mr = ibv_reg_mr(b.pd, x, 4096, ACC_ALL);
+		CHECK(mr != NULL);
+		uint32_t rkey = mr->rkey;
+		CHECK_EQ(ibv_rereg_mr(mr, IBV_REREG_MR_CHANGE_TRANSLATION, NULL, y, 8192, 0), 0);
+		CHECK(mr->addr == y);
+		CHECK_EQ(mr->length, 8192);
+		CHECK_EQ(mr->rkey, rkey);
+		/* A WRITE with the same key lands in the new buffer, past the old length. */
+		fill(a.buf, 256, 31);
+		rdma(IBV_WR_RDMA_WRITE, 0, (uintptr_t)y + 6000, mr->rkey, 256);
+		CHECK_MEM(y + 6000, a.buf, 256);
+		static uint8_t untouched[4096];
+		memset(untouched, 0x5a, sizeof(untouched));
+		CHECK_MEM(x, untouched, 4096);
+		/* To another PD and back: the MR follows, the old PD may go. */
+		struct ibv_pd *other = ibv_alloc_pd(b.ctx);
+		CHECK(other != NULL);
+		CHECK_EQ(ibv_rereg_mr(mr, IBV_REREG_MR_CHANGE_PD, other, NULL, 0, 0), 0);
+		CHECK(mr->pd == other);
+		CHECK_RET(ibv_dealloc_pd(other), EBUSY);
+		CHECK_EQ(ibv_rereg_mr(mr, IBV_REREG_MR_CHANGE_PD, b.pd, NULL, 0, 0), 0);
+		CHECK(mr->pd == b.pd);
+		CHECK_RET(ibv_dealloc_pd(other), 0);
+		/* Read-only, then writable again (the pages are checked for writing again). */
+		CHECK_EQ(ibv_rereg_mr(mr, IBV_REREG_MR_CHANGE_ACCESS, NULL, NULL, 0,
+				      IBV_ACCESS_REMOTE_READ),
+			 0);
+		CHECK_EQ(ibv_rereg_mr(mr, IBV_REREG_MR_CHANGE_ACCESS, NULL, NULL, 0, ACC_ALL), 0);
+		fill(a.buf, 64, 32);
+		rdma(IBV_WR_RDMA_WRITE, 0, (uintptr_t)y, mr->rkey, 64);
+		CHECK_MEM(y, a.buf, 64);
+		CHECK_RET(ibv_dereg_mr(mr), 0);
+		free(x);
+		free(y);
+		printf("  ibv_rereg_mr: translation, PD and access changed, keys kept\n");
 	}
 
 	/* ---- NULL pointers ---- */
