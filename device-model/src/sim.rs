@@ -365,6 +365,48 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
 
+    /// Runs `ops` on a queue and on a sorted list of (time, push order, event): `None` pops
+    /// (checked against the list's first), `Some(dt)` pushes an event `dt` ps after the time
+    /// of the last one popped; the lengths agree after every step, and the queue gives out
+    /// what is left in the list's order.
+    fn against_sorted_list(
+        ops: impl IntoIterator<Item = Option<u64>>,
+    ) -> Result<(), TestCaseError> {
+        let mut q = EventQueue::new();
+        let mut model: Vec<(u64, u64, usize)> = Vec::new();
+        let (mut seq, mut now) = (0u64, 0u64);
+        for (i, op) in ops.into_iter().enumerate() {
+            match op {
+                None => {
+                    model.sort();
+                    let want = if model.is_empty() {
+                        None
+                    } else {
+                        Some(model.remove(0))
+                    };
+                    let got = q.pop();
+                    prop_assert_eq!(got.map(|(t, e)| (t.ps(), e)), want.map(|(t, _, e)| (t, e)));
+                    if let Some((t, _, _)) = want {
+                        now = t;
+                    }
+                }
+                Some(dt) => {
+                    let at = now + dt;
+                    q.push(SimTime(at), i);
+                    model.push((at, seq, i));
+                    seq += 1;
+                }
+            }
+            prop_assert_eq!(q.len(), model.len());
+        }
+        model.sort();
+        for (t, _, e) in model {
+            prop_assert_eq!(q.pop().map(|(t, e)| (t.ps(), e)), Some((t, e)));
+        }
+        prop_assert!(q.pop().is_none());
+        Ok(())
+    }
+
     proptest! {
         #[test]
         fn pops_in_time_then_insertion_order(times in proptest::collection::vec(0u64..50, 0..200)) {
@@ -428,57 +470,16 @@ mod tests {
         ) {
             // Many events a few hundred ps apart, three pushes to a pop: buckets too full to
             // sort, which are spread, and runs that grow past RUN_MAX and are narrowed.
-            let mut q = EventQueue::new();
-            let mut model: Vec<(u64, u64, usize)> = Vec::new();
-            let (mut seq, mut now) = (0u64, 0u64);
-            for (i, (dt, kind)) in ops.into_iter().enumerate() {
-                if kind == 0 {
-                    model.sort();
-                    let want = if model.is_empty() { None } else { Some(model.remove(0)) };
-                    let got = q.pop();
-                    prop_assert_eq!(got.map(|(t, e)| (t.ps(), e)), want.map(|(t, _, e)| (t, e)));
-                    if let Some((t, _, _)) = want {
-                        now = t;
-                    }
-                } else {
-                    // Every fourth push at the current instant, the rest just ahead.
-                    let at = if dt % 4 == 0 { now } else { now + dt };
-                    q.push(SimTime(at), i);
-                    model.push((at, seq, i));
-                    seq += 1;
-                }
-                prop_assert_eq!(q.len(), model.len());
-            }
-            model.sort();
-            for (t, _, e) in model {
-                prop_assert_eq!(q.pop().map(|(t, e)| (t.ps(), e)), Some((t, e)));
-            }
-            prop_assert!(q.pop().is_none());
+            // Every fourth push is at the current instant, the rest just ahead.
+            against_sorted_list(ops.into_iter().map(|(dt, kind)| {
+                (kind != 0).then_some(if dt % 4 == 0 { 0 } else { dt })
+            }))?;
         }
 
         #[test]
         fn interleaved_pushes_and_pops_keep_the_order(ops in proptest::collection::vec((0u64..40, any::<bool>()), 0..300)) {
-            // Against a sorted list: slots are reused while events are pending.
-            let mut q = EventQueue::new();
-            let mut model: Vec<(u64, u64, usize)> = Vec::new();
-            let (mut seq, mut now) = (0u64, 0u64);
-            for (i, (dt, pop)) in ops.into_iter().enumerate() {
-                if pop {
-                    model.sort();
-                    let want = if model.is_empty() { None } else { Some(model.remove(0)) };
-                    let got = q.pop();
-                    prop_assert_eq!(got.map(|(t, e)| (t.ps(), e)), want.map(|(t, _, e)| (t, e)));
-                    if let Some((t, _, _)) = want {
-                        now = t;
-                    }
-                } else {
-                    let at = now + dt;
-                    q.push(SimTime(at), i);
-                    model.push((at, seq, i));
-                    seq += 1;
-                }
-                prop_assert_eq!(q.len(), model.len());
-            }
+            // Slots are reused while events are pending.
+            against_sorted_list(ops.into_iter().map(|(dt, pop)| (!pop).then_some(dt)))?;
         }
     }
 }

@@ -204,18 +204,7 @@ impl ProtectionDomain {
         mr_addr: u64,
         access: Access,
     ) -> Result<MemoryRegion, Error> {
-        if len == 0 {
-            return Err(Error::InvalidArgument("memory region of length 0"));
-        }
-        let start = addr as usize;
-        let end = start
-            .checked_add(len)
-            .ok_or(Error::InvalidArgument("address + length wraps"))?;
-        if mr_addr.checked_add(len as u64).is_none() {
-            return Err(Error::InvalidArgument(
-                "region address + length wraps 64 bits",
-            ));
-        }
+        let (start, end) = user_range(addr, len, mr_addr)?;
         let write =
             access.intersects(Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::REMOTE_ATOMIC);
         let pages = adopt(&self.dev, start, end, write)?;
@@ -248,18 +237,7 @@ impl MemoryRegion {
         let write = writes(access.unwrap_or(self.access()));
         let (pages, r) = match range {
             Some((addr, len, mr_addr)) => {
-                if len == 0 {
-                    return Err(Error::InvalidArgument("memory region of length 0"));
-                }
-                let start = addr as usize;
-                let end = start
-                    .checked_add(len)
-                    .ok_or(Error::InvalidArgument("address + length wraps"))?;
-                if mr_addr.checked_add(len as u64).is_none() {
-                    return Err(Error::InvalidArgument(
-                        "region address + length wraps 64 bits",
-                    ));
-                }
+                let (start, end) = user_range(addr, len, mr_addr)?;
                 let pages = adopt(&self.dev, start, end, write)?;
                 (Some(pages), Some((mr_addr, len as u64, iova(start))))
             }
@@ -280,6 +258,24 @@ impl MemoryRegion {
         }
         Ok(())
     }
+}
+
+/// The bytes `[start, end)` of a registration of `len` bytes at `addr` with region address
+/// `mr_addr`, or why there are none: a length of 0, or a range that wraps.
+fn user_range(addr: *mut u8, len: usize, mr_addr: u64) -> Result<(usize, usize), Error> {
+    if len == 0 {
+        return Err(Error::InvalidArgument("memory region of length 0"));
+    }
+    let start = addr as usize;
+    let end = start
+        .checked_add(len)
+        .ok_or(Error::InvalidArgument("address + length wraps"))?;
+    if mr_addr.checked_add(len as u64).is_none() {
+        return Err(Error::InvalidArgument(
+            "region address + length wraps 64 bits",
+        ));
+    }
+    Ok((start, end))
 }
 
 /// An EFAULT-class error for the registration of `[start, end)`.

@@ -48,34 +48,29 @@ fn compile() -> PathBuf {
     out
 }
 
+/// `mpirun` (under a 300 s `timeout`) of `ranks` ranks over the provider on the served
+/// fabric `served`, in directory `dir`; the caller adds the program and its arguments.
+fn launcher(prov: &Path, served: &Path, ranks: usize, dir: &Path) -> Command {
+    let mut cmd = Command::new("timeout");
+    cmd.args(["300", "mpirun", "--allow-run-as-root", "--oversubscribe"])
+        .args(["-np", &ranks.to_string()])
+        .args(["--mca", "pml", "cm", "--mca", "mtl", "ofi"])
+        .args(["--mca", "mtl_ofi_provider_include", "ringbell"])
+        .args(["--mca", "btl", "self", "--mca", "mtl_ofi_verbose", "1"])
+        .args(["-x", "FI_PROVIDER_PATH", "-x", "RINGBELL_SERVE"])
+        .args(["-x", "FI_PROVIDER"])
+        .current_dir(dir)
+        .env("FI_PROVIDER_PATH", prov)
+        .env("RINGBELL_SERVE", served)
+        .env("FI_PROVIDER", "ringbell")
+        .env_remove("RINGBELL_NIC");
+    cmd
+}
+
 /// Runs `prog` on `ranks` ranks over a served fabric of as many NICs.
 fn mpirun(bin: &Path, prov: &Path, served: &Path, ranks: usize, prog: &str) -> Output {
-    let mut cmd = Command::new("timeout");
-    cmd.args([
-        "300",
-        "mpirun",
-        "--allow-run-as-root",
-        "--oversubscribe",
-        "-np",
-    ])
-    .arg(ranks.to_string())
-    .args(["--mca", "pml", "cm", "--mca", "mtl", "ofi"])
-    .args(["--mca", "mtl_ofi_provider_include", "ringbell"])
-    .args(["--mca", "btl", "self", "--mca", "mtl_ofi_verbose", "1"])
-    .args([
-        "-x",
-        "FI_PROVIDER_PATH",
-        "-x",
-        "RINGBELL_SERVE",
-        "-x",
-        "FI_PROVIDER",
-    ])
-    .arg(bin.join(prog))
-    .current_dir(bin)
-    .env("FI_PROVIDER_PATH", prov)
-    .env("RINGBELL_SERVE", served)
-    .env("FI_PROVIDER", "ringbell")
-    .env_remove("RINGBELL_NIC");
+    let mut cmd = launcher(prov, served, ranks, bin);
+    cmd.arg(bin.join(prog));
     cmd.output().unwrap()
 }
 
@@ -130,26 +125,9 @@ fn netpipe_integrity_over_the_provider() {
     let served = common::Served::start_nodes("netpipe", 2);
     let dir = std::env::temp_dir().join(format!("ringbell-np-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
-    let o = Command::new("timeout")
-        .args(["300", "mpirun", "--allow-run-as-root", "-np", "2"])
-        .args(["--mca", "pml", "cm", "--mca", "mtl", "ofi"])
-        .args(["--mca", "mtl_ofi_provider_include", "ringbell"])
-        .args(["--mca", "btl", "self"])
-        .args([
-            "-x",
-            "FI_PROVIDER_PATH",
-            "-x",
-            "RINGBELL_SERVE",
-            "-x",
-            "FI_PROVIDER",
-        ])
+    let o = launcher(&prov, &served.dir, 2, &dir)
         .args(["NPopenmpi", "-i", "-u", "1048576", "-o"])
         .arg(dir.join("np.out"))
-        .current_dir(&dir)
-        .env("FI_PROVIDER_PATH", &prov)
-        .env("RINGBELL_SERVE", &served.dir)
-        .env("FI_PROVIDER", "ringbell")
-        .env_remove("RINGBELL_NIC")
         .output()
         .unwrap();
     let out = text(&o);

@@ -777,13 +777,7 @@ fn reset_with_completions_in_flight_then_reuse() {
         p.fabric.step();
     }
     p.a.qp.to_error().unwrap();
-    let attr = ringbell_specs::cmd::QpAttr {
-        state: QpState::Reset as u8,
-        ..Default::default()
-    };
-    p.a.qp
-        .modify(ringbell_specs::cmd::QpAttrMask::STATE, &attr)
-        .unwrap();
+    reset_a(&mut p);
     let stale = drain(&p.fabric, &mut p.a.cq);
     assert!(
         stale
@@ -796,7 +790,24 @@ fn reset_with_completions_in_flight_then_reuse() {
         256 * 4 / 4 * 4,
         "the ring is whole again after RESET"
     );
-    // Reconnect A (B's receive side expects A's PSN 100 onwards: B never got anything).
+    send_again_after_reset(&mut p);
+}
+
+/// Moves A's QP to RESET.
+fn reset_a(p: &mut Pair) {
+    let attr = ringbell_specs::cmd::QpAttr {
+        state: QpState::Reset as u8,
+        ..Default::default()
+    };
+    p.a.qp
+        .modify(ringbell_specs::cmd::QpAttrMask::STATE, &attr)
+        .unwrap();
+}
+
+/// Reconnects A's reset QP to B (B's receive side expects A's PSN 100 onwards: B never got
+/// anything) and sends one message, the first request of A's new incarnation (ring index 0):
+/// it completes as itself, and is the only completion A sees.
+fn send_again_after_reset(p: &mut Pair) {
     let eb = p.b.qp.endpoint(9000);
     p.a.qp
         .connect(&eb, 100, &ConnectOptions::default())
@@ -807,7 +818,12 @@ fn reset_with_completions_in_flight_then_reuse() {
         .post_send(&[SendWr::inline(50, WrOp::Send, b"again")])
         .unwrap();
     let wc = wait(&p.fabric, &mut p.a.cq, 1);
-    assert_eq!((wc[0].wr_id, wc[0].status), (50, WcStatus::Success));
+    assert_eq!(
+        (wc[0].wr_id, wc[0].status),
+        (50, WcStatus::Success),
+        "{wc:?}"
+    );
+    assert!(drain(&p.fabric, &mut p.a.cq).is_empty());
     assert_eq!(wait(&p.fabric, &mut p.b.cq, 1)[0].byte_len, 5);
 }
 
@@ -826,31 +842,9 @@ fn completions_left_in_the_cq_at_reset_do_not_complete_new_requests() {
     for _ in 0..20_000 {
         p.fabric.step();
     }
-    let attr = ringbell_specs::cmd::QpAttr {
-        state: QpState::Reset as u8,
-        ..Default::default()
-    };
-    p.a.qp
-        .modify(ringbell_specs::cmd::QpAttrMask::STATE, &attr)
-        .unwrap();
-    let eb = p.b.qp.endpoint(9000);
-    p.a.qp
-        .connect(&eb, 100, &ConnectOptions::default())
-        .unwrap();
-    let rs = [p.b.mr.sge(0, 64)];
-    p.b.qp.post_recv(&[RecvWr { wr_id: 1, sgl: &rs }]).unwrap();
-    // Index 0 again: an old completion of index 0 would report this request as flushed.
-    p.a.qp
-        .post_send(&[SendWr::inline(50, WrOp::Send, b"again")])
-        .unwrap();
-    let wc = wait(&p.fabric, &mut p.a.cq, 1);
-    assert_eq!(
-        (wc[0].wr_id, wc[0].status),
-        (50, WcStatus::Success),
-        "{wc:?}"
-    );
-    assert!(drain(&p.fabric, &mut p.a.cq).is_empty());
-    assert_eq!(wait(&p.fabric, &mut p.b.cq, 1)[0].byte_len, 5);
+    reset_a(&mut p);
+    // Index 0 again: an old completion of index 0 would report the new request as flushed.
+    send_again_after_reset(&mut p);
 }
 
 #[test]

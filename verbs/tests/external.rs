@@ -506,6 +506,27 @@ fn ucx_perftest_tag_latency_over_ud() {
     ucx_perftest("tag_lat", "ud_verbs", 18625);
 }
 
+/// An Open MPI launcher (`mpirun`, `oshrun`) starting `ranks` processes on `srv`'s NICs
+/// over the UCX PML: each rank loads the library and claims its own NIC, and UCX may use
+/// ringbell's RC and UD only (and `self`, a rank to itself), so the job runs over ringbell
+/// or not at all. The caller adds the program and its arguments.
+fn ucx_launcher(launcher: &str, srv: &Served, ranks: usize) -> Command {
+    let mut cmd = Command::new(launcher);
+    cmd.args([
+        "--allow-run-as-root",
+        "--oversubscribe",
+        "-np",
+        &ranks.to_string(),
+    ])
+    .args(["--mca", "pml", "ucx", "--mca", "osc", "^ucx"])
+    .args(["-x", "LD_PRELOAD", "-x", "RINGBELL_SERVE", "-x", "UCX_TLS"])
+    .env("LD_PRELOAD", library())
+    .env("RINGBELL_SERVE", &srv.dir)
+    .env("UCX_TLS", "rc_verbs,ud_verbs,self")
+    .env_remove("RINGBELL_NIC");
+    cmd
+}
+
 /// Open MPI 4.1's UCX PML (`--mca pml ucx`, which Debian's configuration turns off by
 /// default) on four ranks, each claiming its own NIC of one server: the MPI programs of the
 /// libfabric provider's tests (`ofi/tests/mpi`), checking their own results.
@@ -524,16 +545,8 @@ fn open_mpi_over_ucx_on_four_ranks() {
             .arg(src.join(format!("{prog}.c")));
         let o = run(cc, Duration::from_secs(120));
         assert!(o.status.success(), "mpicc {prog}.c:\n{}", text(&o));
-        let mut cmd = Command::new("mpirun");
-        cmd.args(["--allow-run-as-root", "--oversubscribe", "-np", "4"])
-            .args(["--mca", "pml", "ucx", "--mca", "osc", "^ucx"])
-            .args(["-x", "LD_PRELOAD", "-x", "RINGBELL_SERVE", "-x", "UCX_TLS"])
-            .arg(out.join(prog))
-            .env("LD_PRELOAD", library())
-            .env("RINGBELL_SERVE", &srv.dir)
-            // Ranks talk over ringbell's RC and UD or not at all (self: a rank to itself).
-            .env("UCX_TLS", "rc_verbs,ud_verbs,self")
-            .env_remove("RINGBELL_NIC");
+        let mut cmd = ucx_launcher("mpirun", &srv, 4);
+        cmd.arg(out.join(prog));
         let o = run(cmd, Duration::from_secs(300));
         let t = text(&o);
         assert!(o.status.success(), "{prog} over UCX failed:\n{t}");
@@ -562,18 +575,9 @@ fn openshmem_over_ucx_on_four_pes() {
     let o = run(cc, Duration::from_secs(120));
     assert!(o.status.success(), "oshcc check.c:\n{}", text(&o));
     let srv = Served::start_nodes("shmem", 4);
-    let mut cmd = Command::new("oshrun");
-    cmd.args(["--allow-run-as-root", "--oversubscribe", "-np", "4"])
-        .args([
-            "--mca", "spml", "ucx", "--mca", "pml", "ucx", "--mca", "osc", "^ucx",
-        ])
-        .args(["--mca", "memory", "^patcher"])
-        .args(["-x", "LD_PRELOAD", "-x", "RINGBELL_SERVE", "-x", "UCX_TLS"])
-        .arg(&exe)
-        .env("LD_PRELOAD", library())
-        .env("RINGBELL_SERVE", &srv.dir)
-        .env("UCX_TLS", "rc_verbs,ud_verbs,self")
-        .env_remove("RINGBELL_NIC");
+    let mut cmd = ucx_launcher("oshrun", &srv, 4);
+    cmd.args(["--mca", "spml", "ucx", "--mca", "memory", "^patcher"])
+        .arg(&exe);
     let o = run(cmd, Duration::from_secs(300));
     let t = text(&o);
     let _ = std::fs::remove_file(&exe);
@@ -609,17 +613,10 @@ fn netpipe_integrity_over_ucx() {
     let srv = Served::start("netpipe");
     let dir = std::env::temp_dir().join(format!("ringbell-netpipe-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
-    let mut cmd = Command::new("mpirun");
-    cmd.args(["--allow-run-as-root", "-np", "2"])
-        .args(["--mca", "pml", "ucx", "--mca", "osc", "^ucx"])
-        .args(["-x", "LD_PRELOAD", "-x", "RINGBELL_SERVE", "-x", "UCX_TLS"])
-        .args(["NPopenmpi", "-i", "-u", "1048576", "-o"])
+    let mut cmd = ucx_launcher("mpirun", &srv, 2);
+    cmd.args(["NPopenmpi", "-i", "-u", "1048576", "-o"])
         .arg(dir.join("np.out"))
-        .current_dir(&dir)
-        .env("LD_PRELOAD", library())
-        .env("RINGBELL_SERVE", &srv.dir)
-        .env("UCX_TLS", "rc_verbs,ud_verbs,self")
-        .env_remove("RINGBELL_NIC");
+        .current_dir(&dir);
     let o = run(cmd, Duration::from_secs(300));
     let t = text(&o);
     let _ = std::fs::remove_dir_all(&dir);
