@@ -2071,14 +2071,20 @@ impl Harness {
         } else if sel < 192 {
             self.tm_command(u);
         } else {
-            const OPS: [u16; 20] = [
-                0x01, 0x02, 0x10, 0x11, 0x20, 0x21, 0x30, 0x31, 0x32, 0x40, 0x41, 0x42, 0x43, 0x44,
-                0x50, 0x51, 0x52, 0x53, 0x54, 0x99,
+            const OPS: [u16; 21] = [
+                0x01, 0x02, 0x10, 0x11, 0x20, 0x21, 0x22, 0x30, 0x31, 0x32, 0x40, 0x41, 0x42, 0x43,
+                0x44, 0x50, 0x51, 0x52, 0x53, 0x54, 0x99,
             ];
             let op = OPS[byte(u) as usize % OPS.len()];
             let mut input = [0u8; PARAMS_SIZE];
             let take = u.bytes(PARAMS_SIZE.min(u.len())).unwrap_or(&[]);
             input[..take.len()].copy_from_slice(take);
+            if op == CmdOpcode::ReregMr as u16 && byte(u) < 192 {
+                // REREG_MR of a live region (its key), with fuzzed flags and values: the
+                // traffic that follows runs against whatever the region became.
+                let key = self.keys[byte(u) as usize % self.keys.len()];
+                input[..4].copy_from_slice(&key.to_le_bytes());
+            }
             let _ = self.command(op, &input, u16_(u));
         }
         self.consume_eq();
