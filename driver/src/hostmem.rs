@@ -42,8 +42,10 @@
 //!   mapped, before the copy. With the in-process emulator the device only moves when the
 //!   driver lets it, so this concerns a device in another process (a served emulator) or
 //!   hardware with work in flight on the merged pages.
-//! - A merge that would replace an extent another device maps is refused
-//!   ([`Error::InvalidArgument`]): the other device's mapping cannot be moved from here.
+//! - A merge that replaces an extent other devices map moves them to the new file too, when
+//!   they are devices of this thread (devices are not `Send`, so a device adopts pages on
+//!   its own thread). One of another thread cannot be reached from here: such a merge is
+//!   refused ([`Error::InvalidArgument`]).
 //! - A merge adopts the whole of the runs it joins: if the program has meanwhile unmapped
 //!   part of a run (pages whose regions are all gone), the merge is refused as not mapped.
 //! - One descriptor stays open per live extent (the device ports take their own copy).
@@ -53,7 +55,7 @@
 //!   47-bit user address space of x86-64; an address above 2^47 (5-level paging, 52-bit
 //!   Arm) needs an IOMMU with more bits, or the device refuses the mapping.
 
-use crate::device::Device;
+use crate::device::{DevInner, Device};
 use crate::error::Error;
 use crate::mr::{MemoryRegion, ProtectionDomain};
 use nix::errno::Errno;
@@ -68,6 +70,7 @@ use std::num::NonZeroUsize;
 use std::os::fd::{AsFd, AsRawFd, RawFd};
 use std::os::unix::fs::MetadataExt;
 use std::ptr::NonNull;
+use std::rc::Rc;
 use std::sync::{Mutex, OnceLock, PoisonError};
 use std::time::{Duration, Instant};
 
@@ -183,7 +186,7 @@ impl ProtectionDomain {
     /// (after its DEREG_MR); the pages stay file-backed afterwards.
     ///
     /// Errors: [`Error::InvalidArgument`] for `len == 0`, a range that wraps, or one whose
-    /// merge would move pages another device maps;
+    /// merge would move pages a device of another thread maps;
     /// [`Error::BadAddress`] (EFAULT) when a page of the range is not mapped, not readable,
     /// executable, read-only while `access` lets the device write, a shared mapping (of
     /// another file: its sharing would end) or a kernel mapping (`[vdso]`, `[vvar]`);
@@ -287,6 +290,39 @@ fn bad(start: usize, end: usize, reason: String) -> Error {
     }
 }
 
+thread_local! {
+    /// The devices of this thread that have adopted pages (devices are not `Send`, so a
+    /// device's pages are adopted on its thread): a merge of extents moves every one of them
+    /// that maps a merged extent to the new file.
+    static DEVICES: RefCell<Vec<std::rc::Weak<DevInner>>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Notes `dev` among this thread's devices (once).
+fn note_device(dev: &Device) {
+    DEVICES.with(|all| {
+        let mut all = all.borrow_mut();
+        all.retain(|w| w.strong_count() > 0);
+        if !all
+            .iter()
+            .any(|w| std::ptr::eq(w.as_ptr(), Rc::as_ptr(&dev.inner)))
+        {
+            all.push(Rc::downgrade(&dev.inner));
+        }
+    });
+}
+
+/// This thread's devices other than `dev` that map one of the extents starting at `over`.
+fn devices_mapping(dev: &Device, over: &[usize]) -> Vec<Rc<DevInner>> {
+    DEVICES.with(|all| {
+        all.borrow()
+            .iter()
+            .filter_map(std::rc::Weak::upgrade)
+            .filter(|d| !Rc::ptr_eq(d, &dev.inner))
+            .filter(|d| d.host.0.borrow().keys().any(|k| over.contains(k)))
+            .collect()
+    })
+}
+
 /// Adopts the pages of `[start, end)` for `dev` (`write`: the device may write them).
 fn adopt(dev: &Device, start: usize, end: usize, write: bool) -> Result<AdoptedPages, Error> {
     let page = page_size();
@@ -297,6 +333,7 @@ fn adopt(dev: &Device, start: usize, end: usize, write: bool) -> Result<AdoptedP
     if (b as u64).checked_add(HOST_IOVA_OFFSET).is_none() {
         return Err(bad(start, end, "above the device's address space".into()));
     }
+    note_device(dev);
     let mut extents = EXTENTS.lock().unwrap_or_else(PoisonError::into_inner);
     let regions = &dev.inner.host.0;
     // The extents that overlap the pages, highest first.
@@ -336,65 +373,87 @@ fn adopt(dev: &Device, start: usize, end: usize, write: bool) -> Result<AdoptedP
             });
         }
     }
-    // Otherwise adopt the union of the pages and the extents they overlap.
+    // Otherwise adopt the union of the pages and the extents they overlap, for this device
+    // and for every other device of this thread that maps one of those extents: each is
+    // moved to the new file with it.
     let ua = over.last().map_or(a, |&s| s.min(a));
     let ub = over.first().map_or(b, |s| extents[s].end.max(b));
     let segs = checked(ua, ub)?;
-    {
-        let regs = regions.borrow();
-        if over
-            .iter()
-            .any(|s| !regs.contains_key(s) || extents[s].devices > 1)
-        {
-            return Err(Error::InvalidArgument(
-                "the range overlaps pages adopted for another device and does not lie inside \
-                 them",
-            ));
-        }
+    let peers = devices_mapping(dev, &over);
+    // Every mapping of those extents must be reachable (a device of another thread is not).
+    let maps = |d: &DevInner, s: &usize| d.host.0.borrow().contains_key(s);
+    if over.iter().any(|s| {
+        usize::from(maps(&dev.inner, s)) + peers.iter().filter(|p| maps(p, s)).count()
+            != extents[s].devices
+    }) {
+        return Err(Error::InvalidArgument(
+            "the range overlaps pages adopted for a device of another thread and does not \
+             lie inside them",
+        ));
     }
+    let involved: Vec<(&DevInner, Vec<usize>)> = std::iter::once(&*dev.inner)
+        .chain(peers.iter().map(|p| &**p))
+        .map(|d| (d, over.iter().copied().filter(|s| maps(d, s)).collect()))
+        .collect();
     let len = ub - ua;
     let file = new_file(len)?;
     let ino = file
         .metadata()
         .map_err(|e| Error::Memory(e.to_string()))?
         .ino();
-    // The device first (it can be put back as it was), then the program's pages.
-    let port = &dev.inner.port;
-    let restore = |unmapped: &[usize]| {
-        for s in unmapped {
+    // The devices first (they can be put back as they were), then the program's pages.
+    let restore = |unmapped: &[(&DevInner, usize)]| {
+        for (d, s) in unmapped {
             let e = &extents[s];
-            let _ = port.dma_map(e.file.as_fd(), (e.end - s) as u64, iova(*s));
+            let _ = d.port.dma_map(e.file.as_fd(), (e.end - s) as u64, iova(*s));
         }
     };
-    for (i, s) in over.iter().enumerate() {
-        if let Err(e) = port.dma_unmap(iova(*s), (extents[s].end - s) as u64) {
-            restore(&over[..i]);
+    let mut unmapped: Vec<(&DevInner, usize)> = Vec::new();
+    for (d, starts) in &involved {
+        for s in starts {
+            if let Err(e) = d.port.dma_unmap(iova(*s), (extents[s].end - s) as u64) {
+                restore(&unmapped);
+                return Err(e.into());
+            }
+            unmapped.push((d, *s));
+        }
+    }
+    let unmap_new = |n: usize| {
+        for (d, _) in &involved[..n] {
+            let _ = d.port.dma_unmap(iova(ua), len as u64);
+        }
+    };
+    for (i, (d, _)) in involved.iter().enumerate() {
+        if let Err(e) = d.port.dma_map(file.as_fd(), len as u64, iova(ua)) {
+            unmap_new(i);
+            restore(&unmapped);
             return Err(e.into());
         }
     }
-    if let Err(e) = port.dma_map(file.as_fd(), len as u64, iova(ua)) {
-        restore(&over);
-        return Err(e.into());
-    }
     if let Err(e) = transplant(ua, len, &file, &segs) {
-        let _ = port.dma_unmap(iova(ua), len as u64);
-        restore(&over);
+        unmap_new(involved.len());
+        restore(&unmapped);
         return Err(e);
     }
-    let mut regs = regions.borrow_mut();
-    let mut mrs = 1;
+    for (i, (d, starts)) in involved.iter().enumerate() {
+        let mut regs = d.host.0.borrow_mut();
+        // This device's new region counts the registration being made.
+        let mut mrs = usize::from(i == 0);
+        for s in starts {
+            mrs += regs.remove(s).map_or(0, |r| r.mrs);
+        }
+        regs.insert(ua, Region { end: ub, mrs });
+    }
     for s in &over {
-        mrs += regs.remove(s).map_or(0, |r| r.mrs);
         extents.remove(s);
     }
-    regs.insert(ua, Region { end: ub, mrs });
     extents.insert(
         ua,
         Extent {
             end: ub,
             file,
             ino,
-            devices: 1,
+            devices: involved.len(),
         },
     );
     Ok(AdoptedPages {
@@ -1289,7 +1348,7 @@ mod tests {
     }
 
     #[test]
-    fn a_second_device_maps_the_same_file_and_a_merge_across_devices_is_refused() {
+    fn a_second_device_maps_the_same_file_and_a_merge_moves_both_devices() {
         let (d1, m1) = device();
         let (d2, m2) = device();
         let (pd1, pd2) = (d1.alloc_pd().unwrap(), d2.alloc_pd().unwrap());
@@ -1304,12 +1363,22 @@ mod tests {
         unsafe { p.add(4050).write(0x77) };
         assert_eq!(device_view(&m1, base + 4050, 1), [0x77]);
         assert_eq!(device_view(&m2, base + 4050, 1), [0x77]);
-        // SAFETY: refused before anything moves.
-        let r = unsafe { pd2.reg_user_mr(p.wrapping_add(4096), 8192, 0, Access::empty()) };
-        assert!(matches!(r, Err(Error::InvalidArgument(_))), "{r:?}");
+        // A range of device 2 reaching past the shared extent: one new file for the union,
+        // mapped by both devices, the program's bytes kept.
+        // SAFETY: inside `mem`, which outlives the region.
+        let c =
+            unsafe { pd2.reg_user_mr(p.wrapping_add(4096), 8192, 0, Access::LOCAL_WRITE) }.unwrap();
+        assert_eq!(EXTENTS.lock().unwrap()[&base].devices, 2);
+        assert_eq!(EXTENTS.lock().unwrap()[&base].end, base + 3 * 4096);
+        // SAFETY: inside `mem`.
+        unsafe { p.add(9000).write(0x55) };
+        for m in [&m1, &m2] {
+            assert_eq!(device_view(m, base + 4050, 1), [0x77], "kept");
+            assert_eq!(device_view(m, base + 9000, 1), [0x55], "one file for both");
+        }
         drop(a);
         assert_eq!(device_view(&m2, base + 4050, 1), [0x77]);
-        drop(b);
+        drop((b, c));
         assert!(EXTENTS.lock().unwrap().get(&base).is_none());
     }
 }
