@@ -208,9 +208,7 @@ impl ProtectionDomain {
         access: Access,
     ) -> Result<MemoryRegion, Error> {
         let (start, end) = user_range(addr, len, mr_addr)?;
-        let write =
-            access.intersects(Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::REMOTE_ATOMIC);
-        let pages = adopt(&self.dev, start, end, write)?;
+        let pages = adopt(&self.dev, start, end, device_writes(access))?;
         let mut mr = self.reg_mr_raw(mr_addr, len as u64, iova(start), access)?;
         mr.host = Some(pages);
         Ok(mr)
@@ -234,10 +232,7 @@ impl MemoryRegion {
         range: Option<(*mut u8, usize, u64)>,
         access: Option<Access>,
     ) -> Result<(), Error> {
-        let writes = |a: Access| {
-            a.intersects(Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::REMOTE_ATOMIC)
-        };
-        let write = writes(access.unwrap_or(self.access()));
+        let write = device_writes(access.unwrap_or(self.access()));
         let (pages, r) = match range {
             Some((addr, len, mr_addr)) => {
                 let (start, end) = user_range(addr, len, mr_addr)?;
@@ -245,7 +240,7 @@ impl MemoryRegion {
                 (Some(pages), Some((mr_addr, len as u64, iova(start))))
             }
             // The same pages, now for writing: checked (and held) again.
-            None if write && !writes(self.access()) => match &self.host {
+            None if write && !device_writes(self.access()) => match &self.host {
                 Some(h) => (Some(adopt(&self.dev, h.range.0, h.range.1, true)?), None),
                 None => (None, None),
             },
@@ -261,6 +256,11 @@ impl MemoryRegion {
         }
         Ok(())
     }
+}
+
+/// Whether a region with `access` lets the device write its pages.
+fn device_writes(access: Access) -> bool {
+    access.intersects(Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::REMOTE_ATOMIC)
 }
 
 /// The bytes `[start, end)` of a registration of `len` bytes at `addr` with region address

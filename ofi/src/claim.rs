@@ -4,17 +4,12 @@
 //! `fi_getinfo` or `fi_domain` that needs it, and a verbs library loaded in the same
 //! process gets the same NIC.
 
-use ringbell::discover::NicPlan;
-pub use ringbell::discover::{claim_first_free, lock_path, Choice, Claim, NIC_ALL as ALL};
-
-/// This process's choice among the NICs of `plan`.
-pub fn choice(plan: &NicPlan) -> Choice {
-    plan.choice()
-}
+pub use ringbell::discover::lock_path;
+use ringbell::discover::{Choice, NicPlan};
 
 /// The NIC a domain opens when its info names none: the process's own, else NIC 0.
 pub fn default_nic() -> usize {
-    match choice(&NicPlan::from_env()) {
+    match NicPlan::from_env().choice() {
         Choice::One(i) => i,
         _ => 0,
     }

@@ -368,7 +368,7 @@ unsafe extern "C" fn getinfo(
         let plan = ringbell::discover::NicPlan::from_env();
         let mut head: *mut abi::fi_info = std::ptr::null_mut();
         let mut tail: *mut *mut abi::fi_info = &mut head;
-        let choice = claim::choice(&plan);
+        let choice = plan.choice();
         for i in 0..plan.nics.len() {
             if !choice.includes(i) {
                 continue;

@@ -49,8 +49,6 @@ pub type Addr = [u8; ADDR_LEN];
 pub const INJECT: usize = crate::info::INJECT_SIZE;
 /// `FI_ADDR_UNSPEC`.
 pub const ADDR_UNSPEC: u64 = u64::MAX;
-/// Environment variable: use only NIC `i` of the plan (or `all`).
-pub const ENV_NIC: &str = ringbell::discover::ENV_NIC;
 
 /// An address as the fabric knows it: one whose IPv4 address is no NIC's (this host's,
 /// such as 127.0.0.1) names the endpoint published under its service on this host

@@ -73,12 +73,11 @@ pub unsafe extern "C" fn stat(path: *const libc::c_char, buf: *mut libc::stat) -
         // SAFETY: the caller's arguments, as `stat(2)` takes them.
         unsafe { f(path, buf) }
     };
-    if r == 0 || errno() != libc::ENOENT || path.is_null() || buf.is_null() {
+    if buf.is_null() {
         return r;
     }
-    // SAFETY: a non-null C string, as the caller promises.
-    let p = unsafe { CStr::from_ptr(path) };
-    match nic_of_node(p.to_bytes()) {
+    // SAFETY: the caller's C string.
+    match unsafe { missing_node(r, path) } {
         Some(i) => {
             // SAFETY: the caller's non-null output buffer.
             node_stat(i, unsafe { &mut *buf });
@@ -107,12 +106,8 @@ pub unsafe extern "C" fn access(path: *const libc::c_char, mode: libc::c_int) ->
         // SAFETY: the caller's arguments, as `access(2)` takes them.
         unsafe { f(path, mode) }
     };
-    if r == 0 || errno() != libc::ENOENT || path.is_null() {
-        return r;
-    }
-    // SAFETY: a non-null C string, as the caller promises.
-    let p = unsafe { CStr::from_ptr(path) };
-    match nic_of_node(p.to_bytes()) {
+    // SAFETY: the caller's C string.
+    match unsafe { missing_node(r, path) } {
         Some(_) if mode & libc::X_OK == 0 => 0,
         Some(_) => {
             crate::set_errno(libc::EACCES);
@@ -122,8 +117,18 @@ pub unsafe extern "C" fn access(path: *const libc::c_char, mode: libc::c_int) ->
     }
 }
 
-fn errno() -> i32 {
-    std::io::Error::last_os_error().raw_os_error().unwrap_or(0)
+/// The NIC whose node `path` names, when the system's call just failed on it with ENOENT
+/// (`r` its result, `errno` still its error): the node this library answers for.
+///
+/// # Safety
+/// `path` is NULL or a C string.
+unsafe fn missing_node(r: libc::c_int, path: *const libc::c_char) -> Option<usize> {
+    let enoent = std::io::Error::last_os_error().raw_os_error() == Some(libc::ENOENT);
+    if r == 0 || !enoent || path.is_null() {
+        return None;
+    }
+    // SAFETY: a non-null C string, as the caller promises.
+    nic_of_node(unsafe { CStr::from_ptr(path) }.to_bytes())
 }
 
 #[cfg(test)]
