@@ -409,14 +409,15 @@ impl Nic {
                 return Err(CmdStatus::BadPd);
             }
         }
-        let (ud, gsi) = match p.qp_type {
-            QP_TYPE_RC => (false, false),
-            QP_TYPE_UD => (true, false),
-            QP_TYPE_GSI => (true, true),
+        let (ud, gsi, uc) = match p.qp_type {
+            QP_TYPE_RC => (false, false, false),
+            QP_TYPE_UC => (false, false, true),
+            QP_TYPE_UD => (true, false, false),
+            QP_TYPE_GSI => (true, true, false),
             _ => return Err(CmdStatus::BadParam),
         };
-        // Tag matching is an RC offload: a UD QP takes an ordinary SRQ only.
-        if ud && self.srqs.get(srqn).is_some_and(|s| s.tm.is_some()) {
+        // Tag matching is an RC offload: a UC or UD QP takes an ordinary SRQ only.
+        if (ud || uc) && self.srqs.get(srqn).is_some_and(|s| s.tm.is_some()) {
             return Err(CmdStatus::BadParam);
         }
         let max = self.cfg.max_qp_wr as u64;
@@ -468,6 +469,7 @@ impl Nic {
             resp: Default::default(),
             stats: Default::default(),
             ud,
+            uc,
             ud_stats: Default::default(),
             cntrs: Default::default(),
         };

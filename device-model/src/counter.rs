@@ -415,8 +415,9 @@ impl Nic {
                 if qp.pdn != pdn {
                     return Err(CmdStatus::BadPd);
                 }
-                // Triggered transfers are RC work requests (their WQE has no UD address).
-                if qp.ud {
+                // Triggered transfers are RC work requests (their WQE has no UD address, and
+                // a READ or atomic has no UC form).
+                if qp.ud || qp.uc {
                     return Err(CmdStatus::BadParam);
                 }
                 if matches!(qp.state, QpState::Reset | QpState::Err | QpState::Sqe) {

@@ -35,10 +35,11 @@ impl Nic {
     /// Whether the send engine of `qp` may run WQEs functionally now: RTS, nothing
     /// outstanding or waiting on the send side (so no packet of it is in flight and nothing
     /// completes out of order), no RNR wait, no counter bound to the QP, and no posted DMA
-    /// write of this NIC still to land. UD QPs always take the packet path.
+    /// write of this NIC still to land. UD and UC QPs always take the packet path.
     pub(crate) fn fm_eligible(&self, qp: &Qp, now: SimTime) -> bool {
         qp.state == QpState::Rts
             && !qp.ud
+            && !qp.uc
             && qp.req.outstanding.is_empty()
             && qp.req.hw_waiting.is_empty()
             && now >= qp.req.rnr_until
@@ -214,6 +215,7 @@ impl Nic {
             qp.srqn == 0 || !needs_recv || self.srqs.get(qp.srqn).is_some_and(|s| s.tm.is_none());
         let idle = matches!(qp.state, QpState::Rtr | QpState::Rts | QpState::Sqd)
             && !qp.ud
+            && !qp.uc
             && msg.src_ip == qp.attr.dest_ip
             && !qp.resp.dead
             && qp.resp.queue.is_empty()

@@ -324,6 +324,7 @@ impl Nic {
             | Caps::BLUEFLAME
             | Caps::UD
             | Caps::REREG_MR
+            | Caps::UC
     }
 
     /// A 32-bit register read. Never fails: unknown offsets read 0 and are counted.

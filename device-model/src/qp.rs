@@ -403,6 +403,9 @@ pub(crate) struct Responder {
     pub(crate) dead: bool,
     /// The last `max_dest_rd_atomic` READs and atomics.
     pub(crate) resources: VecDeque<Resource>,
+    /// UC: the receive WQE of a SEND that was lost on the way, kept for the next SEND,
+    /// which fills it from the start (IBTA: the WQE is reused).
+    pub(crate) parked: Option<RecvCtx>,
 }
 
 /// An RC queue pair.
@@ -424,6 +427,8 @@ pub(crate) struct Qp {
     pub(crate) stats: QpStats,
     /// An unreliable-datagram QP (ABI 1.5); RC otherwise.
     pub(crate) ud: bool,
+    /// An unreliable-connected QP (ABI 1.7): connected like RC, no ACKs, SEND and WRITE.
+    pub(crate) uc: bool,
     /// Datagram counters (UD QPs; `wrong_transport_dropped` on every QP).
     pub(crate) ud_stats: UdStats,
     /// Context generation, see [`crate::NicEvent::SqProcess`].
@@ -474,6 +479,27 @@ fn ud_transition_masks(from: QpState, to: QpState) -> Option<(M, M)> {
         (Rts, Rts) | (Sqd, Rts) => (e, M::CUR_STATE | M::QKEY),
         (Rts, Sqd) => (e, M::EN_SQD_ASYNC_NOTIFY),
         (Sqd, Sqd) => (e, M::PKEY_INDEX | M::QKEY),
+        _ => return transition_masks(from, to).filter(|(r, o)| r.is_empty() && o.is_empty()),
+    })
+}
+
+/// (required, optional) attribute masks of a UC transition, per the IBTA table: RC's without
+/// what only acknowledged traffic uses (the ACK timer and retries, READ/atomic resources and
+/// the RNR timer). Transitions to RESET and ERR are RC's.
+fn uc_transition_masks(from: QpState, to: QpState) -> Option<(M, M)> {
+    use QpState::*;
+    let e = M::empty();
+    Some(match (from, to) {
+        (Reset, Init) => (M::PKEY_INDEX | M::PORT | M::ACCESS_FLAGS, e),
+        (Init, Init) => (e, M::PKEY_INDEX | M::PORT | M::ACCESS_FLAGS),
+        (Init, Rtr) => (
+            M::AV | M::PATH_MTU | M::DEST_QPN | M::RQ_PSN,
+            M::ACCESS_FLAGS | M::PKEY_INDEX,
+        ),
+        (Rtr, Rts) => (M::SQ_PSN, M::CUR_STATE | M::ACCESS_FLAGS),
+        (Rts, Rts) | (Sqd, Rts) => (e, M::CUR_STATE | M::ACCESS_FLAGS),
+        (Rts, Sqd) => (e, M::EN_SQD_ASYNC_NOTIFY),
+        (Sqd, Sqd) => (e, M::PORT | M::AV | M::ACCESS_FLAGS | M::PKEY_INDEX),
         _ => return transition_masks(from, to).filter(|(r, o)| r.is_empty() && o.is_empty()),
     })
 }
@@ -538,9 +564,10 @@ pub(crate) fn check_modify(
     } else {
         qp.state
     };
-    let masks = match qp.ud {
-        true => ud_transition_masks(qp.state, to),
-        false => transition_masks(qp.state, to),
+    let masks = match (qp.ud, qp.uc) {
+        (true, _) => ud_transition_masks(qp.state, to),
+        (_, true) => uc_transition_masks(qp.state, to),
+        _ => transition_masks(qp.state, to),
     };
     let (req, opt) = masks.ok_or(ModifyError::BadState)?;
     let given = mask - M::STATE;
@@ -692,7 +719,8 @@ impl Nic {
                 now,
             );
         }
-        if let Some(rc) = qp.resp.recv.take_if(|rc| rc.srqn != 0) {
+        let held = qp.resp.recv.take_if(|rc| rc.srqn != 0);
+        if let Some(rc) = held.or_else(|| qp.resp.parked.take_if(|rc| rc.srqn != 0)) {
             let now = env.now();
             if rc.tm.is_some() {
                 // TM-SRQ completions are not tied to the QP: they are written regardless.
@@ -1078,7 +1106,8 @@ impl Nic {
             }
         }
         qp.fetch = qp.sq.pi;
-        if let Some(rc) = qp.resp.recv.take() {
+        // At most one of the two holds a WQE (a parked one is reused by the next SEND).
+        if let Some(rc) = qp.resp.recv.take().or_else(|| qp.resp.parked.take()) {
             self.finish_recv(
                 env,
                 qp,
@@ -1134,6 +1163,7 @@ mod tests {
             resp: Responder::default(),
             stats: QpStats::default(),
             ud: false,
+            uc: false,
             ud_stats: UdStats::default(),
             gen: 1,
             cntrs: Default::default(),

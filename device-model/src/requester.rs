@@ -339,11 +339,17 @@ impl Nic {
                     (false, false, true, false) => Opcode::WriteLast,
                     (false, false, true, true) => Opcode::WriteLastImm,
                 };
-                qp.req.since_ack_req += 1;
-                let ack_req = last || qp.req.since_ack_req >= ACK_REQ_EVERY;
-                if ack_req {
-                    qp.req.since_ack_req = 0;
-                }
+                // UC: the same operation with transport bits 001, and no ACK ever asked.
+                let (opcode, ack_req) = if qp.uc {
+                    (opcode.to_uc().unwrap_or(opcode), false)
+                } else {
+                    qp.req.since_ack_req += 1;
+                    let ack_req = last || qp.req.since_ack_req >= ACK_REQ_EVERY;
+                    if ack_req {
+                        qp.req.since_ack_req = 0;
+                    }
+                    (opcode, ack_req)
+                };
                 let w = &qp.req.outstanding[i].wqe;
                 let mut repr = self.packet_repr(qp, opcode, psn, ack_req);
                 repr.bth.solicited = last && w.flags.contains(WqeFlags::SOLICITED);
@@ -371,6 +377,15 @@ impl Nic {
         qp.stats.packets_sent += 1;
         if retransmit {
             qp.stats.retransmitted += 1;
+        }
+        if qp.uc {
+            // Unacknowledged: a message is done once its last packet has left.
+            if o.sent == o.npsn {
+                o.done = true;
+                let left = self.egress_free;
+                self.complete_in_order_at(env, qp, left);
+            }
+            return;
         }
         self.arm_ack_timer(env, qp);
     }
@@ -540,6 +555,15 @@ impl Nic {
         let Some(op) = SendOpcode::from_u8(ctrl.opcode) else {
             return Err(((CqeStatus::LocQpOpErr, VendorSyndrome::BadOpcode), nbb));
         };
+        // UC has SEND and RDMA WRITE only.
+        if qp.uc
+            && matches!(
+                op,
+                SendOpcode::Read | SendOpcode::CmpSwap | SendOpcode::FetchAdd
+            )
+        {
+            return Err(((CqeStatus::LocQpOpErr, VendorSyndrome::BadOpcode), nbb));
+        }
         decode_send_wqe_into(
             &ctrl,
             op,

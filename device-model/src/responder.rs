@@ -78,9 +78,10 @@ impl Nic {
             self.stats.rx_dropped += 1;
             return;
         };
-        let ud_packet = Opcode::from_u8(pkt.repr.bth.opcode).is_some_and(Opcode::is_ud);
-        if ud_packet != qp.ud {
-            // RC traffic at a UD QP, or a datagram at an RC QP.
+        let op = Opcode::from_u8(pkt.repr.bth.opcode);
+        if op.is_some_and(Opcode::is_ud) != qp.ud || op.is_some_and(Opcode::is_uc) != qp.uc {
+            // Traffic of another transport: RC at a UD or UC QP, a datagram at a connected
+            // QP, UC at an RC QP.
             qp.ud_stats.wrong_transport_dropped += 1;
             self.stats.rx_dropped += 1;
         } else if qp.ud {
@@ -93,6 +94,12 @@ impl Nic {
             }
         } else if pkt.repr.src.ip != qp.attr.dest_ip || pkt.repr.bth.pkey != 0xFFFF {
             self.stats.rx_dropped += 1;
+        } else if qp.uc {
+            if matches!(qp.state, QpState::Rtr | QpState::Rts | QpState::Sqd) {
+                self.uc_request(env, &mut qp, pkt);
+            } else {
+                self.stats.rx_dropped += 1;
+            }
         } else if Opcode::from_u8(pkt.repr.bth.opcode).is_some_and(|o| o.is_response()) {
             self.handle_response(env, &mut qp, pkt);
         } else if matches!(qp.state, QpState::Rtr | QpState::Rts | QpState::Sqd) {
@@ -186,6 +193,10 @@ impl Nic {
         syndrome: AethSyndrome,
         ready: SimTime,
     ) {
+        if qp.uc {
+            // UC is never acknowledged, whatever a packet's AckReq bit says.
+            return;
+        }
         let msn = qp.resp.msn;
         if qp.resp.queue.is_empty() {
             self.emit_ack(env, qp, psn, syndrome, msn, ready);
@@ -296,6 +307,58 @@ impl Nic {
         }
     }
 
+    /// A UC packet for `qp` (in RTR, RTS or SQD). Nothing is acknowledged. A packet after a
+    /// gap in the PSNs loses the message in progress; a FIRST or ONLY packet starts a new
+    /// one at its own PSN. A packet the RC responder would NAK (out of its message's order,
+    /// no receive WQE, a bad R_Key, range or rights, a SEND too long for its WQE) is dropped
+    /// with the rest of its message and counted in `uc_dropped`; the QP keeps serving. A
+    /// receive WQE a lost message was filling is kept for the next SEND. Only a fault of
+    /// this side (a receive WQE whose keys fail, memory the IOMMU does not map) completes
+    /// that WQE in error and moves the QP to ERR, as on RC, without a NAK.
+    fn uc_request(&mut self, env: &mut dyn Env, qp: &mut Qp, pkt: &Packet<'_>) {
+        let ready = env.now() + SimTime(self.cfg.timing.nic_rx_pkt_ps);
+        let Some(op) = Opcode::from_u8(pkt.repr.bth.opcode).filter(|o| o.is_uc()) else {
+            return;
+        };
+        let op = op.base();
+        let psn = pkt.repr.bth.psn;
+        if psn != qp.resp.epsn {
+            qp.stats.out_of_sequence += 1;
+            Self::uc_abandon(qp);
+        } else if op.is_first() {
+            // A new message while one is unfinished: the sender gave up on that one.
+            Self::uc_abandon(qp);
+        }
+        qp.resp.epsn = psn;
+        let r = if op.is_send() {
+            self.rx_send(env, qp, pkt, op, ready)
+        } else {
+            self.rx_write(env, qp, pkt, op, ready)
+        };
+        match r {
+            Ok(()) => {}
+            Err(Fault::Fatal(code @ NakCode::RemoteOperationalError, status)) => {
+                self.responder_fatal(env, qp, psn, code, status, ready)
+            }
+            Err(_) => {
+                qp.stats.uc_dropped += 1;
+                self.stats.rx_dropped += 1;
+                Self::uc_abandon(qp);
+                qp.resp.epsn = psn.add(1);
+            }
+        }
+    }
+
+    /// UC: the message in progress is lost. A SEND's receive WQE is parked for the next
+    /// SEND (from its start); a WRITE's context is forgotten.
+    fn uc_abandon(qp: &mut Qp) {
+        if let Some(mut rc) = qp.resp.recv.take() {
+            rc.offset = 0;
+            qp.resp.parked = Some(rc);
+        }
+        qp.resp.write = None;
+    }
+
     /// A class A/C error: NAK, complete the receive WQE in progress with `status`, move to ERR.
     fn responder_fatal(
         &mut self,
@@ -391,6 +454,8 @@ impl Nic {
                         return Ok(());
                     }
                 }
+            } else if let Some(parked) = qp.resp.parked.take() {
+                parked
             } else {
                 let (wqe_index, srqn, sges) = match self.take_recv_wqe(env, qp) {
                     Ok(Some(w)) => w,
@@ -833,14 +898,19 @@ impl Nic {
         } else {
             None
         };
-        // WRITE with immediate needs a receive WQE before anything of its last packet lands.
+        // WRITE with immediate needs a receive WQE before anything of its last packet lands
+        // (on UC, the one a lost SEND left parked comes first: receive WQEs complete in order).
         let recv = if op.has_immdt() {
-            match self.take_recv_wqe(env, qp) {
-                Ok(Some(w)) => Some(w),
-                Ok(None) => return Err(Fault::Rnr),
-                Err(iova) => {
-                    self.iommu_fault(env, qp.qpn, iova);
-                    return Err(Fault::Fatal(NakCode::RemoteOperationalError, None));
+            if let Some(p) = qp.resp.parked.take() {
+                Some((p.wqe_index, p.srqn, p.sges))
+            } else {
+                match self.take_recv_wqe(env, qp) {
+                    Ok(Some(w)) => Some(w),
+                    Ok(None) => return Err(Fault::Rnr),
+                    Err(iova) => {
+                        self.iommu_fault(env, qp.qpn, iova);
+                        return Err(Fault::Fatal(NakCode::RemoteOperationalError, None));
+                    }
                 }
             }
         } else {

@@ -14,7 +14,7 @@ use crate::srq::SrqObject;
 use bitflags::bitflags;
 use ringbell_specs::cmd::{
     Access, CmdOpcode, CreateQpIn, ModifyQpIn, ObjectIn, QpAttr, QpAttrMask, QpState, QP_TYPE_GSI,
-    QP_TYPE_RC, QP_TYPE_UD,
+    QP_TYPE_RC, QP_TYPE_UC, QP_TYPE_UD,
 };
 use ringbell_specs::regs;
 use ringbell_specs::stats::QpStats;
@@ -139,6 +139,10 @@ pub enum QpType {
     Rc,
     /// Unreliable datagram (ABI 1.5).
     Ud,
+    /// Unreliable connected (ABI 1.7): connected like RC, SEND and RDMA WRITE only, never
+    /// acknowledged (a lost packet loses its message, silently; a send completes once its
+    /// last packet has left).
+    Uc,
     /// The general services QP: a UD QP that always gets QPN 1, one per device, where
     /// connection management listens ([`crate::cm`]).
     Gsi,
@@ -606,6 +610,8 @@ pub struct QueuePair {
     bf: bool,
     /// A UD QP.
     ud: bool,
+    /// A UC QP.
+    uc: bool,
     state: QpState,
     /// Counters bound to the QP live at least as long as it (dropped after DESTROY_QP).
     cntrs: std::cell::RefCell<Vec<Rc<crate::counter::CntrObject>>>,
@@ -643,9 +649,13 @@ impl ProtectionDomain {
         if init.max_inline > caps.max_inline {
             return Err(Error::InvalidArgument("max_inline beyond the device limit"));
         }
-        let ud = init.qp_type != QpType::Rc;
+        let ud = matches!(init.qp_type, QpType::Ud | QpType::Gsi);
+        let uc = init.qp_type == QpType::Uc;
         if ud && !caps.caps.contains(regs::Caps::UD) {
             return Err(Error::InvalidArgument("UD QPs: the device lacks CAPS.UD"));
+        }
+        if uc && !caps.caps.contains(regs::Caps::UC) {
+            return Err(Error::InvalidArgument("UC QPs: the device lacks CAPS.UC"));
         }
         if ud
             && (init.max_inline as usize > wqe::MAX_INLINE_UD
@@ -709,6 +719,7 @@ impl ProtectionDomain {
             db_iova: db.iova().into(),
             qp_type: match init.qp_type {
                 QpType::Rc => QP_TYPE_RC,
+                QpType::Uc => QP_TYPE_UC,
                 QpType::Ud => QP_TYPE_UD,
                 QpType::Gsi => QP_TYPE_GSI,
             },
@@ -750,6 +761,7 @@ impl ProtectionDomain {
             state: QpState::Reset,
             bf: caps.caps.contains(regs::Caps::BLUEFLAME) && (qpn as u64) < regs::BF_MAX_QP,
             ud,
+            uc,
             cntrs: Default::default(),
             _uses: (
                 self.obj.clone(),
@@ -775,7 +787,7 @@ impl QueuePair {
     /// Encodes `wr` as the one-block WQE of a triggered operation (control segment with
     /// index 0 first).
     pub(crate) fn encode_triggered(&self, wr: &SendWr<'_>) -> Result<[u8; WQEBB], Error> {
-        if self.ud {
+        if self.ud || self.uc {
             return Err(Error::InvalidArgument("triggered operations run on RC QPs"));
         }
         let plan = plan_send_wqe(wr, self.max_inline, self.max_send_sge, None)?;
@@ -909,6 +921,11 @@ impl QueuePair {
             ..Default::default()
         };
         self.modify(M::STATE | M::PKEY_INDEX | M::PORT | M::ACCESS_FLAGS, &init)?;
+        // UC has no READ/atomic resources and no RNR timer.
+        let rc_only = match self.uc {
+            true => M::empty(),
+            false => M::MAX_DEST_RD_ATOMIC | M::MIN_RNR_TIMER,
+        };
         let rtr = QpAttr {
             state: QpState::Rtr as u8,
             path_mtu: o.path_mtu,
@@ -921,13 +938,7 @@ impl QueuePair {
             ..Default::default()
         };
         self.modify(
-            M::STATE
-                | M::AV
-                | M::PATH_MTU
-                | M::DEST_QPN
-                | M::RQ_PSN
-                | M::MAX_DEST_RD_ATOMIC
-                | M::MIN_RNR_TIMER,
+            M::STATE | M::AV | M::PATH_MTU | M::DEST_QPN | M::RQ_PSN | rc_only,
             &rtr,
         )
     }
@@ -944,10 +955,12 @@ impl QueuePair {
             max_rd_atomic: o.max_rd_atomic,
             ..Default::default()
         };
-        self.modify(
-            M::STATE | M::TIMEOUT | M::RETRY_CNT | M::RNR_RETRY | M::SQ_PSN | M::MAX_QP_RD_ATOMIC,
-            &rts,
-        )
+        // UC has no ACK timer, retries or READ/atomic credits.
+        let rc_only = match self.uc {
+            true => M::empty(),
+            false => M::TIMEOUT | M::RETRY_CNT | M::RNR_RETRY | M::MAX_QP_RD_ATOMIC,
+        };
+        self.modify(M::STATE | M::SQ_PSN | rc_only, &rts)
     }
 
     /// Receive requests the QP's own receive queue holds (its ring, rounded up from
@@ -1117,6 +1130,16 @@ impl QueuePair {
     /// doorbell are the caller's). Nothing is written unless the request is valid and fits.
     #[inline(always)]
     fn write_send_wqe(&self, wr: &SendWr<'_>, pi: u32) -> Result<u32, Error> {
+        if self.uc
+            && matches!(
+                wr.op,
+                WrOp::Read(_) | WrOp::CmpSwap { .. } | WrOp::FetchAdd { .. }
+            )
+        {
+            return Err(Error::InvalidArgument(
+                "a UC QP sends only SEND and RDMA WRITE",
+            ));
+        }
         let ud_pd = self.ud.then_some(&self._uses.0);
         let plan = plan_send_wqe(wr, self.max_inline, self.max_send_sge, ud_pd)?;
         let nbb = wqe::wqebbs(plan.ds) as u32;

@@ -261,7 +261,8 @@ abi_struct!(
     /// CREATE_QP input. The send queue holds `1 << sq_log_size` 64-byte blocks; the receive
     /// queue holds `1 << rq_log_size` entries of `1 << rq_log_stride` bytes (ignored with an
     /// SRQ). The doorbell record is 8 bytes: receive PI (u32) then send PI (u32).
-    /// `qp_type` (ABI 1.5): [`QP_TYPE_RC`] (0, as before 1.5) or [`QP_TYPE_UD`].
+    /// `qp_type` (ABI 1.5): [`QP_TYPE_RC`] (0, as before 1.5), [`QP_TYPE_UD`],
+    /// [`QP_TYPE_GSI`] or, since ABI 1.7, [`QP_TYPE_UC`].
     CreateQpIn, 48, {
         pdn: U32, send_cqn: U32, recv_cqn: U32, srqn: U32,
         sq_log_size: u8, rq_log_size: u8, rq_log_stride: u8, qp_type: u8, rsvd1: U32,
@@ -281,6 +282,8 @@ abi_struct!(
 
 /// CREATE_QP `qp_type`: reliable connected (the only type before ABI 1.5).
 pub const QP_TYPE_RC: u8 = 0;
+/// CREATE_QP `qp_type` (ABI 1.7): unreliable connected. 3 is libibverbs' `IBV_QPT_UC`.
+pub const QP_TYPE_UC: u8 = 3;
 /// CREATE_QP `qp_type`: unreliable datagram (ABI 1.5). 4 is libibverbs' `IBV_QPT_UD`.
 pub const QP_TYPE_UD: u8 = 4;
 /// CREATE_QP `qp_type` (ABI 1.5): the general services QP, a UD QP that always gets QPN 1

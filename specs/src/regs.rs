@@ -211,6 +211,8 @@ bitflags! {
         const UD = 1 << 9;
         /// REREG_MR: a memory region's translation, PD or access changed in place (ABI 1.6).
         const REREG_MR = 1 << 10;
+        /// Unreliable connected QPs: SEND and RDMA WRITE without acknowledgements (ABI 1.7).
+        const UC = 1 << 11;
     }
 }
 
@@ -273,8 +275,9 @@ mod tests {
     fn capability_bits() {
         assert_eq!(Caps::UD.bits(), 1 << 9);
         assert_eq!(Caps::REREG_MR.bits(), 1 << 10);
-        // Bits 0..10 are defined (ABI 1.6); 31:11 are reserved.
-        assert_eq!(Caps::all().bits(), 0x7FF);
-        assert_eq!(Caps::from_bits(1 << 11), None);
+        assert_eq!(Caps::UC.bits(), 1 << 11);
+        // Bits 0..11 are defined (ABI 1.7); 31:12 are reserved.
+        assert_eq!(Caps::all().bits(), 0xFFF);
+        assert_eq!(Caps::from_bits(1 << 12), None);
     }
 }

@@ -69,6 +69,11 @@ counters!(
         read_replays,
         /// Atomics answered again from the saved result.
         atomic_replays,
+        /// UC packets the responder dropped (ABI 1.7): the rest of a message after a lost
+        /// packet, a packet out of its message's order, no receive WQE, a bad R_Key, range or
+        /// rights, or a SEND longer than its receive WQE. UC has no NAK: the sender is never
+        /// told, and a receive WQE the lost message was filling waits for the next one.
+        uc_dropped,
     }
 );
 counters!(

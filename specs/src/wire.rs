@@ -80,7 +80,7 @@ pub enum WireError {
     BadUdpLength,
     /// BTH transport header version is not 0.
     BadTver,
-    /// BTH opcode is not one of the RC opcodes 0x00..=0x14.
+    /// BTH opcode is not one ringbell speaks (RC 0x00..=0x14, UC 0x20..=0x2B, UD 0x64..=0x65).
     UnknownOpcode(u8),
     /// Payload bytes after the headers of an opcode that carries none.
     UnexpectedPayload,
@@ -105,7 +105,7 @@ impl fmt::Display for WireError {
             WireError::NotRoce => write!(f, "UDP destination port is not 4791"),
             WireError::BadUdpLength => write!(f, "UDP length disagrees with IPv4 total length"),
             WireError::BadTver => write!(f, "BTH transport version is not 0"),
-            WireError::UnknownOpcode(op) => write!(f, "unknown RC opcode {op:#04x}"),
+            WireError::UnknownOpcode(op) => write!(f, "unknown opcode {op:#04x}"),
             WireError::UnexpectedPayload => write!(f, "payload on an opcode that carries none"),
             WireError::BadPad => write!(f, "BTH pad count inconsistent with payload"),
             WireError::BadIcrc => write!(f, "ICRC mismatch"),
@@ -116,8 +116,9 @@ impl fmt::Display for WireError {
 
 impl std::error::Error for WireError {}
 
-/// The opcodes ringbell speaks (BTH byte 0): RC (transport bits 7:5 = 000) and, since ABI
-/// 1.5, the two UD SEND opcodes (transport bits 7:5 = 011).
+/// The opcodes ringbell speaks (BTH byte 0): RC (transport bits 7:5 = 000), since ABI 1.5
+/// the two UD SEND opcodes (transport bits 7:5 = 011) and since ABI 1.7 the UC SEND and RDMA
+/// WRITE opcodes (transport bits 7:5 = 001; the low five bits are the RC operation's).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[repr(u8)]
 pub enum Opcode {
@@ -163,6 +164,30 @@ pub enum Opcode {
     CompareSwap = 0x13,
     /// FETCH_ADD.
     FetchAdd = 0x14,
+    /// UC SEND_FIRST (ABI 1.7).
+    UcSendFirst = 0x20,
+    /// UC SEND_MIDDLE (ABI 1.7).
+    UcSendMiddle = 0x21,
+    /// UC SEND_LAST (ABI 1.7).
+    UcSendLast = 0x22,
+    /// UC SEND_LAST_WITH_IMMEDIATE (ABI 1.7).
+    UcSendLastImm = 0x23,
+    /// UC SEND_ONLY (ABI 1.7).
+    UcSendOnly = 0x24,
+    /// UC SEND_ONLY_WITH_IMMEDIATE (ABI 1.7).
+    UcSendOnlyImm = 0x25,
+    /// UC RDMA_WRITE_FIRST (ABI 1.7).
+    UcWriteFirst = 0x26,
+    /// UC RDMA_WRITE_MIDDLE (ABI 1.7).
+    UcWriteMiddle = 0x27,
+    /// UC RDMA_WRITE_LAST (ABI 1.7).
+    UcWriteLast = 0x28,
+    /// UC RDMA_WRITE_LAST_WITH_IMMEDIATE (ABI 1.7).
+    UcWriteLastImm = 0x29,
+    /// UC RDMA_WRITE_ONLY (ABI 1.7).
+    UcWriteOnly = 0x2A,
+    /// UC RDMA_WRITE_ONLY_WITH_IMMEDIATE (ABI 1.7).
+    UcWriteOnlyImm = 0x2B,
     /// UD SEND_ONLY (ABI 1.5): BTH, DETH, payload.
     UdSendOnly = 0x64,
     /// UD SEND_ONLY_WITH_IMMEDIATE (ABI 1.5): BTH, DETH, ImmDt, payload.
@@ -171,7 +196,7 @@ pub enum Opcode {
 
 impl Opcode {
     /// Every opcode, in numeric order.
-    pub const ALL: [Opcode; 23] = [
+    pub const ALL: [Opcode; 35] = [
         Opcode::SendFirst,
         Opcode::SendMiddle,
         Opcode::SendLast,
@@ -193,6 +218,18 @@ impl Opcode {
         Opcode::AtomicAcknowledge,
         Opcode::CompareSwap,
         Opcode::FetchAdd,
+        Opcode::UcSendFirst,
+        Opcode::UcSendMiddle,
+        Opcode::UcSendLast,
+        Opcode::UcSendLastImm,
+        Opcode::UcSendOnly,
+        Opcode::UcSendOnlyImm,
+        Opcode::UcWriteFirst,
+        Opcode::UcWriteMiddle,
+        Opcode::UcWriteLast,
+        Opcode::UcWriteLastImm,
+        Opcode::UcWriteOnly,
+        Opcode::UcWriteOnlyImm,
         Opcode::UdSendOnly,
         Opcode::UdSendOnlyImm,
     ];
@@ -231,15 +268,61 @@ impl Opcode {
             Opcode::AtomicAcknowledge => "ATOMIC_ACKNOWLEDGE",
             Opcode::CompareSwap => "CMP_SWAP",
             Opcode::FetchAdd => "FETCH_ADD",
+            Opcode::UcSendFirst => "UC_SEND_FIRST",
+            Opcode::UcSendMiddle => "UC_SEND_MIDDLE",
+            Opcode::UcSendLast => "UC_SEND_LAST",
+            Opcode::UcSendLastImm => "UC_SEND_LAST_WITH_IMMEDIATE",
+            Opcode::UcSendOnly => "UC_SEND_ONLY",
+            Opcode::UcSendOnlyImm => "UC_SEND_ONLY_WITH_IMMEDIATE",
+            Opcode::UcWriteFirst => "UC_RDMA_WRITE_FIRST",
+            Opcode::UcWriteMiddle => "UC_RDMA_WRITE_MIDDLE",
+            Opcode::UcWriteLast => "UC_RDMA_WRITE_LAST",
+            Opcode::UcWriteLastImm => "UC_RDMA_WRITE_LAST_WITH_IMMEDIATE",
+            Opcode::UcWriteOnly => "UC_RDMA_WRITE_ONLY",
+            Opcode::UcWriteOnlyImm => "UC_RDMA_WRITE_ONLY_WITH_IMMEDIATE",
             Opcode::UdSendOnly => "UD_SEND_ONLY",
             Opcode::UdSendOnlyImm => "UD_SEND_ONLY_WITH_IMMEDIATE",
         }
     }
 
+    /// The RC operation with the same headers and meaning: a UC opcode's RC twin (same low
+    /// five bits); any other opcode itself.
+    pub const fn base(self) -> Opcode {
+        match self {
+            Opcode::UcSendFirst => Opcode::SendFirst,
+            Opcode::UcSendMiddle => Opcode::SendMiddle,
+            Opcode::UcSendLast => Opcode::SendLast,
+            Opcode::UcSendLastImm => Opcode::SendLastImm,
+            Opcode::UcSendOnly => Opcode::SendOnly,
+            Opcode::UcSendOnlyImm => Opcode::SendOnlyImm,
+            Opcode::UcWriteFirst => Opcode::WriteFirst,
+            Opcode::UcWriteMiddle => Opcode::WriteMiddle,
+            Opcode::UcWriteLast => Opcode::WriteLast,
+            Opcode::UcWriteLastImm => Opcode::WriteLastImm,
+            Opcode::UcWriteOnly => Opcode::WriteOnly,
+            Opcode::UcWriteOnlyImm => Opcode::WriteOnlyImm,
+            op => op,
+        }
+    }
+
+    /// The UC opcode of an RC SEND or RDMA WRITE opcode; `None` for an operation UC does not
+    /// have (READ, atomics, responses) and for UD.
+    pub fn to_uc(self) -> Option<Opcode> {
+        match self.base() {
+            op if op.is_send() || op.is_write() => Opcode::from_u8(op as u8 | 0x20),
+            _ => None,
+        }
+    }
+
+    /// A UC opcode (ABI 1.7).
+    pub const fn is_uc(self) -> bool {
+        (self as u8) & 0xE0 == 0x20
+    }
+
     /// A RETH follows the BTH.
     pub const fn has_reth(self) -> bool {
         matches!(
-            self,
+            self.base(),
             Opcode::WriteFirst | Opcode::WriteOnly | Opcode::WriteOnlyImm | Opcode::ReadRequest
         )
     }
@@ -269,7 +352,7 @@ impl Opcode {
     /// An ImmDt header is present (after the RETH or DETH, if any).
     pub const fn has_immdt(self) -> bool {
         matches!(
-            self,
+            self.base(),
             Opcode::SendLastImm
                 | Opcode::SendOnlyImm
                 | Opcode::WriteLastImm
@@ -306,14 +389,14 @@ impl Opcode {
         )
     }
 
-    /// An RC SEND opcode (any position, with or without immediate).
+    /// An RC or UC SEND opcode (any position, with or without immediate).
     pub fn is_send(self) -> bool {
-        (self as u8) <= Opcode::SendOnlyImm as u8
+        (self.base() as u8) <= Opcode::SendOnlyImm as u8
     }
 
-    /// An RDMA WRITE opcode (any position, with or without immediate).
+    /// An RC or UC RDMA WRITE opcode (any position, with or without immediate).
     pub fn is_write(self) -> bool {
-        (Opcode::WriteFirst as u8..=Opcode::WriteOnlyImm as u8).contains(&(self as u8))
+        (Opcode::WriteFirst as u8..=Opcode::WriteOnlyImm as u8).contains(&(self.base() as u8))
     }
 
     /// An RDMA READ response opcode (any position).
@@ -329,7 +412,7 @@ impl Opcode {
     /// Starts a message: a FIRST or ONLY packet, or a single-packet operation.
     pub fn is_first(self) -> bool {
         !matches!(
-            self,
+            self.base(),
             Opcode::SendMiddle
                 | Opcode::SendLast
                 | Opcode::SendLastImm
@@ -344,7 +427,7 @@ impl Opcode {
     /// Ends a message: a LAST or ONLY packet, or a single-packet operation.
     pub fn is_last(self) -> bool {
         !matches!(
-            self,
+            self.base(),
             Opcode::SendFirst
                 | Opcode::SendMiddle
                 | Opcode::WriteFirst
@@ -1659,8 +1742,8 @@ mod tests {
             Err(WireError::UnknownOpcode(0x15))
         );
         assert_eq!(
-            edit(&ack, &|f| f[42] = 0x24),
-            Err(WireError::UnknownOpcode(0x24))
+            edit(&ack, &|f| f[42] = 0x2C),
+            Err(WireError::UnknownOpcode(0x2C))
         );
         assert_eq!(edit(&ack, &|f| f[42] = 0x0C), Err(WireError::Truncated));
         assert_eq!(
@@ -1737,7 +1820,7 @@ mod tests {
     fn opcode_table() {
         use Opcode::*;
         for (i, op) in Opcode::ALL.iter().enumerate() {
-            if !op.is_ud() {
+            if !op.is_ud() && !op.is_uc() {
                 assert_eq!(usize::from(op.to_u8()), i);
             }
             assert_eq!(Opcode::from_u8(op.to_u8()), Some(*op));
@@ -1745,7 +1828,7 @@ mod tests {
             assert!(!op.name().is_empty());
         }
         for v in 0x15..=0xFFu8 {
-            if v != 0x64 && v != 0x65 {
+            if v != 0x64 && v != 0x65 && !(0x20..=0x2B).contains(&v) {
                 assert_eq!(Opcode::from_u8(v), None);
             }
         }
@@ -1804,18 +1887,65 @@ mod tests {
         ];
         for op in Opcode::ALL {
             assert_eq!(op.is_response(), responses.contains(&op), "{op}");
+            // A UC opcode sits where its RC twin does in a message.
+            let b = op.base();
             assert_eq!(
                 op.is_first(),
-                !middle.contains(&op) && !last_only.contains(&op),
+                !middle.contains(&b) && !last_only.contains(&b),
                 "{op}"
             );
             assert_eq!(
                 op.is_last(),
-                !middle.contains(&op) && !first_only.contains(&op),
+                !middle.contains(&b) && !first_only.contains(&b),
                 "{op}"
             );
             assert_eq!(op.has_payload(), !no_payload.contains(&op), "{op}");
         }
+    }
+
+    #[test]
+    fn uc_opcodes_are_the_rc_send_and_write_ones_with_transport_001() {
+        use Opcode::*;
+        let mut n = 0;
+        for op in Opcode::ALL.into_iter().filter(|o| o.is_uc()) {
+            n += 1;
+            let rc = op.base();
+            assert_eq!(op.to_u8() >> 5, 0b001, "{op}");
+            assert_eq!(op.to_u8() & 0x1F, rc.to_u8(), "{op}");
+            assert!(!rc.is_uc() && (rc.is_send() || rc.is_write()), "{op}");
+            assert_eq!(rc.to_uc(), Some(op), "{op}");
+            assert_eq!(op.to_uc(), Some(op), "{op}");
+            assert_eq!(op.header_len(), rc.header_len(), "{op}");
+            assert_eq!(op.has_reth(), rc.has_reth(), "{op}");
+            assert_eq!(op.has_immdt(), rc.has_immdt(), "{op}");
+            assert_eq!((op.is_send(), op.is_write()), (rc.is_send(), rc.is_write()));
+            assert_eq!((op.is_first(), op.is_last()), (rc.is_first(), rc.is_last()));
+            assert!(op.is_request() && op.has_payload() && !op.is_ud(), "{op}");
+            assert!(op.name().starts_with("UC_") && op.name().ends_with(rc.name()));
+        }
+        assert_eq!(n, 12);
+        for op in [ReadRequest, CompareSwap, FetchAdd, Acknowledge, UdSendOnly] {
+            assert_eq!(op.to_uc(), None, "{op}");
+            assert!(!op.is_uc() && op.base() == op, "{op}");
+        }
+        assert_eq!(UcSendOnly.to_u8(), 0x24);
+        assert_eq!(UcWriteOnlyImm.to_u8(), 0x2B);
+        // A UC frame parses with the headers of its RC twin.
+        let (_, mut repr, _, _) = golden().swap_remove(0);
+        repr.bth.opcode = UcWriteOnlyImm.to_u8();
+        repr.reth = Some(Reth {
+            va: 0x1000,
+            rkey: 0x42,
+            len: 3,
+        });
+        repr.imm = Some(0xDEAD_BEEF);
+        let f = emit_vec(&repr, b"abc");
+        let p = parse_packet(&f).expect("a UC frame parses");
+        assert_eq!(p.repr.opcode(), Some(UcWriteOnlyImm));
+        assert_eq!(
+            (p.repr.reth, p.repr.imm, p.payload),
+            (repr.reth, repr.imm, &b"abc"[..])
+        );
     }
 
     #[test]
@@ -1973,7 +2103,7 @@ mod tests {
     fn errors_display() {
         assert_eq!(
             WireError::UnknownOpcode(0x15).to_string(),
-            "unknown RC opcode 0x15"
+            "unknown opcode 0x15"
         );
         let e: Box<dyn std::error::Error> = Box::new(WireError::BadIcrc);
         assert_eq!(e.to_string(), "ICRC mismatch");

@@ -70,6 +70,13 @@ pub(crate) const SEND_OPS: u64 = (abi::ibv_qp_create_send_ops_flags_IBV_QP_EX_WI
     | abi::ibv_qp_create_send_ops_flags_IBV_QP_EX_WITH_ATOMIC_FETCH_AND_ADD)
     as u64;
 
+/// The send operations a UC QP can build: SEND and RDMA WRITE, with or without immediate.
+pub(crate) const SEND_OPS_UC: u64 = (abi::ibv_qp_create_send_ops_flags_IBV_QP_EX_WITH_RDMA_WRITE
+    | abi::ibv_qp_create_send_ops_flags_IBV_QP_EX_WITH_RDMA_WRITE_WITH_IMM
+    | abi::ibv_qp_create_send_ops_flags_IBV_QP_EX_WITH_SEND
+    | abi::ibv_qp_create_send_ops_flags_IBV_QP_EX_WITH_SEND_WITH_IMM)
+    as u64;
+
 /// The send operations a UD QP can build.
 pub(crate) const SEND_OPS_UD: u64 = (abi::ibv_qp_create_send_ops_flags_IBV_QP_EX_WITH_SEND
     | abi::ibv_qp_create_send_ops_flags_IBV_QP_EX_WITH_SEND_WITH_IMM)
@@ -92,11 +99,13 @@ pub(crate) fn create(
     const SUPPORTED_MASK: u32 = abi::ibv_qp_init_attr_mask_IBV_QP_INIT_ATTR_PD
         | abi::ibv_qp_init_attr_mask_IBV_QP_INIT_ATTR_CREATE_FLAGS
         | abi::ibv_qp_init_attr_mask_IBV_QP_INIT_ATTR_SEND_OPS_FLAGS;
-    let ud = match attr.qp_type {
-        abi::ibv_qp_type_IBV_QPT_RC => false,
-        abi::ibv_qp_type_IBV_QPT_UD => true,
+    let qp_type = match attr.qp_type {
+        abi::ibv_qp_type_IBV_QPT_RC => QpType::Rc,
+        abi::ibv_qp_type_IBV_QPT_UC => QpType::Uc,
+        abi::ibv_qp_type_IBV_QPT_UD => QpType::Ud,
         _ => return Err(libc::EOPNOTSUPP),
     };
+    let ud = qp_type == QpType::Ud;
     if attr.comp_mask & !SUPPORTED_MASK != 0 {
         return Err(libc::EOPNOTSUPP);
     }
@@ -106,7 +115,11 @@ pub(crate) fn create(
         return Err(libc::EOPNOTSUPP);
     }
     let ex = attr.comp_mask & abi::ibv_qp_init_attr_mask_IBV_QP_INIT_ATTR_SEND_OPS_FLAGS != 0;
-    let ops = if ud { SEND_OPS_UD } else { SEND_OPS };
+    let ops = match qp_type {
+        QpType::Ud => SEND_OPS_UD,
+        QpType::Uc => SEND_OPS_UC,
+        _ => SEND_OPS,
+    };
     if ex && attr.send_ops_flags & !ops != 0 {
         return Err(libc::EOPNOTSUPP);
     }
@@ -144,7 +157,7 @@ pub(crate) fn create(
         return Err(libc::EINVAL);
     }
     let mut init = QpInit::new(&scq.drv, &rcq.drv);
-    init.qp_type = if ud { QpType::Ud } else { QpType::Rc };
+    init.qp_type = qp_type;
     init.srq = srq.as_ref().map(|s| &s.drv);
     init.max_send_wr = c.max_send_wr.max(1);
     init.max_recv_wr = if srq.is_some() {

@@ -1,6 +1,7 @@
 //! Suites other people wrote, run as installed against ringbell NICs through the library:
-//! rdma-core's own Python tests (pyverbs), perftest's eight programs (and the send tests
-//! over UD) and ibverbs-utils' pingpongs (RC, SRQ, UD) between two processes on one
+//! rdma-core's own Python tests (pyverbs), perftest's eight programs (the send tests over
+//! UD, the send and write tests over UC) and ibverbs-utils' pingpongs (RC, SRQ, UD, UC)
+//! between two processes on one
 //! `ringbell-emu serve`, and `ibv_devinfo`; UCX (`ucx_perftest` over its `rc_verbs` and
 //! `ud_verbs` transports), Open MPI with its UCX PML (our MPI programs and NetPIPE's
 //! integrity check) and OpenSHMEM (OSHMEM's UCX SPML) on the served NICs.
@@ -250,6 +251,22 @@ fn perftest_ib_send_bw() {
     perftest("ib_send_bw", 18604, BW);
 }
 #[test]
+fn perftest_ib_write_lat_uc() {
+    perftest_with("ib_write_lat", 18614, LAT, &["-c", "UC"]);
+}
+#[test]
+fn perftest_ib_write_bw_uc() {
+    perftest_with("ib_write_bw", 18615, BW, &["-c", "UC"]);
+}
+#[test]
+fn perftest_ib_send_lat_uc() {
+    perftest_with("ib_send_lat", 18616, LAT, &["-c", "UC"]);
+}
+#[test]
+fn perftest_ib_send_bw_uc() {
+    perftest_with("ib_send_bw", 18617, BW, &["-c", "UC"]);
+}
+#[test]
 fn perftest_ib_send_lat_ud() {
     perftest_with("ib_send_lat", 18609, LAT, &["-c", "UD"]);
 }
@@ -320,6 +337,11 @@ fn ibv_srq_pingpong_validates_data() {
 #[test]
 fn ibv_ud_pingpong_validates_data() {
     pingpong("ibv_ud_pingpong", 18613);
+}
+
+#[test]
+fn ibv_uc_pingpong_validates_data() {
+    pingpong("ibv_uc_pingpong", 18618);
 }
 
 #[test]
@@ -426,7 +448,7 @@ fn rdma_core_test_suite_passes_on_rb0() {
     );
     // What a device with ringbell's capabilities must run, not skip (UD QPs and address
     // handles included: test_addr, the UD tests of test_qp, test_qpex, test_cqex,
-    // test_cq_events and test_relaxed_ordering).
+    // test_cq_events and test_relaxed_ordering; UC QPs: five tests of test_qp).
     for (file, at_least) in [
         ("test_device", 10),
         ("test_pd", 4),
@@ -435,7 +457,7 @@ fn rdma_core_test_suite_passes_on_rb0() {
         ("test_cqex", 4),
         ("test_cq_events", 2),
         ("test_mr", 1),
-        ("test_qp", 16),
+        ("test_qp", 21),
         ("test_qpex", 16),
         ("test_atomic", 7),
         ("test_tag_matching", 4),
