@@ -215,6 +215,7 @@ const PROGRAMS: &[&str] = &[
     "srq",
     "tm_srq",
     "ud",
+    "uc",
 ];
 
 macro_rules! c_program {
@@ -228,7 +229,7 @@ macro_rules! c_program {
     };
 }
 
-c_program!(devices, pd_mr, cq, qp_state, qp_ops, qp_errors, srq, tm_srq, ud);
+c_program!(devices, pd_mr, cq, qp_state, qp_ops, qp_errors, srq, tm_srq, ud, uc);
 
 /// Every `tests/c/*.c` has its test above (a new program is not silently left out).
 #[test]
