@@ -60,7 +60,7 @@ pub fn ppm(p: f64) -> u32 {
 /// The class of a frame, for matching.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum FrameKind {
-    /// An RC request: SEND, WRITE, READ request, atomic.
+    /// A request: SEND, WRITE, READ request, atomic (RC), and the UC SENDs and WRITEs.
     Request,
     /// An ACKNOWLEDGE (ACK, NAK or RNR NAK).
     Ack,

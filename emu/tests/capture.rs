@@ -38,6 +38,11 @@ struct Side {
 }
 
 fn side(fabric: &Fabric, node: usize) -> Side {
+    side_of(fabric, node, QpType::Rc)
+}
+
+/// [`side`] with a QP of transport `qp_type` (the spare QP is RC).
+fn side_of(fabric: &Fabric, node: usize, qp_type: QpType) -> Side {
     let dev = Device::open(Box::new(fabric.port(node))).unwrap();
     let pd = dev.alloc_pd().unwrap();
     let buf = dev.alloc_dma(1 << 16).unwrap();
@@ -52,6 +57,7 @@ fn side(fabric: &Fabric, node: usize) -> Side {
     init.max_send_wr = 16;
     init.max_recv_wr = 16;
     let spare = pd.create_qp(&init).unwrap();
+    init.qp_type = qp_type;
     let qp = pd.create_qp(&init).unwrap();
     assert!(qp.qpn() >= 2);
     Side {
@@ -538,9 +544,10 @@ fn check_with_tshark(tshark: &str, path: &Path, file: &[u8]) -> Vec<Vec<String>>
                 num(&r[10]),
                 u32::from_be_bytes(icrc.try_into().unwrap()) as u64
             );
-            let transport = match Opcode::from_u8(pk.repr.bth.opcode).is_some_and(Opcode::is_ud) {
-                true => "UD ",
-                false => "RC ",
+            let transport = match Opcode::from_u8(pk.repr.bth.opcode) {
+                Some(o) if o.is_ud() => "UD ",
+                Some(o) if o.is_uc() => "UC ",
+                _ => "RC ",
             };
             assert!(r[11].starts_with(transport), "{r:?}");
         }
@@ -606,6 +613,83 @@ fn tshark_decodes_bth_reth_aeth_as_sent() {
         assert_eq!(num(&r[7]), 0x1F, "{r:?}");
         assert_eq!(num(&r[4]), sent.qpn_a as u64);
     }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// UC (ABI 1.7): a SEND with immediate and a WRITE of three packets each at MTU 256, then a
+/// WRITE with immediate of one, decoded by Wireshark as the UC opcodes they are, with the
+/// RETH length and the ICRC as sent; nothing comes back.
+#[test]
+fn tshark_decodes_uc_frames_as_sent() {
+    let Some(tshark) = tshark() else { return };
+    let out = Sink::default();
+    let fabric = Fabric::new(FabricConfig::new(2, 12));
+    fabric.start_capture(out.clone()).unwrap();
+    let mut a = side_of(&fabric, 0, QpType::Uc);
+    let mut b = side_of(&fabric, 1, QpType::Uc);
+    let opts = ConnectOptions {
+        path_mtu: 1,
+        ..Default::default()
+    };
+    let (ea, eb) = (a.qp.endpoint(200), b.qp.endpoint(300));
+    a.qp.connect(&eb, 200, &opts).unwrap();
+    b.qp.connect(&ea, 300, &opts).unwrap();
+    let data: Vec<u8> = (0..600u32).map(|i| (i * 7 + 3) as u8).collect();
+    a.buf.write(0, &data).unwrap();
+    for id in [7, 8] {
+        let rs = [b.mr.sge(0x8000, 1024)];
+        b.qp.post_recv(&[RecvWr {
+            wr_id: id,
+            sgl: &rs,
+        }])
+        .unwrap();
+    }
+    let remote = RemoteAddr {
+        addr: b.mr.addr() + 0x1000,
+        rkey: b.mr.rkey(),
+    };
+    let sge = [a.mr.sge(0, 600)];
+    a.qp.post_send(&[
+        SendWr::new(1, WrOp::SendImm(5), &sge),
+        SendWr::new(2, WrOp::Write(remote), &sge),
+    ])
+    .unwrap();
+    let one = [a.mr.sge(0, 100)];
+    a.qp.post_send(&[SendWr::new(3, WrOp::WriteImm(remote, 6), &one)])
+        .unwrap();
+    for id in [1, 2, 3] {
+        assert_eq!(wait(&fabric, &mut a).wr_id, id);
+    }
+    for id in [7, 8] {
+        assert_eq!(wait(&fabric, &mut b).wr_id, id);
+    }
+    fabric.stop_capture().unwrap();
+    let dir = std::env::temp_dir().join(format!("ringbell-capture-uc-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("uc.pcapng");
+    let file = out.0.borrow().clone();
+    std::fs::write(&path, &file).unwrap();
+    let rows = check_with_tshark(tshark, &path, &file);
+    use Opcode::*;
+    let want = [
+        UcSendFirst,
+        UcSendMiddle,
+        UcSendLastImm,
+        UcWriteFirst,
+        UcWriteMiddle,
+        UcWriteLast,
+        UcWriteOnlyImm,
+    ];
+    let got: Vec<(String, u8, u64)> = rows
+        .iter()
+        .map(|r| (r[0].clone(), num(&r[3]) as u8, num(&r[5])))
+        .collect();
+    let expect: Vec<(String, u8, u64)> = want
+        .iter()
+        .enumerate()
+        .map(|(i, o)| ("node0".to_string(), o.to_u8(), 200 + i as u64))
+        .collect();
+    assert_eq!(got, expect);
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
