@@ -2,12 +2,12 @@
 //! failure is a status code, never a panic or an allocation sized by the guest.
 
 use crate::cq::Cq;
-use crate::env::Env;
+use crate::env::{write_owned_entry, Env};
 use crate::mem::{key_index, Mr, Pd};
 use crate::nic::Nic;
 use crate::qp::{check_modify, ModifyError, Qp, Srq, WorkQueue};
 use ringbell_specs::cmd::*;
-use ringbell_specs::cqe::EventType;
+use ringbell_specs::cqe::{owner_bit, EventType, CQE_SIZE};
 use zerocopy::{FromBytes, IntoBytes};
 
 type Outcome = Result<Vec<u8>, CmdStatus>;
@@ -131,6 +131,7 @@ impl Nic {
                 }
             }
             CmdOpcode::CreateCq => self.create_cq(params(input)?),
+            CmdOpcode::ResizeCq => self.resize_cq(env, params(input)?),
             CmdOpcode::QueryCq => {
                 let n = params::<ObjectIn>(input)?.num.get();
                 let cq = self.cqs.get(n).ok_or(CmdStatus::BadResource)?;
@@ -392,6 +393,55 @@ impl Nic {
             })
             .ok_or(CmdStatus::Exhausted)?;
         obj(n)
+    }
+
+    /// RESIZE_CQ: every check first; then the unpolled CQEs are copied one by one from the old
+    /// ring to the new one from slot 0, with the new ring's owner bits; only when every copy
+    /// succeeded does the CQ switch rings (a refused command changes nothing but the new
+    /// ring's bytes, which are the driver's).
+    fn resize_cq(&mut self, env: &mut dyn Env, p: ResizeCqIn) -> Outcome {
+        let cqn = p.cqn.get();
+        let cq = self.cqs.get(cqn).ok_or(CmdStatus::BadResource)?;
+        let size = 1u64 << p.log_size.min(40);
+        if p.log_size == 0 || p.log_size > 30 || size > self.cfg.max_cqe as u64 {
+            return Err(CmdStatus::BadSize);
+        }
+        if !p.ring_iova.get().is_multiple_of(64) || !fits(p.ring_iova.get(), size * 64) {
+            return Err(CmdStatus::BadParam);
+        }
+        if cq.overflow {
+            return Err(CmdStatus::BadState);
+        }
+        let ci = p.ci.get();
+        // Between what the device last saw polled and what it wrote.
+        if (ci.wrapping_sub(cq.ci) as i32) < 0 || (cq.pi.wrapping_sub(ci) as i32) < 0 {
+            return Err(CmdStatus::BadParam);
+        }
+        let n = cq.pi.wrapping_sub(ci);
+        if n as u64 > size {
+            return Err(CmdStatus::BadSize);
+        }
+        let (old_iova, old_mask) = (cq.ring_iova, (1u32 << cq.log_size) - 1);
+        let mut e = [0u8; CQE_SIZE];
+        for i in 0..n {
+            let slot = ci.wrapping_add(i) & old_mask;
+            let from = old_iova.wrapping_add(slot as u64 * CQE_SIZE as u64);
+            let to = p.ring_iova.get().wrapping_add(i as u64 * CQE_SIZE as u64);
+            let copied = env.dma_read(from, &mut e).and_then(|()| {
+                e[CQE_SIZE - 1] = owner_bit(i, p.log_size);
+                write_owned_entry(env, to, &e)
+            });
+            if let Err(f) = copied {
+                self.iommu_fault(env, 0, f.iova);
+                return Err(CmdStatus::DmaFault);
+            }
+        }
+        let cq = self.cqs.get_mut(cqn).ok_or(CmdStatus::BadResource)?;
+        cq.ring_iova = p.ring_iova.get();
+        cq.log_size = p.log_size;
+        cq.pi = n;
+        cq.ci = 0;
+        Ok(Vec::new())
     }
 
     fn create_qp(&mut self, p: CreateQpIn) -> Outcome {

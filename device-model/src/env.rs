@@ -407,7 +407,7 @@ impl Stage {
             Stage::DmaWrite | Stage::CqeDma => &["pcie_write_bytes_per_us"],
             Stage::Visible | Stage::CqeVisible => &["dma_write_visible_ps"],
             Stage::CqeOrder => &["nic_cqe_after_data_ps"],
-            Stage::Command => &["cmd_exec_ps"],
+            Stage::Command => &["cmd_exec_ps", "cmd_resize_cq_ps"],
             Stage::TriggerDispatch => &["trig_dispatch_ps"],
             Stage::BlueFlameWqe
             | Stage::CqeWrite

@@ -325,6 +325,7 @@ impl Nic {
             | Caps::UD
             | Caps::REREG_MR
             | Caps::UC
+            | Caps::RESIZE_CQ
     }
 
     /// A 32-bit register read. Never fails: unknown offsets read 0 and are counted.
@@ -420,7 +421,19 @@ impl Nic {
                     self.guest_error(GuestError::CommandBusy, value);
                 } else {
                     self.cmd_status = regs::CMD_STATUS_BUSY | (value & 0xFFFF);
-                    let at = env.now() + SimTime(self.cfg.timing.cmd_exec_ps);
+                    // The firmware looks at the opcode first: a resize takes longer.
+                    let mut op = [0u8; 2];
+                    let resize = self.cmd_addr.is_multiple_of(256)
+                        && env.dma_read(self.cmd_addr, &mut op).is_ok()
+                        && u16::from_le_bytes(op)
+                            == ringbell_specs::cmd::CmdOpcode::ResizeCq as u16;
+                    let t = &self.cfg.timing;
+                    let exec = if resize {
+                        t.cmd_resize_cq_ps
+                    } else {
+                        t.cmd_exec_ps
+                    };
+                    let at = env.now() + SimTime(exec);
                     let now = env.now();
                     trace(env, || {
                         TraceEvent::new(Stage::Command, now, at).obj(value & 0xFFFF)

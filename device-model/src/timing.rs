@@ -115,6 +115,10 @@ profile! {
     /// Command execution from CMD_DOORBELL to CMD_STATUS: 2 µs (A; firmware commands are
     /// slow, and nothing on the data path waits for them).
     cmd_exec_ps = 2_000_000, 2_000_000;
+    /// RESIZE_CQ from CMD_DOORBELL to CMD_STATUS, the ring switched at its end: 20 µs (A; the
+    /// firmware moves a ring, and the kernel call around it takes longer still, so work
+    /// posted just before a resize has completed into the old ring when it switches).
+    cmd_resize_cq_ps = 20_000_000, 20_000_000;
     /// Link data rate in bits per µs: 100 Gb/s; 400 Gb/s (V).
     link_bits_per_us = 100_000, 400_000;
     /// MAC, PCS and FEC on both ends of a hop: 100 ns (A; FEC-dependent); 120 ns for the

@@ -3,7 +3,7 @@
 use crate::device::{DevInner, Device, DmaBuffer};
 use crate::error::Error;
 use ringbell_specs::cmd::{
-    CmdOpcode, CreateCqIn, ObjectIn, QueryCqOut, CQ_FLAG_ARMED, CQ_FLAG_OVERFLOW,
+    CmdOpcode, CreateCqIn, ObjectIn, QueryCqOut, ResizeCqIn, CQ_FLAG_ARMED, CQ_FLAG_OVERFLOW,
 };
 use ringbell_specs::cqe::{self, owner_bit, Cqe, CqeOpcode, CqeStatus, CQE_SIZE};
 use ringbell_specs::regs;
@@ -101,7 +101,8 @@ pub struct CqAttr {
 pub(crate) struct CqObject {
     dev: Device,
     cqn: u32,
-    ring: DmaBuffer,
+    /// The ring the device writes (another one after a resize).
+    ring: std::cell::RefCell<DmaBuffer>,
     db: DmaBuffer,
 }
 
@@ -140,7 +141,7 @@ impl Device {
             obj: Rc::new(CqObject {
                 dev: self.clone(),
                 cqn,
-                ring,
+                ring: std::cell::RefCell::new(ring),
                 db,
             }),
             log,
@@ -211,17 +212,17 @@ impl CompletionQueue {
     pub fn poll_ready(&mut self, out: &mut [WorkCompletion]) -> usize {
         let mut n = 0;
         let mut consumed = false;
+        let ring = self.obj.ring.borrow();
         while n < out.len() {
             let slot = (self.ci & ((1 << self.log) - 1)) as usize * CQE_SIZE;
             // Acquire on the owner byte orders the reads of the entry after it.
-            if self.obj.ring.mem().load_acquire(slot + CQE_SIZE - 1) != owner_bit(self.ci, self.log)
-            {
+            if ring.mem().load_acquire(slot + CQE_SIZE - 1) != owner_bit(self.ci, self.log) {
                 break;
             }
             // One copy, straight into the entry's type: copying into a byte array and then
             // into a `Cqe` made narrower stores that the field loads could not forward from.
             let mut c = Cqe::new_zeroed();
-            if self.obj.ring.read(slot, c.as_mut_bytes()).is_err() {
+            if ring.read(slot, c.as_mut_bytes()).is_err() {
                 break;
             }
             self.ci = self.ci.wrapping_add(1);
@@ -240,6 +241,39 @@ impl CompletionQueue {
             );
         }
         n
+    }
+
+    /// Moves the CQ to a ring of at least `entries` entries (rounded up to a power of two,
+    /// two at least; the same size is a no-op), keeping the completions not yet polled, in
+    /// order: RESIZE_CQ (ABI 1.7). Refused: 0 or more than `max_cqe` entries
+    /// ([`Error::InvalidArgument`]); fewer entries than completions waiting, or a CQ that
+    /// overflowed ([`Error::Command`] `BAD_SIZE` / `BAD_STATE`); a device without
+    /// `CAPS.RESIZE_CQ` answers `BAD_OPCODE`. On an error the CQ is as it was.
+    pub fn resize(&mut self, entries: u32) -> Result<(), Error> {
+        let dev = &self.obj.dev;
+        if entries == 0 || entries > dev.caps().max_cqe {
+            return Err(Error::InvalidArgument("CQ size is 0 or beyond max_cqe"));
+        }
+        let log = (entries.next_power_of_two().trailing_zeros() as u8).max(1);
+        if log == self.log {
+            return Ok(());
+        }
+        let ring = dev.alloc_ring((1usize << log) * CQE_SIZE)?;
+        let input = ResizeCqIn {
+            cqn: self.obj.cqn.into(),
+            log_size: log,
+            ci: self.ci.into(),
+            ring_iova: ring.iova().into(),
+            ..Default::default()
+        };
+        self.inner()
+            .command(CmdOpcode::ResizeCq, input.as_bytes())?;
+        // The device writes the new ring only from now on: the old one can go.
+        drop(self.obj.ring.replace(ring));
+        self.log = log;
+        self.ci = 0;
+        self.obj.db.mem().store_u32_release(0, 0);
+        Ok(())
     }
 
     /// Requests a completion event for the next CQE (or the next solicited one).

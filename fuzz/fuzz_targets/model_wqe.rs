@@ -4,7 +4,8 @@
 //! faults), a discrete-event queue, and a minimal command helper that writes the mailbox the
 //! way `driver/src/device.rs` does. Setup (parameters drawn from the first input bytes, always
 //! valid): event queue, two PDs, three MRs (all access over the whole memory; remote-read-only
-//! at another VA; one in the second PD), one CQ, one RC QP with a send and a receive ring,
+//! at another VA; one in the second PD), one CQ, one RC (or, for a quarter of the inputs, UC)
+//! QP with a send and a receive ring,
 //! moved RESET → INIT → RTR → RTS towards a fake peer (10.0.0.2, QPN 5). Then hardware tag
 //! matching (ABI 1.2, after checking `TM_RC` in QUERY_DEVICE's caps): a second CQ, a TM-SRQ
 //! (CREATE_TM_SRQ: untagged ring, matching list, list-operation ring) and a second RC QP on
@@ -58,7 +59,7 @@ use ringbell_model::sim::EventQueue;
 use ringbell_model::{DmaFault, Env, Nic, NicConfig, NicEvent};
 use ringbell_specs::cmd::{
     Access, ArmCntrIn, ArmSrqIn, BindCntrIn, CmdHeader, CmdOpcode, CntrEvents, CntrWriteback,
-    CreateCntrIn, CreateCqIn, CreateQpIn, CreateSrqIn, CreateTmSrqIn, FlushTriggeredIn, ModifyQpIn,
+    CreateCntrIn, CreateCqIn, CreateQpIn, ResizeCqIn, CreateSrqIn, CreateTmSrqIn, FlushTriggeredIn, ModifyQpIn,
     ObjectIn, ObjectOut, PostTriggeredIn, QpAttr, QpAttrMask as M, QpState, QueryDeviceOut,
     RegMrIn, TrigFlags, TrigKind, UpdateCntrIn, CNTR_BIND_MR, CNTR_BIND_QP, CNTR_BIND_UNBIND,
     IN_OFFSET, MAILBOX_SIZE, OUT_OFFSET, PARAMS_SIZE, RESULT_OFFSET,
@@ -389,6 +390,16 @@ struct Harness {
     qp_in: [CreateQpIn; 2],
 }
 
+/// The UC transition masks (ABI.md 19.2) in place of the RC ones of a connect step.
+fn uc_mask(m: M) -> M {
+    m - (M::MAX_DEST_RD_ATOMIC
+        | M::MIN_RNR_TIMER
+        | M::TIMEOUT
+        | M::RETRY_CNT
+        | M::RNR_RETRY
+        | M::MAX_QP_RD_ATOMIC)
+}
+
 /// The attributes one connection is brought up with.
 #[derive(Clone, Copy)]
 struct ConnAttrs {
@@ -421,6 +432,10 @@ struct Params {
     /// Which CQs the TM-SRQ and the TM QP use (bit 0: TM QP send CQ is the TM CQ; 2: the
     /// TM-SRQ shares the main CQ).
     cq_mode: u8,
+    /// The main QP is UC (ABI 1.7) instead of RC: the wire frames, WQEs and commands of the
+    /// program then meet the UC paths (the mock peer still answers as an RC peer, whose
+    /// ACKs the UC QP drops as another transport's).
+    main_uc: bool,
 }
 
 fn byte(u: &mut Unstructured<'_>) -> u8 {
@@ -482,6 +497,7 @@ impl Params {
                 range(u, 1, 1024)
             },
             cq_mode: byte(u) % 4,
+            main_uc: byte(u) >= 192,
         }
     }
 }
@@ -760,6 +776,11 @@ impl Harness {
             sq_iova: SQ_RING.into(),
             rq_iova: RQ_RING.into(),
             db_iova: QP_DB.into(),
+            qp_type: if p.main_uc {
+                ringbell_specs::cmd::QP_TYPE_UC
+            } else {
+                ringbell_specs::cmd::QP_TYPE_RC
+            },
             ..Default::default()
         };
         self.sqs[MAIN].qpn = self.must_create(CmdOpcode::CreateQp, qp.as_bytes());
@@ -931,7 +952,9 @@ impl Harness {
         if !setup {
             steps.insert(0, (M::STATE, reset));
         }
+        let uc = self.qp_in[q].qp_type == ringbell_specs::cmd::QP_TYPE_UC;
         for (mask, attr) in steps {
+            let mask = if uc { uc_mask(mask) } else { mask };
             let status = self.modify(qpn, mask, attr, 0);
             if setup && status != Some(0) {
                 panic!("harness setup: MODIFY_QP {mask:?} of QP {qpn} failed: {status:?}");
@@ -1077,6 +1100,11 @@ impl Harness {
     /// A packet from the peer on connection `c`.
     fn peer_repr(&self, c: usize, opcode: Opcode, psn: Psn) -> PacketRepr {
         let conn = &self.peer.conns[c];
+        // A peer of a UC QP sends its SENDs and WRITEs with the UC opcodes.
+        let opcode = match opcode.to_uc() {
+            Some(uc) if self.qp_in[c].qp_type == ringbell_specs::cmd::QP_TYPE_UC => uc,
+            _ => opcode,
+        };
         PacketRepr {
             src: Endpoint {
                 mac: PEER_MAC,
@@ -1456,7 +1484,13 @@ impl Harness {
             _ => Psn::new(u32_(u)),
         };
         let mut r = self.peer_repr(c, Opcode::SendOnly, psn);
-        r.bth.opcode = opcode;
+        // To a UC QP, mostly the UC form of the operation (else the RC one it drops).
+        r.bth.opcode = match op.and_then(Opcode::to_uc) {
+            Some(uc) if self.qp_in[c].qp_type == ringbell_specs::cmd::QP_TYPE_UC && flag(u) => {
+                uc.to_u8()
+            }
+            _ => opcode,
+        };
         r.bth.ack_req = flag(u);
         r.bth.solicited = flag(u);
         match byte(u) % 16 {
@@ -2071,9 +2105,9 @@ impl Harness {
         } else if sel < 192 {
             self.tm_command(u);
         } else {
-            const OPS: [u16; 21] = [
-                0x01, 0x02, 0x10, 0x11, 0x20, 0x21, 0x22, 0x30, 0x31, 0x32, 0x40, 0x41, 0x42, 0x43,
-                0x44, 0x50, 0x51, 0x52, 0x53, 0x54, 0x99,
+            const OPS: [u16; 22] = [
+                0x01, 0x02, 0x10, 0x11, 0x20, 0x21, 0x22, 0x30, 0x31, 0x32, 0x33, 0x40, 0x41, 0x42,
+                0x43, 0x44, 0x50, 0x51, 0x52, 0x53, 0x54, 0x99,
             ];
             let op = OPS[byte(u) as usize % OPS.len()];
             let mut input = [0u8; PARAMS_SIZE];
@@ -2085,7 +2119,29 @@ impl Harness {
                 let key = self.keys[byte(u) as usize % self.keys.len()];
                 input[..4].copy_from_slice(&key.to_le_bytes());
             }
-            let _ = self.command(op, &input, u16_(u));
+            if op == CmdOpcode::ResizeCq as u16 && byte(u) < 192 {
+                // RESIZE_CQ of a live CQ from the harness's consumer index, into its own
+                // ring's area (up to 128 entries): the waiting CQEs move, perhaps over each
+                // other when the ring is not at a lap start; on success the harness follows.
+                let k = if flag(u) { MAIN } else { TM };
+                let c = &self.cqs[k];
+                let log = range(u, 1, 7) as u8;
+                let r = ResizeCqIn {
+                    cqn: c.cqn.into(),
+                    log_size: log,
+                    ci: c.ci.into(),
+                    ring_iova: c.ring.into(),
+                    ..Default::default()
+                };
+                if let Some((0, _)) = self.command(op, r.as_bytes(), u16_(u)) {
+                    let c = &mut self.cqs[k];
+                    (c.log, c.ci) = (log, 0);
+                    let db = c.db_rec;
+                    self.host.write(db, &0u32.to_le_bytes());
+                }
+            } else {
+                let _ = self.command(op, &input, u16_(u));
+            }
         }
         self.consume_eq();
     }

@@ -64,6 +64,9 @@ pub enum CmdOpcode {
     QueryCq = 0x31,
     /// Destroy a completion queue.
     DestroyCq = 0x32,
+    /// Move a completion queue to a ring of another size, keeping its unpolled completions.
+    /// ABI 1.7.
+    ResizeCq = 0x33,
     /// Create a queue pair (RC, or UD since ABI 1.5).
     CreateQp = 0x40,
     /// Change a QP's state and attributes.
@@ -120,6 +123,7 @@ impl CmdOpcode {
             0x30 => CreateCq,
             0x31 => QueryCq,
             0x32 => DestroyCq,
+            0x33 => ResizeCq,
             0x40 => CreateQp,
             0x41 => ModifyQp,
             0x42 => QueryQp,
@@ -247,6 +251,13 @@ abi_struct!(
     /// CREATE_CQ input. The ring holds `1 << log_size` 64-byte CQEs; the doorbell record is
     /// 8 bytes: consumer index (u32) then arm sequence (u32).
     CreateCqIn, 24, { log_size: u8, rsvd0: [u8; 3], eq_vector: U32, ring_iova: U64, db_iova: U64 }
+);
+abi_struct!(
+    /// RESIZE_CQ input (ABI 1.7): the CQ, its new ring of `1 << log_size` CQEs, and the
+    /// consumer index the driver has polled to. The device copies the CQEs from `ci` to its
+    /// producer index into the new ring from slot 0 and continues there; the doorbell record
+    /// stays where it is, and the driver's consumer index restarts at 0.
+    ResizeCqIn, 24, { cqn: U32, log_size: u8, rsvd0: [u8; 3], ci: U32, rsvd1: U32, ring_iova: U64 }
 );
 abi_struct!(
     /// QUERY_CQ output.
@@ -628,6 +639,11 @@ mod tests {
         // ABI 1.6: REREG_MR, after DEREG_MR.
         assert_eq!(CmdOpcode::from_u16(0x22), Some(CmdOpcode::ReregMr));
         assert_eq!(CmdOpcode::from_u16(0x23), None);
+        // ABI 1.7: RESIZE_CQ, after DESTROY_CQ.
+        assert_eq!(CmdOpcode::from_u16(0x33), Some(CmdOpcode::ResizeCq));
+        assert_eq!(CmdOpcode::from_u16(0x34), None);
+        assert_eq!(offset_of!(ResizeCqIn, ci), 0x08);
+        assert_eq!(offset_of!(ResizeCqIn, ring_iova), 0x10);
         assert_eq!(offset_of!(ReregMrIn, va), 0x10);
         assert_eq!(offset_of!(ReregMrIn, iova), 0x20);
         assert_eq!((REREG_TRANSLATION, REREG_PD, REREG_ACCESS), (1, 2, 4));

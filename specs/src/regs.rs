@@ -213,6 +213,8 @@ bitflags! {
         const REREG_MR = 1 << 10;
         /// Unreliable connected QPs: SEND and RDMA WRITE without acknowledgements (ABI 1.7).
         const UC = 1 << 11;
+        /// RESIZE_CQ: a CQ moved to a ring of another size with its completions (ABI 1.7).
+        const RESIZE_CQ = 1 << 12;
     }
 }
 
@@ -276,8 +278,9 @@ mod tests {
         assert_eq!(Caps::UD.bits(), 1 << 9);
         assert_eq!(Caps::REREG_MR.bits(), 1 << 10);
         assert_eq!(Caps::UC.bits(), 1 << 11);
-        // Bits 0..11 are defined (ABI 1.7); 31:12 are reserved.
-        assert_eq!(Caps::all().bits(), 0xFFF);
-        assert_eq!(Caps::from_bits(1 << 12), None);
+        assert_eq!(Caps::RESIZE_CQ.bits(), 1 << 12);
+        // Bits 0..12 are defined (ABI 1.7); 31:13 are reserved.
+        assert_eq!(Caps::all().bits(), 0x1FFF);
+        assert_eq!(Caps::from_bits(1 << 13), None);
     }
 }

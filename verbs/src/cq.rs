@@ -143,14 +143,19 @@ pub(crate) fn destroy(st: &mut State, cq: &mut RbCq) -> i32 {
     0
 }
 
-/// `ibv_resize_cq`: ringbell CQs keep the size they were created with, so every resize is
-/// refused as by a device without the verb (EOPNOTSUPP, which programs and rdma-core's
-/// tests take for "not supported"; a shrink that succeeded would promise a later grow).
-pub(crate) fn resize(_cq: &mut RbCq, cqe: i32) -> i32 {
+/// `ibv_resize_cq` (RESIZE_CQ, ABI 1.7): the CQ moves to a ring of at least `cqe` entries
+/// with the completions not yet polled, and `cq->cqe` says how many it now has. EINVAL for
+/// `cqe` below 1 or above `max_cqe`, or below the number of completions waiting (as mlx5);
+/// EOPNOTSUPP from a device without the command.
+pub(crate) fn resize(cq: &mut RbCq, cqe: i32) -> i32 {
     if cqe <= 0 {
         return libc::EINVAL;
     }
-    libc::EOPNOTSUPP
+    if let Err(e) = cq.drv.resize(cqe as u32) {
+        return crate::errno_of(&e);
+    }
+    cq.cq.cqe = cq.drv.capacity().min(i32::MAX as u32) as i32;
+    0
 }
 
 /// Converts a driver completion to libibverbs' `struct ibv_wc`.

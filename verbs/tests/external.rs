@@ -453,7 +453,7 @@ fn rdma_core_test_suite_passes_on_rb0() {
         ("test_device", 10),
         ("test_pd", 4),
         ("test_addr", 3),
-        ("test_cq", 3),
+        ("test_cq", 4),
         ("test_cqex", 4),
         ("test_cq_events", 2),
         ("test_mr", 1),

@@ -1,7 +1,8 @@
 /* Completion queues: sizes (1, max_cqe, beyond), comp_vector; completion channels (blocking
  * and non-blocking ibv_get_cq_event, a pollable fd, solicited-only arming, EBUSY while a CQ
  * uses the channel); EBUSY for a CQ a QP uses; a CQ overflow reported as IBV_EVENT_CQ_ERR;
- * the extended CQ (ibv_create_cq_ex, ibv_start_poll/next_poll/end_poll and the readers). */
+ * the extended CQ (ibv_create_cq_ex, ibv_start_poll/next_poll/end_poll and the readers);
+ * ibv_resize_cq (completions waiting move with the CQ, a size below them is EINVAL). */
 #include "common.h"
 #include <pthread.h>
 
@@ -376,6 +377,77 @@ static void extended(void)
 	printf("  extended: start/next/end_poll, readers, ENOENT\n");
 }
 
+/* An 8-byte signaled WRITE from qp to b's buffer. */
+static void write8(struct ibv_qp *qp, uint64_t wr_id)
+{
+	struct ibv_sge sge = {.addr = (uintptr_t)a.buf, .length = 8, .lkey = a.mr->lkey};
+	struct ibv_send_wr wr = {.wr_id = wr_id, .sg_list = &sge, .num_sge = 1,
+				 .opcode = IBV_WR_RDMA_WRITE, .send_flags = IBV_SEND_SIGNALED};
+	wr.wr.rdma.remote_addr = (uintptr_t)b.buf;
+	wr.wr.rdma.rkey = b.mr->rkey;
+	struct ibv_send_wr *bad = NULL;
+	CHECK_RET(ibv_post_send(qp, &wr, &bad), 0);
+}
+
+static void expect_writes(struct ibv_cq *cq, uint64_t first, uint64_t n)
+{
+	struct ibv_wc wc;
+	for (uint64_t i = first; i < first + n; i++) {
+		EXPECT_WC(cq, &wc, IBV_WC_SUCCESS, IBV_WC_RDMA_WRITE);
+		CHECK_EQ(wc.wr_id, i);
+	}
+	EXPECT_NO_WC(cq, 10);
+}
+
+static void resize(void)
+{
+	struct ibv_device_attr da;
+	CHECK_RET(ibv_query_device(a.ctx, &da), 0);
+	struct ibv_cq *cq = ibv_create_cq(a.ctx, 4, NULL, NULL, 0);
+	CHECK(cq != NULL);
+	int c0 = cq->cqe;
+	CHECK(c0 >= 4);
+	CHECK_RET(ibv_resize_cq(cq, 0), EINVAL);
+	CHECK_RET(ibv_resize_cq(cq, -1), EINVAL);
+	CHECK_RET(ibv_resize_cq(cq, da.max_cqe + 1), EINVAL);
+	CHECK_EQ(cq->cqe, c0);
+	struct ibv_qp_init_attr ia = {
+		.send_cq = cq,
+		.recv_cq = cq,
+		.cap = {.max_send_wr = 32, .max_recv_wr = 4, .max_send_sge = 1, .max_recv_sge = 1},
+		.qp_type = IBV_QPT_RC,
+	};
+	struct ibv_qp *qa = ibv_create_qp(a.pd, &ia);
+	CHECK(qa != NULL);
+	ia.send_cq = ia.recv_cq = b.cq;
+	struct ibv_qp *qb = ibv_create_qp(b.pd, &ia);
+	CHECK(qb != NULL);
+	qp_connect(qa, qb->qp_num, &b.gid, &o);
+	qp_connect(qb, qa->qp_num, &a.gid, &o);
+	/* Three WRITEs complete while the CQ grows: they move with it, in order. */
+	for (uint64_t i = 0; i < 3; i++)
+		write8(qa, i);
+	CHECK_RET(ibv_resize_cq(cq, 100), 0);
+	CHECK(cq->cqe >= 100);
+	int grown = cq->cqe;
+	expect_writes(cq, 0, 3);
+	/* Five waiting do not fit in two entries: EINVAL, and the CQ is as it was. */
+	for (uint64_t i = 3; i < 8; i++)
+		write8(qa, i);
+	CHECK_RET(ibv_resize_cq(cq, 2), EINVAL);
+	CHECK_EQ(cq->cqe, grown);
+	expect_writes(cq, 3, 5);
+	/* Empty, it shrinks, and goes on. */
+	CHECK_RET(ibv_resize_cq(cq, 2), 0);
+	CHECK(cq->cqe >= 2 && cq->cqe < grown);
+	write8(qa, 8);
+	expect_writes(cq, 8, 1);
+	CHECK_RET(ibv_destroy_qp(qa), 0);
+	CHECK_RET(ibv_destroy_qp(qb), 0);
+	CHECK_RET(ibv_destroy_cq(cq), 0);
+	printf("  resize: grew to %d with 3 waiting, 5 waiting refused a shrink to 2\n", grown);
+}
+
 int main(void)
 {
 	alarm(30); /* a wait that never ends fails the program instead of hanging it */
@@ -386,6 +458,7 @@ int main(void)
 	channel();
 	overflow();
 	extended();
+	resize();
 	side_close(&a);
 	side_close(&b);
 	printf("cq: ok\n");
