@@ -37,6 +37,11 @@ pub const BUF: usize = 1 << 20;
 
 /// Opens a side on `node`.
 pub fn side(fabric: &Fabric, node: usize, access: Access) -> Side {
+    side_of(fabric, node, access, QpType::Rc)
+}
+
+/// Opens a side on `node` whose QP has transport `qp_type`.
+pub fn side_of(fabric: &Fabric, node: usize, access: Access, qp_type: QpType) -> Side {
     let dev = Device::open(Box::new(fabric.port(node))).expect("open device");
     let pd = dev.alloc_pd().expect("pd");
     let buf = dev.alloc_dma(BUF).expect("dma");
@@ -46,6 +51,7 @@ pub fn side(fabric: &Fabric, node: usize, access: Access) -> Side {
     init.max_send_wr = 256;
     init.max_recv_wr = 256;
     init.max_inline = 220;
+    init.qp_type = qp_type;
     let qp = pd.create_qp(&init).expect("qp");
     Side {
         qp,
@@ -105,6 +111,11 @@ pub fn wait(fabric: &Fabric, cq: &mut CompletionQueue, n: usize) -> Vec<WorkComp
 /// Runs the fabric to idle and returns every completion left in `cq`.
 pub fn drain(fabric: &Fabric, cq: &mut CompletionQueue) -> Vec<WorkCompletion> {
     settle(fabric);
+    poll_all(cq)
+}
+
+/// Every completion already in `cq` (the device is not stepped).
+pub fn poll_all(cq: &mut CompletionQueue) -> Vec<WorkCompletion> {
     let mut out = Vec::new();
     let mut wc = [WorkCompletion::default(); 16];
     loop {

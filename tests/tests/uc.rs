@@ -19,24 +19,7 @@ const ALL: Access = Access::LOCAL_WRITE
 
 /// One side with a UC QP in RESET.
 fn uc_side(fabric: &Fabric, node: usize) -> Side {
-    let dev = Device::open(Box::new(fabric.port(node))).expect("open device");
-    let pd = dev.alloc_pd().expect("pd");
-    let buf = dev.alloc_dma(BUF).expect("dma");
-    let mr = pd.reg_mr(&buf, ALL).expect("mr");
-    let cq = dev.create_cq(1024).expect("cq");
-    let mut init = QpInit::new(&cq, &cq);
-    init.qp_type = QpType::Uc;
-    init.max_send_wr = 64;
-    init.max_recv_wr = 64;
-    let qp = pd.create_qp(&init).expect("uc qp");
-    Side {
-        qp,
-        mr,
-        buf,
-        cq,
-        pd,
-        dev,
-    }
+    side_of(fabric, node, ALL, QpType::Uc)
 }
 
 /// Two nodes with connected UC QPs at path MTU 1024 (`path_mtu` 3).

@@ -30,7 +30,7 @@ use ringbell_emu::{Fabric, FabricConfig, FaultPlan, LinkFaults};
 use ringbell_model::Stage;
 use ringbell_specs::wire::Opcode;
 use ringbell_specs::SimTime;
-use ringbell_tests::settle;
+use ringbell_tests::{poll_all, settle};
 use std::collections::VecDeque;
 
 const MTU: u32 = 256;
@@ -239,18 +239,6 @@ fn end(f: &Fabric, node: usize) -> End {
         buf,
         _pd: pd,
         dev,
-    }
-}
-
-fn poll_all(cq: &mut CompletionQueue) -> Vec<WorkCompletion> {
-    let mut out = Vec::new();
-    let mut wc = [WorkCompletion::default(); 32];
-    loop {
-        let k = cq.poll_ready(&mut wc);
-        if k == 0 {
-            return out;
-        }
-        out.extend_from_slice(&wc[..k]);
     }
 }
 

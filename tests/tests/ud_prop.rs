@@ -44,7 +44,7 @@ use ringbell_model::Stage;
 use ringbell_specs::cmd::QKEY_USE_QP;
 use ringbell_specs::wire::Opcode;
 use ringbell_specs::SimTime;
-use ringbell_tests::settle;
+use ringbell_tests::{poll_all, settle};
 use std::collections::{HashMap, VecDeque};
 
 /// The two Q_Keys QPs are given.
@@ -405,17 +405,6 @@ fn run(
     assert_eq!(tl.dropped(), 0, "timeline cap too small");
 
     // Send completions: one per datagram, in post order per QP, SUCCESS.
-    let poll_all = |cq: &mut CompletionQueue| {
-        let mut out = Vec::new();
-        let mut wc = [WorkCompletion::default(); 16];
-        loop {
-            let k = cq.poll_ready(&mut wc);
-            if k == 0 {
-                return out;
-            }
-            out.extend_from_slice(&wc[..k]);
-        }
-    };
     for (n, node) in nodes.iter_mut().enumerate() {
         let got = poll_all(&mut node.send_cq);
         for (q, qp) in qps.iter().enumerate().filter(|(_, q)| q.node == n) {
