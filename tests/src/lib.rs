@@ -127,6 +127,24 @@ pub fn poll_all(cq: &mut CompletionQueue) -> Vec<WorkCompletion> {
     }
 }
 
+/// Links that lose, duplicate, hold back (up to 2 µs) and corrupt frames at these rates
+/// (parts per million), never down: the faults of the property tests.
+pub fn lossy_links(
+    drop_ppm: u32,
+    duplicate_ppm: u32,
+    reorder_ppm: u32,
+    corrupt_ppm: u32,
+) -> ringbell_emu::LinkFaults {
+    ringbell_emu::LinkFaults {
+        drop_ppm,
+        duplicate_ppm,
+        reorder_ppm,
+        reorder_delay: ringbell_specs::SimTime(2_000_000),
+        corrupt_ppm,
+        down: Vec::new(),
+    }
+}
+
 /// Runs the fabric until nothing is pending.
 pub fn settle(f: &Fabric) {
     f.run_until_idle(u64::MAX);

@@ -29,8 +29,7 @@ use ringbell::*;
 use ringbell_emu::{Fabric, FabricConfig, FaultPlan, LinkFaults};
 use ringbell_model::Stage;
 use ringbell_specs::wire::Opcode;
-use ringbell_specs::SimTime;
-use ringbell_tests::{poll_all, settle};
+use ringbell_tests::{lossy_links, poll_all, settle};
 use std::collections::VecDeque;
 
 const MTU: u32 = 256;
@@ -393,14 +392,7 @@ proptest! {
         reorder_ppm in prop_oneof![3 => Just(0u32), 1 => 0u32..=100_000],
         corrupt_ppm in prop_oneof![3 => Just(0u32), 1 => 0u32..=50_000],
     ) {
-        let links = LinkFaults {
-            drop_ppm,
-            duplicate_ppm,
-            reorder_ppm,
-            reorder_delay: SimTime(2_000_000),
-            corrupt_ppm,
-            down: Vec::new(),
-        };
+        let links = lossy_links(drop_ppm, duplicate_ppm, reorder_ppm, corrupt_ppm);
         run(seed, msgs, caps, links);
     }
 }

@@ -43,8 +43,7 @@ use ringbell_emu::{Fabric, FabricConfig, FaultPlan, LinkFaults};
 use ringbell_model::Stage;
 use ringbell_specs::cmd::QKEY_USE_QP;
 use ringbell_specs::wire::Opcode;
-use ringbell_specs::SimTime;
-use ringbell_tests::{poll_all, settle};
+use ringbell_tests::{lossy_links, poll_all, settle};
 use std::collections::{HashMap, VecDeque};
 
 /// The two Q_Keys QPs are given.
@@ -698,14 +697,7 @@ proptest! {
         corrupt_ppm in prop_oneof![3 => Just(0u32), 1 => 1u32..=100_000],
         psn_base in 0u32..=0x00FF_FFFF,
     ) {
-        let links = LinkFaults {
-            drop_ppm,
-            duplicate_ppm,
-            reorder_ppm,
-            reorder_delay: SimTime(2_000_000),
-            corrupt_ppm,
-            down: Vec::new(),
-        };
+        let links = lossy_links(drop_ppm, duplicate_ppm, reorder_ppm, corrupt_ppm);
         let f = run(seed, nodes, dgrams, links, psn_base);
         eprintln!(
             "ud_prop: {} nodes, {} QPs, {} datagrams (drop {drop_ppm} ppm, duplicate \
