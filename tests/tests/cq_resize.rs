@@ -206,3 +206,19 @@ fn bad_resize_commands_are_statuses_and_change_nothing() {
     assert_eq!((q.entries, q.pi, q.ci), (1024, 3, 0));
     assert_eq!(ids(&mut p), vec![0, 1, 2]);
 }
+
+#[test]
+fn an_armed_cq_stays_armed_across_a_resize() {
+    let mut p = pair();
+    p.a.cq.arm(false);
+    p.a.cq.resize(16).unwrap();
+    let completion = |p: &Pair| {
+        std::iter::from_fn(|| p.a.dev.poll_event())
+            .filter(|e| e.kind == ringbell_specs::cqe::EventType::Completion)
+            .count()
+    };
+    assert_eq!(completion(&p), 0, "no CQE yet, no event");
+    writes(&mut p, 0, 1);
+    assert_eq!(completion(&p), 1, "the first CQE in the new ring fires it");
+    assert_eq!(ids(&mut p), vec![0]);
+}

@@ -447,3 +447,74 @@ fn rc_and_uc_do_not_talk() {
     assert!(b.qp.ud_stats().unwrap().wrong_transport_dropped >= 1);
     assert!(drain(&fabric, &mut b.cq).is_empty());
 }
+
+/// A UC QP on an SRQ: a SEND lost halfway keeps the SRQ receive it took for the next SEND;
+/// one left parked when the QP goes to ERR completes with WR_FLUSH_ERR through the SRQ, and
+/// the SRQ's other receives stay for other QPs.
+#[test]
+fn uc_on_an_srq_parks_the_receive_of_a_lost_send_and_flushes_it() {
+    let mut p = uc_pair(11);
+    let mut srq = p.b.pd.create_srq(16, 1, 0).expect("srq");
+    let on_srq = |b: &Side, srq: &SharedReceiveQueue| {
+        let mut init = QpInit::new(&b.cq, &b.cq);
+        init.qp_type = QpType::Uc;
+        init.srq = Some(srq);
+        b.pd.create_qp(&init).unwrap()
+    };
+    let mut bq = on_srq(&p.b, &srq);
+    // A's QP now talks to the SRQ QP.
+    let o = ConnectOptions {
+        path_mtu: 3,
+        access: ALL,
+        ..Default::default()
+    };
+    p.a.qp.to_error().unwrap();
+    let reset = QpAttr {
+        state: QpState::Reset as u8,
+        ..Default::default()
+    };
+    p.a.qp.modify(M::STATE, &reset).unwrap();
+    let (ea, eb) = (p.a.qp.endpoint(500), bq.endpoint(600));
+    p.a.qp.connect(&eb, 500, &o).unwrap();
+    bq.connect(&ea, 600, &o).unwrap();
+    drain(&p.fabric, &mut p.a.cq);
+    let m = pattern(2500, 8);
+    p.a.buf.write(0, &m).unwrap();
+    for (i, off) in [(90u64, 0u64), (91, 4096), (92, 8192)] {
+        let sge = [p.b.mr.sge(off, 4096)];
+        srq.post_recv(&[RecvWr {
+            wr_id: i,
+            sgl: &sge,
+        }])
+        .unwrap();
+    }
+    drop_nth(&p, Opcode::UcSendMiddle, 1);
+    post(&mut p.a, 1, WrOp::Send, 0, 2500);
+    post(&mut p.a, 2, WrOp::Send, 0, 300);
+    wait(&p.fabric, &mut p.a.cq, 2);
+    let r = drain(&p.fabric, &mut p.b.cq);
+    assert_eq!(
+        r.iter().map(|w| (w.wr_id, w.byte_len)).collect::<Vec<_>>(),
+        vec![(90, 300)]
+    );
+    // Lose the next one halfway too: receive 91 is parked when the QP goes to ERR.
+    drop_nth(&p, Opcode::UcSendMiddle, 1);
+    post(&mut p.a, 3, WrOp::Send, 0, 2500);
+    wait(&p.fabric, &mut p.a.cq, 1);
+    assert!(drain(&p.fabric, &mut p.b.cq).is_empty());
+    bq.to_error().unwrap();
+    let r = outcomes(&p.fabric, &mut p.b.cq);
+    assert_eq!(r, vec![(91, WcStatus::WrFlushErr)]);
+    drop(bq);
+    // Receive 92 is still the SRQ's: another QP on it takes the next SEND.
+    let mut bq2 = on_srq(&p.b, &srq);
+    p.a.qp.to_error().unwrap();
+    p.a.qp.modify(M::STATE, &reset).unwrap();
+    drain(&p.fabric, &mut p.a.cq);
+    let (ea, eb) = (p.a.qp.endpoint(700), bq2.endpoint(800));
+    p.a.qp.connect(&eb, 700, &o).unwrap();
+    bq2.connect(&ea, 800, &o).unwrap();
+    post(&mut p.a, 4, WrOp::Send, 0, 100);
+    let r = wait(&p.fabric, &mut p.b.cq, 1);
+    assert_eq!((r[0].wr_id, r[0].byte_len, r[0].qpn), (92, 100, bq2.qpn()));
+}
