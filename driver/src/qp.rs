@@ -539,17 +539,20 @@ fn emit_send_wqe(
     Ok(())
 }
 
-/// The WQE of an inline SEND or WRITE (with or without immediate data) carrying 8 to 12
-/// bytes, the common small post: one block, as its eight little-endian words. `None` for any
-/// other request, including one over `max_inline` (the general path encodes it, or reports
-/// the error). Byte for byte what [`emit_send_wqe`] writes for the same request.
+/// The WQE of the common small post, one block, as its eight little-endian words: an inline
+/// SEND or WRITE (with or without immediate data) carrying 8 to 12 bytes, or a SEND, WRITE
+/// (with or without immediate data) or READ with at most one SGE (READ not on a UC QP, `uc`).
+/// `None` for any other request, including one over `max_inline` or `max_send_sge` (the
+/// general path encodes it, or reports the error). Byte for byte what [`emit_send_wqe`]
+/// writes for the same request.
 #[inline(always)]
-fn small_inline_wqe(wr: &SendWr<'_>, max_inline: u32, wqe_index: u16) -> Option<[u64; 8]> {
-    let data = wr.inline?;
-    let n = data.len();
-    if !(8..=12).contains(&n) || n > max_inline as usize {
-        return None;
-    }
+fn small_wqe(
+    wr: &SendWr<'_>,
+    max_inline: u32,
+    max_send_sge: u32,
+    uc: bool,
+    wqe_index: u16,
+) -> Option<[u64; 8]> {
     let (opcode, raddr, imm) = if let WrOp::Write(r) = wr.op {
         (SendOpcode::Write, Some(r), 0)
     } else {
@@ -557,22 +560,42 @@ fn small_inline_wqe(wr: &SendWr<'_>, max_inline: u32, wqe_index: u16) -> Option<
             WrOp::WriteImm(r, i) => (SendOpcode::WriteImm, Some(r), i),
             WrOp::Send => (SendOpcode::Send, None, 0),
             WrOp::SendImm(i) => (SendOpcode::SendImm, None, i),
+            WrOp::Read(r) if !uc && wr.inline.is_none() => (SendOpcode::Read, Some(r), 0),
             _ => return None,
         }
     };
-    let flags = WqeFlags::from_bits_truncate(wr.flags.bits()) | WqeFlags::INLINE;
-    // ctrl | [raddr] | inline (4-byte count and 8..=12 bytes: one segment).
-    let ds: u64 = if raddr.is_some() { 3 } else { 2 };
+    let mut flags = WqeFlags::from_bits_truncate(wr.flags.bits());
+    // The segment after ctrl | [raddr]: the inline count and 8..=12 bytes, or the one data
+    // segment, or nothing.
+    let (data, nseg): ([u64; 2], u64) = match wr.inline {
+        Some(data) => {
+            let n = data.len();
+            if !(8..=12).contains(&n) || n > max_inline as usize {
+                return None;
+            }
+            flags |= WqeFlags::INLINE;
+            // Data bytes 0..4 follow the count; bytes 4..n are the top n - 4 bytes of the
+            // last eight.
+            let first = u64::from_le_bytes(*data.first_chunk::<8>()?);
+            let last = u64::from_le_bytes(*data.last_chunk::<8>()?);
+            (
+                [
+                    (n as u32 | INLINE_MARK) as u64 | first << 32,
+                    last >> (8 * (12 - n)),
+                ],
+                1,
+            )
+        }
+        None => match wr.sgl {
+            [] => ([0, 0], 0),
+            [s] if max_send_sge >= 1 => ([s.len as u64 | (s.lkey as u64) << 32, s.addr], 1),
+            _ => return None,
+        },
+    };
+    let ds: u64 = 1 + raddr.is_some() as u64 + nseg;
     let ctrl = [
         opcode as u64 | (flags.bits() as u64) << 8 | (wqe_index as u64) << 16 | ds << 32,
         imm as u64,
-    ];
-    // Data bytes 0..4 follow the count; bytes 4..n are the top n - 4 bytes of the last eight.
-    let first = u64::from_le_bytes(*data.first_chunk::<8>()?);
-    let last = u64::from_le_bytes(*data.last_chunk::<8>()?);
-    let inline = [
-        (n as u32 | INLINE_MARK) as u64 | first << 32,
-        last >> (8 * (12 - n)),
     ];
     Some(match raddr {
         Some(r) => [
@@ -580,12 +603,12 @@ fn small_inline_wqe(wr: &SendWr<'_>, max_inline: u32, wqe_index: u16) -> Option<
             ctrl[1],
             r.addr,
             r.rkey as u64,
-            inline[0],
-            inline[1],
+            data[0],
+            data[1],
             0,
             0,
         ],
-        None => [ctrl[0], ctrl[1], inline[0], inline[1], 0, 0, 0, 0],
+        None => [ctrl[0], ctrl[1], data[0], data[1], 0, 0, 0, 0],
     })
 }
 
@@ -1015,18 +1038,24 @@ impl QueuePair {
         let nbbs = &rings.sq_nbb[..];
         let ring = ring.filter(|_| wrids.len() > mask as usize && nbbs.len() > mask as usize);
         let ci = rings.sq_ci.get();
-        let max_inline = self.max_inline;
+        let (max_inline, max_send_sge, uc) = (self.max_inline, self.max_send_sge, self.uc);
+        // The words of the first WQE, if it took the small path (what a lone WQE's BlueFlame
+        // block holds).
+        let mut first_words = None;
         for wr in wrs {
             // The common small post (one block, written as whole words): no plan, no
             // segment-by-segment writes. Anything else, and every error, takes the general
             // path, which encodes the same bytes.
             if let Some(ring) = ring.filter(|_| !self.ud) {
                 if pi.wrapping_sub(ci) <= mask {
-                    if let Some(words) = small_inline_wqe(wr, max_inline, pi as u16) {
+                    if let Some(words) = small_wqe(wr, max_inline, max_send_sge, uc, pi as u16) {
                         let slot = (pi & mask) as usize;
                         ring.block(slot).write_u64s::<0, 8>(words);
                         wrids[slot].set(wr.wr_id);
                         nbbs[slot].set(1);
+                        if pi == start {
+                            first_words = Some(words);
+                        }
                         pi = pi.wrapping_add(1);
                         continue;
                     }
@@ -1044,7 +1073,20 @@ impl QueuePair {
         self.rings.sq_pi.set(pi);
         if pi != start {
             self.db.mem().store_u32_release(4, pi);
-            self.ring_sq(start);
+            match first_words {
+                // One small WQE: its BlueFlame block is the words just written to the ring.
+                Some(words) if self.bf && pi == start.wrapping_add(1) => {
+                    let mut block = [0u8; WQEBB];
+                    for (b, w) in block.chunks_exact_mut(8).zip(words) {
+                        b.copy_from_slice(&w.to_le_bytes());
+                    }
+                    self.dev
+                        .inner
+                        .port
+                        .write_block(regs::BF_BASE + self.qpn as u64 * regs::BF_STRIDE, &block);
+                }
+                _ => self.ring_sq(start),
+            }
         }
         result
     }
@@ -1363,7 +1405,7 @@ mod tests {
             match (&want, &plan) {
                 (Err(w), Err(g)) => {
                     prop_assert_eq!(w, &format!("{g:?}"));
-                    prop_assert!(small_inline_wqe(&wr, max_inline, wqe_index).is_none());
+                    prop_assert!(small_wqe(&wr, max_inline, max_send_sge, false, wqe_index).is_none());
                 }
                 (Ok(want), Ok(plan)) => {
                     const BLOCKS: usize = 8;
@@ -1385,7 +1427,16 @@ mod tests {
                     let mut buf = [0u8; wqe::MAX_SEND_WQE];
                     emit_send_wqe(&wr, plan, wqe_index, &mut buf).unwrap();
                     prop_assert_eq!(&buf[..want.len()], &want[..]);
-                    if let Some(words) = small_inline_wqe(&wr, max_inline, wqe_index) {
+                    let small = small_wqe(&wr, max_inline, max_send_sge, false, wqe_index);
+                    // Every valid non-atomic request with at most one SGE, or with 8..=12
+                    // inline bytes, takes the small path; a UC QP's READ does not.
+                    let inline_small = inline.as_ref().is_some_and(|d| (8..=12).contains(&d.len()));
+                    let sgl_small = inline.is_none() && sgl.len() <= 1;
+                    prop_assert_eq!(small.is_some(), kind <= 4 && (inline_small || sgl_small));
+                    if kind == 4 {
+                        prop_assert!(small_wqe(&wr, max_inline, max_send_sge, true, wqe_index).is_none());
+                    }
+                    if let Some(words) = small {
                         prop_assert_eq!(nbb, 1);
                         mem.fill(0, BLOCKS * WQEBB, 0xEE).unwrap();
                         mem.ring_blocks(BLOCKS).unwrap().block(start_block).write_u64s::<0, 8>(words);
