@@ -28,7 +28,7 @@ use crate::responder::recv_cqe;
 use ringbell_specs::cmd::{Access, CntrEvents, QpState};
 use ringbell_specs::cqe::{CqeOpcode, CqeStatus, VendorSyndrome, CQE_FLAG_IMM, CQE_FLAG_SOLICITED};
 use ringbell_specs::wire::Opcode;
-use ringbell_specs::wqe::{SendOpcode, WqeFlags};
+use ringbell_specs::wqe::{SendOpcode, WqeFlags, MAX_SEND_SGE};
 use ringbell_specs::SimTime;
 
 impl Nic {
@@ -54,25 +54,26 @@ impl Nic {
         while qp.fetch != qp.sq.pi {
             let index = qp.fetch;
             let in_nic = qp.req.bf.as_ref().is_some_and(|(i, _)| *i == index);
-            // Decoded into the NIC's scratch WQE, whose buffers are reused.
-            let mut wqe = std::mem::take(&mut self.fm_wqe);
+            // Decoded into the NIC's scratch WQE, whose buffers are reused (boxed, so that
+            // taking it out and putting it back moves a pointer).
+            let mut wqe = self.fm_wqe.take().unwrap_or_default();
             match self.read_send_wqe(env, qp, index, &mut wqe) {
                 Ok(true) => {}
                 Ok(false) => {
-                    self.fm_wqe = wqe;
+                    self.fm_wqe = Some(wqe);
                     return false;
                 }
                 Err((e, nbb)) => {
-                    self.fm_wqe = wqe;
+                    self.fm_wqe = Some(wqe);
                     self.fail_wqe(env, qp, index, nbb, e);
                     return false;
                 }
             }
             if self.fm_exec(env, qp, index, &wqe) {
-                self.fm_wqe = wqe;
+                self.fm_wqe = Some(wqe);
                 continue;
             }
-            return self.start_decoded(env, qp, index, in_nic, wqe);
+            return self.start_decoded(env, qp, index, in_nic, *wqe);
         }
         false
     }
@@ -102,9 +103,10 @@ impl Nic {
             _ => (Access::empty(), 0),
         };
         // The local checks of the packet path, without their side effects: a WQE that would
-        // fail them goes to the packet path, which reports the failure.
-        let mut ranges = std::mem::take(&mut self.fm_ranges);
-        ranges.clear();
+        // fail them goes to the packet path, which reports the failure. The ranges are kept
+        // on the stack: a WQE has at most MAX_SEND_SGE of them (any more: the packet path).
+        let mut buf = [(0u64, 0u32); MAX_SEND_SGE];
+        let (mut n, mut total) = (0usize, 0u64);
         let mut ok = true;
         for s in &w.sges {
             if s.len == 0 {
@@ -112,17 +114,24 @@ impl Nic {
                 continue;
             }
             match self.check_key(qp.pdn, s.lkey, s.addr, s.len as u64, local) {
-                Ok(iova) if env.dma_check(iova, s.len as usize).is_ok() => {
-                    ranges.push((iova, s.len))
-                }
+                Ok(iova) if env.dma_check(iova, s.len as usize).is_ok() => match buf.get_mut(n) {
+                    Some(r) => {
+                        *r = (iova, s.len);
+                        n += 1;
+                        total += u64::from(s.len);
+                    }
+                    None => ok = false,
+                },
                 _ => ok = false,
             }
         }
+        let ranges = &buf[..n];
         // The results must fit the local list (else the packet path's length error).
-        ok &= ranges.iter().map(|r| u64::from(r.1)).sum::<u64>() >= need;
+        ok &= total >= need;
+        let mtu = qp.mtu();
         let npsn = match op {
             FmOp::CmpSwap | FmOp::FetchAdd => 1,
-            _ => (w.len as u32).div_ceil(qp.mtu()).max(1),
+            _ => (w.len as u32).div_ceil(mtu).max(1),
         };
         let taken = if !ok {
             None
@@ -135,7 +144,7 @@ impl Nic {
                 op,
                 psn: qp.req.next_psn,
                 npsn,
-                mtu: qp.mtu(),
+                mtu,
                 raddr: w.raddr,
                 rkey: w.rkey,
                 imm: w.imm,
@@ -144,21 +153,20 @@ impl Nic {
                 data: if w.sges.is_empty() {
                     FmData::Inline(&w.inline)
                 } else {
-                    FmData::Gather(&ranges)
+                    FmData::Gather(ranges)
                 },
                 atomic: w.atomic,
             };
             env.fm_deliver(&msg)
         };
         let Some(orig) = taken else {
-            self.fm_ranges = ranges;
             return false;
         };
         // An atomic's original value lands in the local list, as its ACK would put it.
         if matches!(op, FmOp::CmpSwap | FmOp::FetchAdd) {
             let bytes = orig.to_le_bytes();
             let mut off = 0usize;
-            for &(iova, n) in &ranges {
+            for &(iova, n) in ranges {
                 let n = (n as usize).min(bytes.len() - off);
                 if n == 0 {
                     break;
@@ -171,7 +179,6 @@ impl Nic {
                 off += n;
             }
         }
-        self.fm_ranges = ranges;
         // As when the message's last ACK arrives: PSNs used, progress made, completed.
         let now = env.now();
         qp.req.next_psn = qp.req.next_psn.add(npsn);
@@ -186,8 +193,11 @@ impl Nic {
             let cqe = Self::send_cqe(qp.qpn, index, w, CqeStatus::Success, VendorSyndrome::None);
             self.complete(env, qp.gen, qp.send_cqn, now, cqe);
         }
-        let c = qp.cntrs;
-        self.qp_count(env, &c, crate::counter::send_event(w.op), true, now);
+        // (An eligible QP has no counter bound; the check keeps this path whole.)
+        if qp.cntrs.any() {
+            let c = qp.cntrs;
+            self.qp_count(env, &c, crate::counter::send_event(w.op), true, now);
+        }
         true
     }
 
@@ -244,8 +254,6 @@ impl Nic {
             return self.fm_read_atomic(env, qp, msg);
         }
         let now = env.now();
-        let mut dst = std::mem::take(&mut self.fm_dst);
-        dst.clear();
         let has_imm = matches!(msg.op, FmOp::WriteImm | FmOp::SendImm);
         // WRITE with immediate and SEND need a receive WQE (none: the packet path's RNR).
         let recv = if needs_recv {
@@ -254,36 +262,42 @@ impl Nic {
             } else {
                 match self.srqs.get(qp.srqn) {
                     Some(srq) => &srq.wq,
-                    None => return self.fm_refuse(dst),
+                    None => return None,
                 }
             };
             if wq.ci == wq.pi {
-                return self.fm_refuse(dst);
+                return None;
             }
             let (wq, ci) = (wq.clone(), wq.ci);
             match self.read_recv_wqe(env, &wq, ci) {
                 Ok(sges) => Some((ci, sges)),
-                Err(_) => return self.fm_refuse(dst),
+                Err(_) => return None,
             }
         } else {
             None
         };
+        // Where the payload goes: a WRITE's one range, or the receive WQE's scatter list (in
+        // the NIC's reused vector).
+        let mut one = None;
+        let mut dst = Vec::new();
         if is_write {
             if !qp.access().contains(Access::REMOTE_WRITE) {
-                return self.fm_refuse(dst);
+                return None;
             }
             let Ok(iova) =
                 self.check_key(qp.pdn, msg.rkey, msg.raddr, msg.len, Access::REMOTE_WRITE)
             else {
-                return self.fm_refuse(dst);
+                return None;
             };
             if msg.len > 0 {
                 if env.dma_check(iova, msg.len as usize).is_err() {
-                    return self.fm_refuse(dst);
+                    return None;
                 }
-                dst.push((iova, msg.len as u32));
+                one = Some((iova, msg.len as u32));
             }
         } else {
+            dst = std::mem::take(&mut self.fm_dst);
+            dst.clear();
             // The scatter list of the receive WQE, over the message's bytes.
             let mut left = msg.len;
             for s in recv.as_ref().map(|r| &r.1[..]).unwrap_or_default() {
@@ -308,11 +322,17 @@ impl Nic {
             }
         }
         // Accepted: the payload in one copy, then the state the packets would leave.
-        if let Err(f) = fm_copy(env, msg.data, &dst) {
+        let ranges = match &one {
+            Some(r) => std::slice::from_ref(r),
+            None => &dst[..],
+        };
+        if let Err(f) = fm_copy(env, msg.data, ranges) {
             // Checked above on both sides; only a mapping gone within this event gets here.
             self.iommu_fault(env, qp.qpn, f.iova);
         }
-        self.fm_dst = dst;
+        if !is_write {
+            self.fm_dst = dst;
+        }
         qp.resp.epsn = qp.resp.epsn.add(msg.npsn);
         qp.resp.msn = qp.resp.msn.wrapping_add(1);
         qp.resp.nak_sent = false;
@@ -324,8 +344,11 @@ impl Nic {
             flags |= CQE_FLAG_SOLICITED;
         }
         if is_write {
-            let c = qp.cntrs;
-            self.qp_count(env, &c, CntrEvents::REMOTE_WRITE, true, now);
+            // (An idle QP has no counter bound; the check keeps this path whole.)
+            if qp.cntrs.any() {
+                let c = qp.cntrs;
+                self.qp_count(env, &c, CntrEvents::REMOTE_WRITE, true, now);
+            }
             self.mr_count(env, msg.rkey, CntrEvents::REMOTE_WRITE, now);
         }
         if let Some((index, sges)) = recv {

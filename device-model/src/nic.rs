@@ -216,12 +216,11 @@ pub struct Nic {
     /// Posted DMA writes ([`NicEvent::DmaWrite`]) not yet landed: functional mode waits for
     /// none (a message placed at once must not be overtaken by an older posted write).
     pub(crate) dma_pending: u64,
-    /// Functional mode's reusable list of (IOVA, length) ranges.
-    pub(crate) fm_ranges: Vec<(u64, u32)>,
-    /// Its responder-side counterpart.
+    /// Functional mode's reusable list of (IOVA, length) ranges a received message is
+    /// scattered over.
     pub(crate) fm_dst: Vec<(u64, u32)>,
     /// Functional mode's scratch WQE: each one is decoded into it, reusing its buffers.
-    pub(crate) fm_wqe: crate::qp::SendWqe,
+    pub(crate) fm_wqe: Option<Box<crate::qp::SendWqe>>,
     /// Decoded WQEs of completed work, kept so that starting a WQE reuses their buffers.
     pub(crate) wqe_pool: Vec<crate::qp::SendWqe>,
 }
@@ -271,9 +270,8 @@ impl Nic {
             stats: NicStats::default(),
             scratch: Vec::new(),
             dma_pending: 0,
-            fm_ranges: Vec::new(),
             fm_dst: Vec::new(),
-            fm_wqe: crate::qp::SendWqe::default(),
+            fm_wqe: None,
             wqe_pool: Vec::new(),
         }
     }
