@@ -319,46 +319,35 @@ impl Opcode {
         (self as u8) & 0xE0 == 0x20
     }
 
+    /// This opcode's bits in [`TRAITS`].
+    #[inline]
+    const fn traits(self, bits: u16) -> bool {
+        TRAITS[self as usize] & bits != 0
+    }
+
     /// A RETH follows the BTH.
     pub const fn has_reth(self) -> bool {
-        matches!(
-            self.base(),
-            Opcode::WriteFirst | Opcode::WriteOnly | Opcode::WriteOnlyImm | Opcode::ReadRequest
-        )
+        self.traits(T_RETH)
     }
 
     /// An AETH follows the BTH.
     pub const fn has_aeth(self) -> bool {
-        matches!(
-            self,
-            Opcode::ReadResponseFirst
-                | Opcode::ReadResponseLast
-                | Opcode::ReadResponseOnly
-                | Opcode::Acknowledge
-                | Opcode::AtomicAcknowledge
-        )
+        self.traits(T_AETH)
     }
 
     /// An AtomicETH follows the BTH.
     pub const fn has_atomic_eth(self) -> bool {
-        matches!(self, Opcode::CompareSwap | Opcode::FetchAdd)
+        self.traits(T_ATOMIC_ETH)
     }
 
     /// An AtomicAckETH follows the AETH.
     pub const fn has_atomic_ack_eth(self) -> bool {
-        matches!(self, Opcode::AtomicAcknowledge)
+        self.traits(T_ATOMIC_ACK)
     }
 
     /// An ImmDt header is present (after the RETH or DETH, if any).
     pub const fn has_immdt(self) -> bool {
-        matches!(
-            self.base(),
-            Opcode::SendLastImm
-                | Opcode::SendOnlyImm
-                | Opcode::WriteLastImm
-                | Opcode::WriteOnlyImm
-                | Opcode::UdSendOnlyImm
-        )
+        self.traits(T_IMMDT)
     }
 
     /// A DETH follows the BTH: the UD opcodes.
@@ -368,7 +357,7 @@ impl Opcode {
 
     /// A UD opcode (ABI 1.5).
     pub const fn is_ud(self) -> bool {
-        matches!(self, Opcode::UdSendOnly | Opcode::UdSendOnlyImm)
+        self.traits(T_UD)
     }
 
     /// Handled by the responder: SEND, RDMA WRITE, RDMA READ request and atomics.
@@ -378,30 +367,22 @@ impl Opcode {
 
     /// Handled by the requester: read responses, ACK and atomic ACK.
     pub fn is_response(self) -> bool {
-        matches!(
-            self,
-            Opcode::ReadResponseFirst
-                | Opcode::ReadResponseMiddle
-                | Opcode::ReadResponseLast
-                | Opcode::ReadResponseOnly
-                | Opcode::Acknowledge
-                | Opcode::AtomicAcknowledge
-        )
+        self.traits(T_RESPONSE)
     }
 
     /// An RC or UC SEND opcode (any position, with or without immediate).
     pub fn is_send(self) -> bool {
-        (self.base() as u8) <= Opcode::SendOnlyImm as u8
+        self.traits(T_SEND)
     }
 
     /// An RC or UC RDMA WRITE opcode (any position, with or without immediate).
     pub fn is_write(self) -> bool {
-        (Opcode::WriteFirst as u8..=Opcode::WriteOnlyImm as u8).contains(&(self.base() as u8))
+        self.traits(T_WRITE)
     }
 
     /// An RDMA READ response opcode (any position).
     pub fn is_read_response(self) -> bool {
-        (Opcode::ReadResponseFirst as u8..=Opcode::ReadResponseOnly as u8).contains(&(self as u8))
+        self.traits(T_READ_RESPONSE)
     }
 
     /// An atomic request (CMP_SWAP or FETCH_ADD).
@@ -411,30 +392,93 @@ impl Opcode {
 
     /// Starts a message: a FIRST or ONLY packet, or a single-packet operation.
     pub fn is_first(self) -> bool {
-        !matches!(
-            self.base(),
-            Opcode::SendMiddle
-                | Opcode::SendLast
-                | Opcode::SendLastImm
-                | Opcode::WriteMiddle
-                | Opcode::WriteLast
-                | Opcode::WriteLastImm
-                | Opcode::ReadResponseMiddle
-                | Opcode::ReadResponseLast
-        )
+        self.traits(T_FIRST)
     }
 
     /// Ends a message: a LAST or ONLY packet, or a single-packet operation.
     pub fn is_last(self) -> bool {
-        !matches!(
-            self.base(),
-            Opcode::SendFirst
-                | Opcode::SendMiddle
-                | Opcode::WriteFirst
-                | Opcode::WriteMiddle
-                | Opcode::ReadResponseFirst
-                | Opcode::ReadResponseMiddle
-        )
+        self.traits(T_LAST)
+    }
+
+    /// The bits of [`TRAITS`] for this opcode, from its definition: the table's source.
+    const fn traits_of(self) -> u16 {
+        use Opcode::*;
+        // A UC opcode has its RC twin's headers and position.
+        let b = self.base();
+        let mut t = 0;
+        if matches!(b, WriteFirst | WriteOnly | WriteOnlyImm | ReadRequest) {
+            t |= T_RETH;
+        }
+        if matches!(
+            b,
+            ReadResponseFirst
+                | ReadResponseLast
+                | ReadResponseOnly
+                | Acknowledge
+                | AtomicAcknowledge
+        ) {
+            t |= T_AETH;
+        }
+        if matches!(b, CompareSwap | FetchAdd) {
+            t |= T_ATOMIC_ETH;
+        }
+        if matches!(b, AtomicAcknowledge) {
+            t |= T_ATOMIC_ACK;
+        }
+        if matches!(
+            b,
+            SendLastImm | SendOnlyImm | WriteLastImm | WriteOnlyImm | UdSendOnlyImm
+        ) {
+            t |= T_IMMDT;
+        }
+        if matches!(b, UdSendOnly | UdSendOnlyImm) {
+            t |= T_UD;
+        }
+        if matches!(
+            b,
+            ReadResponseFirst
+                | ReadResponseMiddle
+                | ReadResponseLast
+                | ReadResponseOnly
+                | Acknowledge
+                | AtomicAcknowledge
+        ) {
+            t |= T_RESPONSE;
+        }
+        if (b as u8) <= SendOnlyImm as u8 {
+            t |= T_SEND;
+        }
+        if (b as u8) >= WriteFirst as u8 && (b as u8) <= WriteOnlyImm as u8 {
+            t |= T_WRITE;
+        }
+        if (b as u8) >= ReadResponseFirst as u8 && (b as u8) <= ReadResponseOnly as u8 {
+            t |= T_READ_RESPONSE;
+        }
+        if !matches!(
+            b,
+            SendMiddle
+                | SendLast
+                | SendLastImm
+                | WriteMiddle
+                | WriteLast
+                | WriteLastImm
+                | ReadResponseMiddle
+                | ReadResponseLast
+        ) {
+            t |= T_FIRST;
+        }
+        if !matches!(
+            b,
+            SendFirst
+                | SendMiddle
+                | WriteFirst
+                | WriteMiddle
+                | ReadResponseFirst
+                | ReadResponseMiddle
+        ) {
+            t |= T_LAST;
+        }
+        t
     }
 
     /// BTH plus the extended headers of this opcode, in bytes.
@@ -478,6 +522,33 @@ const BY_BYTE: [Option<Opcode>; 256] = {
     let mut i = 0;
     while i < Opcode::ALL.len() {
         t[Opcode::ALL[i] as usize] = Some(Opcode::ALL[i]);
+        i += 1;
+    }
+    t
+};
+
+// The bits of an opcode's entry in [`TRAITS`], one per predicate.
+const T_RETH: u16 = 1 << 0;
+const T_AETH: u16 = 1 << 1;
+const T_ATOMIC_ETH: u16 = 1 << 2;
+const T_ATOMIC_ACK: u16 = 1 << 3;
+const T_IMMDT: u16 = 1 << 4;
+const T_UD: u16 = 1 << 5;
+const T_RESPONSE: u16 = 1 << 6;
+const T_SEND: u16 = 1 << 7;
+const T_WRITE: u16 = 1 << 8;
+const T_READ_RESPONSE: u16 = 1 << 9;
+const T_FIRST: u16 = 1 << 10;
+const T_LAST: u16 = 1 << 11;
+
+/// Every predicate of every opcode, by opcode byte (others 0, never read): one load answers
+/// any of them on the packet path.
+const TRAITS: [u16; Opcode::UdSendOnlyImm as usize + 1] = {
+    let mut t = [0u16; Opcode::UdSendOnlyImm as usize + 1];
+    let mut i = 0;
+    while i < Opcode::ALL.len() {
+        let op = Opcode::ALL[i];
+        t[op as usize] = op.traits_of();
         i += 1;
     }
     t
