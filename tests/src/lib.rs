@@ -145,6 +145,16 @@ pub fn lossy_links(
     }
 }
 
+/// Byte `i` of message `m` of a property-test run with `seed`: every message's bytes differ
+/// from every other's, so a byte in the wrong place shows.
+pub fn message_byte(seed: u64, m: usize, i: usize) -> u8 {
+    let x = (m as u64 + 1)
+        .wrapping_mul(0x9E37_79B9_7F4A_7C15)
+        .wrapping_add((i as u64).wrapping_mul(0x2545_F491))
+        .wrapping_add(seed);
+    (x >> 29) as u8
+}
+
 /// Runs the fabric until nothing is pending.
 pub fn settle(f: &Fabric) {
     f.run_until_idle(u64::MAX);

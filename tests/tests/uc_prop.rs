@@ -76,13 +76,7 @@ fn msg() -> impl Strategy<Value = Msg> {
     (kind, len).prop_map(|(kind, len)| Msg { kind, len })
 }
 
-fn byte(seed: u64, m: usize, i: usize) -> u8 {
-    let x = (m as u64 + 1)
-        .wrapping_mul(0x9E37_79B9_7F4A_7C15)
-        .wrapping_add((i as u64).wrapping_mul(0x2545_F491))
-        .wrapping_add(seed);
-    (x >> 29) as u8
-}
+use ringbell_tests::message_byte as byte;
 
 fn npsn(len: u32) -> u32 {
     len.div_ceil(MTU).max(1)

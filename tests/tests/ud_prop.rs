@@ -156,14 +156,8 @@ fn dgram() -> impl Strategy<Value = Dgram> {
         )
 }
 
-/// Payload byte `i` of datagram `d`.
-fn fill(seed: u64, d: usize, i: usize) -> u8 {
-    let x = (d as u64 + 1)
-        .wrapping_mul(0x9E37_79B9_7F4A_7C15)
-        .wrapping_add((i as u64).wrapping_mul(0x2545_F491))
-        .wrapping_add(seed);
-    (x >> 29) as u8
-}
+// Payload byte `i` of datagram `d`.
+use ringbell_tests::message_byte as fill;
 
 /// The IPv4 header in the GRH area of a receive: the datagram's, as received (ABI 18.3,
 /// 18.4): identification the PSN's low 16 bits, TOS 0, TTL 64, UDP, the length of the frame's
