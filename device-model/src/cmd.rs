@@ -421,7 +421,7 @@ impl Nic {
         if n as u64 > size {
             return Err(CmdStatus::BadSize);
         }
-        let (old_iova, old_mask) = (cq.ring_iova, (1u32 << cq.log_size) - 1);
+        let (old_iova, old_mask, db) = (cq.ring_iova, (1u32 << cq.log_size) - 1, cq.db_iova);
         let mut e = [0u8; CQE_SIZE];
         for i in 0..n {
             let slot = ci.wrapping_add(i) & old_mask;
@@ -435,6 +435,13 @@ impl Nic {
                 self.iommu_fault(env, 0, f.iova);
                 return Err(CmdStatus::DmaFault);
             }
+        }
+        // The record's consumer index is the old ring's: it would read as valid for the new
+        // one (the device re-reads it before declaring overflow) until the driver rewrote
+        // it. The device clears it as it switches.
+        if let Err(f) = env.dma_write(db, &0u32.to_le_bytes()) {
+            self.iommu_fault(env, 0, f.iova);
+            return Err(CmdStatus::DmaFault);
         }
         let cq = self.cqs.get_mut(cqn).ok_or(CmdStatus::BadResource)?;
         cq.ring_iova = p.ring_iova.get();

@@ -312,8 +312,9 @@ impl Nic {
     /// one at its own PSN. A packet the RC responder would NAK (out of its message's order,
     /// no receive WQE, a bad R_Key, range or rights, a SEND too long for its WQE) is dropped
     /// with the rest of its message and counted in `uc_dropped`; the QP keeps serving. A
-    /// receive WQE a lost message was filling is kept for the next SEND. Only a fault of
-    /// this side (a receive WQE whose keys fail, memory the IOMMU does not map) completes
+    /// receive WQE of the QP's own RQ that a lost message was filling is kept for the next
+    /// SEND; one taken from an SRQ completes in error (see [`Nic::uc_abandon`]). Only a fault
+    /// of this side (a receive WQE whose keys fail, memory the IOMMU does not map) completes
     /// that WQE in error and moves the QP to ERR, as on RC, without a NAK.
     fn uc_request(&mut self, env: &mut dyn Env, qp: &mut Qp, pkt: &Packet<'_>) {
         let ready = env.now() + SimTime(self.cfg.timing.nic_rx_pkt_ps);
@@ -322,12 +323,13 @@ impl Nic {
         };
         let op = op.base();
         let psn = pkt.repr.bth.psn;
+        let lost = (CqeStatus::RemInvReqErr, VendorSyndrome::None);
         if psn != qp.resp.epsn {
             qp.stats.out_of_sequence += 1;
-            Self::uc_abandon(qp);
+            self.uc_abandon(env, qp, lost, ready);
         } else if op.is_first() {
             // A new message while one is unfinished: the sender gave up on that one.
-            Self::uc_abandon(qp);
+            self.uc_abandon(env, qp, lost, ready);
         }
         qp.resp.epsn = psn;
         let r = if op.is_send() {
@@ -340,21 +342,38 @@ impl Nic {
             Err(Fault::Fatal(code @ NakCode::RemoteOperationalError, status)) => {
                 self.responder_fatal(env, qp, psn, code, status, ready)
             }
-            Err(_) => {
+            Err(e) => {
                 qp.stats.uc_dropped += 1;
                 self.stats.rx_dropped += 1;
-                Self::uc_abandon(qp);
+                // A SEND too long for its WQE reports what RC's receiver reports.
+                let status = match e {
+                    Fault::Fatal(_, Some(s @ (CqeStatus::LocLenErr, _))) => s,
+                    _ => lost,
+                };
+                self.uc_abandon(env, qp, status, ready);
                 qp.resp.epsn = psn.add(1);
             }
         }
     }
 
-    /// UC: the message in progress is lost. A SEND's receive WQE is parked for the next
-    /// SEND (from its start); a WRITE's context is forgotten.
-    fn uc_abandon(qp: &mut Qp) {
+    /// UC: the message in progress is lost; a WRITE's context is forgotten. The receive WQE
+    /// a SEND was filling is reused when it is the QP's own: it is parked for the next SEND
+    /// (from its start). One taken from an SRQ cannot go back to it: it completes with
+    /// `status` and the QP serves on (the IBTA's class E; rxe does the same).
+    fn uc_abandon(
+        &mut self,
+        env: &mut dyn Env,
+        qp: &mut Qp,
+        status: (CqeStatus, VendorSyndrome),
+        ready: SimTime,
+    ) {
         if let Some(mut rc) = qp.resp.recv.take() {
-            rc.offset = 0;
-            qp.resp.parked = Some(rc);
+            if rc.srqn != 0 {
+                self.finish_recv(env, qp, rc, status, 0, 0, 0, ready);
+            } else {
+                rc.offset = 0;
+                qp.resp.parked = Some(rc);
+            }
         }
         qp.resp.write = None;
     }

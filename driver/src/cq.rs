@@ -272,6 +272,8 @@ impl CompletionQueue {
         drop(self.obj.ring.replace(ring));
         self.log = log;
         self.ci = 0;
+        // The device cleared the record's consumer index as it switched (ABI 1.7); the
+        // driver's own copy says the same.
         self.obj.db.mem().store_u32_release(0, 0);
         Ok(())
     }

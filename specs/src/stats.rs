@@ -72,7 +72,8 @@ counters!(
         /// UC packets the responder dropped (ABI 1.7): the rest of a message after a lost
         /// packet, a packet out of its message's order, no receive WQE, a bad R_Key, range or
         /// rights, or a SEND longer than its receive WQE. UC has no NAK: the sender is never
-        /// told, and a receive WQE the lost message was filling waits for the next one.
+        /// told; a receive WQE the lost message was filling waits for the next one (or, from
+        /// an SRQ, completes in error).
         uc_dropped,
     }
 );

@@ -196,6 +196,19 @@ fn a_lost_packet_loses_its_send_and_the_receive_is_filled_by_the_next() {
     post(&mut p.a, 3, WrOp::SendImm(5), 0, 100);
     let r = wait(&p.fabric, &mut p.b.cq, 1);
     assert_eq!((r[0].wr_id, r[0].byte_len, r[0].imm), (11, 100, Some(5)));
+    // A receive parked by a lost SEND is flushed when the QP goes to ERR, before the ones
+    // behind it.
+    post_recv(&mut p.b, 12, 0, 4096);
+    post_recv(&mut p.b, 13, 4096, 4096);
+    drop_nth(&p, Opcode::UcSendMiddle, 1);
+    post(&mut p.a, 4, WrOp::Send, 0, 3000);
+    wait(&p.fabric, &mut p.a.cq, 1);
+    assert!(drain(&p.fabric, &mut p.b.cq).is_empty());
+    p.b.qp.to_error().unwrap();
+    assert_eq!(
+        outcomes(&p.fabric, &mut p.b.cq),
+        vec![(12, WcStatus::WrFlushErr), (13, WcStatus::WrFlushErr)]
+    );
 }
 
 #[test]
@@ -448,20 +461,17 @@ fn rc_and_uc_do_not_talk() {
     assert!(drain(&fabric, &mut b.cq).is_empty());
 }
 
-/// A UC QP on an SRQ: a SEND lost halfway keeps the SRQ receive it took for the next SEND;
-/// one left parked when the QP goes to ERR completes with WR_FLUSH_ERR through the SRQ, and
-/// the SRQ's other receives stay for other QPs.
+/// A UC QP on an SRQ: the receive a SEND lost halfway was filling cannot go back to the SRQ,
+/// so it completes with REM_INV_REQ_ERR and the QP serves on; a SEND too long for its SRQ
+/// receive completes that receive with LOC_LEN_ERR. The next SEND takes the next receive.
 #[test]
-fn uc_on_an_srq_parks_the_receive_of_a_lost_send_and_flushes_it() {
+fn uc_on_an_srq_completes_the_receive_of_a_lost_send_in_error() {
     let mut p = uc_pair(11);
     let mut srq = p.b.pd.create_srq(16, 1, 0).expect("srq");
-    let on_srq = |b: &Side, srq: &SharedReceiveQueue| {
-        let mut init = QpInit::new(&b.cq, &b.cq);
-        init.qp_type = QpType::Uc;
-        init.srq = Some(srq);
-        b.pd.create_qp(&init).unwrap()
-    };
-    let mut bq = on_srq(&p.b, &srq);
+    let mut init = QpInit::new(&p.b.cq, &p.b.cq);
+    init.qp_type = QpType::Uc;
+    init.srq = Some(&srq);
+    let mut bq = p.b.pd.create_qp(&init).unwrap();
     // A's QP now talks to the SRQ QP.
     let o = ConnectOptions {
         path_mtu: 3,
@@ -480,8 +490,13 @@ fn uc_on_an_srq_parks_the_receive_of_a_lost_send_and_flushes_it() {
     drain(&p.fabric, &mut p.a.cq);
     let m = pattern(2500, 8);
     p.a.buf.write(0, &m).unwrap();
-    for (i, off) in [(90u64, 0u64), (91, 4096), (92, 8192)] {
-        let sge = [p.b.mr.sge(off, 4096)];
+    for (i, off, len) in [
+        (90u64, 0u64, 4096u32),
+        (91, 4096, 4096),
+        (92, 8192, 1000),
+        (93, 12288, 4096),
+    ] {
+        let sge = [p.b.mr.sge(off, len)];
         srq.post_recv(&[RecvWr {
             wr_id: i,
             sgl: &sge,
@@ -491,30 +506,29 @@ fn uc_on_an_srq_parks_the_receive_of_a_lost_send_and_flushes_it() {
     drop_nth(&p, Opcode::UcSendMiddle, 1);
     post(&mut p.a, 1, WrOp::Send, 0, 2500);
     post(&mut p.a, 2, WrOp::Send, 0, 300);
-    wait(&p.fabric, &mut p.a.cq, 2);
+    // Too long for receive 92 (1000 bytes): its second packet overflows it.
+    post(&mut p.a, 3, WrOp::Send, 0, 2500);
+    post(&mut p.a, 4, WrOp::SendImm(4), 0, 100);
+    let s = wait(&p.fabric, &mut p.a.cq, 4);
+    assert!(s.iter().all(|w| w.status == WcStatus::Success), "{s:?}");
     let r = drain(&p.fabric, &mut p.b.cq);
     assert_eq!(
-        r.iter().map(|w| (w.wr_id, w.byte_len)).collect::<Vec<_>>(),
-        vec![(90, 300)]
+        r.iter()
+            .map(|w| (w.wr_id, w.status, w.qpn))
+            .collect::<Vec<_>>(),
+        vec![
+            (90, WcStatus::RemInvReqErr, bq.qpn()),
+            (91, WcStatus::Success, bq.qpn()),
+            (92, WcStatus::LocLenErr, bq.qpn()),
+            (93, WcStatus::Success, bq.qpn()),
+        ]
     );
-    // Lose the next one halfway too: receive 91 is parked when the QP goes to ERR.
-    drop_nth(&p, Opcode::UcSendMiddle, 1);
-    post(&mut p.a, 3, WrOp::Send, 0, 2500);
-    wait(&p.fabric, &mut p.a.cq, 1);
-    assert!(drain(&p.fabric, &mut p.b.cq).is_empty());
-    bq.to_error().unwrap();
-    let r = outcomes(&p.fabric, &mut p.b.cq);
-    assert_eq!(r, vec![(91, WcStatus::WrFlushErr)]);
-    drop(bq);
-    // Receive 92 is still the SRQ's: another QP on it takes the next SEND.
-    let mut bq2 = on_srq(&p.b, &srq);
-    p.a.qp.to_error().unwrap();
-    p.a.qp.modify(M::STATE, &reset).unwrap();
-    drain(&p.fabric, &mut p.a.cq);
-    let (ea, eb) = (p.a.qp.endpoint(700), bq2.endpoint(800));
-    p.a.qp.connect(&eb, 700, &o).unwrap();
-    bq2.connect(&ea, 800, &o).unwrap();
-    post(&mut p.a, 4, WrOp::Send, 0, 100);
-    let r = wait(&p.fabric, &mut p.b.cq, 1);
-    assert_eq!((r[0].wr_id, r[0].byte_len, r[0].qpn), (92, 100, bq2.qpn()));
+    assert_eq!(
+        (r[1].byte_len, r[3].byte_len, r[3].imm),
+        (300, 100, Some(4))
+    );
+    assert_eq!(bq.query_state().unwrap(), QpState::Rts);
+    // Packets dropped: the first SEND's LAST (after the gap), and all three of the third's
+    // (its first packet already overflows the 1000-byte receive).
+    assert_eq!(bq.stats().unwrap().uc_dropped, 4);
 }
