@@ -27,7 +27,9 @@ fuzz_target!(|data: &[u8]| {
             assert_eq!(CmMsg::parse(&out), Ok(m));
         }
         Err(CmParseError::Truncated) => {
-            let plen = data.get(2..4).map(|b| u16::from_be_bytes([b[0], b[1]]) as usize);
+            let plen = data
+                .get(2..4)
+                .map(|b| u16::from_be_bytes([b[0], b[1]]) as usize);
             assert!(data.len() < CM_HEADER_LEN || data.len() < CM_HEADER_LEN + plen.unwrap_or(0));
         }
         Err(CmParseError::UnknownKind(k)) => assert_eq!(k, data[0]),

@@ -59,10 +59,10 @@ use ringbell_model::sim::EventQueue;
 use ringbell_model::{DmaFault, Env, Nic, NicConfig, NicEvent};
 use ringbell_specs::cmd::{
     Access, ArmCntrIn, ArmSrqIn, BindCntrIn, CmdHeader, CmdOpcode, CntrEvents, CntrWriteback,
-    CreateCntrIn, CreateCqIn, CreateQpIn, ResizeCqIn, CreateSrqIn, CreateTmSrqIn, FlushTriggeredIn, ModifyQpIn,
+    CreateCntrIn, CreateCqIn, CreateQpIn, CreateSrqIn, CreateTmSrqIn, FlushTriggeredIn, ModifyQpIn,
     ObjectIn, ObjectOut, PostTriggeredIn, QpAttr, QpAttrMask as M, QpState, QueryDeviceOut,
-    RegMrIn, TrigFlags, TrigKind, UpdateCntrIn, CNTR_BIND_MR, CNTR_BIND_QP, CNTR_BIND_UNBIND,
-    IN_OFFSET, MAILBOX_SIZE, OUT_OFFSET, PARAMS_SIZE, RESULT_OFFSET,
+    RegMrIn, ResizeCqIn, TrigFlags, TrigKind, UpdateCntrIn, CNTR_BIND_MR, CNTR_BIND_QP,
+    CNTR_BIND_UNBIND, IN_OFFSET, MAILBOX_SIZE, OUT_OFFSET, PARAMS_SIZE, RESULT_OFFSET,
 };
 use ringbell_specs::cqe::{
     owner_bit, Cqe, CqeOpcode, EventType, CQE_FLAG_TM_DATA_VALID, CQE_FLAG_TM_MATCH,

@@ -15,7 +15,10 @@ fuzz_target!(|data: &[u8]| {
     let mut end_prev = 0;
     for &(off, len) in &windows {
         let end = off.checked_add(len).expect("a window wraps");
-        assert!(len > 0 && end <= size, "window {off:#x}+{len:#x} outside {size:#x}");
+        assert!(
+            len > 0 && end <= size,
+            "window {off:#x}+{len:#x} outside {size:#x}"
+        );
         assert!(off >= end_prev, "windows overlap or are unsorted");
         end_prev = end;
     }

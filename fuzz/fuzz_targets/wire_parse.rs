@@ -20,9 +20,9 @@
 use libfuzzer_sys::arbitrary::{self, Arbitrary, Unstructured};
 use libfuzzer_sys::fuzz_target;
 use ringbell_specs::wire::{
-    self, compute_icrc, pad_len, parse_packet, Aeth, AethSyndrome, AtomicEth, BthRepr, Deth, Endpoint,
-    Opcode, PacketRepr, Reth, WireError, AETH_LEN, ATOMIC_ETH_LEN, BTH_LEN, ETH_HDR_LEN, ICRC_LEN,
-    RETH_LEN, ROCE_OUTER_LEN,
+    self, compute_icrc, pad_len, parse_packet, Aeth, AethSyndrome, AtomicEth, BthRepr, Deth,
+    Endpoint, Opcode, PacketRepr, Reth, WireError, AETH_LEN, ATOMIC_ETH_LEN, BTH_LEN, ETH_HDR_LEN,
+    ICRC_LEN, RETH_LEN, ROCE_OUTER_LEN,
 };
 use ringbell_specs::{Psn, Qpn};
 
