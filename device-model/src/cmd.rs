@@ -365,16 +365,23 @@ impl Nic {
         Ok(Vec::new())
     }
 
-    fn create_cq(&mut self, p: CreateCqIn) -> Outcome {
-        let size = 1u64 << p.log_size.min(40);
-        if p.log_size == 0 || p.log_size > 30 || size > self.cfg.max_cqe as u64 {
+    /// A CQ ring as CREATE_CQ and RESIZE_CQ check it: `2^log_size` entries, 1..=30 and at
+    /// most MAX_CQE (`BAD_SIZE`); 64-byte aligned and inside the IOVA space (`BAD_PARAM`).
+    /// Returns the number of entries.
+    fn cq_ring(&self, log_size: u8, ring_iova: u64) -> Result<u64, CmdStatus> {
+        let size = 1u64 << log_size.min(40);
+        if log_size == 0 || log_size > 30 || size > self.cfg.max_cqe as u64 {
             return Err(CmdStatus::BadSize);
         }
-        if !p.ring_iova.get().is_multiple_of(64)
-            || !p.db_iova.get().is_multiple_of(8)
-            || p.eq_vector.get() != 0
-            || !fits(p.ring_iova.get(), size * 64)
-        {
+        if !ring_iova.is_multiple_of(64) || !fits(ring_iova, size * CQE_SIZE as u64) {
+            return Err(CmdStatus::BadParam);
+        }
+        Ok(size)
+    }
+
+    fn create_cq(&mut self, p: CreateCqIn) -> Outcome {
+        self.cq_ring(p.log_size, p.ring_iova.get())?;
+        if !p.db_iova.get().is_multiple_of(8) || p.eq_vector.get() != 0 {
             return Err(CmdStatus::BadParam);
         }
         let gen = self.fresh_gen();
@@ -401,14 +408,9 @@ impl Nic {
     /// ring's bytes, which are the driver's).
     fn resize_cq(&mut self, env: &mut dyn Env, p: ResizeCqIn) -> Outcome {
         let cqn = p.cqn.get();
+        self.cqs.get(cqn).ok_or(CmdStatus::BadResource)?;
+        let size = self.cq_ring(p.log_size, p.ring_iova.get())?;
         let cq = self.cqs.get(cqn).ok_or(CmdStatus::BadResource)?;
-        let size = 1u64 << p.log_size.min(40);
-        if p.log_size == 0 || p.log_size > 30 || size > self.cfg.max_cqe as u64 {
-            return Err(CmdStatus::BadSize);
-        }
-        if !p.ring_iova.get().is_multiple_of(64) || !fits(p.ring_iova.get(), size * 64) {
-            return Err(CmdStatus::BadParam);
-        }
         if cq.overflow {
             return Err(CmdStatus::BadState);
         }

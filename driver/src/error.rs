@@ -117,4 +117,7 @@ pub enum Error {
     /// A request or attribute is invalid.
     #[error("invalid argument: {0}")]
     InvalidArgument(&'static str),
+    /// The device lacks the capability the request needs (its `CAPS` bit is clear).
+    #[error("not supported by the device: {0}")]
+    Unsupported(&'static str),
 }

@@ -675,10 +675,10 @@ impl ProtectionDomain {
         let ud = matches!(init.qp_type, QpType::Ud | QpType::Gsi);
         let uc = init.qp_type == QpType::Uc;
         if ud && !caps.caps.contains(regs::Caps::UD) {
-            return Err(Error::InvalidArgument("UD QPs: the device lacks CAPS.UD"));
+            return Err(Error::Unsupported("UD QPs: the device lacks CAPS.UD"));
         }
         if uc && !caps.caps.contains(regs::Caps::UC) {
-            return Err(Error::InvalidArgument("UC QPs: the device lacks CAPS.UC"));
+            return Err(Error::Unsupported("UC QPs: the device lacks CAPS.UC"));
         }
         if ud
             && (init.max_inline as usize > wqe::MAX_INLINE_UD

@@ -58,6 +58,7 @@ pub(crate) fn errno_of(e: &ringbell::Error) -> i32 {
         E::BadAddress { .. } => libc::EFAULT,
         E::Memory(_) => libc::ENOMEM,
         E::InvalidState { .. } | E::InvalidArgument(_) | E::OutOfBounds { .. } => libc::EINVAL,
+        E::Unsupported(_) => libc::EOPNOTSUPP,
         E::Port(_) => libc::EFAULT,
         _ => libc::EIO,
     }

@@ -136,15 +136,6 @@ pub(crate) fn create(
         return Err(libc::EINVAL);
     }
     let caps = ctx.dev.caps().clone();
-    // A transport the device lacks is "not supported", as libibverbs reports it.
-    let needs = match qp_type {
-        QpType::Uc => Some(ringbell_specs::regs::Caps::UC),
-        QpType::Ud => Some(ringbell_specs::regs::Caps::UD),
-        _ => None,
-    };
-    if needs.is_some_and(|n| !caps.caps.contains(n)) {
-        return Err(libc::EOPNOTSUPP);
-    }
     let c = &mut attr.cap;
     let max_sge = caps.max_sge.min(MAX_SGE as u32);
     // A UD WQE also holds the destination, which leaves less room for the gather list or
