@@ -1528,23 +1528,67 @@ unsafe extern "C" fn ep_cancel(fid: *mut abi::fid, ctx: *mut c_void) -> isize {
         Ok(0)
     })
 }
+/// `fi_getopt` (fi_endpoint(3)): `FI_OPT_MIN_MULTI_RECV` at level `FI_OPT_ENDPOINT`, a
+/// `size_t`; `*optlen` is its size on return (`-FI_ETOOSMALL` if the caller's was less).
+/// Any other option: `-FI_ENOPROTOOPT`.
 unsafe extern "C" fn ep_getopt(
-    _: *mut abi::fid,
-    _: c_int,
-    _: c_int,
-    _: *mut c_void,
-    _: *mut usize,
+    fid: *mut abi::fid,
+    level: c_int,
+    name: c_int,
+    val: *mut c_void,
+    len: *mut usize,
 ) -> c_int {
-    neg(abi::FI_ENOPROTOOPT)
+    run(|st| {
+        let ep = st.ep_key(fid as usize);
+        st.check(ep, Kind::Ep)?;
+        min_multi_recv_opt(level, name)?;
+        if val.is_null() || len.is_null() {
+            return Err(abi::FI_EINVAL);
+        }
+        let min = st.ep_mut(ep)?.min_multi_recv as usize;
+        // SAFETY: non-NULL: the caller's length word (fi_endpoint(3)).
+        let room = unsafe { len.read() };
+        // SAFETY: as above.
+        unsafe { len.write(std::mem::size_of::<usize>()) };
+        if room < std::mem::size_of::<usize>() {
+            return Err(abi::FI_ETOOSMALL);
+        }
+        // SAFETY: non-NULL, `*optlen` (at least a size_t's) bytes of the caller's.
+        unsafe { (val as *mut usize).write_unaligned(min) };
+        Ok(0)
+    })
 }
+
+/// `fi_setopt`: `FI_OPT_MIN_MULTI_RECV` (a `size_t`, for the multi-receive buffers posted
+/// after it); any other option `-FI_ENOPROTOOPT`.
 unsafe extern "C" fn ep_setopt(
-    _: *mut abi::fid,
-    _: c_int,
-    _: c_int,
-    _: *const c_void,
-    _: usize,
+    fid: *mut abi::fid,
+    level: c_int,
+    name: c_int,
+    val: *const c_void,
+    len: usize,
 ) -> c_int {
-    neg(abi::FI_ENOPROTOOPT)
+    run(|st| {
+        let ep = st.ep_key(fid as usize);
+        st.check(ep, Kind::Ep)?;
+        min_multi_recv_opt(level, name)?;
+        if val.is_null() || len != std::mem::size_of::<usize>() {
+            return Err(abi::FI_EINVAL);
+        }
+        // SAFETY: non-NULL, a size_t of the caller's (`optlen` checked).
+        let min = unsafe { (val as *const usize).read_unaligned() };
+        st.ep_mut(ep)?.min_multi_recv = min as u64;
+        Ok(0)
+    })
+}
+
+/// Whether (`level`, `name`) is the one option endpoints have.
+fn min_multi_recv_opt(level: c_int, name: c_int) -> Result<(), Errno> {
+    if level == abi::FI_OPT_ENDPOINT as c_int && name == abi::FI_OPT_MIN_MULTI_RECV as c_int {
+        Ok(())
+    } else {
+        Err(abi::FI_ENOPROTOOPT)
+    }
 }
 enosys!(
     ep_tx_ctx(
@@ -1675,18 +1719,22 @@ unsafe fn tx_dflt(
     Ok((f & abi::FI_COMPLETION as u64 != 0, trig))
 }
 
+/// An untagged receive with operation flags `flags` (the call's, or the endpoint's
+/// defaults): `FI_COMPLETION` (under selective completion) and `FI_MULTI_RECV` count.
 fn recv_common(
     ep: *mut abi::fid_ep,
     b: &[(usize, usize, usize)],
     ctx: *mut c_void,
-    report: bool,
+    flags: u64,
 ) -> isize {
+    let report = flags & abi::FI_COMPLETION as u64 != 0;
+    let multi = flags & abi::FI_MULTI_RECV as u64 != 0;
     run_s(|st| {
         let ep = st.ep_key(ep as usize);
         st.check(ep, Kind::Ep)?;
         // SAFETY: the application's receive buffers stay valid until their completion
-        // (fi_msg(3)).
-        unsafe { st.post_recv(ep, b, ctx as u64, report)? };
+        // (fi_msg(3)), a multi-receive buffer until its release.
+        unsafe { st.post_recv(ep, b, ctx as u64, report, multi)? };
         Ok(0)
     })
 }
@@ -1764,7 +1812,7 @@ unsafe extern "C" fn msg_recv(
         ep,
         &[(buf as usize, len, desc as usize)],
         ctx,
-        dflt(ep, true),
+        dflt_flags(ep, true),
     )
 }
 
@@ -1778,7 +1826,7 @@ unsafe extern "C" fn msg_recvv(
 ) -> isize {
     // SAFETY: `count` iovecs and descriptors (fi_recvv(3)).
     match unsafe { bufs(iov, desc, count) } {
-        Ok(b) => recv_common(ep, &b, ctx, dflt(ep, true)),
+        Ok(b) => recv_common(ep, &b, ctx, dflt_flags(ep, true)),
         Err(e) => -(e as isize),
     }
 }
@@ -1798,7 +1846,7 @@ unsafe extern "C" fn msg_recvmsg(
     }
     // SAFETY: the message's `iov_count` iovecs and descriptors.
     match unsafe { bufs(m.msg_iov, m.desc, m.iov_count) } {
-        Ok(b) => recv_common(ep, &b, m.context, flags & abi::FI_COMPLETION as u64 != 0),
+        Ok(b) => recv_common(ep, &b, m.context, flags),
         Err(e) => -(e as isize),
     }
 }

@@ -43,6 +43,7 @@ pub const FI_TRIGGER: u64 = abi::FI_TRIGGER as u64;
 pub const FI_RMA_EVENT: u64 = abi::FI_RMA_EVENT;
 pub const FI_LOCAL_COMM: u64 = abi::FI_LOCAL_COMM;
 pub const FI_REMOTE_COMM: u64 = abi::FI_REMOTE_COMM;
+pub const FI_MULTI_RECV: u64 = abi::FI_MULTI_RECV as u64;
 /// Mode bit: local buffers must be registered (before API 1.5; `FI_MR_LOCAL` since).
 pub const FI_LOCAL_MR: u64 = abi::FI_LOCAL_MR;
 /// Mode bit: remote CQ data consumes a posted receive.
@@ -61,7 +62,8 @@ pub const PRIMARY_CAPS: u64 = FI_MSG
     | FI_REMOTE_READ
     | FI_REMOTE_WRITE;
 /// Secondary capabilities: offered whether or not they were asked for.
-pub const SECONDARY_CAPS: u64 = FI_TRIGGER | FI_RMA_EVENT | FI_LOCAL_COMM | FI_REMOTE_COMM;
+pub const SECONDARY_CAPS: u64 =
+    FI_TRIGGER | FI_RMA_EVENT | FI_LOCAL_COMM | FI_REMOTE_COMM | FI_MULTI_RECV;
 /// The capabilities that address a peer's registered memory.
 pub const REMOTE_MEMORY_CAPS: u64 =
     FI_RMA | FI_ATOMIC | FI_REMOTE_READ | FI_REMOTE_WRITE | FI_RMA_EVENT;
@@ -80,9 +82,10 @@ pub const RX_CAPS: u64 = FI_MSG
     | FI_REMOTE_WRITE
     | FI_DIRECTED_RECV
     | FI_TRIGGER
-    | FI_RMA_EVENT;
+    | FI_RMA_EVENT
+    | FI_MULTI_RECV;
 
-/// Operation flags the endpoints accept.
+/// Operation flags the endpoints accept (on the receive side also [`FI_MULTI_RECV`]).
 pub const OP_FLAGS: u64 = (abi::FI_COMPLETION
     | abi::FI_INJECT
     | abi::FI_INJECT_COMPLETE
@@ -370,10 +373,10 @@ pub fn match_offer(version: u32, hints: &Hints, offer: &Offer) -> Result<Offer, 
     if hints.mode.is_none_or(|app| app & FI_RX_CQ_DATA != 0) {
         out.mode |= FI_RX_CQ_DATA;
     }
-    let queue = |q: &Option<QueueHints>, caps: u64, size: usize| -> Result<u64, ()> {
+    let queue = |q: &Option<QueueHints>, caps: u64, flags: u64, size: usize| -> Result<u64, ()> {
         let Some(q) = q else { return Ok(0) };
         if q.caps & !caps != 0
-            || q.op_flags & !OP_FLAGS != 0
+            || q.op_flags & !flags != 0
             || q.msg_order & !MSG_ORDER != 0
             || q.inject_size > offer.inject_size
             || q.size > size
@@ -383,8 +386,10 @@ pub fn match_offer(version: u32, hints: &Hints, offer: &Offer) -> Result<Offer, 
         }
         Ok(q.op_flags)
     };
-    out.tx_op_flags = queue(&hints.tx, TX_CAPS, offer.tx_size).map_err(|()| NoMatch::Tx)?;
-    out.rx_op_flags = queue(&hints.rx, RX_CAPS, offer.rx_size).map_err(|()| NoMatch::Rx)?;
+    out.tx_op_flags =
+        queue(&hints.tx, TX_CAPS, OP_FLAGS, offer.tx_size).map_err(|()| NoMatch::Tx)?;
+    out.rx_op_flags = queue(&hints.rx, RX_CAPS, OP_FLAGS | FI_MULTI_RECV, offer.rx_size)
+        .map_err(|()| NoMatch::Rx)?;
     if let Some(t) = hints.tx.filter(|t| t.inject_size != 0) {
         out.inject_size = t.inject_size;
     }

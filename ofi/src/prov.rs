@@ -21,6 +21,7 @@
 //! next timer ([`ConnectionManager::poll`]).
 
 mod bounce;
+mod multi;
 pub mod names;
 mod peek;
 mod tagged;
@@ -29,8 +30,8 @@ use crate::abi;
 use ringbell::cm::{CmEvent, ConnId, ConnectionManager, REJ_CONSUMER};
 use ringbell::{
     Access, AhAttr, CompletionQueue, ConnectOptions, Device, DmaBuffer, MemoryRegion,
-    ProtectionDomain, QpInit, QpState, QueuePair, RecvWr, RemoteAddr, SendWr, Sge,
-    SharedReceiveQueue, WcOpcode, WcStatus, WorkCompletion, WrOp,
+    ProtectionDomain, QpInit, QpState, QueuePair, RemoteAddr, SendWr, Sge, SharedReceiveQueue,
+    WcOpcode, WcStatus, WorkCompletion, WrOp,
 };
 use ringbell::{Counter, TriggerHandle};
 use std::collections::{HashMap, VecDeque};
@@ -270,6 +271,8 @@ enum OpKind {
     Rma { flags: u64 },
     /// A triggered transfer (any kind); its completion carries `flags`.
     Trig(trig::TrigOp),
+    /// The WQE over the free part of a multi-receive buffer.
+    Multi(multi::MultiRecv),
 }
 
 /// The IPv4 address of NIC `i` in the fabric's address plan (node `i + 1`: `10.0.hi.lo`,
@@ -333,6 +336,12 @@ pub struct Ep {
     /// The domain's overflow SGE that ends each untagged receive (see [`SINK_LEN`]), taken
     /// when the endpoint is enabled (the domain outlives its endpoints).
     sink: Option<Sge>,
+    /// `FI_OPT_MIN_MULTI_RECV`: a multi-receive buffer with fewer bytes free is released.
+    pub min_multi_recv: u64,
+    /// A multi-receive buffer's WQE is on the SRQ: later receives wait in `rx_held`.
+    multi_posted: bool,
+    /// Receives posted behind a multi-receive buffer in use, in order ([`multi`]).
+    rx_held: VecDeque<multi::Held>,
 }
 
 pub enum Obj {
@@ -733,6 +742,9 @@ impl State {
             tsends: HashMap::new(),
             cntrs: EpCntrs::default(),
             sink: None,
+            min_multi_recv: multi::MIN_MULTI_RECV,
+            multi_posted: false,
+            rx_held: VecDeque::new(),
         })
     }
 
@@ -896,17 +908,19 @@ impl State {
         Ok((sges, tmp))
     }
 
-    /// `fi_recv` and friends.
+    /// `fi_recv` and friends; `multi`: one buffer for many messages (`FI_MULTI_RECV`,
+    /// see [`multi`]).
     ///
     /// # Safety
     /// Every buffer is memory of this process that stays mapped until the operation
-    /// completes.
+    /// completes (a multi-receive buffer: until its release is reported).
     pub unsafe fn post_recv(
         &mut self,
         ep: usize,
         bufs: &[(usize, usize, usize)],
         ctx: u64,
         report: bool,
+        multi: bool,
     ) -> Result<(), Errno> {
         let (dom, sink) = {
             let e = self.ep_mut(ep)?;
@@ -918,31 +932,32 @@ impl State {
         if bufs.len() > crate::info::IOV_LIMIT {
             return Err(EINVAL);
         }
+        // A multi-receive buffer is one buffer, with room for something (fi_msg(3)).
+        if multi && (bufs.len() != 1 || bufs[0].1 == 0) {
+            return Err(EINVAL);
+        }
         // SAFETY: per the caller.
         let (mut sges, tmp) = unsafe { self.sges(dom, bufs, Access::LOCAL_WRITE)? };
         let room = sges.iter().map(|s| u64::from(s.len)).sum();
         sges.push(sink);
         let e = self.ep_mut(ep)?;
-        let wr_id = e.next_wr;
-        e.next_wr += 1;
-        let srq = e.srq.as_mut().ok_or(abi::FI_EOPBADSTATE)?;
-        srq.post_recv(&[RecvWr { wr_id, sgl: &sges }])
-            .map_err(|_| EAGAIN)?;
-        let report = report || !e.rx_selective;
-        e.ops.insert(
-            wr_id,
-            Op {
-                ctx,
-                send: false,
-                report,
-                buf: bufs.first().map_or(0, |b| b.0 as u64),
-                room,
-                _tmp: tmp,
-                _copy: Vec::new(),
-                kind: OpKind::Msg,
-            },
-        );
-        Ok(())
+        let kind = match (multi, bufs.first()) {
+            (true, Some(b)) => {
+                OpKind::Multi(multi::MultiRecv::new(b.0 as u64, sges[0], e.min_multi_recv))
+            }
+            _ => OpKind::Msg,
+        };
+        let op = Op {
+            ctx,
+            send: false,
+            report: report || !e.rx_selective,
+            buf: bufs.first().map_or(0, |b| b.0 as u64),
+            room,
+            _tmp: tmp,
+            _copy: Vec::new(),
+            kind,
+        };
+        self.rx_post(ep, sges, op)
     }
 
     /// `fi_send` and friends; `inject` copies the data now and reports nothing.
@@ -1297,6 +1312,7 @@ impl State {
                 }
             }
             self.tag_progress(key);
+            self.rx_drain(key);
         }
     }
 
@@ -1323,6 +1339,7 @@ impl State {
         }
         let (txcq, rxcq) = (e.txcq, e.rxcq);
         match op.kind {
+            OpKind::Multi(m) => self.on_multi_wc(ep, op, m, w),
             OpKind::Msg => {
                 {
                     let (cq, mut flags) = if op.send {
@@ -1592,6 +1609,8 @@ impl State {
     /// An operation whose connection could not be made.
     fn fail_op(&mut self, ep: usize, op: Op) {
         match op.kind {
+            // A receive waits for no connection.
+            OpKind::Multi(_) => {}
             OpKind::Msg => {
                 self.count(ep, abi::FI_SEND as u64, false);
                 let txcq = self.ep_mut(ep).ok().and_then(|e| e.txcq);

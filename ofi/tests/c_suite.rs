@@ -152,6 +152,12 @@ fn c_messages() {
     );
 }
 
+/// Multi-receive buffers (`FI_MULTI_RECV`) and `FI_OPT_MIN_MULTI_RECV`.
+#[test]
+fn c_multi_recv() {
+    run("multi_recv", &[&["nolocal"], &["local"]]);
+}
+
 #[test]
 fn c_tagged() {
     run("tagged", &[&["nolocal"], &["local"]]);

@@ -448,11 +448,11 @@ static void endpoints(struct fid_fabric *fab, struct fi_info *info, struct fid_d
 	CHECK(memcmp(before, name, need) == 0);
 	/* Bindings are set before fi_enable. */
 	CHECK_EQ(fi_ep_bind(ep, &cq->fid, FI_TRANSMIT), -FI_EOPBADSTATE);
-	/* Options the provider does not have. */
+	/* Options the provider does not have (FI_OPT_MIN_MULTI_RECV it has: multi_recv.c). */
 	size_t optlen = sizeof(size_t), v = 0;
-	CHECK_EQ(fi_getopt(&ep->fid, FI_OPT_ENDPOINT, FI_OPT_MIN_MULTI_RECV, &v, &optlen),
+	CHECK_EQ(fi_getopt(&ep->fid, FI_OPT_ENDPOINT, FI_OPT_CM_DATA_SIZE, &v, &optlen),
 		 -FI_ENOPROTOOPT);
-	CHECK_EQ(fi_setopt(&ep->fid, FI_OPT_ENDPOINT, FI_OPT_MIN_MULTI_RECV, &v, optlen),
+	CHECK_EQ(fi_setopt(&ep->fid, FI_OPT_ENDPOINT, FI_OPT_BUFFERED_LIMIT, &v, optlen),
 		 -FI_ENOPROTOOPT);
 	/* A send to an address not in the AV (the AV is empty): -FI_EINVAL. */
 	CHECK_EQ(fi_send(ep, buf, 8, NULL, 0, NULL), -FI_EINVAL);
