@@ -1,7 +1,8 @@
 //! Completion queues and work completions.
 
-use crate::device::{DevInner, Device, DmaBuffer};
+use crate::device::{DevInner, Device, DmaBuffer, QueueAlloc, QueueMem, RING_ALIGN};
 use crate::error::Error;
+use crate::mr::ProtectionDomain;
 use ringbell_specs::cmd::{
     CmdOpcode, CreateCqIn, ObjectIn, QueryCqOut, ResizeCqIn, CQ_FLAG_ARMED, CQ_FLAG_OVERFLOW,
 };
@@ -104,6 +105,8 @@ pub(crate) struct CqObject {
     /// The ring the device writes (another one after a resize).
     ring: std::cell::RefCell<DmaBuffer>,
     db: DmaBuffer,
+    /// Where its rings come from (a parent domain's allocator).
+    alloc: Option<QueueAlloc>,
 }
 
 impl Drop for CqObject {
@@ -123,13 +126,29 @@ pub struct CompletionQueue {
 impl Device {
     /// Creates a CQ with at least `entries` entries (rounded up to a power of two).
     pub fn create_cq(&self, entries: u32) -> Result<CompletionQueue, Error> {
+        self.create_cq_in(entries, None)
+    }
+
+    /// [`Device::create_cq`] for a parent domain (`ibv_create_cq_ex` with
+    /// `IBV_CQ_INIT_ATTR_MASK_PD`): the ring and doorbell record (and the rings of later
+    /// resizes) come from `pd`'s allocator, if it has one.
+    pub fn create_cq_in(
+        &self,
+        entries: u32,
+        pd: Option<&ProtectionDomain>,
+    ) -> Result<CompletionQueue, Error> {
         if entries == 0 || entries > self.caps().max_cqe {
             return Err(Error::InvalidArgument("CQ size is 0 or beyond max_cqe"));
         }
+        if pd.is_some_and(|p| !p.dev.same_as(self)) {
+            return Err(Error::InvalidArgument("a PD of another device"));
+        }
+        let alloc = pd.and_then(|p| p.alloc.clone());
         let log = entries.next_power_of_two().trailing_zeros() as u8;
         let log = log.max(1);
-        let ring = self.alloc_ring((1usize << log) * CQE_SIZE)?;
-        let db = self.alloc_ring(64)?;
+        let len = (1usize << log) * CQE_SIZE;
+        let ring = self.alloc_queue_mem(len, RING_ALIGN, QueueMem::Cq, alloc.as_ref())?;
+        let db = self.alloc_queue_mem(64, 64, QueueMem::Doorbell, alloc.as_ref())?;
         let input = CreateCqIn {
             log_size: log,
             ring_iova: ring.iova().into(),
@@ -143,6 +162,7 @@ impl Device {
                 cqn,
                 ring: std::cell::RefCell::new(ring),
                 db,
+                alloc,
             }),
             log,
             ci: 0,
@@ -258,7 +278,8 @@ impl CompletionQueue {
         if log == self.log {
             return Ok(());
         }
-        let ring = dev.alloc_ring((1usize << log) * CQE_SIZE)?;
+        let len = (1usize << log) * CQE_SIZE;
+        let ring = dev.alloc_queue_mem(len, RING_ALIGN, QueueMem::Cq, self.obj.alloc.as_ref())?;
         let input = ResizeCqIn {
             cqn: self.obj.cqn.into(),
             log_size: log,

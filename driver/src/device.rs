@@ -15,6 +15,7 @@ use ringbell_specs::stats::PortStats;
 use std::cell::{Cell, RefCell};
 use std::collections::BTreeMap;
 use std::os::fd::AsRawFd;
+use std::ptr::NonNull;
 use std::rc::Rc;
 use zerocopy::{FromBytes, IntoBytes};
 
@@ -179,7 +180,8 @@ impl DevInner {
                     None => {
                         let mem = DmaMemory::new(ARENA_CHUNK)?;
                         let iova = self.alloc_iova(ARENA_CHUNK)?;
-                        self.port.dma_map(mem.fd(), ARENA_CHUNK as u64, iova)?;
+                        self.port
+                            .dma_map(file_of(&mem)?, ARENA_CHUNK as u64, iova)?;
                         a.chunks.push(Some(ArenaChunk {
                             mem,
                             iova,
@@ -473,13 +475,15 @@ impl Device {
             arena: Default::default(),
         };
         let mb_iova = inner.alloc_iova(inner.mailbox.len())?;
-        inner
-            .port
-            .dma_map(inner.mailbox.fd(), inner.mailbox.len() as u64, mb_iova)?;
+        inner.port.dma_map(
+            file_of(&inner.mailbox)?,
+            inner.mailbox.len() as u64,
+            mb_iova,
+        )?;
         let eq_iova = inner.alloc_iova(inner.eq.len())?;
         inner
             .port
-            .dma_map(inner.eq.fd(), inner.eq.len() as u64, eq_iova)?;
+            .dma_map(file_of(&inner.eq)?, inner.eq.len() as u64, eq_iova)?;
         let p = &inner.port;
         p.write32(regs::CMD_ADDR_LO, mb_iova as u32);
         p.write32(regs::CMD_ADDR_HI, (mb_iova >> 32) as u32);
@@ -548,6 +552,7 @@ impl Device {
             dev: self.clone(),
             pdn,
             obj: crate::mr::PdObject::new(self.clone(), pdn),
+            alloc: None,
         })
     }
 
@@ -556,12 +561,15 @@ impl Device {
     pub fn alloc_dma(&self, len: usize) -> Result<DmaBuffer, Error> {
         let mem = DmaMemory::new(len)?;
         let iova = self.inner.alloc_iova(mem.len())?;
-        self.inner.port.dma_map(mem.fd(), mem.len() as u64, iova)?;
+        self.inner
+            .port
+            .dma_map(file_of(&mem)?, mem.len() as u64, iova)?;
         Ok(DmaBuffer {
             dev: self.clone(),
             mem,
             iova,
             arena: None,
+            caller: None,
         })
     }
 
@@ -575,9 +583,68 @@ impl Device {
                 mem,
                 iova,
                 arena: Some((chunk, class)),
+                caller: None,
             }),
             None => self.alloc_dma(len),
         }
+    }
+
+    /// Memory for a queue's ring or doorbell record of `len` bytes: from `alloc` (a parent
+    /// domain's allocator) when there is one and it gives memory, otherwise the driver's
+    /// own ([`Device::alloc_ring`]). The caller's memory is checked (aligned to `align`, a
+    /// power of two; its pages mapped and writable), adopted for the device in place
+    /// (`hostmem`), zeroed, and given back to the allocator when the buffer is dropped.
+    /// Errors: [`Error::Memory`] when the allocator has none; [`Error::InvalidArgument`]
+    /// for a misaligned pointer; [`Error::BadAddress`] for memory that cannot be adopted.
+    /// Memory the driver could not use goes back to the allocator at once.
+    pub(crate) fn alloc_queue_mem(
+        &self,
+        len: usize,
+        align: usize,
+        kind: QueueMem,
+        alloc: Option<&QueueAlloc>,
+    ) -> Result<DmaBuffer, Error> {
+        let Some(a) = alloc else {
+            return self.alloc_ring(len);
+        };
+        let p = match a.0.alloc(len, align, kind) {
+            Allocated::Failed => {
+                return Err(Error::Memory("the queue allocator gave no memory".into()))
+            }
+            Allocated::UseDefault => return self.alloc_ring(len),
+            Allocated::At(p) => p,
+        };
+        if p.as_ptr() as usize & (align - 1) != 0 {
+            a.0.free(p, kind);
+            return Err(Error::InvalidArgument(
+                "the queue allocator's memory is not aligned as asked",
+            ));
+        }
+        // SAFETY: the allocator's contract (`QueueAllocator`): `len` bytes at `p` that the
+        // caller owns and keeps mapped until they are given back through `free`, which the
+        // buffer does only after the device's mapping of them is gone.
+        let pages = match unsafe { crate::hostmem::adopt_queue(self, p.as_ptr(), len) } {
+            Ok(pages) => pages,
+            Err(e) => {
+                a.0.free(p, kind);
+                return Err(e);
+            }
+        };
+        // SAFETY: as above; nothing else in the driver uses these bytes.
+        let mem = unsafe { DmaMemory::caller(p.as_ptr(), len) };
+        mem.fill(0, len, 0)?;
+        Ok(DmaBuffer {
+            dev: self.clone(),
+            mem,
+            iova: crate::hostmem::iova(p.as_ptr() as usize),
+            arena: None,
+            caller: Some(CallerMem {
+                alloc: a.clone(),
+                ptr: p,
+                kind,
+                pages: Some(pages),
+            }),
+        })
     }
 
     /// Memory files and device mappings the driver holds for its own rings: (arena chunks,
@@ -659,6 +726,78 @@ impl Device {
     }
 }
 
+/// The memory file of memory the driver made ([`DmaMemory::new`]).
+fn file_of(mem: &DmaMemory) -> Result<std::os::fd::BorrowedFd<'_>, Error> {
+    mem.fd()
+        .ok_or_else(|| Error::Memory("no memory file: the caller's memory".into()))
+}
+
+/// The alignment rings are asked of a [`QueueAllocator`] (a page, as rdma-core's providers
+/// ask; the device needs 64 bytes).
+pub(crate) const RING_ALIGN: usize = 4096;
+
+/// What memory a [`QueueAllocator`] is asked for (`ibv_alloc_parent_domain(3)`'s resource
+/// types).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum QueueMem {
+    /// A QP's send or receive ring.
+    Qp,
+    /// A CQ's ring.
+    Cq,
+    /// An SRQ's ring.
+    Srq,
+    /// A queue's doorbell record.
+    Doorbell,
+}
+
+/// Memory for queues from the caller: a parent domain's allocator
+/// (`ibv_alloc_parent_domain(3)`), used through [`ProtectionDomain::with_allocator`].
+///
+/// # Safety
+///
+/// Memory that `alloc` returns is memory of this process that the implementor owns: `size`
+/// bytes, mapped readable and writable (private anonymous or heap memory, not a shared
+/// mapping of a file) and not used for anything else until the driver gives it back
+/// through `free`. The driver adopts its pages for the device in place, as
+/// [`ProtectionDomain::reg_user_mr`] does (the same limitations).
+pub unsafe trait QueueAllocator {
+    /// `size` bytes aligned to `align` (a power of two) for `kind`.
+    fn alloc(&self, size: usize, align: usize, kind: QueueMem) -> Allocated;
+    /// Takes back memory `alloc` gave.
+    fn free(&self, ptr: NonNull<u8>, kind: QueueMem);
+}
+
+/// What a [`QueueAllocator`] gave.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Allocated {
+    /// Memory at this address.
+    At(NonNull<u8>),
+    /// Nothing: the driver should use its own memory (`IBV_ALLOCATOR_USE_DEFAULT`).
+    UseDefault,
+    /// Nothing to give (a NULL return): the queue is not made.
+    Failed,
+}
+
+/// A shared [`QueueAllocator`].
+#[derive(Clone)]
+pub struct QueueAlloc(pub Rc<dyn QueueAllocator>);
+
+impl std::fmt::Debug for QueueAlloc {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("QueueAlloc")
+    }
+}
+
+/// The caller's memory under a [`DmaBuffer`]: given back on drop, after the device's
+/// mapping of its pages (`pages`) is released.
+#[derive(Debug)]
+struct CallerMem {
+    alloc: QueueAlloc,
+    ptr: NonNull<u8>,
+    kind: QueueMem,
+    pages: Option<crate::hostmem::AdoptedPages>,
+}
+
 /// DMA memory mapped for this device at [`DmaBuffer::iova`]; unmapped on drop.
 #[derive(Debug)]
 pub struct DmaBuffer {
@@ -667,6 +806,8 @@ pub struct DmaBuffer {
     iova: u64,
     /// An arena block: (chunk, size class).
     arena: Option<(u32, u32)>,
+    /// The caller's memory (a parent domain's allocator), adopted.
+    caller: Option<CallerMem>,
 }
 
 impl DmaBuffer {
@@ -722,6 +863,12 @@ impl DmaBuffer {
 
 impl Drop for DmaBuffer {
     fn drop(&mut self) {
+        if let Some(mut c) = self.caller.take() {
+            // The device's mapping first, then the memory back to its owner.
+            drop(c.pages.take());
+            c.alloc.0.free(c.ptr, c.kind);
+            return;
+        }
         match self.arena {
             Some((chunk, class)) => self
                 .dev

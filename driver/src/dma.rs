@@ -14,11 +14,15 @@ use std::os::fd::AsFd;
 use std::sync::atomic::{fence, AtomicU8, Ordering};
 use std::sync::Arc;
 
-/// A memory file and its one mapping, shared by the [`DmaMemory`] views of it.
+/// The memory a [`DmaMemory`] and its views share.
 #[derive(Debug)]
-struct Backing {
-    file: File,
-    map: MmapRaw,
+enum Backing {
+    /// A memory file of the driver's and its one mapping.
+    Own { file: File, map: MmapRaw },
+    /// Memory the caller allocated (a parent domain's allocator, see
+    /// [`crate::QueueAllocator`]), adopted for the device at the same addresses: its first
+    /// byte. The caller keeps it mapped while the buffer lives.
+    Caller { addr: usize },
 }
 
 /// A zero-filled, memfd-backed buffer: a whole page-aligned memory file, or (for the
@@ -51,10 +55,25 @@ impl DmaMemory {
             .map_err(|e| Error::Memory(e.to_string()))?;
         let map = MmapRaw::map_raw(&file).map_err(|e| Error::Memory(e.to_string()))?;
         Ok(DmaMemory {
-            backing: Arc::new(Backing { file, map }),
+            backing: Arc::new(Backing::Own { file, map }),
             off: 0,
             len,
         })
+    }
+
+    /// `len` bytes of the caller's memory at `addr`, as a buffer.
+    ///
+    /// # Safety
+    /// `[addr, addr + len)` is memory of this process, mapped and not used as Rust memory
+    /// for as long as the buffer (and any view of it) lives.
+    pub(crate) unsafe fn caller(addr: *mut u8, len: usize) -> DmaMemory {
+        DmaMemory {
+            backing: Arc::new(Backing::Caller {
+                addr: addr as usize,
+            }),
+            off: 0,
+            len,
+        }
     }
 
     /// A view of `len` bytes from `off` of this buffer, sharing its memory file and mapping
@@ -75,9 +94,14 @@ impl DmaMemory {
 
     /// The first byte of the buffer in the mapping.
     fn base(&self) -> *mut u8 {
-        // SAFETY: `off` is inside the mapping (a view is checked against its parent when
-        // made, and a whole file has offset 0), so the result stays in the same allocation.
-        unsafe { self.backing.map.as_mut_ptr().add(self.off) }
+        match &*self.backing {
+            // SAFETY: `off` is inside the mapping (a view is checked against its parent when
+            // made, and a whole file has offset 0), so the result stays in the same
+            // allocation.
+            Backing::Own { map, .. } => unsafe { map.as_mut_ptr().add(self.off) },
+            // The caller's memory (see `DmaMemory::caller`), `off` inside it as above.
+            Backing::Caller { addr } => (addr + self.off) as *mut u8,
+        }
     }
 
     /// Length in bytes.
@@ -91,9 +115,13 @@ impl DmaMemory {
     }
 
     /// The memory file, for mapping into a device (a view's bytes start at
-    /// [`DmaMemory::file_offset`] in it).
-    pub fn fd(&self) -> std::os::fd::BorrowedFd<'_> {
-        self.backing.file.as_fd()
+    /// [`DmaMemory::file_offset`] in it); `None` for the caller's memory, which is mapped
+    /// for the device when it is adopted.
+    pub fn fd(&self) -> Option<std::os::fd::BorrowedFd<'_>> {
+        match &*self.backing {
+            Backing::Own { file, .. } => Some(file.as_fd()),
+            Backing::Caller { .. } => None,
+        }
     }
 
     fn check(&self, offset: usize, len: usize) -> Result<(), Error> {
@@ -268,7 +296,7 @@ mod tests {
         m.write(5000, b"shared").unwrap();
         let other = memmap2::MmapOptions::new()
             .len(8192)
-            .map_raw(&m.backing.file)
+            .map_raw(&m.fd().unwrap())
             .unwrap();
         // SAFETY: the second mapping is 8192 bytes long; bytes 5000..5006 are in it.
         let got = unsafe { std::slice::from_raw_parts(other.as_ptr().add(5000), 6) };

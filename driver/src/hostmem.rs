@@ -102,7 +102,7 @@ fn page_size() -> usize {
 }
 
 /// The IOVA of adopted address `va`.
-fn iova(va: usize) -> u64 {
+pub(crate) fn iova(va: usize) -> u64 {
     va as u64 + HOST_IOVA_OFFSET
 }
 
@@ -256,6 +256,21 @@ impl MemoryRegion {
         }
         Ok(())
     }
+}
+
+/// Adopts the pages of `len` bytes at `addr` for memory of a queue the caller allocated
+/// (see [`crate::QueueAllocator`]), writable by the device, as a registration would: the
+/// device maps them at `iova(addr)` until the result is dropped.
+///
+/// # Safety
+/// As [`ProtectionDomain::reg_user_mr`], for `[addr, addr + len)`.
+pub(crate) unsafe fn adopt_queue(
+    dev: &Device,
+    addr: *mut u8,
+    len: usize,
+) -> Result<AdoptedPages, Error> {
+    let (start, end) = user_range(addr, len, addr as u64)?;
+    adopt(dev, start, end, true)
 }
 
 /// Whether a region with `access` lets the device write its pages.
@@ -1273,7 +1288,7 @@ mod tests {
         assert!(matches!(r, Err(Error::InvalidArgument(_))), "{r:?}");
         // A shared mapping of another file (the driver's own DMA memory).
         let dma = dev.alloc_dma(4096).unwrap();
-        let shared = MmapRaw::map_raw(&dma.mem().fd()).unwrap();
+        let shared = MmapRaw::map_raw(&dma.mem().fd().unwrap()).unwrap();
         // SAFETY: refused before any access.
         let r = unsafe { pd.reg_user_mr(shared.as_mut_ptr(), 10, 0, Access::empty()) };
         assert!(

@@ -40,7 +40,9 @@ pub mod vfio;
 
 pub use counter::{Counter, CounterInfo, CounterWait, TriggerHandle, TriggerOpts};
 pub use cq::{CompletionQueue, CqAttr, WcOpcode, WcStatus, WorkCompletion};
-pub use device::{AsyncEvent, Device, DeviceCaps, DmaBuffer};
+pub use device::{
+    Allocated, AsyncEvent, Device, DeviceCaps, DmaBuffer, QueueAlloc, QueueAllocator, QueueMem,
+};
 pub use dma::DmaMemory;
 pub use error::Error;
 pub use hostmem::{is_mapped, HOST_IOVA_OFFSET};

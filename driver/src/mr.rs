@@ -15,6 +15,8 @@ pub struct ProtectionDomain {
     pub(crate) dev: Device,
     pub(crate) pdn: u32,
     pub(crate) obj: Rc<PdObject>,
+    /// Where the rings of QPs and SRQs made in it come from (a parent domain's allocator).
+    pub(crate) alloc: Option<crate::device::QueueAlloc>,
 }
 
 /// The device object behind a PD. MRs, QPs and SRQs of the PD hold it too, so the PD is
@@ -38,6 +40,16 @@ impl Drop for PdObject {
 }
 
 impl ProtectionDomain {
+    /// This PD as a parent domain (`ibv_alloc_parent_domain(3)`): another handle on the same
+    /// PD whose QPs and SRQs (and CQs made with [`Device::create_cq_in`]) take their rings
+    /// and doorbell records from `alloc`.
+    pub fn with_allocator(&self, alloc: crate::device::QueueAlloc) -> ProtectionDomain {
+        ProtectionDomain {
+            alloc: Some(alloc),
+            ..self.clone()
+        }
+    }
+
     /// The PD number.
     pub fn pdn(&self) -> u32 {
         self.pdn

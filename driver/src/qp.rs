@@ -5,7 +5,7 @@
 
 use crate::cq::CompletionQueue;
 use crate::cq::CqObject;
-use crate::device::{Device, DmaBuffer};
+use crate::device::{Device, DmaBuffer, QueueMem, RING_ALIGN};
 use crate::dma::DmaMemory;
 use crate::error::Error;
 use crate::mr::{PdObject, ProtectionDomain, Sge};
@@ -722,13 +722,17 @@ impl ProtectionDomain {
         } else {
             init.max_recv_wr.next_power_of_two().trailing_zeros().max(1) as u8
         };
-        let sq = self.dev.alloc_ring((1usize << sq_log) * WQEBB)?;
+        let a = self.alloc.as_ref();
+        let sq =
+            self.dev
+                .alloc_queue_mem((1usize << sq_log) * WQEBB, RING_ALIGN, QueueMem::Qp, a)?;
         let rq = if init.srq.is_none() {
-            Some(self.dev.alloc_ring((1usize << rq_log) << rq_stride_log)?)
+            let len = (1usize << rq_log) << rq_stride_log;
+            Some(self.dev.alloc_queue_mem(len, RING_ALIGN, QueueMem::Qp, a)?)
         } else {
             None
         };
-        let db = self.dev.alloc_ring(64)?;
+        let db = self.dev.alloc_queue_mem(64, 64, QueueMem::Doorbell, a)?;
         let input = CreateQpIn {
             pdn: self.pdn.into(),
             send_cqn: init.send_cq.cqn().into(),

@@ -1,6 +1,6 @@
 //! Shared receive queues: one pool of receive WQEs for several QPs of a PD.
 
-use crate::device::{Device, DmaBuffer};
+use crate::device::{Device, DmaBuffer, QueueMem, RING_ALIGN};
 use crate::error::Error;
 use crate::mr::{PdObject, ProtectionDomain};
 use crate::qp::{write_recv_wqe, RecvWr};
@@ -118,8 +118,12 @@ impl ProtectionDomain {
         let stride_log = (max_sge as usize * SEG)
             .next_power_of_two()
             .trailing_zeros() as u8;
-        let ring = self.dev.alloc_ring((1usize << log) << stride_log)?;
-        let db = self.dev.alloc_ring(64)?;
+        let a = self.alloc.as_ref();
+        let len = (1usize << log) << stride_log;
+        let ring = self
+            .dev
+            .alloc_queue_mem(len, RING_ALIGN, QueueMem::Srq, a)?;
+        let db = self.dev.alloc_queue_mem(64, 64, QueueMem::Doorbell, a)?;
         let input = CreateSrqIn {
             pdn: self.pdn.into(),
             log_size: log,

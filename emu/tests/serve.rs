@@ -597,7 +597,7 @@ fn malformed_messages_are_refused_with_their_errno_and_every_node_keeps_serving(
     .enumerate()
     {
         let id = 40 + i as u16;
-        dma_map(&s, id, mem.fd(), iova, len);
+        dma_map(&s, id, mem.fd().unwrap(), iova, len);
         match errno {
             None => {
                 let r = read_reply(&mut s);
@@ -990,11 +990,17 @@ fn dma_mappings_are_bounded_per_client() {
     assert!(json.contains("\"max_dma_maps\":64"), "{json}");
     let mem = ringbell::DmaMemory::new(4096).unwrap();
     for i in 0..64u16 {
-        dma_map(&s, i, mem.fd(), (1 << 32) + u64::from(i) * 8192, 4096);
+        dma_map(
+            &s,
+            i,
+            mem.fd().unwrap(),
+            (1 << 32) + u64::from(i) * 8192,
+            4096,
+        );
         let r = read_reply(&mut s);
         assert_eq!((r.id, r.flags & ERROR), (i, 0));
     }
-    dma_map(&s, 64, mem.fd(), 1 << 40, 4096);
+    dma_map(&s, 64, mem.fd().unwrap(), 1 << 40, 4096);
     refused(&mut s, 64, 2, Errno::ENOSPC);
     assert!(srv
         .expect_log("refused DMA_MAP #64")

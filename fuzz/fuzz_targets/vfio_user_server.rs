@@ -121,7 +121,10 @@ struct Input {
 fn memory(pages: u8) -> OwnedFd {
     let len = 4096 * (1 + usize::from(pages % 16));
     let mem = ringbell::DmaMemory::new(len).expect("a memory file");
-    mem.fd().try_clone_to_owned().expect("its descriptor")
+    mem.fd()
+        .expect("a memory file")
+        .try_clone_to_owned()
+        .expect("its descriptor")
 }
 
 fn fds(kind: &Fd) -> Vec<OwnedFd> {

@@ -560,7 +560,7 @@ pub unsafe extern "C" fn domain_open(
                 ops: &DOMAIN_OPS as *const _ as *mut _,
                 mr: &MR_OPS as *const _ as *mut _,
             },
-            Obj::Domain(d),
+            Obj::Domain(Box::new(d)),
         );
         st.parents.insert(p as usize, fabric as usize);
         put(out, p).map(|()| 0)

@@ -347,7 +347,7 @@ pub struct Ep {
 pub enum Obj {
     Fabric,
     Eq,
-    Domain(Domain),
+    Domain(Box<Domain>),
     Cq(Cq),
     Av(Av),
     Mr(Mr),
@@ -616,7 +616,7 @@ impl State {
 
     fn domain(&self, key: usize) -> Result<&Domain, Errno> {
         match self.objs.get(&key) {
-            Some(Obj::Domain(d)) => Ok(d),
+            Some(Obj::Domain(d)) => Ok(&**d),
             _ => Err(EINVAL),
         }
     }

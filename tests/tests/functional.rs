@@ -651,8 +651,8 @@ fn a_write_between_two_mappings_of_one_file_copies_the_source_as_sent() {
             let (fabric, mut a, b) = fm_pair(functional);
             let mem = DmaMemory::new(4 * LEN as usize).unwrap();
             let len = mem.len() as u64;
-            a.dev.port().dma_map(mem.fd(), len, IOVA).unwrap();
-            b.dev.port().dma_map(mem.fd(), len, IOVA).unwrap();
+            a.dev.port().dma_map(mem.fd().unwrap(), len, IOVA).unwrap();
+            b.dev.port().dma_map(mem.fd().unwrap(), len, IOVA).unwrap();
             let mr_a = a.pd.reg_mr_raw(IOVA, len, IOVA, all()).unwrap();
             let mr_b = b.pd.reg_mr_raw(IOVA, len, IOVA, all()).unwrap();
             let pattern: Vec<u8> = (0..len as usize)

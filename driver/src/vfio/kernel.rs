@@ -756,7 +756,10 @@ mod tests {
             (page, u64::MAX - page + 1),
         ] {
             assert!(
-                matches!(t.dma_map(mem.fd(), len, iova), Err(PortError::MapFailed(_))),
+                matches!(
+                    t.dma_map(mem.fd().unwrap(), len, iova),
+                    Err(PortError::MapFailed(_))
+                ),
                 "{len:#x} at {iova:#x}"
             );
         }
@@ -768,7 +771,7 @@ mod tests {
         let (t, log, _) = ringbell();
         let page = DMA_PAGE as usize;
         let mem = memory(page, 0);
-        match t.dma_map(mem.fd(), 2 * page as u64, 0x1_0000_0000) {
+        match t.dma_map(mem.fd().unwrap(), 2 * page as u64, 0x1_0000_0000) {
             Err(PortError::MapFailed(m)) => assert!(m.contains("fewer"), "{m}"),
             other => panic!("{other:?}"),
         }
@@ -781,7 +784,7 @@ mod tests {
         let p = DMA_PAGE;
         let mem = memory(4 * p as usize, 0);
         let base = 0x1_0000_0000;
-        t.dma_map(mem.fd(), 2 * p, base + 2 * p).unwrap();
+        t.dma_map(mem.fd().unwrap(), 2 * p, base + 2 * p).unwrap();
         for (len, iova) in [
             (2 * p, base + 2 * p),
             (p, base + 3 * p),
@@ -791,15 +794,15 @@ mod tests {
         ] {
             assert!(
                 matches!(
-                    t.dma_map(mem.fd(), len, iova),
+                    t.dma_map(mem.fd().unwrap(), len, iova),
                     Err(PortError::Overlap { iova: i, len: l }) if i == iova && l == len
                 ),
                 "{len:#x} at {iova:#x}"
             );
         }
         // Right below and right above are fine.
-        t.dma_map(mem.fd(), 2 * p, base).unwrap();
-        t.dma_map(mem.fd(), p, base + 4 * p).unwrap();
+        t.dma_map(mem.fd().unwrap(), 2 * p, base).unwrap();
+        t.dma_map(mem.fd().unwrap(), p, base + 4 * p).unwrap();
         assert_eq!(t.dma.borrow().len(), 3);
     }
 
@@ -813,7 +816,7 @@ mod tests {
             t.dma_unmap(iova, p),
             Err(PortError::NotMapped { iova: i, len }) if i == iova && len == p
         ));
-        t.dma_map(mem.fd(), 2 * p, iova).unwrap();
+        t.dma_map(mem.fd().unwrap(), 2 * p, iova).unwrap();
         // Same start, other length; inside it; another start: all unknown.
         for (i, l) in [(iova, p), (iova + p, p), (iova + 2 * p, 2 * p)] {
             assert!(
@@ -827,7 +830,7 @@ mod tests {
             Err(PortError::NotMapped { .. })
         ));
         // The range is free again.
-        t.dma_map(mem.fd(), p, iova + p).unwrap();
+        t.dma_map(mem.fd().unwrap(), p, iova + p).unwrap();
         assert_eq!(
             *log.borrow(),
             vec![
@@ -846,12 +849,12 @@ mod tests {
         let mem = memory(p as usize, 0);
         refuse.set(true);
         assert!(matches!(
-            t.dma_map(mem.fd(), p, 0x1_0000_0000),
+            t.dma_map(mem.fd().unwrap(), p, 0x1_0000_0000),
             Err(PortError::MapFailed(m)) if m.contains("refused")
         ));
         assert!(t.dma.borrow().is_empty());
         refuse.set(false);
-        t.dma_map(mem.fd(), p, 0x1_0000_0000).unwrap();
+        t.dma_map(mem.fd().unwrap(), p, 0x1_0000_0000).unwrap();
     }
 
     #[test]
@@ -864,8 +867,8 @@ mod tests {
         t.enable_msix(&efd).unwrap();
         // Through the port, as the driver does it.
         let port = VfioPort::new(Bar::default(), Box::new(t), Some(efd));
-        port.dma_map(b.fd(), 2 * p, 0x2_0000_0000).unwrap();
-        port.dma_map(a.fd(), p, 0x1_0000_0000).unwrap();
+        port.dma_map(b.fd().unwrap(), 2 * p, 0x2_0000_0000).unwrap();
+        port.dma_map(a.fd().unwrap(), p, 0x1_0000_0000).unwrap();
         drop(port);
         assert_eq!(
             *log.borrow(),

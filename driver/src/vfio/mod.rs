@@ -528,7 +528,7 @@ mod tests {
         // A file-backed "BAR" of 64 KiB with one mapped page at 0x4000.
         let file = DmaMemory::new(0x10000).unwrap();
         let windows = plan_windows(true, 0x10000, &[(0x4000, 0x1000)]).unwrap();
-        let bar = Bar::map(file.fd(), 0, &windows).unwrap();
+        let bar = Bar::map(file.fd().unwrap(), 0, &windows).unwrap();
         let rec = Box::new(Recorder {
             regs: RefCell::new((0..64u8).collect()),
             ..Default::default()

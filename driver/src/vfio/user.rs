@@ -1132,7 +1132,7 @@ mod tests {
             config[2..4].copy_from_slice(&regs::PCI_DEVICE_ID.to_le_bytes());
             let seen = Arc::new(Mutex::new(Seen::default()));
             let backend = Backend {
-                bar: File::from(bar.fd().try_clone_to_owned().unwrap()),
+                bar: File::from(bar.fd().unwrap().try_clone_to_owned().unwrap()),
                 config,
                 seen: seen.clone(),
             };
@@ -1289,7 +1289,7 @@ mod tests {
         let fake = Fake::start("dma", regs::PCI_VENDOR_ID);
         let port = VfioPort::connect(&fake.path).unwrap();
         let mem = DmaMemory::new(0x10000).unwrap();
-        port.dma_map(mem.fd(), 0x10000, IOVA).unwrap();
+        port.dma_map(mem.fd().unwrap(), 0x10000, IOVA).unwrap();
         {
             let seen = fake.seen.lock().unwrap();
             let (flags, offset, iova, size, _) = &seen.maps[0];
@@ -1319,9 +1319,9 @@ mod tests {
         let mem = DmaMemory::new(0x10000).unwrap();
 
         // The server refuses a mapping beyond the file; nothing is recorded locally.
-        let huge = port.dma_map(mem.fd(), 1 << 40, IOVA);
+        let huge = port.dma_map(mem.fd().unwrap(), 1 << 40, IOVA);
         assert!(matches!(huge, Err(PortError::MapFailed(_))), "{huge:?}");
-        port.dma_map(mem.fd(), 0x10000, IOVA).unwrap();
+        port.dma_map(mem.fd().unwrap(), 0x10000, IOVA).unwrap();
 
         // Overlaps and unknown unmaps are caught before anything is sent.
         for (iova, len) in [
@@ -1329,13 +1329,14 @@ mod tests {
             (IOVA + 0xF000, 0x2000),
             (IOVA - 0x1000, 0x2000),
         ] {
-            let r = port.dma_map(mem.fd(), len, iova);
+            let r = port.dma_map(mem.fd().unwrap(), len, iova);
             assert!(
                 matches!(r, Err(PortError::Overlap { iova: i, len: l }) if i == iova && l == len),
                 "{r:?}"
             );
         }
-        port.dma_map(mem.fd(), 0x1000, IOVA + 0x10000).unwrap();
+        port.dma_map(mem.fd().unwrap(), 0x1000, IOVA + 0x10000)
+            .unwrap();
         for (iova, len) in [(IOVA + 0x20000, 0x1000), (IOVA, 0x1000)] {
             let r = port.dma_unmap(iova, len);
             assert!(matches!(r, Err(PortError::NotMapped { .. })), "{r:?}");
@@ -1501,7 +1502,7 @@ mod tests {
         assert!(matches!(r, Err(VfioError::Protocol(_))), "{r:?}");
         assert!(start.elapsed() < Duration::from_millis(150));
         let mem = DmaMemory::new(4096).unwrap();
-        let r = t.dma_map(mem.fd(), 4096, 0);
+        let r = t.dma_map(mem.fd().unwrap(), 4096, 0);
         assert!(matches!(r, Err(PortError::MapFailed(_))), "{r:?}");
     }
 
