@@ -16,6 +16,8 @@ pub(crate) struct RbCq {
     pub channel: *mut RbChannel,
     /// QPs and SRQs that report here (destroying with any: EBUSY).
     pub users: u32,
+    /// The parent domain it was made with (`IBV_CQ_INIT_ATTR_MASK_PD`), or NULL.
+    pub pd: *mut crate::pd::RbPd,
     /// Extended polling: the entry `start_poll`/`next_poll` made current.
     pub cur: WorkCompletion,
 }
@@ -68,6 +70,7 @@ pub(crate) fn create(
     cqe: i32,
     channel: *mut RbChannel,
     cq_context: *mut libc::c_void,
+    pd: *mut crate::pd::RbPd,
 ) -> Result<*mut RbCq, i32> {
     if cqe <= 0 || cqe as u32 > c.dev.caps().max_cqe {
         return Err(libc::EINVAL);
@@ -79,9 +82,11 @@ pub(crate) fn create(
             return Err(libc::EINVAL);
         }
     }
+    // SAFETY: NULL or a live parent domain the caller checked, under the lock.
+    let drv_pd = unsafe { pd.as_ref() }.map(|p| &p.drv);
     let drv = c
         .dev
-        .create_cq(cqe as u32)
+        .create_cq_in(cqe as u32, drv_pd)
         .map_err(|e| crate::errno_of(&e))?;
     let mut cq = abi::ibv_cq_ex {
         context: c.ibv(),
@@ -100,8 +105,13 @@ pub(crate) fn create(
         drv,
         channel,
         users: 0,
+        pd,
         cur: WorkCompletion::default(),
     }));
+    if !pd.is_null() {
+        // SAFETY: as above.
+        unsafe { (*pd).children += 1 };
+    }
     // SAFETY: `p` was just allocated; the mutex and condition variable are initialised in
     // place, where they stay.
     unsafe {
@@ -127,6 +137,10 @@ pub(crate) fn destroy(st: &mut State, cq: &mut RbCq) -> i32 {
     // SAFETY: a CQ's context outlives it.
     let nic = unsafe { (*cq.ctx).nic };
     st.cqs.remove(&(nic, cq.drv.cqn()));
+    if !cq.pd.is_null() {
+        // SAFETY: a parent domain with CQs cannot be deallocated, so it is live.
+        unsafe { (*cq.pd).children -= 1 };
+    }
     if !cq.channel.is_null() {
         // SAFETY: a channel with CQs cannot be destroyed, so it is live.
         let ch = unsafe { &mut *cq.channel };

@@ -215,12 +215,22 @@ pub(crate) fn close(st: &mut State, c: &mut RbContext) -> i32 {
             crate::cq::destroy_channel(st, o);
         }
     }
-    for p in st.live_of(Kind::Pd) {
-        // SAFETY: the registry lists live objects of this kind, allocated as this type;
-        // the lock is held.
-        let o = unsafe { &mut *(p as *mut crate::pd::RbPd) };
+    // Parent domains before the PDs they stand for, thread domains after them.
+    for parents in [true, false] {
+        for p in st.live_of(Kind::Pd) {
+            // SAFETY: the registry lists live objects of this kind, allocated as this type;
+            // the lock is held.
+            let o = unsafe { &mut *(p as *mut crate::pd::RbPd) };
+            if o.ctx == me && o.parent.is_some() == parents {
+                crate::pd::dealloc(st, o);
+            }
+        }
+    }
+    for p in st.live_of(Kind::Td) {
+        // SAFETY: as above.
+        let o = unsafe { &mut *(p as *mut crate::pd::RbTd) };
         if o.ctx == me {
-            crate::pd::dealloc(st, o);
+            crate::pd::dealloc_td(st, o);
         }
     }
     let p = c.ibv() as usize;

@@ -755,7 +755,14 @@ pub unsafe extern "C" fn ibv_create_cq(
             if !null_or(st, channel as usize, Kind::Channel) {
                 return Err(libc::EINVAL);
             }
-            crate::cq::create(st, c, cqe, channel as *mut RbChannel, cq_context)
+            crate::cq::create(
+                st,
+                c,
+                cqe,
+                channel as *mut RbChannel,
+                cq_context,
+                std::ptr::null_mut(),
+            )
         })),
         Owner::Foreign => forward!(
             "ibv_create_cq",

@@ -49,6 +49,58 @@ pub(crate) fn fill(v: &mut abi::verbs_context) {
     v.post_srq_ops = Some(post_srq_ops);
     v.get_srq_num = Some(get_srq_num);
     v.query_rt_values = Some(query_rt_values);
+    v.alloc_td = Some(alloc_td);
+    v.dealloc_td = Some(dealloc_td);
+    v.alloc_parent_domain = Some(alloc_parent_domain);
+}
+
+unsafe extern "C" fn alloc_td(
+    ctx: *mut abi::ibv_context,
+    attr: *mut abi::ibv_td_init_attr,
+) -> *mut abi::ibv_td {
+    // SAFETY: NULL or the caller's struct.
+    let Some(a) = (unsafe { attr.as_ref() }) else {
+        set_errno(libc::EINVAL);
+        return std::ptr::null_mut();
+    };
+    match with_ctx(ctx, Err(libc::EINVAL), |st, c| {
+        crate::pd::alloc_td(st, c, a)
+    }) {
+        Ok(p) => p,
+        Err(e) => {
+            set_errno(e);
+            std::ptr::null_mut()
+        }
+    }
+}
+
+unsafe extern "C" fn dealloc_td(td: *mut abi::ibv_td) -> c_int {
+    with(
+        td as *mut crate::pd::RbTd,
+        Kind::Td,
+        libc::EINVAL,
+        crate::pd::dealloc_td,
+    )
+}
+
+unsafe extern "C" fn alloc_parent_domain(
+    ctx: *mut abi::ibv_context,
+    attr: *mut abi::ibv_parent_domain_init_attr,
+) -> *mut abi::ibv_pd {
+    // SAFETY: NULL or the caller's struct.
+    let Some(a) = (unsafe { attr.as_ref() }) else {
+        set_errno(libc::EINVAL);
+        return std::ptr::null_mut();
+    };
+    match with_ctx(ctx, Err(libc::EINVAL), |st, c| {
+        crate::pd::alloc_parent(st, c, a)
+    }) {
+        Ok(p) => p,
+        Err(e) => {
+            set_errno(e);
+            std::ptr::null_mut()
+        }
+    }
 }
 
 unsafe extern "C" fn poll_cq(cq: *mut abi::ibv_cq, n: c_int, wc: *mut abi::ibv_wc) -> c_int {
@@ -247,7 +299,8 @@ unsafe extern "C" fn create_cq_ex(
     // SAFETY: the caller's struct.
     let a = unsafe { &*attr };
     let r = with_ctx(ctx, Err(libc::EINVAL), |st, c| {
-        let known_mask = abi::ibv_cq_init_attr_mask_IBV_CQ_INIT_ATTR_MASK_FLAGS;
+        let known_mask = abi::ibv_cq_init_attr_mask_IBV_CQ_INIT_ATTR_MASK_FLAGS
+            | abi::ibv_cq_init_attr_mask_IBV_CQ_INIT_ATTR_MASK_PD;
         let known_flags = abi::ibv_create_cq_wc_flags_IBV_WC_EX_WITH_BYTE_LEN
             | abi::ibv_create_cq_wc_flags_IBV_WC_EX_WITH_IMM
             | abi::ibv_create_cq_wc_flags_IBV_WC_EX_WITH_QP_NUM
@@ -260,9 +313,24 @@ unsafe extern "C" fn create_cq_ex(
         if a.comp_mask & !known_mask != 0 || a.wc_flags & !u64::from(known_flags) != 0 {
             return Err(libc::EOPNOTSUPP);
         }
-        if a.comp_mask & known_mask != 0 && a.flags != 0 {
+        if a.comp_mask & abi::ibv_cq_init_attr_mask_IBV_CQ_INIT_ATTR_MASK_FLAGS != 0 && a.flags != 0
+        {
             return Err(libc::EOPNOTSUPP);
         }
+        // With MASK_PD, a parent domain of this context (a plain PD: EINVAL, as mlx5).
+        let pd = if a.comp_mask & abi::ibv_cq_init_attr_mask_IBV_CQ_INIT_ATTR_MASK_PD != 0 {
+            if st.owner(a.parent_domain as usize) != Owner::Ours(Kind::Pd) {
+                return Err(libc::EINVAL);
+            }
+            // SAFETY: a live ringbell PD (checked), under the lock.
+            let pd = unsafe { &mut *(a.parent_domain as *mut crate::pd::RbPd) };
+            if pd.parent.is_none() || !std::ptr::eq(pd.ctx, c) {
+                return Err(libc::EINVAL);
+            }
+            pd as *mut crate::pd::RbPd
+        } else {
+            std::ptr::null_mut()
+        };
         if !null_or(st, a.channel as usize, Kind::Channel)
             || a.comp_vector >= c.vctx.context.num_comp_vectors as u32
             || a.cqe > i32::MAX as u32
@@ -275,6 +343,7 @@ unsafe extern "C" fn create_cq_ex(
             a.cqe as i32,
             a.channel as *mut crate::cq::RbChannel,
             a.cq_context,
+            pd,
         )
     });
     match r {

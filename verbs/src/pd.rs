@@ -2,17 +2,206 @@
 
 use crate::abi;
 use crate::device::RbContext;
-use crate::state::{Kind, State};
-use ringbell::{Access, MemoryRegion, ProtectionDomain};
+use crate::state::{Kind, Owner, State};
+use ringbell::{
+    Access, Allocated, MemoryRegion, ProtectionDomain, QueueAlloc, QueueAllocator, QueueMem,
+};
+use std::ffi::c_void;
+use std::ptr::NonNull;
+use std::rc::Rc;
 
-/// A ringbell PD.
+/// A ringbell PD, or a parent domain (`ibv_alloc_parent_domain`), which is used wherever
+/// a PD is and stands for the PD it was made from.
 #[repr(C)]
 pub(crate) struct RbPd {
     pub pd: abi::ibv_pd,
     pub ctx: *mut RbContext,
+    /// The device PD; for a parent domain with allocators, a handle on it that takes queue
+    /// memory from them.
     pub drv: ProtectionDomain,
-    /// Live MRs, QPs, SRQs and AHs (deallocating with any: EBUSY).
+    /// Live MRs, QPs, SRQs, AHs and CQs (deallocating with any: EBUSY); for a PD, also
+    /// its parent domains.
     pub children: u32,
+    /// A parent domain: the PD it was made from, and its thread domain.
+    pub parent: Option<(*mut RbPd, *mut RbTd)>,
+}
+
+/// A thread domain (`ibv_alloc_td`): a promise that the objects made with it are used from
+/// one thread at a time. The device needs nothing for it; it is kept and checked.
+#[repr(C)]
+pub(crate) struct RbTd {
+    pub td: abi::ibv_td,
+    pub ctx: *mut RbContext,
+    /// Parent domains that use it (deallocating with any: EBUSY).
+    pub users: u32,
+}
+
+/// `IBV_ALLOCATOR_USE_DEFAULT` (`(void *)-1`): an allocator's answer asking for the
+/// provider's own memory.
+const USE_DEFAULT: usize = usize::MAX;
+
+/// The `resource_type` a parent domain's allocator is called with: the driver id (0,
+/// `RDMA_DRIVER_UNKNOWN`: ringbell has none of rdma-core's) in the upper 32 bits and the
+/// resource's code in the lower, numbered as mlx5 numbers them.
+pub const RES_TYPE_QP: u64 = 1;
+/// See [`RES_TYPE_QP`].
+pub const RES_TYPE_DBR: u64 = 3;
+/// See [`RES_TYPE_QP`].
+pub const RES_TYPE_SRQ: u64 = 4;
+/// See [`RES_TYPE_QP`].
+pub const RES_TYPE_CQ: u64 = 5;
+
+type AllocFn =
+    unsafe extern "C" fn(*mut abi::ibv_pd, *mut c_void, usize, usize, u64) -> *mut c_void;
+type FreeFn = unsafe extern "C" fn(*mut abi::ibv_pd, *mut c_void, *mut c_void, u64);
+
+/// A parent domain's allocator callbacks, as the driver's [`QueueAllocator`].
+struct CAlloc {
+    pd: *mut abi::ibv_pd,
+    ctx: *mut c_void,
+    alloc: AllocFn,
+    free: FreeFn,
+}
+
+fn res_type(kind: QueueMem) -> u64 {
+    match kind {
+        QueueMem::Qp => RES_TYPE_QP,
+        QueueMem::Cq => RES_TYPE_CQ,
+        QueueMem::Srq => RES_TYPE_SRQ,
+        QueueMem::Doorbell => RES_TYPE_DBR,
+    }
+}
+
+// SAFETY: ibv_alloc_parent_domain(3) makes the application's callback responsible for
+// the memory it returns: a zeroed buffer of its own, of the size and alignment asked, not
+// copied on write, kept until the provider frees it through the callback.
+unsafe impl QueueAllocator for CAlloc {
+    fn alloc(&self, size: usize, align: usize, kind: QueueMem) -> Allocated {
+        // SAFETY: the application's callback with the arguments its man page gives it: the
+        // parent domain, its context, the size, alignment and resource type.
+        let p = unsafe { (self.alloc)(self.pd, self.ctx, size, align, res_type(kind)) };
+        match p as usize {
+            0 => Allocated::Failed,
+            USE_DEFAULT => Allocated::UseDefault,
+            _ => NonNull::new(p as *mut u8).map_or(Allocated::Failed, Allocated::At),
+        }
+    }
+    fn free(&self, ptr: NonNull<u8>, kind: QueueMem) {
+        // SAFETY: memory its `alloc` returned, given back once, as the callback expects.
+        unsafe {
+            (self.free)(
+                self.pd,
+                self.ctx,
+                ptr.as_ptr() as *mut c_void,
+                res_type(kind),
+            )
+        };
+    }
+}
+
+/// `ibv_alloc_td`.
+pub(crate) fn alloc_td(
+    st: &mut State,
+    c: &mut RbContext,
+    attr: &abi::ibv_td_init_attr,
+) -> Result<*mut abi::ibv_td, i32> {
+    if attr.comp_mask != 0 {
+        return Err(libc::EINVAL);
+    }
+    let p = Box::into_raw(Box::new(RbTd {
+        td: abi::ibv_td { context: c.ibv() },
+        ctx: c,
+        users: 0,
+    }));
+    st.add(p as usize, Kind::Td);
+    Ok(p as *mut abi::ibv_td)
+}
+
+/// `ibv_dealloc_td`.
+pub(crate) fn dealloc_td(st: &mut State, td: &mut RbTd) -> i32 {
+    if td.users != 0 {
+        return libc::EBUSY;
+    }
+    st.remove(td as *mut RbTd as usize);
+    // SAFETY: `td` is the `RbTd` `alloc_td` boxed, now out of the registry.
+    drop(unsafe { Box::from_raw(td as *mut RbTd) });
+    0
+}
+
+/// `ibv_alloc_parent_domain`: `attr.pd` a PD (not a parent domain) of this context,
+/// `attr.td` NULL or a thread domain of it, `comp_mask` of `ALLOCATORS` and `PD_CONTEXT`
+/// only (otherwise EINVAL). With both callbacks set, the rings and doorbell records of the
+/// QPs, SRQs and CQs made with the parent domain come from them.
+pub(crate) fn alloc_parent(
+    st: &mut State,
+    c: &mut RbContext,
+    attr: &abi::ibv_parent_domain_init_attr,
+) -> Result<*mut abi::ibv_pd, i32> {
+    let known = abi::ibv_parent_domain_init_attr_mask_IBV_PARENT_DOMAIN_INIT_ATTR_ALLOCATORS
+        | abi::ibv_parent_domain_init_attr_mask_IBV_PARENT_DOMAIN_INIT_ATTR_PD_CONTEXT;
+    if attr.comp_mask & !known != 0 || st.owner(attr.pd as usize) != Owner::Ours(Kind::Pd) {
+        return Err(libc::EINVAL);
+    }
+    // SAFETY: the registry says `pd` is a live PD, allocated as an `RbPd`; the lock is held.
+    let pd = unsafe { &mut *(attr.pd as *mut RbPd) };
+    if !std::ptr::eq(pd.ctx, c) || pd.parent.is_some() {
+        return Err(libc::EINVAL);
+    }
+    let td = attr.td as *mut RbTd;
+    if !td.is_null() {
+        if st.owner(td as usize) != Owner::Ours(Kind::Td) {
+            return Err(libc::EINVAL);
+        }
+        // SAFETY: a live thread domain (checked), under the lock.
+        if !std::ptr::eq(unsafe { (*td).ctx }, c) {
+            return Err(libc::EINVAL);
+        }
+    }
+    let pd_context = if attr.comp_mask
+        & abi::ibv_parent_domain_init_attr_mask_IBV_PARENT_DOMAIN_INIT_ATTR_PD_CONTEXT
+        != 0
+    {
+        attr.pd_context
+    } else {
+        std::ptr::null_mut()
+    };
+    let callbacks = match (attr.alloc, attr.free) {
+        (Some(a), Some(f))
+            if attr.comp_mask
+                & abi::ibv_parent_domain_init_attr_mask_IBV_PARENT_DOMAIN_INIT_ATTR_ALLOCATORS
+                != 0 =>
+        {
+            Some((a, f))
+        }
+        _ => None,
+    };
+    let p = Box::into_raw(Box::new(RbPd {
+        pd: abi::ibv_pd {
+            context: c.ibv(),
+            handle: pd.pd.handle,
+        },
+        ctx: c,
+        drv: pd.drv.clone(),
+        children: 0,
+        parent: Some((pd as *mut RbPd, td)),
+    }));
+    if let Some((alloc, free)) = callbacks {
+        // SAFETY: `p` was just allocated and is not shared yet.
+        let me = unsafe { &mut *p };
+        me.drv = pd.drv.with_allocator(QueueAlloc(Rc::new(CAlloc {
+            pd: &mut me.pd,
+            ctx: pd_context,
+            alloc,
+            free,
+        })));
+    }
+    pd.children += 1;
+    if !td.is_null() {
+        // SAFETY: checked live above.
+        unsafe { (*td).users += 1 };
+    }
+    st.add(p as usize, Kind::Pd);
+    Ok(p as *mut abi::ibv_pd)
 }
 
 /// A ringbell MR.
@@ -62,15 +251,26 @@ pub(crate) fn alloc(st: &mut State, c: &mut RbContext) -> Result<*mut abi::ibv_p
         ctx: c,
         drv,
         children: 0,
+        parent: None,
     }));
     st.add(p as usize, Kind::Pd);
     Ok(p as *mut abi::ibv_pd)
 }
 
-/// `ibv_dealloc_pd`.
+/// `ibv_dealloc_pd` (of a PD or a parent domain).
 pub(crate) fn dealloc(st: &mut State, pd: &mut RbPd) -> i32 {
     if pd.children != 0 {
         return libc::EBUSY;
+    }
+    if let Some((base, td)) = pd.parent {
+        // SAFETY: a PD with parent domains cannot be deallocated, nor a thread domain
+        // with users, so both are live.
+        unsafe {
+            (*base).children -= 1;
+            if !td.is_null() {
+                (*td).users -= 1;
+            }
+        }
     }
     st.remove(pd as *mut RbPd as usize);
     // SAFETY: `pd` is the `RbPd` `alloc` boxed, now out of the registry.

@@ -35,6 +35,7 @@ pub(crate) enum Kind {
     Srq,
     Channel,
     Ah,
+    Td,
 }
 
 /// Whose object a pointer is.

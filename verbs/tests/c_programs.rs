@@ -216,6 +216,7 @@ const PROGRAMS: &[&str] = &[
     "tm_srq",
     "ud",
     "uc",
+    "parent_domain",
 ];
 
 macro_rules! c_program {
@@ -229,7 +230,19 @@ macro_rules! c_program {
     };
 }
 
-c_program!(devices, pd_mr, cq, qp_state, qp_ops, qp_errors, srq, tm_srq, ud, uc);
+c_program!(
+    devices,
+    pd_mr,
+    cq,
+    qp_state,
+    qp_ops,
+    qp_errors,
+    srq,
+    tm_srq,
+    ud,
+    uc,
+    parent_domain
+);
 
 /// Every `tests/c/*.c` has its test above (a new program is not silently left out).
 #[test]

@@ -448,7 +448,8 @@ fn rdma_core_test_suite_passes_on_rb0() {
     );
     // What a device with ringbell's capabilities must run, not skip (UD QPs and address
     // handles included: test_addr, the UD tests of test_qp, test_qpex, test_cqex,
-    // test_cq_events and test_relaxed_ordering; UC QPs: five tests of test_qp).
+    // test_cq_events and test_relaxed_ordering; UC QPs: five tests of test_qp; parent
+    // domains: five of test_parent_domain, the sixth needing huge pages).
     for (file, at_least) in [
         ("test_device", 10),
         ("test_pd", 4),
@@ -462,6 +463,7 @@ fn rdma_core_test_suite_passes_on_rb0() {
         ("test_atomic", 7),
         ("test_tag_matching", 4),
         ("test_relaxed_ordering", 2),
+        ("test_parent_domain", 5),
     ] {
         let passed = per_file.get(file).map_or(0, |c| c[0]);
         assert!(
