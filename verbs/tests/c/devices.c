@@ -167,8 +167,11 @@ static void other_verbs(void)
 	CHECK_NULL_ERRNO(ibv_open_xrcd(ctx, &xa), EOPNOTSUPP);
 	struct ibv_alloc_dm_attr dma = {.length = 64};
 	CHECK_NULL_ERRNO(ibv_alloc_dm(ctx, &dma), EOPNOTSUPP);
+	/* Thread domains are supported (parent_domain.c). */
 	struct ibv_td_init_attr ta = {0};
-	CHECK_NULL_ERRNO(ibv_alloc_td(ctx, &ta), EOPNOTSUPP);
+	struct ibv_td *td = ibv_alloc_td(ctx, &ta);
+	CHECK(td != NULL);
+	CHECK_RET(ibv_dealloc_td(td), 0);
 	struct ibv_counters_init_attr ca = {0};
 	CHECK_NULL_ERRNO(ibv_create_counters(ctx, &ca), EOPNOTSUPP);
 	struct ibv_wq_init_attr wa = {.wq_type = IBV_WQT_RQ, .max_wr = 1, .max_sge = 1,
