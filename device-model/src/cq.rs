@@ -49,12 +49,18 @@ impl Nic {
             }
             _ => {
                 cq.armed = Some(value & regs::CQ_ARM_SOLICITED != 0);
-                // Arming with completions already waiting fires at once.
-                let ci = value & !regs::CQ_ARM_SOLICITED;
-                if value & regs::CQ_ARM_SOLICITED == 0
-                    && cq.pi.wrapping_sub(ci) as i32 > 0
-                    && ci.wrapping_sub(cq.ci) as i32 >= 0
-                {
+                // Arming with completions already waiting fires at once: CQEs past the
+                // later of the arm's CI and the CI last learned. A device that takes
+                // doorbells from a page it polls (a served NIC) can see a CI the driver
+                // wrote after this arm before the arm itself; the arm's CI is then behind,
+                // and the CQEs past the newer CI still wait.
+                let arm_ci = value & !regs::CQ_ARM_SOLICITED;
+                let ci = if arm_ci.wrapping_sub(cq.ci) as i32 >= 0 {
+                    arm_ci
+                } else {
+                    cq.ci
+                };
+                if value & regs::CQ_ARM_SOLICITED == 0 && cq.pi.wrapping_sub(ci) as i32 > 0 {
                     cq.armed = None;
                     self.post_event(env, EventType::Completion, 0, cqn, 0);
                 }

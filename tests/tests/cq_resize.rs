@@ -222,3 +222,41 @@ fn an_armed_cq_stays_armed_across_a_resize() {
     assert_eq!(completion(&p), 1, "the first CQE in the new ring fires it");
     assert_eq!(ids(&mut p), vec![0]);
 }
+
+/// An arm whose CI is behind the CI the device has already seen (a served NIC polls its
+/// doorbell page and can take a CI stored after the arm first): a CQE waiting past the
+/// newer CI fires the event at once, so a program that arms, polls and waits is woken.
+#[test]
+fn an_arm_seen_after_a_newer_ci_fires_for_what_waits_past_it() {
+    let mut p = pair();
+    let completion = |p: &Pair| {
+        std::iter::from_fn(|| p.a.dev.poll_event())
+            .filter(|e| e.kind == ringbell_specs::cqe::EventType::Completion)
+            .count()
+    };
+    writes(&mut p, 0, 2);
+    // The driver polls one (its CI doorbell says 1); the second waits.
+    let mut wc = [WorkCompletion::default(); 1];
+    assert_eq!(p.a.cq.poll(&mut wc), 1);
+    assert_eq!(p.a.cq.query().unwrap().ci, 1);
+    // The arm the driver wrote before that poll (CI 0) arrives only now.
+    let arm = ringbell_specs::regs::CQ_DB_BASE
+        + u64::from(p.a.cq.cqn()) * ringbell_specs::regs::DB_STRIDE
+        + ringbell_specs::regs::DB_CQ_ARM;
+    p.a.dev.port().write32(arm, 0);
+    settle(&p.fabric);
+    assert_eq!(
+        completion(&p),
+        1,
+        "the CQE past CI 1 fires the event at once"
+    );
+    assert!(!p.a.cq.query().unwrap().armed);
+    // Nothing waits past the device's CI: such an arm waits for the next CQE.
+    assert_eq!(ids(&mut p), vec![1]);
+    p.a.dev.port().write32(arm, 1);
+    settle(&p.fabric);
+    assert_eq!(completion(&p), 0);
+    assert!(p.a.cq.query().unwrap().armed);
+    writes(&mut p, 2, 1);
+    assert_eq!(completion(&p), 1);
+}
