@@ -275,6 +275,29 @@ enum OpKind {
     Multi(multi::MultiRecv),
 }
 
+/// The completion entry of an untagged message operation: `len` bytes at `buf`, `cut`
+/// bytes cut off (an error entry `FI_ETRUNC`), or an error entry `FI_EIO` when work
+/// completion `w` failed; remote CQ data from `w`.
+fn msg_entry(ctx: u64, flags: u64, (len, buf): (u64, u64), cut: u64, w: &WorkCompletion) -> Entry {
+    let ok = w.status == WcStatus::Success;
+    Entry {
+        ctx,
+        flags,
+        len,
+        buf,
+        src: ADDR_UNSPEC,
+        olen: cut,
+        err: match (ok, cut) {
+            (false, _) => abi::FI_EIO as i32,
+            (true, 0) => 0,
+            (true, _) => abi::FI_ETRUNC as i32,
+        },
+        prov_errno: if ok { 0 } else { w.status as i32 },
+        data: w.imm.map_or(0, u64::from),
+        ..Default::default()
+    }
+}
+
 /// The IPv4 address of NIC `i` in the fabric's address plan (node `i + 1`: `10.0.hi.lo`,
 /// as [`AhAttr::on_fabric`] reads it).
 pub fn nic_ip(i: usize) -> [u8; 4] {
@@ -1372,26 +1395,17 @@ impl State {
                     }
                     self.push(
                         cq,
-                        Entry {
-                            ctx: op.ctx,
+                        msg_entry(
+                            op.ctx,
                             flags,
-                            len: if op.send || remote_write {
-                                0
+                            if op.send || remote_write {
+                                (0, 0)
                             } else {
-                                received - cut
+                                (received - cut, op.buf)
                             },
-                            buf: if op.send || remote_write { 0 } else { op.buf },
-                            src: ADDR_UNSPEC,
-                            olen: cut,
-                            err: match (ok, cut) {
-                                (false, _) => abi::FI_EIO as i32,
-                                (true, 0) => 0,
-                                (true, _) => abi::FI_ETRUNC as i32,
-                            },
-                            prov_errno: if ok { 0 } else { w.status as i32 },
-                            data: w.imm.map_or(0, u64::from),
-                            ..Default::default()
-                        },
+                            cut,
+                            w,
+                        ),
                     );
                 }
             }

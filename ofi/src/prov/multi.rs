@@ -15,7 +15,7 @@
 //! next one's posting (the provider posts it at the next progress call) finds no receive
 //! and is retried by its sender (an RNR NAK, retried without limit), as on a verbs device.
 
-use super::{Entry, Errno, Op, OpKind, State, ADDR_UNSPEC, EAGAIN};
+use super::{msg_entry, Errno, Op, OpKind, State, EAGAIN};
 use crate::abi;
 use ringbell::{RecvWr, Sge, WcOpcode, WcStatus, WorkCompletion};
 
@@ -165,25 +165,8 @@ impl State {
         }
         self.count(ep, flags, ok && cut == 0);
         if !ok || cut > 0 || op.report || released {
-            self.push(
-                rxcq,
-                Entry {
-                    ctx: op.ctx,
-                    flags,
-                    len,
-                    buf: if remote_write { 0 } else { at },
-                    src: ADDR_UNSPEC,
-                    olen: cut,
-                    err: match (ok, cut) {
-                        (false, _) => abi::FI_EIO as i32,
-                        (true, 0) => 0,
-                        (true, _) => abi::FI_ETRUNC as i32,
-                    },
-                    prov_errno: if ok { 0 } else { w.status as i32 },
-                    data: w.imm.map_or(0, u64::from),
-                    ..Default::default()
-                },
-            );
+            let buf = if remote_write { 0 } else { at };
+            self.push(rxcq, msg_entry(op.ctx, flags, (len, buf), cut, w));
         }
         if let Ok(e) = self.ep_mut(ep) {
             e.multi_posted = false;
