@@ -352,15 +352,12 @@ pub fn match_offer(version: u32, hints: &Hints, offer: &Offer) -> Result<Offer, 
             return Err(NoMatch::MrMode);
         }
         // (FI_LOCAL_MR, the mode bit of the same meaning, is for API versions before 1.5,
-        // which this provider does not offer.)
-        let local = m & FI_MR_LOCAL != 0;
-        // The remote-access bits (virtual addresses, provider keys, allocated memory) are
-        // kept only where the application handles them.
-        out.mr_mode = if local {
-            offer.mr_mode & (m | FI_MR_LOCAL)
-        } else {
-            0
-        };
+        // which this provider does not offer.) The remote-access bits (virtual addresses,
+        // provider keys, allocated memory) are kept where the application handles them,
+        // with FI_MR_LOCAL or without: an application reads FI_MR_VIRT_ADDR in the info to
+        // know that remote addresses are virtual ones, not offsets into the region
+        // (fi_domain(3)), as Open MPI's ofi BTL does.
+        out.mr_mode = offer.mr_mode & m;
     }
     if let Some(app) = hints.mode {
         if out.mode & !app != 0 {
@@ -549,6 +546,19 @@ mod tests {
             o.mr_mode,
             FI_MR_LOCAL | FI_MR_ALLOCATED | FI_MR_PROV_KEY | FI_MR_VIRT_ADDR
         );
+        // Open MPI's ofi BTL: the remote-key bits without FI_MR_LOCAL. The info keeps
+        // FI_MR_VIRT_ADDR, which tells it remote addresses are virtual, not offsets.
+        let h = Hints {
+            caps: FI_RMA | FI_ATOMIC,
+            mr_mode: Some(FI_MR_ALLOCATED | FI_MR_PROV_KEY | FI_MR_VIRT_ADDR),
+            ..Default::default()
+        };
+        let o = match_offer(V, &h, &rb0()).unwrap();
+        assert_eq!(
+            o.mr_mode,
+            FI_MR_ALLOCATED | FI_MR_PROV_KEY | FI_MR_VIRT_ADDR
+        );
+        assert_eq!(o.caps & (FI_RMA | FI_ATOMIC), FI_RMA | FI_ATOMIC);
         let h = Hints {
             mr_mode: Some(FI_MR_BASIC),
             ..Default::default()

@@ -4,7 +4,8 @@
 //! same environment). The programs (`tests/mpi/*.c`) check their own results and exit
 //! non-zero with a message on a mismatch: a ring, wildcard receives, barriers and
 //! allreduces, large (rendezvous) messages, and probes (MPI_Probe, MPI_Iprobe, MPI_Mprobe,
-//! MPI_Improbe with MPI_Mrecv) with a cancelled receive. And NetPIPE (netpipe-openmpi),
+//! MPI_Improbe with MPI_Mrecv) with a cancelled receive; two of them again through the ob1
+//! PML over Open MPI's ofi BTL. And NetPIPE (netpipe-openmpi),
 //! unmodified: its integrity check of every message size up to 1 MiB between two ranks.
 
 mod common;
@@ -48,15 +49,38 @@ fn compile() -> PathBuf {
     out
 }
 
+/// The MCA parameters of the cm PML over the ofi MTL on the provider.
+const MTL: &[&str] = &[
+    "--mca",
+    "pml",
+    "cm",
+    "--mca",
+    "mtl",
+    "ofi",
+    "--mca",
+    "mtl_ofi_provider_include",
+    "ringbell",
+    "--mca",
+    "btl",
+    "self",
+    "--mca",
+    "mtl_ofi_verbose",
+    "1",
+];
+
 /// `mpirun` (under a 300 s `timeout`) of `ranks` ranks over the provider on the served
-/// fabric `served`, in directory `dir`; the caller adds the program and its arguments.
+/// fabric `served`, in directory `dir`, through the ofi MTL; the caller adds the program
+/// and its arguments.
 fn launcher(prov: &Path, served: &Path, ranks: usize, dir: &Path) -> Command {
+    launcher_with(prov, served, ranks, dir, MTL)
+}
+
+/// [`launcher`] with the MCA parameters `mca`.
+fn launcher_with(prov: &Path, served: &Path, ranks: usize, dir: &Path, mca: &[&str]) -> Command {
     let mut cmd = Command::new("timeout");
     cmd.args(["300", "mpirun", "--allow-run-as-root", "--oversubscribe"])
         .args(["-np", &ranks.to_string()])
-        .args(["--mca", "pml", "cm", "--mca", "mtl", "ofi"])
-        .args(["--mca", "mtl_ofi_provider_include", "ringbell"])
-        .args(["--mca", "btl", "self", "--mca", "mtl_ofi_verbose", "1"])
+        .args(mca)
         .args(["-x", "FI_PROVIDER_PATH", "-x", "RINGBELL_SERVE"])
         .args(["-x", "FI_PROVIDER"])
         .current_dir(dir)
@@ -111,6 +135,52 @@ fn open_mpi_on_two_ranks() {
 #[test]
 fn open_mpi_on_four_ranks() {
     run_all(4);
+}
+
+/// The ob1 PML over Open MPI's ofi BTL in its two-sided mode (`btl_ofi_mode 2`): messages
+/// as sends, and large ones moved by RDMA READ and WRITE of registered memory. The BTL
+/// reads `FI_MR_VIRT_ADDR` in the info to address remote memory by virtual address rather
+/// than by offset (it asks for the remote-key bits without `FI_MR_LOCAL`).
+#[test]
+fn open_mpi_ob1_over_the_ofi_btl() {
+    let bin = build();
+    let prov = common::provider_dir("mpi-btl");
+    let served = common::Served::start_nodes("mpi-btl", 2);
+    let mca = [
+        "--mca",
+        "pml",
+        "ob1",
+        "--mca",
+        "btl",
+        "self,ofi",
+        "--mca",
+        "btl_ofi_mode",
+        "2",
+        "--mca",
+        "btl_ofi_provider_include",
+        "ringbell",
+    ];
+    for prog in ["collectives", "large"] {
+        let o = launcher_with(&prov, &served.dir, 2, &bin, &mca)
+            .arg(bin.join(prog))
+            .output()
+            .unwrap();
+        let out = text(&o);
+        assert!(
+            o.status.success(),
+            "{prog} over the ofi BTL failed ({}):\n{out}",
+            o.status
+        );
+        let want = format!("{prog} ok: 2 ranks");
+        assert!(
+            out.lines().any(|l| l.starts_with(&want)),
+            "{prog}: no '{want}':\n{out}"
+        );
+        println!(
+            "over the ofi BTL: {}",
+            out.lines().find(|l| l.starts_with(&want)).unwrap_or("")
+        );
+    }
 }
 
 /// NetPIPE's integrity run (`NPopenmpi -i`) over the provider: every message size from 1 byte
