@@ -964,11 +964,11 @@ impl State {
         let room = sges.iter().map(|s| u64::from(s.len)).sum();
         sges.push(sink);
         let e = self.ep_mut(ep)?;
-        let kind = match (multi, bufs.first()) {
-            (true, Some(b)) => {
-                OpKind::Multi(multi::MultiRecv::new(b.0 as u64, sges[0], e.min_multi_recv))
-            }
-            _ => OpKind::Msg,
+        // (A multi-receive buffer is one non-empty buffer: its SGE comes first.)
+        let kind = if multi {
+            OpKind::Multi(multi::MultiRecv::new(sges[0], e.min_multi_recv))
+        } else {
+            OpKind::Msg
         };
         let op = Op {
             ctx,

@@ -69,7 +69,8 @@ fn null_with<T>(e: i32) -> *mut T {
     std::ptr::null_mut()
 }
 
-fn ptr_or_errno<T, U>(r: Result<*mut T, i32>) -> *mut U {
+/// The object, or NULL with `errno` set.
+pub(crate) fn ptr_or_errno<T, U>(r: Result<*mut T, i32>) -> *mut U {
     match r {
         Ok(p) => p as *mut U,
         Err(e) => null_with(e),

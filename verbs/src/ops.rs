@@ -54,24 +54,30 @@ pub(crate) fn fill(v: &mut abi::verbs_context) {
     v.alloc_parent_domain = Some(alloc_parent_domain);
 }
 
-unsafe extern "C" fn alloc_td(
+/// Runs `f` on the live ringbell context `ctx` and the caller's attributes `attr` (NULL:
+/// EINVAL) under the lock, and returns the object it makes, or NULL with `errno` set.
+///
+/// # Safety
+/// `attr` is NULL or points to the caller's struct.
+unsafe fn make_with<A, T>(
     ctx: *mut abi::ibv_context,
-    attr: *mut abi::ibv_td_init_attr,
-) -> *mut abi::ibv_td {
-    // SAFETY: NULL or the caller's struct.
+    attr: *mut A,
+    f: impl FnOnce(&mut State, &mut RbContext, &A) -> Result<*mut T, i32>,
+) -> *mut T {
+    // SAFETY: per the caller.
     let Some(a) = (unsafe { attr.as_ref() }) else {
         set_errno(libc::EINVAL);
         return std::ptr::null_mut();
     };
-    match with_ctx(ctx, Err(libc::EINVAL), |st, c| {
-        crate::pd::alloc_td(st, c, a)
-    }) {
-        Ok(p) => p,
-        Err(e) => {
-            set_errno(e);
-            std::ptr::null_mut()
-        }
-    }
+    crate::entry::ptr_or_errno(with_ctx(ctx, Err(libc::EINVAL), |st, c| f(st, c, a)))
+}
+
+unsafe extern "C" fn alloc_td(
+    ctx: *mut abi::ibv_context,
+    attr: *mut abi::ibv_td_init_attr,
+) -> *mut abi::ibv_td {
+    // SAFETY: NULL or the caller's struct (ibv_alloc_td(3)).
+    unsafe { make_with(ctx, attr, crate::pd::alloc_td) }
 }
 
 unsafe extern "C" fn dealloc_td(td: *mut abi::ibv_td) -> c_int {
@@ -87,20 +93,8 @@ unsafe extern "C" fn alloc_parent_domain(
     ctx: *mut abi::ibv_context,
     attr: *mut abi::ibv_parent_domain_init_attr,
 ) -> *mut abi::ibv_pd {
-    // SAFETY: NULL or the caller's struct.
-    let Some(a) = (unsafe { attr.as_ref() }) else {
-        set_errno(libc::EINVAL);
-        return std::ptr::null_mut();
-    };
-    match with_ctx(ctx, Err(libc::EINVAL), |st, c| {
-        crate::pd::alloc_parent(st, c, a)
-    }) {
-        Ok(p) => p,
-        Err(e) => {
-            set_errno(e);
-            std::ptr::null_mut()
-        }
-    }
+    // SAFETY: NULL or the caller's struct (ibv_alloc_parent_domain(3)).
+    unsafe { make_with(ctx, attr, crate::pd::alloc_parent) }
 }
 
 unsafe extern "C" fn poll_cq(cq: *mut abi::ibv_cq, n: c_int, wc: *mut abi::ibv_wc) -> c_int {

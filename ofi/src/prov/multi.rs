@@ -29,9 +29,7 @@ const HELD_MAX: usize = 1024;
 /// A multi-receive buffer: where it is and how much of it messages have taken.
 #[derive(Clone, Copy, Debug)]
 pub(super) struct MultiRecv {
-    /// The application's address of the first byte (what completions report, offset).
-    base: u64,
-    /// The buffer's SGE, whole.
+    /// The buffer's SGE, whole (its address is the application's: what completions report).
     sge: Sge,
     /// Bytes taken by the messages so far.
     used: u64,
@@ -40,13 +38,8 @@ pub(super) struct MultiRecv {
 }
 
 impl MultiRecv {
-    pub(super) fn new(base: u64, sge: Sge, min: u64) -> MultiRecv {
-        MultiRecv {
-            base,
-            sge,
-            used: 0,
-            min,
-        }
+    pub(super) fn new(sge: Sge, min: u64) -> MultiRecv {
+        MultiRecv { sge, used: 0, min }
     }
 
     /// Bytes still free.
@@ -148,7 +141,7 @@ impl State {
         } else if ok {
             let received = u64::from(w.byte_len);
             let cut = received.saturating_sub(m.left());
-            let at = m.base + m.used;
+            let at = m.sge.addr + m.used;
             m.used += received - cut;
             if w.imm.is_some() {
                 flags |= abi::FI_REMOTE_CQ_DATA as u64;
@@ -165,31 +158,25 @@ impl State {
         }
         self.count(ep, flags, ok && cut == 0);
         if !ok || cut > 0 || op.report || released {
-            let buf = if remote_write { 0 } else { at };
-            self.push(rxcq, msg_entry(op.ctx, flags, (len, buf), cut, w));
+            self.push(rxcq, msg_entry(op.ctx, flags, (len, at), cut, w));
         }
         if let Ok(e) = self.ep_mut(ep) {
             e.multi_posted = false;
         }
-        if !released {
-            if let Some(sink) = sink {
-                op.room = m.left();
-                op.buf = m.base + m.used;
+        match (released, sink) {
+            (false, Some(sink)) => {
                 let sges = vec![m.free_sge(), sink];
                 op.kind = OpKind::Multi(m);
                 // Every receive posted before it has been taken (the SRQ is FIFO) and the
-                // ones after it are held: the free part goes first again.
-                match self.rx_post_now(ep, sges, op) {
-                    Ok(()) => return,
-                    Err((_, h)) => {
-                        if let Ok(e) = self.ep_mut(ep) {
-                            e.rx_held.push_front(*h);
-                        }
-                        return;
+                // ones after it are held: the free part goes first again (or first among
+                // the held ones, for the next progress, if the SRQ cannot take it now).
+                if let Err((_, h)) = self.rx_post_now(ep, sges, op) {
+                    if let Ok(e) = self.ep_mut(ep) {
+                        e.rx_held.push_front(*h);
                     }
                 }
             }
+            _ => self.rx_drain(ep),
         }
-        self.rx_drain(ep);
     }
 }
