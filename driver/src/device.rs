@@ -632,8 +632,8 @@ impl Device {
         };
         // SAFETY: as above; nothing else in the driver uses these bytes.
         let mem = unsafe { DmaMemory::caller(p.as_ptr(), len) };
-        mem.fill(0, len, 0)?;
-        Ok(DmaBuffer {
+        // Made before the zeroing, so that any failure gives the memory back (its drop).
+        let buf = DmaBuffer {
             dev: self.clone(),
             mem,
             iova: crate::hostmem::iova(p.as_ptr() as usize),
@@ -644,7 +644,9 @@ impl Device {
                 kind,
                 pages: Some(pages),
             }),
-        })
+        };
+        buf.fill(0, len, 0)?;
+        Ok(buf)
     }
 
     /// Memory files and device mappings the driver holds for its own rings: (arena chunks,
