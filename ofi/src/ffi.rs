@@ -765,7 +765,11 @@ unsafe extern "C" fn endpoint(
                     unsafe { std::slice::from_raw_parts(i.src_addr as *const u8, prov::ADDR_LEN) };
                 prov::parse_addr(a).map(|(_, s)| s).filter(|&s| s != 0)
             });
-        let mut ep = st.new_ep(dom as usize, named)?;
+        // SAFETY: the info's attribute pointers are NULL or valid (fi_getinfo(3)).
+        let dgram = info
+            .and_then(|i| unsafe { i.ep_attr.as_ref() })
+            .is_some_and(|a| a.type_ == abi::fi_ep_type_FI_EP_DGRAM);
+        let mut ep = st.new_ep(dom as usize, named, dgram)?;
         if let Some(i) = info {
             ep.directed = i.caps & abi::FI_DIRECTED_RECV != 0;
             // SAFETY: the info's attribute pointers are NULL or valid (fi_getinfo(3)).

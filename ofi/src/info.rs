@@ -109,11 +109,13 @@ pub const ADDR_LEN: usize = 16;
 /// The tag format: 64 usable bits, the top one set (which MPI libraries expect).
 pub const MEM_TAG_FORMAT: u64 = 0xAAAA_AAAA_AAAA_AAAA;
 
-/// An offer: one RDM endpoint type on one NIC.
+/// An offer: one endpoint type (RDM or DGRAM) on one NIC.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Offer {
     /// The NIC's name (`rb0`, ...): the domain name.
     pub domain: String,
+    /// `FI_EP_RDM` or `FI_EP_DGRAM`.
+    pub ep_type: abi::fi_ep_type,
     /// Capabilities.
     pub caps: u64,
     /// Modes the provider needs the application to support.
@@ -155,6 +157,7 @@ impl Offer {
     pub fn for_nic(domain: &str) -> Offer {
         Offer {
             domain: domain.to_string(),
+            ep_type: abi::fi_ep_type_FI_EP_RDM,
             caps: CAPS,
             mode: 0,
             mr_mode: FI_MR_LOCAL | FI_MR_VIRT_ADDR | FI_MR_ALLOCATED | FI_MR_PROV_KEY,
@@ -175,6 +178,35 @@ impl Offer {
         }
     }
 }
+
+impl Offer {
+    /// The datagram offer for NIC `domain`: unreliable, unconnected messages over one UD QP
+    /// per endpoint (`FI_EP_DGRAM`), each at most one packet ([`DGRAM_MAX_MSG`] bytes).
+    /// Untagged messages only, no ordering promised, and no `FI_MSG_PREFIX`: the provider
+    /// gives every receive the room the NIC's 40-byte GRH area takes.
+    pub fn dgram_for_nic(domain: &str) -> Offer {
+        Offer {
+            ep_type: abi::fi_ep_type_FI_EP_DGRAM,
+            caps: DGRAM_CAPS,
+            max_msg_size: DGRAM_MAX_MSG,
+            ..Offer::for_nic(domain)
+        }
+    }
+
+    /// Message orderings kept.
+    pub fn msg_order(&self) -> u64 {
+        if self.ep_type == abi::fi_ep_type_FI_EP_DGRAM {
+            0
+        } else {
+            MSG_ORDER
+        }
+    }
+}
+
+/// What a datagram endpoint can do.
+pub const DGRAM_CAPS: u64 = FI_MSG | FI_SEND | FI_RECV | FI_LOCAL_COMM | FI_REMOTE_COMM;
+/// Largest datagram: one packet at the fabric's path MTU (`ringbell::UD_MAX_PAYLOAD`).
+pub const DGRAM_MAX_MSG: usize = 4096;
 
 /// Most inline (injected) bytes: the ABI's limit for a SEND WQE (`wqe::MAX_INLINE_SEND`).
 pub const INJECT_SIZE: usize = 236;
@@ -302,7 +334,7 @@ pub fn match_offer(version: u32, hints: &Hints, offer: &Offer) -> Result<Offer, 
     {
         return Err(NoMatch::Domain);
     }
-    if hints.ep_type != abi::fi_ep_type_FI_EP_UNSPEC && hints.ep_type != abi::fi_ep_type_FI_EP_RDM {
+    if hints.ep_type != abi::fi_ep_type_FI_EP_UNSPEC && hints.ep_type != offer.ep_type {
         return Err(NoMatch::EpType);
     }
     if hints.caps & !offer.caps != 0 {
@@ -367,14 +399,14 @@ pub fn match_offer(version: u32, hints: &Hints, offer: &Offer) -> Result<Offer, 
     // Remote CQ data of an RMA write consumes a posted receive at the target: the
     // FI_RX_CQ_DATA mode, asked of every application that supports it (without it, the
     // offer stands and such a write still needs a receive posted; README).
-    if hints.mode.is_none_or(|app| app & FI_RX_CQ_DATA != 0) {
+    if offer.caps & FI_RMA != 0 && hints.mode.is_none_or(|app| app & FI_RX_CQ_DATA != 0) {
         out.mode |= FI_RX_CQ_DATA;
     }
     let queue = |q: &Option<QueueHints>, caps: u64, flags: u64, size: usize| -> Result<u64, ()> {
         let Some(q) = q else { return Ok(0) };
         if q.caps & !caps != 0
             || q.op_flags & !flags != 0
-            || q.msg_order & !MSG_ORDER != 0
+            || q.msg_order & !offer.msg_order() != 0
             || q.inject_size > offer.inject_size
             || q.size > size
             || q.iov_limit > offer.iov_limit
@@ -383,9 +415,10 @@ pub fn match_offer(version: u32, hints: &Hints, offer: &Offer) -> Result<Offer, 
         }
         Ok(q.op_flags)
     };
-    out.tx_op_flags =
-        queue(&hints.tx, TX_CAPS, OP_FLAGS, offer.tx_size).map_err(|()| NoMatch::Tx)?;
-    out.rx_op_flags = queue(&hints.rx, RX_CAPS, OP_FLAGS | FI_MULTI_RECV, offer.rx_size)
+    out.tx_op_flags = queue(&hints.tx, offer.caps & TX_CAPS, OP_FLAGS, offer.tx_size)
+        .map_err(|()| NoMatch::Tx)?;
+    let rx_flags = OP_FLAGS | (offer.caps & FI_MULTI_RECV);
+    out.rx_op_flags = queue(&hints.rx, offer.caps & RX_CAPS, rx_flags, offer.rx_size)
         .map_err(|()| NoMatch::Rx)?;
     if let Some(t) = hints.tx.filter(|t| t.inject_size != 0) {
         out.inject_size = t.inject_size;
@@ -435,6 +468,59 @@ mod tests {
         let o = match_offer(V, &Hints::default(), &rb0()).unwrap();
         assert_eq!(o.caps, CAPS);
         assert_eq!(o.mr_mode, rb0().mr_mode);
+    }
+
+    #[test]
+    fn the_datagram_offer_takes_untagged_messages_of_one_packet() {
+        let dg = Offer::dgram_for_nic("rb0");
+        let h = |f: &dyn Fn(&mut Hints)| {
+            let mut h = Hints::default();
+            f(&mut h);
+            match_offer(V, &h, &dg)
+        };
+        let o = h(&|h| h.ep_type = abi::fi_ep_type_FI_EP_DGRAM).unwrap();
+        assert_eq!(o.ep_type, abi::fi_ep_type_FI_EP_DGRAM);
+        assert_eq!(o.caps, DGRAM_CAPS);
+        assert_eq!(o.max_msg_size, DGRAM_MAX_MSG);
+        assert_eq!(o.msg_order(), 0);
+        // No mode asked of the application: no prefix, and no FI_RX_CQ_DATA (no RMA).
+        assert_eq!(o.mode, 0);
+        assert_eq!(
+            h(&|h| h.ep_type = abi::fi_ep_type_FI_EP_RDM),
+            Err(NoMatch::EpType)
+        );
+        for caps in [FI_TAGGED, FI_RMA, FI_ATOMIC, FI_TRIGGER, FI_MULTI_RECV] {
+            assert_eq!(
+                h(&|h| h.caps = FI_MSG | caps),
+                Err(NoMatch::Caps),
+                "{caps:#x}"
+            );
+        }
+        assert_eq!(
+            h(&|h| h.max_msg_size = DGRAM_MAX_MSG + 1),
+            Err(NoMatch::MsgSize)
+        );
+        assert!(h(&|h| h.max_msg_size = DGRAM_MAX_MSG).is_ok());
+        let q = |order: u64, flags: u64| {
+            Some(QueueHints {
+                msg_order: order,
+                op_flags: flags,
+                ..Default::default()
+            })
+        };
+        assert_eq!(
+            h(&|h| h.tx = q(abi::FI_ORDER_SAS as u64, 0)),
+            Err(NoMatch::Tx)
+        );
+        assert_eq!(h(&|h| h.rx = q(0, FI_MULTI_RECV)), Err(NoMatch::Rx));
+        assert!(h(&|h| h.rx = q(0, abi::FI_COMPLETION as u64)).is_ok());
+        // An application that handles a prefix gets none.
+        assert_eq!(
+            h(&|h| h.mode = Some(abi::FI_MSG_PREFIX | abi::FI_CONTEXT))
+                .unwrap()
+                .mode,
+            0
+        );
     }
 
     #[test]

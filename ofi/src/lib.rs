@@ -235,7 +235,7 @@ fn write_info(o: &Offer) -> Option<*mut abi::fi_info> {
                 caps: o.caps & info::TX_CAPS,
                 mode: o.mode,
                 op_flags: o.tx_op_flags,
-                msg_order: info::MSG_ORDER,
+                msg_order: o.msg_order(),
                 comp_order: 0,
                 inject_size: o.inject_size,
                 size: o.tx_size,
@@ -247,13 +247,13 @@ fn write_info(o: &Offer) -> Option<*mut abi::fi_info> {
                 caps: o.caps & info::RX_CAPS,
                 mode: o.mode,
                 op_flags: o.rx_op_flags,
-                msg_order: info::MSG_ORDER,
+                msg_order: o.msg_order(),
                 comp_order: 0,
                 total_buffered_recv: 0,
                 size: o.rx_size,
                 iov_limit: o.iov_limit,
             };
-            (*ep).type_ = abi::fi_ep_type_FI_EP_RDM;
+            (*ep).type_ = o.ep_type;
             (*ep).protocol = abi::FI_PROTO_UNSPEC;
             (*ep).protocol_version = 1;
             (*ep).max_msg_size = o.max_msg_size;
@@ -323,6 +323,10 @@ fn node_ip(node: &str) -> Option<[u8; 4]> {
         })
 }
 
+/// The flag libfabric's utility providers add when they ask for core providers to layer on
+/// (`OFI_CORE_PROV_ONLY` of libfabric's internal `ofi.h`, the same since 1.x).
+const OFI_CORE_PROV_ONLY: u64 = 1 << 59;
+
 unsafe extern "C" fn getinfo(
     version: u32,
     node: *const c_char,
@@ -377,35 +381,46 @@ unsafe extern "C" fn getinfo(
             if src_ip.is_some_and(|s| s != ip && ringbell::AhAttr::on_fabric(s).is_some()) {
                 continue;
             }
-            let mut offer = Offer::for_nic(&ringbell::discover::NicPlan::name(i));
-            // The NIC's address, with no endpoint yet (service 0), or with the service
-            // number a program gave with FI_SOURCE, which its endpoint then takes.
-            offer.src_addr = Some(prov::make_addr(ip, src_service.unwrap_or(0)).to_vec());
-            if dest.is_some() && h.dest_addr.is_none() {
-                offer.dest_addr = dest.clone();
-            }
-            let o = match info::match_offer(version, &h, &offer) {
-                Ok(o) => o,
-                Err(why) => {
-                    // Why an application's hints get nothing, for whoever asks.
-                    if std::env::var_os("RINGBELL_FI_DEBUG").is_some() {
-                        eprintln!(
-                            "ringbell-fi: fi_getinfo: {} does not match: {why:?} (hints: caps {:#x}, mode {:x?}, mr_mode {:x?})",
-                            offer.domain, h.caps, h.mode, h.mr_mode
-                        );
-                    }
-                    continue;
+            let name = ringbell::discover::NicPlan::name(i);
+            // Each NIC's RDM offer, then its datagram one, which a utility provider asking
+            // for a core provider to layer on (libfabric's ofi_rxd, RDM over datagrams)
+            // does not get: the NIC's own RDM endpoints are what an application asking for
+            // RDM must find first, as libfabric itself keeps utility providers off efa.
+            let layering = flags & OFI_CORE_PROV_ONLY != 0;
+            let offers = [Offer::for_nic(&name), Offer::dgram_for_nic(&name)];
+            for mut offer in offers
+                .into_iter()
+                .filter(|o| !(layering && o.ep_type == abi::fi_ep_type_FI_EP_DGRAM))
+            {
+                // The NIC's address, with no endpoint yet (service 0), or with the service
+                // number a program gave with FI_SOURCE, which its endpoint then takes.
+                offer.src_addr = Some(prov::make_addr(ip, src_service.unwrap_or(0)).to_vec());
+                if dest.is_some() && h.dest_addr.is_none() {
+                    offer.dest_addr = dest.clone();
                 }
-            };
-            let Some(node) = write_info(&o) else {
-                // SAFETY: the list was built here and not handed out.
-                unsafe { free_info(head) };
-                return neg(abi::FI_ENOMEM);
-            };
-            // SAFETY: `tail` points at `head` or at the `next` of the last node built here.
-            unsafe {
-                *tail = node;
-                tail = &mut (*node).next;
+                let o = match info::match_offer(version, &h, &offer) {
+                    Ok(o) => o,
+                    Err(why) => {
+                        // Why an application's hints get nothing, for whoever asks.
+                        if std::env::var_os("RINGBELL_FI_DEBUG").is_some() {
+                            eprintln!(
+                                "ringbell-fi: fi_getinfo: {} does not match: {why:?} (hints: caps {:#x}, mode {:x?}, mr_mode {:x?})",
+                                offer.domain, h.caps, h.mode, h.mr_mode
+                            );
+                        }
+                        continue;
+                    }
+                };
+                let Some(node) = write_info(&o) else {
+                    // SAFETY: the list was built here and not handed out.
+                    unsafe { free_info(head) };
+                    return neg(abi::FI_ENOMEM);
+                };
+                // SAFETY: `tail` points at `head` or at the `next` of the last node built here.
+                unsafe {
+                    *tail = node;
+                    tail = &mut (*node).next;
+                }
             }
         }
         if head.is_null() {

@@ -21,6 +21,7 @@
 //! next timer ([`ConnectionManager::poll`]).
 
 mod bounce;
+mod dgram;
 mod multi;
 pub mod names;
 mod peek;
@@ -342,6 +343,9 @@ pub struct Ep {
     dead: Vec<Conn>,
     ops: HashMap<u64, Op>,
     next_wr: u64,
+    /// A datagram endpoint's UD QP ([`dgram`]); `None` for an RDM endpoint. (Declared
+    /// before the CQ it completes on, so dropped first.)
+    dgram: Option<Box<dgram::Dgram>>,
     srq: Option<SharedReceiveQueue>,
     cq: Option<CompletionQueue>,
     /// The tag matcher of the tagged channel: its TM-SRQ, CQ and connections.
@@ -729,12 +733,25 @@ impl State {
     /// A new endpoint in domain `dom`: on the service number `named` when the program chose
     /// one (it is published under it once enabled, [`names`]), else on one of this
     /// process's own.
-    pub fn new_ep(&mut self, dom: usize, named: Option<u64>) -> Result<Ep, Errno> {
+    ///
+    /// A datagram endpoint (`dgram`) gets its UD QP and CQ at once: its address names the
+    /// QP ([`dgram`]).
+    pub fn new_ep(&mut self, dom: usize, named: Option<u64>, dgram: bool) -> Result<Ep, Errno> {
         let nic = self.domain(dom)?.nic;
-        let service = named.unwrap_or_else(|| {
-            self.next_service += 1;
-            ((std::process::id() as u64) << 20) | self.next_service
-        });
+        let (ud, cq, sink) = if dgram {
+            let (g, cq) = self.dgram_open(dom)?;
+            (Some(Box::new(g)), Some(cq), Some(self.sink(dom)?))
+        } else {
+            (None, None, None)
+        };
+        let service = match (named, &ud) {
+            (Some(s), _) => s,
+            (None, Some(g)) => dgram::DGRAM_SERVICE | u64::from(g.qp.qpn()),
+            (None, None) => {
+                self.next_service += 1;
+                ((std::process::id() as u64) << 20) | self.next_service
+            }
+        };
         let ip = self.nics[&nic].cm.address().ip;
         Ok(Ep {
             domain: dom,
@@ -756,15 +773,16 @@ impl State {
             dead: Vec::new(),
             ops: HashMap::new(),
             next_wr: 1,
+            dgram: ud,
             srq: None,
-            cq: None,
+            cq,
             tm: None,
             trecvs: HashMap::new(),
             tconn_peer: Vec::new(),
             peer_ids: Vec::new(),
             tsends: HashMap::new(),
             cntrs: EpCntrs::default(),
-            sink: None,
+            sink,
             min_multi_recv: multi::MIN_MULTI_RECV,
             multi_posted: false,
             rx_held: VecDeque::new(),
@@ -780,6 +798,14 @@ impl State {
             }
             if e.txcq.is_none() || e.rxcq.is_none() || e.av.is_none() {
                 return Err(abi::FI_ENOCQ);
+            }
+            if let Some(g) = &e.dgram {
+                // Nothing to listen on: its QP is ready since the endpoint was opened.
+                if e.named {
+                    names::publish(e.service, e.nic, Some(g.qp.qpn()));
+                }
+                e.enabled = true;
+                return Ok(());
             }
             (e.domain, e.nic, e.service)
         };
@@ -801,7 +827,7 @@ impl State {
             .map_err(|_| abi::FI_EADDRINUSE)?;
         let e = self.ep_mut(ep)?;
         if e.named {
-            names::publish(service, nic);
+            names::publish(service, nic, None);
         }
         e.srq = Some(srq);
         e.cq = Some(cq);
@@ -809,6 +835,17 @@ impl State {
         e.sink = Some(sink);
         e.enabled = true;
         Ok(())
+    }
+
+    /// Most bytes a work request of endpoint `ep` (on NIC `nic`) carries inline: a UD send's
+    /// WQE also holds its destination.
+    fn max_inline(&self, nic: usize, dgram: bool) -> Result<usize, Errno> {
+        let dev = self.nics.get(&nic).ok_or(EINVAL)?.dev.caps().max_inline as usize;
+        Ok(if dgram {
+            dev.min(ringbell_specs::wqe::MAX_INLINE_UD)
+        } else {
+            dev
+        })
     }
 
     /// The local SGEs of user buffers `(addr, len, desc)`, registering those without a
@@ -826,7 +863,7 @@ impl State {
     unsafe fn inject_copy(
         &self,
         dom: usize,
-        nic: usize,
+        max_inline: usize,
         bufs: &[(usize, usize, usize)],
     ) -> Result<(Vec<Sge>, Vec<MemoryRegion>, Option<Vec<u8>>, Vec<u8>), Errno> {
         let total: usize = bufs.iter().map(|b| b.1).sum();
@@ -842,7 +879,6 @@ impl State {
                 });
             }
         }
-        let max_inline = self.nics.get(&nic).ok_or(EINVAL)?.dev.caps().max_inline as usize;
         if data.len() <= max_inline {
             return Ok((Vec::new(), Vec::new(), Some(data), Vec::new()));
         }
@@ -866,14 +902,13 @@ impl State {
     /// registration's path.
     fn small_inline(
         &self,
-        nic: usize,
+        max_inline: usize,
         bufs: &[(usize, usize, usize)],
     ) -> Result<Option<Vec<u8>>, Errno> {
         let total: usize = bufs.iter().map(|b| b.1).sum();
         if total == 0 || bufs.iter().any(|b| b.2 != 0) {
             return Ok(None);
         }
-        let max_inline = self.nics.get(&nic).ok_or(EINVAL)?.dev.caps().max_inline as usize;
         if total > max_inline {
             return Ok(None);
         }
@@ -959,9 +994,28 @@ impl State {
         if multi && (bufs.len() != 1 || bufs[0].1 == 0) {
             return Err(EINVAL);
         }
+        let dgram = self.objs_ep(ep)?.dgram.is_some();
+        if dgram && multi {
+            // Not offered to datagram endpoints.
+            return Err(EINVAL);
+        }
         // SAFETY: per the caller.
         let (mut sges, tmp) = unsafe { self.sges(dom, bufs, Access::LOCAL_WRITE)? };
         let room = sges.iter().map(|s| u64::from(s.len)).sum();
+        if dgram {
+            let e = self.ep_mut(ep)?;
+            let op = Op {
+                ctx,
+                send: false,
+                report: report || !e.rx_selective,
+                buf: bufs.first().map_or(0, |b| b.0 as u64),
+                room,
+                _tmp: tmp,
+                _copy: Vec::new(),
+                kind: OpKind::Msg,
+            };
+            return self.dgram_recv(ep, sink, &sges, op);
+        }
         sges.push(sink);
         let e = self.ep_mut(ep)?;
         // (A multi-receive buffer is one non-empty buffer: its SGE comes first.)
@@ -1003,22 +1057,32 @@ impl State {
             imm,
             trig,
         } = req;
-        let (dom, nic) = {
+        let (dom, nic, dgram) = {
             let e = self.ep_mut(ep)?;
             if !e.enabled {
                 return Err(abi::FI_EOPBADSTATE);
             }
-            (e.domain, e.nic)
+            (e.domain, e.nic, e.dgram.is_some())
         };
+        if dgram {
+            if trig.is_some() {
+                return Err(abi::FI_ENOSYS);
+            }
+            // One packet at most (fi_endpoint(3): max_msg_size).
+            if bufs.iter().map(|b| b.1).sum::<usize>() > crate::info::DGRAM_MAX_MSG {
+                return Err(abi::FI_EMSGSIZE);
+            }
+        }
         let peer = self.peer(ep, dest)?;
         let mut copy = Vec::new();
         let (sges, tmp, inline) = if inject {
+            let max = self.max_inline(nic, dgram)?;
             // SAFETY: per the caller.
-            let (sges, tmp, inline, data) = unsafe { self.inject_copy(dom, nic, bufs)? };
+            let (sges, tmp, inline, data) = unsafe { self.inject_copy(dom, max, bufs)? };
             copy = data;
             (sges, tmp, inline)
         } else if let Some(d) = match trig {
-            None => self.small_inline(nic, bufs)?,
+            None => self.small_inline(self.max_inline(nic, dgram)?, bufs)?,
             Some(_) => None,
         } {
             (Vec::new(), Vec::new(), Some(d))
@@ -1054,6 +1118,9 @@ impl State {
             _copy: copy,
             kind: OpKind::Msg,
         };
+        if dgram {
+            return self.dgram_send(ep, dest, p, op);
+        }
         if let Some(t) = trig {
             let flags = abi::FI_SEND as u64 | abi::FI_MSG as u64;
             return self.post_triggered_op(ep, (peer, CH_MSG), p, op, &t, flags, None);
@@ -1080,6 +1147,10 @@ impl State {
     ) -> Result<(), Errno> {
         let (dom, nic, tx_selective) = {
             let e = self.ep_mut(ep)?;
+            if e.dgram.is_some() {
+                // Datagram endpoints carry messages only.
+                return Err(abi::FI_ENOSYS);
+            }
             if !e.enabled {
                 return Err(abi::FI_EOPBADSTATE);
             }
@@ -1138,12 +1209,13 @@ impl State {
             };
             (vec![sge], vec![mr], None)
         } else if req.inject {
+            let max = self.max_inline(nic, false)?;
             // SAFETY: per the caller.
-            let (sges, tmp, inline, data) = unsafe { self.inject_copy(dom, nic, bufs)? };
+            let (sges, tmp, inline, data) = unsafe { self.inject_copy(dom, max, bufs)? };
             copy = data;
             (sges, tmp, inline)
         } else if let Some(d) = match (&req.op, &req.trig) {
-            (RmaOp::Write { .. }, None) => self.small_inline(nic, bufs)?,
+            (RmaOp::Write { .. }, None) => self.small_inline(self.max_inline(nic, false)?, bufs)?,
             _ => None,
         } {
             (Vec::new(), Vec::new(), Some(d))
@@ -1360,7 +1432,7 @@ impl State {
         if !ok {
             e.retire(w.qpn);
         }
-        let (txcq, rxcq) = (e.txcq, e.rxcq);
+        let (txcq, rxcq, e_dgram) = (e.txcq, e.rxcq, e.dgram.is_some());
         match op.kind {
             OpKind::Multi(m) => self.on_multi_wc(ep, op, m, w),
             OpKind::Msg => {
@@ -1383,7 +1455,11 @@ impl State {
                     // A message longer than the receive's buffers: the excess went to the
                     // domain's overflow (see SINK_LEN); the receive fails FI_ETRUNC with
                     // the bytes cut off, the connection and the sender are unaffected.
-                    let received = u64::from(w.byte_len);
+                    let received = if e_dgram && !op.send {
+                        dgram::payload_len(w.byte_len)
+                    } else {
+                        u64::from(w.byte_len)
+                    };
                     let cut = if ok && !op.send && !remote_write {
                         received.saturating_sub(op.room)
                     } else {
@@ -1677,7 +1753,7 @@ impl State {
     /// Closes the endpoint's listener (before the endpoint is dropped).
     pub fn close_ep(&mut self, ep: &Ep) {
         if ep.enabled {
-            if let Some(n) = self.nics.get_mut(&ep.nic) {
+            if let Some(n) = self.nics.get_mut(&ep.nic).filter(|_| ep.dgram.is_none()) {
                 n.cm.unlisten(ep.service);
             }
             if ep.named {

@@ -159,6 +159,11 @@ fn c_multi_recv() {
 }
 
 #[test]
+fn c_dgram() {
+    run("dgram", &[&["nolocal"], &["local"]]);
+}
+
+#[test]
 fn c_tagged() {
     run("tagged", &[&["nolocal"], &["local"]]);
 }

@@ -38,14 +38,15 @@ impl Drop for Holder {
         let _ = self.0.wait();
     }
 }
-/// The domains `fi_info -p ringbell` lists, and whether it succeeded.
+/// The domains of the RDM offers `fi_info -p ringbell` lists (a NIC's datagram offer names
+/// the same domain), and whether it succeeded.
 fn domains(prov: &Path, serve: &Path, nic: Option<&str>) -> (bool, Vec<String>) {
     assert!(
         Command::new("fi_info").arg("--version").output().is_ok(),
         "fi_info is missing: install Debian's libfabric-bin (.ci/run does)"
     );
     let mut cmd = Command::new("timeout");
-    cmd.args(["30", "fi_info", "-p", "ringbell"])
+    cmd.args(["30", "fi_info", "-p", "ringbell", "-t", "FI_EP_RDM"])
         .env("FI_PROVIDER_PATH", prov)
         .env("RINGBELL_SERVE", serve)
         .env_remove("RINGBELL_NIC")

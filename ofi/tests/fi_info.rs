@@ -61,7 +61,7 @@ fn text(o: &Output) -> String {
 }
 
 #[test]
-fn fi_info_lists_the_provider_and_one_rdm_domain_per_nic() {
+fn fi_info_lists_the_provider_and_an_rdm_and_a_dgram_offer_per_nic() {
     let dir = provider_dir();
     let l = fi_info(&dir, &["-l"], &[]);
     assert!(l.status.success());
@@ -74,22 +74,34 @@ fn fi_info_lists_the_provider_and_one_rdm_domain_per_nic() {
     let o = fi_info(&dir, &["-p", "ringbell"], &[]);
     assert!(o.status.success(), "{o:?}");
     let t = text(&o);
-    assert_eq!(t.matches("provider: ringbell\n").count(), 2, "{t}");
-    assert!(
-        t.contains("domain: rb0") && t.contains("domain: rb1"),
+    assert_eq!(t.matches("provider: ringbell\n").count(), 4, "{t}");
+    // Per NIC, in order: its RDM offer, then its datagram one.
+    let offers: Vec<(&str, &str)> = t
+        .lines()
+        .filter_map(|l| l.trim().strip_prefix("domain: "))
+        .zip(t.lines().filter_map(|l| l.trim().strip_prefix("type: ")))
+        .collect();
+    assert_eq!(
+        offers,
+        [
+            ("rb0", "FI_EP_RDM"),
+            ("rb0", "FI_EP_DGRAM"),
+            ("rb1", "FI_EP_RDM"),
+            ("rb1", "FI_EP_DGRAM")
+        ],
         "{t}"
     );
-    assert!(
-        t.contains("type: FI_EP_RDM") && !t.contains("FI_EP_MSG"),
-        "{t}"
-    );
-    // RDM only: no utility provider layers over ringbell.
+    // No utility provider layers over ringbell (ofi_rxd would offer RDM over its datagram
+    // endpoints, ahead of the NIC's own), with or without a provider named.
     let all = text(&fi_info(&dir, &[], &[]));
     assert!(!all.contains("ringbell;"), "a layered ringbell: {all}");
+    assert!(!t.contains("ringbell;"), "a layered ringbell: {t}");
+    let rdm = text(&fi_info(&dir, &["-p", "ringbell", "-t", "FI_EP_RDM"], &[]));
+    assert_eq!(rdm.matches("provider: ringbell\n").count(), 2, "{rdm}");
 
     let three = text(&fi_info(
         &dir,
-        &["-p", "ringbell"],
+        &["-p", "ringbell", "-t", "FI_EP_RDM"],
         &[("RINGBELL_NICS", "3")],
     ));
     assert_eq!(three.matches("provider: ringbell\n").count(), 3, "{three}");
@@ -100,14 +112,35 @@ fn hints_select_and_refuse() {
     let dir = provider_dir();
     let one = fi_info(&dir, &["-p", "ringbell", "-d", "rb1"], &[]);
     let t = text(&one);
-    assert_eq!(t.matches("provider: ringbell\n").count(), 1, "{t}");
+    assert_eq!(t.matches("provider: ringbell\n").count(), 2, "{t}");
     assert!(t.contains("domain: rb1"));
-    // Endpoint types the provider does not offer: no data (FI_ENODATA, 61).
-    for ep in ["FI_EP_MSG", "FI_EP_DGRAM"] {
-        let o = fi_info(&dir, &["-p", "ringbell", "-t", ep], &[]);
-        assert!(!o.status.success(), "{ep}: {o:?}");
-        assert!(String::from_utf8_lossy(&o.stderr).contains("-61"), "{o:?}");
-    }
+    assert_eq!(t.matches("type: FI_EP_RDM").count(), 1, "{t}");
+    // An endpoint type the provider does not offer: no data (FI_ENODATA, 61).
+    let o = fi_info(&dir, &["-p", "ringbell", "-t", "FI_EP_MSG"], &[]);
+    assert!(!o.status.success(), "{o:?}");
+    assert!(String::from_utf8_lossy(&o.stderr).contains("-61"), "{o:?}");
+    // Datagrams: untagged messages of one packet, nothing else.
+    let d = text(&fi_info(
+        &dir,
+        &["-p", "ringbell", "-t", "FI_EP_DGRAM", "-v", "-d", "rb0"],
+        &[],
+    ));
+    assert_eq!(d.matches("type: FI_EP_DGRAM").count(), 1, "{d}");
+    assert!(d.contains("max_msg_size: 4096"), "{d}");
+    let dcaps = d
+        .lines()
+        .find(|l| l.trim_start().starts_with("caps:"))
+        .unwrap();
+    assert!(
+        dcaps.contains("FI_MSG") && !dcaps.contains("FI_TAGGED"),
+        "{dcaps}"
+    );
+    let o = fi_info(
+        &dir,
+        &["-p", "ringbell", "-t", "FI_EP_DGRAM", "-c", "FI_TAGGED"],
+        &[],
+    );
+    assert!(!o.status.success(), "{o:?}");
     assert!(!fi_info(&dir, &["-p", "ringbell", "-d", "rb9"], &[])
         .status
         .success());

@@ -1,6 +1,7 @@
 //! Debian's `fi_pingpong` (libfabric-bin), unmodified, between two processes over the
 //! provider: each on its own NIC of one `ringbell-emu serve` (`RINGBELL_NIC`), reliable
-//! datagram endpoints (`-e rdm`), message transfers, data checked (`-c`). libfabric
+//! datagram endpoints (`-e rdm`) and its default, datagram endpoints (no `-e`), message
+//! transfers, data checked (`-c`). libfabric
 //! programs run under `timeout`: a provider fault can leave them hanging.
 
 mod common;
@@ -26,13 +27,20 @@ fn text(o: &Output) -> String {
 /// Runs a server and a client `fi_pingpong -p ringbell -e rdm ARGS` on NICs 0 and 1 and
 /// returns both outputs.
 fn pingpong(name: &str, port: u16, args: &[&str]) -> (Output, Output) {
+    pingpong_on(name, port, &["-e", "rdm"], args)
+}
+
+/// As [`pingpong`], with `ep` (`-e TYPE`, or nothing for fi_pingpong's default) before
+/// `args`.
+fn pingpong_on(name: &str, port: u16, ep: &[&str], args: &[&str]) -> (Output, Output) {
     need_fi_pingpong();
     let served = common::Served::start(name);
     let prov = common::provider_dir(name);
     let port = port.to_string();
     let cmd = |nic: &str| {
         let mut c = Command::new("timeout");
-        c.args(["120", "fi_pingpong", "-p", "ringbell", "-e", "rdm"])
+        c.args(["120", "fi_pingpong", "-p", "ringbell"])
+            .args(ep)
             .args(args)
             .env("FI_PROVIDER_PATH", &prov)
             .env("RINGBELL_SERVE", &served.dir)
@@ -75,7 +83,7 @@ fn rows(o: &Output) -> Vec<(String, u64, String)> {
 
 fn port(offset: u16) -> u16 {
     // Distinct control ports per test process and test.
-    40000 + (std::process::id() % 5000) as u16 * 4 + offset
+    40000 + (std::process::id() % 3000) as u16 * 8 + offset
 }
 
 #[test]
@@ -151,4 +159,56 @@ fn fi_pingpong_rdm_tagged_many_small_messages() {
             text(o)
         );
     }
+}
+
+/// fi_pingpong's default endpoint type is `FI_EP_DGRAM`: the plain command line works, every
+/// size up to one packet (4096 bytes, the offer's `max_msg_size`) checked.
+#[test]
+fn fi_pingpong_default_dgram_every_size_checked() {
+    let (s, c) = pingpong_on("dgram", port(4), &[], &["-I", "10", "-S", "all", "-c"]);
+    assert!(s.status.success(), "server failed:\n{}", text(&s));
+    assert!(c.status.success(), "client failed:\n{}", text(&c));
+    for o in [&s, &c] {
+        let r = rows(o);
+        assert!(r.len() >= 20, "every size ran:\n{}", text(o));
+        assert!(
+            r.iter().all(|(_, sent, ack)| *sent == 10 && ack == "=10"),
+            "{}",
+            text(o)
+        );
+        assert_eq!(r.last().map(|x| x.0.as_str()), Some("4k"), "{}", text(o));
+    }
+}
+
+#[test]
+fn fi_pingpong_dgram_many_small_messages() {
+    let (s, c) = pingpong_on(
+        "dsmall",
+        port(5),
+        &["-e", "dgram"],
+        &["-I", "500", "-S", "64", "-c"],
+    );
+    assert!(s.status.success(), "server failed:\n{}", text(&s));
+    assert!(c.status.success(), "client failed:\n{}", text(&c));
+    for o in [&s, &c] {
+        assert_eq!(
+            rows(o),
+            [("64".to_string(), 500, "=500".to_string())],
+            "{}",
+            text(o)
+        );
+    }
+}
+
+/// A datagram is one packet: asking for more than 4096 bytes finds no datagram endpoint.
+#[test]
+fn fi_pingpong_dgram_larger_than_a_packet_is_refused() {
+    let (s, c) = pingpong_on("dbig", port(6), &["-e", "dgram"], &["-S", "5000"]);
+    assert!(!s.status.success() && !c.status.success());
+    assert!(
+        text(&s).contains("fi_getinfo") || text(&c).contains("fi_getinfo"),
+        "{}{}",
+        text(&s),
+        text(&c)
+    );
 }

@@ -5,17 +5,20 @@
 //! fabtests' clients without an out-of-band exchange) reaches it: an address whose IPv4
 //! address is no NIC's on the fabric names the endpoint published under its service.
 //!
+//! A datagram endpoint (`FI_EP_DGRAM`) is published with its QP number too, which a
+//! datagram needs beside the NIC.
+//!
 //! On a served fabric (`RINGBELL_SERVE=DIR`) the names are files `DIR/service-N` holding
-//! the NIC's index, visible to every process of the fabric; on the in-process fabric, a
-//! table of the process. A name is replaced by the next endpoint opened on its number and
+//! the NIC's index (and, for a datagram endpoint, a space and its QP number), visible to
+//! every process of the fabric; on the in-process fabric, a table of the process. A name is replaced by the next endpoint opened on its number and
 //! removed when its endpoint closes.
 
 use ringbell::discover::ENV_SERVE;
 use std::path::PathBuf;
 use std::sync::Mutex;
 
-/// The in-process fabric's names: (service, NIC index).
-static LOCAL: Mutex<Vec<(u64, usize)>> = Mutex::new(Vec::new());
+/// The in-process fabric's names: (service, NIC index, datagram QP number).
+static LOCAL: Mutex<Vec<(u64, usize, Option<u32>)>> = Mutex::new(Vec::new());
 
 fn dir() -> Option<PathBuf> {
     std::env::var_os(ENV_SERVE)
@@ -27,18 +30,23 @@ fn file(d: &std::path::Path, service: u64) -> PathBuf {
     d.join(format!("service-{service}"))
 }
 
-fn local() -> std::sync::MutexGuard<'static, Vec<(u64, usize)>> {
+fn local() -> std::sync::MutexGuard<'static, Vec<(u64, usize, Option<u32>)>> {
     LOCAL.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-/// Publishes the endpoint on `service` of NIC `nic` (best effort: a directory that cannot
-/// be written leaves the endpoint reachable by its full address only).
-pub fn publish(service: u64, nic: usize) {
+/// Publishes the endpoint on `service` of NIC `nic`, with its QP number `dgram` when it is a
+/// datagram endpoint (best effort: a directory that cannot be written leaves the endpoint
+/// reachable by its full address only).
+pub fn publish(service: u64, nic: usize, dgram: Option<u32>) {
     match dir() {
         Some(d) => {
             // Written aside and renamed, so a reader sees the old name or the new one.
             let tmp = d.join(format!(".service-{service}.{}", std::process::id()));
-            if std::fs::write(&tmp, nic.to_string()).is_ok()
+            let text = match dgram {
+                Some(q) => format!("{nic} {q}"),
+                None => nic.to_string(),
+            };
+            if std::fs::write(&tmp, text).is_ok()
                 && std::fs::rename(&tmp, file(&d, service)).is_err()
             {
                 let _ = std::fs::remove_file(&tmp);
@@ -47,7 +55,7 @@ pub fn publish(service: u64, nic: usize) {
         None => {
             let mut t = local();
             t.retain(|e| e.0 != service);
-            t.push((service, nic));
+            t.push((service, nic, dgram));
         }
     }
 }
@@ -67,13 +75,24 @@ pub fn unpublish(service: u64, nic: usize) {
 
 /// The NIC whose endpoint is published under `service`, if any.
 pub fn resolve(service: u64) -> Option<usize> {
+    resolve_full(service).map(|(nic, _)| nic)
+}
+
+/// The NIC whose endpoint is published under `service`, and the endpoint's QP number when it
+/// is a datagram endpoint.
+pub fn resolve_full(service: u64) -> Option<(usize, Option<u32>)> {
     match dir() {
-        Some(d) => std::fs::read_to_string(file(&d, service))
-            .ok()?
-            .trim()
-            .parse()
-            .ok(),
-        None => local().iter().find(|e| e.0 == service).map(|e| e.1),
+        Some(d) => {
+            let text = std::fs::read_to_string(file(&d, service)).ok()?;
+            let mut words = text.split_whitespace();
+            let nic = words.next()?.parse().ok()?;
+            let qpn = match words.next() {
+                Some(w) => Some(w.parse().ok()?),
+                None => None,
+            };
+            Some((nic, qpn))
+        }
+        None => local().iter().find(|e| e.0 == service).map(|e| (e.1, e.2)),
     }
 }
 
@@ -89,10 +108,12 @@ mod tests {
         }
         let s = 0x5eed_0000_0001;
         assert_eq!(resolve(s), None);
-        publish(s, 3);
+        publish(s, 3, None);
         assert_eq!(resolve(s), Some(3));
-        publish(s, 1);
+        assert_eq!(resolve_full(s), Some((3, None)));
+        publish(s, 1, Some(0x1234));
         assert_eq!(resolve(s), Some(1));
+        assert_eq!(resolve_full(s), Some((1, Some(0x1234))));
         unpublish(s, 3);
         assert_eq!(resolve(s), Some(1));
         unpublish(s, 1);

@@ -47,6 +47,9 @@ impl State {
     ) -> Result<(), Errno> {
         let (directed, selective, rxcq) = {
             let e = self.ep_mut(ep)?;
+            if e.dgram.is_some() {
+                return Err(abi::FI_ENOSYS);
+            }
             if !e.enabled {
                 return Err(abi::FI_EOPBADSTATE);
             }

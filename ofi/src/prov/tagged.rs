@@ -268,6 +268,10 @@ impl State {
     ) -> Result<(), Errno> {
         let (dom, directed, selective) = {
             let e = self.ep_mut(ep)?;
+            if e.dgram.is_some() {
+                // Datagram endpoints carry untagged messages only.
+                return Err(abi::FI_ENOSYS);
+            }
             if !e.enabled {
                 return Err(abi::FI_EOPBADSTATE);
             }
@@ -331,6 +335,9 @@ impl State {
     ) -> Result<(), Errno> {
         let (dom, own) = {
             let e = self.ep_mut(ep)?;
+            if e.dgram.is_some() {
+                return Err(abi::FI_ENOSYS);
+            }
             if !e.enabled {
                 return Err(abi::FI_EOPBADSTATE);
             }
