@@ -1469,20 +1469,21 @@ impl State {
                     if ok && cut == 0 && !op.report {
                         return;
                     }
-                    self.push(
-                        cq,
-                        msg_entry(
-                            op.ctx,
-                            flags,
-                            if op.send || remote_write {
-                                (0, 0)
-                            } else {
-                                (received - cut, op.buf)
-                            },
-                            cut,
-                            w,
-                        ),
+                    let mut en = msg_entry(
+                        op.ctx,
+                        flags,
+                        if op.send || remote_write {
+                            (0, 0)
+                        } else {
+                            (received - cut, op.buf)
+                        },
+                        cut,
+                        w,
                     );
+                    if e_dgram && !op.send {
+                        en.src = self.dgram_source(ep, w);
+                    }
+                    self.push(cq, en);
                 }
             }
             OpKind::Trig(t) => self.finish_trig(ep, t, w),

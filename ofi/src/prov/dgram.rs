@@ -121,6 +121,33 @@ impl State {
         Ok(())
     }
 
+    /// The AV index of the endpoint a datagram of endpoint `ep` came from (`fi_cq_readfrom`),
+    /// or `FI_ADDR_NOTAVAIL` when its AV holds no address of it.
+    pub(super) fn dgram_source(&self, ep: usize, w: &WorkCompletion) -> u64 {
+        let Some(from) = w.source else {
+            return ADDR_UNSPEC;
+        };
+        let Some(Obj::Av(av)) = self
+            .objs_ep(ep)
+            .ok()
+            .and_then(|e| e.av)
+            .and_then(|k| self.objs.get(&k))
+        else {
+            return ADDR_UNSPEC;
+        };
+        let is = |a: &Option<Addr>, named: bool| {
+            a.as_ref().is_some_and(|a| {
+                let unnamed = parse_addr(a).is_some_and(|(_, s)| s & DGRAM_SERVICE != 0);
+                // Addresses that carry their QP number first; a named one costs a look-up.
+                unnamed != named && Self::dgram_dest(a).is_ok_and(|d| d == (from.ip, from.qpn))
+            })
+        };
+        [false, true]
+            .into_iter()
+            .find_map(|named| av.addrs.iter().position(|a| is(a, named)))
+            .map_or(ADDR_UNSPEC, |i| i as u64)
+    }
+
     /// Posts a receive of endpoint `ep` over `sges` (the caller's buffers), behind the
     /// domain's scratch area `grh` that takes the GRH.
     pub(super) fn dgram_recv(

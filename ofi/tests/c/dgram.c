@@ -110,14 +110,17 @@ static void open_pair(void)
 	}
 }
 
-/* B's next receive completion: context, flags, length, buffer, bytes of pattern `seed`. */
+/* B's next receive completion: context, flags, length, buffer, bytes of pattern `seed`,
+ * and its source, A (fi_cq_readfrom). */
 static void expect_recv(void *ctx, uint64_t flags, size_t len, char *buf, unsigned seed)
 {
 	struct fi_cq_tagged_entry e;
-	if (!ct_wait(P.b.cq, &e)) {
+	fi_addr_t src = 777;
+	if (ct_read(P.b.cq, &e, &src, 30) != 1) {
 		CHECK(!"a receive completion");
 		return;
 	}
+	CHECK_EQ(src, P.b.peer);
 	CHECK(e.op_context == ctx);
 	CHECK_EQ(e.flags, flags);
 	CHECK_EQ(e.len, len);
@@ -267,8 +270,27 @@ static void named(void)
 	CHECK_EQ(fi_send(P.b.ep, bbuf, 77, bdesc(), to, (void *)0xb9), 0);
 	struct fi_cq_tagged_entry e;
 	CHECK(ct_wait(P.b.cq, &e) && e.op_context == (void *)0xb9);
-	CHECK(ct_wait(c.cq, &e) && e.op_context == (void *)0xc0 && e.len == 77);
+	fi_addr_t from = 777;
+	CHECK(ct_read(c.cq, &e, &from, 30) == 1 && e.op_context == (void *)0xc0 && e.len == 77);
 	CHECK(ct_same(cbuf, 77, 11));
+	/* B is not in C's AV. */
+	CHECK_EQ(from, FI_ADDR_NOTAVAIL);
+	/* B's address inserted: C can tell, and answer it. */
+	fi_addr_t b_at_c;
+	CHECK_EQ(fi_av_insert(c.av, P.b.name, 1, &b_at_c, 0, NULL), 1);
+	CHECK_EQ(fi_recv(c.ep, cbuf, 4096, NULL, FI_ADDR_UNSPEC, (void *)0xc1), 0);
+	CHECK_EQ(fi_send(P.b.ep, bbuf, 5, bdesc(), to, (void *)0xba), 0);
+	CHECK(ct_wait(P.b.cq, &e) && e.op_context == (void *)0xba);
+	from = 777;
+	CHECK(ct_read(c.cq, &e, &from, 30) == 1 && e.op_context == (void *)0xc1);
+	CHECK_EQ(from, b_at_c);
+	CHECK_EQ(fi_recv(P.b.ep, bbuf + 4096, 64, bdesc(), FI_ADDR_UNSPEC, (void *)0xbb), 0);
+	CHECK_EQ(fi_send(c.ep, cbuf, 3, NULL, b_at_c, (void *)0xc2), 0);
+	CHECK(ct_wait(c.cq, &e) && e.op_context == (void *)0xc2);
+	from = 777;
+	CHECK(ct_read(P.b.cq, &e, &from, 30) == 1 && e.op_context == (void *)0xbb && e.len == 3);
+	/* C is in B's AV by its host address and number. */
+	CHECK_EQ(from, to);
 	/* Another number: nobody there. */
 	snprintf(service, sizeof(service), "%u", 40000 + (unsigned)getpid() % 20000);
 	REQUIRE(fi_getinfo(CT_VERSION, "127.0.0.1", service, 0, h, &none) == 0);
