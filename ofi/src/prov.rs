@@ -1002,21 +1002,6 @@ impl State {
         // SAFETY: per the caller.
         let (mut sges, tmp) = unsafe { self.sges(dom, bufs, Access::LOCAL_WRITE)? };
         let room = sges.iter().map(|s| u64::from(s.len)).sum();
-        if dgram {
-            let e = self.ep_mut(ep)?;
-            let op = Op {
-                ctx,
-                send: false,
-                report: report || !e.rx_selective,
-                buf: bufs.first().map_or(0, |b| b.0 as u64),
-                room,
-                _tmp: tmp,
-                _copy: Vec::new(),
-                kind: OpKind::Msg,
-            };
-            return self.dgram_recv(ep, sink, &sges, op);
-        }
-        sges.push(sink);
         let e = self.ep_mut(ep)?;
         // (A multi-receive buffer is one non-empty buffer: its SGE comes first.)
         let kind = if multi {
@@ -1034,6 +1019,10 @@ impl State {
             _copy: Vec::new(),
             kind,
         };
+        if dgram {
+            return self.dgram_recv(ep, sink, &sges, op);
+        }
+        sges.push(sink);
         self.rx_post(ep, sges, op)
     }
 

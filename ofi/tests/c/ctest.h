@@ -214,6 +214,30 @@ static inline void ct_pair_open(struct ct_pair *p, const struct ct_opts *o)
 	REQUIRE(fi_av_insert(p->b.av, p->a.name, 1, &p->b.peer, 0, NULL) == 1);
 }
 
+/* A buffer of `len` bytes on pages of its own for each side of `p`; with `local`
+ * (FI_MR_LOCAL) each registered in its side's domain for sends and receives, the
+ * registrations in *amr and *bmr (ct_pair_bufs_close closes them). */
+static inline void ct_pair_bufs(struct ct_pair *p, int local, size_t len, char **abuf,
+				char **bbuf, struct fid_mr **amr, struct fid_mr **bmr)
+{
+	*abuf = ct_pages(len);
+	*bbuf = ct_pages(len);
+	if (local) {
+		REQUIRE(fi_mr_reg(p->a.dom, *abuf, len, FI_SEND | FI_RECV, 0, 0, 0, amr, NULL) ==
+			0);
+		REQUIRE(fi_mr_reg(p->b.dom, *bbuf, len, FI_SEND | FI_RECV, 0, 0, 0, bmr, NULL) ==
+			0);
+	}
+}
+
+static inline void ct_pair_bufs_close(int local, struct fid_mr *amr, struct fid_mr *bmr)
+{
+	if (local) {
+		CHECK_EQ(fi_close(&amr->fid), 0);
+		CHECK_EQ(fi_close(&bmr->fid), 0);
+	}
+}
+
 static inline void ct_side_close(struct ct_side *s)
 {
 	CHECK_EQ(fi_close(&s->ep->fid), 0);

@@ -100,14 +100,7 @@ static void open_pair(void)
 	ct_side_open(&P, &P.b, P.list->next, &o);
 	REQUIRE(fi_av_insert(P.a.av, P.b.name, 1, &P.a.peer, 0, NULL) == 1);
 	REQUIRE(fi_av_insert(P.b.av, P.a.name, 1, &P.b.peer, 0, NULL) == 1);
-	abuf = ct_pages(BUFLEN);
-	bbuf = ct_pages(BUFLEN);
-	if (local) {
-		REQUIRE(fi_mr_reg(P.a.dom, abuf, BUFLEN, FI_SEND | FI_RECV, 0, 0, 0, &amr, NULL) ==
-			0);
-		REQUIRE(fi_mr_reg(P.b.dom, bbuf, BUFLEN, FI_SEND | FI_RECV, 0, 0, 0, &bmr, NULL) ==
-			0);
-	}
+	ct_pair_bufs(&P, local, BUFLEN, &abuf, &bbuf, &amr, &bmr);
 }
 
 /* B's next receive completion: context, flags, length, buffer, bytes of pattern `seed`,
@@ -315,10 +308,7 @@ int main(int argc, char **argv)
 	refused();
 	dropped();
 	named();
-	if (local) {
-		CHECK_EQ(fi_close(&amr->fid), 0);
-		CHECK_EQ(fi_close(&bmr->fid), 0);
-	}
+	ct_pair_bufs_close(local, amr, bmr);
 	ct_pair_close(&P);
 	return ct_summary_exit();
 }

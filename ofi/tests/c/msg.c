@@ -524,14 +524,7 @@ int main(int argc, char **argv)
 		CHECK(P.list->domain_attr->mr_mode & FI_MR_LOCAL);
 	else
 		CHECK_EQ(P.list->domain_attr->mr_mode & FI_MR_LOCAL, 0);
-	abuf = ct_pages(BUFLEN);
-	bbuf = ct_pages(BUFLEN);
-	if (local) {
-		REQUIRE(fi_mr_reg(P.a.dom, abuf, BUFLEN, FI_SEND | FI_RECV, 0, 0, 0, &amr, NULL) ==
-			0);
-		REQUIRE(fi_mr_reg(P.b.dom, bbuf, BUFLEN, FI_SEND | FI_RECV, 0, 0, 0, &bmr, NULL) ==
-			0);
-	}
+	ct_pair_bufs(&P, local, BUFLEN, &abuf, &bbuf, &amr, &bmr);
 	if (sel) {
 		selective();
 	} else {
@@ -546,10 +539,7 @@ int main(int argc, char **argv)
 		loopback();
 		host_address(&o);
 	}
-	if (local) {
-		CHECK_EQ(fi_close(&amr->fid), 0);
-		CHECK_EQ(fi_close(&bmr->fid), 0);
-	}
+	ct_pair_bufs_close(local, amr, bmr);
 	ct_pair_close(&P);
 	return ct_summary_exit();
 }

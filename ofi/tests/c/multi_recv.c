@@ -225,24 +225,14 @@ int main(int argc, char **argv)
 	struct ct_opts o = { .caps = FI_MSG | FI_MULTI_RECV, .mr_local = local };
 	ct_pair_open(&P, &o);
 	CHECK(P.list->caps & FI_MULTI_RECV);
-	abuf = ct_pages(BUFLEN);
-	bbuf = ct_pages(BUFLEN);
-	if (local) {
-		REQUIRE(fi_mr_reg(P.a.dom, abuf, BUFLEN, FI_SEND | FI_RECV, 0, 0, 0, &amr, NULL) ==
-			0);
-		REQUIRE(fi_mr_reg(P.b.dom, bbuf, BUFLEN, FI_SEND | FI_RECV, 0, 0, 0, &bmr, NULL) ==
-			0);
-	}
+	ct_pair_bufs(&P, local, BUFLEN, &abuf, &bbuf, &amr, &bmr);
 	info();
 	options();
 	packed_then_behind();
 	two_in_turn();
 	truncated();
 	bad_input();
-	if (local) {
-		CHECK_EQ(fi_close(&amr->fid), 0);
-		CHECK_EQ(fi_close(&bmr->fid), 0);
-	}
+	ct_pair_bufs_close(local, amr, bmr);
 	ct_pair_close(&P);
 	return ct_summary_exit();
 }
