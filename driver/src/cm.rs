@@ -683,8 +683,15 @@ impl ConnectionManager {
         let now = self.dev.clock_ps();
         self.fire_timers(now);
         if n == 0 && self.events.is_empty() && !self.dev.progress() {
-            // Idle: nothing will arrive before the next timer.
-            if let Some(t) = self.conns.values().filter_map(Conn::wakeup).min() {
+            // Idle: nothing will arrive before the next timer. A request waiting for the
+            // application's answer is not waiting for a timer: its end is never run to,
+            // or an application that polls before it answers would find it dropped.
+            let timers = self
+                .conns
+                .values()
+                .filter(|c| !matches!(c.state, State::ReqRcvd { .. }))
+                .filter_map(Conn::wakeup);
+            if let Some(t) = timers.min() {
                 if t > now {
                     self.dev.port().idle_until(t);
                 }

@@ -67,6 +67,8 @@ fn free_box(key: usize, k: Kind) {
         match k {
             Kind::Fabric => drop(Box::from_raw(key as *mut abi::fid_fabric)),
             Kind::Eq => drop(Box::from_raw(key as *mut abi::fid_eq)),
+            Kind::Pep => drop(Box::from_raw(key as *mut abi::fid_pep)),
+            Kind::ConnReq => drop(Box::from_raw(key as *mut abi::fid)),
             Kind::Domain => drop(Box::from_raw(key as *mut abi::fid_domain)),
             Kind::Cq => drop(Box::from_raw(key as *mut abi::fid_cq)),
             Kind::Av => drop(Box::from_raw(key as *mut abi::fid_av)),
@@ -122,6 +124,9 @@ unsafe extern "C" fn obj_close(fid: *mut abi::fid) -> c_int {
         if let Obj::Ep(ep) = &obj {
             st.close_ep(ep);
         }
+        if let Obj::Pep(p) = &obj {
+            st.close_pep(p);
+        }
         drop(obj);
         free_box(key, k);
         Ok(0)
@@ -133,6 +138,14 @@ unsafe extern "C" fn obj_bind(fid: *mut abi::fid, bfid: *mut abi::fid, flags: u6
         let (key, b) = (fid as usize, bfid as usize);
         if st.check(key, Kind::Mr).is_ok() {
             return st.bind_mr_cntr(key, b, flags).map(|()| 0);
+        }
+        if let Some(Obj::Pep(_)) = st.objs.get(&key) {
+            // fi_pep_bind: its event queue.
+            st.check(b, Kind::Eq)?;
+            if let Some(Obj::Pep(p)) = st.objs.get_mut(&key) {
+                p.eq = Some(b);
+            }
+            return Ok(0);
         }
         st.check(key, Kind::Ep).map_err(|_| abi::FI_ENOSYS)?;
         let kind = st.objs.get(&b).map(Obj::kind).ok_or(abi::FI_EINVAL)?;
@@ -156,7 +169,12 @@ unsafe extern "C" fn obj_bind(fid: *mut abi::fid, bfid: *mut abi::fid, flags: u6
                     ep.rx_selective = sel;
                 }
             }
-            Kind::Eq => {}
+            // A connected endpoint's connection events; an RDM endpoint has none.
+            Kind::Eq => {
+                if let Some(m) = ep.msg.as_mut() {
+                    m.eq = Some(b);
+                }
+            }
             _ => return Err(abi::FI_EINVAL),
         }
         Ok(0)
@@ -567,7 +585,7 @@ pub unsafe extern "C" fn domain_open(
     })
 }
 
-// ---- event queue (opened by fi_pingpong, never used for RDM) ----
+// ---- event queues: the connection events of connected endpoints (fi_eq(3)) ----
 
 pub unsafe extern "C" fn eq_open(
     fabric: *mut abi::fid_fabric,
@@ -586,58 +604,139 @@ pub unsafe extern "C" fn eq_open(
                 fid: fid_of(abi::FI_CLASS_EQ, context),
                 ops: &EQ_OPS as *const _ as *mut _,
             },
-            Obj::Eq,
+            Obj::Eq(prov::Eq::default()),
         );
         st.parents.insert(p as usize, fabric as usize);
         put(out, p).map(|()| 0)
     })
 }
 
+/// Writes event `e` as a `struct fi_eq_cm_entry` into `buf` (`len` bytes): the object's
+/// fid, for a connection request a new info (whose `handle` names the request), then the
+/// private data. The size written, or `-FI_ETOOSMALL`.
+///
+/// # Safety
+/// `buf` is NULL or holds `len` bytes.
+unsafe fn write_cm_entry(e: &prov::EqEvent, buf: *mut c_void, len: usize) -> Result<isize, Errno> {
+    let head = std::mem::size_of::<abi::fi_eq_cm_entry>();
+    let size = head + e.data.len();
+    if buf.is_null() || len < size {
+        return Err(abi::FI_ETOOSMALL);
+    }
+    let info = match e.connreq {
+        Some((nic, handle)) => {
+            let offer = crate::info::Offer::msg_for_nic(&ringbell::discover::NicPlan::name(nic));
+            let i = crate::write_info(&offer).ok_or(abi::FI_ENOMEM)?;
+            // SAFETY: `i` is the info just built, the caller's to free with fi_freeinfo.
+            unsafe { (*i).handle = handle as *mut abi::fid };
+            i
+        }
+        None => std::ptr::null_mut(),
+    };
+    let entry = abi::fi_eq_cm_entry {
+        fid: e.fid as *mut abi::fid,
+        info,
+        data: Default::default(),
+    };
+    // SAFETY: `buf` holds `len >= size` bytes (checked): the entry, then the data.
+    unsafe {
+        (buf as *mut abi::fi_eq_cm_entry).write_unaligned(entry);
+        std::ptr::copy_nonoverlapping(e.data.as_ptr(), (buf as *mut u8).add(head), e.data.len());
+    }
+    Ok(size as isize)
+}
+
+/// `fi_eq_read`: the next connection event (`FI_PEEK`: left in the queue).
+///
+/// # Safety
+/// `event` is NULL or a `uint32_t` of the caller's; `buf` is NULL or holds `len` bytes.
+unsafe fn eq_read_once(
+    st: &mut State,
+    eq: usize,
+    event: *mut u32,
+    buf: *mut c_void,
+    len: usize,
+    flags: u64,
+) -> Result<isize, Errno> {
+    st.check(eq, Kind::Eq)?;
+    let peek = flags & abi::FI_PEEK as u64 != 0;
+    st.progress();
+    let e = st.eq_take(eq, true)?;
+    // SAFETY: per the caller.
+    let n = unsafe { write_cm_entry(&e, buf, len) }?;
+    if !peek {
+        st.eq_take(eq, false)?;
+    }
+    if !event.is_null() {
+        // SAFETY: per the caller.
+        unsafe { event.write(e.event) };
+    }
+    Ok(n)
+}
+
 unsafe extern "C" fn eq_read(
     eq: *mut abi::fid_eq,
-    _: *mut u32,
-    _: *mut c_void,
-    _: usize,
-    _: u64,
+    event: *mut u32,
+    buf: *mut c_void,
+    len: usize,
+    flags: u64,
 ) -> isize {
-    run_s(|st| {
-        st.check(eq as usize, Kind::Eq)?;
-        Err(abi::FI_EAGAIN)
-    })
+    // SAFETY: the caller's pointers (fi_eq(3)).
+    run_s(|st| unsafe { eq_read_once(st, eq as usize, event, buf, len, flags) })
 }
 unsafe extern "C" fn eq_readerr(
     eq: *mut abi::fid_eq,
-    _: *mut abi::fi_eq_err_entry,
+    buf: *mut abi::fi_eq_err_entry,
     _: u64,
 ) -> isize {
     run_s(|st| {
         st.check(eq as usize, Kind::Eq)?;
-        Err(abi::FI_EAGAIN)
+        if buf.is_null() {
+            return Err(abi::FI_EINVAL);
+        }
+        let e = st.eq_take_err(eq as usize)?;
+        let context = if st.objs.contains_key(&e.fid) {
+            // SAFETY: `e.fid` is a live endpoint's key, whose box starts with its fid.
+            unsafe { (*(e.fid as *const abi::fid)).context }
+        } else {
+            std::ptr::null_mut()
+        };
+        // SAFETY: non-NULL: the caller's error entry (fi_eq(3)); the peer's data is not
+        // handed out (err_data stays NULL).
+        unsafe {
+            buf.write(abi::fi_eq_err_entry {
+                fid: e.fid as *mut abi::fid,
+                context,
+                data: 0,
+                err: e.err as c_int,
+                prov_errno: e.err as c_int,
+                err_data: std::ptr::null_mut(),
+                err_data_size: 0,
+            })
+        };
+        Ok(std::mem::size_of::<abi::fi_eq_err_entry>() as isize)
     })
 }
 unsafe extern "C" fn eq_sread(
     eq: *mut abi::fid_eq,
-    _: *mut u32,
-    _: *mut c_void,
-    _: usize,
+    event: *mut u32,
+    buf: *mut c_void,
+    len: usize,
     timeout: c_int,
-    _: u64,
+    flags: u64,
 ) -> isize {
-    // Nothing is ever posted to the event queue of an RDM endpoint: wait out the timeout
-    // (a negative one for ever), letting the provider progress, then -FI_EAGAIN.
+    // Progress until an event or an error entry comes, or the timeout (in milliseconds; a
+    // negative one for ever) runs out: -FI_EAGAIN.
     let start = std::time::Instant::now();
     loop {
-        let r = run_s(|st| {
-            st.check(eq as usize, Kind::Eq)?;
-            st.progress();
-            Err(abi::FI_EAGAIN)
-        });
+        // SAFETY: the caller's pointers (fi_eq(3)).
+        let r = run_s(|st| unsafe { eq_read_once(st, eq as usize, event, buf, len, flags) });
         if r != -(abi::FI_EAGAIN as isize)
             || (timeout >= 0 && start.elapsed().as_millis() >= timeout as u128)
         {
             return r;
         }
-        std::thread::sleep(std::time::Duration::from_micros(200));
+        std::thread::sleep(std::time::Duration::from_micros(100));
     }
 }
 enosys!(eq_write(*mut abi::fid_eq, u32, *const c_void, usize, u64) -> isize);
@@ -769,7 +868,24 @@ unsafe extern "C" fn endpoint(
         let dgram = info
             .and_then(|i| unsafe { i.ep_attr.as_ref() })
             .is_some_and(|a| a.type_ == abi::fi_ep_type_FI_EP_DGRAM);
+        // SAFETY: as above.
+        let msg_type = info
+            .and_then(|i| unsafe { i.ep_attr.as_ref() })
+            .is_some_and(|a| a.type_ == abi::fi_ep_type_FI_EP_MSG);
+        // The connection request it is opened to accept (fi_cm(3)).
+        let handle = info.map_or(0, |i| i.handle as usize);
+        let connreq = match st.objs.get(&handle) {
+            Some(prov::Obj::ConnReq(_)) => Some(handle),
+            _ if handle != 0 => return Err(abi::FI_EINVAL),
+            _ => None,
+        };
         let mut ep = st.new_ep(dom as usize, named, dgram)?;
+        if msg_type || connreq.is_some() {
+            ep.msg = Some(prov::MsgEp {
+                connreq,
+                ..Default::default()
+            });
+        }
         if let Some(i) = info {
             ep.directed = i.caps & abi::FI_DIRECTED_RECV != 0;
             // SAFETY: the info's attribute pointers are NULL or valid (fi_getinfo(3)).
@@ -1543,13 +1659,29 @@ unsafe extern "C" fn ep_getopt(
     len: *mut usize,
 ) -> c_int {
     run(|st| {
-        let ep = st.ep_key(fid as usize);
-        st.check(ep, Kind::Ep)?;
-        min_multi_recv_opt(level, name)?;
+        let key = fid as usize;
+        let pep = matches!(st.objs.get(&key), Some(prov::Obj::Pep(_)));
+        let ep = st.ep_key(key);
+        let connected = pep || st.ep_mut(ep).is_ok_and(|e| e.msg.is_some());
+        let cm_data = level == abi::FI_OPT_ENDPOINT as c_int
+            && name == abi::FI_OPT_CM_DATA_SIZE as c_int
+            && connected;
+        if !pep {
+            st.check(ep, Kind::Ep)?;
+        }
+        if !cm_data {
+            min_multi_recv_opt(level, name)?;
+        }
         if val.is_null() || len.is_null() {
             return Err(abi::FI_EINVAL);
         }
-        let min = st.ep_mut(ep)?.min_multi_recv as usize;
+        // FI_OPT_CM_DATA_SIZE of a connected or passive endpoint: the most private data a
+        // connection call carries.
+        let min = if cm_data {
+            CM_DATA_MAX
+        } else {
+            st.ep_mut(ep)?.min_multi_recv as usize
+        };
         // SAFETY: non-NULL: the caller's length word (fi_endpoint(3)).
         let room = unsafe { len.read() };
         // SAFETY: as above.
@@ -1625,33 +1757,154 @@ static EP_OPS: abi::fi_ops_ep = abi::fi_ops_ep {
     tx_size_left: Some(ep_size_left),
 };
 
+/// Copies address `a` into the caller's `addr` of `*len` bytes (fi_cm(3)): `*len` becomes
+/// its size; `-FI_ETOOSMALL` when it does not fit.
+fn give_addr(a: &[u8], addr: *mut c_void, len: *mut usize) -> Result<c_int, Errno> {
+    if len.is_null() {
+        return Err(abi::FI_EINVAL);
+    }
+    // SAFETY: `len` is non-NULL: the caller's buffer length.
+    let have = unsafe { *len };
+    // SAFETY: as above.
+    unsafe { *len = a.len() };
+    if have < a.len() || addr.is_null() {
+        return Err(abi::FI_ETOOSMALL);
+    }
+    // SAFETY: `addr` holds `have >= a.len()` bytes (fi_getname(3)).
+    unsafe { std::ptr::copy_nonoverlapping(a.as_ptr(), addr as *mut u8, a.len()) };
+    Ok(0)
+}
+
 unsafe extern "C" fn cm_getname(fid: *mut abi::fid, addr: *mut c_void, len: *mut usize) -> c_int {
     run(|st| {
-        let a = st.ep_mut(st.ep_key(fid as usize))?.addr;
-        if len.is_null() {
-            return Err(abi::FI_EINVAL);
-        }
-        // SAFETY: `len` is non-NULL: the caller's buffer length.
-        let have = unsafe { *len };
-        // SAFETY: as above.
-        unsafe { *len = a.len() };
-        if have < a.len() || addr.is_null() {
-            return Err(abi::FI_ETOOSMALL);
-        }
-        // SAFETY: `addr` holds `have >= a.len()` bytes (fi_getname(3)).
-        unsafe { std::ptr::copy_nonoverlapping(a.as_ptr(), addr as *mut u8, a.len()) };
-        Ok(0)
+        let a = match st.objs.get(&(fid as usize)) {
+            Some(prov::Obj::Pep(p)) => p.addr,
+            _ => st.ep_mut(st.ep_key(fid as usize))?.addr,
+        };
+        give_addr(&a, addr, len)
     })
 }
 
+unsafe extern "C" fn cm_getpeer(ep: *mut abi::fid_ep, addr: *mut c_void, len: *mut usize) -> c_int {
+    run(|st| {
+        let key = st.ep_key(ep as usize);
+        let m = st.ep_mut(key)?.msg.as_ref().ok_or(abi::FI_ENOSYS)?;
+        let peer = m.key.ok_or(abi::FI_ENOTCONN)?.0;
+        give_addr(&peer, addr, len)
+    })
+}
+
+/// The caller's private data of a connection call: `len` bytes at `p` (at most what the
+/// connection manager carries).
+fn param<'a>(p: *const c_void, len: usize) -> Result<&'a [u8], Errno> {
+    if len == 0 {
+        return Ok(&[]);
+    }
+    if p.is_null() || len > CM_DATA_MAX {
+        return Err(abi::FI_EINVAL);
+    }
+    // SAFETY: non-NULL: `len` bytes of the caller's (fi_cm(3)).
+    Ok(unsafe { std::slice::from_raw_parts(p as *const u8, len) })
+}
+
+/// Most private data a connection call carries (what every CM message has room for).
+const CM_DATA_MAX: usize = 56;
+
+unsafe extern "C" fn cm_connect(
+    ep: *mut abi::fid_ep,
+    addr: *const c_void,
+    p: *const c_void,
+    len: usize,
+) -> c_int {
+    run(|st| {
+        if addr.is_null() {
+            return Err(abi::FI_EINVAL);
+        }
+        // SAFETY: non-NULL: an address of the endpoint's format (fi_cm(3)), ADDR_LEN bytes.
+        let to = unsafe { std::slice::from_raw_parts(addr as *const u8, prov::ADDR_LEN) };
+        st.connect(st.ep_key(ep as usize), to, param(p, len)?)
+            .map(|()| 0)
+    })
+}
+
+unsafe extern "C" fn cm_listen(pep: *mut abi::fid_pep) -> c_int {
+    run(|st| st.listen(pep as usize).map(|()| 0))
+}
+
+unsafe extern "C" fn cm_accept(ep: *mut abi::fid_ep, p: *const c_void, len: usize) -> c_int {
+    run(|st| {
+        st.accept(st.ep_key(ep as usize), param(p, len)?)
+            .map(|()| 0)
+    })
+}
+
+unsafe extern "C" fn cm_reject(
+    pep: *mut abi::fid_pep,
+    handle: *mut abi::fid,
+    p: *const c_void,
+    len: usize,
+) -> c_int {
+    run(|st| {
+        st.reject(pep as usize, handle as usize, param(p, len)?)
+            .map(|()| 0)
+    })
+}
+
+unsafe extern "C" fn cm_shutdown(ep: *mut abi::fid_ep, _: u64) -> c_int {
+    run(|st| st.shutdown(st.ep_key(ep as usize)).map(|()| 0))
+}
+
 enosys!(cm_setname(*mut abi::fid, *mut c_void, usize) -> c_int);
-enosys!(cm_getpeer(*mut abi::fid_ep, *mut c_void, *mut usize) -> c_int);
-enosys!(cm_connect(*mut abi::fid_ep, *const c_void, *const c_void, usize) -> c_int);
-enosys!(cm_listen(*mut abi::fid_pep) -> c_int);
-enosys!(cm_accept(*mut abi::fid_ep, *const c_void, usize) -> c_int);
-enosys!(cm_reject(*mut abi::fid_pep, *mut abi::fid, *const c_void, usize) -> c_int);
-enosys!(cm_shutdown(*mut abi::fid_ep, u64) -> c_int);
 enosys!(cm_join(*mut abi::fid_ep, *const c_void, u64, *mut *mut abi::fid_mc, *mut c_void) -> c_int);
+
+/// `fi_passive_ep`: a passive endpoint on the NIC of `info`'s domain, on the service number
+/// of its source address when the application chose one (FI_SOURCE).
+pub unsafe extern "C" fn passive_ep(
+    fabric: *mut abi::fid_fabric,
+    info: *mut abi::fi_info,
+    out: *mut *mut abi::fid_pep,
+    context: *mut c_void,
+) -> c_int {
+    run(|st| {
+        st.check(fabric as usize, Kind::Fabric)?;
+        if out.is_null() {
+            return Err(abi::FI_EINVAL);
+        }
+        // SAFETY: NULL or the info libfabric passes on (fi_endpoint(3)).
+        let info = unsafe { info.as_ref() }.ok_or(abi::FI_EINVAL)?;
+        // SAFETY: the info's domain attribute is NULL or valid, its name NULL or a string.
+        let name =
+            unsafe { info.domain_attr.as_ref() }.and_then(|d| unsafe { crate::string(d.name) });
+        let nic = match name {
+            Some(n) => n
+                .strip_prefix("rb")
+                .and_then(|i| i.parse::<usize>().ok())
+                .ok_or(abi::FI_ENODATA)?,
+            None => crate::claim::default_nic(),
+        };
+        let named = (!info.src_addr.is_null() && info.src_addrlen == prov::ADDR_LEN)
+            .then(|| {
+                // SAFETY: non-NULL, `src_addrlen` bytes (fi_getinfo(3)).
+                let a = unsafe {
+                    std::slice::from_raw_parts(info.src_addr as *const u8, prov::ADDR_LEN)
+                };
+                prov::parse_addr(a).map(|(_, s)| s).filter(|&s| s != 0)
+            })
+            .flatten();
+        let pep = st.new_pep(nic, named)?;
+        let p = publish(
+            st,
+            abi::fid_pep {
+                fid: fid_of(abi::FI_CLASS_PEP, context),
+                ops: &EP_OPS as *const _ as *mut _,
+                cm: &CM_OPS as *const _ as *mut _,
+            },
+            prov::Obj::Pep(pep),
+        );
+        st.parents.insert(p as usize, fabric as usize);
+        put(out, p).map(|()| 0)
+    })
+}
 
 static CM_OPS: abi::fi_ops_cm = abi::fi_ops_cm {
     size: std::mem::size_of::<abi::fi_ops_cm>(),

@@ -193,6 +193,17 @@ impl Offer {
         }
     }
 
+    /// The connected offer for NIC `domain` (`FI_EP_MSG`): messages, RMA and atomics over
+    /// one RC connection per endpoint, made through a passive endpoint's event queue
+    /// (fi_cm(3)); no tagged messages.
+    pub fn msg_for_nic(domain: &str) -> Offer {
+        Offer {
+            ep_type: abi::fi_ep_type_FI_EP_MSG,
+            caps: MSG_EP_CAPS,
+            ..Offer::for_nic(domain)
+        }
+    }
+
     /// Message orderings kept.
     pub fn msg_order(&self) -> u64 {
         if self.ep_type == abi::fi_ep_type_FI_EP_DGRAM {
@@ -203,6 +214,18 @@ impl Offer {
     }
 }
 
+/// What a connected endpoint can do.
+pub const MSG_EP_CAPS: u64 = FI_MSG
+    | FI_RMA
+    | FI_ATOMIC
+    | FI_READ
+    | FI_WRITE
+    | FI_SEND
+    | FI_RECV
+    | FI_REMOTE_READ
+    | FI_REMOTE_WRITE
+    | FI_LOCAL_COMM
+    | FI_REMOTE_COMM;
 /// What a datagram endpoint can do.
 pub const DGRAM_CAPS: u64 = FI_MSG | FI_SEND | FI_RECV | FI_LOCAL_COMM | FI_REMOTE_COMM;
 /// Largest datagram: one packet at the fabric's path MTU (`ringbell::UD_MAX_PAYLOAD`).

@@ -212,7 +212,7 @@ pub unsafe fn free_info(mut i: *mut abi::fi_info) {
 }
 
 /// Builds the `struct fi_info` of `o`, or `None` when memory runs out.
-fn write_info(o: &Offer) -> Option<*mut abi::fi_info> {
+pub(crate) fn write_info(o: &Offer) -> Option<*mut abi::fi_info> {
     let i = calloc::<abi::fi_info>()?;
     let fill = || -> Option<()> {
         let tx = calloc::<abi::fi_tx_attr>()?;
@@ -382,15 +382,20 @@ unsafe extern "C" fn getinfo(
                 continue;
             }
             let name = ringbell::discover::NicPlan::name(i);
-            // Each NIC's RDM offer, then its datagram one, which a utility provider asking
-            // for a core provider to layer on (libfabric's ofi_rxd, RDM over datagrams)
-            // does not get: the NIC's own RDM endpoints are what an application asking for
-            // RDM must find first, as libfabric itself keeps utility providers off efa.
+            // Each NIC's RDM offer, then its datagram and connected ones, which a utility
+            // provider asking for a core provider to layer on (libfabric's ofi_rxd and
+            // ofi_rxm, RDM over datagrams or connections) does not get: the NIC's own RDM
+            // endpoints are what an application asking for RDM must find first, as
+            // libfabric itself keeps utility providers off efa.
             let layering = flags & OFI_CORE_PROV_ONLY != 0;
-            let offers = [Offer::for_nic(&name), Offer::dgram_for_nic(&name)];
+            let offers = [
+                Offer::for_nic(&name),
+                Offer::dgram_for_nic(&name),
+                Offer::msg_for_nic(&name),
+            ];
             for mut offer in offers
                 .into_iter()
-                .filter(|o| !(layering && o.ep_type == abi::fi_ep_type_FI_EP_DGRAM))
+                .filter(|o| !(layering && o.ep_type != abi::fi_ep_type_FI_EP_RDM))
             {
                 // The NIC's address, with no endpoint yet (service 0), or with the service
                 // number a program gave with FI_SOURCE, which its endpoint then takes.
@@ -432,14 +437,6 @@ unsafe extern "C" fn getinfo(
     })
 }
 
-unsafe extern "C" fn enosys_passive_ep(
-    _: *mut abi::fid_fabric,
-    _: *mut abi::fi_info,
-    _: *mut *mut abi::fid_pep,
-    _: *mut c_void,
-) -> c_int {
-    neg(abi::FI_ENOSYS)
-}
 unsafe extern "C" fn enosys_wait_open(
     _: *mut abi::fid_fabric,
     _: *mut abi::fi_wait_attr,
@@ -468,7 +465,7 @@ unsafe extern "C" fn enosys_domain2(
 static FABRIC_OPS: abi::fi_ops_fabric = abi::fi_ops_fabric {
     size: std::mem::size_of::<abi::fi_ops_fabric>(),
     domain: Some(ffi::domain_open),
-    passive_ep: Some(enosys_passive_ep),
+    passive_ep: Some(ffi::passive_ep),
     eq_open: Some(ffi::eq_open),
     wait_open: Some(enosys_wait_open),
     trywait: Some(enosys_trywait),

@@ -22,6 +22,7 @@
 
 mod bounce;
 mod dgram;
+mod msgep;
 mod multi;
 pub mod names;
 mod peek;
@@ -39,6 +40,7 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::{Mutex, MutexGuard, OnceLock};
 
 mod trig;
+pub use msgep::{ConnReq, Eq, EqErr, EqEvent, MsgEp, Pep};
 pub use tagged::{TagCounts, EAGER_MAX};
 pub use trig::{Trig, WorkOp};
 
@@ -126,6 +128,8 @@ pub fn mr_access(access: u64) -> Result<Access, Errno> {
 pub enum Kind {
     Fabric,
     Eq,
+    Pep,
+    ConnReq,
     Domain,
     Cq,
     Av,
@@ -346,6 +350,9 @@ pub struct Ep {
     /// A datagram endpoint's UD QP ([`dgram`]); `None` for an RDM endpoint. (Declared
     /// before the CQ it completes on, so dropped first.)
     dgram: Option<Box<dgram::Dgram>>,
+    /// A connected endpoint's state (`FI_EP_MSG`, [`msgep`]); `None` for RDM and datagram
+    /// endpoints.
+    pub msg: Option<MsgEp>,
     srq: Option<SharedReceiveQueue>,
     cq: Option<CompletionQueue>,
     /// The tag matcher of the tagged channel: its TM-SRQ, CQ and connections.
@@ -373,7 +380,9 @@ pub struct Ep {
 
 pub enum Obj {
     Fabric,
-    Eq,
+    Eq(Eq),
+    Pep(Pep),
+    ConnReq(ConnReq),
     Domain(Box<Domain>),
     Cq(Cq),
     Av(Av),
@@ -407,7 +416,9 @@ impl Obj {
     pub fn kind(&self) -> Kind {
         match self {
             Obj::Fabric => Kind::Fabric,
-            Obj::Eq => Kind::Eq,
+            Obj::Eq(_) => Kind::Eq,
+            Obj::Pep(_) => Kind::Pep,
+            Obj::ConnReq(_) => Kind::ConnReq,
             Obj::Domain(_) => Kind::Domain,
             Obj::Cq(_) => Kind::Cq,
             Obj::Av(_) => Kind::Av,
@@ -774,6 +785,7 @@ impl State {
             ops: HashMap::new(),
             next_wr: 1,
             dgram: ud,
+            msg: None,
             srq: None,
             cq,
             tm: None,
@@ -796,8 +808,15 @@ impl State {
             if e.enabled {
                 return Ok(());
             }
-            if e.txcq.is_none() || e.rxcq.is_none() || e.av.is_none() {
+            if e.txcq.is_none() || e.rxcq.is_none() {
                 return Err(abi::FI_ENOCQ);
+            }
+            match &e.msg {
+                // A connected endpoint reports on its event queue and needs no AV.
+                Some(m) if m.eq.is_none() => return Err(abi::FI_ENOEQ),
+                Some(_) => {}
+                None if e.av.is_none() => return Err(abi::FI_ENOAV),
+                None => {}
             }
             if let Some(g) = &e.dgram {
                 // Nothing to listen on: its QP is ready since the endpoint was opened.
@@ -810,6 +829,7 @@ impl State {
             (e.domain, e.nic, e.service)
         };
         let sink = self.sink(dom)?;
+        let connected = self.objs_ep(ep)?.msg.is_some();
         let (srq, cq, tm) = {
             let d = self.domain(dom)?;
             // The caller's buffers (iov_limit) and the overflow.
@@ -817,21 +837,29 @@ impl State {
             let srq = d.pd.create_srq(1024, sges, 0).map_err(|_| abi::FI_ENOMEM)?;
             let dev = &self.nics[&nic].dev;
             let cq = dev.create_cq(8192).map_err(|_| abi::FI_ENOMEM)?;
-            (srq, cq, tagged::matcher(&d.pd)?)
+            // (A connected endpoint has no tagged messages.)
+            let tm = if connected {
+                None
+            } else {
+                Some(tagged::matcher(&d.pd)?)
+            };
+            (srq, cq, tm)
         };
-        self.nics
-            .get_mut(&nic)
-            .ok_or(EINVAL)?
-            .cm
-            .listen(service)
-            .map_err(|_| abi::FI_EADDRINUSE)?;
+        if !connected {
+            self.nics
+                .get_mut(&nic)
+                .ok_or(EINVAL)?
+                .cm
+                .listen(service)
+                .map_err(|_| abi::FI_EADDRINUSE)?;
+        }
         let e = self.ep_mut(ep)?;
         if e.named {
             names::publish(service, nic, None);
         }
         e.srq = Some(srq);
         e.cq = Some(cq);
-        e.tm = Some(tm);
+        e.tm = tm;
         e.sink = Some(sink);
         e.enabled = true;
         Ok(())
@@ -1062,7 +1090,10 @@ impl State {
                 return Err(abi::FI_EMSGSIZE);
             }
         }
-        let peer = self.peer(ep, dest)?;
+        let peer = match self.msg_dest(ep)? {
+            Some(a) => a,
+            None => self.peer(ep, dest)?,
+        };
         let mut copy = Vec::new();
         let (sges, tmp, inline) = if inject {
             let max = self.max_inline(nic, dgram)?;
@@ -1145,7 +1176,10 @@ impl State {
             }
             (e.domain, e.nic, e.tx_selective)
         };
-        let peer = self.peer(ep, req.dest)?;
+        let peer = match self.msg_dest(ep)? {
+            Some(a) => a,
+            None => self.peer(ep, req.dest)?,
+        };
         let (addr, key) = match req.op {
             RmaOp::Write { addr, key, .. } | RmaOp::Read { addr, key } => (addr, key),
             RmaOp::FetchAdd { addr, key, .. } | RmaOp::CmpSwap { addr, key, .. } => {
@@ -1326,6 +1360,8 @@ impl State {
         match e.conns.get_mut(&key) {
             Some(Conn::Up(..) | Conn::Tag(..)) => unreachable!("handled above"),
             Some(Conn::Pending(_, q)) => q.push(p),
+            // A connected endpoint's one connection is made by fi_connect/fi_accept.
+            None if e.msg.is_some() => return Err(abi::FI_ENOTCONN),
             None => {
                 let (ip, service) = parse_addr(&key.0).ok_or(EINVAL)?;
                 let ah = AhAttr::on_fabric(ip)
@@ -1531,8 +1567,11 @@ impl State {
                 id,
                 service_id,
                 private,
-                ..
+                from,
             } => {
+                if self.pep_request(nic, id, service_id, from, &private) {
+                    return;
+                }
                 let key = self.objs.iter().find_map(|(&k, o)| match o {
                     Obj::Ep(e) if e.enabled && e.nic == nic && e.service == service_id => Some(k),
                     _ => None,
@@ -1590,7 +1629,11 @@ impl State {
                     e.extra.push(((peer, chan), Conn::Pending(id, Vec::new())));
                 }
             }
-            CmEvent::Established { id, mut qp, .. } => {
+            CmEvent::Established {
+                id,
+                mut qp,
+                private,
+            } => {
                 if let Some(ep) = self.pending_tag_conn(nic, id) {
                     self.tag_established(ep, id, qp);
                     return;
@@ -1636,8 +1679,17 @@ impl State {
                         self.fail_op(k, op);
                     }
                 }
+                self.msg_cm_event(nic, id, msgep::MsgCm::Up(private));
             }
             CmEvent::Rejected { id, .. } | CmEvent::TimedOut { id, .. } => {
+                self.msg_cm_event(
+                    nic,
+                    id,
+                    match &ev {
+                        CmEvent::Rejected { .. } => msgep::MsgCm::Refused,
+                        _ => msgep::MsgCm::TimedOut,
+                    },
+                );
                 let mut failed = Vec::new();
                 let mut tsends = Vec::new();
                 for (&k, o) in self.objs.iter_mut() {
@@ -1671,6 +1723,7 @@ impl State {
                 }
             }
             CmEvent::Disconnected { id } => {
+                self.msg_cm_event(nic, id, msgep::MsgCm::Down);
                 for o in self.objs.values_mut() {
                     let Obj::Ep(e) = o else { continue };
                     if e.nic == nic {
@@ -1743,7 +1796,8 @@ impl State {
     /// Closes the endpoint's listener (before the endpoint is dropped).
     pub fn close_ep(&mut self, ep: &Ep) {
         if ep.enabled {
-            if let Some(n) = self.nics.get_mut(&ep.nic).filter(|_| ep.dgram.is_none()) {
+            let listened = ep.dgram.is_none() && ep.msg.is_none();
+            if let Some(n) = self.nics.get_mut(&ep.nic).filter(|_| listened) {
                 n.cm.unlisten(ep.service);
             }
             if ep.named {

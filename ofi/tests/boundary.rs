@@ -45,11 +45,11 @@ fn getinfo_and_fabric_through_the_provider_structure() {
         );
         let mut out = null_mut();
         assert_eq!(getinfo(v, null(), null(), 0, null(), &mut out), 0);
-        // Per NIC its RDM offer and its datagram one.
-        assert_eq!(domains(out), ["rb0", "rb0", "rb1", "rb1"]);
+        // Per NIC its RDM offer, its datagram one and its connected one.
+        assert_eq!(domains(out), ["rb0", "rb0", "rb0", "rb1", "rb1", "rb1"]);
         ringbell_fi::free_info(out);
         // A utility provider looking for a core provider to layer on (libfabric passes
-        // OFI_CORE_PROV_ONLY, bit 59) gets no datagram offer.
+        // OFI_CORE_PROV_ONLY, bit 59) gets no datagram or connected offer.
         let mut out = null_mut();
         assert_eq!(getinfo(v, null(), null(), 1 << 59, null(), &mut out), 0);
         assert_eq!(domains(out), ["rb0", "rb1"]);

@@ -159,6 +159,11 @@ fn c_multi_recv() {
 }
 
 #[test]
+fn c_msg_endpoints() {
+    run("msgep", &[&[]]);
+}
+
+#[test]
 fn c_dgram() {
     run("dgram", &[&["nolocal"], &["local"]]);
 }

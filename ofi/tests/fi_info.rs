@@ -61,7 +61,7 @@ fn text(o: &Output) -> String {
 }
 
 #[test]
-fn fi_info_lists_the_provider_and_an_rdm_and_a_dgram_offer_per_nic() {
+fn fi_info_lists_the_provider_and_its_rdm_dgram_and_msg_offers_per_nic() {
     let dir = provider_dir();
     let l = fi_info(&dir, &["-l"], &[]);
     assert!(l.status.success());
@@ -74,8 +74,8 @@ fn fi_info_lists_the_provider_and_an_rdm_and_a_dgram_offer_per_nic() {
     let o = fi_info(&dir, &["-p", "ringbell"], &[]);
     assert!(o.status.success(), "{o:?}");
     let t = text(&o);
-    assert_eq!(t.matches("provider: ringbell\n").count(), 4, "{t}");
-    // Per NIC, in order: its RDM offer, then its datagram one.
+    assert_eq!(t.matches("provider: ringbell\n").count(), 6, "{t}");
+    // Per NIC, in order: its RDM offer, then its datagram and connected ones.
     let offers: Vec<(&str, &str)> = t
         .lines()
         .filter_map(|l| l.trim().strip_prefix("domain: "))
@@ -86,13 +86,16 @@ fn fi_info_lists_the_provider_and_an_rdm_and_a_dgram_offer_per_nic() {
         [
             ("rb0", "FI_EP_RDM"),
             ("rb0", "FI_EP_DGRAM"),
+            ("rb0", "FI_EP_MSG"),
             ("rb1", "FI_EP_RDM"),
-            ("rb1", "FI_EP_DGRAM")
+            ("rb1", "FI_EP_DGRAM"),
+            ("rb1", "FI_EP_MSG")
         ],
         "{t}"
     );
-    // No utility provider layers over ringbell (ofi_rxd would offer RDM over its datagram
-    // endpoints, ahead of the NIC's own), with or without a provider named.
+    // No utility provider layers over ringbell (ofi_rxd and ofi_rxm would offer RDM over its
+    // datagram and connected endpoints, ahead of the NIC's own), with or without a provider
+    // named.
     let all = text(&fi_info(&dir, &[], &[]));
     assert!(!all.contains("ringbell;"), "a layered ringbell: {all}");
     assert!(!t.contains("ringbell;"), "a layered ringbell: {t}");
@@ -112,13 +115,19 @@ fn hints_select_and_refuse() {
     let dir = provider_dir();
     let one = fi_info(&dir, &["-p", "ringbell", "-d", "rb1"], &[]);
     let t = text(&one);
-    assert_eq!(t.matches("provider: ringbell\n").count(), 2, "{t}");
+    assert_eq!(t.matches("provider: ringbell\n").count(), 3, "{t}");
     assert!(t.contains("domain: rb1"));
     assert_eq!(t.matches("type: FI_EP_RDM").count(), 1, "{t}");
-    // An endpoint type the provider does not offer: no data (FI_ENODATA, 61).
-    let o = fi_info(&dir, &["-p", "ringbell", "-t", "FI_EP_MSG"], &[]);
+    // What no offer has: no data (FI_ENODATA, 61).
+    let o = fi_info(
+        &dir,
+        &["-p", "ringbell", "-t", "FI_EP_MSG", "-c", "FI_TAGGED"],
+        &[],
+    );
     assert!(!o.status.success(), "{o:?}");
     assert!(String::from_utf8_lossy(&o.stderr).contains("-61"), "{o:?}");
+    let m = text(&fi_info(&dir, &["-p", "ringbell", "-t", "FI_EP_MSG"], &[]));
+    assert_eq!(m.matches("provider: ringbell\n").count(), 2, "{m}");
     // Datagrams: untagged messages of one packet, nothing else.
     let d = text(&fi_info(
         &dir,

@@ -1,7 +1,7 @@
 //! Debian's `fi_pingpong` (libfabric-bin), unmodified, between two processes over the
 //! provider: each on its own NIC of one `ringbell-emu serve` (`RINGBELL_NIC`), reliable
-//! datagram endpoints (`-e rdm`) and its default, datagram endpoints (no `-e`), message
-//! transfers, data checked (`-c`). libfabric
+//! datagram endpoints (`-e rdm`), its default, datagram endpoints (no `-e`), and connected
+//! endpoints (`-e msg`), message transfers, data checked (`-c`). libfabric
 //! programs run under `timeout`: a provider fault can leave them hanging.
 
 mod common;
@@ -211,4 +211,27 @@ fn fi_pingpong_dgram_larger_than_a_packet_is_refused() {
         text(&s),
         text(&c)
     );
+}
+
+/// Connected endpoints: a passive endpoint, a connection request accepted, every size.
+#[test]
+fn fi_pingpong_msg_every_size_checked() {
+    let (s, c) = pingpong_on(
+        "msg",
+        port(7),
+        &["-e", "msg"],
+        &["-I", "10", "-S", "all", "-c"],
+    );
+    assert!(s.status.success(), "server failed:\n{}", text(&s));
+    assert!(c.status.success(), "client failed:\n{}", text(&c));
+    for o in [&s, &c] {
+        let r = rows(o);
+        assert!(r.len() >= 40, "every size ran:\n{}", text(o));
+        assert!(
+            r.iter().all(|(_, sent, ack)| *sent == 10 && ack == "=10"),
+            "{}",
+            text(o)
+        );
+        assert!(r.iter().any(|(b, _, _)| b == "1m"), "{}", text(o));
+    }
 }

@@ -162,6 +162,54 @@ fn connect_accept_traffic_disconnect() {
     assert!(nodes[0].cm.disconnect(c.1).is_err(), "already closed");
 }
 
+/// A request the application has not answered yet is not a timer the idle clock runs to:
+/// the listener's CM polled many times (nothing else to do) keeps it, and the answer given
+/// after makes the connection.
+#[test]
+fn a_request_waits_for_its_answer_while_the_listener_polls() {
+    let f = Fabric::new(FabricConfig::new(2, 1));
+    let mut nodes = vec![node(&f, 0), node(&f, 1)];
+    nodes[1].cm.listen(0x77).unwrap();
+    let peer = nodes[1].cm.address();
+    let qp = rc_qp(&nodes[0]);
+    let id = nodes[0]
+        .cm
+        .connect(peer, 0x77, qp, &opts(), b"req")
+        .unwrap();
+    let req = nodes[1]
+        .cm
+        .poll_until(100_000, |e| matches!(e, CmEvent::ConnectRequest { .. }));
+    let Some(CmEvent::ConnectRequest { id: rid, .. }) = req else {
+        panic!("no request: {req:?}");
+    };
+    // The listener polls with nothing to do (the client does not poll meanwhile).
+    let t0 = f.now();
+    for _ in 0..50 {
+        assert!(nodes[1].cm.poll().is_none());
+    }
+    assert!(
+        f.now().ps() - t0.ps() < 1_000_000_000_000,
+        "the idle clock ran to the request's end: {:?} -> {:?}",
+        t0,
+        f.now()
+    );
+    let sqp = rc_qp(&nodes[1]);
+    nodes[1].cm.accept(rid, sqp, &opts(), b"rep").unwrap();
+    let mut up = Vec::new();
+    let cell = std::cell::RefCell::new(&mut up);
+    run(
+        &mut nodes,
+        100_000,
+        |i, e, _| match e {
+            CmEvent::Established { id: got, .. } => cell.borrow_mut().push((i, got)),
+            e => panic!("unexpected {e:?}"),
+        },
+        || cell.borrow().len() == 2,
+    );
+    up.sort_by_key(|u| u.0);
+    assert_eq!(up, [(0, id), (1, rid)]);
+}
+
 #[test]
 fn reject_and_no_listener() {
     let f = Fabric::new(FabricConfig::new(2, 2));

@@ -20,16 +20,17 @@ static void getinfo(void)
 	struct fi_info *h, *list = NULL;
 
 	/* No hints: the provider's offers (FI_PROVIDER=ringbell keeps only those), per NIC
-	 * its RDM one, then its datagram one. */
+	 * its RDM one, then its datagram and connected ones. */
 	CHECK_EQ(fi_getinfo(CT_VERSION, NULL, NULL, 0, NULL, &list), 0);
-	CHECK_EQ(count_infos(list), 4);
+	CHECK_EQ(count_infos(list), 6);
+	static const int types[3] = {FI_EP_RDM, FI_EP_DGRAM, FI_EP_MSG};
 	int k = 0;
 	for (struct fi_info *i = list; i; i = i->next, k++) {
 		CHECK(strcmp(i->fabric_attr->prov_name, "ringbell") == 0);
-		CHECK_EQ(i->ep_attr->type, k % 2 ? FI_EP_DGRAM : FI_EP_RDM);
+		CHECK_EQ(i->ep_attr->type, types[k % 3]);
 		CHECK(i->domain_attr->name != NULL);
 		if (i->domain_attr->name)
-			CHECK(strcmp(i->domain_attr->name, k < 2 ? "rb0" : "rb1") == 0);
+			CHECK(strcmp(i->domain_attr->name, k < 3 ? "rb0" : "rb1") == 0);
 	}
 	fi_freeinfo(list);
 
@@ -80,12 +81,13 @@ static void getinfo(void)
 	fi_freeinfo(h);
 
 	/* What the provider does not offer: -FI_ENODATA (fi_getinfo(3)). */
-	h = ct_hints(FI_MSG, 1);
+	h = ct_hints(FI_MSG | FI_TAGGED, 1);
 	h->ep_attr->type = FI_EP_MSG;
 	list = NULL;
 	CHECK_EQ(fi_getinfo(CT_VERSION, NULL, NULL, 0, h, &list), -FI_ENODATA);
 	CHECK(list == NULL);
-	/* (Datagram endpoints: dgram.c.) */
+	h->caps = FI_MSG;
+	/* (Datagram and connected endpoints: dgram.c, msgep.c.) */
 	h->ep_attr->type = FI_EP_RDM;
 	h->caps = FI_MSG | FI_MULTICAST;
 	CHECK_EQ(fi_getinfo(CT_VERSION, NULL, NULL, 0, h, &list), -FI_ENODATA);

@@ -1,0 +1,371 @@
+//! Connected endpoints (`FI_EP_MSG`, fi_cm(3)): a passive endpoint listens on a service
+//! number of its NIC's connection manager and reports each connection request on its event
+//! queue (`FI_CONNREQ`, with an info whose `handle` names the request); an endpoint opened
+//! with that info accepts (`fi_accept`) or the passive endpoint rejects (`fi_reject`); an
+//! active endpoint connects (`fi_connect`) to a passive endpoint's address. Either side's
+//! event queue reports `FI_CONNECTED` once the connection is up (the active side with the
+//! acceptor's private data), an error entry `FI_ECONNREFUSED` (or `FI_ETIMEDOUT`) when it
+//! cannot be made, and `FI_SHUTDOWN` when either side shuts it down (`fi_shutdown`).
+//!
+//! The endpoint is an RDM endpoint with one connection (one RC QP on its SRQ): messages,
+//! RMA and atomics go over it whatever address they name.
+
+use super::*;
+
+/// An event queue's entries.
+#[derive(Default)]
+pub struct Eq {
+    pub events: VecDeque<EqEvent>,
+    pub errs: VecDeque<EqErr>,
+}
+
+/// One event: `event` (`FI_CONNREQ`, `FI_CONNECTED`, `FI_SHUTDOWN`) of object `fid` (an
+/// endpoint or passive endpoint's key), with a connection request's handle and the peer's
+/// private data.
+pub struct EqEvent {
+    pub event: u32,
+    pub fid: usize,
+    /// A connection request (`FI_CONNREQ`): the NIC and the handle's key.
+    pub connreq: Option<(usize, usize)>,
+    pub data: Vec<u8>,
+}
+
+/// An error entry: a connection of endpoint `fid` that could not be made (the peer's
+/// private data of a rejection is not passed on).
+pub struct EqErr {
+    pub fid: usize,
+    pub err: u32,
+}
+
+/// A passive endpoint.
+pub struct Pep {
+    pub nic: usize,
+    pub service: u64,
+    pub named: bool,
+    pub addr: Addr,
+    pub eq: Option<usize>,
+    pub listening: bool,
+}
+
+/// A connection request not yet answered.
+pub struct ConnReq {
+    pub nic: usize,
+    pub id: ConnId,
+    /// The requester's NIC.
+    pub from: AhAttr,
+}
+
+/// A connected endpoint's state.
+#[derive(Default)]
+pub struct MsgEp {
+    pub eq: Option<usize>,
+    /// The request it was opened to accept (`info->handle`).
+    pub connreq: Option<usize>,
+    /// Its one connection, once asked for.
+    pub id: Option<ConnId>,
+    pub key: Option<ConnKey>,
+}
+
+impl State {
+    /// A passive endpoint on NIC `nic`, on service number `named` (the application's) or one
+    /// of this process's own.
+    pub fn new_pep(&mut self, nic: usize, named: Option<u64>) -> Result<Pep, Errno> {
+        self.open_nic(nic)?;
+        let service = named.unwrap_or_else(|| {
+            self.next_service += 1;
+            ((std::process::id() as u64) << 20) | self.next_service
+        });
+        let ip = self.nics[&nic].cm.address().ip;
+        Ok(Pep {
+            nic,
+            service,
+            named: named.is_some(),
+            addr: make_addr(ip, service),
+            eq: None,
+            listening: false,
+        })
+    }
+
+    fn pep_mut(&mut self, key: usize) -> Result<&mut Pep, Errno> {
+        match self.objs.get_mut(&key) {
+            Some(Obj::Pep(p)) => Ok(p),
+            _ => Err(EINVAL),
+        }
+    }
+
+    /// `fi_listen`: needs an event queue.
+    pub fn listen(&mut self, key: usize) -> Result<(), Errno> {
+        let p = self.pep_mut(key)?;
+        if p.listening {
+            return Ok(());
+        }
+        if p.eq.is_none() {
+            return Err(abi::FI_ENOEQ);
+        }
+        let (nic, service, named) = (p.nic, p.service, p.named);
+        self.nics
+            .get_mut(&nic)
+            .ok_or(EINVAL)?
+            .cm
+            .listen(service)
+            .map_err(|_| abi::FI_EADDRINUSE)?;
+        if named {
+            names::publish(service, nic, None);
+        }
+        self.pep_mut(key)?.listening = true;
+        Ok(())
+    }
+
+    /// Before a passive endpoint is dropped.
+    pub fn close_pep(&mut self, p: &Pep) {
+        if p.listening {
+            if let Some(n) = self.nics.get_mut(&p.nic) {
+                n.cm.unlisten(p.service);
+            }
+            if p.named {
+                names::unpublish(p.service, p.nic);
+            }
+        }
+    }
+
+    /// `fi_connect` of endpoint `ep` to address `to` with private data `param`.
+    pub fn connect(&mut self, ep: usize, to: &[u8], param: &[u8]) -> Result<(), Errno> {
+        let e = self.objs_ep(ep)?;
+        if !e.enabled {
+            return Err(abi::FI_EOPBADSTATE);
+        }
+        let m = e.msg.as_ref().ok_or(EINVAL)?;
+        if m.id.is_some() || m.connreq.is_some() {
+            return Err(abi::FI_EISCONN);
+        }
+        let nic = e.nic;
+        let addr = resolve_addr(&to.try_into().map_err(|_| EINVAL)?);
+        let (ip, service) = parse_addr(&addr).ok_or(EINVAL)?;
+        let ah = AhAttr::on_fabric(ip).ok_or(abi::FI_EHOSTUNREACH)?;
+        let qp = new_qp(self.domain(e.domain)?, e)?;
+        let id = self
+            .nics
+            .get_mut(&nic)
+            .ok_or(EINVAL)?
+            .cm
+            .connect(ah, service, qp, &connect_opts(), param)
+            .map_err(|_| EINVAL)?;
+        let key = (addr, CH_MSG);
+        let e = self.ep_mut(ep)?;
+        e.conns.insert(key, Conn::Pending(id, Vec::new()));
+        let m = e.msg.as_mut().ok_or(EINVAL)?;
+        m.id = Some(id);
+        m.key = Some(key);
+        Ok(())
+    }
+
+    /// `fi_accept` of the request endpoint `ep` was opened for, with private data `param`.
+    pub fn accept(&mut self, ep: usize, param: &[u8]) -> Result<(), Errno> {
+        let e = self.objs_ep(ep)?;
+        if !e.enabled {
+            return Err(abi::FI_EOPBADSTATE);
+        }
+        let handle = e.msg.as_ref().and_then(|m| m.connreq).ok_or(EINVAL)?;
+        if e.msg.as_ref().is_some_and(|m| m.id.is_some()) {
+            return Err(abi::FI_EISCONN);
+        }
+        let Some(Obj::ConnReq(r)) = self.objs.get(&handle) else {
+            return Err(EINVAL);
+        };
+        let (nic, id, from) = (r.nic, r.id, r.from);
+        if nic != e.nic {
+            return Err(EINVAL);
+        }
+        let qp = new_qp(self.domain(e.domain)?, e)?;
+        self.nics
+            .get_mut(&nic)
+            .ok_or(EINVAL)?
+            .cm
+            .accept(id, qp, &connect_opts(), param)
+            .map_err(|_| abi::FI_ECONNABORTED)?;
+        let key = (make_addr(from.ip, u64::from(id.0)), CH_MSG);
+        self.free_connreq(handle);
+        let e = self.ep_mut(ep)?;
+        e.msg.as_mut().ok_or(EINVAL)?.connreq = None;
+        e.conns.insert(key, Conn::Pending(id, Vec::new()));
+        let m = e.msg.as_mut().ok_or(EINVAL)?;
+        m.id = Some(id);
+        m.key = Some(key);
+        Ok(())
+    }
+
+    /// Forgets connection request `handle` and frees its `struct fid`.
+    fn free_connreq(&mut self, handle: usize) {
+        if self.objs.remove(&handle).is_some() {
+            // SAFETY: a registered connection request's key is the box `pep_request` made,
+            // just removed from the registry, so nothing reaches it any more.
+            drop(unsafe { Box::from_raw(handle as *mut abi::fid) });
+        }
+    }
+
+    /// `fi_reject` of request `handle` by passive endpoint `pep`.
+    pub fn reject(&mut self, pep: usize, handle: usize, param: &[u8]) -> Result<(), Errno> {
+        let nic = self.pep_mut(pep)?.nic;
+        let Some(Obj::ConnReq(r)) = self.objs.get(&handle) else {
+            return Err(EINVAL);
+        };
+        if r.nic != nic {
+            return Err(EINVAL);
+        }
+        let id = r.id;
+        self.free_connreq(handle);
+        self.nics
+            .get_mut(&nic)
+            .ok_or(EINVAL)?
+            .cm
+            .reject(id, REJ_CONSUMER, param)
+            .map_err(|_| EINVAL)
+    }
+
+    /// `fi_shutdown`: the connection is closed; both sides' event queues report
+    /// `FI_SHUTDOWN`.
+    pub fn shutdown(&mut self, ep: usize) -> Result<(), Errno> {
+        let e = self.objs_ep(ep)?;
+        let nic = e.nic;
+        let id = e.msg.as_ref().ok_or(EINVAL)?.id.ok_or(abi::FI_ENOTCONN)?;
+        self.nics
+            .get_mut(&nic)
+            .ok_or(EINVAL)?
+            .cm
+            .disconnect(id)
+            .map_err(|_| abi::FI_ENOTCONN)
+    }
+
+    /// The connection a message, RMA or atomic of connected endpoint `ep` goes over.
+    pub(super) fn msg_dest(&self, ep: usize) -> Result<Option<Addr>, Errno> {
+        match &self.objs_ep(ep)?.msg {
+            None => Ok(None),
+            Some(m) => m.key.map(|k| Some(k.0)).ok_or(abi::FI_ENOTCONN),
+        }
+    }
+
+    fn eq_push(&mut self, eq: Option<usize>, ev: Result<EqEvent, EqErr>) {
+        if let Some(Obj::Eq(q)) = eq.and_then(|k| self.objs.get_mut(&k)) {
+            match ev {
+                Ok(e) => q.events.push_back(e),
+                Err(e) => q.errs.push_back(e),
+            }
+        }
+    }
+
+    /// A connection request for a listening passive endpoint of NIC `nic` on `service`:
+    /// reported on its event queue (true), or none listens there (false).
+    pub(super) fn pep_request(
+        &mut self,
+        nic: usize,
+        id: ConnId,
+        service: u64,
+        from: AhAttr,
+        private: &[u8],
+    ) -> bool {
+        let Some((key, eq)) = self.objs.iter().find_map(|(&k, o)| match o {
+            Obj::Pep(p) if p.listening && p.nic == nic && p.service == service => Some((k, p.eq)),
+            _ => None,
+        }) else {
+            return false;
+        };
+        // The handle: a `struct fid` of class FI_CLASS_CONNREQ, a key of the registry
+        // (freed when the request is answered, [`free_connreq`]).
+        let handle = Box::into_raw(Box::new(abi::fid {
+            fclass: abi::FI_CLASS_CONNREQ as usize,
+            context: std::ptr::null_mut(),
+            ops: std::ptr::null_mut(),
+        })) as usize;
+        self.objs
+            .insert(handle, Obj::ConnReq(ConnReq { nic, id, from }));
+        self.eq_push(
+            eq,
+            Ok(EqEvent {
+                event: abi::FI_CONNREQ,
+                fid: key,
+                connreq: Some((nic, handle)),
+                data: private.to_vec(),
+            }),
+        );
+        true
+    }
+
+    /// The connected endpoint of NIC `nic` whose connection is `id`.
+    fn msg_ep_of(&self, nic: usize, id: ConnId) -> Option<(usize, Option<usize>)> {
+        self.objs.iter().find_map(|(&k, o)| match o {
+            Obj::Ep(e) if e.nic == nic => e
+                .msg
+                .as_ref()
+                .filter(|m| m.id == Some(id))
+                .map(|m| (k, m.eq)),
+            _ => None,
+        })
+    }
+
+    /// What a CM event means to a connected endpoint: its event queue's entry.
+    pub(super) fn msg_cm_event(&mut self, nic: usize, id: ConnId, what: MsgCm) {
+        let Some((ep, eq)) = self.msg_ep_of(nic, id) else {
+            return;
+        };
+        let ev = match what {
+            MsgCm::Up(data) => Ok(EqEvent {
+                event: abi::FI_CONNECTED,
+                fid: ep,
+                connreq: None,
+                data,
+            }),
+            MsgCm::Refused => Err(EqErr {
+                fid: ep,
+                err: abi::FI_ECONNREFUSED,
+            }),
+            MsgCm::TimedOut => Err(EqErr {
+                fid: ep,
+                err: abi::FI_ETIMEDOUT,
+            }),
+            MsgCm::Down => Ok(EqEvent {
+                event: abi::FI_SHUTDOWN,
+                fid: ep,
+                connreq: None,
+                data: Vec::new(),
+            }),
+        };
+        self.eq_push(eq, ev);
+    }
+
+    /// The next event of event queue `eq` (`peek`: left there), or `-FI_EAVAIL` when an
+    /// error entry waits, `-FI_EAGAIN` when nothing does (the caller progresses first).
+    pub fn eq_take(&mut self, eq: usize, peek: bool) -> Result<EqEvent, Errno> {
+        let Some(Obj::Eq(q)) = self.objs.get_mut(&eq) else {
+            return Err(EINVAL);
+        };
+        if !q.errs.is_empty() {
+            return Err(abi::FI_EAVAIL);
+        }
+        let e = q.events.pop_front().ok_or(EAGAIN)?;
+        if peek {
+            q.events.push_front(EqEvent {
+                event: e.event,
+                fid: e.fid,
+                connreq: e.connreq,
+                data: e.data.clone(),
+            });
+        }
+        Ok(e)
+    }
+
+    /// The next error entry of event queue `eq`.
+    pub fn eq_take_err(&mut self, eq: usize) -> Result<EqErr, Errno> {
+        let Some(Obj::Eq(q)) = self.objs.get_mut(&eq) else {
+            return Err(EINVAL);
+        };
+        q.errs.pop_front().ok_or(EAGAIN)
+    }
+}
+
+/// What became of a connected endpoint's connection.
+pub(super) enum MsgCm {
+    Up(Vec<u8>),
+    Refused,
+    TimedOut,
+    Down,
+}
