@@ -589,7 +589,7 @@ pub unsafe extern "C" fn domain_open(
 
 pub unsafe extern "C" fn eq_open(
     fabric: *mut abi::fid_fabric,
-    _attr: *mut abi::fi_eq_attr,
+    attr: *mut abi::fi_eq_attr,
     out: *mut *mut abi::fid_eq,
     context: *mut c_void,
 ) -> c_int {
@@ -597,6 +597,16 @@ pub unsafe extern "C" fn eq_open(
         st.check(fabric as usize, Kind::Fabric)?;
         if out.is_null() {
             return Err(abi::FI_EINVAL);
+        }
+        // SAFETY: NULL or the caller's attributes (fi_eq(3)).
+        if let Some(a) = unsafe { attr.as_ref() } {
+            // As for CQs: no wait object but polling (fi_eq_sread polls).
+            match a.wait_obj {
+                abi::fi_wait_obj_FI_WAIT_NONE
+                | abi::fi_wait_obj_FI_WAIT_UNSPEC
+                | abi::fi_wait_obj_FI_WAIT_YIELD => {}
+                _ => return Err(abi::FI_ENOSYS),
+            }
         }
         let p = publish(
             st,
