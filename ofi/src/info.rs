@@ -261,6 +261,10 @@ pub struct Hints {
     pub protocol: u32,
     pub max_msg_size: usize,
     pub mem_tag_format: u64,
+    /// The endpoint's transmit and receive contexts asked for (`ep_attr->tx_ctx_cnt`,
+    /// `rx_ctx_cnt`): 0 or 1, or `FI_SHARED_CONTEXT` (shared contexts) or more (a scalable
+    /// endpoint), which no offer has.
+    pub ctx_cnt: (usize, usize),
     pub tx: Option<QueueHints>,
     pub rx: Option<QueueHints>,
     pub domain_name: Option<String>,
@@ -298,6 +302,7 @@ pub enum NoMatch {
     TagFormat,
     Tx,
     Rx,
+    Contexts,
 }
 
 fn threading_rank(t: abi::fi_threading) -> u32 {
@@ -375,6 +380,11 @@ pub fn match_offer(version: u32, hints: &Hints, offer: &Offer) -> Result<Offer, 
     }
     if hints.max_msg_size > offer.max_msg_size {
         return Err(NoMatch::MsgSize);
+    }
+    // One transmit and one receive context per endpoint, of its own (fi_endpoint(3)):
+    // FI_SHARED_CONTEXT (SIZE_MAX) and scalable endpoints are not offered.
+    if hints.ctx_cnt.0 > 1 || hints.ctx_cnt.1 > 1 {
+        return Err(NoMatch::Contexts);
     }
     if hints.caps & FI_TAGGED != 0
         && hints.mem_tag_format != 0
@@ -491,6 +501,30 @@ mod tests {
         let o = match_offer(V, &Hints::default(), &rb0()).unwrap();
         assert_eq!(o.caps, CAPS);
         assert_eq!(o.mr_mode, rb0().mr_mode);
+    }
+
+    #[test]
+    fn shared_and_scalable_contexts_are_not_offered() {
+        for offer in [
+            rb0(),
+            Offer::dgram_for_nic("rb0"),
+            Offer::msg_for_nic("rb0"),
+        ] {
+            let h = |ctx: (usize, usize)| {
+                match_offer(
+                    V,
+                    &Hints {
+                        ctx_cnt: ctx,
+                        ..Default::default()
+                    },
+                    &offer,
+                )
+            };
+            assert!(h((0, 0)).is_ok() && h((1, 1)).is_ok());
+            for ctx in [(usize::MAX, 0), (0, usize::MAX), (2, 1), (1, 4)] {
+                assert_eq!(h(ctx), Err(NoMatch::Contexts), "{ctx:?}");
+            }
+        }
     }
 
     #[test]

@@ -114,6 +114,7 @@ unsafe fn read_hints(h: *const abi::fi_info) -> Hints {
         out.protocol = e.protocol;
         out.max_msg_size = e.max_msg_size;
         out.mem_tag_format = e.mem_tag_format;
+        out.ctx_cnt = (e.tx_ctx_cnt, e.rx_ctx_cnt);
     }
     // SAFETY: as above.
     if let Some(t) = unsafe { h.tx_attr.as_ref() } {

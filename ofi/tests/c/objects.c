@@ -88,6 +88,18 @@ static void getinfo(void)
 	CHECK(list == NULL);
 	h->caps = FI_MSG;
 	/* (Datagram and connected endpoints: dgram.c, msgep.c.) */
+	/* Shared contexts and scalable endpoints (fi_endpoint(3)). */
+	h->ep_attr->type = FI_EP_RDM;
+	h->ep_attr->tx_ctx_cnt = FI_SHARED_CONTEXT;
+	CHECK_EQ(fi_getinfo(CT_VERSION, NULL, NULL, 0, h, &list), -FI_ENODATA);
+	h->ep_attr->tx_ctx_cnt = 0;
+	h->ep_attr->rx_ctx_cnt = 2;
+	CHECK_EQ(fi_getinfo(CT_VERSION, NULL, NULL, 0, h, &list), -FI_ENODATA);
+	h->ep_attr->rx_ctx_cnt = 1;
+	CHECK_EQ(fi_getinfo(CT_VERSION, NULL, NULL, 0, h, &list), 0);
+	fi_freeinfo(list);
+	list = NULL;
+	h->ep_attr->rx_ctx_cnt = 0;
 	h->ep_attr->type = FI_EP_RDM;
 	h->caps = FI_MSG | FI_MULTICAST;
 	CHECK_EQ(fi_getinfo(CT_VERSION, NULL, NULL, 0, h, &list), -FI_ENODATA);
