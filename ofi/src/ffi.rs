@@ -635,7 +635,16 @@ unsafe fn write_cm_entry(e: &prov::EqEvent, buf: *mut c_void, len: usize) -> Res
     }
     let info = match e.connreq {
         Some((nic, handle)) => {
+            // The NIC's connected offer as fi_getinfo gives it without hints: with the
+            // modes it asks of the application (FI_RX_CQ_DATA: remote CQ data consumes a
+            // posted receive, which the endpoint opened with this info must know).
             let offer = crate::info::Offer::msg_for_nic(&ringbell::discover::NicPlan::name(nic));
+            let offer = crate::info::match_offer(
+                crate::info::API_VERSION,
+                &crate::info::Hints::default(),
+                &offer,
+            )
+            .map_err(|_| abi::FI_ENOMEM)?;
             let i = crate::write_info(&offer).ok_or(abi::FI_ENOMEM)?;
             // SAFETY: `i` is the info just built, the caller's to free with fi_freeinfo.
             unsafe { (*i).handle = handle as *mut abi::fid };

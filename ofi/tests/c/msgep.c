@@ -135,6 +135,9 @@ static struct fid_ep *handshake(struct fid_ep *b, int accept)
 	if (!c.e.info)
 		return NULL;
 	CHECK_EQ(c.e.info->ep_attr->type, FI_EP_MSG);
+	/* The modes of the offer without hints: remote CQ data consumes a posted receive. */
+	CHECK(c.e.info->mode & FI_RX_CQ_DATA);
+	CHECK(c.e.info->rx_attr->mode & FI_RX_CQ_DATA);
 	/* The fabric progresses while the request waits for its answer (which must not make
 	 * its connection manager drop it). */
 	struct cm_entry other;
