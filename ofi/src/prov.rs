@@ -846,12 +846,7 @@ impl State {
             (srq, cq, tm)
         };
         if !connected {
-            self.nics
-                .get_mut(&nic)
-                .ok_or(EINVAL)?
-                .cm
-                .listen(service)
-                .map_err(|_| abi::FI_EADDRINUSE)?;
+            self.listen_on(nic, service)?;
         }
         let e = self.ep_mut(ep)?;
         if e.named {
@@ -874,6 +869,16 @@ impl State {
         } else {
             dev
         })
+    }
+
+    /// Listens on `service` of NIC `nic`'s connection manager (`-FI_EADDRINUSE` when taken).
+    fn listen_on(&mut self, nic: usize, service: u64) -> Result<(), Errno> {
+        self.nics
+            .get_mut(&nic)
+            .ok_or(EINVAL)?
+            .cm
+            .listen(service)
+            .map_err(|_| abi::FI_EADDRINUSE)
     }
 
     /// The local SGEs of user buffers `(addr, len, desc)`, registering those without a

@@ -81,6 +81,37 @@ fn rows(o: &Output) -> Vec<(String, u64, String)> {
         .collect()
 }
 
+/// Both sides succeeded and printed a row for every size up to `largest` (at least `min`
+/// rows), each with 10 messages sent and acknowledged.
+fn every_size(s: &Output, c: &Output, min: usize, largest: &str) {
+    assert!(s.status.success(), "server failed:\n{}", text(s));
+    assert!(c.status.success(), "client failed:\n{}", text(c));
+    for o in [s, c] {
+        let r = rows(o);
+        assert!(r.len() >= min, "every size ran:\n{}", text(o));
+        assert!(
+            r.iter().all(|(_, sent, ack)| *sent == 10 && ack == "=10"),
+            "{}",
+            text(o)
+        );
+        assert!(r.iter().any(|(b, _, _)| b == largest), "{}", text(o));
+    }
+}
+
+/// Both sides succeeded with one row: 500 messages of 64 bytes.
+fn five_hundred_small(s: &Output, c: &Output) {
+    assert!(s.status.success(), "server failed:\n{}", text(s));
+    assert!(c.status.success(), "client failed:\n{}", text(c));
+    for o in [s, c] {
+        assert_eq!(
+            rows(o),
+            [("64".to_string(), 500, "=500".to_string())],
+            "{}",
+            text(o)
+        );
+    }
+}
+
 fn port(offset: u16) -> u16 {
     // Distinct control ports per test process and test.
     40000 + (std::process::id() % 3000) as u16 * 8 + offset
@@ -89,35 +120,14 @@ fn port(offset: u16) -> u16 {
 #[test]
 fn fi_pingpong_rdm_every_size_checked() {
     let (s, c) = pingpong("all", port(0), &["-I", "10", "-S", "all", "-c"]);
-    assert!(s.status.success(), "server failed:\n{}", text(&s));
-    assert!(c.status.success(), "client failed:\n{}", text(&c));
-    for o in [&s, &c] {
-        let r = rows(o);
-        // 0, 1, 2, 3, 4, 6, 8, ... up to the largest size fi_pingpong tries.
-        assert!(r.len() >= 40, "every size ran:\n{}", text(o));
-        assert!(
-            r.iter().all(|(_, sent, ack)| *sent == 10 && ack == "=10"),
-            "{}",
-            text(o)
-        );
-        assert!(r.iter().any(|(b, _, _)| b == "1m"), "{}", text(o));
-    }
+    // 0, 1, 2, 3, 4, 6, 8, ... up to the largest size fi_pingpong tries.
+    every_size(&s, &c, 40, "1m");
 }
 
 #[test]
 fn fi_pingpong_rdm_many_small_messages() {
     let (s, c) = pingpong("small", port(1), &["-I", "500", "-S", "64", "-c"]);
-    assert!(s.status.success(), "server failed:\n{}", text(&s));
-    assert!(c.status.success(), "client failed:\n{}", text(&c));
-    for o in [&s, &c] {
-        let r = rows(o);
-        assert_eq!(
-            r,
-            [("64".to_string(), 500, "=500".to_string())],
-            "{}",
-            text(o)
-        );
-    }
+    five_hundred_small(&s, &c);
 }
 
 #[test]
@@ -127,18 +137,7 @@ fn fi_pingpong_rdm_tagged_every_size_checked() {
         port(2),
         &["-m", "tagged", "-I", "10", "-S", "all", "-c"],
     );
-    assert!(s.status.success(), "server failed:\n{}", text(&s));
-    assert!(c.status.success(), "client failed:\n{}", text(&c));
-    for o in [&s, &c] {
-        let r = rows(o);
-        assert!(r.len() >= 40, "every size ran:\n{}", text(o));
-        assert!(
-            r.iter().all(|(_, sent, ack)| *sent == 10 && ack == "=10"),
-            "{}",
-            text(o)
-        );
-        assert!(r.iter().any(|(b, _, _)| b == "1m"), "{}", text(o));
-    }
+    every_size(&s, &c, 40, "1m");
 }
 
 #[test]
@@ -148,17 +147,7 @@ fn fi_pingpong_rdm_tagged_many_small_messages() {
         port(3),
         &["-m", "tagged", "-I", "500", "-S", "64", "-c"],
     );
-    assert!(s.status.success(), "server failed:\n{}", text(&s));
-    assert!(c.status.success(), "client failed:\n{}", text(&c));
-    for o in [&s, &c] {
-        let r = rows(o);
-        assert_eq!(
-            r,
-            [("64".to_string(), 500, "=500".to_string())],
-            "{}",
-            text(o)
-        );
-    }
+    five_hundred_small(&s, &c);
 }
 
 /// fi_pingpong's default endpoint type is `FI_EP_DGRAM`: the plain command line works, every
@@ -166,17 +155,14 @@ fn fi_pingpong_rdm_tagged_many_small_messages() {
 #[test]
 fn fi_pingpong_default_dgram_every_size_checked() {
     let (s, c) = pingpong_on("dgram", port(4), &[], &["-I", "10", "-S", "all", "-c"]);
-    assert!(s.status.success(), "server failed:\n{}", text(&s));
-    assert!(c.status.success(), "client failed:\n{}", text(&c));
+    every_size(&s, &c, 20, "4k");
     for o in [&s, &c] {
-        let r = rows(o);
-        assert!(r.len() >= 20, "every size ran:\n{}", text(o));
-        assert!(
-            r.iter().all(|(_, sent, ack)| *sent == 10 && ack == "=10"),
+        assert_eq!(
+            rows(o).last().map(|x| x.0.clone()),
+            Some("4k".into()),
             "{}",
             text(o)
         );
-        assert_eq!(r.last().map(|x| x.0.as_str()), Some("4k"), "{}", text(o));
     }
 }
 
@@ -188,16 +174,7 @@ fn fi_pingpong_dgram_many_small_messages() {
         &["-e", "dgram"],
         &["-I", "500", "-S", "64", "-c"],
     );
-    assert!(s.status.success(), "server failed:\n{}", text(&s));
-    assert!(c.status.success(), "client failed:\n{}", text(&c));
-    for o in [&s, &c] {
-        assert_eq!(
-            rows(o),
-            [("64".to_string(), 500, "=500".to_string())],
-            "{}",
-            text(o)
-        );
-    }
+    five_hundred_small(&s, &c);
 }
 
 /// A datagram is one packet: asking for more than 4096 bytes finds no datagram endpoint.
@@ -222,16 +199,5 @@ fn fi_pingpong_msg_every_size_checked() {
         &["-e", "msg"],
         &["-I", "10", "-S", "all", "-c"],
     );
-    assert!(s.status.success(), "server failed:\n{}", text(&s));
-    assert!(c.status.success(), "client failed:\n{}", text(&c));
-    for o in [&s, &c] {
-        let r = rows(o);
-        assert!(r.len() >= 40, "every size ran:\n{}", text(o));
-        assert!(
-            r.iter().all(|(_, sent, ack)| *sent == 10 && ack == "=10"),
-            "{}",
-            text(o)
-        );
-        assert!(r.iter().any(|(b, _, _)| b == "1m"), "{}", text(o));
-    }
+    every_size(&s, &c, 40, "1m");
 }

@@ -103,12 +103,7 @@ impl State {
             return Err(abi::FI_ENOEQ);
         }
         let (nic, service, named) = (p.nic, p.service, p.named);
-        self.nics
-            .get_mut(&nic)
-            .ok_or(EINVAL)?
-            .cm
-            .listen(service)
-            .map_err(|_| abi::FI_EADDRINUSE)?;
+        self.listen_on(nic, service)?;
         if named {
             names::publish(service, nic, None);
         }
