@@ -555,21 +555,9 @@ pub unsafe extern "C" fn domain_open(
         if info.is_null() {
             return Err(abi::FI_EINVAL);
         }
-        // SAFETY: `info` is non-NULL: an info libfabric passes on (from getinfo).
-        let dattr = unsafe { (*info).domain_attr };
-        let name = if dattr.is_null() {
-            None
-        } else {
-            // SAFETY: a non-NULL domain attribute of that info; its name is NULL or a string.
-            unsafe { crate::string((*dattr).name) }
-        };
-        let nic = match name {
-            Some(n) => n
-                .strip_prefix("rb")
-                .and_then(|i| i.parse::<usize>().ok())
-                .ok_or(abi::FI_ENODATA)?,
-            None => crate::claim::default_nic(),
-        };
+        // SAFETY: `info` is non-NULL: an info libfabric passes on (from getinfo), whose
+        // domain attribute is NULL or valid.
+        let nic = unsafe { info_nic(&*info) }?;
         let d = st.new_domain(nic)?;
         let p = publish(
             st,
@@ -680,15 +668,15 @@ unsafe fn eq_read_once(
     st.check(eq, Kind::Eq)?;
     let peek = flags & abi::FI_PEEK as u64 != 0;
     st.progress();
-    let e = st.eq_take(eq, true)?;
+    let e = st.eq_next(eq)?;
     // SAFETY: per the caller.
-    let n = unsafe { write_cm_entry(&e, buf, len) }?;
-    if !peek {
-        st.eq_take(eq, false)?;
-    }
+    let n = unsafe { write_cm_entry(e, buf, len) }?;
     if !event.is_null() {
         // SAFETY: per the caller.
         unsafe { event.write(e.event) };
+    }
+    if !peek {
+        st.eq_pop(eq);
     }
     Ok(n)
 }
@@ -873,16 +861,7 @@ unsafe extern "C" fn endpoint(
         }
         // SAFETY: NULL or the info libfabric passes on (fi_endpoint(3)).
         let info = unsafe { info.as_ref() };
-        // A service number the application chose (fi_getinfo with FI_SOURCE) is in the
-        // info's source address.
-        let named = info
-            .filter(|i| !i.src_addr.is_null() && i.src_addrlen == prov::ADDR_LEN)
-            .and_then(|i| {
-                // SAFETY: non-NULL, `src_addrlen` bytes (fi_getinfo(3)).
-                let a =
-                    unsafe { std::slice::from_raw_parts(i.src_addr as *const u8, prov::ADDR_LEN) };
-                prov::parse_addr(a).map(|(_, s)| s).filter(|&s| s != 0)
-            });
+        let named = info.and_then(info_service);
         // SAFETY: the info's attribute pointers are NULL or valid (fi_getinfo(3)).
         let dgram = info
             .and_then(|i| unsafe { i.ep_attr.as_ref() })
@@ -1876,6 +1855,34 @@ unsafe extern "C" fn cm_shutdown(ep: *mut abi::fid_ep, _: u64) -> c_int {
 enosys!(cm_setname(*mut abi::fid, *mut c_void, usize) -> c_int);
 enosys!(cm_join(*mut abi::fid_ep, *const c_void, u64, *mut *mut abi::fid_mc, *mut c_void) -> c_int);
 
+/// The service number an application chose (fi_getinfo with FI_SOURCE): in the info's
+/// source address, when it is one of this provider's with a number.
+fn info_service(info: &abi::fi_info) -> Option<u64> {
+    if info.src_addr.is_null() || info.src_addrlen != prov::ADDR_LEN {
+        return None;
+    }
+    // SAFETY: non-NULL, `src_addrlen` bytes (fi_getinfo(3)).
+    let a = unsafe { std::slice::from_raw_parts(info.src_addr as *const u8, prov::ADDR_LEN) };
+    prov::parse_addr(a).map(|(_, s)| s).filter(|&s| s != 0)
+}
+
+/// The NIC an info names by its domain (`rbN`), or this process's default NIC when it
+/// names none; `-FI_ENODATA` for another name.
+///
+/// # Safety
+/// `info`'s domain attribute is NULL or valid, its name NULL or a string (fi_getinfo(3)).
+unsafe fn info_nic(info: &abi::fi_info) -> Result<usize, Errno> {
+    // SAFETY: per the caller.
+    let name = unsafe { info.domain_attr.as_ref() }.and_then(|d| unsafe { crate::string(d.name) });
+    match name {
+        Some(n) => n
+            .strip_prefix("rb")
+            .and_then(|i| i.parse::<usize>().ok())
+            .ok_or(abi::FI_ENODATA),
+        None => Ok(crate::claim::default_nic()),
+    }
+}
+
 /// `fi_passive_ep`: a passive endpoint on the NIC of `info`'s domain, on the service number
 /// of its source address when the application chose one (FI_SOURCE).
 pub unsafe extern "C" fn passive_ep(
@@ -1891,25 +1898,9 @@ pub unsafe extern "C" fn passive_ep(
         }
         // SAFETY: NULL or the info libfabric passes on (fi_endpoint(3)).
         let info = unsafe { info.as_ref() }.ok_or(abi::FI_EINVAL)?;
-        // SAFETY: the info's domain attribute is NULL or valid, its name NULL or a string.
-        let name =
-            unsafe { info.domain_attr.as_ref() }.and_then(|d| unsafe { crate::string(d.name) });
-        let nic = match name {
-            Some(n) => n
-                .strip_prefix("rb")
-                .and_then(|i| i.parse::<usize>().ok())
-                .ok_or(abi::FI_ENODATA)?,
-            None => crate::claim::default_nic(),
-        };
-        let named = (!info.src_addr.is_null() && info.src_addrlen == prov::ADDR_LEN)
-            .then(|| {
-                // SAFETY: non-NULL, `src_addrlen` bytes (fi_getinfo(3)).
-                let a = unsafe {
-                    std::slice::from_raw_parts(info.src_addr as *const u8, prov::ADDR_LEN)
-                };
-                prov::parse_addr(a).map(|(_, s)| s).filter(|&s| s != 0)
-            })
-            .flatten();
+        // SAFETY: the info libfabric passes on (fi_getinfo(3)).
+        let nic = unsafe { info_nic(info) }?;
+        let named = info_service(info);
         let pep = st.new_pep(nic, named)?;
         let p = publish(
             st,

@@ -758,10 +758,7 @@ impl State {
         let service = match (named, &ud) {
             (Some(s), _) => s,
             (None, Some(g)) => dgram::DGRAM_SERVICE | u64::from(g.qp.qpn()),
-            (None, None) => {
-                self.next_service += 1;
-                ((std::process::id() as u64) << 20) | self.next_service
-            }
+            (None, None) => self.own_service(),
         };
         let ip = self.nics[&nic].cm.address().ip;
         Ok(Ep {
@@ -869,6 +866,22 @@ impl State {
         } else {
             dev
         })
+    }
+
+    /// A service number of this process's own, not yet used.
+    fn own_service(&mut self) -> u64 {
+        self.next_service += 1;
+        ((std::process::id() as u64) << 20) | self.next_service
+    }
+
+    /// Stops listening on `service` of NIC `nic`, and withdraws its name if it had one.
+    fn stop_listening(&mut self, nic: usize, service: u64, named: bool) {
+        if let Some(n) = self.nics.get_mut(&nic) {
+            n.cm.unlisten(service);
+        }
+        if named {
+            names::unpublish(service, nic);
+        }
     }
 
     /// Listens on `service` of NIC `nic`'s connection manager (`-FI_EADDRINUSE` when taken).
@@ -1144,7 +1157,7 @@ impl State {
             kind: OpKind::Msg,
         };
         if dgram {
-            return self.dgram_send(ep, dest, p, op);
+            return self.dgram_send(ep, &peer, p, op);
         }
         if let Some(t) = trig {
             let flags = abi::FI_SEND as u64 | abi::FI_MSG as u64;
@@ -1800,14 +1813,14 @@ impl State {
 
     /// Closes the endpoint's listener (before the endpoint is dropped).
     pub fn close_ep(&mut self, ep: &Ep) {
-        if ep.enabled {
-            let listened = ep.dgram.is_none() && ep.msg.is_none();
-            if let Some(n) = self.nics.get_mut(&ep.nic).filter(|_| listened) {
-                n.cm.unlisten(ep.service);
-            }
-            if ep.named {
-                names::unpublish(ep.service, ep.nic);
-            }
+        if !ep.enabled {
+            return;
+        }
+        // Only an RDM endpoint listens; a datagram one may be published all the same.
+        if ep.dgram.is_none() && ep.msg.is_none() {
+            self.stop_listening(ep.nic, ep.service, ep.named);
+        } else if ep.named {
+            names::unpublish(ep.service, ep.nic);
         }
     }
 }

@@ -74,17 +74,16 @@ impl State {
         }
     }
 
-    /// Sends one datagram of endpoint `ep` to AV entry `dest`: `p`'s data (SGEs or inline
-    /// bytes) and immediate, completing as operation `op`.
+    /// Sends one datagram of endpoint `ep` to `peer` (its AV's address): `p`'s data (SGEs or
+    /// inline bytes) and immediate, completing as operation `op`.
     pub(super) fn dgram_send(
         &mut self,
         ep: usize,
-        dest: u64,
+        peer: &Addr,
         p: Pending,
         op: Op,
     ) -> Result<(), Errno> {
-        let peer = self.peer(ep, dest)?;
-        let (ip, qpn) = Self::dgram_dest(&peer)?;
+        let (ip, qpn) = Self::dgram_dest(peer)?;
         let attr = AhAttr::on_fabric(ip).ok_or(abi::FI_EHOSTUNREACH)?;
         let dom = self.objs_ep(ep)?.domain;
         let known = match &self.objs_ep(ep)?.dgram {

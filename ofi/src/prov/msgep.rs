@@ -71,10 +71,10 @@ impl State {
     /// of this process's own.
     pub fn new_pep(&mut self, nic: usize, named: Option<u64>) -> Result<Pep, Errno> {
         self.open_nic(nic)?;
-        let service = named.unwrap_or_else(|| {
-            self.next_service += 1;
-            ((std::process::id() as u64) << 20) | self.next_service
-        });
+        let service = match named {
+            Some(s) => s,
+            None => self.own_service(),
+        };
         let ip = self.nics[&nic].cm.address().ip;
         Ok(Pep {
             nic,
@@ -114,12 +114,7 @@ impl State {
     /// Before a passive endpoint is dropped.
     pub fn close_pep(&mut self, p: &Pep) {
         if p.listening {
-            if let Some(n) = self.nics.get_mut(&p.nic) {
-                n.cm.unlisten(p.service);
-            }
-            if p.named {
-                names::unpublish(p.service, p.nic);
-            }
+            self.stop_listening(p.nic, p.service, p.named);
         }
     }
 
@@ -327,25 +322,23 @@ impl State {
         self.eq_push(eq, ev);
     }
 
-    /// The next event of event queue `eq` (`peek`: left there), or `-FI_EAVAIL` when an
-    /// error entry waits, `-FI_EAGAIN` when nothing does (the caller progresses first).
-    pub fn eq_take(&mut self, eq: usize, peek: bool) -> Result<EqEvent, Errno> {
-        let Some(Obj::Eq(q)) = self.objs.get_mut(&eq) else {
+    /// The next event of event queue `eq`, left there, or `-FI_EAVAIL` when an error entry
+    /// waits, `-FI_EAGAIN` when nothing does (the caller progresses first).
+    pub fn eq_next(&self, eq: usize) -> Result<&EqEvent, Errno> {
+        let Some(Obj::Eq(q)) = self.objs.get(&eq) else {
             return Err(EINVAL);
         };
         if !q.errs.is_empty() {
             return Err(abi::FI_EAVAIL);
         }
-        let e = q.events.pop_front().ok_or(EAGAIN)?;
-        if peek {
-            q.events.push_front(EqEvent {
-                event: e.event,
-                fid: e.fid,
-                connreq: e.connreq,
-                data: e.data.clone(),
-            });
+        q.events.front().ok_or(EAGAIN)
+    }
+
+    /// Removes the next event of event queue `eq` (read with [`State::eq_next`]).
+    pub fn eq_pop(&mut self, eq: usize) {
+        if let Some(Obj::Eq(q)) = self.objs.get_mut(&eq) {
+            q.events.pop_front();
         }
-        Ok(e)
     }
 
     /// The next error entry of event queue `eq`.
