@@ -700,6 +700,12 @@ impl ConnectionManager {
         self.events.pop_front()
     }
 
+    /// Requests a completion event (the device's interrupt) for the next CM message this
+    /// manager sends or receives, so that a process may sleep until one arrives.
+    pub fn arm(&self) {
+        self.cq.arm(false);
+    }
+
     /// Calls [`ConnectionManager::poll`] until `pred` accepts an event (returned) or
     /// `max_polls` polls have passed (`None`). Events `pred` refuses are dropped.
     pub fn poll_until(

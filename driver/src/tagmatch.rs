@@ -557,6 +557,15 @@ impl TagMatcher {
         Ok((self.add_qp(qp, None)?, ep))
     }
 
+    /// Requests a completion event (the device's interrupt) for the next completion of any
+    /// of this matcher's CQs, so that a process may sleep until one is written.
+    pub fn arm(&self) {
+        self.cq.arm(false);
+        for cq in &self.send_cqs {
+            cq.arm(false);
+        }
+    }
+
     /// A QP for a new connection, in RESET, on this matcher's CQ and TM-SRQ, to be
     /// connected by the caller (for example through [`crate::cm::ConnectionManager`], with
     /// `max_rd_atomic` and `max_dest_rd_atomic` of at least 1 for rendezvous) and then

@@ -13,7 +13,7 @@ fn neg(e: Errno) -> c_int {
 
 /// Runs `f` under the lock, turning an error into its negated number and a panic into
 /// `-FI_EOTHER`.
-fn run(f: impl FnOnce(&mut State) -> Result<c_int, Errno>) -> c_int {
+pub(crate) fn run(f: impl FnOnce(&mut State) -> Result<c_int, Errno>) -> c_int {
     std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
         let mut st = prov::state();
         f(&mut st).unwrap_or_else(neg)
@@ -210,12 +210,38 @@ unsafe extern "C" fn obj_control(fid: *mut abi::fid, cmd: c_int, arg: *mut c_voi
                 let cntr = unsafe { w.as_ref() }.map(|w| w.triggering_cntr as usize);
                 st.flush_work(key, cntr).map(|()| 0)
             }
+            (Kind::Cq | Kind::Eq, c @ (abi::FI_GETWAIT | abi::FI_GETWAITOBJ)) => {
+                get_wait(st, key, c == abi::FI_GETWAIT, arg).map(|()| 0)
+            }
             (Kind::Ep | Kind::Alias, c @ (abi::FI_GETOPSFLAG | abi::FI_SETOPSFLAG)) => {
                 ops_flags(st, key, c == abi::FI_SETOPSFLAG, arg as *mut u64).map(|()| 0)
             }
             _ => Err(abi::FI_ENOSYS),
         }
     })
+}
+
+/// `fi_control(cq or eq, FI_GETWAIT, int *fd)` (the descriptor of an `FI_WAIT_FD` queue;
+/// `-FI_ENODATA` without one) or `FI_GETWAITOBJ` (`enum fi_wait_obj *`: what it was opened
+/// with).
+fn get_wait(st: &mut State, key: usize, fd: bool, arg: *mut c_void) -> Result<(), Errno> {
+    if arg.is_null() {
+        return Err(abi::FI_EINVAL);
+    }
+    let (obj, wait) = match st.objs.get(&key) {
+        Some(Obj::Cq(c)) => (c.wait_obj, c.wait.as_ref().map(prov::FdWait::fd)),
+        Some(Obj::Eq(e)) => (e.wait_obj, e.wait.as_ref().map(prov::FdWait::fd)),
+        _ => return Err(abi::FI_EINVAL),
+    };
+    if fd {
+        let fd = wait.ok_or(abi::FI_ENODATA)?;
+        // SAFETY: non-NULL (checked); FI_GETWAIT's argument is the caller's int (fi_cq(3)).
+        unsafe { (arg as *mut c_int).write_unaligned(fd) };
+    } else {
+        // SAFETY: non-NULL (checked); FI_GETWAITOBJ's argument is the caller's enum.
+        unsafe { (arg as *mut abi::fi_wait_obj).write_unaligned(obj) };
+    }
+    Ok(())
 }
 
 /// `fi_control(ep, FI_GETOPSFLAG / FI_SETOPSFLAG, uint64_t *flags)` (fi_endpoint(3)): `flags`
@@ -587,22 +613,21 @@ pub unsafe extern "C" fn eq_open(
             return Err(abi::FI_EINVAL);
         }
         // SAFETY: NULL or the caller's attributes (fi_eq(3)).
-        if let Some(a) = unsafe { attr.as_ref() } {
-            // As for CQs: no wait object but polling (fi_eq_sread polls).
-            match a.wait_obj {
-                abi::fi_wait_obj_FI_WAIT_NONE
-                | abi::fi_wait_obj_FI_WAIT_UNSPEC
-                | abi::fi_wait_obj_FI_WAIT_YIELD => {}
-                _ => return Err(abi::FI_ENOSYS),
-            }
-        }
+        let wait_obj =
+            unsafe { attr.as_ref() }.map_or(abi::fi_wait_obj_FI_WAIT_NONE, |a| a.wait_obj);
+        // As for CQs: polling (fi_eq_sread polls), or a descriptor (prov::wait).
+        let wait = queue_wait(wait_obj)?;
         let p = publish(
             st,
             abi::fid_eq {
                 fid: fid_of(abi::FI_CLASS_EQ, context),
                 ops: &EQ_OPS as *const _ as *mut _,
             },
-            Obj::Eq(prov::Eq::default()),
+            Obj::Eq(prov::Eq {
+                wait_obj,
+                wait,
+                ..Default::default()
+            }),
         );
         st.parents.insert(p as usize, fabric as usize);
         put(out, p).map(|()| 0)
@@ -786,6 +811,22 @@ static EQ_OPS: abi::fi_ops_eq = abi::fi_ops_eq {
 
 // ---- domain ----
 
+/// The wait object of a new CQ or EQ: polling (`FI_WAIT_NONE`, `FI_WAIT_UNSPEC`,
+/// `FI_WAIT_YIELD`) or a descriptor (`FI_WAIT_FD`). Wait sets, mutexes and pollfd lists
+/// are `-FI_ENOSYS`, anything else `-FI_EINVAL`.
+fn queue_wait(wait_obj: u32) -> Result<Option<prov::FdWait>, Errno> {
+    match wait_obj {
+        abi::fi_wait_obj_FI_WAIT_NONE
+        | abi::fi_wait_obj_FI_WAIT_UNSPEC
+        | abi::fi_wait_obj_FI_WAIT_YIELD => Ok(None),
+        abi::fi_wait_obj_FI_WAIT_FD => prov::FdWait::new().map(Some),
+        abi::fi_wait_obj_FI_WAIT_SET
+        | abi::fi_wait_obj_FI_WAIT_MUTEX_COND
+        | abi::fi_wait_obj_FI_WAIT_POLLFD => Err(abi::FI_ENOSYS),
+        _ => Err(abi::FI_EINVAL),
+    }
+}
+
 unsafe extern "C" fn cq_open(
     dom: *mut abi::fid_domain,
     attr: *mut abi::fi_cq_attr,
@@ -796,16 +837,12 @@ unsafe extern "C" fn cq_open(
         st.check(dom as usize, Kind::Domain)?;
         // SAFETY: NULL or the caller's attributes (fi_cq_open(3)).
         let a = unsafe { attr.as_ref() }.ok_or(abi::FI_EINVAL)?;
-        match a.wait_obj {
-            abi::fi_wait_obj_FI_WAIT_NONE
-            | abi::fi_wait_obj_FI_WAIT_UNSPEC
-            | abi::fi_wait_obj_FI_WAIT_YIELD => {}
-            _ => return Err(abi::FI_ENOSYS),
-        }
-        let cq = prov::Cq::new(a.format)?;
         if out.is_null() {
             return Err(abi::FI_EINVAL);
         }
+        let wait = queue_wait(a.wait_obj)?;
+        let mut cq = prov::Cq::new(a.format, a.wait_obj)?;
+        cq.wait = wait;
         let p = publish(
             st,
             abi::fid_cq {
@@ -1345,7 +1382,9 @@ fn cq_read_inner(cq: *mut abi::fid_cq, buf: *mut c_void, count: usize, src: *mut
             return Err(abi::FI_EINVAL);
         }
         st.progress();
-        let (w, s) = st.cq_mut(cq as usize)?.take(count)?;
+        let taken = st.cq_mut(cq as usize)?.take(count);
+        st.wait_sync(cq as usize);
+        let (w, s) = taken?;
         Ok(copy_out(buf, src, &w, &s))
     })
 }

@@ -445,12 +445,26 @@ unsafe extern "C" fn enosys_wait_open(
 ) -> c_int {
     neg(abi::FI_ENOSYS)
 }
-unsafe extern "C" fn enosys_trywait(
-    _: *mut abi::fid_fabric,
-    _: *mut *mut abi::fid,
-    _: c_int,
+/// `fi_trywait`: whether the application may block on the descriptors of `fids` (CQs and
+/// EQs opened with `FI_WAIT_FD`; see `prov::wait`).
+unsafe extern "C" fn trywait(
+    fabric: *mut abi::fid_fabric,
+    fids: *mut *mut abi::fid,
+    count: c_int,
 ) -> c_int {
-    neg(abi::FI_ENOSYS)
+    ffi::run(|st| {
+        st.check(fabric as usize, prov::Kind::Fabric)?;
+        let n = usize::try_from(count).map_err(|_| abi::FI_EINVAL)?;
+        if fids.is_null() && n > 0 {
+            return Err(abi::FI_EINVAL);
+        }
+        let keys: Vec<usize> = (0..n)
+            // SAFETY: `fids` holds `count` pointers (fi_trywait(3)); each is checked as a
+            // live object before anything reads through it.
+            .map(|i| unsafe { fids.add(i).read() } as usize)
+            .collect();
+        st.trywait(&keys).map(|()| 0)
+    })
 }
 unsafe extern "C" fn enosys_domain2(
     _: *mut abi::fid_fabric,
@@ -469,7 +483,7 @@ static FABRIC_OPS: abi::fi_ops_fabric = abi::fi_ops_fabric {
     passive_ep: Some(ffi::passive_ep),
     eq_open: Some(ffi::eq_open),
     wait_open: Some(enosys_wait_open),
-    trywait: Some(enosys_trywait),
+    trywait: Some(trywait),
     domain2: Some(enosys_domain2),
 };
 

@@ -27,6 +27,7 @@ mod multi;
 pub mod names;
 mod peek;
 mod tagged;
+mod wait;
 
 use crate::abi;
 use ringbell::cm::{CmEvent, ConnId, ConnectionManager, REJ_CONSUMER};
@@ -43,6 +44,7 @@ mod trig;
 pub use msgep::{ConnReq, Eq, EqErr, EqEvent, MsgEp, Pep};
 pub use tagged::{TagCounts, EAGER_MAX};
 pub use trig::{Trig, WorkOp};
+pub use wait::FdWait;
 
 /// Length of an endpoint address.
 pub const ADDR_LEN: usize = 16;
@@ -165,6 +167,10 @@ pub struct Cq {
     pub errs: VecDeque<Entry>,
     /// `fi_cq_signal` was called: the next `fi_cq_sread` that would wait returns.
     pub signaled: bool,
+    /// The wait object asked for (`fi_cq_attr::wait_obj`) and, for `FI_WAIT_FD`, its
+    /// descriptor ([`wait`]).
+    pub wait_obj: u32,
+    pub wait: Option<FdWait>,
 }
 
 pub struct Av {
@@ -1415,11 +1421,17 @@ impl State {
         }
     }
 
-    /// Drives the CMs and every endpoint's completions into the completion queues.
-    pub fn progress(&mut self) {
+    /// Drives the CMs and every endpoint's completions into the completion queues, and
+    /// the wait objects after them. Whether an in-process fabric moved.
+    pub fn progress(&mut self) -> bool {
         let mut events = Vec::new();
+        let mut moved = false;
+        let nics: Vec<usize> = self.nics.keys().copied().collect();
+        for i in nics {
+            self.pump_events(i);
+        }
         for (&i, n) in self.nics.iter_mut() {
-            n.dev.progress();
+            moved |= n.dev.progress();
             while let Some(e) = n.cm.poll() {
                 events.push((i, e));
             }
@@ -1452,6 +1464,8 @@ impl State {
             self.tag_progress(key);
             self.rx_drain(key);
         }
+        self.wait_sync_all();
+        moved
     }
 
     /// Queues a completion (or an error completion) on CQ `cq`.
@@ -1886,7 +1900,7 @@ fn post_pending(
 }
 
 impl Cq {
-    pub fn new(format: u32) -> Result<Cq, Errno> {
+    pub fn new(format: u32, wait_obj: u32) -> Result<Cq, Errno> {
         let words = match format {
             abi::fi_cq_format_FI_CQ_FORMAT_UNSPEC | abi::fi_cq_format_FI_CQ_FORMAT_CONTEXT => 1,
             abi::fi_cq_format_FI_CQ_FORMAT_MSG => 3,
@@ -1899,6 +1913,12 @@ impl Cq {
             entries: VecDeque::new(),
             errs: VecDeque::new(),
             signaled: false,
+            wait: if wait_obj == abi::fi_wait_obj_FI_WAIT_FD {
+                Some(FdWait::new()?)
+            } else {
+                None
+            },
+            wait_obj,
         })
     }
 

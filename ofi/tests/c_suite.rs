@@ -81,21 +81,37 @@ fn run(program: &str, runs: &[&[&str]]) {
 
 /// [`run`] on `nics` NICs of the in-process fabric.
 fn run_on(program: &str, runs: &[&[&str]], nics: usize) {
+    run_where(program, runs, |c| {
+        c.env("RINGBELL_NICS", nics.to_string())
+            .env("RINGBELL_SEED", "7")
+            .env_remove("RINGBELL_SERVE");
+    });
+}
+
+/// [`run`] in one process on both NICs of a `ringbell-emu serve`.
+fn run_served(program: &str, runs: &[&[&str]]) {
+    let served = common::Served::start(&format!("c-{program}"));
+    run_where(program, runs, |c| {
+        c.env("RINGBELL_SERVE", &served.dir)
+            .env("RINGBELL_NIC", "all")
+            .env_remove("RINGBELL_NICS");
+    });
+}
+
+/// [`run`], with `place` saying where the NICs are.
+fn run_where(program: &str, runs: &[&[&str]], place: impl Fn(&mut Command)) {
     let bin = built().join(program);
     let prov = common::provider_dir(&format!("c-{program}"));
     for args in runs {
-        let o = Command::new("timeout")
-            .arg("120")
+        let mut c = Command::new("timeout");
+        c.arg("120")
             .arg(&bin)
             .args(*args)
             .env("FI_PROVIDER_PATH", &prov)
-            .env("FI_PROVIDER", "ringbell")
-            .env("RINGBELL_NICS", nics.to_string())
-            .env("RINGBELL_SEED", "7")
-            .env_remove("RINGBELL_SERVE")
-            .env_remove("RINGBELL_NIC")
-            .output()
-            .unwrap();
+            .env("FI_PROVIDER", "ringbell");
+        c.env_remove("RINGBELL_NIC");
+        place(&mut c);
+        let o = c.output().unwrap();
         let stdout = String::from_utf8_lossy(&o.stdout);
         let summary: Vec<&str> = stdout
             .lines()
@@ -161,6 +177,14 @@ fn c_multi_recv() {
 #[test]
 fn c_msg_endpoints() {
     run("msgep", &[&[]]);
+}
+
+/// File-descriptor wait objects and `fi_trywait`, in-process (nothing sleeps while the
+/// fabric can still move) and on served NICs (the waits sleep until an interrupt).
+#[test]
+fn c_fd_waits() {
+    run("fdwait", &[&["local"]]);
+    run_served("fdwait", &[&["served"]]);
 }
 
 #[test]

@@ -17,6 +17,10 @@ use super::*;
 pub struct Eq {
     pub events: VecDeque<EqEvent>,
     pub errs: VecDeque<EqErr>,
+    /// The wait object asked for (`fi_eq_attr::wait_obj`) and, for `FI_WAIT_FD`, its
+    /// descriptor.
+    pub wait_obj: u32,
+    pub wait: Option<super::FdWait>,
 }
 
 /// One event: `event` (`FI_CONNREQ`, `FI_CONNECTED`, `FI_SHUTDOWN`) of object `fid` (an
@@ -339,6 +343,7 @@ impl State {
         if let Some(Obj::Eq(q)) = self.objs.get_mut(&eq) {
             q.events.pop_front();
         }
+        self.wait_sync(eq);
     }
 
     /// The next error entry of event queue `eq`.
@@ -346,7 +351,9 @@ impl State {
         let Some(Obj::Eq(q)) = self.objs.get_mut(&eq) else {
             return Err(EINVAL);
         };
-        q.errs.pop_front().ok_or(EAGAIN)
+        let e = q.errs.pop_front().ok_or(EAGAIN);
+        self.wait_sync(eq);
+        e
     }
 }
 

@@ -195,13 +195,9 @@ impl State {
             _ => return Err(EINVAL),
         };
         let nic = self.domain(dom)?.nic;
-        let dev = self.nics.get(&nic).ok_or(EINVAL)?.dev.clone();
+        self.nics.get(&nic).ok_or(EINVAL)?;
+        self.pump_events(nic);
         let stash = self.cntr_events.entry(nic).or_default();
-        while let Some(e) = dev.poll_event() {
-            if e.kind == ringbell_specs::cqe::EventType::Counter {
-                stash.push(e);
-            }
-        }
         let at = stash.iter().position(|e| e.obj == num);
         match at.map(|i| stash.remove(i)) {
             None => Ok(None),

@@ -92,11 +92,12 @@ static void setup(void)
 	REQUIRE(fi_mr_reg(db, bbuf, BUFLEN, FI_SEND | FI_RECV | FI_WRITE | FI_READ, 0, 0, 0, &bmr,
 			  NULL) == 0);
 
-	/* Event queues wait by polling: no file descriptor or other wait object. */
-	struct fi_eq_attr fd_attr = {.size = 4, .wait_obj = FI_WAIT_FD};
+	/* Event queues wait by polling or on a file descriptor (fdwait.c): no mutex or wait
+	 * set. */
+	struct fi_eq_attr fd_attr = {.size = 4, .wait_obj = FI_WAIT_MUTEX_COND};
 	struct fid_eq *fdq = NULL;
 	CHECK_EQ(fi_eq_open(fab, &fd_attr, &fdq, NULL), -FI_ENOSYS);
-	fd_attr.wait_obj = FI_WAIT_MUTEX_COND;
+	fd_attr.wait_obj = FI_WAIT_SET;
 	CHECK_EQ(fi_eq_open(fab, &fd_attr, &fdq, NULL), -FI_ENOSYS);
 
 	/* A passive endpoint needs an event queue to listen. */

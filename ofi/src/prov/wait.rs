@@ -1,0 +1,229 @@
+//! File-descriptor wait objects (`FI_WAIT_FD`) of completion and event queues, and
+//! `fi_trywait`.
+//!
+//! The descriptor `fi_control(FI_GETWAIT)` hands out is an epoll instance, so one
+//! `poll`/`epoll_wait` on it wakes for either of two things:
+//! - the queue's own eventfd, kept readable exactly while the queue holds an entry or an
+//!   error (set at the end of every round of progress, and cleared when a read empties
+//!   the queue), so another thread's progress wakes a waiter;
+//! - the interrupt eventfd of every NIC the process has opened on a served fabric
+//!   (`RINGBELL_SERVE`), added by `fi_trywait`. Before it says the application may block,
+//!   `fi_trywait` arms every hardware CQ of the process's endpoints and the connection
+//!   managers' CQs, so the next completion of any kind, a connection request included,
+//!   raises an interrupt. The application then wakes, reads the queue (which runs the
+//!   provider's progress and clears the interrupt) and, if the work was the provider's own,
+//!   calls `fi_trywait` again.
+//!
+//! On the in-process fabric nothing moves unless a call moves it: `fi_trywait` says
+//! `-FI_EAGAIN` while a round of progress still moves the fabric, and `FI_SUCCESS` only when
+//! the fabric is idle with nothing queued, after which only another thread's calls can
+//! bring an entry (and make the queue's eventfd readable).
+
+use super::{Errno, Obj, State, EAGAIN, EINVAL};
+use crate::abi;
+use nix::sys::epoll::{Epoll, EpollCreateFlags, EpollEvent, EpollFlags};
+use nix::sys::eventfd::{EfdFlags, EventFd};
+use std::collections::BTreeSet;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, RawFd};
+
+/// A queue's `FI_WAIT_FD` wait object.
+pub struct FdWait {
+    epoll: Epoll,
+    ready: EventFd,
+    /// Whether `ready` is readable now.
+    signaled: bool,
+    /// The NICs whose interrupt descriptor is in the epoll set.
+    irqs: BTreeSet<usize>,
+}
+
+impl std::fmt::Debug for FdWait {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FdWait")
+            .field("fd", &self.fd())
+            .field("signaled", &self.signaled)
+            .finish()
+    }
+}
+
+fn os_err(e: nix::errno::Errno) -> Errno {
+    match e {
+        nix::errno::Errno::EMFILE | nix::errno::Errno::ENFILE | nix::errno::Errno::ENOMEM => {
+            abi::FI_ENOMEM
+        }
+        _ => abi::FI_EOTHER,
+    }
+}
+
+impl FdWait {
+    /// A new wait object: an epoll set holding the queue's eventfd.
+    pub fn new() -> Result<FdWait, Errno> {
+        let epoll = Epoll::new(EpollCreateFlags::EPOLL_CLOEXEC).map_err(os_err)?;
+        let ready =
+            EventFd::from_value_and_flags(0, EfdFlags::EFD_CLOEXEC | EfdFlags::EFD_NONBLOCK)
+                .map_err(os_err)?;
+        epoll
+            .add(ready.as_fd(), EpollEvent::new(EpollFlags::EPOLLIN, 0))
+            .map_err(os_err)?;
+        Ok(FdWait {
+            epoll,
+            ready,
+            signaled: false,
+            irqs: BTreeSet::new(),
+        })
+    }
+
+    /// The descriptor the application waits on.
+    pub fn fd(&self) -> RawFd {
+        self.epoll.0.as_raw_fd()
+    }
+
+    /// Makes the queue's eventfd readable (`true`) or not.
+    pub fn set(&mut self, ready: bool) {
+        if ready == self.signaled {
+            return;
+        }
+        let r = if ready {
+            self.ready.write(1).map(|_| ())
+        } else {
+            self.ready.read().map(|_| ())
+        };
+        // Only a full counter (never: it holds 0 or 1) or an empty one (tracked) fails.
+        self.signaled = ready && r.is_ok();
+    }
+
+    /// Adds NIC `nic`'s interrupt descriptor to the set, once.
+    fn watch(&mut self, nic: usize, irq: BorrowedFd<'_>) -> Result<(), Errno> {
+        if self.irqs.insert(nic) {
+            self.epoll
+                .add(irq, EpollEvent::new(EpollFlags::EPOLLIN, nic as u64 + 1))
+                .map_err(os_err)?;
+        }
+        Ok(())
+    }
+}
+
+/// Whether descriptor `fd` is readable now.
+fn readable(fd: BorrowedFd<'_>) -> bool {
+    let mut p = [nix::poll::PollFd::new(fd, nix::poll::PollFlags::POLLIN)];
+    matches!(nix::poll::poll(&mut p, nix::poll::PollTimeout::ZERO), Ok(n) if n > 0)
+}
+
+impl State {
+    /// The wait object and readiness of queue `key` (a CQ or an EQ), if it has one.
+    fn wait_of(&mut self, key: usize) -> Option<(&mut FdWait, bool)> {
+        match self.objs.get_mut(&key)? {
+            Obj::Cq(c) => {
+                let ready = !c.entries.is_empty() || !c.errs.is_empty();
+                c.wait.as_mut().map(|w| (w, ready))
+            }
+            Obj::Eq(e) => {
+                let ready = !e.events.is_empty() || !e.errs.is_empty();
+                e.wait.as_mut().map(|w| (w, ready))
+            }
+            _ => None,
+        }
+    }
+
+    /// Brings queue `key`'s eventfd in line with what the queue holds.
+    pub fn wait_sync(&mut self, key: usize) {
+        if let Some((w, ready)) = self.wait_of(key) {
+            w.set(ready);
+        }
+    }
+
+    /// Brings every wait object in line (the end of a round of progress).
+    pub(super) fn wait_sync_all(&mut self) {
+        let keys: Vec<usize> = self
+            .objs
+            .iter()
+            .filter(|(_, o)| match o {
+                Obj::Cq(c) => c.wait.is_some(),
+                Obj::Eq(e) => e.wait.is_some(),
+                _ => false,
+            })
+            .map(|(&k, _)| k)
+            .collect();
+        for k in keys {
+            self.wait_sync(k);
+        }
+    }
+
+    /// Takes the device events NIC `nic` has raised: completion events only wake waiters
+    /// (their interrupt did), COUNTER events are kept for [`State::cntr_reached`]. A served
+    /// NIC's interrupt is cleared first, so one raised after this point stays readable.
+    pub(super) fn pump_events(&mut self, nic: usize) {
+        let Some(n) = self.nics.get(&nic) else { return };
+        let dev = n.dev.clone();
+        if let Some(irq) = dev.port().interrupt_fd(0) {
+            if readable(irq) {
+                let mut v = [0u8; 8];
+                let _ = nix::unistd::read(irq.as_raw_fd(), &mut v);
+            }
+        }
+        while let Some(e) = dev.poll_event() {
+            if e.kind == ringbell_specs::cqe::EventType::Counter {
+                self.cntr_events.entry(nic).or_default().push(e);
+            }
+        }
+    }
+
+    /// `fi_trywait`: `-FI_EAGAIN` when one of `keys` (CQs and EQs with an `FI_WAIT_FD`
+    /// wait object) holds something or the in-process fabric still moves; else every
+    /// hardware source of work is armed to interrupt and the caller may block on the
+    /// descriptors. Any other object is `-FI_EINVAL`.
+    pub fn trywait(&mut self, keys: &[usize]) -> Result<(), Errno> {
+        for &k in keys {
+            if self.wait_of(k).is_none() {
+                return Err(EINVAL);
+            }
+        }
+        if keys.is_empty() {
+            return Ok(());
+        }
+        // Two rounds: an idle in-process fabric's clock may have run to a timer in the
+        // first, whose event the second then takes.
+        let moved = self.progress() | self.progress();
+        for &k in keys {
+            if let Some((_, true)) = self.wait_of(k) {
+                return Err(EAGAIN);
+            }
+        }
+        let served: Vec<usize> = self
+            .nics
+            .iter()
+            .filter(|(_, n)| n.dev.port().interrupt_fd(0).is_some())
+            .map(|(&i, _)| i)
+            .collect();
+        if served.len() < self.nics.len() && moved {
+            // In-process: the next round may still bring something.
+            return Err(EAGAIN);
+        }
+        for &k in keys {
+            for &nic in &served {
+                let dev = self.nics[&nic].dev.clone();
+                let Some(irq) = dev.port().interrupt_fd(0) else {
+                    continue;
+                };
+                if let Some((w, _)) = self.wait_of(k) {
+                    w.watch(nic, irq)?;
+                }
+            }
+        }
+        // Arm everything that can complete: a completion of any endpoint, or a message to
+        // a connection manager. Arming with completions already written fires at once.
+        for n in self.nics.values() {
+            n.cm.arm();
+        }
+        for o in self.objs.values() {
+            if let Obj::Ep(e) = o {
+                if let Some(cq) = &e.cq {
+                    cq.arm(false);
+                }
+                if let Some(tm) = &e.tm {
+                    tm.arm();
+                }
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,311 @@
+/* fdwait.c: file-descriptor wait objects (FI_WAIT_FD) of completion and event queues, and
+ * fi_trywait(3), used as fi_trywait(3) and fi_cq(3) say: read, and when nothing is there,
+ * fi_trywait and, if it says FI_SUCCESS, block on the descriptor fi_control(FI_GETWAIT)
+ * gave. Every block waits at most 10 s; one that times out is a wake-up that never came.
+ *
+ * Run "local" on the provider's in-process fabric (one thread moves everything, so
+ * fi_trywait must not say FI_SUCCESS while a message is still on its way) and "served" on
+ * `ringbell-emu serve` (the waits sleep until the NIC's interrupt). Both: the wait object's
+ * control calls and their refusals, a message and a large one waited for, the descriptor
+ * readable while an entry waits, a waiter woken by another thread's send, and a connection
+ * of FI_EP_MSG endpoints whose event queues are waited on the same way.
+ */
+#include "ctest.h"
+#include <poll.h>
+#include <pthread.h>
+
+static struct ct_pair P;
+static int served;
+static char *abuf, *bbuf;
+static struct fid_mr *amr, *bmr;
+static int fda, fdb;
+static int blocks, missed;
+#define BUFLEN (1 << 20)
+
+static int readable(int fd, int ms)
+{
+	struct pollfd p = {.fd = fd, .events = POLLIN};
+	return poll(&p, 1, ms);
+}
+
+static int wait_fd(fid_t f)
+{
+	int fd = -1;
+	CHECK_EQ(fi_control(f, FI_GETWAIT, &fd), 0);
+	CHECK(fd >= 0);
+	return fd;
+}
+
+/* fi_trywait on `f`, then a block on `fd` if it allows: 1 when it blocked, 0 when it
+ * said -FI_EAGAIN, -1 on anything else. */
+static int try_block(fid_t f, int fd)
+{
+	int t = fi_trywait(P.fab, &f, 1);
+	if (t == -FI_EAGAIN)
+		return 0;
+	CHECK_EQ(t, 0);
+	if (t)
+		return -1;
+	blocks++;
+	if (readable(fd, 10000) != 1) {
+		missed++;
+		CHECK(!"a wake-up within 10 s");
+	}
+	return 1;
+}
+
+/* One entry of `cq` (descriptor `fd`), waited for as above, within 30 s. */
+static ssize_t fd_read(struct fid_cq *cq, int fd, struct fi_cq_tagged_entry *e)
+{
+	double end = ct_now() + 30;
+	ssize_t r;
+	while ((r = fi_cq_read(cq, e, 1)) == -FI_EAGAIN && ct_now() < end)
+		if (try_block(&cq->fid, fd) < 0)
+			break;
+	return r;
+}
+
+static void controls(void)
+{
+	enum fi_wait_obj w = FI_WAIT_NONE;
+	CHECK_EQ(fi_control(&P.a.cq->fid, FI_GETWAITOBJ, &w), 0);
+	CHECK_EQ(w, FI_WAIT_FD);
+	CHECK_EQ(fi_control(&P.a.cq->fid, FI_GETWAIT, NULL), -FI_EINVAL);
+	fda = wait_fd(&P.a.cq->fid);
+	fdb = wait_fd(&P.b.cq->fid);
+	CHECK(fda != fdb);
+
+	/* A CQ without a descriptor: none to give, and nothing fi_trywait can wait on. */
+	struct fi_cq_attr attr = {.format = FI_CQ_FORMAT_CONTEXT, .wait_obj = FI_WAIT_NONE};
+	struct fid_cq *plain = NULL;
+	REQUIRE(fi_cq_open(P.a.dom, &attr, &plain, NULL) == 0);
+	int fd = -7;
+	CHECK_EQ(fi_control(&plain->fid, FI_GETWAIT, &fd), -FI_ENODATA);
+	CHECK_EQ(fd, -7);
+	CHECK_EQ(fi_control(&plain->fid, FI_GETWAITOBJ, &w), 0);
+	CHECK_EQ(w, FI_WAIT_NONE);
+	struct fid *bad[2] = {&P.a.cq->fid, &plain->fid};
+	CHECK_EQ(fi_trywait(P.fab, bad, 2), -FI_EINVAL);
+	bad[1] = &P.a.ep->fid;
+	CHECK_EQ(fi_trywait(P.fab, bad, 2), -FI_EINVAL);
+	CHECK_EQ(fi_trywait(P.fab, NULL, 1), -FI_EINVAL);
+	CHECK_EQ(fi_trywait(P.fab, bad, -1), -FI_EINVAL);
+	CHECK_EQ(fi_trywait(P.fab, bad, 0), 0);
+	CHECK_EQ(fi_close(&plain->fid), 0);
+}
+
+/* Nothing posted: fi_trywait lets both CQs be waited on (in-process once the fabric is
+ * idle), and in-process nothing makes either descriptor readable. */
+static void idle(void)
+{
+	struct fid *both[2] = {&P.a.cq->fid, &P.b.cq->fid};
+	int t = -FI_EAGAIN;
+	for (int i = 0; i < 100000 && t == -FI_EAGAIN; i++)
+		t = fi_trywait(P.fab, both, 2);
+	CHECK_EQ(t, 0);
+	if (!served) {
+		CHECK_EQ(readable(fda, 0), 0);
+		CHECK_EQ(readable(fdb, 0), 0);
+	}
+}
+
+/* A to B, `len` bytes, both completions waited for on the descriptors. */
+static void message(size_t len, unsigned seed)
+{
+	struct fi_cq_tagged_entry e;
+	memset(bbuf, 0, len);
+	CHECK_EQ(fi_recv(P.b.ep, bbuf, len, fi_mr_desc(bmr), P.b.peer, (void *)0xb1), 0);
+	ct_fill(abuf, len, seed);
+	CHECK_EQ(fi_send(P.a.ep, abuf, len, fi_mr_desc(amr), P.a.peer, (void *)0xa1), 0);
+	CHECK_EQ(fd_read(P.b.cq, fdb, &e), 1);
+	CHECK(e.op_context == (void *)0xb1 && e.len == len);
+	CHECK(ct_same(bbuf, len, seed));
+	CHECK_EQ(fd_read(P.a.cq, fda, &e), 1);
+	CHECK(e.op_context == (void *)0xa1);
+	if (!served)
+		/* Read empty: the descriptor is quiet again. */
+		CHECK_EQ(readable(fdb, 0), 0);
+}
+
+/* While an entry waits in B's CQ (queued by progress that reading A's CQ ran), B's
+ * descriptor is readable; reading the entry makes it quiet (in-process). */
+static void readable_while_queued(void)
+{
+	struct fi_cq_tagged_entry e;
+	CHECK_EQ(fi_recv(P.b.ep, bbuf, 64, fi_mr_desc(bmr), P.b.peer, (void *)0xb2), 0);
+	CHECK_EQ(fi_send(P.a.ep, abuf, 64, fi_mr_desc(amr), P.a.peer, (void *)0xa2), 0);
+	CHECK(ct_wait(P.a.cq, &e) && e.op_context == (void *)0xa2);
+	/* The receive may complete after the send (served NICs run on their own). */
+	double end = ct_now() + 10;
+	while (readable(fdb, 0) != 1 && ct_now() < end)
+		(void)fi_cq_read(P.a.cq, &e, 1);
+	CHECK_EQ(readable(fdb, 0), 1);
+	CHECK_EQ(fi_cq_read(P.b.cq, &e, 1), 1);
+	CHECK(e.op_context == (void *)0xb2);
+	if (!served)
+		CHECK_EQ(readable(fdb, 0), 0);
+}
+
+static void *sender(void *arg)
+{
+	struct fi_cq_tagged_entry e;
+	usleep(50000);
+	ct_fill(abuf, 3000, 9);
+	CHECK_EQ(fi_send(P.a.ep, abuf, 3000, fi_mr_desc(amr), P.a.peer, (void *)0xa3), 0);
+	CHECK(ct_wait(P.a.cq, &e) && e.op_context == (void *)0xa3);
+	return arg;
+}
+
+/* B blocks on its descriptor before anything is sent; another thread sends. */
+static void woken_by_another_thread(void)
+{
+	struct fi_cq_tagged_entry e;
+	memset(bbuf, 0, 3000);
+	CHECK_EQ(fi_recv(P.b.ep, bbuf, 4096, fi_mr_desc(bmr), P.b.peer, (void *)0xb3), 0);
+	struct fid *f = &P.b.cq->fid;
+	int t = -FI_EAGAIN;
+	for (int i = 0; i < 100000 && t == -FI_EAGAIN; i++)
+		t = fi_trywait(P.fab, &f, 1);
+	CHECK_EQ(t, 0);
+	pthread_t th;
+	REQUIRE(pthread_create(&th, NULL, sender, NULL) == 0);
+	CHECK_EQ(readable(fdb, 10000), 1);
+	CHECK_EQ(fd_read(P.b.cq, fdb, &e), 1);
+	CHECK(e.op_context == (void *)0xb3 && e.len == 3000);
+	CHECK(ct_same(bbuf, 3000, 9));
+	pthread_join(th, NULL);
+}
+
+/* Served: B's CQ waited on before A sends, and nothing in this process progresses while
+ * it sleeps; the descriptor becomes readable by the NIC's interrupt alone. */
+static void interrupt_wakes(void)
+{
+	struct fi_cq_tagged_entry e;
+	CHECK_EQ(fi_recv(P.b.ep, bbuf, 4096, fi_mr_desc(bmr), P.b.peer, (void *)0xb4), 0);
+	struct fid *f = &P.b.cq->fid;
+	CHECK_EQ(fi_trywait(P.fab, &f, 1), 0);
+	ct_fill(abuf, 2000, 11);
+	CHECK_EQ(fi_send(P.a.ep, abuf, 2000, fi_mr_desc(amr), P.a.peer, (void *)0xa4), 0);
+	CHECK_EQ(readable(fdb, 10000), 1);
+	CHECK_EQ(fi_cq_read(P.b.cq, &e, 1), 1);
+	CHECK(e.op_context == (void *)0xb4 && e.len == 2000);
+	CHECK(ct_same(bbuf, 2000, 11));
+	CHECK(ct_wait(P.a.cq, &e) && e.op_context == (void *)0xa4);
+}
+
+struct cm_entry {
+	struct fi_eq_cm_entry e;
+	char data[64];
+};
+
+/* The next event of `eq` (descriptor `fd`), waited for as the CQs are. */
+static ssize_t eq_wait(struct fid_eq *eq, int fd, uint32_t *ev, struct cm_entry *c)
+{
+	double end = ct_now() + 30;
+	ssize_t r;
+	while ((r = fi_eq_read(eq, ev, c, sizeof(*c), 0)) == -FI_EAGAIN && ct_now() < end)
+		if (try_block(&eq->fid, fd) < 0)
+			break;
+	return r;
+}
+
+/* A connection between FI_EP_MSG endpoints whose event queues have descriptors. */
+static void connection(void)
+{
+	struct fi_info *h = ct_hints(FI_MSG, 1), *list = NULL;
+	h->ep_attr->type = FI_EP_MSG;
+	REQUIRE(fi_getinfo(CT_VERSION, NULL, NULL, 0, h, &list) == 0);
+	fi_freeinfo(h);
+	REQUIRE(list && list->next);
+	struct fi_eq_attr attr = {.size = 8, .wait_obj = FI_WAIT_FD};
+	struct fid_eq *eqa = NULL, *eqb = NULL, *plain = NULL;
+	REQUIRE(fi_eq_open(P.fab, &attr, &eqa, NULL) == 0);
+	REQUIRE(fi_eq_open(P.fab, &attr, &eqb, NULL) == 0);
+	enum fi_wait_obj w = FI_WAIT_NONE;
+	CHECK_EQ(fi_control(&eqa->fid, FI_GETWAITOBJ, &w), 0);
+	CHECK_EQ(w, FI_WAIT_FD);
+	int fa = wait_fd(&eqa->fid), fb = wait_fd(&eqb->fid);
+	attr.wait_obj = FI_WAIT_UNSPEC;
+	REQUIRE(fi_eq_open(P.fab, &attr, &plain, NULL) == 0);
+	int fd = -7;
+	CHECK_EQ(fi_control(&plain->fid, FI_GETWAIT, &fd), -FI_ENODATA);
+	struct fid *pf = &plain->fid;
+	CHECK_EQ(fi_trywait(P.fab, &pf, 1), -FI_EINVAL);
+	CHECK_EQ(fi_close(&plain->fid), 0);
+
+	struct fi_cq_attr cattr = {.format = FI_CQ_FORMAT_TAGGED, .size = 64};
+	struct fid_cq *cqa = NULL, *cqb = NULL;
+	REQUIRE(fi_cq_open(P.a.dom, &cattr, &cqa, NULL) == 0);
+	REQUIRE(fi_cq_open(P.b.dom, &cattr, &cqb, NULL) == 0);
+	struct fid_pep *pep = NULL;
+	REQUIRE(fi_passive_ep(P.fab, list, &pep, NULL) == 0);
+	REQUIRE(fi_pep_bind(pep, &eqa->fid, 0) == 0);
+	REQUIRE(fi_listen(pep) == 0);
+	char name[64];
+	size_t len = sizeof(name);
+	REQUIRE(fi_getname(&pep->fid, name, &len) == 0);
+	struct fid_ep *b = NULL, *a = NULL;
+	REQUIRE(fi_endpoint(P.b.dom, list->next, &b, NULL) == 0);
+	REQUIRE(fi_ep_bind(b, &eqb->fid, 0) == 0);
+	REQUIRE(fi_ep_bind(b, &cqb->fid, FI_TRANSMIT | FI_RECV) == 0);
+	REQUIRE(fi_enable(b) == 0);
+	static const char req[] = "knock";
+	CHECK_EQ(fi_connect(b, name, req, sizeof(req)), 0);
+	struct cm_entry c;
+	uint32_t ev = 0;
+	CHECK_EQ(eq_wait(eqa, fa, &ev, &c), sizeof(c.e) + sizeof(req));
+	CHECK_EQ(ev, FI_CONNREQ);
+	REQUIRE(c.e.info != NULL);
+	REQUIRE(fi_endpoint(P.a.dom, c.e.info, &a, NULL) == 0);
+	fi_freeinfo(c.e.info);
+	REQUIRE(fi_ep_bind(a, &eqa->fid, 0) == 0);
+	REQUIRE(fi_ep_bind(a, &cqa->fid, FI_TRANSMIT | FI_RECV) == 0);
+	REQUIRE(fi_enable(a) == 0);
+	CHECK_EQ(fi_accept(a, NULL, 0), 0);
+	CHECK(eq_wait(eqb, fb, &ev, &c) >= (ssize_t)sizeof(c.e));
+	CHECK_EQ(ev, FI_CONNECTED);
+	CHECK(c.e.fid == &b->fid);
+	CHECK(eq_wait(eqa, fa, &ev, &c) >= (ssize_t)sizeof(c.e));
+	CHECK_EQ(ev, FI_CONNECTED);
+	CHECK(c.e.fid == &a->fid);
+	if (!served) {
+		CHECK_EQ(readable(fa, 0), 0);
+		CHECK_EQ(readable(fb, 0), 0);
+	}
+	CHECK_EQ(fi_shutdown(b, 0), 0);
+	CHECK_EQ(eq_wait(eqa, fa, &ev, &c), sizeof(c.e));
+	CHECK_EQ(ev, FI_SHUTDOWN);
+	CHECK_EQ(fi_close(&a->fid), 0);
+	CHECK_EQ(fi_close(&b->fid), 0);
+	CHECK_EQ(fi_close(&pep->fid), 0);
+	CHECK_EQ(fi_close(&cqa->fid), 0);
+	CHECK_EQ(fi_close(&cqb->fid), 0);
+	CHECK_EQ(fi_close(&eqa->fid), 0);
+	CHECK_EQ(fi_close(&eqb->fid), 0);
+	fi_freeinfo(list);
+}
+
+int main(int argc, char **argv)
+{
+	ct_name = "fdwait";
+	served = argc > 1 && strcmp(argv[1], "served") == 0;
+	struct ct_opts o = {.caps = FI_MSG, .mr_local = 1, .wait_obj = FI_WAIT_FD};
+	ct_pair_open(&P, &o);
+	ct_pair_bufs(&P, 1, BUFLEN, &abuf, &bbuf, &amr, &bmr);
+	controls();
+	idle();
+	message(100, 1);
+	message(BUFLEN, 2);
+	readable_while_queued();
+	woken_by_another_thread();
+	if (served)
+		interrupt_wakes();
+	connection();
+	/* In-process, fi_trywait said FI_SUCCESS only when nothing could come; served, every
+	 * sleep ended in a wake-up (no block timed out). */
+	CHECK_EQ(missed, 0);
+	printf("fdwait: %d blocks\n", blocks);
+	ct_pair_bufs_close(1, amr, bmr);
+	ct_pair_close(&P);
+	return ct_summary_exit();
+}
