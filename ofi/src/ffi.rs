@@ -77,6 +77,7 @@ fn free_box(key: usize, k: Kind) {
             Kind::Cntr => drop(Box::from_raw(key as *mut abi::fid_cntr)),
             Kind::Alias => drop(Box::from_raw(key as *mut abi::fid_ep)),
             Kind::Poll => drop(Box::from_raw(key as *mut abi::fid_poll)),
+            Kind::Wait => drop(Box::from_raw(key as *mut abi::fid_wait)),
         }
     }
 }
@@ -210,7 +211,7 @@ unsafe extern "C" fn obj_control(fid: *mut abi::fid, cmd: c_int, arg: *mut c_voi
                 let cntr = unsafe { w.as_ref() }.map(|w| w.triggering_cntr as usize);
                 st.flush_work(key, cntr).map(|()| 0)
             }
-            (Kind::Cq | Kind::Eq, c @ (abi::FI_GETWAIT | abi::FI_GETWAITOBJ)) => {
+            (Kind::Cq | Kind::Eq | Kind::Wait, c @ (abi::FI_GETWAIT | abi::FI_GETWAITOBJ)) => {
                 get_wait(st, key, c == abi::FI_GETWAIT, arg).map(|()| 0)
             }
             (Kind::Ep | Kind::Alias, c @ (abi::FI_GETOPSFLAG | abi::FI_SETOPSFLAG)) => {
@@ -231,6 +232,11 @@ fn get_wait(st: &mut State, key: usize, fd: bool, arg: *mut c_void) -> Result<()
     let (obj, wait) = match st.objs.get(&key) {
         Some(Obj::Cq(c)) => (c.wait_obj, c.wait.as_ref().map(prov::FdWait::fd)),
         Some(Obj::Eq(e)) => (e.wait_obj, e.wait.as_ref().map(prov::FdWait::fd)),
+        // A wait set of FI_WAIT_YIELD has no descriptor to give.
+        Some(Obj::Wait(w)) => (
+            w.wait_obj,
+            (w.wait_obj != abi::fi_wait_obj_FI_WAIT_YIELD).then(|| w.wait.fd()),
+        ),
         _ => return Err(abi::FI_EINVAL),
     };
     if fd {
@@ -827,6 +833,92 @@ fn queue_wait(wait_obj: u32) -> Result<Option<prov::FdWait>, Errno> {
     }
 }
 
+/// The wait set a CQ or counter of domain `dom` opened with `FI_WAIT_SET` joins: a live
+/// wait set of the domain's fabric, else `-FI_EINVAL`.
+fn wait_set_of(st: &State, dom: usize, set: *mut abi::fid_wait) -> Result<usize, Errno> {
+    let set = set as usize;
+    st.check(set, Kind::Wait)?;
+    let fabric = st.parents.get(&dom).copied();
+    if fabric.is_none() || st.parents.get(&set).copied() != fabric {
+        return Err(abi::FI_EINVAL);
+    }
+    Ok(set)
+}
+
+/// `fi_wait_open` (fi_wait(3)): a wait set of `FI_WAIT_UNSPEC`, `FI_WAIT_FD` or
+/// `FI_WAIT_YIELD`; `attr->flags` must be 0. Mutexes and pollfd lists are `-FI_ENOSYS`.
+pub unsafe extern "C" fn wait_open(
+    fabric: *mut abi::fid_fabric,
+    attr: *mut abi::fi_wait_attr,
+    out: *mut *mut abi::fid_wait,
+) -> c_int {
+    run(|st| {
+        st.check(fabric as usize, Kind::Fabric)?;
+        // SAFETY: NULL or the caller's attributes (fi_wait(3)).
+        let a = unsafe { attr.as_ref() }.ok_or(abi::FI_EINVAL)?;
+        if out.is_null() || a.flags != 0 {
+            return Err(abi::FI_EINVAL);
+        }
+        match a.wait_obj {
+            abi::fi_wait_obj_FI_WAIT_UNSPEC
+            | abi::fi_wait_obj_FI_WAIT_FD
+            | abi::fi_wait_obj_FI_WAIT_YIELD => {}
+            abi::fi_wait_obj_FI_WAIT_MUTEX_COND | abi::fi_wait_obj_FI_WAIT_POLLFD => {
+                return Err(abi::FI_ENOSYS)
+            }
+            _ => return Err(abi::FI_EINVAL),
+        }
+        let set = prov::WaitSet {
+            wait_obj: a.wait_obj,
+            wait: prov::FdWait::new()?,
+        };
+        let p = publish(
+            st,
+            abi::fid_wait {
+                fid: fid_of(abi::FI_CLASS_WAIT, std::ptr::null_mut()),
+                ops: &WAIT_OPS as *const _ as *mut _,
+            },
+            Obj::Wait(set),
+        );
+        st.parents.insert(p as usize, fabric as usize);
+        put(out, p).map(|()| 0)
+    })
+}
+
+/// `fi_wait`: returns 0 once a member of the set has something, `-FI_ETIMEDOUT` after
+/// `timeout` ms (negative: no limit).
+unsafe extern "C" fn wait_wait(set: *mut abi::fid_wait, timeout: c_int) -> c_int {
+    let start = std::time::Instant::now();
+    loop {
+        let mut look = Ok(None);
+        let r = run(|st| {
+            look = st.wait_look(set as usize);
+            Ok(0)
+        });
+        let (fd, moved) = match look {
+            _ if r != 0 => return r,
+            Err(e) => return neg(e),
+            Ok(None) => return 0,
+            Ok(Some(w)) => w,
+        };
+        let waited = start.elapsed().as_millis() as u64;
+        if timeout >= 0 && waited >= timeout as u64 {
+            return neg(abi::FI_ETIMEDOUT);
+        }
+        let left = (timeout >= 0).then(|| timeout as u64 - waited);
+        match fd {
+            Some(fd) => prov::sleep_on(&fd, left),
+            None if moved => {}
+            None => std::thread::yield_now(),
+        }
+    }
+}
+
+static WAIT_OPS: abi::fi_ops_wait = abi::fi_ops_wait {
+    size: std::mem::size_of::<abi::fi_ops_wait>(),
+    wait: Some(wait_wait),
+};
+
 unsafe extern "C" fn cq_open(
     dom: *mut abi::fid_domain,
     attr: *mut abi::fi_cq_attr,
@@ -840,9 +932,14 @@ unsafe extern "C" fn cq_open(
         if out.is_null() {
             return Err(abi::FI_EINVAL);
         }
-        let wait = queue_wait(a.wait_obj)?;
+        let (wait, joins) = if a.wait_obj == abi::fi_wait_obj_FI_WAIT_SET {
+            (None, Some(wait_set_of(st, dom as usize, a.wait_set)?))
+        } else {
+            (queue_wait(a.wait_obj)?, None)
+        };
         let mut cq = prov::Cq::new(a.format, a.wait_obj)?;
         cq.wait = wait;
+        cq.wait_set = joins;
         let p = publish(
             st,
             abi::fid_cq {
@@ -1092,6 +1189,7 @@ unsafe extern "C" fn cntr_open(
         if out.is_null() {
             return Err(abi::FI_EINVAL);
         }
+        let mut joins = None;
         // SAFETY: NULL or the caller's attributes (fi_cntr_open(3)).
         if let Some(a) = unsafe { attr.as_ref() } {
             if a.events != abi::fi_cntr_events_FI_CNTR_EVENTS_COMP {
@@ -1105,13 +1203,17 @@ unsafe extern "C" fn cntr_open(
                 | abi::fi_wait_obj_FI_WAIT_UNSPEC
                 | abi::fi_wait_obj_FI_WAIT_YIELD
                 | abi::fi_wait_obj_FI_WAIT_MUTEX_COND => {}
-                abi::fi_wait_obj_FI_WAIT_SET
-                | abi::fi_wait_obj_FI_WAIT_FD
-                | abi::fi_wait_obj_FI_WAIT_POLLFD => return Err(abi::FI_ENOSYS),
+                abi::fi_wait_obj_FI_WAIT_SET => {
+                    joins = Some(wait_set_of(st, dom as usize, a.wait_set)?);
+                }
+                abi::fi_wait_obj_FI_WAIT_FD | abi::fi_wait_obj_FI_WAIT_POLLFD => {
+                    return Err(abi::FI_ENOSYS)
+                }
                 _ => return Err(abi::FI_EINVAL),
             }
         }
-        let c = st.new_cntr(dom as usize)?;
+        let mut c = st.new_cntr(dom as usize)?;
+        c.wait_set = joins.map(|w| (w, c.c.read()));
         let p = publish(
             st,
             abi::fid_cntr {

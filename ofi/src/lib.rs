@@ -438,13 +438,6 @@ unsafe extern "C" fn getinfo(
     })
 }
 
-unsafe extern "C" fn enosys_wait_open(
-    _: *mut abi::fid_fabric,
-    _: *mut abi::fi_wait_attr,
-    _: *mut *mut abi::fid_wait,
-) -> c_int {
-    neg(abi::FI_ENOSYS)
-}
 /// `fi_trywait`: whether the application may block on the descriptors of `fids` (CQs and
 /// EQs opened with `FI_WAIT_FD`; see `prov::wait`).
 unsafe extern "C" fn trywait(
@@ -482,7 +475,7 @@ static FABRIC_OPS: abi::fi_ops_fabric = abi::fi_ops_fabric {
     domain: Some(ffi::domain_open),
     passive_ep: Some(ffi::passive_ep),
     eq_open: Some(ffi::eq_open),
-    wait_open: Some(enosys_wait_open),
+    wait_open: Some(ffi::wait_open),
     trywait: Some(trywait),
     domain2: Some(enosys_domain2),
 };

@@ -44,7 +44,7 @@ mod trig;
 pub use msgep::{ConnReq, Eq, EqErr, EqEvent, MsgEp, Pep};
 pub use tagged::{TagCounts, EAGER_MAX};
 pub use trig::{Trig, WorkOp};
-pub use wait::FdWait;
+pub use wait::{sleep_on, FdWait, WaitSet};
 
 /// Length of an endpoint address.
 pub const ADDR_LEN: usize = 16;
@@ -140,6 +140,7 @@ pub enum Kind {
     Cntr,
     Alias,
     Poll,
+    Wait,
 }
 
 /// A completion as libfabric's CQ formats carry it.
@@ -171,6 +172,8 @@ pub struct Cq {
     /// descriptor ([`wait`]).
     pub wait_obj: u32,
     pub wait: Option<FdWait>,
+    /// The wait set it belongs to (`FI_WAIT_SET`).
+    pub wait_set: Option<usize>,
 }
 
 pub struct Av {
@@ -208,6 +211,9 @@ struct Sink {
 pub struct Cntr {
     pub domain: usize,
     pub c: Counter,
+    /// The wait set it belongs to (`FI_WAIT_SET`), with its values (success, error) as
+    /// `fi_wait` last reported them.
+    pub wait_set: Option<(usize, (u64, u64))>,
 }
 
 /// The counters bound to an endpoint (`fi_ep_bind` with a counter), by key.
@@ -397,6 +403,7 @@ pub enum Obj {
     Cntr(Cntr),
     Alias(Alias),
     Poll(Poll),
+    Wait(WaitSet),
 }
 
 /// A poll set (`fi_poll_open`, fi_poll(3)): CQs and counters of one domain, checked for
@@ -433,6 +440,7 @@ impl Obj {
             Obj::Cntr(_) => Kind::Cntr,
             Obj::Alias(_) => Kind::Alias,
             Obj::Poll(_) => Kind::Poll,
+            Obj::Wait(_) => Kind::Wait,
         }
     }
 }
@@ -523,6 +531,12 @@ impl State {
             }
             Some(Kind::Av) => bound(&|e| e.av == Some(key)),
             Some(Kind::Cntr) => self.cntr_bound(key) || self.polled(key),
+            // A wait set outlives its members (fi_wait(3)).
+            Some(Kind::Wait) => self.objs.values().any(|o| match o {
+                Obj::Cq(c) => c.wait_set == Some(key),
+                Obj::Cntr(c) => c.wait_set.is_some_and(|(w, _)| w == key),
+                _ => false,
+            }),
             // A poll set must be emptied before it closes (fi_poll(3)).
             Some(Kind::Poll) => {
                 matches!(self.objs.get(&key), Some(Obj::Poll(p)) if !p.members.is_empty())
@@ -1919,6 +1933,7 @@ impl Cq {
                 None
             },
             wait_obj,
+            wait_set: None,
         })
     }
 

@@ -220,7 +220,11 @@ impl State {
             eprintln!("ringbell-fi: creating a counter: {e}");
             abi::FI_ENOMEM
         })?;
-        Ok(Cntr { domain: dom, c })
+        Ok(Cntr {
+            domain: dom,
+            c,
+            wait_set: None,
+        })
     }
 
     /// Whether counter `key` is bound to an endpoint.

@@ -14,6 +14,12 @@
 //!   provider's progress and clears the interrupt) and, if the work was the provider's own,
 //!   calls `fi_trywait` again.
 //!
+//! A wait set (`fi_wait_open`) holds the CQs and counters opened with `FI_WAIT_SET` and
+//! it: `fi_wait` returns once one of them has something (a CQ an entry or an error, a
+//! counter a value `fi_wait` has not reported yet), progressing meanwhile, and sleeping on
+//! the set's descriptor in slices of at most 10 ms on a served fabric (its interrupts
+//! armed as for `fi_trywait`), so another thread's progress is seen within a slice.
+//!
 //! On the in-process fabric nothing moves unless a call moves it: `fi_trywait` says
 //! `-FI_EAGAIN` while a round of progress still moves the fabric, and `FI_SUCCESS` only when
 //! the fabric is idle with nothing queued, after which only another thread's calls can
@@ -24,7 +30,7 @@ use crate::abi;
 use nix::sys::epoll::{Epoll, EpollCreateFlags, EpollEvent, EpollFlags};
 use nix::sys::eventfd::{EfdFlags, EventFd};
 use std::collections::BTreeSet;
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd, RawFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd, RawFd};
 
 /// A queue's `FI_WAIT_FD` wait object.
 pub struct FdWait {
@@ -108,9 +114,57 @@ fn readable(fd: BorrowedFd<'_>) -> bool {
     matches!(nix::poll::poll(&mut p, nix::poll::PollTimeout::ZERO), Ok(n) if n > 0)
 }
 
+/// A wait set (`fi_wait_open`, fi_wait(3)).
+#[derive(Debug)]
+pub struct WaitSet {
+    /// What it was opened with (`FI_WAIT_UNSPEC`, `FI_WAIT_FD` or `FI_WAIT_YIELD`).
+    pub wait_obj: u32,
+    /// Its descriptor (for `FI_WAIT_YIELD` too: `fi_wait` sleeps on it), readable while a
+    /// member has something.
+    pub wait: FdWait,
+}
+
+/// The longest `fi_wait` sleeps before it looks again.
+const SLICE_MS: u64 = 10;
+
 impl State {
-    /// The wait object and readiness of queue `key` (a CQ or an EQ), if it has one.
+    /// Whether wait set `set` has a member with something, taking a counter's new values
+    /// as reported when `report`.
+    fn set_ready(&mut self, set: usize, report: bool) -> bool {
+        let mut ready = false;
+        for o in self.objs.values_mut() {
+            match o {
+                Obj::Cq(c) if c.wait_set == Some(set) => {
+                    ready |= !c.entries.is_empty() || !c.errs.is_empty();
+                }
+                Obj::Cntr(c) => {
+                    if let Some((w, seen)) = c.wait_set.as_mut().filter(|(w, _)| *w == set) {
+                        let _ = w;
+                        let now = c.c.read();
+                        if now != *seen {
+                            ready = true;
+                            if report {
+                                *seen = now;
+                            }
+                        }
+                    }
+                }
+                _ => {}
+            }
+        }
+        ready
+    }
+
+    /// The wait object and readiness of queue `key` (a CQ or an EQ, or a wait set), if it
+    /// has one.
     fn wait_of(&mut self, key: usize) -> Option<(&mut FdWait, bool)> {
+        if let Some(Obj::Wait(_)) = self.objs.get(&key) {
+            let ready = self.set_ready(key, false);
+            let Some(Obj::Wait(w)) = self.objs.get_mut(&key) else {
+                return None;
+            };
+            return Some((&mut w.wait, ready));
+        }
         match self.objs.get_mut(&key)? {
             Obj::Cq(c) => {
                 let ready = !c.entries.is_empty() || !c.errs.is_empty();
@@ -139,6 +193,7 @@ impl State {
             .filter(|(_, o)| match o {
                 Obj::Cq(c) => c.wait.is_some(),
                 Obj::Eq(e) => e.wait.is_some(),
+                Obj::Wait(_) => true,
                 _ => false,
             })
             .map(|(&k, _)| k)
@@ -167,8 +222,34 @@ impl State {
         }
     }
 
+    /// One look of `fi_wait` on wait set `set`: `Ok(None)` when a member has something,
+    /// else how to wait before the next look: the set's descriptor to sleep on (a served
+    /// fabric, everything armed), or none (in-process: look again at once when the
+    /// fabric moved).
+    pub fn wait_look(&mut self, set: usize) -> Result<Option<(Option<OwnedFd>, bool)>, Errno> {
+        if !matches!(self.objs.get(&set), Some(Obj::Wait(_))) {
+            return Err(EINVAL);
+        }
+        let moved = self.progress();
+        if self.set_ready(set, true) {
+            return Ok(None);
+        }
+        match self.trywait(&[set]) {
+            Ok(()) => {
+                let Some(Obj::Wait(w)) = self.objs.get(&set) else {
+                    return Err(EINVAL);
+                };
+                // A descriptor of its own, to sleep on without the lock.
+                let fd = w.wait.epoll.0.try_clone().map_err(|_| abi::FI_ENOMEM)?;
+                Ok(Some((Some(fd), moved)))
+            }
+            Err(e) if e == EAGAIN => Ok(Some((None, moved))),
+            Err(e) => Err(e),
+        }
+    }
+
     /// `fi_trywait`: `-FI_EAGAIN` when one of `keys` (CQs and EQs with an `FI_WAIT_FD`
-    /// wait object) holds something or the in-process fabric still moves; else every
+    /// wait object, wait sets) holds something or the in-process fabric still moves; else every
     /// hardware source of work is armed to interrupt and the caller may block on the
     /// descriptors. Any other object is `-FI_EINVAL`.
     pub fn trywait(&mut self, keys: &[usize]) -> Result<(), Errno> {
@@ -226,4 +307,14 @@ impl State {
         }
         Ok(())
     }
+}
+
+/// Sleeps until descriptor `fd` is readable or [`SLICE_MS`] (at most `left_ms`) passed.
+pub fn sleep_on(fd: &OwnedFd, left_ms: Option<u64>) {
+    let ms = left_ms.map_or(SLICE_MS, |l| l.min(SLICE_MS)) as u16;
+    let mut p = [nix::poll::PollFd::new(
+        fd.as_fd(),
+        nix::poll::PollFlags::POLLIN,
+    )];
+    let _ = nix::poll::poll(&mut p, nix::poll::PollTimeout::from(ms));
 }

@@ -7,8 +7,9 @@
  * fi_trywait must not say FI_SUCCESS while a message is still on its way) and "served" on
  * `ringbell-emu serve` (the waits sleep until the NIC's interrupt). Both: the wait object's
  * control calls and their refusals, a message and a large one waited for, the descriptor
- * readable while an entry waits, a waiter woken by another thread's send, and a connection
- * of FI_EP_MSG endpoints whose event queues are waited on the same way.
+ * readable while an entry waits, a waiter woken by another thread's send, a connection
+ * of FI_EP_MSG endpoints whose event queues are waited on the same way, and a wait set
+ * (fi_wait_open, fi_wait) of a CQ and a counter.
  */
 #include "ctest.h"
 #include <poll.h>
@@ -193,6 +194,93 @@ static void interrupt_wakes(void)
 	CHECK(ct_wait(P.a.cq, &e) && e.op_context == (void *)0xa4);
 }
 
+/* An enabled endpoint of side `s` bound to `s`'s AV and to `cq`; its address in the
+ * other side's AV is *addr. */
+static struct fid_ep *extra_ep(struct ct_side *s, struct ct_side *other, struct fid_cq *cq,
+			       fi_addr_t *addr)
+{
+	struct fid_ep *ep = NULL;
+	char name[64];
+	size_t len = sizeof(name);
+	REQUIRE(fi_endpoint(s->dom, s->info, &ep, NULL) == 0);
+	REQUIRE(fi_ep_bind(ep, &s->av->fid, 0) == 0);
+	REQUIRE(fi_ep_bind(ep, &cq->fid, FI_TRANSMIT | FI_RECV) == 0);
+	REQUIRE(fi_enable(ep) == 0);
+	REQUIRE(fi_getname(&ep->fid, name, &len) == 0);
+	REQUIRE(fi_av_insert(other->av, name, 1, addr, 0, NULL) == 1);
+	return ep;
+}
+
+/* A wait set (fi_wait(3)) holding B's CQ of a second pair of endpoints and a counter. */
+static void wait_set(void)
+{
+	struct fi_wait_attr attr = {.wait_obj = FI_WAIT_UNSPEC};
+	struct fid_wait *set = NULL;
+	CHECK_EQ(fi_wait_open(P.fab, NULL, &set), -FI_EINVAL);
+	attr.flags = 1;
+	CHECK_EQ(fi_wait_open(P.fab, &attr, &set), -FI_EINVAL);
+	attr.flags = 0;
+	attr.wait_obj = FI_WAIT_MUTEX_COND;
+	CHECK_EQ(fi_wait_open(P.fab, &attr, &set), -FI_ENOSYS);
+	attr.wait_obj = (enum fi_wait_obj)55;
+	CHECK_EQ(fi_wait_open(P.fab, &attr, &set), -FI_EINVAL);
+	attr.wait_obj = FI_WAIT_UNSPEC;
+	REQUIRE(fi_wait_open(P.fab, &attr, &set) == 0);
+	enum fi_wait_obj w = FI_WAIT_NONE;
+	CHECK_EQ(fi_control(&set->fid, FI_GETWAITOBJ, &w), 0);
+	CHECK_EQ(w, FI_WAIT_UNSPEC);
+	int fd = wait_fd(&set->fid);
+
+	struct fi_cq_attr cattr = {.format = FI_CQ_FORMAT_TAGGED, .size = 64,
+				   .wait_obj = FI_WAIT_SET};
+	struct fid_cq *cqa = NULL, *cqb = NULL;
+	CHECK_EQ(fi_cq_open(P.b.dom, &cattr, &cqb, NULL), -FI_EINVAL); /* no set named */
+	cattr.wait_set = (struct fid_wait *)P.b.cq;
+	CHECK_EQ(fi_cq_open(P.b.dom, &cattr, &cqb, NULL), -FI_EINVAL); /* not a set */
+	cattr.wait_set = set;
+	REQUIRE(fi_cq_open(P.b.dom, &cattr, &cqb, NULL) == 0);
+	cattr.wait_obj = FI_WAIT_NONE;
+	cattr.wait_set = NULL;
+	REQUIRE(fi_cq_open(P.a.dom, &cattr, &cqa, NULL) == 0);
+	struct fi_cntr_attr nattr = {.events = FI_CNTR_EVENTS_COMP, .wait_obj = FI_WAIT_SET,
+				     .wait_set = set};
+	struct fid_cntr *cntr = NULL;
+	REQUIRE(fi_cntr_open(P.b.dom, &nattr, &cntr, NULL) == 0);
+	CHECK_EQ(fi_close(&set->fid), -FI_EBUSY);
+
+	/* Nothing yet. */
+	CHECK_EQ(fi_wait(set, 0), -FI_ETIMEDOUT);
+	/* A counter's change is reported once. */
+	CHECK_EQ(fi_cntr_add(cntr, 3), 0);
+	CHECK_EQ(fi_wait(set, 1000), 0);
+	CHECK_EQ(fi_wait(set, 0), -FI_ETIMEDOUT);
+
+	/* A message to B's CQ in the set. */
+	fi_addr_t to_b, to_a;
+	struct fid_ep *eb = extra_ep(&P.b, &P.a, cqb, &to_b);
+	struct fid_ep *ea = extra_ep(&P.a, &P.b, cqa, &to_a);
+	struct fi_cq_tagged_entry e;
+	memset(bbuf, 0, 500);
+	CHECK_EQ(fi_recv(eb, bbuf, 4096, fi_mr_desc(bmr), to_a, (void *)0xc1), 0);
+	ct_fill(abuf, 500, 21);
+	CHECK_EQ(fi_send(ea, abuf, 500, fi_mr_desc(amr), to_b, (void *)0xc2), 0);
+	CHECK_EQ(fi_wait(set, 10000), 0);
+	CHECK_EQ(fi_cq_read(cqb, &e, 1), 1);
+	CHECK(e.op_context == (void *)0xc1 && e.len == 500);
+	CHECK(ct_same(bbuf, 500, 21));
+	CHECK(ct_wait(cqa, &e) && e.op_context == (void *)0xc2);
+	if (!served)
+		CHECK_EQ(readable(fd, 0), 0);
+	CHECK_EQ(fi_wait(set, 0), -FI_ETIMEDOUT);
+
+	CHECK_EQ(fi_close(&ea->fid), 0);
+	CHECK_EQ(fi_close(&eb->fid), 0);
+	CHECK_EQ(fi_close(&cqa->fid), 0);
+	CHECK_EQ(fi_close(&cqb->fid), 0);
+	CHECK_EQ(fi_close(&cntr->fid), 0);
+	CHECK_EQ(fi_close(&set->fid), 0);
+}
+
 struct cm_entry {
 	struct fi_eq_cm_entry e;
 	char data[64];
@@ -301,6 +389,7 @@ int main(int argc, char **argv)
 	if (served)
 		interrupt_wakes();
 	connection();
+	wait_set();
 	/* In-process, fi_trywait said FI_SUCCESS only when nothing could come; served, every
 	 * sleep ended in a wake-up (no block timed out). */
 	CHECK_EQ(missed, 0);

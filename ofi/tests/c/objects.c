@@ -225,13 +225,14 @@ static void cqs(struct fid_domain *dom)
 	CHECK_EQ(fi_cq_open(dom, &attr, NULL, NULL), -FI_EINVAL);
 	CHECK(cq == NULL);
 
-	/* Wait objects: the provider waits by polling (FI_WAIT_UNSPEC, FI_WAIT_YIELD) or on a
-	 * file descriptor (FI_WAIT_FD, fdwait.c), and has no mutex or wait set to give out:
-	 * -FI_ENOSYS for those, -FI_EINVAL for no wait object at all. */
+	/* Wait objects: the provider waits by polling (FI_WAIT_UNSPEC, FI_WAIT_YIELD), on a
+	 * file descriptor (FI_WAIT_FD) or in a wait set (FI_WAIT_SET, which must name one:
+	 * fdwait.c), and has no mutex or pollfd list to give out: -FI_ENOSYS for those,
+	 * -FI_EINVAL for no wait object at all. */
 	attr.wait_obj = FI_WAIT_MUTEX_COND;
 	CHECK_EQ(fi_cq_open(dom, &attr, &cq, NULL), -FI_ENOSYS);
 	attr.wait_obj = FI_WAIT_SET;
-	CHECK_EQ(fi_cq_open(dom, &attr, &cq, NULL), -FI_ENOSYS);
+	CHECK_EQ(fi_cq_open(dom, &attr, &cq, NULL), -FI_EINVAL);
 	attr.wait_obj = FI_WAIT_POLLFD;
 	CHECK_EQ(fi_cq_open(dom, &attr, &cq, NULL), -FI_ENOSYS);
 	attr.wait_obj = (enum fi_wait_obj)77;
