@@ -647,6 +647,15 @@ pub unsafe extern "C" fn eq_open(
 /// # Safety
 /// `buf` is NULL or holds `len` bytes.
 unsafe fn write_cm_entry(e: &prov::EqEvent, buf: *mut c_void, len: usize) -> Result<isize, Errno> {
+    if e.written {
+        // An application's own event (fi_eq_write): its entry as written.
+        if buf.is_null() || len < e.data.len() {
+            return Err(abi::FI_ETOOSMALL);
+        }
+        // SAFETY: `buf` holds `len >= data.len()` bytes (checked).
+        unsafe { std::ptr::copy_nonoverlapping(e.data.as_ptr(), buf as *mut u8, e.data.len()) };
+        return Ok(e.data.len() as isize);
+    }
     let head = std::mem::size_of::<abi::fi_eq_cm_entry>();
     let size = head + e.data.len();
     if buf.is_null() || len < size {
@@ -777,7 +786,30 @@ unsafe extern "C" fn eq_sread(
         std::thread::sleep(std::time::Duration::from_micros(100));
     }
 }
-enosys!(eq_write(*mut abi::fid_eq, u32, *const c_void, usize, u64) -> isize);
+/// `fi_eq_write`: an event of the application's (its entry, `len` bytes at `buf`) joins
+/// the queue; the bytes written, or `-FI_EINVAL` for a missing entry.
+unsafe extern "C" fn eq_write(
+    eq: *mut abi::fid_eq,
+    event: u32,
+    buf: *const c_void,
+    len: usize,
+    _flags: u64,
+) -> isize {
+    run_s(|st| {
+        st.check(eq as usize, Kind::Eq)?;
+        if buf.is_null() && len > 0 {
+            return Err(abi::FI_EINVAL);
+        }
+        let entry = if len == 0 {
+            &[][..]
+        } else {
+            // SAFETY: non-NULL (checked); the caller's entry of `len` bytes (fi_eq(3)).
+            unsafe { std::slice::from_raw_parts(buf as *const u8, len) }
+        };
+        st.eq_write(eq as usize, event, entry)?;
+        Ok(len as isize)
+    })
+}
 
 static ERR_TEXT: &std::ffi::CStr = c"ringbell: operation failed";
 

@@ -32,6 +32,9 @@ pub struct EqEvent {
     /// A connection request (`FI_CONNREQ`): the NIC and the handle's key.
     pub connreq: Option<(usize, usize)>,
     pub data: Vec<u8>,
+    /// An event the application wrote (`fi_eq_write`): `data` is its whole entry, read
+    /// back as written.
+    pub written: bool,
 }
 
 /// An error entry: a connection of endpoint `fid` that could not be made (the peer's
@@ -238,6 +241,26 @@ impl State {
         }
     }
 
+    /// `fi_eq_write`: event `event` with entry `entry` (read back as written) joins event
+    /// queue `eq`, and wakes its waiters.
+    pub fn eq_write(&mut self, eq: usize, event: u32, entry: &[u8]) -> Result<(), Errno> {
+        if !matches!(self.objs.get(&eq), Some(Obj::Eq(_))) {
+            return Err(EINVAL);
+        }
+        self.eq_push(
+            Some(eq),
+            Ok(EqEvent {
+                event,
+                fid: 0,
+                connreq: None,
+                data: entry.to_vec(),
+                written: true,
+            }),
+        );
+        self.wait_sync(eq);
+        Ok(())
+    }
+
     fn eq_push(&mut self, eq: Option<usize>, ev: Result<EqEvent, EqErr>) {
         if let Some(Obj::Eq(q)) = eq.and_then(|k| self.objs.get_mut(&k)) {
             match ev {
@@ -279,6 +302,7 @@ impl State {
                 fid: key,
                 connreq: Some((nic, handle)),
                 data: private.to_vec(),
+                written: false,
             }),
         );
         true
@@ -307,6 +331,7 @@ impl State {
                 fid: ep,
                 connreq: None,
                 data,
+                written: false,
             }),
             MsgCm::Refused => Err(EqErr {
                 fid: ep,
@@ -321,6 +346,7 @@ impl State {
                 fid: ep,
                 connreq: None,
                 data: Vec::new(),
+                written: false,
             }),
         };
         self.eq_push(eq, ev);

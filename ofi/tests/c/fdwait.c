@@ -8,7 +8,8 @@
  * `ringbell-emu serve` (the waits sleep until the NIC's interrupt). Both: the wait object's
  * control calls and their refusals, a message and a large one waited for, the descriptor
  * readable while an entry waits, a waiter woken by another thread's send, a connection
- * of FI_EP_MSG endpoints whose event queues are waited on the same way, and a wait set
+ * of FI_EP_MSG endpoints whose event queues are waited on the same way (and events the
+ * application writes to them, fi_eq_write), and a wait set
  * (fi_wait_open, fi_wait) of a CQ and a counter.
  */
 #include "ctest.h"
@@ -297,6 +298,32 @@ static ssize_t eq_wait(struct fid_eq *eq, int fd, uint32_t *ev, struct cm_entry 
 	return r;
 }
 
+/* Events the application writes (fi_eq_write) to event queue `eq` (descriptor `fd`):
+ * read back as written, in order, and the descriptor readable while one waits. */
+static void written_events(struct fid_eq *eq, int fd)
+{
+	struct fi_eq_entry in = {.fid = &P.fab->fid, .context = (void *)0x77, .data = 5}, out;
+	uint32_t ev = 0;
+	if (!served)
+		CHECK_EQ(readable(fd, 0), 0);
+	CHECK_EQ(fi_eq_write(eq, FI_NOTIFY, &in, sizeof(in), 0), sizeof(in));
+	in.data = 6;
+	CHECK_EQ(fi_eq_write(eq, FI_NOTIFY, &in, sizeof(in), 0), sizeof(in));
+	CHECK_EQ(fi_eq_write(eq, FI_NOTIFY, NULL, 8, 0), -FI_EINVAL);
+	CHECK_EQ(readable(fd, 0), 1);
+	CHECK_EQ(fi_eq_read(eq, &ev, &out, 4, 0), -FI_ETOOSMALL);
+	memset(&out, 0, sizeof(out));
+	CHECK_EQ(fi_eq_read(eq, &ev, &out, sizeof(out), FI_PEEK), sizeof(out));
+	CHECK_EQ(fi_eq_read(eq, &ev, &out, sizeof(out), 0), sizeof(out));
+	CHECK_EQ(ev, FI_NOTIFY);
+	CHECK(out.fid == &P.fab->fid && out.context == (void *)0x77 && out.data == 5);
+	CHECK_EQ(fi_eq_sread(eq, &ev, &out, sizeof(out), 1000, 0), sizeof(out));
+	CHECK_EQ(out.data, 6);
+	if (!served)
+		CHECK_EQ(readable(fd, 0), 0);
+	CHECK_EQ(fi_eq_read(eq, &ev, &out, sizeof(out), 0), -FI_EAGAIN);
+}
+
 /* A connection between FI_EP_MSG endpoints whose event queues have descriptors. */
 static void connection(void)
 {
@@ -313,6 +340,7 @@ static void connection(void)
 	CHECK_EQ(fi_control(&eqa->fid, FI_GETWAITOBJ, &w), 0);
 	CHECK_EQ(w, FI_WAIT_FD);
 	int fa = wait_fd(&eqa->fid), fb = wait_fd(&eqb->fid);
+	written_events(eqa, fa);
 	attr.wait_obj = FI_WAIT_UNSPEC;
 	REQUIRE(fi_eq_open(P.fab, &attr, &plain, NULL) == 0);
 	int fd = -7;
