@@ -121,6 +121,7 @@ unsafe extern "C" fn obj_close(fid: *mut abi::fid) -> c_int {
         }
         let obj = st.objs.remove(&key).ok_or(abi::FI_EINVAL)?;
         st.parents.remove(&key);
+        st.fd_waits.remove(&key);
         let k = obj.kind();
         if let Obj::Ep(ep) = &obj {
             st.close_ep(ep);
@@ -635,6 +636,9 @@ pub unsafe extern "C" fn eq_open(
                 ..Default::default()
             }),
         );
+        if wait_obj == abi::fi_wait_obj_FI_WAIT_FD {
+            st.fd_waits.insert(p as usize);
+        }
         st.parents.insert(p as usize, fabric as usize);
         put(out, p).map(|()| 0)
     })
@@ -912,6 +916,7 @@ pub unsafe extern "C" fn wait_open(
             },
             Obj::Wait(set),
         );
+        st.fd_waits.insert(p as usize);
         st.parents.insert(p as usize, fabric as usize);
         put(out, p).map(|()| 0)
     })
@@ -970,6 +975,7 @@ unsafe extern "C" fn cq_open(
             (queue_wait(a.wait_obj)?, None)
         };
         let mut cq = prov::Cq::new(a.format, a.wait_obj)?;
+        let fd = wait.is_some();
         cq.wait = wait;
         cq.wait_set = joins;
         let p = publish(
@@ -980,6 +986,9 @@ unsafe extern "C" fn cq_open(
             },
             Obj::Cq(cq),
         );
+        if fd {
+            st.fd_waits.insert(p as usize);
+        }
         st.parents.insert(p as usize, dom as usize);
         put(out, p).map(|()| 0)
     })

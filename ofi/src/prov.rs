@@ -463,6 +463,12 @@ pub struct State {
     pub parents: HashMap<usize, usize>,
     /// COUNTER events of armed counters (the provider's timing ops), by NIC.
     pub cntr_events: HashMap<usize, Vec<ringbell::AsyncEvent>>,
+    /// Whether `fi_trywait` has armed the NICs' interrupts: progress then clears them
+    /// (a system call a round, which polling alone does not pay).
+    pub irq_armed: bool,
+    /// The CQs, EQs and wait sets with a descriptor ([`wait`]), which every round of
+    /// progress brings in line.
+    pub fd_waits: std::collections::BTreeSet<usize>,
 }
 
 /// The guarded state.
@@ -1440,9 +1446,12 @@ impl State {
     pub fn progress(&mut self) -> bool {
         let mut events = Vec::new();
         let mut moved = false;
-        let nics: Vec<usize> = self.nics.keys().copied().collect();
-        for i in nics {
-            self.pump_events(i);
+        if self.irq_armed || !self.fd_waits.is_empty() {
+            // Completion events come only from CQs fi_trywait armed.
+            let nics: Vec<usize> = self.nics.keys().copied().collect();
+            for i in nics {
+                self.pump_events(i);
+            }
         }
         for (&i, n) in self.nics.iter_mut() {
             moved |= n.dev.progress();

@@ -187,17 +187,10 @@ impl State {
 
     /// Brings every wait object in line (the end of a round of progress).
     pub(super) fn wait_sync_all(&mut self) {
-        let keys: Vec<usize> = self
-            .objs
-            .iter()
-            .filter(|(_, o)| match o {
-                Obj::Cq(c) => c.wait.is_some(),
-                Obj::Eq(e) => e.wait.is_some(),
-                Obj::Wait(_) => true,
-                _ => false,
-            })
-            .map(|(&k, _)| k)
-            .collect();
+        if self.fd_waits.is_empty() {
+            return;
+        }
+        let keys: Vec<usize> = self.fd_waits.iter().copied().collect();
         for k in keys {
             self.wait_sync(k);
         }
@@ -209,7 +202,7 @@ impl State {
     pub(super) fn pump_events(&mut self, nic: usize) {
         let Some(n) = self.nics.get(&nic) else { return };
         let dev = n.dev.clone();
-        if let Some(irq) = dev.port().interrupt_fd(0) {
+        if let Some(irq) = dev.port().interrupt_fd(0).filter(|_| self.irq_armed) {
             if readable(irq) {
                 let mut v = [0u8; 8];
                 let _ = nix::unistd::read(irq.as_raw_fd(), &mut v);
@@ -290,6 +283,7 @@ impl State {
                 }
             }
         }
+        self.irq_armed |= !served.is_empty();
         // Arm everything that can complete: a completion of any endpoint, or a message to
         // a connection manager. Arming with completions already written fires at once.
         for n in self.nics.values() {
