@@ -678,8 +678,23 @@ unsafe fn write_cm_entry(e: &prov::EqEvent, buf: *mut c_void, len: usize) -> Res
             )
             .map_err(|_| abi::FI_ENOMEM)?;
             let i = crate::write_info(&offer).ok_or(abi::FI_ENOMEM)?;
-            // SAFETY: `i` is the info just built, the caller's to free with fi_freeinfo.
-            unsafe { (*i).handle = handle as *mut abi::fid };
+            // SAFETY: `i` is the info just built (with its attributes), the caller's to
+            // free with fi_freeinfo.
+            unsafe {
+                (*i).handle = handle as *mut abi::fid;
+                // What the listener's info asked of its connections (its default
+                // operation flags among them) holds for the endpoint that accepts.
+                if let Some(a) = &e.listen {
+                    (*i).caps = a.caps;
+                    (*i).mode = a.mode;
+                    if let Some(t) = (*i).tx_attr.as_mut() {
+                        *t = a.tx;
+                    }
+                    if let Some(r) = (*i).rx_attr.as_mut() {
+                        *r = a.rx;
+                    }
+                }
+            }
             i
         }
         None => std::ptr::null_mut(),
@@ -2083,7 +2098,15 @@ pub unsafe extern "C" fn passive_ep(
         // SAFETY: the info libfabric passes on (fi_getinfo(3)).
         let nic = unsafe { info_nic(info) }?;
         let named = info_service(info);
-        let pep = st.new_pep(nic, named)?;
+        let mut pep = st.new_pep(nic, named)?;
+        // SAFETY: an info's attribute pointers are NULL or its own (fi_getinfo(3)).
+        let (tx, rx) = unsafe { (info.tx_attr.as_ref(), info.rx_attr.as_ref()) };
+        pep.attrs = Some(prov::ListenAttrs {
+            caps: info.caps,
+            mode: info.mode,
+            tx: tx.copied().unwrap_or_default(),
+            rx: rx.copied().unwrap_or_default(),
+        });
         let p = publish(
             st,
             abi::fid_pep {

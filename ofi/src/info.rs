@@ -225,7 +225,8 @@ pub const MSG_EP_CAPS: u64 = FI_MSG
     | FI_REMOTE_READ
     | FI_REMOTE_WRITE
     | FI_LOCAL_COMM
-    | FI_REMOTE_COMM;
+    | FI_REMOTE_COMM
+    | FI_MULTI_RECV;
 /// What a datagram endpoint can do.
 pub const DGRAM_CAPS: u64 = FI_MSG | FI_SEND | FI_RECV | FI_LOCAL_COMM | FI_REMOTE_COMM;
 /// Largest datagram: one packet at the fabric's path MTU (`ringbell::UD_MAX_PAYLOAD`).

@@ -41,7 +41,7 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::{Mutex, MutexGuard, OnceLock};
 
 mod trig;
-pub use msgep::{ConnReq, Eq, EqErr, EqEvent, MsgEp, Pep};
+pub use msgep::{ConnReq, Eq, EqErr, EqEvent, ListenAttrs, MsgEp, Pep};
 pub use tagged::{TagCounts, EAGER_MAX};
 pub use trig::{Trig, WorkOp};
 pub use wait::{sleep_on, FdWait, WaitSet};

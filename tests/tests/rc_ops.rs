@@ -650,3 +650,78 @@ fn rnr_exhaustion_fails_the_wqe_that_was_nakked() {
         ]
     );
 }
+
+#[test]
+fn pipelined_sends_meeting_rnr_on_an_srq_reposted_slowly_all_land_once() {
+    // The receiver's SRQ holds one receive at a time, reposted only some simulated
+    // microseconds after each completion (a host slower than the wire): every SEND of a
+    // burst meets RNR NAKs, those behind it are dropped as out of sequence and sent again,
+    // and each lands exactly once, in order.
+    let fabric = ringbell_emu::Fabric::new(ringbell_emu::FabricConfig::new(2, 21));
+    let all = Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::REMOTE_READ;
+    let dev = Device::open(Box::new(fabric.port(0))).unwrap();
+    let pd = dev.alloc_pd().unwrap();
+    let buf = dev.alloc_dma(1 << 16).unwrap();
+    let mr = pd.reg_mr(&buf, all).unwrap();
+    let mut cq = dev.create_cq(64).unwrap();
+    let mut srq = pd.create_srq(16, 1, 0).unwrap();
+    let mut init = QpInit::new(&cq, &cq);
+    init.srq = Some(&srq);
+    let mut q = pd.create_qp(&init).unwrap();
+    let mut s = side(&fabric, 1, all);
+    let o = ConnectOptions::default();
+    q.connect(&s.qp.endpoint(1), 1, &o).unwrap();
+    s.qp.connect(&q.endpoint(1), 1, &o).unwrap();
+    const N: u64 = 6;
+    let post = |srq: &mut SharedReceiveQueue, i: u64| {
+        let sge = [mr.sge(i * 1024, 1024)];
+        srq.post_recv(&[RecvWr {
+            wr_id: 100 + i,
+            sgl: &sge,
+        }])
+        .unwrap();
+    };
+    post(&mut srq, 0);
+    for k in 0..N {
+        s.buf.write(k as usize * 64, &[k as u8; 64]).unwrap();
+    }
+    let wrs: Vec<[Sge; 1]> = (0..N).map(|k| [s.mr.sge(k * 64, 64)]).collect();
+    let sends: Vec<SendWr> = wrs
+        .iter()
+        .enumerate()
+        .map(|(k, g)| SendWr::new(k as u64, WrOp::Send, g))
+        .collect();
+    s.qp.post_send(&sends).unwrap();
+    let mut got = Vec::new();
+    let mut repost_at = None;
+    let mut posted = 1;
+    let limit = fabric.now().ps() + 5_000_000_000;
+    while got.len() < N as usize && fabric.now().ps() < limit {
+        if !fabric.step() {
+            break;
+        }
+        for w in drain_ready(&mut cq) {
+            assert_eq!(w.status, WcStatus::Success, "{w:?}");
+            got.push(w.wr_id);
+            repost_at = Some(fabric.now().ps() + 150_000_000);
+        }
+        if repost_at.is_some_and(|t| fabric.now().ps() >= t) && posted < N {
+            post(&mut srq, posted);
+            posted += 1;
+            repost_at = None;
+        }
+    }
+    assert_eq!(got, (100..100 + N).collect::<Vec<_>>());
+    for k in 0..N {
+        let mut b = [0u8; 64];
+        buf.read(k as usize * 1024, &mut b).unwrap();
+        assert_eq!(b, [k as u8; 64], "message {k} in receive {k}");
+    }
+    let sent = wait(&fabric, &mut s.cq, N as usize);
+    assert!(
+        sent.iter().all(|w| w.status == WcStatus::Success),
+        "{sent:?}"
+    );
+    let st = dev.port_stats().unwrap();
+    assert!(st.rnr_naks_sent >= N - 1, "RNR met: {st:?}");
+}

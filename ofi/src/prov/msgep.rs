@@ -32,6 +32,8 @@ pub struct EqEvent {
     /// A connection request (`FI_CONNREQ`): the NIC and the handle's key.
     pub connreq: Option<(usize, usize)>,
     pub data: Vec<u8>,
+    /// A connection request's: what its listener's info asked.
+    pub listen: Option<ListenAttrs>,
     /// An event the application wrote (`fi_eq_write`): `data` is its whole entry, read
     /// back as written.
     pub written: bool,
@@ -52,6 +54,20 @@ pub struct Pep {
     pub addr: Addr,
     pub eq: Option<usize>,
     pub listening: bool,
+    /// What the info it was opened with asked of its connections, passed on in every
+    /// `FI_CONNREQ`'s info.
+    pub attrs: Option<ListenAttrs>,
+}
+
+/// The parts of a passive endpoint's info that a connection request's info carries:
+/// capabilities, modes, and the transmit and receive attributes (default operation flags
+/// such as `FI_MULTI_RECV` among them), as fi_getinfo gave them to the listener.
+#[derive(Clone, Copy, Debug)]
+pub struct ListenAttrs {
+    pub caps: u64,
+    pub mode: u64,
+    pub tx: abi::fi_tx_attr,
+    pub rx: abi::fi_rx_attr,
 }
 
 /// A connection request not yet answered.
@@ -90,6 +106,7 @@ impl State {
             addr: make_addr(ip, service),
             eq: None,
             listening: false,
+            attrs: None,
         })
     }
 
@@ -254,6 +271,7 @@ impl State {
                 fid: 0,
                 connreq: None,
                 data: entry.to_vec(),
+                listen: None,
                 written: true,
             }),
         );
@@ -280,8 +298,10 @@ impl State {
         from: AhAttr,
         private: &[u8],
     ) -> bool {
-        let Some((key, eq)) = self.objs.iter().find_map(|(&k, o)| match o {
-            Obj::Pep(p) if p.listening && p.nic == nic && p.service == service => Some((k, p.eq)),
+        let Some((key, eq, listen)) = self.objs.iter().find_map(|(&k, o)| match o {
+            Obj::Pep(p) if p.listening && p.nic == nic && p.service == service => {
+                Some((k, p.eq, p.attrs))
+            }
             _ => None,
         }) else {
             return false;
@@ -302,6 +322,7 @@ impl State {
                 fid: key,
                 connreq: Some((nic, handle)),
                 data: private.to_vec(),
+                listen,
                 written: false,
             }),
         );
@@ -331,6 +352,7 @@ impl State {
                 fid: ep,
                 connreq: None,
                 data,
+                listen: None,
                 written: false,
             }),
             MsgCm::Refused => Err(EqErr {
@@ -346,6 +368,7 @@ impl State {
                 fid: ep,
                 connreq: None,
                 data: Vec::new(),
+                listen: None,
                 written: false,
             }),
         };

@@ -63,7 +63,9 @@ static void getinfo(void)
 {
 	struct fi_info *h = ct_hints(FI_MSG | FI_RMA, 1);
 	h->ep_attr->type = FI_EP_MSG;
+	h->tx_attr->op_flags = FI_COMPLETION;
 	REQUIRE(fi_getinfo(CT_VERSION, NULL, NULL, 0, h, &list) == 0);
+	CHECK_EQ(list->tx_attr->op_flags, FI_COMPLETION);
 	REQUIRE(list && list->next);
 	CHECK_EQ(list->ep_attr->type, FI_EP_MSG);
 	CHECK(list->caps & FI_RMA);
@@ -136,9 +138,13 @@ static struct fid_ep *handshake(struct fid_ep *b, int accept)
 	if (!c.e.info)
 		return NULL;
 	CHECK_EQ(c.e.info->ep_attr->type, FI_EP_MSG);
-	/* The modes of the offer without hints: remote CQ data consumes a posted receive. */
-	CHECK(c.e.info->mode & FI_RX_CQ_DATA);
-	CHECK(c.e.info->rx_attr->mode & FI_RX_CQ_DATA);
+	/* What the listener's info asked (its modes, capabilities and default operation
+	 * flags) holds for the endpoint that accepts. */
+	CHECK_EQ(c.e.info->caps, list->caps);
+	CHECK_EQ(c.e.info->mode, list->mode);
+	CHECK_EQ(c.e.info->rx_attr->mode, list->rx_attr->mode);
+	CHECK_EQ(c.e.info->tx_attr->op_flags, FI_COMPLETION);
+	CHECK_EQ(c.e.info->rx_attr->op_flags, list->rx_attr->op_flags);
 	/* The fabric progresses while the request waits for its answer (which must not make
 	 * its connection manager drop it). */
 	struct cm_entry other;
@@ -165,6 +171,43 @@ static struct fid_ep *handshake(struct fid_ep *b, int accept)
 	CHECK_EQ(ev, FI_CONNECTED);
 	CHECK(c.e.fid == &a->fid);
 	return a;
+}
+
+/* A multi-receive buffer of A (FI_MULTI_RECV on a connection): B sends `n` messages of
+ * 1000 bytes at once, which land one after the other in it; the one that leaves less than
+ * FI_OPT_MIN_MULTI_RECV (1000) free carries FI_MULTI_RECV. */
+static void multi_recv(struct fid_ep *a, struct fid_ep *b, int n)
+{
+	struct fi_cq_tagged_entry e;
+	size_t min = 1000;
+	CHECK_EQ(fi_setopt(&a->fid, FI_OPT_ENDPOINT, FI_OPT_MIN_MULTI_RECV, &min, sizeof(min)), 0);
+	struct iovec iov = {.iov_base = abuf + 40000, .iov_len = 1000 * n + 500};
+	void *desc = fi_mr_desc(amr);
+	struct fi_msg m = {.msg_iov = &iov, .desc = &desc, .iov_count = 1, .context = (void *)0xa5};
+	/* A plain receive before it takes the first message. */
+	CHECK_EQ(fi_recv(a, abuf + 30000, 64, fi_mr_desc(amr), 0, (void *)0xa6), 0);
+	CHECK_EQ(fi_recvmsg(a, &m, FI_MULTI_RECV), 0);
+	CHECK_EQ(fi_send(b, bbuf, 10, fi_mr_desc(bmr), 0, (void *)0xb6), 0);
+	CHECK(ct_wait(cqb, &e) && e.op_context == (void *)0xb6);
+	CHECK(ct_wait(cqa, &e) && e.op_context == (void *)0xa6 && e.len == 10);
+	/* One posted after it waits for its release. */
+	CHECK_EQ(fi_recv(a, abuf + 30000, 64, fi_mr_desc(amr), 0, (void *)0xa7), 0);
+	for (int i = 0; i < n; i++) {
+		ct_fill(bbuf + 1000 * i, 1000, 40 + i);
+		CHECK_EQ(fi_send(b, bbuf + 1000 * i, 1000, fi_mr_desc(bmr), 0, (void *)0xb5), 0);
+	}
+	for (int i = 0; i < n; i++) {
+		CHECK(ct_wait(cqb, &e) && e.op_context == (void *)0xb5);
+		if (!ct_wait(cqa, &e)) {
+			CHECK(!"a multi-receive completion");
+			return;
+		}
+		CHECK(e.op_context == (void *)0xa5);
+		CHECK_EQ(e.len, 1000);
+		CHECK(e.buf == abuf + 40000 + 1000 * i);
+		CHECK(ct_same(e.buf, 1000, 40 + i));
+		CHECK_EQ(!!(e.flags & FI_MULTI_RECV), i == n - 1);
+	}
 }
 
 static void traffic(struct fid_ep *a, struct fid_ep *b)
@@ -228,6 +271,7 @@ int main(void)
 	CHECK_EQ(fi_getopt(&b->fid, FI_OPT_ENDPOINT, FI_OPT_CM_DATA_SIZE, &v, &vl), 0);
 	CHECK(v >= 32);
 	traffic(a, b);
+	multi_recv(a, b, 5);
 
 	/* A second endpoint of B, rejected. */
 	struct fid_ep *b2 = ep_open(db, list->next, eqb, cqb);
