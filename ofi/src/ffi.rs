@@ -212,9 +212,10 @@ unsafe extern "C" fn obj_control(fid: *mut abi::fid, cmd: c_int, arg: *mut c_voi
                 let cntr = unsafe { w.as_ref() }.map(|w| w.triggering_cntr as usize);
                 st.flush_work(key, cntr).map(|()| 0)
             }
-            (Kind::Cq | Kind::Eq | Kind::Wait, c @ (abi::FI_GETWAIT | abi::FI_GETWAITOBJ)) => {
-                get_wait(st, key, c == abi::FI_GETWAIT, arg).map(|()| 0)
-            }
+            (
+                Kind::Cq | Kind::Eq | Kind::Wait | Kind::Cntr,
+                c @ (abi::FI_GETWAIT | abi::FI_GETWAITOBJ),
+            ) => get_wait(st, key, c == abi::FI_GETWAIT, arg).map(|()| 0),
             (Kind::Ep | Kind::Alias, c @ (abi::FI_GETOPSFLAG | abi::FI_SETOPSFLAG)) => {
                 ops_flags(st, key, c == abi::FI_SETOPSFLAG, arg as *mut u64).map(|()| 0)
             }
@@ -233,6 +234,7 @@ fn get_wait(st: &mut State, key: usize, fd: bool, arg: *mut c_void) -> Result<()
     let (obj, wait) = match st.objs.get(&key) {
         Some(Obj::Cq(c)) => (c.wait_obj, c.wait.as_ref().map(prov::FdWait::fd)),
         Some(Obj::Eq(e)) => (e.wait_obj, e.wait.as_ref().map(prov::FdWait::fd)),
+        Some(Obj::Cntr(c)) => (c.wait_obj, c.wait.as_ref().map(prov::FdWait::fd)),
         // A wait set of FI_WAIT_YIELD has no descriptor to give.
         Some(Obj::Wait(w)) => (
             w.wait_obj,
@@ -1245,7 +1247,7 @@ unsafe extern "C" fn cntr_open(
         if out.is_null() {
             return Err(abi::FI_EINVAL);
         }
-        let mut joins = None;
+        let (mut joins, mut fd, mut wait_obj) = (None, None, abi::fi_wait_obj_FI_WAIT_NONE);
         // SAFETY: NULL or the caller's attributes (fi_cntr_open(3)).
         if let Some(a) = unsafe { attr.as_ref() } {
             if a.events != abi::fi_cntr_events_FI_CNTR_EVENTS_COMP {
@@ -1262,14 +1264,18 @@ unsafe extern "C" fn cntr_open(
                 abi::fi_wait_obj_FI_WAIT_SET => {
                     joins = Some(wait_set_of(st, dom as usize, a.wait_set)?);
                 }
-                abi::fi_wait_obj_FI_WAIT_FD | abi::fi_wait_obj_FI_WAIT_POLLFD => {
-                    return Err(abi::FI_ENOSYS)
-                }
+                abi::fi_wait_obj_FI_WAIT_FD => fd = Some(prov::FdWait::new()?),
+                abi::fi_wait_obj_FI_WAIT_POLLFD => return Err(abi::FI_ENOSYS),
                 _ => return Err(abi::FI_EINVAL),
             }
+            wait_obj = a.wait_obj;
         }
         let mut c = st.new_cntr(dom as usize)?;
         c.wait_set = joins.map(|w| (w, c.c.read()));
+        c.seen = c.c.read();
+        c.wait_obj = wait_obj;
+        let has_fd = fd.is_some();
+        c.wait = fd;
         let p = publish(
             st,
             abi::fid_cntr {
@@ -1278,6 +1284,9 @@ unsafe extern "C" fn cntr_open(
             },
             Obj::Cntr(c),
         );
+        if has_fd {
+            st.fd_waits.insert(p as usize);
+        }
         st.parents.insert(p as usize, dom as usize);
         put(out, p).map(|()| 0)
     })
@@ -1306,11 +1315,21 @@ fn cntr_values(c: *mut abi::fid_cntr) -> Result<(u64, u64), Errno> {
 }
 
 unsafe extern "C" fn cntr_read(c: *mut abi::fid_cntr) -> u64 {
-    cntr_values(c).map_or(0, |v| v.0)
+    cntr_values_seen(c).map_or(0, |v| v.0)
 }
 
 unsafe extern "C" fn cntr_readerr(c: *mut abi::fid_cntr) -> u64 {
-    cntr_values(c).map_or(0, |v| v.1)
+    cntr_values_seen(c).map_or(0, |v| v.1)
+}
+
+/// [`cntr_values`], as the application reads them: a descriptor of the counter quiets.
+fn cntr_values_seen(c: *mut abi::fid_cntr) -> Result<(u64, u64), Errno> {
+    with_cntr(c, |st, k| {
+        st.progress();
+        let v = st.cntr(k)?.read();
+        st.cntr_seen(k, v);
+        Ok(v)
+    })
 }
 
 /// Applies `f` to counter `c`'s device counter.

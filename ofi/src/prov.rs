@@ -214,6 +214,13 @@ pub struct Cntr {
     /// The wait set it belongs to (`FI_WAIT_SET`), with its values (success, error) as
     /// `fi_wait` last reported them.
     pub wait_set: Option<(usize, (u64, u64))>,
+    /// Its descriptor (`FI_WAIT_FD`, [`wait`]), readable while its values (success,
+    /// error) differ from `seen`: the values the application last read, or that
+    /// `fi_trywait` last reported.
+    pub wait: Option<FdWait>,
+    pub seen: (u64, u64),
+    /// The wait object it was opened with.
+    pub wait_obj: u32,
 }
 
 /// The counters bound to an endpoint (`fi_ep_bind` with a counter), by key.
@@ -463,6 +470,9 @@ pub struct State {
     pub parents: HashMap<usize, usize>,
     /// COUNTER events of armed counters (the provider's timing ops), by NIC.
     pub cntr_events: HashMap<usize, Vec<ringbell::AsyncEvent>>,
+    /// The counters (NIC, number) armed by the timing ops, whose events are kept; those
+    /// `fi_trywait` arms only wake.
+    pub timing_armed: std::collections::BTreeSet<(usize, u32)>,
     /// Whether `fi_trywait` has armed the NICs' interrupts: progress then clears them
     /// (a system call a round, which polling alone does not pay).
     pub irq_armed: bool,

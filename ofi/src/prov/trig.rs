@@ -185,6 +185,12 @@ impl State {
     /// Arms counter `key`: the device notes the time its success value reaches `threshold`
     /// (see [`State::cntr_reached`]).
     pub fn cntr_arm(&mut self, key: usize, threshold: u64) -> Result<(), Errno> {
+        let (dom, num) = match self.objs.get(&key) {
+            Some(Obj::Cntr(c)) => (c.domain, c.c.num()),
+            _ => return Err(EINVAL),
+        };
+        let nic = self.domain(dom)?.nic;
+        self.timing_armed.insert((nic, num));
         self.cntr(key)?.arm(threshold).map_err(|_| abi::FI_EIO)
     }
 
@@ -224,6 +230,9 @@ impl State {
             domain: dom,
             c,
             wait_set: None,
+            wait: None,
+            seen: (0, 0),
+            wait_obj: abi::fi_wait_obj_FI_WAIT_NONE,
         })
     }
 

@@ -174,8 +174,21 @@ impl State {
                 let ready = !e.events.is_empty() || !e.errs.is_empty();
                 e.wait.as_mut().map(|w| (w, ready))
             }
+            Obj::Cntr(c) => {
+                let ready = c.wait.is_some() && c.c.read() != c.seen;
+                c.wait.as_mut().map(|w| (w, ready))
+            }
             _ => None,
         }
+    }
+
+    /// Counter `key`'s values as the application has now seen them (`fi_cntr_read`,
+    /// `fi_cntr_readerr`): its descriptor quiets until they change.
+    pub fn cntr_seen(&mut self, key: usize, now: (u64, u64)) {
+        if let Some(Obj::Cntr(c)) = self.objs.get_mut(&key) {
+            c.seen = now;
+        }
+        self.wait_sync(key);
     }
 
     /// Brings queue `key`'s eventfd in line with what the queue holds.
@@ -209,7 +222,9 @@ impl State {
             }
         }
         while let Some(e) = dev.poll_event() {
-            if e.kind == ringbell_specs::cqe::EventType::Counter {
+            if e.kind == ringbell_specs::cqe::EventType::Counter
+                && self.timing_armed.contains(&(nic, e.obj))
+            {
                 self.cntr_events.entry(nic).or_default().push(e);
             }
         }
@@ -241,8 +256,9 @@ impl State {
         }
     }
 
-    /// `fi_trywait`: `-FI_EAGAIN` when one of `keys` (CQs and EQs with an `FI_WAIT_FD`
-    /// wait object, wait sets) holds something or the in-process fabric still moves; else every
+    /// `fi_trywait`: `-FI_EAGAIN` when one of `keys` (CQs, EQs and counters with an
+    /// `FI_WAIT_FD` wait object, wait sets) holds something (a counter: changed since it
+    /// was last read or reported) or the in-process fabric still moves; else every
     /// hardware source of work is armed to interrupt and the caller may block on the
     /// descriptors. Any other object is `-FI_EINVAL`.
     pub fn trywait(&mut self, keys: &[usize]) -> Result<(), Errno> {
@@ -257,10 +273,19 @@ impl State {
         // Two rounds: an idle in-process fabric's clock may have run to a timer in the
         // first, whose event the second then takes.
         let moved = self.progress() | self.progress();
+        let mut ready = false;
         for &k in keys {
             if let Some((_, true)) = self.wait_of(k) {
-                return Err(EAGAIN);
+                ready = true;
+                // A counter's change is reported once (as by a read of it).
+                if let Some(Obj::Cntr(c)) = self.objs.get_mut(&k) {
+                    c.seen = c.c.read();
+                }
             }
+        }
+        if ready {
+            self.wait_sync_all();
+            return Err(EAGAIN);
         }
         let served: Vec<usize> = self
             .nics
@@ -288,6 +313,14 @@ impl State {
         // a connection manager. Arming with completions already written fires at once.
         for n in self.nics.values() {
             n.cm.arm();
+        }
+        // A counter with a descriptor also counts what makes no completion (remote
+        // writes and reads): its device counter raises an event at the next success or
+        // at any error.
+        for &k in keys {
+            if let Some(Obj::Cntr(c)) = self.objs.get(&k) {
+                c.c.arm(c.seen.0 + 1).map_err(|_| abi::FI_EIO)?;
+            }
         }
         for o in self.objs.values() {
             if let Obj::Ep(e) = o {

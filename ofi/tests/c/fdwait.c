@@ -10,7 +10,7 @@
  * readable while an entry waits, a waiter woken by another thread's send, a connection
  * of FI_EP_MSG endpoints whose event queues are waited on the same way (and events the
  * application writes to them, fi_eq_write), and a wait set
- * (fi_wait_open, fi_wait) of a CQ and a counter.
+ * (fi_wait_open, fi_wait) of a CQ and a counter, and a counter with a descriptor.
  */
 #include "ctest.h"
 #include <poll.h>
@@ -282,6 +282,76 @@ static void wait_set(void)
 	CHECK_EQ(fi_close(&set->fid), 0);
 }
 
+/* A counter with a descriptor (FI_WAIT_FD): quiet until it changes, fi_trywait reports a
+ * change once, a read quiets it, and a receive counted on it wakes a waiter. */
+static void counter_waits(void)
+{
+	struct fi_cntr_attr attr = {.events = FI_CNTR_EVENTS_COMP, .wait_obj = FI_WAIT_FD};
+	struct fid_cntr *cntr = NULL;
+	REQUIRE(fi_cntr_open(P.b.dom, &attr, &cntr, NULL) == 0);
+	enum fi_wait_obj w = FI_WAIT_NONE;
+	CHECK_EQ(fi_control(&cntr->fid, FI_GETWAITOBJ, &w), 0);
+	CHECK_EQ(w, FI_WAIT_FD);
+	int fd = wait_fd(&cntr->fid);
+	struct fid *f = &cntr->fid;
+	int t = -FI_EAGAIN;
+	for (int i = 0; i < 100000 && t == -FI_EAGAIN; i++)
+		t = fi_trywait(P.fab, &f, 1);
+	CHECK_EQ(t, 0);
+	if (!served)
+		CHECK_EQ(readable(fd, 0), 0);
+	/* A change: readable once progress saw it; fi_trywait reports it once. */
+	CHECK_EQ(fi_cntr_add(cntr, 2), 0);
+	struct fi_cq_tagged_entry e;
+	(void)fi_cq_read(P.b.cq, &e, 1);
+	CHECK_EQ(readable(fd, 0), 1);
+	CHECK_EQ(fi_trywait(P.fab, &f, 1), -FI_EAGAIN);
+	t = -FI_EAGAIN;
+	for (int i = 0; i < 100000 && t == -FI_EAGAIN; i++)
+		t = fi_trywait(P.fab, &f, 1);
+	CHECK_EQ(t, 0);
+	CHECK_EQ(fi_cntr_read(cntr), 2);
+	if (!served)
+		CHECK_EQ(readable(fd, 0), 0);
+
+	/* Receives of a new endpoint of B counted on it. */
+	struct fi_cq_attr cattr = {.format = FI_CQ_FORMAT_TAGGED, .size = 64};
+	struct fid_cq *cq = NULL;
+	REQUIRE(fi_cq_open(P.b.dom, &cattr, &cq, NULL) == 0);
+	struct fid_ep *eb = NULL;
+	char name[64];
+	size_t len = sizeof(name);
+	fi_addr_t to_b;
+	REQUIRE(fi_endpoint(P.b.dom, P.b.info, &eb, NULL) == 0);
+	REQUIRE(fi_ep_bind(eb, &P.b.av->fid, 0) == 0);
+	REQUIRE(fi_ep_bind(eb, &cq->fid, FI_TRANSMIT | FI_RECV) == 0);
+	REQUIRE(fi_ep_bind(eb, &cntr->fid, FI_RECV) == 0);
+	REQUIRE(fi_enable(eb) == 0);
+	REQUIRE(fi_getname(&eb->fid, name, &len) == 0);
+	REQUIRE(fi_av_insert(P.a.av, name, 1, &to_b, 0, NULL) == 1);
+	CHECK_EQ(fi_recv(eb, bbuf, 4096, fi_mr_desc(bmr), FI_ADDR_UNSPEC, (void *)0xd1), 0);
+	t = -FI_EAGAIN;
+	for (int i = 0; i < 100000 && t == -FI_EAGAIN; i++)
+		t = fi_trywait(P.fab, &f, 1);
+	CHECK_EQ(t, 0);
+	ct_fill(abuf, 700, 31);
+	CHECK_EQ(fi_send(P.a.ep, abuf, 700, fi_mr_desc(amr), to_b, (void *)0xd2), 0);
+	if (served)
+		/* Nothing here progresses: the NIC's interrupt wakes the waiter. */
+		CHECK_EQ(readable(fd, 10000), 1);
+	double end = ct_now() + 30;
+	while (fi_cntr_read(cntr) < 3 && ct_now() < end)
+		if (try_block(&cntr->fid, fd) < 0)
+			break;
+	CHECK_EQ(fi_cntr_read(cntr), 3);
+	CHECK(ct_same(bbuf, 700, 31));
+	CHECK(ct_wait(P.a.cq, &e) && e.op_context == (void *)0xd2);
+	CHECK(ct_wait(cq, &e) && e.op_context == (void *)0xd1);
+	CHECK_EQ(fi_close(&eb->fid), 0);
+	CHECK_EQ(fi_close(&cq->fid), 0);
+	CHECK_EQ(fi_close(&cntr->fid), 0);
+}
+
 struct cm_entry {
 	struct fi_eq_cm_entry e;
 	char data[64];
@@ -418,6 +488,7 @@ int main(int argc, char **argv)
 		interrupt_wakes();
 	connection();
 	wait_set();
+	counter_waits();
 	/* In-process, fi_trywait said FI_SUCCESS only when nothing could come; served, every
 	 * sleep ended in a wake-up (no block timed out). */
 	CHECK_EQ(missed, 0);

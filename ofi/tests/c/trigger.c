@@ -123,7 +123,7 @@ static void test_counter_calls(void)
 	struct fid_cntr *x = NULL;
 	CHECK_EQ(fi_cntr_open(A.dom, &bad, &x, NULL), -FI_ENOSYS);
 	bad.events = FI_CNTR_EVENTS_COMP;
-	bad.wait_obj = FI_WAIT_FD;
+	bad.wait_obj = FI_WAIT_POLLFD;
 	CHECK_EQ(fi_cntr_open(A.dom, &bad, &x, NULL), -FI_ENOSYS);
 	bad.wait_obj = FI_WAIT_UNSPEC;
 	bad.flags = 1;
