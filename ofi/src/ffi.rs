@@ -78,6 +78,7 @@ fn free_box(key: usize, k: Kind) {
             Kind::Alias => drop(Box::from_raw(key as *mut abi::fid_ep)),
             Kind::Poll => drop(Box::from_raw(key as *mut abi::fid_poll)),
             Kind::Wait => drop(Box::from_raw(key as *mut abi::fid_wait)),
+            Kind::Stx => drop(Box::from_raw(key as *mut abi::fid_stx)),
         }
     }
 }
@@ -161,6 +162,14 @@ unsafe extern "C" fn obj_bind(fid: *mut abi::fid, bfid: *mut abi::fid, flags: u6
         }
         match kind {
             Kind::Av => ep.av = Some(b),
+            // A shared transmit context of the endpoint's own domain.
+            Kind::Stx => {
+                let dom = ep.domain;
+                if st.parents.get(&b) != Some(&dom) {
+                    return Err(abi::FI_EINVAL);
+                }
+                st.ep_mut(key)?.stx = Some(b);
+            }
             Kind::Cq => {
                 if flags & abi::FI_TRANSMIT as u64 != 0 {
                     ep.txcq = Some(b);
@@ -1183,14 +1192,38 @@ static POLL_OPS: abi::fi_ops_poll = abi::fi_ops_poll {
     poll_add: Some(poll_add),
     poll_del: Some(poll_del),
 };
-enosys!(
-    no_stx_ctx(
-        *mut abi::fid_domain,
-        *mut abi::fi_tx_attr,
-        *mut *mut abi::fid_stx,
-        *mut c_void,
-    ) -> c_int
-);
+/// `fi_stx_context`: a shared transmit context of the domain (see `prov::Obj::Stx`).
+/// `attr`, when given, may ask for no more than an endpoint's transmit queue.
+unsafe extern "C" fn stx_ctx(
+    dom: *mut abi::fid_domain,
+    attr: *mut abi::fi_tx_attr,
+    out: *mut *mut abi::fid_stx,
+    context: *mut c_void,
+) -> c_int {
+    run(|st| {
+        st.check(dom as usize, Kind::Domain)?;
+        if out.is_null() {
+            return Err(abi::FI_EINVAL);
+        }
+        // SAFETY: NULL or the caller's attributes (fi_endpoint(3)).
+        if let Some(a) = unsafe { attr.as_ref() } {
+            let o = crate::info::Offer::for_nic("");
+            if a.size > o.tx_size || a.iov_limit > o.iov_limit || a.inject_size > o.inject_size {
+                return Err(abi::FI_EINVAL);
+            }
+        }
+        let p = publish(
+            st,
+            abi::fid_stx {
+                fid: fid_of(abi::FI_CLASS_STX_CTX, context),
+                ops: &EP_OPS as *const _ as *mut _,
+            },
+            Obj::Stx,
+        );
+        st.parents.insert(p as usize, dom as usize);
+        put(out, p).map(|()| 0)
+    })
+}
 enosys!(
     no_srx_ctx(
         *mut abi::fid_domain,
@@ -1225,7 +1258,7 @@ static DOMAIN_OPS: abi::fi_ops_domain = abi::fi_ops_domain {
     scalable_ep: Some(no_scalable_ep),
     cntr_open: Some(cntr_open),
     poll_open: Some(poll_open),
-    stx_ctx: Some(no_stx_ctx),
+    stx_ctx: Some(stx_ctx),
     srx_ctx: Some(no_srx_ctx),
     query_atomic: Some(dom_query_atomic),
     query_collective: Some(no_query_collective),

@@ -150,6 +150,9 @@ pub struct Offer {
     pub dest_addr: Option<Vec<u8>>,
     /// The local address (the NIC's, with no endpoint).
     pub src_addr: Option<Vec<u8>>,
+    /// Endpoints take a shared transmit context (`tx_ctx_cnt` `FI_SHARED_CONTEXT`,
+    /// `fi_stx_context`), as the hints asked.
+    pub shared_tx: bool,
 }
 
 impl Offer {
@@ -175,6 +178,7 @@ impl Offer {
             rx_op_flags: 0,
             dest_addr: None,
             src_addr: None,
+            shared_tx: false,
         }
     }
 }
@@ -382,9 +386,11 @@ pub fn match_offer(version: u32, hints: &Hints, offer: &Offer) -> Result<Offer, 
     if hints.max_msg_size > offer.max_msg_size {
         return Err(NoMatch::MsgSize);
     }
-    // One transmit and one receive context per endpoint, of its own (fi_endpoint(3)):
-    // FI_SHARED_CONTEXT (SIZE_MAX) and scalable endpoints are not offered.
-    if hints.ctx_cnt.0 > 1 || hints.ctx_cnt.1 > 1 {
+    // One transmit and one receive context per endpoint (fi_endpoint(3)); the transmit
+    // context may be a shared one (FI_SHARED_CONTEXT, SIZE_MAX: fi_stx_context). Shared
+    // receive contexts and scalable endpoints are not offered.
+    let shared_tx = hints.ctx_cnt.0 == usize::MAX;
+    if (hints.ctx_cnt.0 > 1 && !shared_tx) || hints.ctx_cnt.1 > 1 {
         return Err(NoMatch::Contexts);
     }
     if hints.caps & FI_TAGGED != 0
@@ -411,6 +417,7 @@ pub fn match_offer(version: u32, hints: &Hints, offer: &Offer) -> Result<Offer, 
         return Err(NoMatch::CqData);
     }
     let mut out = offer.clone();
+    out.shared_tx = shared_tx;
     // Memory registration: without FI_MR_LOCAL in the hints the provider registers (or
     // copies) local buffers itself, and drops the bits the application does not handle.
     if let Some(m) = hints.mr_mode {
@@ -505,7 +512,7 @@ mod tests {
     }
 
     #[test]
-    fn shared_and_scalable_contexts_are_not_offered() {
+    fn shared_receive_and_scalable_contexts_are_not_offered() {
         for offer in [
             rb0(),
             Offer::dgram_for_nic("rb0"),
@@ -522,7 +529,11 @@ mod tests {
                 )
             };
             assert!(h((0, 0)).is_ok() && h((1, 1)).is_ok());
-            for ctx in [(usize::MAX, 0), (0, usize::MAX), (2, 1), (1, 4)] {
+            assert!(!h((1, 1)).unwrap().shared_tx);
+            // A shared transmit context is offered (as the hints asked), nothing more.
+            assert!(h((usize::MAX, 0)).unwrap().shared_tx);
+            assert!(h((usize::MAX, 1)).unwrap().shared_tx);
+            for ctx in [(0, usize::MAX), (usize::MAX, usize::MAX), (2, 1), (1, 4)] {
                 assert_eq!(h(ctx), Err(NoMatch::Contexts), "{ctx:?}");
             }
         }

@@ -141,6 +141,7 @@ pub enum Kind {
     Alias,
     Poll,
     Wait,
+    Stx,
 }
 
 /// A completion as libfabric's CQ formats carry it.
@@ -347,6 +348,8 @@ pub struct Ep {
     pub named: bool,
     pub av: Option<usize>,
     pub txcq: Option<usize>,
+    /// The shared transmit context it is bound to (`fi_ep_bind` of an stx).
+    pub stx: Option<usize>,
     pub rxcq: Option<usize>,
     pub tx_selective: bool,
     pub rx_selective: bool,
@@ -411,6 +414,10 @@ pub enum Obj {
     Alias(Alias),
     Poll(Poll),
     Wait(WaitSet),
+    /// A shared transmit context (`fi_stx_context`) of a domain. Endpoints bound to it
+    /// send as they would on contexts of their own: sharing is the application's way to
+    /// bound resources, and each endpoint's sends keep their order and completions.
+    Stx,
 }
 
 /// A poll set (`fi_poll_open`, fi_poll(3)): CQs and counters of one domain, checked for
@@ -448,6 +455,7 @@ impl Obj {
             Obj::Alias(_) => Kind::Alias,
             Obj::Poll(_) => Kind::Poll,
             Obj::Wait(_) => Kind::Wait,
+            Obj::Stx => Kind::Stx,
         }
     }
 }
@@ -547,6 +555,7 @@ impl State {
             }
             Some(Kind::Av) => bound(&|e| e.av == Some(key)),
             Some(Kind::Cntr) => self.cntr_bound(key) || self.polled(key),
+            Some(Kind::Stx) => bound(&|e| e.stx == Some(key)),
             // A wait set outlives its members (fi_wait(3)).
             Some(Kind::Wait) => self.objs.values().any(|o| match o {
                 Obj::Cq(c) => c.wait_set == Some(key),
@@ -805,6 +814,7 @@ impl State {
             named: named.is_some(),
             av: None,
             txcq: None,
+            stx: None,
             rxcq: None,
             tx_selective: false,
             rx_selective: false,

@@ -187,6 +187,12 @@ fn c_fd_waits() {
     run_served("fdwait", &[&["served"]]);
 }
 
+/// Shared transmit contexts (`fi_stx_context`).
+#[test]
+fn c_shared_tx() {
+    run("shared_tx", &[&[]]);
+}
+
 #[test]
 fn c_dgram() {
     run("dgram", &[&["nolocal"], &["local"]]);
