@@ -892,7 +892,9 @@ impl State {
             self.listen_on(nic, service)?;
         }
         let e = self.ep_mut(ep)?;
-        if e.named {
+        // A connected endpoint is reached through its peer's passive endpoint, never by
+        // its own number: only an RDM endpoint, which listens on it, is published.
+        if e.named && !connected {
             names::publish(service, nic, None);
         }
         e.srq = Some(srq);
@@ -1873,10 +1875,11 @@ impl State {
         if !ep.enabled {
             return;
         }
-        // Only an RDM endpoint listens; a datagram one may be published all the same.
+        // Only an RDM endpoint listens; a datagram one may be published all the same (a
+        // connected one never is).
         if ep.dgram.is_none() && ep.msg.is_none() {
             self.stop_listening(ep.nic, ep.service, ep.named);
-        } else if ep.named {
+        } else if ep.named && ep.dgram.is_some() {
             names::unpublish(ep.service, ep.nic);
         }
     }

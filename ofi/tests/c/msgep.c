@@ -242,6 +242,45 @@ static void traffic(struct fid_ep *a, struct fid_ep *b)
 	CHECK(ct_same(bbuf + 32768, 5000, 3));
 }
 
+/* A passive endpoint on rb0 and a connected endpoint on rb1 opened from infos naming the
+ * same service number (FI_SOURCE): a connection to this host's address and that number
+ * reaches the listener (the connected endpoint does not take the number over). */
+static void named_listener(void)
+{
+	static const char *service = "47123";
+	struct fi_info *h = ct_hints(FI_MSG, 1), *src = NULL, *dst = NULL;
+	h->ep_attr->type = FI_EP_MSG;
+	REQUIRE(fi_getinfo(CT_VERSION, NULL, service, FI_SOURCE, h, &src) == 0);
+	REQUIRE(src && src->next);
+	REQUIRE(fi_getinfo(CT_VERSION, "127.0.0.1", service, 0, h, &dst) == 0);
+	fi_freeinfo(h);
+	struct fid_pep *p2 = NULL;
+	REQUIRE(fi_passive_ep(fab, src, &p2, NULL) == 0);
+	REQUIRE(fi_pep_bind(p2, &eqa->fid, 0) == 0);
+	REQUIRE(fi_listen(p2) == 0);
+	struct fid_ep *same = ep_open(db, src->next, eqb, cqb);
+	struct fid_ep *b4 = ep_open(db, list->next, eqb, cqb);
+	CHECK_EQ(fi_connect(b4, dst->dest_addr, NULL, 0), 0);
+	struct cm_entry c;
+	uint32_t ev = 0;
+	CHECK(next_event(eqa, &ev, &c) >= (ssize_t)sizeof(c.e));
+	CHECK_EQ(ev, FI_CONNREQ);
+	CHECK(c.e.fid == &p2->fid);
+	if (c.e.info) {
+		CHECK_EQ(fi_reject(p2, c.e.info->handle, NULL, 0), 0);
+		fi_freeinfo(c.e.info);
+		struct fi_eq_err_entry err = {0};
+		CHECK_EQ(next_event(eqb, &ev, &c), -FI_EAVAIL);
+		CHECK_EQ(fi_eq_readerr(eqb, &err, 0), sizeof(err));
+		CHECK_EQ(err.err, FI_ECONNREFUSED);
+	}
+	CHECK_EQ(fi_close(&b4->fid), 0);
+	CHECK_EQ(fi_close(&same->fid), 0);
+	CHECK_EQ(fi_close(&p2->fid), 0);
+	fi_freeinfo(src);
+	fi_freeinfo(dst);
+}
+
 int main(void)
 {
 	ct_name = "msgep";
@@ -272,6 +311,8 @@ int main(void)
 	CHECK(v >= 32);
 	traffic(a, b);
 	multi_recv(a, b, 5);
+
+	named_listener();
 
 	/* A second endpoint of B, rejected. */
 	struct fid_ep *b2 = ep_open(db, list->next, eqb, cqb);
