@@ -1,5 +1,5 @@
-//! File-descriptor wait objects (`FI_WAIT_FD`) of completion and event queues, and
-//! `fi_trywait`.
+//! File-descriptor wait objects (`FI_WAIT_FD`) of completion queues, event queues and
+//! counters, wait sets, and `fi_trywait`.
 //!
 //! The descriptor `fi_control(FI_GETWAIT)` hands out is an epoll instance, so one
 //! `poll`/`epoll_wait` on it wakes for either of two things:
@@ -13,6 +13,11 @@
 //!   raises an interrupt. The application then wakes, reads the queue (which runs the
 //!   provider's progress and clears the interrupt) and, if the work was the provider's own,
 //!   calls `fi_trywait` again.
+//!
+//! A counter's descriptor is readable while its values differ from those the application
+//! last read or `fi_trywait` last reported; `fi_trywait` also arms the NIC's counter, as
+//! a remote write it counts makes no completion. (Its values are read from the NIC's
+//! registers: on a served NIC, four register reads a round of progress per such counter.)
 //!
 //! A wait set (`fi_wait_open`) holds the CQs and counters opened with `FI_WAIT_SET` and
 //! it: `fi_wait` returns once one of them has something (a CQ an entry or an error, a
@@ -138,8 +143,7 @@ impl State {
                     ready |= !c.entries.is_empty() || !c.errs.is_empty();
                 }
                 Obj::Cntr(c) => {
-                    if let Some((w, seen)) = c.wait_set.as_mut().filter(|(w, _)| *w == set) {
-                        let _ = w;
+                    if let Some((_, seen)) = c.wait_set.as_mut().filter(|(w, _)| *w == set) {
                         let now = c.c.read();
                         if now != *seen {
                             ready = true;
