@@ -162,6 +162,16 @@ unsafe extern "C" fn obj_bind(fid: *mut abi::fid, bfid: *mut abi::fid, flags: u6
         }
         match kind {
             Kind::Av => ep.av = Some(b),
+            // A shared receive context of the endpoint's own domain (not another
+            // endpoint, nor a context bound to one).
+            Kind::Ep => {
+                let dom = ep.domain;
+                let is_srx = matches!(st.objs.get(&b), Some(Obj::Ep(x)) if x.srx);
+                if !is_srx || st.parents.get(&b) != Some(&dom) || b == key {
+                    return Err(abi::FI_EINVAL);
+                }
+                st.ep_mut(key)?.rx_shared = Some(b);
+            }
             // A shared transmit context of the endpoint's own domain.
             Kind::Stx => {
                 let dom = ep.domain;
@@ -1224,14 +1234,41 @@ unsafe extern "C" fn stx_ctx(
         put(out, p).map(|()| 0)
     })
 }
-enosys!(
-    no_srx_ctx(
-        *mut abi::fid_domain,
-        *mut abi::fi_rx_attr,
-        *mut *mut abi::fid_ep,
-        *mut c_void,
-    ) -> c_int
-);
+/// `fi_srx_context`: a shared receive context of the domain, an endpoint that only
+/// receives (untagged messages; see `prov::State::new_srx`), bound to endpoints with
+/// `fi_ep_bind`. `attr`, when given, may ask for no more than an endpoint's receive queue.
+unsafe extern "C" fn srx_ctx(
+    dom: *mut abi::fid_domain,
+    attr: *mut abi::fi_rx_attr,
+    out: *mut *mut abi::fid_ep,
+    context: *mut c_void,
+) -> c_int {
+    run(|st| {
+        st.check(dom as usize, Kind::Domain)?;
+        if out.is_null() {
+            return Err(abi::FI_EINVAL);
+        }
+        let mut op_flags = 0;
+        // SAFETY: NULL or the caller's attributes (fi_endpoint(3)).
+        if let Some(a) = unsafe { attr.as_ref() } {
+            let o = crate::info::Offer::for_nic("");
+            if a.size > o.rx_size
+                || a.iov_limit > o.iov_limit
+                || a.caps & abi::FI_TAGGED as u64 != 0
+            {
+                return Err(abi::FI_EINVAL);
+            }
+            op_flags = a.op_flags;
+        }
+        let mut e = st.new_srx(dom as usize)?;
+        e.rx_op_flags = op_flags;
+        let mut fid = ep_fid(context);
+        fid.fid.fclass = abi::FI_CLASS_SRX_CTX as usize;
+        let p = publish(st, fid, Obj::Ep(Box::new(e)));
+        st.parents.insert(p as usize, dom as usize);
+        put(out, p).map(|()| 0)
+    })
+}
 enosys!(
     no_query_collective(
         *mut abi::fid_domain,
@@ -1259,7 +1296,7 @@ static DOMAIN_OPS: abi::fi_ops_domain = abi::fi_ops_domain {
     cntr_open: Some(cntr_open),
     poll_open: Some(poll_open),
     stx_ctx: Some(stx_ctx),
-    srx_ctx: Some(no_srx_ctx),
+    srx_ctx: Some(srx_ctx),
     query_atomic: Some(dom_query_atomic),
     query_collective: Some(no_query_collective),
     endpoint2: Some(no_endpoint2),

@@ -153,6 +153,9 @@ pub struct Offer {
     /// Endpoints take a shared transmit context (`tx_ctx_cnt` `FI_SHARED_CONTEXT`,
     /// `fi_stx_context`), as the hints asked.
     pub shared_tx: bool,
+    /// Endpoints take a shared receive context (`rx_ctx_cnt` `FI_SHARED_CONTEXT`,
+    /// `fi_srx_context`): untagged messages of RDM and connected endpoints only.
+    pub shared_rx: bool,
 }
 
 impl Offer {
@@ -179,6 +182,7 @@ impl Offer {
             dest_addr: None,
             src_addr: None,
             shared_tx: false,
+            shared_rx: false,
         }
     }
 }
@@ -390,7 +394,17 @@ pub fn match_offer(version: u32, hints: &Hints, offer: &Offer) -> Result<Offer, 
     // context may be a shared one (FI_SHARED_CONTEXT, SIZE_MAX: fi_stx_context). Shared
     // receive contexts and scalable endpoints are not offered.
     let shared_tx = hints.ctx_cnt.0 == usize::MAX;
-    if (hints.ctx_cnt.0 > 1 && !shared_tx) || hints.ctx_cnt.1 > 1 {
+    let shared_rx = hints.ctx_cnt.1 == usize::MAX;
+    if (hints.ctx_cnt.0 > 1 && !shared_tx) || (hints.ctx_cnt.1 > 1 && !shared_rx) {
+        return Err(NoMatch::Contexts);
+    }
+    // A shared receive context takes untagged messages (its endpoints share one receive
+    // queue, not a tag matcher) of RDM and connected endpoints (a datagram endpoint's UD
+    // QP has a receive queue of its own).
+    if shared_rx
+        && (offer.ep_type == abi::fi_ep_type_FI_EP_DGRAM
+            || hints.caps & PRIMARY_CAPS & FI_TAGGED != 0)
+    {
         return Err(NoMatch::Contexts);
     }
     if hints.caps & FI_TAGGED != 0
@@ -418,6 +432,7 @@ pub fn match_offer(version: u32, hints: &Hints, offer: &Offer) -> Result<Offer, 
     }
     let mut out = offer.clone();
     out.shared_tx = shared_tx;
+    out.shared_rx = shared_rx;
     // Memory registration: without FI_MR_LOCAL in the hints the provider registers (or
     // copies) local buffers itself, and drops the bits the application does not handle.
     if let Some(m) = hints.mr_mode {
@@ -476,6 +491,9 @@ pub fn match_offer(version: u32, hints: &Hints, offer: &Offer) -> Result<Offer, 
         offer.caps & PRIMARY_CAPS
     };
     out.caps = primary | (offer.caps & SECONDARY_CAPS) | (hints.caps & SECONDARY_CAPS);
+    if shared_rx {
+        out.caps &= !FI_TAGGED;
+    }
     // Remote memory is addressed by virtual address and the provider's key: an application
     // that handles neither (its mr_mode lacks FI_MR_VIRT_ADDR or FI_MR_PROV_KEY) gets no
     // RMA or atomics, and is refused if it asked for them (fi_domain(3), fi_mr(3)).
@@ -512,7 +530,7 @@ mod tests {
     }
 
     #[test]
-    fn shared_receive_and_scalable_contexts_are_not_offered() {
+    fn shared_contexts_but_not_scalable_ones_are_offered() {
         for offer in [
             rb0(),
             Offer::dgram_for_nic("rb0"),
@@ -533,8 +551,21 @@ mod tests {
             // A shared transmit context is offered (as the hints asked), nothing more.
             assert!(h((usize::MAX, 0)).unwrap().shared_tx);
             assert!(h((usize::MAX, 1)).unwrap().shared_tx);
-            for ctx in [(0, usize::MAX), (usize::MAX, usize::MAX), (2, 1), (1, 4)] {
+            for ctx in [(2, 1), (1, 4), (usize::MAX, 2)] {
                 assert_eq!(h(ctx), Err(NoMatch::Contexts), "{ctx:?}");
+            }
+            // A shared receive context: untagged messages, never on datagram endpoints.
+            for ctx in [(0, usize::MAX), (usize::MAX, usize::MAX)] {
+                match h(ctx) {
+                    Ok(o) => {
+                        assert!(offer.ep_type != abi::fi_ep_type_FI_EP_DGRAM);
+                        assert!(o.shared_rx && o.caps & FI_TAGGED == 0, "{ctx:?}");
+                    }
+                    Err(e) => {
+                        assert_eq!(offer.ep_type, abi::fi_ep_type_FI_EP_DGRAM);
+                        assert_eq!(e, NoMatch::Contexts);
+                    }
+                }
             }
         }
     }

@@ -260,7 +260,7 @@ pub(crate) fn write_info(o: &Offer) -> Option<*mut abi::fi_info> {
             (*ep).max_msg_size = o.max_msg_size;
             (*ep).mem_tag_format = info::MEM_TAG_FORMAT;
             (*ep).tx_ctx_cnt = if o.shared_tx { usize::MAX } else { 1 };
-            (*ep).rx_ctx_cnt = 1;
+            (*ep).rx_ctx_cnt = if o.shared_rx { usize::MAX } else { 1 };
             (*dom).threading = o.threading;
             (*dom).control_progress = o.progress;
             (*dom).data_progress = o.progress;

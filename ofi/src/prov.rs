@@ -350,6 +350,12 @@ pub struct Ep {
     pub txcq: Option<usize>,
     /// The shared transmit context it is bound to (`fi_ep_bind` of an stx).
     pub stx: Option<usize>,
+    /// This endpoint is a shared receive context (`fi_srx_context`): an SRQ, receives
+    /// posted to it and their operations, for the endpoints bound to it.
+    pub srx: bool,
+    /// The shared receive context it is bound to: its connections' QPs take receives
+    /// from that context's SRQ, and completions of those receives are the context's.
+    pub rx_shared: Option<usize>,
     pub rxcq: Option<usize>,
     pub tx_selective: bool,
     pub rx_selective: bool,
@@ -566,11 +572,14 @@ impl State {
             Some(Kind::Poll) => {
                 matches!(self.objs.get(&key), Some(Obj::Poll(p)) if !p.members.is_empty())
             }
-            // An endpoint is released once its aliases are closed (fi_endpoint(3)).
-            Some(Kind::Ep) => self
-                .objs
-                .values()
-                .any(|o| matches!(o, Obj::Alias(a) if a.ep == key)),
+            // An endpoint is released once its aliases are closed (fi_endpoint(3)), a
+            // shared receive context once its endpoints are.
+            Some(Kind::Ep) => {
+                self.objs
+                    .values()
+                    .any(|o| matches!(o, Obj::Alias(a) if a.ep == key))
+                    || bound(&|e| e.rx_shared == Some(key))
+            }
             _ => false,
         }
     }
@@ -815,6 +824,8 @@ impl State {
             av: None,
             txcq: None,
             stx: None,
+            srx: false,
+            rx_shared: None,
             rxcq: None,
             tx_selective: false,
             rx_selective: false,
@@ -873,21 +884,40 @@ impl State {
         };
         let sink = self.sink(dom)?;
         let connected = self.objs_ep(ep)?.msg.is_some();
+        let shared = self.objs_ep(ep)?.rx_shared;
         let (srq, cq, tm) = {
             let d = self.domain(dom)?;
-            // The caller's buffers (iov_limit) and the overflow.
-            let sges = crate::info::IOV_LIMIT as u32 + 1;
-            let srq = d.pd.create_srq(1024, sges, 0).map_err(|_| abi::FI_ENOMEM)?;
+            // The caller's buffers (iov_limit) and the overflow; none with a shared
+            // receive context, whose SRQ the connections take receives from.
+            let srq = match shared {
+                Some(_) => None,
+                None => Some(new_srq(d)?),
+            };
             let dev = &self.nics[&nic].dev;
             let cq = dev.create_cq(8192).map_err(|_| abi::FI_ENOMEM)?;
-            // (A connected endpoint has no tagged messages.)
-            let tm = if connected {
+            // (A connected endpoint has no tagged messages, nor one of a shared receive
+            // context.)
+            let tm = if connected || shared.is_some() {
                 None
             } else {
                 Some(tagged::matcher(&d.pd)?)
             };
             (srq, cq, tm)
         };
+        if let Some(s) = shared {
+            // The context's receives complete on the first bound endpoint's receive CQ
+            // and count on its receive counter.
+            let (rxcq, sel, recv) = {
+                let e = self.objs_ep(ep)?;
+                (e.rxcq, e.rx_selective, e.cntrs.recv)
+            };
+            let x = self.ep_mut(s)?;
+            if x.rxcq.is_none() {
+                x.rxcq = rxcq;
+                x.rx_selective = sel;
+                x.cntrs.recv = recv;
+            }
+        }
         if !connected {
             self.listen_on(nic, service)?;
         }
@@ -897,12 +927,34 @@ impl State {
         if e.named && !connected {
             names::publish(service, nic, None);
         }
-        e.srq = Some(srq);
+        e.srq = srq;
         e.cq = Some(cq);
         e.tm = tm;
         e.sink = Some(sink);
         e.enabled = true;
         Ok(())
+    }
+
+    /// A shared receive context of domain `dom` (`fi_srx_context`): an endpoint that only
+    /// receives, ready at once, whose operations have work request ids of their own
+    /// ([`SRX_WR`]) so the bound endpoints' CQs can hand their completions back to it.
+    pub fn new_srx(&mut self, dom: usize) -> Result<Ep, Errno> {
+        let mut e = self.new_ep(dom, None, false)?;
+        e.srq = Some(new_srq(self.domain(dom)?)?);
+        e.sink = Some(self.sink(dom)?);
+        e.srx = true;
+        e.enabled = true;
+        e.next_wr = SRX_WR;
+        Ok(e)
+    }
+
+    /// The SRQ endpoint `e`'s connections take receives from: its own, or its shared
+    /// receive context's.
+    pub(super) fn rx_srq<'a>(&'a self, e: &'a Ep) -> Option<&'a SharedReceiveQueue> {
+        match e.rx_shared {
+            Some(s) => self.objs_ep(s).ok()?.srq.as_ref(),
+            None => e.srq.as_ref(),
+        }
     }
 
     /// Most bytes a work request of endpoint `ep` (on NIC `nic`) carries inline: a UD send's
@@ -1436,7 +1488,8 @@ impl State {
                 let qp = if key.1 == CH_TAG {
                     self.ep_mut(ep)?.tag_qp()?
                 } else {
-                    new_qp(self.domain(dom)?, self.objs_ep(ep)?)?
+                    let e = self.objs_ep(ep)?;
+                    new_qp(self.domain(dom)?, e, self.rx_srq(e))?
                 };
                 self.bind_remote_cntrs(ep, &qp, key.1);
                 let mut private = own.to_vec();
@@ -1488,7 +1541,7 @@ impl State {
             .objs
             .iter()
             .filter_map(|(&k, o)| match o {
-                Obj::Ep(e) if e.cq.is_some() => Some(k),
+                Obj::Ep(e) if e.cq.is_some() || e.srx => Some(k),
                 _ => None,
             })
             .collect();
@@ -1527,6 +1580,12 @@ impl State {
     /// Handles one driver completion of endpoint `ep`.
     fn on_wc(&mut self, ep: usize, w: &WorkCompletion) {
         let Ok(e) = self.ep_mut(ep) else { return };
+        // A receive of the shared receive context, taken by this endpoint's connection.
+        if w.wr_id & SRX_WR != 0 && !e.srx {
+            if let Some(s) = e.rx_shared {
+                return self.on_wc(s, w);
+            }
+        }
         let Some(op) = e.ops.remove(&w.wr_id) else {
             return;
         };
@@ -1670,7 +1729,7 @@ impl State {
                     }
                 } else {
                     match self.domain(e.domain) {
-                        Ok(d) => new_qp(d, e),
+                        Ok(d) => new_qp(d, e, self.rx_srq(e)),
                         Err(err) => Err(err),
                     }
                 };
@@ -1872,7 +1931,7 @@ impl State {
 
     /// Closes the endpoint's listener (before the endpoint is dropped).
     pub fn close_ep(&mut self, ep: &Ep) {
-        if !ep.enabled {
+        if !ep.enabled || ep.srx {
             return;
         }
         // Only an RDM endpoint listens; a datagram one may be published all the same (a
@@ -1906,12 +1965,22 @@ fn read_own(addr: usize, out: &mut [u8]) -> bool {
     n == out.len() as isize
 }
 
+/// Work request ids of a shared receive context's operations carry this bit.
+const SRX_WR: u64 = 1 << 62;
+
+/// An endpoint's SRQ: the caller's buffers (`iov_limit`) and the overflow.
+fn new_srq(d: &Domain) -> Result<SharedReceiveQueue, Errno> {
+    let sges = crate::info::IOV_LIMIT as u32 + 1;
+    d.pd.create_srq(1024, sges, 0).map_err(|_| abi::FI_ENOMEM)
+}
+
 /// A QP of the untagged channel (the tagged channel's come from the tag matcher,
-/// [`Ep::tag_qp`]).
-fn new_qp(d: &Domain, e: &Ep) -> Result<QueuePair, Errno> {
+/// [`Ep::tag_qp`]), receiving from `srq` (the endpoint's, or its shared receive
+/// context's).
+fn new_qp(d: &Domain, e: &Ep, srq: Option<&SharedReceiveQueue>) -> Result<QueuePair, Errno> {
     let cq = e.cq.as_ref().ok_or(abi::FI_EOPBADSTATE)?;
     let mut init = QpInit::new(cq, cq);
-    init.srq = e.srq.as_ref();
+    init.srq = srq;
     init.max_inline = d.pd.device().caps().max_inline.min(INJECT as u32);
     init.max_send_wr = 256;
     init.max_send_sge = 4;

@@ -187,10 +187,10 @@ fn c_fd_waits() {
     run_served("fdwait", &[&["served"]]);
 }
 
-/// Shared transmit contexts (`fi_stx_context`).
+/// Shared transmit and receive contexts (`fi_stx_context`, `fi_srx_context`).
 #[test]
-fn c_shared_tx() {
-    run("shared_tx", &[&[]]);
+fn c_shared_contexts() {
+    run("shared_ctx", &[&[]]);
 }
 
 #[test]

@@ -156,7 +156,7 @@ impl State {
         let addr = resolve_addr(&to.try_into().map_err(|_| EINVAL)?);
         let (ip, service) = parse_addr(&addr).ok_or(EINVAL)?;
         let ah = AhAttr::on_fabric(ip).ok_or(abi::FI_EHOSTUNREACH)?;
-        let qp = new_qp(self.domain(e.domain)?, e)?;
+        let qp = new_qp(self.domain(e.domain)?, e, self.rx_srq(e))?;
         let id = self
             .nics
             .get_mut(&nic)
@@ -190,7 +190,7 @@ impl State {
         if nic != e.nic {
             return Err(EINVAL);
         }
-        let qp = new_qp(self.domain(e.domain)?, e)?;
+        let qp = new_qp(self.domain(e.domain)?, e, self.rx_srq(e))?;
         self.nics
             .get_mut(&nic)
             .ok_or(EINVAL)?

@@ -88,12 +88,8 @@ static void getinfo(void)
 	CHECK(list == NULL);
 	h->caps = FI_MSG;
 	/* (Datagram and connected endpoints: dgram.c, msgep.c.) */
-	/* Shared receive contexts and scalable endpoints (fi_endpoint(3)); shared transmit
-	 * contexts are offered (shared_tx.c). */
+	/* Scalable endpoints (fi_endpoint(3)); shared contexts are offered (shared_ctx.c). */
 	h->ep_attr->type = FI_EP_RDM;
-	h->ep_attr->rx_ctx_cnt = FI_SHARED_CONTEXT;
-	CHECK_EQ(fi_getinfo(CT_VERSION, NULL, NULL, 0, h, &list), -FI_ENODATA);
-	h->ep_attr->rx_ctx_cnt = 0;
 	h->ep_attr->tx_ctx_cnt = 3;
 	CHECK_EQ(fi_getinfo(CT_VERSION, NULL, NULL, 0, h, &list), -FI_ENODATA);
 	h->ep_attr->tx_ctx_cnt = 0;
