@@ -30,6 +30,14 @@ fn run_s(f: impl FnOnce(&mut State) -> Result<isize, Errno>) -> isize {
     .unwrap_or(-(abi::FI_EOTHER as isize))
 }
 
+/// [`publish`]es a new object opened in `parent` (its domain or fabric), which then may
+/// not close before it.
+fn adopt<T>(st: &mut State, fid: T, obj: Obj, parent: usize) -> *mut T {
+    let p = publish(st, fid, obj);
+    st.parents.insert(p as usize, parent);
+    p
+}
+
 /// Publishes a new object: its `fid_*` structure boxed, registered under its address.
 fn publish<T>(st: &mut State, fid: T, obj: Obj) -> *mut T {
     let p = Box::into_raw(Box::new(fid));
@@ -613,7 +621,7 @@ pub unsafe extern "C" fn domain_open(
         // domain attribute is NULL or valid.
         let nic = unsafe { info_nic(&*info) }?;
         let d = st.new_domain(nic)?;
-        let p = publish(
+        let p = adopt(
             st,
             abi::fid_domain {
                 fid: fid_of(abi::FI_CLASS_DOMAIN, context),
@@ -621,8 +629,8 @@ pub unsafe extern "C" fn domain_open(
                 mr: &MR_OPS as *const _ as *mut _,
             },
             Obj::Domain(Box::new(d)),
+            fabric as usize,
         );
-        st.parents.insert(p as usize, fabric as usize);
         put(out, p).map(|()| 0)
     })
 }
@@ -645,7 +653,7 @@ pub unsafe extern "C" fn eq_open(
             unsafe { attr.as_ref() }.map_or(abi::fi_wait_obj_FI_WAIT_NONE, |a| a.wait_obj);
         // As for CQs: polling (fi_eq_sread polls), or a descriptor (prov::wait).
         let wait = queue_wait(wait_obj)?;
-        let p = publish(
+        let p = adopt(
             st,
             abi::fid_eq {
                 fid: fid_of(abi::FI_CLASS_EQ, context),
@@ -656,11 +664,11 @@ pub unsafe extern "C" fn eq_open(
                 wait,
                 ..Default::default()
             }),
+            fabric as usize,
         );
         if wait_obj == abi::fi_wait_obj_FI_WAIT_FD {
             st.fd_waits.insert(p as usize);
         }
-        st.parents.insert(p as usize, fabric as usize);
         put(out, p).map(|()| 0)
     })
 }
@@ -944,16 +952,16 @@ pub unsafe extern "C" fn wait_open(
             wait_obj: a.wait_obj,
             wait: prov::FdWait::new()?,
         };
-        let p = publish(
+        let p = adopt(
             st,
             abi::fid_wait {
                 fid: fid_of(abi::FI_CLASS_WAIT, std::ptr::null_mut()),
                 ops: &WAIT_OPS as *const _ as *mut _,
             },
             Obj::Wait(set),
+            fabric as usize,
         );
         st.fd_waits.insert(p as usize);
-        st.parents.insert(p as usize, fabric as usize);
         put(out, p).map(|()| 0)
     })
 }
@@ -1014,18 +1022,18 @@ unsafe extern "C" fn cq_open(
         let fd = wait.is_some();
         cq.wait = wait;
         cq.wait_set = joins;
-        let p = publish(
+        let p = adopt(
             st,
             abi::fid_cq {
                 fid: fid_of(abi::FI_CLASS_CQ, context),
                 ops: &CQ_OPS as *const _ as *mut _,
             },
             Obj::Cq(cq),
+            dom as usize,
         );
         if fd {
             st.fd_waits.insert(p as usize);
         }
-        st.parents.insert(p as usize, dom as usize);
         put(out, p).map(|()| 0)
     })
 }
@@ -1047,15 +1055,15 @@ unsafe extern "C" fn av_open(
         if out.is_null() {
             return Err(abi::FI_EINVAL);
         }
-        let p = publish(
+        let p = adopt(
             st,
             abi::fid_av {
                 fid: fid_of(abi::FI_CLASS_AV, context),
                 ops: &AV_OPS as *const _ as *mut _,
             },
             Obj::Av(prov::Av { addrs: Vec::new() }),
+            dom as usize,
         );
-        st.parents.insert(p as usize, dom as usize);
         put(out, p).map(|()| 0)
     })
 }
@@ -1106,8 +1114,7 @@ unsafe extern "C" fn endpoint(
                 ep.rx_op_flags = r.op_flags;
             }
         }
-        let p = publish(st, ep_fid(context), Obj::Ep(Box::new(ep)));
-        st.parents.insert(p as usize, dom as usize);
+        let p = adopt(st, ep_fid(context), Obj::Ep(Box::new(ep)), dom as usize);
         put(out, p).map(|()| 0)
     })
 }
@@ -1147,15 +1154,15 @@ unsafe extern "C" fn poll_open(
         if out.is_null() || unsafe { attr.as_ref() }.is_some_and(|a| a.flags != 0) {
             return Err(abi::FI_EINVAL);
         }
-        let p = publish(
+        let p = adopt(
             st,
             abi::fid_poll {
                 fid: fid_of(abi::FI_CLASS_POLL, std::ptr::null_mut()),
                 ops: &POLL_OPS as *const _ as *mut _,
             },
             Obj::Poll(prov::Poll::default()),
+            dom as usize,
         );
-        st.parents.insert(p as usize, dom as usize);
         put(out, p).map(|()| 0)
     })
 }
@@ -1222,18 +1229,19 @@ unsafe extern "C" fn stx_ctx(
                 return Err(abi::FI_EINVAL);
             }
         }
-        let p = publish(
+        let p = adopt(
             st,
             abi::fid_stx {
                 fid: fid_of(abi::FI_CLASS_STX_CTX, context),
                 ops: &EP_OPS as *const _ as *mut _,
             },
             Obj::Stx,
+            dom as usize,
         );
-        st.parents.insert(p as usize, dom as usize);
         put(out, p).map(|()| 0)
     })
 }
+
 /// `fi_srx_context`: a shared receive context of the domain, an endpoint that only
 /// receives (untagged messages; see `prov::State::new_srx`), bound to endpoints with
 /// `fi_ep_bind`. `attr`, when given, may ask for no more than an endpoint's receive queue.
@@ -1264,8 +1272,7 @@ unsafe extern "C" fn srx_ctx(
         e.rx_op_flags = op_flags;
         let mut fid = ep_fid(context);
         fid.fid.fclass = abi::FI_CLASS_SRX_CTX as usize;
-        let p = publish(st, fid, Obj::Ep(Box::new(e)));
-        st.parents.insert(p as usize, dom as usize);
+        let p = adopt(st, fid, Obj::Ep(Box::new(e)), dom as usize);
         put(out, p).map(|()| 0)
     })
 }
@@ -1346,18 +1353,18 @@ unsafe extern "C" fn cntr_open(
         c.wait_obj = wait_obj;
         let has_fd = fd.is_some();
         c.wait = fd;
-        let p = publish(
+        let p = adopt(
             st,
             abi::fid_cntr {
                 fid: fid_of(abi::FI_CLASS_CNTR, context),
                 ops: &CNTR_OPS as *const _ as *mut _,
             },
             Obj::Cntr(c),
+            dom as usize,
         );
         if has_fd {
             st.fd_waits.insert(p as usize);
         }
-        st.parents.insert(p as usize, dom as usize);
         put(out, p).map(|()| 0)
     })
 }
@@ -1503,7 +1510,7 @@ fn mr_reg_one(
     // mapped until it closes the region.
     let mr = unsafe { st.reg_access(dom, buf, len, acc)? };
     let key = mr.rkey() as u64;
-    let p = publish(
+    let p = adopt(
         st,
         abi::fid_mr {
             fid: fid_of(abi::FI_CLASS_MR, context),
@@ -1511,8 +1518,8 @@ fn mr_reg_one(
             key,
         },
         Obj::Mr(prov::Mr { mr, access: acc }),
+        dom,
     );
-    st.parents.insert(p as usize, dom);
     // SAFETY: `p` was just allocated by `publish`.
     unsafe { (*p).mem_desc = p as *mut c_void };
     put(out, p).map(|()| 0)
@@ -2196,7 +2203,7 @@ pub unsafe extern "C" fn passive_ep(
             tx: tx.copied().unwrap_or_default(),
             rx: rx.copied().unwrap_or_default(),
         });
-        let p = publish(
+        let p = adopt(
             st,
             abi::fid_pep {
                 fid: fid_of(abi::FI_CLASS_PEP, context),
@@ -2204,8 +2211,8 @@ pub unsafe extern "C" fn passive_ep(
                 cm: &CM_OPS as *const _ as *mut _,
             },
             prov::Obj::Pep(pep),
+            fabric as usize,
         );
-        st.parents.insert(p as usize, fabric as usize);
         put(out, p).map(|()| 0)
     })
 }
