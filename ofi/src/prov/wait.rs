@@ -115,8 +115,13 @@ impl FdWait {
 
 /// Whether descriptor `fd` is readable now.
 fn readable(fd: BorrowedFd<'_>) -> bool {
+    poll_in(fd, nix::poll::PollTimeout::ZERO)
+}
+
+/// Whether descriptor `fd` became readable within `timeout`.
+fn poll_in(fd: BorrowedFd<'_>, timeout: nix::poll::PollTimeout) -> bool {
     let mut p = [nix::poll::PollFd::new(fd, nix::poll::PollFlags::POLLIN)];
-    matches!(nix::poll::poll(&mut p, nix::poll::PollTimeout::ZERO), Ok(n) if n > 0)
+    matches!(nix::poll::poll(&mut p, timeout), Ok(n) if n > 0)
 }
 
 /// A wait set (`fi_wait_open`, fi_wait(3)).
@@ -197,6 +202,10 @@ impl State {
 
     /// Brings queue `key`'s eventfd in line with what the queue holds.
     pub fn wait_sync(&mut self, key: usize) {
+        // (Every CQ read calls this: a process without wait objects pays one check.)
+        if self.fd_waits.is_empty() {
+            return;
+        }
         if let Some((w, ready)) = self.wait_of(key) {
             w.set(ready);
         }
@@ -343,9 +352,5 @@ impl State {
 /// Sleeps until descriptor `fd` is readable or [`SLICE_MS`] (at most `left_ms`) passed.
 pub fn sleep_on(fd: &OwnedFd, left_ms: Option<u64>) {
     let ms = left_ms.map_or(SLICE_MS, |l| l.min(SLICE_MS)) as u16;
-    let mut p = [nix::poll::PollFd::new(
-        fd.as_fd(),
-        nix::poll::PollFlags::POLLIN,
-    )];
-    let _ = nix::poll::poll(&mut p, nix::poll::PollTimeout::from(ms));
+    poll_in(fd.as_fd(), nix::poll::PollTimeout::from(ms));
 }

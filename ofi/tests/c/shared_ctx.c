@@ -11,6 +11,24 @@
  */
 #include "ctest.h"
 
+/* The fabric of `list` and a domain on each of its first two NICs (rb0, rb1). */
+static void open_pair(struct fi_info *list, struct fid_fabric **fab, struct fid_domain **da,
+		      struct fid_domain **db)
+{
+	REQUIRE(fi_fabric(list->fabric_attr, fab, NULL) == 0);
+	REQUIRE(fi_domain(*fab, list, da, NULL) == 0);
+	REQUIRE(fi_domain(*fab, list->next, db, NULL) == 0);
+}
+
+static void close_pair(struct fi_info *list, struct fid_fabric *fab, struct fid_domain *da,
+		       struct fid_domain *db)
+{
+	CHECK_EQ(fi_close(&da->fid), 0);
+	CHECK_EQ(fi_close(&db->fid), 0);
+	CHECK_EQ(fi_close(&fab->fid), 0);
+	fi_freeinfo(list);
+}
+
 /* Shared receive contexts. */
 static void shared_rx(void)
 {
@@ -29,9 +47,7 @@ static void shared_rx(void)
 
 	struct fid_fabric *fab = NULL;
 	struct fid_domain *da = NULL, *db = NULL;
-	REQUIRE(fi_fabric(list->fabric_attr, &fab, NULL) == 0);
-	REQUIRE(fi_domain(fab, list, &da, NULL) == 0);
-	REQUIRE(fi_domain(fab, list->next, &db, NULL) == 0);
+	open_pair(list, &fab, &da, &db);
 	struct fid_ep *srx = NULL, *other = NULL;
 	struct fi_rx_attr tagged = *list->rx_attr;
 	tagged.caps |= FI_TAGGED;
@@ -126,10 +142,7 @@ static void shared_rx(void)
 	CHECK_EQ(fi_close(&cqb->fid), 0);
 	CHECK_EQ(fi_close(&ava->fid), 0);
 	CHECK_EQ(fi_close(&avb->fid), 0);
-	CHECK_EQ(fi_close(&da->fid), 0);
-	CHECK_EQ(fi_close(&db->fid), 0);
-	CHECK_EQ(fi_close(&fab->fid), 0);
-	fi_freeinfo(list);
+	close_pair(list, fab, da, db);
 }
 
 int main(void)
@@ -147,9 +160,7 @@ int main(void)
 
 	struct fid_fabric *fab = NULL;
 	struct fid_domain *da = NULL, *db = NULL;
-	REQUIRE(fi_fabric(list->fabric_attr, &fab, NULL) == 0);
-	REQUIRE(fi_domain(fab, list, &da, NULL) == 0);
-	REQUIRE(fi_domain(fab, list->next, &db, NULL) == 0);
+	open_pair(list, &fab, &da, &db);
 	struct fid_stx *stx = NULL, *other = NULL;
 	CHECK_EQ(fi_stx_context(da, list->tx_attr, NULL, NULL), -FI_EINVAL);
 	struct fi_tx_attr big = *list->tx_attr;
@@ -238,10 +249,7 @@ int main(void)
 	CHECK_EQ(fi_close(&bmr->fid), 0);
 	CHECK_EQ(fi_close(&ava->fid), 0);
 	CHECK_EQ(fi_close(&avb->fid), 0);
-	CHECK_EQ(fi_close(&da->fid), 0);
-	CHECK_EQ(fi_close(&db->fid), 0);
-	CHECK_EQ(fi_close(&fab->fid), 0);
-	fi_freeinfo(list);
+	close_pair(list, fab, da, db);
 	shared_rx();
 	return ct_summary_exit();
 }
