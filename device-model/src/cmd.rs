@@ -115,6 +115,39 @@ impl Nic {
             }
             CmdOpcode::RegMr => self.reg_mr(params(input)?),
             CmdOpcode::ReregMr => self.rereg_mr(params(input)?),
+            CmdOpcode::RegDmMr => self.reg_dm_mr(params(input)?),
+            CmdOpcode::AllocDm => {
+                let p: AllocDmIn = params(input)?;
+                let (len, log_align) = (p.length.get(), p.log_align.get());
+                if self.cfg.max_dm_size == 0 {
+                    return Err(CmdStatus::BadOpcode);
+                }
+                if len == 0 || len > u64::from(self.cfg.max_dm_size) {
+                    return Err(CmdStatus::BadSize);
+                }
+                if log_align > DM_MAX_LOG_ALIGN {
+                    return Err(CmdStatus::BadParam);
+                }
+                // At least 4-byte aligned: the window is reached by 32-bit accesses.
+                let align = 1u64 << log_align.max(2);
+                let (num, offset) = self.dm.alloc(len, align).ok_or(CmdStatus::Exhausted)?;
+                out(&AllocDmOut {
+                    num: num.into(),
+                    offset: offset.into(),
+                    ..Default::default()
+                })
+            }
+            CmdOpcode::FreeDm => {
+                let n = params::<ObjectIn>(input)?.num.get();
+                match self.dm.get(n) {
+                    None => Err(CmdStatus::BadResource),
+                    Some(a) if a.refs > 0 => Err(CmdStatus::Busy),
+                    Some(_) => {
+                        self.dm.free(n);
+                        Ok(Vec::new())
+                    }
+                }
+            }
             CmdOpcode::DeregMr => {
                 let key = params::<ObjectIn>(input)?.num.get();
                 let idx = key_index(key);
@@ -122,6 +155,9 @@ impl Nic {
                     Some(mr) if mr.key == key => {
                         let pdn = mr.pdn;
                         let cntrs = mr.cntrs;
+                        if let Some(a) = self.dm.get_mut(mr.dm) {
+                            a.refs = a.refs.saturating_sub(1);
+                        }
                         self.mrs.remove(idx);
                         self.unbind_all(&cntrs);
                         self.pd_unref(pdn);
@@ -283,13 +319,39 @@ impl Nic {
             tm_max_sge: ringbell_specs::tm::TM_MAX_SGE.into(),
             max_cntr: c.max_cntr.into(),
             max_triggered: c.max_triggered.into(),
+            max_dm_size: c.max_dm_size.into(),
         })
     }
 
     fn reg_mr(&mut self, p: RegMrIn) -> Outcome {
         let access = mr_access(p.access.get())?;
         let (va, len, iova) = mr_range(p.va.get(), p.length.get(), p.iova.get())?;
-        let pdn = p.pdn.get();
+        self.new_mr(p.pdn.get(), access, (va, len, iova), 0)
+    }
+
+    /// REG_DM_MR: `length` bytes (0 allowed, as for verbs) of a device-memory allocation
+    /// from `offset`, zero-based, translated into the device-memory aperture.
+    fn reg_dm_mr(&mut self, p: RegDmMrIn) -> Outcome {
+        if self.cfg.max_dm_size == 0 {
+            return Err(CmdStatus::BadOpcode);
+        }
+        let access = mr_access(p.access.get())?;
+        let dm = p.dm.get();
+        let a = *self.dm.get(dm).ok_or(CmdStatus::BadResource)?;
+        let (off, len) = (p.offset.get(), p.length.get());
+        if off.checked_add(len).is_none_or(|e| e > a.len) {
+            return Err(CmdStatus::BadSize);
+        }
+        let iova = crate::mem::DM_APERTURE + a.offset + off;
+        let out = self.new_mr(p.pdn.get(), access, (0, len, iova), dm)?;
+        if let Some(a) = self.dm.get_mut(dm) {
+            a.refs += 1;
+        }
+        Ok(out)
+    }
+
+    fn new_mr(&mut self, pdn: u32, access: Access, range: (u64, u64, u64), dm: u32) -> Outcome {
+        let (va, len, iova) = range;
         if self.pds.get(pdn).is_none() {
             return Err(CmdStatus::BadResource);
         }
@@ -304,6 +366,7 @@ impl Nic {
                 va,
                 len,
                 iova,
+                dm,
                 cntrs: Default::default(),
             })
             .ok_or(CmdStatus::Exhausted)?;
@@ -328,6 +391,10 @@ impl Nic {
             Some(mr) if mr.key == key => mr,
             _ => return Err(CmdStatus::BadResource),
         };
+        // A region of device memory keeps its translation, PD and rights.
+        if mr.dm != 0 {
+            return Err(CmdStatus::BadParam);
+        }
         let all = REREG_TRANSLATION | REREG_PD | REREG_ACCESS;
         if flags == 0 || flags & !all != 0 {
             return Err(CmdStatus::BadParam);
@@ -644,7 +711,8 @@ fn mr_access(bits: u32) -> Result<Access, CmdStatus> {
     Ok(access)
 }
 
-/// A region's range as REG_MR and REREG_MR check it: 1 byte to 1 TiB, neither end past 2^64.
+/// A region's range as REG_MR and REREG_MR check it: 1 byte to 1 TiB, neither end past 2^64
+/// (`BAD_SIZE`); the IOVA range below 2^63, where device memory begins (`BAD_PARAM`, ABI 1.8).
 fn mr_range(va: u64, len: u64, iova: u64) -> Result<(u64, u64, u64), CmdStatus> {
     if len == 0
         || len > (1 << 40)
@@ -652,6 +720,9 @@ fn mr_range(va: u64, len: u64, iova: u64) -> Result<(u64, u64, u64), CmdStatus> 
         || iova.checked_add(len).is_none()
     {
         return Err(CmdStatus::BadSize);
+    }
+    if iova + len > crate::mem::DM_APERTURE {
+        return Err(CmdStatus::BadParam);
     }
     Ok((va, len, iova))
 }

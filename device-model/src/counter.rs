@@ -646,7 +646,7 @@ impl Nic {
                     let mut b = [0u8; 8];
                     match self.check_key(qp.pdn, lkey, addr, 8, Access::empty()) {
                         Err(e) => err = Some((CqeStatus::LocProtErr, e.syndrome())),
-                        Ok(iova) => match env.dma_read(iova, &mut b) {
+                        Ok(iova) => match self.dm.read(env, iova, &mut b) {
                             Err(f) => {
                                 self.iommu_fault(env, qpn, f.iova);
                                 err = Some((CqeStatus::GeneralErr, VendorSyndrome::IommuFault));

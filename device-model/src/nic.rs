@@ -45,6 +45,8 @@ pub struct NicConfig {
     pub max_cntr: u32,
     /// Entries of the triggered-operation table.
     pub max_triggered: u32,
+    /// Bytes of device memory (`MAX_DM_SIZE`, ABI 1.8; at most [`regs::DM_MAX`], 0: none).
+    pub max_dm_size: u32,
     /// Timing profile.
     pub timing: TimingProfile,
 }
@@ -70,6 +72,7 @@ impl NicConfig {
             max_tm_ops: 1 << 15,
             max_cntr: 4096,
             max_triggered: 2048,
+            max_dm_size: 128 << 10,
             timing: TimingProfile::default(),
         }
     }
@@ -223,6 +226,8 @@ pub struct Nic {
     pub(crate) fm_wqe: Option<Box<crate::qp::SendWqe>>,
     /// Decoded WQEs of completed work, kept so that starting a WQE reuses their buffers.
     pub(crate) wqe_pool: Vec<crate::qp::SendWqe>,
+    /// The device's own memory (ABI 1.8).
+    pub(crate) dm: crate::mem::DevMem,
 }
 
 impl Nic {
@@ -234,7 +239,9 @@ impl Nic {
         let max_srq = cfg.max_srq.min(regs::DB_MAX_SRQ as u32 - 1);
         let max_cntr = cfg.max_cntr.min(regs::CNTR_MAX as u32 - 1);
         let max_triggered = cfg.max_triggered.min(0xFFFF);
+        let max_dm_size = cfg.max_dm_size.min(regs::DM_MAX as u32) & !3;
         let cfg = NicConfig {
+            max_dm_size,
             max_qp,
             max_cq,
             max_srq,
@@ -273,6 +280,7 @@ impl Nic {
             fm_dst: Vec::new(),
             fm_wqe: None,
             wqe_pool: Vec::new(),
+            dm: crate::mem::DevMem::new(max_dm_size.into()),
         }
     }
 
@@ -324,6 +332,11 @@ impl Nic {
             | Caps::REREG_MR
             | Caps::UC
             | Caps::RESIZE_CQ
+            | if self.cfg.max_dm_size > 0 {
+                Caps::DEVICE_MEMORY
+            } else {
+                Caps::empty()
+            }
     }
 
     /// A 32-bit register read. Never fails: unknown offsets read 0 and are counted.
@@ -350,6 +363,14 @@ impl Nic {
             regs::MAX_RD_ATOMIC => c.max_rd_atomic,
             regs::MAX_CNTR => c.max_cntr,
             regs::MAX_TRIGGERED => c.max_triggered,
+            regs::MAX_DM_SIZE => c.max_dm_size,
+            o if (regs::DM_BASE..regs::DM_END).contains(&o) && o.is_multiple_of(4) => {
+                let a = o - regs::DM_BASE;
+                if a >= self.dm.size {
+                    self.guest_error(GuestError::BadOffset, o as u32);
+                }
+                self.dm.load(a)
+            }
             o if (regs::CNTR_BASE..regs::CNTR_END).contains(&o) && o.is_multiple_of(4) => {
                 match self.cntr_mmio_read(o) {
                     Some(v) => v,
@@ -401,6 +422,12 @@ impl Nic {
         }
         if (regs::BF_BASE..regs::BF_END).contains(&offset) {
             self.bf_word(env, offset, value);
+            return;
+        }
+        if (regs::DM_BASE..regs::DM_END).contains(&offset) {
+            if !self.dm.store(offset - regs::DM_BASE, &value.to_le_bytes()) {
+                self.guest_error(GuestError::BadOffset, offset as u32);
+            }
             return;
         }
         if (regs::CNTR_BASE..regs::CNTR_END).contains(&offset) {
@@ -591,7 +618,7 @@ impl Nic {
             }
             NicEvent::DmaWrite { iova, data, qpn } => {
                 self.dma_pending = self.dma_pending.saturating_sub(1);
-                if let Err(f) = env.dma_write(iova, &data) {
+                if let Err(f) = self.dm.write(env, iova, &data) {
                     // Unmapped since the write was posted.
                     self.iommu_fault(env, qpn, f.iova);
                 }

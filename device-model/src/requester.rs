@@ -593,7 +593,7 @@ impl Nic {
                 .check_key(qp.pdn, s.lkey, s.addr, s.len as u64, need)
                 .map_err(|e: KeyError| (CqeStatus::LocProtErr, e.syndrome()))?;
             if s.len > 0 {
-                if let Err(f) = env.dma_check(iova, s.len as usize) {
+                if let Err(f) = self.dm.check(env, iova, s.len as usize) {
                     self.iommu_fault(env, qp.qpn, f.iova);
                     return Err((CqeStatus::GeneralErr, VendorSyndrome::IommuFault));
                 }
@@ -634,7 +634,7 @@ impl Nic {
                     Access::empty(),
                 )
                 .map_err(|e| (CqeStatus::LocProtErr, e.syndrome()))?;
-            if let Err(f) = env.dma_read(iova, &mut out[done..done + n]) {
+            if let Err(f) = self.dm.read(env, iova, &mut out[done..done + n]) {
                 self.iommu_fault(env, qpn, f.iova);
                 return Err((CqeStatus::GeneralErr, VendorSyndrome::IommuFault));
             }
@@ -1288,7 +1288,7 @@ impl Nic {
             let iova = self
                 .check_key(pdn, s.lkey, s.addr + offset, n as u64, Access::LOCAL_WRITE)
                 .map_err(|e| (CqeStatus::LocProtErr, e.syndrome()))?;
-            if let Err(f) = env.dma_check(iova, n) {
+            if let Err(f) = self.dm.check(env, iova, n) {
                 self.iommu_fault(env, qpn, f.iova);
                 return Err((CqeStatus::GeneralErr, VendorSyndrome::IommuFault));
             }

@@ -909,7 +909,7 @@ impl Nic {
             let iova = self
                 .check_key(qp.pdn, rkey, va, n as u64, Access::REMOTE_WRITE)
                 .map_err(|_| Fault::Fatal(NakCode::RemoteAccessError, None))?;
-            if let Err(f) = env.dma_check(iova, n as usize) {
+            if let Err(f) = self.dm.check(env, iova, n as usize) {
                 self.iommu_fault(env, qp.qpn, f.iova);
                 return Err(Fault::Fatal(NakCode::RemoteOperationalError, None));
             }
@@ -1295,7 +1295,7 @@ impl Nic {
                     payload.fill(0);
                 }
                 if let Some(iova) = iova {
-                    if let Err(f) = env.dma_read(iova, &mut payload) {
+                    if let Err(f) = self.dm.read(env, iova, &mut payload) {
                         self.scratch = payload;
                         self.iommu_fault(env, qp.qpn, f.iova);
                         qp.resp.queue.pop_front();
@@ -1428,8 +1428,9 @@ impl Nic {
             return None;
         };
         let mut cur = [0u8; 8];
-        let r = env
-            .dma_read(*iova, &mut cur)
+        let dm = &mut self.dm;
+        let r = dm
+            .read(env, *iova, &mut cur)
             .and_then(|_| {
                 let orig = u64::from_le_bytes(cur);
                 let new = match (*cas, orig == *compare) {
@@ -1437,7 +1438,7 @@ impl Nic {
                     (true, false) => orig,
                     (false, _) => orig.wrapping_add(*swap_add),
                 };
-                env.dma_write(*iova, &new.to_le_bytes()).map(|_| orig)
+                dm.write(env, *iova, &new.to_le_bytes()).map(|_| orig)
             })
             .map_err(|f| f.iova);
         *result = Some(r);

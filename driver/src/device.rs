@@ -58,6 +58,8 @@ pub struct DeviceCaps {
     pub max_cntr: u32,
     /// Entries of the triggered-operation table.
     pub max_triggered: u32,
+    /// Bytes of device memory (0: none; [`Device::alloc_dm`]).
+    pub max_dm_size: u32,
     /// Port MAC address.
     pub mac: [u8; 6],
     /// Port IPv4 address.
@@ -457,6 +459,7 @@ impl Device {
                 max_rndv_hdr_size: 0,
                 max_cntr: 0,
                 max_triggered: 0,
+                max_dm_size: 0,
                 mac: [0; 6],
                 ip: [0; 4],
             },
@@ -515,6 +518,14 @@ impl Device {
             max_rndv_hdr_size: q.max_rndv_hdr_size.get(),
             max_cntr: q.max_cntr.get(),
             max_triggered: q.max_triggered.get(),
+            // Only a device that says it has the memory (a 1.7 device's output ends before).
+            max_dm_size: if regs::Caps::from_bits_truncate(q.caps.get())
+                .contains(regs::Caps::DEVICE_MEMORY)
+            {
+                q.max_dm_size.get().min(regs::DM_MAX as u32)
+            } else {
+                0
+            },
             mac: q.mac,
             ip: q.ipv4,
         };

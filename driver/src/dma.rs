@@ -43,6 +43,7 @@ impl DmaMemory {
             .checked_next_multiple_of(4096)
             .filter(|l| *l <= isize::MAX as usize)
             .ok_or_else(|| Error::Memory(format!("{len} bytes is more than can be mapped")))?;
+        crate::fork::install();
         // Sealable: an out-of-process device (a vfio-user server) that maps the file seals
         // it against shrinking before it does.
         let fd = memfd_create(

@@ -49,8 +49,10 @@
 //! - A merge adopts the whole of the runs it joins: if the program has meanwhile unmapped
 //!   part of a run (pages whose regions are all gone), the merge is refused as not mapped.
 //! - One descriptor stays open per live extent (the device ports take their own copy).
-//! - Adopted pages are `MAP_SHARED`: after `fork` a child shares them with its parent
-//!   instead of copying them on write, so it must not write to them before `exec`.
+//! - Adopted pages are `MAP_SHARED`: a child of `fork` would share them with its parent
+//!   instead of copying them on write; [`crate::fork`] gives the child a copy of its own
+//!   (made in the child when it starts, so a page the parent writes at that moment may be
+//!   copied half-written, as a page a device writes during a fork may be on hardware).
 //! - IOVAs are `VA + HOST_IOVA_OFFSET`: on an IOMMU with 48 address bits this covers the
 //!   47-bit user address space of x86-64; an address above 2^47 (5-level paging, 52-bit
 //!   Arm) needs an IOMMU with more bits, or the device refuses the mapping.
@@ -199,7 +201,7 @@ impl ProtectionDomain {
     /// freed to the system) while the region lives, and accepts that the pages holding it
     /// are remapped in place: no other thread may write to those pages, the neighbouring
     /// bytes on the first and last page included, during the call (their writes could be
-    /// lost); after `fork` the pages are shared with the child, not copied.
+    /// lost). After `fork` the child gets a copy of the pages, as of the fork ([`crate::fork`]).
     pub unsafe fn reg_user_mr(
         &self,
         addr: *mut u8,
@@ -478,8 +480,25 @@ fn adopt(dev: &Device, start: usize, end: usize, write: bool) -> Result<AdoptedP
     })
 }
 
+/// Records that the memory files with these inodes were replaced by copies (old, new) in a
+/// child of `fork` ([`crate::fork`]), so that the extents they back are recognised by their
+/// new inodes. Nothing changes if the table is held (by a thread the fork did not copy).
+pub(crate) fn renamed(pairs: &[(u64, u64)]) {
+    let mut extents = match EXTENTS.try_lock() {
+        Ok(g) => g,
+        Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
+        Err(std::sync::TryLockError::WouldBlock) => return,
+    };
+    for e in extents.values_mut() {
+        if let Some(&(_, new)) = pairs.iter().find(|(old, _)| *old == e.ino) {
+            e.ino = new;
+        }
+    }
+}
+
 /// A zero-filled memory file of `len` bytes (sealable, as a vfio-user server requires).
 fn new_file(len: usize) -> Result<File, Error> {
+    crate::fork::install();
     let fd = memfd_create(
         FILE_NAME,
         MemFdCreateFlag::MFD_CLOEXEC | MemFdCreateFlag::MFD_ALLOW_SEALING,
@@ -499,22 +518,22 @@ fn backs(segs: &[Segment], start: usize, ino: u64) -> bool {
 
 /// One line of `/proc/self/maps`, clipped to the range asked about.
 #[derive(Clone, Debug, PartialEq, Eq)]
-struct Segment {
-    start: usize,
-    end: usize,
-    read: bool,
-    write: bool,
+pub(crate) struct Segment {
+    pub(crate) start: usize,
+    pub(crate) end: usize,
+    pub(crate) read: bool,
+    pub(crate) write: bool,
     exec: bool,
-    shared: bool,
+    pub(crate) shared: bool,
     /// File offset of `start`.
-    offset: u64,
-    inode: u64,
-    name: String,
+    pub(crate) offset: u64,
+    pub(crate) inode: u64,
+    pub(crate) name: String,
 }
 
 impl Segment {
     /// Parses a line of `/proc/self/maps`.
-    fn parse(line: &str) -> Option<Segment> {
+    pub(crate) fn parse(line: &str) -> Option<Segment> {
         let mut f = line.splitn(6, ' ');
         let (range, perms, offset, _dev, inode) =
             (f.next()?, f.next()?, f.next()?, f.next()?, f.next()?);

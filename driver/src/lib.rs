@@ -26,8 +26,10 @@ mod counter;
 mod cq;
 mod device;
 pub mod discover;
+mod dm;
 mod dma;
 mod error;
+mod fork;
 mod hostmem;
 mod mr;
 mod port;
@@ -43,6 +45,7 @@ pub use cq::{CompletionQueue, CqAttr, WcOpcode, WcStatus, WorkCompletion};
 pub use device::{
     Allocated, AsyncEvent, Device, DeviceCaps, DmaBuffer, QueueAlloc, QueueAllocator, QueueMem,
 };
+pub use dm::{DeviceMemory, DM_ACCESS_ALIGN};
 pub use dma::DmaMemory;
 pub use error::Error;
 pub use hostmem::{is_mapped, HOST_IOVA_OFFSET};

@@ -111,17 +111,29 @@ impl ProtectionDomain {
         let o = RegMrOut::read_from_prefix(&out)
             .map(|(o, _)| o)
             .unwrap_or_default();
-        Ok(MemoryRegion {
+        Ok(self.new_region(o, va, len, access))
+    }
+
+    /// The handle of a region the device registered with keys `o`.
+    pub(crate) fn new_region(
+        &self,
+        o: RegMrOut,
+        addr: u64,
+        len: u64,
+        access: Access,
+    ) -> MemoryRegion {
+        MemoryRegion {
             host: None,
+            dm: None,
             cntrs: Default::default(),
             dev: self.dev.clone(),
             _pd: self.obj.clone(),
             lkey: o.lkey.get(),
             rkey: o.rkey.get(),
-            addr: va,
+            addr,
             len,
             access,
-        })
+        }
     }
 }
 
@@ -151,6 +163,9 @@ pub struct MemoryRegion {
     /// Adopted caller memory the region lies in ([`ProtectionDomain::reg_user_mr`]): given
     /// back (and unmapped from the device if it was the last user) after DEREG_MR.
     pub(crate) host: Option<crate::hostmem::AdoptedPages>,
+    /// The device memory the region lies in ([`ProtectionDomain::reg_dm_mr`]): freed, if
+    /// this was its last user, after DEREG_MR.
+    pub(crate) dm: Option<Rc<crate::dm::DmObject>>,
 }
 
 impl MemoryRegion {

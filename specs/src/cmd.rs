@@ -58,6 +58,8 @@ pub enum CmdOpcode {
     DeregMr = 0x21,
     /// Change a memory region's translation, PD or access, keeping its keys. ABI 1.6.
     ReregMr = 0x22,
+    /// Register part of a device-memory allocation as a zero-based memory region. ABI 1.8.
+    RegDmMr = 0x23,
     /// Create a completion queue.
     CreateCq = 0x30,
     /// Query a completion queue.
@@ -106,6 +108,10 @@ pub enum CmdOpcode {
     /// Cancel every pending triggered operation of a PD, or those waiting on one counter.
     /// ABI 1.3.
     FlushTriggered = 0x68,
+    /// Allocate device memory. ABI 1.8.
+    AllocDm = 0x70,
+    /// Free a device-memory allocation. ABI 1.8.
+    FreeDm = 0x71,
 }
 
 impl CmdOpcode {
@@ -120,6 +126,7 @@ impl CmdOpcode {
             0x20 => RegMr,
             0x21 => DeregMr,
             0x22 => ReregMr,
+            0x23 => RegDmMr,
             0x30 => CreateCq,
             0x31 => QueryCq,
             0x32 => DestroyCq,
@@ -143,6 +150,8 @@ impl CmdOpcode {
             0x66 => PostTriggered,
             0x67 => CancelTriggered,
             0x68 => FlushTriggered,
+            0x70 => AllocDm,
+            0x71 => FreeDm,
             _ => return None,
         })
     }
@@ -208,13 +217,13 @@ abi_struct!(
 
 abi_struct!(
     /// QUERY_DEVICE output.
-    QueryDeviceOut, 92, {
+    QueryDeviceOut, 96, {
         abi_version: U32, device_id: U32, caps: U32, max_qp: U32,
         max_cq: U32, max_srq: U32, max_mr: U32, max_pd: U32,
         max_qp_wr: U32, max_cqe: U32, max_sge: U32, max_inline: U32,
         max_msg_size: U32, max_rd_atomic: U32, mac: [u8; 6], mtu_caps: U16, ipv4: [u8; 4],
         max_num_tags: U32, max_tm_ops: U32, max_rndv_hdr_size: U32, tm_max_sge: U32,
-        max_cntr: U32, max_triggered: U32,
+        max_cntr: U32, max_triggered: U32, max_dm_size: U32,
     }
 );
 abi_struct!(
@@ -241,6 +250,23 @@ abi_struct!(
     /// ignored.
     ReregMrIn, 40, { key: U32, flags: U32, pdn: U32, access: U32, va: U64, length: U64, iova: U64 }
 );
+abi_struct!(
+    /// ALLOC_DM input (ABI 1.8): `length` bytes of device memory whose device address is a
+    /// multiple of `1 << log_align`.
+    AllocDmIn, 16, { length: U64, log_align: U32, rsvd0: U32 }
+);
+abi_struct!(
+    /// ALLOC_DM output: the allocation's number and where it starts in device memory (byte
+    /// `DM_BASE + offset` of BAR0).
+    AllocDmOut, 16, { num: U32, rsvd0: U32, offset: U64 }
+);
+abi_struct!(
+    /// REG_DM_MR input (ABI 1.8): `length` bytes of allocation `dm` from `offset` in it, as a
+    /// zero-based region of PD `pdn` (its addresses run from 0).
+    RegDmMrIn, 32, { pdn: U32, access: U32, dm: U32, rsvd0: U32, offset: U64, length: U64 }
+);
+/// The largest `log_align` ALLOC_DM takes (a page).
+pub const DM_MAX_LOG_ALIGN: u32 = 12;
 /// REREG_MR flag: `va`, `length` and `iova` replace the region's.
 pub const REREG_TRANSLATION: u32 = 1 << 0;
 /// REREG_MR flag: the region moves to PD `pdn`.
@@ -638,7 +664,18 @@ mod tests {
         assert_eq!(CmdOpcode::from_u16(0x46), None);
         // ABI 1.6: REREG_MR, after DEREG_MR.
         assert_eq!(CmdOpcode::from_u16(0x22), Some(CmdOpcode::ReregMr));
-        assert_eq!(CmdOpcode::from_u16(0x23), None);
+        // ABI 1.8: REG_DM_MR after it, ALLOC_DM and FREE_DM in a block of their own.
+        assert_eq!(CmdOpcode::from_u16(0x23), Some(CmdOpcode::RegDmMr));
+        assert_eq!(CmdOpcode::from_u16(0x24), None);
+        assert_eq!(CmdOpcode::from_u16(0x70), Some(CmdOpcode::AllocDm));
+        assert_eq!(CmdOpcode::from_u16(0x71), Some(CmdOpcode::FreeDm));
+        assert_eq!(CmdOpcode::from_u16(0x72), None);
+        assert_eq!(offset_of!(AllocDmIn, log_align), 0x08);
+        assert_eq!(offset_of!(AllocDmOut, offset), 0x08);
+        assert_eq!(offset_of!(RegDmMrIn, dm), 0x08);
+        assert_eq!(offset_of!(RegDmMrIn, offset), 0x10);
+        assert_eq!(offset_of!(RegDmMrIn, length), 0x18);
+        assert_eq!(offset_of!(QueryDeviceOut, max_dm_size), 0x5C);
         // ABI 1.7: RESIZE_CQ, after DESTROY_CQ.
         assert_eq!(CmdOpcode::from_u16(0x33), Some(CmdOpcode::ResizeCq));
         assert_eq!(CmdOpcode::from_u16(0x34), None);

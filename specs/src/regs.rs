@@ -3,15 +3,17 @@
 //! BAR0 is 2 MiB. The first page holds identification, capabilities, the command interface,
 //! the event queue and device status; doorbells live in pages of their own from
 //! [`DB_BASE`] on, so a process can be given just the doorbell pages it needs; counter
-//! windows follow from [`CNTR_BASE`], and the second MiB holds one 64-byte BlueFlame slot per
-//! QP from [`BF_BASE`] (ABI 1.4). All registers
+//! windows follow from [`CNTR_BASE`], the second MiB holds one 256-byte BlueFlame slot per
+//! QP from [`BF_BASE`] (ABI 1.4), and the next two MiB are the window onto the device's own
+//! memory from [`DM_BASE`] (ABI 1.8; BAR0 is 4 MiB from then on). All registers
 //! are 32 bits wide, little-endian, and accessed with aligned 32-bit loads and stores.
 //! [`REGISTERS`] is the one table that both the driver and the model decode from.
 
 use bitflags::bitflags;
 
-/// Size of BAR0 in bytes (1 MiB up to ABI 1.3; the BlueFlame area doubled it in 1.4).
-pub const BAR0_SIZE: u64 = 2 << 20;
+/// Size of BAR0 in bytes (1 MiB up to ABI 1.3; the BlueFlame area doubled it in 1.4, the
+/// device-memory window in 1.8).
+pub const BAR0_SIZE: u64 = 4 << 20;
 /// The value of the `MAGIC` register: "RBEL" in little-endian ASCII.
 pub const MAGIC_VALUE: u32 = u32::from_le_bytes(*b"RBEL");
 /// PCI vendor id the device reports (the reserved experimental id).
@@ -80,6 +82,7 @@ registers! {
     MAX_RD_ATOMIC = 0x044, Ro, 0, "Largest max_rd_atomic / max_dest_rd_atomic per QP.";
     MAX_CNTR = 0x048, Ro, 0, "Number of event counters; counter numbers are 1..MAX_CNTR (ABI 1.3).";
     MAX_TRIGGERED = 0x04C, Ro, 0, "Entries of the triggered-operation table (ABI 1.3).";
+    MAX_DM_SIZE = 0x050, Ro, 0, "Bytes of device memory (ABI 1.8); 0: none.";
     CMD_ADDR_LO = 0x080, Rw, 0, "Command mailbox IOVA, bits 31:0 (256-byte aligned).";
     CMD_ADDR_HI = 0x084, Rw, 0, "Command mailbox IOVA, bits 63:32.";
     CMD_DOORBELL = 0x088, Wo, 0, "Write a token to execute the command in the mailbox.";
@@ -171,10 +174,21 @@ pub const BF_BASE: u64 = CNTR_END;
 /// Bytes of BlueFlame slot per QP: the largest send WQE.
 pub const BF_STRIDE: u64 = crate::wqe::MAX_SEND_WQE as u64;
 /// End of the BlueFlame area (exclusive).
-pub const BF_END: u64 = BAR0_SIZE;
+pub const BF_END: u64 = 2 << 20;
 /// QPs with a BlueFlame slot: QPNs below this.
 pub const BF_MAX_QP: u64 = (BF_END - BF_BASE) / BF_STRIDE;
 const _: () = assert!(BF_BASE.is_multiple_of(4096) && BF_END <= BAR0_SIZE);
+
+/// Start of the device-memory window (ABI 1.8): byte `DM_BASE + a` of BAR0 is byte `a` of
+/// the device's memory, for `a` below `MAX_DM_SIZE`. Aligned 32-bit loads and stores, and
+/// write-combined bursts, reach it; memory the driver allocated with ALLOC_DM is what it
+/// may use.
+pub const DM_BASE: u64 = BF_END;
+/// End of the device-memory window (exclusive): `MAX_DM_SIZE` is at most its size.
+pub const DM_END: u64 = BAR0_SIZE;
+/// The largest `MAX_DM_SIZE` the window can show.
+pub const DM_MAX: u64 = DM_END - DM_BASE;
+const _: () = assert!(DM_BASE.is_multiple_of(4096) && DM_END <= BAR0_SIZE);
 
 /// Bits of `CMD_STATUS`.
 pub const CMD_STATUS_BUSY: u32 = 1 << 31;
@@ -215,6 +229,9 @@ bitflags! {
         const UC = 1 << 11;
         /// RESIZE_CQ: a CQ moved to a ring of another size with its completions (ABI 1.7).
         const RESIZE_CQ = 1 << 12;
+        /// Device memory: ALLOC_DM, FREE_DM, REG_DM_MR and the window at `DM_BASE`
+        /// (ABI 1.8).
+        const DEVICE_MEMORY = 1 << 13;
     }
 }
 
@@ -279,8 +296,15 @@ mod tests {
         assert_eq!(Caps::REREG_MR.bits(), 1 << 10);
         assert_eq!(Caps::UC.bits(), 1 << 11);
         assert_eq!(Caps::RESIZE_CQ.bits(), 1 << 12);
-        // Bits 0..12 are defined (ABI 1.7); 31:13 are reserved.
-        assert_eq!(Caps::all().bits(), 0x1FFF);
-        assert_eq!(Caps::from_bits(1 << 13), None);
+        assert_eq!(Caps::DEVICE_MEMORY.bits(), 1 << 13);
+        // Bits 0..13 are defined (ABI 1.8); 31:14 are reserved.
+        assert_eq!(Caps::all().bits(), 0x3FFF);
+        assert_eq!(Caps::from_bits(1 << 14), None);
+        // The device-memory window follows the BlueFlame area to the end of the 4 MiB BAR.
+        assert_eq!(
+            (DM_BASE, DM_END, BAR0_SIZE),
+            (0x20_0000, 0x40_0000, 0x40_0000)
+        );
+        assert_eq!(MAX_DM_SIZE, 0x050);
     }
 }

@@ -233,6 +233,14 @@ pub(crate) fn close(st: &mut State, c: &mut RbContext) -> i32 {
             crate::pd::dealloc_td(st, o);
         }
     }
+    // Device memory last: its regions went with their PDs.
+    for p in st.live_of(Kind::Dm) {
+        // SAFETY: as above.
+        let o = unsafe { &mut *(p as *mut crate::dm::RbDm) };
+        if std::ptr::eq(o.dm.context, c.ibv()) {
+            crate::dm::free(st, o);
+        }
+    }
     let p = c.ibv() as usize;
     st.remove(p);
     if let Some(v) = st.contexts.get_mut(&c.nic) {
@@ -308,6 +316,7 @@ pub(crate) fn query_device_ex(caps: &DeviceCaps, a: &mut abi::ibv_device_attr_ex
         };
     }
     a.phys_port_cnt_ex = 1;
+    a.max_dm_size = u64::from(caps.max_dm_size);
 }
 
 /// Entries of the port's GID table: the RoCEv2 GID of the NIC's address at index 0, and an

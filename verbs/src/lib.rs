@@ -28,6 +28,7 @@ mod ah;
 mod cq;
 mod device;
 mod devnode;
+mod dm;
 mod entry;
 mod events;
 mod ops;

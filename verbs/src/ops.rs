@@ -52,6 +52,41 @@ pub(crate) fn fill(v: &mut abi::verbs_context) {
     v.alloc_td = Some(alloc_td);
     v.dealloc_td = Some(dealloc_td);
     v.alloc_parent_domain = Some(alloc_parent_domain);
+    v.alloc_dm = Some(alloc_dm);
+    v.free_dm = Some(free_dm);
+    v.reg_dm_mr = Some(reg_dm_mr);
+}
+
+unsafe extern "C" fn alloc_dm(
+    ctx: *mut abi::ibv_context,
+    attr: *mut abi::ibv_alloc_dm_attr,
+) -> *mut abi::ibv_dm {
+    // SAFETY: NULL or the caller's struct (ibv_alloc_dm(3)).
+    unsafe { make_with(ctx, attr, crate::dm::alloc) }
+}
+
+unsafe extern "C" fn free_dm(dm: *mut abi::ibv_dm) -> c_int {
+    with(
+        dm as *mut crate::dm::RbDm,
+        Kind::Dm,
+        libc::EINVAL,
+        crate::dm::free,
+    )
+}
+
+unsafe extern "C" fn reg_dm_mr(
+    pd: *mut abi::ibv_pd,
+    dm: *mut abi::ibv_dm,
+    offset: u64,
+    len: usize,
+    access: std::os::raw::c_uint,
+) -> *mut abi::ibv_mr {
+    crate::entry::ptr_or_errno(with(
+        pd as *mut crate::pd::RbPd,
+        Kind::Pd,
+        Err(libc::EINVAL),
+        |st, pd| crate::dm::reg_mr(st, pd, dm, offset, len, access),
+    ))
 }
 
 /// Runs `f` on the live ringbell context `ctx` and the caller's attributes `attr` (NULL:

@@ -36,6 +36,7 @@ pub(crate) enum Kind {
     Channel,
     Ah,
     Td,
+    Dm,
 }
 
 /// Whose object a pointer is.

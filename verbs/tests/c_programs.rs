@@ -217,6 +217,7 @@ const PROGRAMS: &[&str] = &[
     "ud",
     "uc",
     "parent_domain",
+    "dm",
 ];
 
 macro_rules! c_program {
@@ -241,7 +242,8 @@ c_program!(
     tm_srq,
     ud,
     uc,
-    parent_domain
+    parent_domain,
+    dm
 );
 
 /// Every `tests/c/*.c` has its test above (a new program is not silently left out).

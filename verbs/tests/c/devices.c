@@ -165,8 +165,7 @@ static void other_verbs(void)
 					.fd = -1,
 					.oflags = O_CREAT};
 	CHECK_NULL_ERRNO(ibv_open_xrcd(ctx, &xa), EOPNOTSUPP);
-	struct ibv_alloc_dm_attr dma = {.length = 64};
-	CHECK_NULL_ERRNO(ibv_alloc_dm(ctx, &dma), EOPNOTSUPP);
+	/* Device memory is supported (dm.c). */
 	/* Thread domains are supported (parent_domain.c). */
 	struct ibv_td_init_attr ta = {0};
 	struct ibv_td *td = ibv_alloc_td(ctx, &ta);
