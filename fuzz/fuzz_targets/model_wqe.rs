@@ -2105,14 +2105,24 @@ impl Harness {
         } else if sel < 192 {
             self.tm_command(u);
         } else {
-            const OPS: [u16; 22] = [
-                0x01, 0x02, 0x10, 0x11, 0x20, 0x21, 0x22, 0x30, 0x31, 0x32, 0x33, 0x40, 0x41, 0x42,
-                0x43, 0x44, 0x50, 0x51, 0x52, 0x53, 0x54, 0x99,
+            const OPS: [u16; 25] = [
+                0x01, 0x02, 0x10, 0x11, 0x20, 0x21, 0x22, 0x23, 0x30, 0x31, 0x32, 0x33, 0x40,
+                0x41, 0x42, 0x43, 0x44, 0x50, 0x51, 0x52, 0x53, 0x54, 0x70, 0x71, 0x99,
             ];
             let op = OPS[byte(u) as usize % OPS.len()];
             let mut input = [0u8; PARAMS_SIZE];
             let take = u.bytes(PARAMS_SIZE.min(u.len())).unwrap_or(&[]);
             input[..take.len()].copy_from_slice(take);
+            if op == CmdOpcode::AllocDm as u16 && byte(u) < 192 {
+                // Device memory of a size that fits (the rest fuzzed: alignment, reserved).
+                let len = u64::from(range(u, 1, 70_000));
+                input[..8].copy_from_slice(&len.to_le_bytes());
+            }
+            if op == CmdOpcode::RegDmMr as u16 && byte(u) < 192 {
+                // A region over one of the first allocations, in one of the harness's PDs.
+                input[..4].copy_from_slice(&self.cntr.pds[0].to_le_bytes());
+                input[8..12].copy_from_slice(&range(u, 1, 4).to_le_bytes());
+            }
             if op == CmdOpcode::ReregMr as u16 && byte(u) < 192 {
                 // REREG_MR of a live region (its key), with fuzzed flags and values: the
                 // traffic that follows runs against whatever the region became.
