@@ -424,6 +424,9 @@ impl Device {
         if let Some(why) = port.failure() {
             return Err(Error::DeviceLost(why));
         }
+        if !port.lockstep() {
+            crate::fork::device_elsewhere();
+        }
         let magic = port.read32(regs::MAGIC);
         if magic != regs::MAGIC_VALUE {
             return Err(Error::NotADevice(magic));

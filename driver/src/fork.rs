@@ -20,9 +20,12 @@
 //! made in the parent, and the child only makes system calls. The parent then closes its
 //! copies. The child has what fork gives any other memory, a copy as of the fork, and the
 //! parent keeps its own. A child that keeps using a device in this process (the in-process
-//! emulator was duplicated with it) drives its own copy; one on a device in another process
-//! (a served emulator, hardware) shares that device with its parent, as a child shares a
-//! kernel RDMA context, and must not post work on the parent's queues.
+//! emulator was duplicated with it) drives its own copy. Once a device of the process lives
+//! elsewhere (a served emulator, hardware), the driver's own files (rings, mailboxes, DMA
+//! buffers: `memfd:ringbell-dma`) are left shared, since that device keeps using the
+//! parent's: the child shares the device with its parent, as a child shares a kernel RDMA
+//! context, and must not post work or commands on it while the parent does (nothing
+//! serializes the two). Registered program memory is copied all the same.
 //!
 //! What stays shared: a file whose pages lie where the forking thread's calls into fork run
 //! (stack memory the program registered, just below the caller of fork): the child runs on
@@ -40,8 +43,20 @@ use std::fs::File;
 use std::num::NonZeroUsize;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, RawFd};
 use std::os::unix::fs::{FileExt, MetadataExt};
-use std::sync::atomic::{AtomicPtr, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicPtr, Ordering};
 use std::sync::Once;
+
+/// Whether a device of this process lives elsewhere (hardware, a served emulator): it maps
+/// the driver's own memory files, so a child keeps sharing them with it (see the module).
+static ELSEWHERE: AtomicBool = AtomicBool::new(false);
+
+/// Records that a device of this process lives in another process or in hardware.
+pub(crate) fn device_elsewhere() {
+    ELSEWHERE.store(true, Ordering::Relaxed);
+}
+
+/// The driver's own memory files (rings, mailboxes, DMA buffers).
+const DMA_FILES: &str = "/memfd:ringbell-dma";
 
 /// Stack below the handler's frame that fork's own calls may use.
 const BUSY_STACK: usize = 64 << 10;
@@ -185,6 +200,10 @@ fn plan() -> std::io::Result<Box<Plan>> {
     let here = &files as *const _ as usize;
     let busy = here.saturating_sub(BUSY_STACK)..here.saturating_add(4096);
     files.retain(|_, f| !f.1.iter().any(|s| s.start < busy.end && s.end > busy.start));
+    // With a device elsewhere, its rings and mailboxes stay the parent's and the device's.
+    if ELSEWHERE.load(Ordering::Relaxed) {
+        files.retain(|_, f| !f.0.starts_with(DMA_FILES));
+    }
     let mut copies = Vec::with_capacity(files.len());
     for (ino, (name, maps, fds, size)) in files {
         let base = name

@@ -700,6 +700,45 @@ fn a_completion_raises_the_interrupt_eventfd() {
     assert_eq!(&got, b"wake up");
 }
 
+#[test]
+fn device_memory_works_over_vfio_user() {
+    use ringbell::{Access, RemoteAddr, SendWr, WrOp};
+    let srv = Server::start("dm", 2);
+    let mut t = Two::connect(&srv, 4096);
+    assert_eq!(t._b.caps().max_dm_size, 128 << 10);
+    let dm = t._b.alloc_dm(2048, 6).unwrap();
+    // Bursts and single words through the BAR window, each a REGION_WRITE.
+    let data: Vec<u8> = (0..1000u32).map(|i| (i * 7 + 1) as u8).collect();
+    dm.write(0, &data).unwrap();
+    let mut got = vec![0u8; 1000];
+    dm.read(0, &mut got).unwrap();
+    assert_eq!(got, data);
+    let mr = t
+        ._pds
+        .1
+        .reg_dm_mr(&dm, 1024, 1024, Access::LOCAL_WRITE | Access::REMOTE_WRITE)
+        .unwrap();
+    t.ba.write(0, b"into device memory").unwrap();
+    let remote = RemoteAddr {
+        addr: 16,
+        rkey: mr.rkey(),
+    };
+    t.qa.post_send(&[SendWr::new(3, WrOp::Write(remote), &[t.ma.sge(0, 18)])])
+        .unwrap();
+    let mut wc = [WorkCompletion::default(); 1];
+    let until = std::time::Instant::now() + Duration::from_secs(10);
+    while t.ca.poll(&mut wc) == 0 {
+        assert!(std::time::Instant::now() < until, "no completion");
+    }
+    assert_eq!((wc[0].wr_id, wc[0].status), (3, WcStatus::Success));
+    let mut back = [0u8; 20];
+    dm.read(1024 + 16, &mut back).unwrap();
+    assert_eq!(&back[..18], b"into device memory");
+    assert!(dm.in_use());
+    drop(mr);
+    assert!(!dm.in_use());
+}
+
 /// A size no other buffer of this test binary has.
 const SHRUNK: usize = 0x31000;
 
