@@ -711,11 +711,12 @@ fn mr_access(bits: u32) -> Result<Access, CmdStatus> {
     Ok(access)
 }
 
-/// A region's range as REG_MR and REREG_MR check it: 1 byte to 1 TiB, neither end past 2^64
+/// A region's range as REG_MR and REREG_MR check it: 1 byte to 2^47 bytes (a process's
+/// whole address space, for on-demand regions; 1 TiB before ABI 1.8), neither end past 2^64
 /// (`BAD_SIZE`); the IOVA range below 2^63, where device memory begins (`BAD_PARAM`, ABI 1.8).
 fn mr_range(va: u64, len: u64, iova: u64) -> Result<(u64, u64, u64), CmdStatus> {
     if len == 0
-        || len > (1 << 40)
+        || len > (1 << 47)
         || va.checked_add(len).is_none()
         || iova.checked_add(len).is_none()
     {

@@ -113,6 +113,9 @@ pub(crate) struct DevInner {
     pub(crate) host: crate::hostmem::HostRegions,
     /// Where the driver's own rings and doorbell records come from.
     arena: RefCell<DmaArena>,
+    /// Whether the device reaches the process's memory on demand ([`Device::on_demand`]):
+    /// asked of the port at the first need.
+    odp: Cell<Option<bool>>,
 }
 
 /// Bytes of each arena chunk: one memory file, mapped for the device once.
@@ -479,6 +482,7 @@ impl Device {
             lost: RefCell::new(None),
             host: Default::default(),
             arena: Default::default(),
+            odp: Cell::new(None),
         };
         let mb_iova = inner.alloc_iova(inner.mailbox.len())?;
         inner.port.dma_map(
@@ -557,6 +561,19 @@ impl Device {
     /// Capabilities and limits.
     pub fn caps(&self) -> &DeviceCaps {
         &self.inner.caps
+    }
+
+    /// Whether the device reaches this process's memory on demand (on-demand paging, as
+    /// `IBV_ACCESS_ON_DEMAND` regions need): a device in this process does
+    /// ([`Port::map_process`]), hardware and a served emulator do not. The first call opens
+    /// the device's window onto the process.
+    pub fn on_demand(&self) -> bool {
+        if let Some(v) = self.inner.odp.get() {
+            return v;
+        }
+        let v = self.inner.port.map_process().is_ok();
+        self.inner.odp.set(Some(v));
+        v
     }
 
     /// Allocates a protection domain.

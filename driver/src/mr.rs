@@ -91,6 +91,38 @@ impl ProtectionDomain {
         self.reg_mr_raw(addr, len as u64, addr, access)
     }
 
+    /// Registers `len` bytes of this process's memory at `addr` on demand (on-demand
+    /// paging, `IBV_ACCESS_ON_DEMAND`), addressed by `mr_addr`: nothing is pinned, copied or
+    /// moved; the device reaches whatever is mapped at those addresses when it uses them
+    /// (pages the program maps afresh there included), and a page that is not mapped then
+    /// fails that access (an IOMMU fault). Safe: the driver touches no memory. A device
+    /// that cannot ([`Device::on_demand`]) is [`Error::Unsupported`].
+    pub fn reg_odp_mr(
+        &self,
+        addr: usize,
+        len: usize,
+        mr_addr: u64,
+        access: Access,
+    ) -> Result<MemoryRegion, Error> {
+        if !self.dev.on_demand() {
+            return Err(Error::Unsupported("the device has no on-demand paging"));
+        }
+        let end = (addr as u64).checked_add(len as u64);
+        if len == 0 || end.is_none_or(|e| e > crate::HOST_IOVA_OFFSET) {
+            return Err(Error::InvalidArgument(
+                "the range is empty or outside the process's address space",
+            ));
+        }
+        let mut mr = self.reg_mr_raw(
+            mr_addr,
+            len as u64,
+            crate::HOST_IOVA_OFFSET + addr as u64,
+            access,
+        )?;
+        mr.odp = true;
+        Ok(mr)
+    }
+
     /// Registers `[va, va + len)` backed by IOVA `iova` without checking that anything is
     /// mapped there (for tests of the device's checks).
     pub fn reg_mr_raw(
@@ -125,6 +157,7 @@ impl ProtectionDomain {
         MemoryRegion {
             host: None,
             dm: None,
+            odp: false,
             cntrs: Default::default(),
             dev: self.dev.clone(),
             _pd: self.obj.clone(),
@@ -166,6 +199,8 @@ pub struct MemoryRegion {
     /// The device memory the region lies in ([`ProtectionDomain::reg_dm_mr`]): freed, if
     /// this was its last user, after DEREG_MR.
     pub(crate) dm: Option<Rc<crate::dm::DmObject>>,
+    /// Registered on demand ([`ProtectionDomain::reg_odp_mr`]).
+    odp: bool,
 }
 
 impl MemoryRegion {
@@ -192,6 +227,10 @@ impl MemoryRegion {
     /// The number of its PD.
     pub fn pdn(&self) -> u32 {
         self._pd.pdn
+    }
+    /// Whether it was registered on demand ([`ProtectionDomain::reg_odp_mr`]).
+    pub fn on_demand(&self) -> bool {
+        self.odp
     }
 
     /// Changes the region in place (REREG_MR, ABI 1.6), as `ibv_rereg_mr` does: what `r`

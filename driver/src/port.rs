@@ -84,4 +84,13 @@ pub trait Port {
     fn failure(&self) -> Option<String> {
         None
     }
+    /// Lets the device reach this process's memory on demand (on-demand paging): IOVA
+    /// [`crate::HOST_IOVA_OFFSET`]` + va` is the process's virtual address `va`, whatever is
+    /// mapped there when the device gets to it; an unmapped page is a DMA fault then. Only a
+    /// device that shares the process's address space can; the default refuses.
+    fn map_process(&self) -> Result<(), PortError> {
+        Err(PortError::MapFailed(
+            "on-demand paging needs a device in this process".into(),
+        ))
+    }
 }

@@ -3,10 +3,13 @@
 //! address outside every mapping is a fault, never a touch.
 
 use memmap2::MmapRaw;
+use nix::sys::uio::{process_vm_readv, process_vm_writev, RemoteIoVec};
+use nix::unistd::Pid;
 use ringbell::PortError;
 use ringbell_model::DmaFault;
 use std::cell::Cell;
 use std::fs::File;
+use std::io::{IoSlice, IoSliceMut};
 use std::os::fd::BorrowedFd;
 use std::os::unix::fs::MetadataExt;
 
@@ -32,6 +35,42 @@ pub struct Iommu {
     maps: Vec<(u64, Mapping)>,
     /// The mapping the last translation hit (tried first: DMA comes in runs).
     last: Cell<usize>,
+    /// On-demand paging ([`Iommu::map_process`]): IOVAs from this offset on, for
+    /// [`PROCESS_SPAN`] bytes, are this process's virtual addresses, reached when used.
+    process: Option<u64>,
+}
+
+/// Bytes of the process's address space an on-demand window covers: the user half of
+/// x86-64's 4-level paging.
+pub const PROCESS_SPAN: u64 = 1 << 47;
+
+/// Reads one byte of every page of `[va, va + len)` of this process, up to 1024 pages a
+/// call; the address of the first page that cannot be read, if any.
+fn probe(va: usize, len: usize) -> Result<(), usize> {
+    const PAGE: usize = 4096;
+    const BATCH: usize = 1024;
+    let first = va & !(PAGE - 1);
+    let pages = (va + len - first).div_ceil(PAGE);
+    let mut sink = [0u8; BATCH];
+    let mut remote = [RemoteIoVec { base: 0, len: 1 }; BATCH];
+    let mut done = 0;
+    while done < pages {
+        let n = (pages - done).min(BATCH);
+        for (i, r) in remote[..n].iter_mut().enumerate() {
+            r.base = (first + (done + i) * PAGE).max(va);
+        }
+        let got = process_vm_readv(
+            Pid::this(),
+            &mut [IoSliceMut::new(&mut sink[..n])],
+            &remote[..n],
+        )
+        .unwrap_or(0);
+        if got < n {
+            return Err(remote[got].base);
+        }
+        done += n;
+    }
+    Ok(())
 }
 
 impl Iommu {
@@ -79,7 +118,26 @@ impl Iommu {
         let n = self.maps.len();
         self.maps.clear();
         self.last.set(0);
+        self.process = None;
         n
+    }
+
+    /// Opens the on-demand window: IOVA `offset + va` reaches this process's virtual address
+    /// `va` (below [`PROCESS_SPAN`]) when the device uses it, through `process_vm_readv(2)`
+    /// and `process_vm_writev(2)` on the process itself, so a page that is not mapped (or
+    /// not writable, for a write) is a DMA fault, never a crash. Memory-file mappings at
+    /// the same IOVAs (adopted pages) are found first; they are the same memory. Only for
+    /// a device in the process whose memory it is: the in-process emulator.
+    pub fn map_process(&mut self, offset: u64) {
+        self.process = Some(offset);
+    }
+
+    /// The process address of `[iova, iova + len)` in the on-demand window, if it lies there.
+    fn process_addr(&self, iova: u64, len: usize) -> Option<usize> {
+        let off = self.process?;
+        let va = iova.checked_sub(off)?;
+        let end = va.checked_add(len as u64)?;
+        (end <= PROCESS_SPAN).then_some(va as usize)
     }
 
     /// Removes the mapping that starts at `iova` with length `len`.
@@ -130,14 +188,37 @@ impl Iommu {
         ))
     }
 
-    /// Checks that the range is mapped.
+    /// Checks that the range is mapped. In the on-demand window, that every page of it is
+    /// mapped now (a one-byte read of each, so a page the process has not mapped fails
+    /// here, before the device acknowledges anything; whether it is writable shows when it
+    /// is written).
     pub fn check(&self, iova: u64, len: usize) -> Result<(), DmaFault> {
-        self.translate(iova, len).map(|_| ())
+        match self.translate(iova, len) {
+            Err(f) => match self.process_addr(iova, len) {
+                Some(va) if len > 0 => probe(va, len).map_err(|bad| DmaFault {
+                    iova: iova + (bad - va) as u64,
+                }),
+                Some(_) => Ok(()),
+                None => Err(f),
+            },
+            Ok(_) => Ok(()),
+        }
     }
 
     /// Device read.
     pub fn read(&self, iova: u64, buf: &mut [u8]) -> Result<(), DmaFault> {
-        let p = self.translate(iova, buf.len())?;
+        let p = match self.translate(iova, buf.len()) {
+            Ok(p) => p,
+            Err(f) => {
+                let va = self.process_addr(iova, buf.len()).ok_or(f)?;
+                let n = buf.len();
+                let remote = [RemoteIoVec { base: va, len: n }];
+                return match process_vm_readv(Pid::this(), &mut [IoSliceMut::new(buf)], &remote) {
+                    Ok(k) if k == n => Ok(()),
+                    _ => Err(DmaFault { iova }),
+                };
+            }
+        };
         // SAFETY: `p..p+len` is inside a live mapping (translate); `buf` is a separate Rust
         // allocation. The in-process emulator runs in lockstep with the driver, so no store
         // to this memory races with the copy; across processes the bytes are plain data.
@@ -147,7 +228,20 @@ impl Iommu {
 
     /// Device write.
     pub fn write(&self, iova: u64, data: &[u8]) -> Result<(), DmaFault> {
-        let p = self.translate(iova, data.len())?;
+        let p = match self.translate(iova, data.len()) {
+            Ok(p) => p,
+            Err(f) => {
+                let va = self.process_addr(iova, data.len()).ok_or(f)?;
+                let remote = [RemoteIoVec {
+                    base: va,
+                    len: data.len(),
+                }];
+                return match process_vm_writev(Pid::this(), &[IoSlice::new(data)], &remote) {
+                    Ok(k) if k == data.len() => Ok(()),
+                    _ => Err(DmaFault { iova }),
+                };
+            }
+        };
         // SAFETY: as in `read`, with the copy in the other direction.
         unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), p, data.len()) };
         Ok(())
@@ -163,8 +257,14 @@ impl Iommu {
         src_iova: u64,
         len: usize,
     ) -> Result<(), DmaFault> {
-        let (d, (d_file, d_off)) = self.locate(iova, len)?;
-        let (s, (s_file, s_off)) = src.locate(src_iova, len)?;
+        let (d, s) = (self.locate(iova, len), src.locate(src_iova, len));
+        let (Ok((d, (d_file, d_off))), Ok((s, (s_file, s_off)))) = (d, s) else {
+            // The on-demand window at either end: through a buffer, each side as it reads
+            // and writes.
+            let mut bounce = vec![0u8; len];
+            src.read(src_iova, &mut bounce)?;
+            return self.write(iova, &bounce);
+        };
         // Two mappings of one file are the same pages at different addresses, so an overlap
         // of the two ranges shows in the file offsets, not in the pointers (a memmove would
         // pick its direction from the pointers and smear the data). Such a copy goes through

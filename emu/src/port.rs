@@ -55,6 +55,13 @@ impl Port for EmuPort {
         true
     }
 
+    fn map_process(&self) -> Result<(), PortError> {
+        self.shared.borrow_mut().nodes[self.node]
+            .iommu
+            .map_process(ringbell::HOST_IOVA_OFFSET);
+        Ok(())
+    }
+
     fn idle_until(&self, clock_ps: u64) {
         self.shared
             .borrow_mut()

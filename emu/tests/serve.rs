@@ -706,6 +706,8 @@ fn device_memory_works_over_vfio_user() {
     let srv = Server::start("dm", 2);
     let mut t = Two::connect(&srv, 4096);
     assert_eq!(t._b.caps().max_dm_size, 128 << 10);
+    // A device in another process cannot reach this one's memory on demand.
+    assert!(!t._b.on_demand());
     let dm = t._b.alloc_dm(2048, 6).unwrap();
     // Bursts and single words through the BAR window, each a REGION_WRITE.
     let data: Vec<u8> = (0..1000u32).map(|i| (i * 7 + 1) as u8).collect();

@@ -299,7 +299,7 @@ pub(crate) fn query_device(caps: &DeviceCaps, a: &mut abi::ibv_device_attr) {
 
 /// `ibv_query_device_ex`: the classic attributes, the completion clock and the
 /// tag-matching capabilities. Only the first `size` bytes of `a` are written.
-pub(crate) fn query_device_ex(caps: &DeviceCaps, a: &mut abi::ibv_device_attr_ex) {
+pub(crate) fn query_device_ex(caps: &DeviceCaps, odp: bool, a: &mut abi::ibv_device_attr_ex) {
     *a = abi::ibv_device_attr_ex::default();
     query_device(caps, &mut a.orig_attr);
     // Completion timestamps are in device picoseconds.
@@ -317,6 +317,24 @@ pub(crate) fn query_device_ex(caps: &DeviceCaps, a: &mut abi::ibv_device_attr_ex
     }
     a.phys_port_cnt_ex = 1;
     a.max_dm_size = u64::from(caps.max_dm_size);
+    if odp {
+        // On-demand paging (a NIC in this process): every operation of RC, UC and UD, SRQ
+        // receives of RC, and implicit (whole address space) regions.
+        let all = abi::ibv_odp_transport_cap_bits_IBV_ODP_SUPPORT_SEND
+            | abi::ibv_odp_transport_cap_bits_IBV_ODP_SUPPORT_RECV;
+        a.odp_caps.general_caps = u64::from(
+            abi::ibv_odp_general_caps_IBV_ODP_SUPPORT
+                | abi::ibv_odp_general_caps_IBV_ODP_SUPPORT_IMPLICIT,
+        );
+        a.odp_caps.per_transport_caps.rc_odp_caps = all
+            | abi::ibv_odp_transport_cap_bits_IBV_ODP_SUPPORT_WRITE
+            | abi::ibv_odp_transport_cap_bits_IBV_ODP_SUPPORT_READ
+            | abi::ibv_odp_transport_cap_bits_IBV_ODP_SUPPORT_ATOMIC
+            | abi::ibv_odp_transport_cap_bits_IBV_ODP_SUPPORT_SRQ_RECV;
+        a.odp_caps.per_transport_caps.uc_odp_caps =
+            all | abi::ibv_odp_transport_cap_bits_IBV_ODP_SUPPORT_WRITE;
+        a.odp_caps.per_transport_caps.ud_odp_caps = all;
+    }
 }
 
 /// Entries of the port's GID table: the RoCEv2 GID of the NIC's address at index 0, and an

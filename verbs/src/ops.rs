@@ -55,6 +55,34 @@ pub(crate) fn fill(v: &mut abi::verbs_context) {
     v.alloc_dm = Some(alloc_dm);
     v.free_dm = Some(free_dm);
     v.reg_dm_mr = Some(reg_dm_mr);
+    v.advise_mr = Some(advise_mr);
+}
+
+unsafe extern "C" fn advise_mr(
+    pd: *mut abi::ibv_pd,
+    advice: abi::ib_uverbs_advise_mr_advice,
+    flags: u32,
+    sg_list: *mut abi::ibv_sge,
+    num_sges: u32,
+) -> c_int {
+    if sg_list.is_null() && num_sges > 0 {
+        return libc::EINVAL;
+    }
+    with(
+        pd as *mut crate::pd::RbPd,
+        Kind::Pd,
+        libc::EINVAL,
+        |st, pd| {
+            let sges = if num_sges == 0 {
+                &[][..]
+            } else {
+                // SAFETY: the caller's array of `num_sges` entries (non-null, checked), as
+                // ibv_advise_mr(3) takes it.
+                unsafe { std::slice::from_raw_parts(sg_list, num_sges as usize) }
+            };
+            crate::pd::advise(st, pd, advice, flags, sges)
+        },
+    )
 }
 
 unsafe extern "C" fn alloc_dm(
@@ -263,7 +291,7 @@ pub(crate) unsafe extern "C" fn query_device_ex(
     }
     with_ctx(ctx, libc::EINVAL, |_, c| {
         let mut a = abi::ibv_device_attr_ex::default();
-        device::query_device_ex(c.dev.caps(), &mut a);
+        device::query_device_ex(c.dev.caps(), c.dev.on_demand(), &mut a);
         // SAFETY: the caller's struct of `len` bytes.
         unsafe { copy_out(&a, attr, len) };
         0

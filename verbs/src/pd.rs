@@ -213,7 +213,7 @@ pub(crate) struct RbMr {
 }
 
 /// Access bits that are hints a device may ignore (libibverbs' optional range).
-const OPTIONAL_RANGE: u32 = ((1u32 << 30) - 1) & !(abi::IBV_ACCESS_OPTIONAL_FIRST - 1);
+pub(crate) const OPTIONAL_RANGE: u32 = ((1u32 << 30) - 1) & !(abi::IBV_ACCESS_OPTIONAL_FIRST - 1);
 /// Access bits a ringbell MR understands.
 const KNOWN: u32 = abi::ibv_access_flags_IBV_ACCESS_LOCAL_WRITE
     | abi::ibv_access_flags_IBV_ACCESS_REMOTE_WRITE
@@ -223,6 +223,8 @@ const KNOWN: u32 = abi::ibv_access_flags_IBV_ACCESS_LOCAL_WRITE
     | abi::ibv_access_flags_IBV_ACCESS_HUGETLB;
 
 /// Checks MR access flags as the kernel does, returning the device's access set.
+/// `IBV_ACCESS_ON_DEMAND` is the caller's to take out first (`reg`): here it is
+/// EOPNOTSUPP (device memory, re-registration).
 pub(crate) fn mr_access(access: u32) -> Result<Access, i32> {
     let access = access & !OPTIONAL_RANGE;
     if access & abi::ibv_access_flags_IBV_ACCESS_ON_DEMAND != 0 {
@@ -292,13 +294,29 @@ pub(crate) unsafe fn reg(
     iova: u64,
     access: u32,
 ) -> Result<*mut abi::ibv_mr, i32> {
-    let acc = mr_access(access)?;
-    if len == 0 || addr.is_null() {
+    let on_demand = access & abi::ibv_access_flags_IBV_ACCESS_ON_DEMAND != 0;
+    let acc = mr_access(access & !abi::ibv_access_flags_IBV_ACCESS_ON_DEMAND)?;
+    // An implicit region on demand: the whole address space (ibv_reg_mr(3)).
+    let implicit = on_demand && addr.is_null() && len == usize::MAX;
+    if len == 0 || (addr.is_null() && !implicit) {
         return Err(libc::EINVAL);
     }
-    // SAFETY: the caller's promise, passed on.
-    let drv =
-        unsafe { pd.drv.reg_user_mr(addr, len, iova, acc) }.map_err(|e| crate::errno_of(&e))?;
+    let drv = if on_demand {
+        // On-demand paging: nothing is moved; a device elsewhere cannot (EOPNOTSUPP).
+        if !pd.drv.device().on_demand() {
+            return Err(libc::EOPNOTSUPP);
+        }
+        if implicit {
+            pd.drv
+                .reg_odp_mr(0, ringbell::HOST_IOVA_OFFSET as usize, 0, acc)
+        } else {
+            pd.drv.reg_odp_mr(addr as usize, len, iova, acc)
+        }
+    } else {
+        // SAFETY: the caller's promise, passed on.
+        unsafe { pd.drv.reg_user_mr(addr, len, iova, acc) }
+    }
+    .map_err(|e| crate::errno_of(&e))?;
     let p = Box::into_raw(Box::new(RbMr {
         mr: abi::ibv_mr {
             context: pd.pd.context,
@@ -354,6 +372,10 @@ pub(crate) unsafe fn rereg(
     if flags == 0 {
         return fail(ERR_CMD, libc::EINVAL);
     }
+    // A region on demand or of device memory is re-registered by registering anew.
+    if mr.drv.on_demand() || mr.mr.addr.is_null() {
+        return fail(ERR_CMD, libc::EOPNOTSUPP);
+    }
     let new_pd = if change_pd {
         // A live ringbell PD of the same context.
         if st.owner(pd as usize) != crate::state::Owner::Ours(Kind::Pd) {
@@ -405,5 +427,45 @@ pub(crate) fn dereg(st: &mut State, mr: &mut RbMr) -> i32 {
     // SAFETY: `mr` is the `RbMr` `reg` boxed, now out of the registry; dropping it
     // deregisters the region, then releases its memory's mapping.
     drop(unsafe { Box::from_raw(mr as *mut RbMr) });
+    0
+}
+
+/// `ibv_advise_mr`: checks the advice, the flags and every SGE against the PD's regions on
+/// demand, as ibv_advise_mr(3) lists the errors. A region on demand is always present for
+/// the NIC (it reads the process's pages when it uses them), so a valid prefetch, with or
+/// without `IBV_ADVISE_MR_FLAG_FLUSH`, has nothing left to do.
+pub(crate) fn advise(st: &State, pd: &RbPd, advice: u32, flags: u32, sges: &[abi::ibv_sge]) -> i32 {
+    const PREFETCH_WRITE: u32 =
+        abi::ib_uverbs_advise_mr_advice_IB_UVERBS_ADVISE_MR_ADVICE_PREFETCH_WRITE;
+    const NO_FAULT: u32 =
+        abi::ib_uverbs_advise_mr_advice_IB_UVERBS_ADVISE_MR_ADVICE_PREFETCH_NO_FAULT;
+    const FLUSH: u32 = 1;
+    if advice > NO_FAULT {
+        return libc::EOPNOTSUPP;
+    }
+    if flags & !FLUSH != 0 || sges.is_empty() {
+        return libc::EINVAL;
+    }
+    let mrs = st.live_of(Kind::Mr);
+    for s in sges {
+        let found = mrs.iter().find_map(|&p| {
+            // SAFETY: the registry lists live MRs, allocated as `RbMr`; the lock is held.
+            let mr = unsafe { &*(p as *const RbMr) };
+            (mr.mr.lkey == s.lkey && std::ptr::eq(mr.pd, pd)).then_some(mr)
+        });
+        let Some(mr) = found else {
+            return libc::EFAULT;
+        };
+        if !mr.drv.on_demand() {
+            return libc::EINVAL;
+        }
+        let off = s.addr.wrapping_sub(mr.drv.addr());
+        if s.addr < mr.drv.addr() || off.saturating_add(u64::from(s.length)) > mr.drv.len() {
+            return libc::EFAULT;
+        }
+        if advice == PREFETCH_WRITE && !mr.drv.access().contains(Access::LOCAL_WRITE) {
+            return libc::EPERM;
+        }
+    }
     0
 }

@@ -306,10 +306,18 @@ pub(crate) fn modify(qp: &mut RbQp, attr: &abi::ibv_qp_attr, mask: u32) -> i32 {
         }
     }
     if mask & abi::ibv_qp_attr_mask_IBV_QP_ACCESS_FLAGS != 0 {
+        // The remote rights matter; the other memory-access flags (a program may pass its
+        // regions' flags, IBV_ACCESS_ON_DEMAND included, as rdma-core's tests do) are
+        // accepted and ignored, as mlx5 does. A bit no flag has is EINVAL.
         let known = abi::ibv_access_flags_IBV_ACCESS_LOCAL_WRITE
             | abi::ibv_access_flags_IBV_ACCESS_REMOTE_WRITE
             | abi::ibv_access_flags_IBV_ACCESS_REMOTE_READ
-            | abi::ibv_access_flags_IBV_ACCESS_REMOTE_ATOMIC;
+            | abi::ibv_access_flags_IBV_ACCESS_REMOTE_ATOMIC
+            | abi::ibv_access_flags_IBV_ACCESS_MW_BIND
+            | abi::ibv_access_flags_IBV_ACCESS_ZERO_BASED
+            | abi::ibv_access_flags_IBV_ACCESS_ON_DEMAND
+            | abi::ibv_access_flags_IBV_ACCESS_HUGETLB
+            | crate::pd::OPTIONAL_RANGE;
         if attr.qp_access_flags & !known != 0 {
             return libc::EINVAL;
         }

@@ -218,6 +218,7 @@ const PROGRAMS: &[&str] = &[
     "uc",
     "parent_domain",
     "dm",
+    "odp",
 ];
 
 macro_rules! c_program {
@@ -243,7 +244,8 @@ c_program!(
     ud,
     uc,
     parent_domain,
-    dm
+    dm,
+    odp
 );
 
 /// Every `tests/c/*.c` has its test above (a new program is not silently left out).
