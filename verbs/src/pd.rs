@@ -314,7 +314,22 @@ pub(crate) unsafe fn reg(
         }
     } else {
         // SAFETY: the caller's promise, passed on.
-        unsafe { pd.drv.reg_user_mr(addr, len, iova, acc) }
+        match unsafe { pd.drv.reg_user_mr(addr, len, iova, acc) } {
+            // Memory whose pages cannot be moved onto a memory file (a shared mapping, huge
+            // pages, code) but is mapped as the access needs: a NIC in this process reaches
+            // it in place, as it reaches a region on demand.
+            Err(ringbell::Error::BadAddress { .. })
+                if pd.drv.device().on_demand()
+                    && ringbell::is_mapped(
+                        addr as usize,
+                        len,
+                        acc.contains(Access::LOCAL_WRITE),
+                    ) =>
+            {
+                pd.drv.reg_odp_mr(addr as usize, len, iova, acc)
+            }
+            r => r,
+        }
     }
     .map_err(|e| crate::errno_of(&e))?;
     let p = Box::into_raw(Box::new(RbMr {
