@@ -8,7 +8,7 @@
 
 use crate::abi;
 use crate::device::RbContext;
-use crate::pd::{RbMr, RbPd};
+use crate::pd::RbPd;
 use crate::state::{Kind, Owner, State};
 use ringbell::{DeviceMemory, DM_ACCESS_ALIGN};
 use ringbell_specs::cmd::DM_MAX_LOG_ALIGN;
@@ -157,20 +157,11 @@ pub(crate) fn reg_mr(
         .drv
         .reg_dm_mr(&rdm.drv, offset, len as u64, acc)
         .map_err(|e| crate::errno_of(&e))?;
-    let p = Box::into_raw(Box::new(RbMr {
-        mr: abi::ibv_mr {
-            context: pd.pd.context,
-            pd: &mut pd.pd,
-            addr: std::ptr::null_mut(),
-            length: len,
-            handle: drv.lkey(),
-            lkey: drv.lkey(),
-            rkey: drv.rkey(),
-        },
+    Ok(crate::pd::publish_mr(
+        st,
         pd,
         drv,
-    }));
-    pd.children += 1;
-    st.add(p as usize, Kind::Mr);
-    Ok(p as *mut abi::ibv_mr)
+        std::ptr::null_mut(),
+        len,
+    ))
 }

@@ -332,11 +332,23 @@ pub(crate) unsafe fn reg(
         }
     }
     .map_err(|e| crate::errno_of(&e))?;
+    Ok(publish_mr(st, pd, drv, addr as *mut _, len))
+}
+
+/// Makes the `struct ibv_mr` of a region the device registered (`addr` and `len` as the
+/// program sees them), counts it as a child of its PD and records it.
+pub(crate) fn publish_mr(
+    st: &mut State,
+    pd: &mut RbPd,
+    drv: MemoryRegion,
+    addr: *mut libc::c_void,
+    len: usize,
+) -> *mut abi::ibv_mr {
     let p = Box::into_raw(Box::new(RbMr {
         mr: abi::ibv_mr {
             context: pd.pd.context,
             pd: &mut pd.pd,
-            addr: addr as *mut _,
+            addr,
             length: len,
             handle: drv.lkey(),
             lkey: drv.lkey(),
@@ -347,7 +359,7 @@ pub(crate) unsafe fn reg(
     }));
     pd.children += 1;
     st.add(p as usize, Kind::Mr);
-    Ok(p as *mut abi::ibv_mr)
+    p as *mut abi::ibv_mr
 }
 
 /// `ibv_rereg_mr` on a ringbell MR: libibverbs' own checks of the arguments first
