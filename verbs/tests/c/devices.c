@@ -57,6 +57,8 @@ static void query_everything(struct ibv_device *dev, uint8_t gid_last)
 	CHECK(da.max_cq > 0);
 	CHECK(da.max_cqe > 0);
 	CHECK(da.max_mr > 0);
+	/* A region may span the process's address space (implicit ODP regions do). */
+	CHECK_EQ(da.max_mr_size, 1ull << 47);
 	CHECK(da.max_pd > 0);
 	CHECK(da.max_sge > 0);
 	CHECK(da.max_srq > 0);
