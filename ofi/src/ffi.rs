@@ -620,7 +620,9 @@ pub unsafe extern "C" fn domain_open(
         // SAFETY: `info` is non-NULL: an info libfabric passes on (from getinfo), whose
         // domain attribute is NULL or valid.
         let nic = unsafe { info_nic(&*info) }?;
-        let d = st.new_domain(nic)?;
+        let mut d = st.new_domain(nic)?;
+        // SAFETY: as above.
+        d.format = prov::Format::of(unsafe { (*info).addr_format });
         let p = adopt(
             st,
             abi::fid_domain {
@@ -699,7 +701,12 @@ unsafe fn write_cm_entry(e: &prov::EqEvent, buf: *mut c_void, len: usize) -> Res
             // The NIC's connected offer as fi_getinfo gives it without hints: with the
             // modes it asks of the application (FI_RX_CQ_DATA: remote CQ data consumes a
             // posted receive, which the endpoint opened with this info must know).
-            let offer = crate::info::Offer::msg_for_nic(&ringbell::discover::NicPlan::name(nic));
+            let mut offer =
+                crate::info::Offer::msg_for_nic(&ringbell::discover::NicPlan::name(nic));
+            // In the listener's address format.
+            if let Some(a) = &e.listen {
+                offer.addr_format = a.format.addr_format();
+            }
             let offer = crate::info::match_offer(
                 crate::info::API_VERSION,
                 &crate::info::Hints::default(),
@@ -1055,13 +1062,20 @@ unsafe extern "C" fn av_open(
         if out.is_null() {
             return Err(abi::FI_EINVAL);
         }
+        let format = match st.objs.get(&(dom as usize)) {
+            Some(Obj::Domain(d)) => d.format,
+            _ => return Err(abi::FI_EINVAL),
+        };
         let p = adopt(
             st,
             abi::fid_av {
                 fid: fid_of(abi::FI_CLASS_AV, context),
                 ops: &AV_OPS as *const _ as *mut _,
             },
-            Obj::Av(prov::Av { addrs: Vec::new() }),
+            Obj::Av(prov::Av {
+                addrs: Vec::new(),
+                format,
+            }),
             dom as usize,
         );
         put(out, p).map(|()| 0)
@@ -1080,7 +1094,8 @@ unsafe extern "C" fn endpoint(
         }
         // SAFETY: NULL or the info libfabric passes on (fi_endpoint(3)).
         let info = unsafe { info.as_ref() };
-        let named = info.and_then(info_service);
+        let mut named = info.and_then(info_service);
+        let format = info.map_or(prov::Format::Native, |i| prov::Format::of(i.addr_format));
         // SAFETY: the info's attribute pointers are NULL or valid (fi_getinfo(3)).
         let dgram = info
             .and_then(|i| unsafe { i.ep_attr.as_ref() })
@@ -1090,14 +1105,31 @@ unsafe extern "C" fn endpoint(
             .and_then(|i| unsafe { i.ep_attr.as_ref() })
             .is_some_and(|a| a.type_ == abi::fi_ep_type_FI_EP_MSG);
         // The connection request it is opened to accept (fi_cm(3)).
+        // Or the passive endpoint whose address it takes (fi_endpoint(3)).
         let handle = info.map_or(0, |i| i.handle as usize);
-        let connreq = match st.objs.get(&handle) {
-            Some(prov::Obj::ConnReq(_)) => Some(handle),
+        let (connreq, pep) = match st.objs.get(&handle) {
+            // In a sockaddr format the endpoint that accepts has its listener's address,
+            // as an accepted socket has (a connected endpoint is never published).
+            Some(prov::Obj::ConnReq(r)) => {
+                if format == prov::Format::SockaddrIn {
+                    named = Some(r.service);
+                }
+                (Some(handle), None)
+            }
+            Some(prov::Obj::Pep(p)) => {
+                named = Some(p.service);
+                (None, Some(handle))
+            }
             _ if handle != 0 => return Err(abi::FI_EINVAL),
-            _ => None,
+            _ => (None, None),
         };
-        let mut ep = st.new_ep(dom as usize, named, dgram)?;
-        if msg_type || connreq.is_some() {
+        let mut ep = st.new_ep(dom as usize, named, dgram, format)?;
+        if let Some(p) = pep {
+            let (_, was_named, claimed) = st.take_pep_addr(p, ep.nic)?;
+            ep.named = was_named;
+            ep.claimed = claimed;
+        }
+        if msg_type || connreq.is_some() || pep.is_some() {
             ep.msg = Some(prov::MsgEp {
                 connreq,
                 ..Default::default()
@@ -1766,8 +1798,8 @@ unsafe extern "C" fn av_insert(
     addr: *const c_void,
     count: usize,
     fi_addr: *mut abi::fi_addr_t,
-    _flags: u64,
-    _ctx: *mut c_void,
+    flags: u64,
+    ctx: *mut c_void,
 ) -> c_int {
     run(|st| {
         st.check(av as usize, Kind::Av)?;
@@ -1777,23 +1809,34 @@ unsafe extern "C" fn av_insert(
         if addr.is_null() || count > (1 << 20) {
             return Err(abi::FI_EINVAL);
         }
-        // SAFETY: `count` packed addresses of this provider's length (fi_av_insert(3)).
+        // SAFETY: `count` packed addresses of the AV's format (fi_av_insert(3)): the
+        // provider's own and `struct sockaddr_in` are both ADDR_LEN bytes.
         let b = unsafe { std::slice::from_raw_parts(addr as *const u8, count * prov::ADDR_LEN) };
+        // FI_SYNC_ERR: `ctx` is an array of `count` ints, each address's status.
+        let sync_err = flags & abi::FI_SYNC_ERR != 0;
+        if sync_err && ctx.is_null() {
+            return Err(abi::FI_EINVAL);
+        }
         let a = st.av_mut(av as usize)?;
         let mut n = 0;
         for (i, c) in b.chunks(prov::ADDR_LEN).enumerate() {
-            let v = if prov::parse_addr(c).is_some() {
-                let mut x = [0u8; prov::ADDR_LEN];
-                x.copy_from_slice(c);
-                a.addrs.push(Some(prov::resolve_addr(&x)));
-                n += 1;
-                (a.addrs.len() - 1) as u64
-            } else {
-                prov::ADDR_UNSPEC
+            // Either format; an address that names no endpoint fails alone, its entry
+            // FI_ADDR_NOTAVAIL (fi_av(3)).
+            let (v, status) = match prov::dest_from_bytes(c) {
+                Ok(x) => {
+                    a.addrs.push(Some(prov::resolve_addr(&x)));
+                    n += 1;
+                    ((a.addrs.len() - 1) as u64, 0)
+                }
+                Err(e) => (prov::ADDR_UNSPEC, e as c_int),
             };
             if !fi_addr.is_null() {
                 // SAFETY: `fi_addr`, when given, holds `count` entries (fi_av_insert(3)).
                 unsafe { *fi_addr.add(i) = v };
+            }
+            if sync_err {
+                // SAFETY: with FI_SYNC_ERR `ctx` holds `count` ints (fi_av(3)).
+                unsafe { *(ctx as *mut c_int).add(i) = status };
             }
         }
         Ok(n)
@@ -1869,12 +1912,14 @@ unsafe extern "C" fn av_lookup(
         if addrlen.is_null() {
             return Err(abi::FI_EINVAL);
         }
-        let a = st
-            .av_mut(av as usize)?
+        let v = st.av_mut(av as usize)?;
+        // In the AV's format (fi_av(3): that of the addresses it stores).
+        let a = v
             .addrs
             .get(usize::try_from(fi_addr).map_err(|_| abi::FI_EINVAL)?)
             .copied()
             .flatten()
+            .map(|a| v.format.out(&a))
             .ok_or(abi::FI_EINVAL)?;
         // SAFETY: `addrlen` is non-NULL: the caller's buffer length.
         let have = unsafe { *addrlen };
@@ -2069,8 +2114,11 @@ fn give_addr(a: &[u8], addr: *mut c_void, len: *mut usize) -> Result<c_int, Errn
 unsafe extern "C" fn cm_getname(fid: *mut abi::fid, addr: *mut c_void, len: *mut usize) -> c_int {
     run(|st| {
         let a = match st.objs.get(&(fid as usize)) {
-            Some(prov::Obj::Pep(p)) => p.addr,
-            _ => st.ep_mut(st.ep_key(fid as usize))?.addr,
+            Some(prov::Obj::Pep(p)) => p.format.out(&p.addr),
+            _ => {
+                let e = st.ep_mut(st.ep_key(fid as usize))?;
+                e.format.out(&e.addr)
+            }
         };
         give_addr(&a, addr, len)
     })
@@ -2079,8 +2127,9 @@ unsafe extern "C" fn cm_getname(fid: *mut abi::fid, addr: *mut c_void, len: *mut
 unsafe extern "C" fn cm_getpeer(ep: *mut abi::fid_ep, addr: *mut c_void, len: *mut usize) -> c_int {
     run(|st| {
         let key = st.ep_key(ep as usize);
-        let m = st.ep_mut(key)?.msg.as_ref().ok_or(abi::FI_ENOSYS)?;
-        let peer = m.key.ok_or(abi::FI_ENOTCONN)?.0;
+        let e = st.ep_mut(key)?;
+        let m = e.msg.as_ref().ok_or(abi::FI_ENOSYS)?;
+        let peer = e.format.out(&m.key.ok_or(abi::FI_ENOTCONN)?.0);
         give_addr(&peer, addr, len)
     })
 }
@@ -2111,9 +2160,11 @@ unsafe extern "C" fn cm_connect(
         if addr.is_null() {
             return Err(abi::FI_EINVAL);
         }
-        // SAFETY: non-NULL: an address of the endpoint's format (fi_cm(3)), ADDR_LEN bytes.
+        // SAFETY: non-NULL: an address of the endpoint's format (fi_cm(3)), ADDR_LEN bytes
+        // (the provider's own or a `struct sockaddr_in`, either taken).
         let to = unsafe { std::slice::from_raw_parts(addr as *const u8, prov::ADDR_LEN) };
-        st.connect(st.ep_key(ep as usize), to, param(p, len)?)
+        let to = prov::dest_from_bytes(to)?;
+        st.connect(st.ep_key(ep as usize), &to, param(p, len)?)
             .map(|()| 0)
     })
 }
@@ -2145,18 +2196,34 @@ unsafe extern "C" fn cm_shutdown(ep: *mut abi::fid_ep, _: u64) -> c_int {
     run(|st| st.shutdown(st.ep_key(ep as usize)).map(|()| 0))
 }
 
-enosys!(cm_setname(*mut abi::fid, *mut c_void, usize) -> c_int);
+/// `fi_setname` of an endpoint (before `fi_enable`) or passive endpoint (before
+/// `fi_listen`): [`prov::State::setname`]. An address shorter than the provider's
+/// 16 bytes (those of a `struct sockaddr_in` too) is `-FI_EINVAL`.
+unsafe extern "C" fn cm_setname(fid: *mut abi::fid, addr: *mut c_void, len: usize) -> c_int {
+    run(|st| {
+        if addr.is_null() || len < prov::ADDR_LEN {
+            return Err(abi::FI_EINVAL);
+        }
+        // SAFETY: non-NULL: `len >= ADDR_LEN` bytes of the caller's (fi_cm(3)); only the
+        // first ADDR_LEN are read.
+        let b = unsafe { std::slice::from_raw_parts(addr as *const u8, prov::ADDR_LEN) };
+        st.setname(st.ep_key(fid as usize), b).map(|()| 0)
+    })
+}
 enosys!(cm_join(*mut abi::fid_ep, *const c_void, u64, *mut *mut abi::fid_mc, *mut c_void) -> c_int);
 
 /// The service number an application chose (fi_getinfo with FI_SOURCE): in the info's
 /// source address, when it is one of this provider's with a number.
 fn info_service(info: &abi::fi_info) -> Option<u64> {
-    if info.src_addr.is_null() || info.src_addrlen != prov::ADDR_LEN {
+    if info.src_addr.is_null() || info.src_addrlen < prov::ADDR_LEN {
         return None;
     }
-    // SAFETY: non-NULL, `src_addrlen` bytes (fi_getinfo(3)).
+    // SAFETY: non-NULL, `src_addrlen >= ADDR_LEN` bytes (fi_getinfo(3)).
     let a = unsafe { std::slice::from_raw_parts(info.src_addr as *const u8, prov::ADDR_LEN) };
-    prov::parse_addr(a).map(|(_, s)| s).filter(|&s| s != 0)
+    prov::addr_from_bytes(a)
+        .and_then(|a| prov::parse_addr(&a))
+        .map(|(_, s)| s)
+        .filter(|&s| s != 0)
 }
 
 /// The NIC an info names by its domain (`rbN`), or this process's default NIC when it
@@ -2194,10 +2261,12 @@ pub unsafe extern "C" fn passive_ep(
         // SAFETY: the info libfabric passes on (fi_getinfo(3)).
         let nic = unsafe { info_nic(info) }?;
         let named = info_service(info);
-        let mut pep = st.new_pep(nic, named)?;
+        let format = prov::Format::of(info.addr_format);
+        let mut pep = st.new_pep(nic, named, format)?;
         // SAFETY: an info's attribute pointers are NULL or its own (fi_getinfo(3)).
         let (tx, rx) = unsafe { (info.tx_attr.as_ref(), info.rx_attr.as_ref()) };
         pep.attrs = Some(prov::ListenAttrs {
+            format,
             caps: info.caps,
             mode: info.mode,
             tx: tx.copied().unwrap_or_default(),

@@ -10,6 +10,7 @@
 //! asked for (or every primary capability when none were) plus the secondary ones offered.
 
 use crate::abi;
+use crate::prov::{addr_from_bytes, Format};
 
 /// The name of the provider and of its fabric.
 /// Buffers one send or receive may name (`iov_limit`).
@@ -150,6 +151,9 @@ pub struct Offer {
     pub dest_addr: Option<Vec<u8>>,
     /// The local address (the NIC's, with no endpoint).
     pub src_addr: Option<Vec<u8>>,
+    /// The address format (`ADDR_FORMAT`, or `FI_SOCKADDR_IN` for hints asking for a
+    /// sockaddr format): that of `src_addr` and `dest_addr`.
+    pub addr_format: u32,
     /// Endpoints take a shared transmit context (`tx_ctx_cnt` `FI_SHARED_CONTEXT`,
     /// `fi_stx_context`), as the hints asked.
     pub shared_tx: bool,
@@ -181,6 +185,7 @@ impl Offer {
             rx_op_flags: 0,
             dest_addr: None,
             src_addr: None,
+            addr_format: ADDR_FORMAT,
             shared_tx: false,
             shared_rx: false,
         }
@@ -266,6 +271,10 @@ pub struct Hints {
     pub mode: Option<u64>,
     pub addr_format: u32,
     pub dest_addr: Option<Vec<u8>>,
+    /// The source address of the hints (either format).
+    pub src_addr: Option<Vec<u8>>,
+    /// The hints' `handle` (a passive endpoint's fid, whose address an endpoint may take).
+    pub handle: usize,
     pub ep_type: abi::fi_ep_type,
     pub protocol: u32,
     pub max_msg_size: usize,
@@ -381,7 +390,7 @@ pub fn match_offer(version: u32, hints: &Hints, offer: &Offer) -> Result<Offer, 
     if hints.domain_caps & !(FI_LOCAL_COMM | FI_REMOTE_COMM) != 0 {
         return Err(NoMatch::Caps);
     }
-    if hints.addr_format != abi::FI_FORMAT_UNSPEC && hints.addr_format != ADDR_FORMAT {
+    if !ADDR_FORMATS.contains(&hints.addr_format) {
         return Err(NoMatch::AddrFormat);
     }
     if hints.protocol != 0 && hints.protocol != abi::FI_PROTO_UNSPEC {
@@ -506,11 +515,36 @@ pub fn match_offer(version: u32, hints: &Hints, offer: &Offer) -> Result<Offer, 
         }
         out.caps &= !REMOTE_MEMORY_CAPS;
     }
-    if hints.dest_addr.is_some() {
-        out.dest_addr = hints.dest_addr.clone();
+    // The format asked for: FI_SOCKADDR (any socket address) gets the concrete one the
+    // provider has, FI_SOCKADDR_IN (fi_getinfo(3)); the offer's addresses in it.
+    let format = Format::of(hints.addr_format);
+    if hints.addr_format != abi::FI_FORMAT_UNSPEC {
+        out.addr_format = format.addr_format();
+        for a in [&mut out.src_addr, &mut out.dest_addr]
+            .into_iter()
+            .flatten()
+        {
+            if let Some(x) = addr_from_bytes(a) {
+                *a = format.out(&x).to_vec();
+            }
+        }
+    }
+    // The hints' destination, in the offer's format when it is an address of either.
+    if let Some(d) = &hints.dest_addr {
+        let f = Format::of(out.addr_format);
+        out.dest_addr = Some(addr_from_bytes(d).map_or_else(|| d.clone(), |a| f.out(&a).to_vec()));
     }
     Ok(out)
 }
+
+/// The address formats hints may ask for: none in particular, the provider's own, and
+/// the IPv4 socket address (`FI_SOCKADDR`: a socket address of the provider's choosing).
+pub const ADDR_FORMATS: [u32; 4] = [
+    abi::FI_FORMAT_UNSPEC,
+    ADDR_FORMAT,
+    abi::FI_SOCKADDR,
+    abi::FI_SOCKADDR_IN,
+];
 
 #[cfg(test)]
 mod tests {
@@ -662,11 +696,11 @@ mod tests {
             Err(NoMatch::Provider)
         );
         assert!(h(&|h| h.prov_name = Some("ringbell".into())).is_ok());
-        assert_eq!(
-            h(&|h| h.addr_format = abi::FI_SOCKADDR_IN),
-            Err(NoMatch::AddrFormat)
-        );
+        for f in [abi::FI_SOCKADDR_IN6, abi::FI_SOCKADDR_IB, abi::FI_ADDR_STR] {
+            assert_eq!(h(&|h| h.addr_format = f), Err(NoMatch::AddrFormat), "{f}");
+        }
         assert!(h(&|h| h.addr_format = ADDR_FORMAT).is_ok());
+        assert!(h(&|h| h.addr_format = abi::FI_SOCKADDR_IN).is_ok());
         assert_eq!(
             h(&|h| h.caps = FI_TAGGED | abi::FI_MULTICAST as u64),
             Err(NoMatch::Caps)
@@ -762,5 +796,52 @@ mod tests {
         };
         let o = match_offer(V, &h, &rb0()).unwrap();
         assert_eq!(o.dest_addr, Some(vec![1, 2, 3]));
+    }
+
+    #[test]
+    fn sockaddr_hints_get_sockaddr_in_offers_with_their_addresses_converted() {
+        use crate::prov::{make_addr, sockaddr_in};
+        let mut offer = rb0();
+        offer.src_addr = Some(make_addr([10, 0, 0, 1], 9228).to_vec());
+        offer.dest_addr = Some(make_addr([127, 0, 0, 1], 4000).to_vec());
+        for f in [abi::FI_SOCKADDR, abi::FI_SOCKADDR_IN] {
+            let h = Hints {
+                addr_format: f,
+                ..Default::default()
+            };
+            let o = match_offer(V, &h, &offer).unwrap();
+            // FI_SOCKADDR gets the concrete format the provider has.
+            assert_eq!(o.addr_format, abi::FI_SOCKADDR_IN);
+            assert_eq!(o.src_addr, Some(sockaddr_in([10, 0, 0, 1], 9228).to_vec()));
+            assert_eq!(
+                o.dest_addr,
+                Some(sockaddr_in([127, 0, 0, 1], 4000).to_vec())
+            );
+        }
+        // The default stays the provider's own format, addresses untouched.
+        for f in [abi::FI_FORMAT_UNSPEC, ADDR_FORMAT] {
+            let h = Hints {
+                addr_format: f,
+                ..Default::default()
+            };
+            let o = match_offer(V, &h, &offer).unwrap();
+            assert_eq!(o.addr_format, ADDR_FORMAT);
+            assert_eq!(o.src_addr, offer.src_addr);
+            assert_eq!(o.dest_addr, offer.dest_addr);
+        }
+        // A destination in the hints, in either format, comes back in the offer's.
+        let h = Hints {
+            addr_format: abi::FI_SOCKADDR_IN,
+            dest_addr: Some(make_addr([10, 0, 0, 2], 77).to_vec()),
+            ..Default::default()
+        };
+        let o = match_offer(V, &h, &rb0()).unwrap();
+        assert_eq!(o.dest_addr, Some(sockaddr_in([10, 0, 0, 2], 77).to_vec()));
+        let h = Hints {
+            dest_addr: Some(sockaddr_in([10, 0, 0, 2], 77).to_vec()),
+            ..Default::default()
+        };
+        let o = match_offer(V, &h, &rb0()).unwrap();
+        assert_eq!(o.dest_addr, Some(make_addr([10, 0, 0, 2], 77).to_vec()));
     }
 }

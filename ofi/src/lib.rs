@@ -101,12 +101,18 @@ unsafe fn read_hints(h: *const abi::fi_info) -> Hints {
         caps: h.caps,
         mode: Some(h.mode),
         addr_format: h.addr_format,
+        handle: h.handle as usize,
         ..Default::default()
     };
     if !h.dest_addr.is_null() && h.dest_addrlen > 0 && h.dest_addrlen <= 4096 {
         // SAFETY: `dest_addr` holds `dest_addrlen` bytes (fi_getinfo(3)); bounded above.
         let b = unsafe { std::slice::from_raw_parts(h.dest_addr as *const u8, h.dest_addrlen) };
         out.dest_addr = Some(b.to_vec());
+    }
+    if !h.src_addr.is_null() && h.src_addrlen > 0 && h.src_addrlen <= 4096 {
+        // SAFETY: `src_addr` holds `src_addrlen` bytes (fi_getinfo(3)); bounded above.
+        let b = unsafe { std::slice::from_raw_parts(h.src_addr as *const u8, h.src_addrlen) };
+        out.src_addr = Some(b.to_vec());
     }
     // SAFETY: each attribute pointer is NULL or valid, per the caller.
     if let Some(e) = unsafe { h.ep_attr.as_ref() } {
@@ -231,7 +237,7 @@ pub(crate) fn write_info(o: &Offer) -> Option<*mut abi::fi_info> {
             (*i).fabric_attr = fab;
             (*i).caps = o.caps;
             (*i).mode = o.mode;
-            (*i).addr_format = info::ADDR_FORMAT;
+            (*i).addr_format = o.addr_format;
             *tx = abi::fi_tx_attr {
                 caps: o.caps & info::TX_CAPS,
                 mode: o.mode,
@@ -352,14 +358,22 @@ unsafe extern "C" fn getinfo(
             Some(None) => return neg(abi::FI_ENODATA),
             Some(ip) => ip,
         };
-        let src_ip = ip.filter(|_| flags & abi::FI_SOURCE != 0);
+        let mut src_ip = ip.filter(|_| flags & abi::FI_SOURCE != 0);
         // A peer's node and service (its endpoint's CM service id, a number) make its
         // address: the offers carry it as their destination.
         // SAFETY: NULL or the application's NUL-terminated service (fi_getinfo(3)).
         let service = unsafe { string(service) }.and_then(|s| s.parse::<u64>().ok());
+        // SAFETY: libfabric passes the application's hints, NULL or valid (fi_getinfo(3)).
+        let h = unsafe { read_hints(hints) };
+        // In a sockaddr format a service number is a port: one larger is no address.
+        if prov::Format::of(h.addr_format) == prov::Format::SockaddrIn
+            && service.is_some_and(|s| s > prov::MAX_PORT)
+        {
+            return neg(abi::FI_EINVAL);
+        }
         // With FI_SOURCE the number is the program's own endpoint's (below); without, the
         // peer's.
-        let (src_service, dest) = if flags & abi::FI_SOURCE != 0 {
+        let (mut src_service, dest) = if flags & abi::FI_SOURCE != 0 {
             (service, None)
         } else {
             (
@@ -368,14 +382,38 @@ unsafe extern "C" fn getinfo(
                     .map(|(ip, s)| prov::make_addr(ip, s).to_vec()),
             )
         };
-        // SAFETY: libfabric passes the application's hints, NULL or valid (fi_getinfo(3)).
-        let h = unsafe { read_hints(hints) };
+        // A source address in the hints (either format) says the same as a node and
+        // service with FI_SOURCE: its IPv4 address selects a NIC unless it is the wildcard
+        // (any NIC) or no NIC's, and its number (if not 0) is the endpoint's.
+        if let Some((sip, ss)) = h
+            .src_addr
+            .as_deref()
+            .and_then(prov::addr_from_bytes)
+            .and_then(|a| prov::parse_addr(&a))
+        {
+            if src_ip.is_none() && sip != [0; 4] {
+                src_ip = Some(sip);
+            }
+            if src_service.is_none() && ss != 0 {
+                if prov::Format::of(h.addr_format) == prov::Format::SockaddrIn
+                    && ss > prov::MAX_PORT
+                {
+                    return neg(abi::FI_EINVAL);
+                }
+                src_service = Some(ss);
+            }
+        }
+        // A passive endpoint as the hints' handle (fi_getinfo(3)): the offers carry it, and
+        // are those of its NIC (an endpoint opened with one takes its address).
+        let pep = (h.handle != 0)
+            .then(|| prov::state().pep_addr(h.handle).ok())
+            .flatten();
         let plan = ringbell::discover::NicPlan::from_env();
         let mut head: *mut abi::fi_info = std::ptr::null_mut();
         let mut tail: *mut *mut abi::fi_info = &mut head;
         let choice = plan.choice();
         for i in 0..plan.nics.len() {
-            if !choice.includes(i) {
+            if !choice.includes(i) || pep.is_some_and(|(nic, _)| nic != i) {
                 continue;
             }
             let ip = prov::nic_ip(i);
@@ -422,6 +460,10 @@ unsafe extern "C" fn getinfo(
                     unsafe { free_info(head) };
                     return neg(abi::FI_ENOMEM);
                 };
+                if pep.is_some() {
+                    // SAFETY: `node` was just built here.
+                    unsafe { (*node).handle = h.handle as *mut abi::fid };
+                }
                 // SAFETY: `tail` points at `head` or at the `next` of the last node built here.
                 unsafe {
                     *tail = node;

@@ -90,12 +90,110 @@ pub fn parse_addr(b: &[u8]) -> Option<([u8; 4], u64)> {
     Some((ip, u64::from_le_bytes(s)))
 }
 
-/// The textual form of an address (`fi_av_straddr`).
+/// The textual form of an address (`fi_av_straddr`): a `struct sockaddr_in` as
+/// `fi_sockaddr_in://a.b.c.d:port` (libfabric's own form), the native address as
+/// `ringbell://a.b.c.d/service`.
 pub fn addr_str(b: &[u8]) -> String {
+    if let Some((ip, port)) = parse_sockaddr_in(b) {
+        return format!(
+            "fi_sockaddr_in://{}.{}.{}.{}:{port}",
+            ip[0], ip[1], ip[2], ip[3]
+        );
+    }
     match parse_addr(b) {
         Some((ip, s)) => format!("ringbell://{}.{}.{}.{}/{s:#x}", ip[0], ip[1], ip[2], ip[3]),
         None => "ringbell://invalid".to_string(),
     }
+}
+
+/// `AF_INET`, the family of a `struct sockaddr_in` (native byte order).
+pub const AF_INET: u16 = 2;
+/// Bytes of a `struct sockaddr_in`.
+pub const SOCKADDR_IN_LEN: usize = 16;
+/// The largest service number a `struct sockaddr_in` carries (its port).
+pub const MAX_PORT: u64 = 0xFFFF;
+
+/// How an object gives addresses out: the provider's own 16 bytes ([`make_addr`]), or a
+/// `struct sockaddr_in` of the NIC's IPv4 address and the service number as its port
+/// (`FI_SOCKADDR_IN`, which `FI_SOCKADDR` hints get too). Both are 16 bytes, and every
+/// input accepts either ([`addr_from_bytes`]): the native magic "RB" is no address
+/// family.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Format {
+    #[default]
+    Native,
+    SockaddrIn,
+}
+
+impl Format {
+    /// The format of an info's `addr_format` (anything but the sockaddr formats is the
+    /// provider's own).
+    pub fn of(addr_format: u32) -> Format {
+        if addr_format == abi::FI_SOCKADDR_IN || addr_format == abi::FI_SOCKADDR {
+            Format::SockaddrIn
+        } else {
+            Format::Native
+        }
+    }
+
+    /// The info's `addr_format` for this format.
+    pub fn addr_format(self) -> u32 {
+        match self {
+            Format::Native => crate::info::ADDR_FORMAT,
+            Format::SockaddrIn => abi::FI_SOCKADDR_IN,
+        }
+    }
+
+    /// Address `a` in this format. A service number too large for a port (which no
+    /// sockaddr-format object is given) keeps the native form, which every input takes.
+    pub fn out(self, a: &Addr) -> Addr {
+        match (self, parse_addr(a)) {
+            (Format::SockaddrIn, Some((ip, s))) if s <= MAX_PORT => sockaddr_in(ip, s as u16),
+            _ => *a,
+        }
+    }
+}
+
+/// A `struct sockaddr_in`: family `AF_INET` (native endian), `port` and `ip` in network
+/// byte order, eight zero bytes.
+pub fn sockaddr_in(ip: [u8; 4], port: u16) -> Addr {
+    let mut a = [0u8; ADDR_LEN];
+    a[0..2].copy_from_slice(&AF_INET.to_ne_bytes());
+    a[2..4].copy_from_slice(&port.to_be_bytes());
+    a[4..8].copy_from_slice(&ip);
+    a
+}
+
+/// The IPv4 address and port of a `struct sockaddr_in` (at least 16 bytes, family
+/// `AF_INET`; the padding is not looked at).
+pub fn parse_sockaddr_in(b: &[u8]) -> Option<([u8; 4], u16)> {
+    if b.len() < SOCKADDR_IN_LEN || u16::from_ne_bytes([b[0], b[1]]) != AF_INET {
+        return None;
+    }
+    Some(([b[4], b[5], b[6], b[7]], u16::from_be_bytes([b[2], b[3]])))
+}
+
+/// An address as the caller gave it, in either format: a native address, or a `struct
+/// sockaddr_in` (which names the same endpoint as the native address of its IPv4 address
+/// and its port as the service number). `None` for anything else, or too few bytes.
+pub fn addr_from_bytes(b: &[u8]) -> Option<Addr> {
+    if let Some((ip, port)) = parse_sockaddr_in(b) {
+        return Some(make_addr(ip, u64::from(port)));
+    }
+    parse_addr(b)?;
+    b.get(..ADDR_LEN)?.try_into().ok()
+}
+
+/// An address that names a peer (`fi_av_insert`, `fi_connect`), in either format; a
+/// `struct sockaddr_in` must name one: not the wildcard 0.0.0.0 (`INADDR_ANY`, which only
+/// a source address may be) and not port 0 (no endpoint has it). `-FI_EINVAL` otherwise.
+pub fn dest_from_bytes(b: &[u8]) -> Result<Addr, Errno> {
+    if let Some((ip, port)) = parse_sockaddr_in(b) {
+        if ip == [0; 4] || port == 0 {
+            return Err(EINVAL);
+        }
+    }
+    addr_from_bytes(b).ok_or(EINVAL)
 }
 
 /// The access bits `fi_mr_reg(3)` defines.
@@ -179,10 +277,14 @@ pub struct Cq {
 
 pub struct Av {
     pub addrs: Vec<Option<Addr>>,
+    /// The format of its domain's info: `fi_av_lookup` gives addresses in it.
+    pub format: Format,
 }
 
 pub struct Domain {
     pub nic: usize,
+    /// The address format of the info it was opened with.
+    pub format: Format,
     pub pd: ProtectionDomain,
     /// Deferred work queued to the domain (`FI_QUEUE_WORK`) and not known to be over, by
     /// the address of its `struct fi_deferred_work`.
@@ -346,6 +448,11 @@ pub struct Ep {
     /// The service number was the application's (`fi_getinfo` with `FI_SOURCE`): the
     /// endpoint is published under it while enabled ([`names`]).
     pub named: bool,
+    /// The service number is one the provider claimed on the fabric ([`names::claim`],
+    /// for the sockaddr formats), published from the start and withdrawn at close.
+    pub claimed: bool,
+    /// The format its addresses are given out in (`fi_getname`), its info's.
+    pub format: Format,
     pub av: Option<usize>,
     pub txcq: Option<usize>,
     /// The shared transmit context it is bound to (`fi_ep_bind` of an stx).
@@ -738,6 +845,7 @@ impl State {
         let pd = self.nics[&nic].dev.alloc_pd().map_err(|_| abi::FI_ENOMEM)?;
         Ok(Domain {
             nic,
+            format: Format::Native,
             pd,
             work: HashMap::new(),
             sink: None,
@@ -801,18 +909,33 @@ impl State {
     ///
     /// A datagram endpoint (`dgram`) gets its UD QP and CQ at once: its address names the
     /// QP ([`dgram`]).
-    pub fn new_ep(&mut self, dom: usize, named: Option<u64>, dgram: bool) -> Result<Ep, Errno> {
+    ///
+    /// In a sockaddr format (`format`) the number must fit a port: the application's
+    /// above 65535 is `-FI_EINVAL`, and the provider's own is claimed among the ephemeral
+    /// ports ([`names::claim`]; `-FI_EADDRINUSE` when none is free).
+    pub fn new_ep(
+        &mut self,
+        dom: usize,
+        named: Option<u64>,
+        dgram: bool,
+        format: Format,
+    ) -> Result<Ep, Errno> {
         let nic = self.domain(dom)?.nic;
+        if format == Format::SockaddrIn && named.is_some_and(|s| s > MAX_PORT) {
+            return Err(EINVAL);
+        }
         let (ud, cq, sink) = if dgram {
             let (g, cq) = self.dgram_open(dom)?;
             (Some(Box::new(g)), Some(cq), Some(self.sink(dom)?))
         } else {
             (None, None, None)
         };
-        let service = match (named, &ud) {
-            (Some(s), _) => s,
-            (None, Some(g)) => dgram::DGRAM_SERVICE | u64::from(g.qp.qpn()),
-            (None, None) => self.own_service(),
+        let qpn = ud.as_ref().map(|g| g.qp.qpn());
+        let service = match (named, qpn, format) {
+            (Some(s), _, _) => s,
+            (None, _, Format::SockaddrIn) => names::claim(nic, qpn).ok_or(abi::FI_EADDRINUSE)?,
+            (None, Some(q), Format::Native) => dgram::DGRAM_SERVICE | u64::from(q),
+            (None, None, Format::Native) => self.own_service(),
         };
         let ip = self.nics[&nic].cm.address().ip;
         Ok(Ep {
@@ -821,6 +944,8 @@ impl State {
             addr: make_addr(ip, service),
             service,
             named: named.is_some(),
+            claimed: named.is_none() && format == Format::SockaddrIn,
+            format,
             av: None,
             txcq: None,
             stx: None,
@@ -939,7 +1064,7 @@ impl State {
     /// receives, ready at once, whose operations have work request ids of their own
     /// ([`SRX_WR`]) so the bound endpoints' CQs can hand their completions back to it.
     pub fn new_srx(&mut self, dom: usize) -> Result<Ep, Errno> {
-        let mut e = self.new_ep(dom, None, false)?;
+        let mut e = self.new_ep(dom, None, false, Format::Native)?;
         e.srq = Some(new_srq(self.domain(dom)?)?);
         e.sink = Some(self.sink(dom)?);
         e.srx = true;
@@ -1931,6 +2056,9 @@ impl State {
 
     /// Closes the endpoint's listener (before the endpoint is dropped).
     pub fn close_ep(&mut self, ep: &Ep) {
+        if ep.claimed {
+            names::unpublish(ep.service, ep.nic);
+        }
         if !ep.enabled || ep.srx {
             return;
         }
@@ -2151,4 +2279,70 @@ pub struct RmaReq {
     pub trig: Option<Trig>,
     /// A triggered atomic's operand: the local 8 bytes it is read from when it fires.
     pub operand: usize,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_sockaddr_in_and_the_native_address_of_its_ip_and_port_are_one_address() {
+        let sin = sockaddr_in([127, 0, 0, 1], 9228);
+        // As C lays out a struct sockaddr_in: family in native order, port big endian.
+        assert_eq!(u16::from_ne_bytes([sin[0], sin[1]]), AF_INET);
+        assert_eq!(&sin[2..4], &[0x24, 0x0c]);
+        assert_eq!(&sin[4..8], &[127, 0, 0, 1]);
+        assert_eq!(&sin[8..], &[0; 8]);
+        assert_eq!(parse_sockaddr_in(&sin), Some(([127, 0, 0, 1], 9228)));
+        let native = make_addr([127, 0, 0, 1], 9228);
+        assert_eq!(addr_from_bytes(&sin), Some(native));
+        assert_eq!(addr_from_bytes(&native), Some(native));
+        assert_eq!(Format::SockaddrIn.out(&native), sin);
+        assert_eq!(Format::Native.out(&native), native);
+        // The native magic is no address family: neither reads as the other.
+        assert_eq!(parse_sockaddr_in(&native), None);
+        assert_eq!(parse_addr(&sin), None);
+        // A number too large for a port keeps the native form.
+        let big = make_addr([10, 0, 0, 1], 1 << 40);
+        assert_eq!(Format::SockaddrIn.out(&big), big);
+    }
+
+    #[test]
+    fn what_is_no_address_is_refused() {
+        // Too short, another family, all zeros.
+        assert_eq!(addr_from_bytes(&sockaddr_in([1, 2, 3, 4], 5)[..15]), None);
+        let mut inet6 = sockaddr_in([1, 2, 3, 4], 5);
+        inet6[0..2].copy_from_slice(&10u16.to_ne_bytes());
+        assert_eq!(addr_from_bytes(&inet6), None);
+        assert_eq!(addr_from_bytes(&[0; 16]), None);
+        // As a destination: no wildcard, no port 0.
+        assert_eq!(dest_from_bytes(&[0; 16]), Err(EINVAL));
+        assert_eq!(dest_from_bytes(&sockaddr_in([0; 4], 80)), Err(EINVAL));
+        assert_eq!(dest_from_bytes(&sockaddr_in([10, 0, 0, 1], 0)), Err(EINVAL));
+        assert_eq!(
+            dest_from_bytes(&sockaddr_in([10, 0, 0, 1], 80)),
+            Ok(make_addr([10, 0, 0, 1], 80))
+        );
+        // The native form is taken as before (service 0 included: a NIC's address).
+        let n = make_addr([10, 0, 0, 1], 0);
+        assert_eq!(dest_from_bytes(&n), Ok(n));
+    }
+
+    #[test]
+    fn formats_of_infos_and_their_text() {
+        assert_eq!(Format::of(abi::FI_SOCKADDR), Format::SockaddrIn);
+        assert_eq!(Format::of(abi::FI_SOCKADDR_IN), Format::SockaddrIn);
+        assert_eq!(Format::of(abi::FI_FORMAT_UNSPEC), Format::Native);
+        assert_eq!(Format::of(crate::info::ADDR_FORMAT), Format::Native);
+        assert_eq!(Format::SockaddrIn.addr_format(), abi::FI_SOCKADDR_IN);
+        assert_eq!(
+            addr_str(&sockaddr_in([10, 0, 0, 2], 49152)),
+            "fi_sockaddr_in://10.0.0.2:49152"
+        );
+        assert_eq!(
+            addr_str(&make_addr([10, 0, 0, 2], 0x10)),
+            "ringbell://10.0.0.2/0x10"
+        );
+        assert_eq!(addr_str(&[0; 16]), "ringbell://invalid");
+    }
 }

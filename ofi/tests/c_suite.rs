@@ -193,6 +193,15 @@ fn c_shared_contexts() {
     run("shared_ctx", &[&[]]);
 }
 
+/// The `FI_SOCKADDR_IN` address format (and `FI_SOCKADDR`): in-process (names in the
+/// process's table) and on served NICs (names, the provider's ephemeral ports among them,
+/// as files of the served directory).
+#[test]
+fn c_sockaddr() {
+    run("sockaddr", &[&["47300"]]);
+    run_served("sockaddr", &[&["47400"]]);
+}
+
 #[test]
 fn c_dgram() {
     run("dgram", &[&["nolocal"], &["local"]]);

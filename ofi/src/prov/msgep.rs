@@ -51,6 +51,11 @@ pub struct Pep {
     pub nic: usize,
     pub service: u64,
     pub named: bool,
+    /// The number is one the provider claimed ([`names::claim`]), withdrawn at close.
+    pub claimed: bool,
+    /// The format of its info: `fi_getname` gives its address in it, and the requests it
+    /// reports carry it.
+    pub format: Format,
     pub addr: Addr,
     pub eq: Option<usize>,
     pub listening: bool,
@@ -64,6 +69,7 @@ pub struct Pep {
 /// such as `FI_MULTI_RECV` among them), as fi_getinfo gave them to the listener.
 #[derive(Clone, Copy, Debug)]
 pub struct ListenAttrs {
+    pub format: Format,
     pub caps: u64,
     pub mode: u64,
     pub tx: abi::fi_tx_attr,
@@ -76,6 +82,10 @@ pub struct ConnReq {
     pub id: ConnId,
     /// The requester's NIC.
     pub from: AhAttr,
+    /// The service number of the passive endpoint it came to: in a sockaddr format the
+    /// endpoint that accepts it has that address (as an accepted socket has its
+    /// listener's).
+    pub service: u64,
 }
 
 /// A connected endpoint's state.
@@ -91,18 +101,30 @@ pub struct MsgEp {
 
 impl State {
     /// A passive endpoint on NIC `nic`, on service number `named` (the application's) or one
-    /// of this process's own.
-    pub fn new_pep(&mut self, nic: usize, named: Option<u64>) -> Result<Pep, Errno> {
+    /// of this process's own (in a sockaddr format a claimed port, as for endpoints:
+    /// [`State::new_ep`]).
+    pub fn new_pep(
+        &mut self,
+        nic: usize,
+        named: Option<u64>,
+        format: Format,
+    ) -> Result<Pep, Errno> {
+        if format == Format::SockaddrIn && named.is_some_and(|s| s > MAX_PORT) {
+            return Err(EINVAL);
+        }
         self.open_nic(nic)?;
-        let service = match named {
-            Some(s) => s,
-            None => self.own_service(),
+        let service = match (named, format) {
+            (Some(s), _) => s,
+            (None, Format::SockaddrIn) => names::claim(nic, None).ok_or(abi::FI_EADDRINUSE)?,
+            (None, Format::Native) => self.own_service(),
         };
         let ip = self.nics[&nic].cm.address().ip;
         Ok(Pep {
             nic,
             service,
             named: named.is_some(),
+            claimed: named.is_none() && format == Format::SockaddrIn,
+            format,
             addr: make_addr(ip, service),
             eq: None,
             listening: false,
@@ -140,10 +162,87 @@ impl State {
         if p.listening {
             self.stop_listening(p.nic, p.service, p.named);
         }
+        if p.claimed {
+            names::unpublish(p.service, p.nic);
+        }
+    }
+
+    /// `fi_setname` of endpoint or passive endpoint `key`: address `a` (either format,
+    /// [`addr_from_bytes`]) becomes its own, before it is enabled or listens
+    /// (`-FI_EOPBADSTATE` after). Its IPv4 address is the wildcard, the NIC's own or an
+    /// address of this host that is no NIC's (all name the NIC, as a socket bound to
+    /// them would be reached); another NIC's is `-FI_EADDRNOTAVAIL`. Port (service) 0
+    /// keeps the number it has (fi_cm(3): the provider assigns one); another becomes the
+    /// application's, as one given with `FI_SOURCE` is (published while it listens).
+    pub fn setname(&mut self, key: usize, b: &[u8]) -> Result<(), Errno> {
+        let (ip, service) = addr_from_bytes(b)
+            .and_then(|a| parse_addr(&a))
+            .ok_or(EINVAL)?;
+        let (nic, format, busy) = match self.objs.get(&key) {
+            Some(Obj::Pep(p)) => (p.nic, p.format, p.listening),
+            Some(Obj::Ep(e)) if !e.srx => (e.nic, e.format, e.enabled),
+            _ => return Err(EINVAL),
+        };
+        if busy {
+            return Err(abi::FI_EOPBADSTATE);
+        }
+        if format == Format::SockaddrIn && service > MAX_PORT {
+            return Err(EINVAL);
+        }
+        let own = self.nics.get(&nic).ok_or(EINVAL)?.cm.address().ip;
+        if ip != [0; 4] && ip != own && AhAttr::on_fabric(ip).is_some() {
+            return Err(abi::FI_EADDRNOTAVAIL);
+        }
+        if service == 0 {
+            return Ok(());
+        }
+        let (old, claimed) = match self.objs.get_mut(&key) {
+            Some(Obj::Pep(p)) => {
+                let was = (p.service, p.claimed);
+                (p.service, p.named, p.claimed) = (service, true, false);
+                p.addr = make_addr(own, service);
+                was
+            }
+            Some(Obj::Ep(e)) => {
+                let was = (e.service, e.claimed);
+                (e.service, e.named, e.claimed) = (service, true, false);
+                e.addr = make_addr(own, service);
+                was
+            }
+            _ => return Err(EINVAL),
+        };
+        if claimed && old != service {
+            names::unpublish(old, nic);
+        }
+        Ok(())
+    }
+
+    /// What an endpoint opened with `info->handle` naming passive endpoint `pep`
+    /// (fi_endpoint(3)) takes from it: its service number, whether it was the
+    /// application's, and its claim on it. The passive endpoint stops listening and keeps
+    /// nothing. `-FI_EINVAL` for a passive endpoint of another NIC than `nic`.
+    pub fn take_pep_addr(&mut self, pep: usize, nic: usize) -> Result<(u64, bool, bool), Errno> {
+        let p = self.pep_mut(pep)?;
+        if p.nic != nic {
+            return Err(EINVAL);
+        }
+        let (service, named, claimed, listening) = (p.service, p.named, p.claimed, p.listening);
+        p.claimed = false;
+        p.listening = false;
+        if listening {
+            self.stop_listening(nic, service, named);
+        }
+        Ok((service, named, claimed))
+    }
+
+    /// The NIC and service number of passive endpoint `pep`.
+    pub fn pep_addr(&mut self, pep: usize) -> Result<(usize, u64), Errno> {
+        let p = self.pep_mut(pep)?;
+        Ok((p.nic, p.service))
     }
 
     /// `fi_connect` of endpoint `ep` to address `to` with private data `param`.
-    pub fn connect(&mut self, ep: usize, to: &[u8], param: &[u8]) -> Result<(), Errno> {
+    pub fn connect(&mut self, ep: usize, to: &Addr, param: &[u8]) -> Result<(), Errno> {
         let e = self.objs_ep(ep)?;
         if !e.enabled {
             return Err(abi::FI_EOPBADSTATE);
@@ -153,7 +252,7 @@ impl State {
             return Err(abi::FI_EISCONN);
         }
         let nic = e.nic;
-        let addr = resolve_addr(&to.try_into().map_err(|_| EINVAL)?);
+        let addr = resolve_addr(to);
         let (ip, service) = parse_addr(&addr).ok_or(EINVAL)?;
         let ah = AhAttr::on_fabric(ip).ok_or(abi::FI_EHOSTUNREACH)?;
         let qp = new_qp(self.domain(e.domain)?, e, self.rx_srq(e))?;
@@ -313,8 +412,15 @@ impl State {
             context: std::ptr::null_mut(),
             ops: std::ptr::null_mut(),
         })) as usize;
-        self.objs
-            .insert(handle, Obj::ConnReq(ConnReq { nic, id, from }));
+        self.objs.insert(
+            handle,
+            Obj::ConnReq(ConnReq {
+                nic,
+                id,
+                from,
+                service,
+            }),
+        );
         self.eq_push(
             eq,
             Ok(EqEvent {

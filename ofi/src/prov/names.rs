@@ -60,6 +60,62 @@ pub fn publish(service: u64, nic: usize, dgram: Option<u32>) {
     }
 }
 
+/// The service numbers the provider picks for endpoints of the sockaddr formats that have
+/// none of the application's: the ephemeral ports of RFC 6335.
+pub const EPHEMERAL: std::ops::RangeInclusive<u64> = 49152..=65535;
+
+/// Claims a free number of [`EPHEMERAL`] for the endpoint on NIC `nic` (with its QP number
+/// `dgram` when it is a datagram endpoint), published at once: a number nobody on the
+/// fabric holds, found by exclusive creation of its name (on a served fabric the file,
+/// made aside and linked into place, which fails when the name exists; in-process under
+/// the table's lock). The caller withdraws it with [`unpublish`]. `None` when every number
+/// is taken (or the directory cannot be written).
+pub fn claim(nic: usize, dgram: Option<u32>) -> Option<u64> {
+    claim_in(dir(), nic, dgram)
+}
+
+/// [`claim`] in directory `d` (a served fabric's), or the in-process table.
+fn claim_in(d: Option<PathBuf>, nic: usize, dgram: Option<u32>) -> Option<u64> {
+    let span = EPHEMERAL.end() - EPHEMERAL.start() + 1;
+    // Start where another process is unlikely to: its id and a counter of the process's.
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let seed = u64::from(std::process::id()).wrapping_mul(2654435761)
+        + NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let text = match dgram {
+        Some(q) => format!("{nic} {q}"),
+        None => nic.to_string(),
+    };
+    let tmp = d
+        .as_ref()
+        .map(|d| d.join(format!(".claim.{}.{seed}", std::process::id())));
+    if let Some(t) = &tmp {
+        std::fs::write(t, &text).ok()?;
+    }
+    let mut found = None;
+    for i in 0..span {
+        let service = EPHEMERAL.start() + (seed + i) % span;
+        let taken = match (&d, &tmp) {
+            (Some(d), Some(t)) => std::fs::hard_link(t, file(d, service)).is_err(),
+            _ => {
+                let mut t = local();
+                let taken = t.iter().any(|e| e.0 == service);
+                if !taken {
+                    t.push((service, nic, dgram));
+                }
+                taken
+            }
+        };
+        if !taken {
+            found = Some(service);
+            break;
+        }
+    }
+    if let Some(t) = &tmp {
+        let _ = std::fs::remove_file(t);
+    }
+    found
+}
+
 /// Withdraws the name, unless another NIC's endpoint has taken the number since.
 pub fn unpublish(service: u64, nic: usize) {
     if resolve(service) != Some(nic) {
@@ -118,5 +174,36 @@ mod tests {
         assert_eq!(resolve(s), Some(1));
         unpublish(s, 1);
         assert_eq!(resolve(s), None);
+    }
+
+    #[test]
+    fn claimed_numbers_are_ephemeral_ports_nobody_else_holds() {
+        if dir().is_some() {
+            return;
+        }
+        let a = claim(2, None).unwrap();
+        let b = claim(3, Some(0x77)).unwrap();
+        assert!(EPHEMERAL.contains(&a) && EPHEMERAL.contains(&b) && a != b);
+        assert_eq!(resolve_full(a), Some((2, None)));
+        assert_eq!(resolve_full(b), Some((3, Some(0x77))));
+        unpublish(a, 2);
+        unpublish(b, 3);
+        assert_eq!(resolve(a), None);
+    }
+
+    #[test]
+    fn claims_on_a_served_fabric_are_exclusive_files() {
+        let d = std::env::temp_dir().join(format!("ringbell-names-{}", std::process::id()));
+        std::fs::create_dir_all(&d).unwrap();
+        let mut seen = std::collections::HashSet::new();
+        for i in 0..50 {
+            let s = claim_in(Some(d.clone()), i, Some(i as u32 + 100)).unwrap();
+            assert!(EPHEMERAL.contains(&s) && seen.insert(s), "{s} twice");
+            let text = std::fs::read_to_string(file(&d, s)).unwrap();
+            assert_eq!(text, format!("{i} {}", i + 100));
+        }
+        // Only the names are left (the files made aside are gone).
+        assert_eq!(std::fs::read_dir(&d).unwrap().count(), 50);
+        std::fs::remove_dir_all(&d).unwrap();
     }
 }

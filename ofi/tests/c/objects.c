@@ -112,7 +112,7 @@ static void getinfo(void)
 	h->domain_attr->cq_data_size = 64;
 	CHECK_EQ(fi_getinfo(CT_VERSION, NULL, NULL, 0, h, &list), -FI_ENODATA);
 	h->domain_attr->cq_data_size = 0;
-	h->addr_format = FI_SOCKADDR_IN;
+	h->addr_format = FI_SOCKADDR_IN6;
 	CHECK_EQ(fi_getinfo(CT_VERSION, NULL, NULL, 0, h, &list), -FI_ENODATA);
 	h->addr_format = FI_FORMAT_UNSPEC;
 	h->tx_attr->inject_size = 1 << 20;
