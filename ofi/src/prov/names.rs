@@ -79,8 +79,10 @@ fn claim_in(d: Option<PathBuf>, nic: usize, dgram: Option<u32>) -> Option<u64> {
     let span = EPHEMERAL.end() - EPHEMERAL.start() + 1;
     // Start where another process is unlikely to: its id and a counter of the process's.
     static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-    let seed = u64::from(std::process::id()).wrapping_mul(2654435761)
-        + NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let seed = u64::from(std::process::id())
+        .wrapping_mul(2654435761)
+        .wrapping_add(NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed))
+        % span;
     let text = match dgram {
         Some(q) => format!("{nic} {q}"),
         None => nic.to_string(),
