@@ -1137,6 +1137,7 @@ unsafe extern "C" fn endpoint(
         }
         if let Some(i) = info {
             ep.directed = i.caps & abi::FI_DIRECTED_RECV != 0;
+            ep.source = i.caps & abi::FI_SOURCE != 0;
             // SAFETY: the info's attribute pointers are NULL or valid (fi_getinfo(3)).
             if let Some(t) = unsafe { i.tx_attr.as_ref() } {
                 ep.tx_op_flags = t.op_flags;

@@ -68,8 +68,11 @@ pub const SECONDARY_CAPS: u64 =
 /// The capabilities that address a peer's registered memory.
 pub const REMOTE_MEMORY_CAPS: u64 =
     FI_RMA | FI_ATOMIC | FI_REMOTE_READ | FI_REMOTE_WRITE | FI_RMA_EVENT;
+/// Secondary capabilities given only to applications that ask for them: the source
+/// address of every receive (`fi_cq_readfrom`), which costs a look-up per receive.
+pub const ASKED_CAPS: u64 = abi::FI_SOURCE;
 /// Everything the provider can do.
-pub const CAPS: u64 = PRIMARY_CAPS | SECONDARY_CAPS;
+pub const CAPS: u64 = PRIMARY_CAPS | SECONDARY_CAPS | ASKED_CAPS;
 /// Transmit-side capabilities.
 pub const TX_CAPS: u64 =
     FI_MSG | FI_RMA | FI_TAGGED | FI_ATOMIC | FI_READ | FI_WRITE | FI_SEND | FI_TRIGGER;
@@ -84,7 +87,8 @@ pub const RX_CAPS: u64 = FI_MSG
     | FI_DIRECTED_RECV
     | FI_TRIGGER
     | FI_RMA_EVENT
-    | FI_MULTI_RECV;
+    | FI_MULTI_RECV
+    | ASKED_CAPS;
 
 /// Operation flags the endpoints accept (on the receive side also [`FI_MULTI_RECV`]).
 pub const OP_FLAGS: u64 = (abi::FI_COMPLETION
@@ -241,7 +245,8 @@ pub const MSG_EP_CAPS: u64 = FI_MSG
     | FI_REMOTE_COMM
     | FI_MULTI_RECV;
 /// What a datagram endpoint can do.
-pub const DGRAM_CAPS: u64 = FI_MSG | FI_SEND | FI_RECV | FI_LOCAL_COMM | FI_REMOTE_COMM;
+pub const DGRAM_CAPS: u64 =
+    FI_MSG | FI_SEND | FI_RECV | FI_LOCAL_COMM | FI_REMOTE_COMM | ASKED_CAPS;
 /// Largest datagram: one packet at the fabric's path MTU (`ringbell::UD_MAX_PAYLOAD`).
 pub const DGRAM_MAX_MSG: usize = 4096;
 
@@ -410,9 +415,11 @@ pub fn match_offer(version: u32, hints: &Hints, offer: &Offer) -> Result<Offer, 
     // A shared receive context takes untagged messages (its endpoints share one receive
     // queue, not a tag matcher) of RDM and connected endpoints (a datagram endpoint's UD
     // QP has a receive queue of its own).
+    // Its completions do not name their senders (FI_SOURCE).
     if shared_rx
         && (offer.ep_type == abi::fi_ep_type_FI_EP_DGRAM
-            || hints.caps & PRIMARY_CAPS & FI_TAGGED != 0)
+            || hints.caps & PRIMARY_CAPS & FI_TAGGED != 0
+            || hints.caps & ASKED_CAPS != 0)
     {
         return Err(NoMatch::Contexts);
     }
@@ -499,7 +506,10 @@ pub fn match_offer(version: u32, hints: &Hints, offer: &Offer) -> Result<Offer, 
     } else {
         offer.caps & PRIMARY_CAPS
     };
-    out.caps = primary | (offer.caps & SECONDARY_CAPS) | (hints.caps & SECONDARY_CAPS);
+    out.caps = primary
+        | (offer.caps & SECONDARY_CAPS)
+        | (hints.caps & SECONDARY_CAPS)
+        | (hints.caps & ASKED_CAPS);
     if shared_rx {
         out.caps &= !FI_TAGGED;
     }
@@ -559,8 +569,15 @@ mod tests {
     #[test]
     fn no_hints_get_everything() {
         let o = match_offer(V, &Hints::default(), &rb0()).unwrap();
-        assert_eq!(o.caps, CAPS);
+        // Everything but what is given only to those who ask (FI_SOURCE).
+        assert_eq!(o.caps, CAPS & !ASKED_CAPS);
         assert_eq!(o.mr_mode, rb0().mr_mode);
+        let asked = Hints {
+            caps: FI_MSG | ASKED_CAPS,
+            ..Default::default()
+        };
+        let o = match_offer(V, &asked, &rb0()).unwrap();
+        assert_eq!(o.caps & ASKED_CAPS, ASKED_CAPS);
     }
 
     #[test]
@@ -614,7 +631,7 @@ mod tests {
         };
         let o = h(&|h| h.ep_type = abi::fi_ep_type_FI_EP_DGRAM).unwrap();
         assert_eq!(o.ep_type, abi::fi_ep_type_FI_EP_DGRAM);
-        assert_eq!(o.caps, DGRAM_CAPS);
+        assert_eq!(o.caps, DGRAM_CAPS & !ASKED_CAPS);
         assert_eq!(o.max_msg_size, DGRAM_MAX_MSG);
         assert_eq!(o.msg_order(), 0);
         // No mode asked of the application: no prefix, and no FI_RX_CQ_DATA (no RMA).

@@ -251,7 +251,8 @@ pub struct Entry {
     pub buf: u64,
     pub data: u64,
     pub tag: u64,
-    /// Source address (`fi_cq_readfrom`): always not available.
+    /// Source address (`fi_cq_readfrom`): the sender's AV index for receives of datagram
+    /// endpoints, tagged receives and, with FI_SOURCE, every receive; else not available.
     pub src: u64,
     /// Bytes lost to truncation (error entries).
     pub olen: u64,
@@ -474,6 +475,9 @@ pub struct Ep {
     pub enabled: bool,
     /// Accept tagged messages only from a receive's source address (FI_DIRECTED_RECV).
     pub directed: bool,
+    /// Name the sender of every receive (FI_SOURCE): untagged receives look up the
+    /// connection their message came on.
+    pub source: bool,
     conns: HashMap<ConnKey, Conn>,
     extra: Vec<(ConnKey, Conn)>,
     /// Connections whose QP failed (a work request completed in error, which moves an RC
@@ -958,6 +962,7 @@ impl State {
             rx_op_flags: 0,
             enabled: false,
             directed: false,
+            source: false,
             conns: HashMap::new(),
             extra: Vec::new(),
             dead: Vec::new(),
@@ -1554,6 +1559,41 @@ impl State {
             .ok_or(EINVAL)
     }
 
+    /// For an endpoint that names the senders of its receives (FI_SOURCE): the AV index of
+    /// the peer whose connection's QP `qpn` took a receive, or `FI_ADDR_NOTAVAIL` (a peer the
+    /// AV does not hold, or an endpoint that did not ask). AV entries that name a peer by
+    /// this host's address and a service number are resolved to compare them.
+    pub(crate) fn conn_source(&self, ep: usize, qpn: u32) -> u64 {
+        let Ok(e) = self.objs_ep(ep) else {
+            return ADDR_UNSPEC;
+        };
+        if !e.source {
+            return ADDR_UNSPEC;
+        }
+        let peer = e
+            .conns
+            .iter()
+            .chain(e.extra.iter().map(|(k, c)| (k, c)))
+            .find_map(|(k, c)| match c {
+                Conn::Up(_, qp) if qp.qpn() == qpn => Some(k.0),
+                _ => None,
+            });
+        let Some(peer) = peer else {
+            return ADDR_UNSPEC;
+        };
+        match self.av_index(ep, &peer) {
+            ADDR_UNSPEC => match e.av.and_then(|k| self.objs.get(&k)) {
+                Some(Obj::Av(av)) => av
+                    .addrs
+                    .iter()
+                    .position(|a| a.as_ref().is_some_and(|a| resolve_addr(a) == peer))
+                    .map_or(ADDR_UNSPEC, |i| i as u64),
+                _ => ADDR_UNSPEC,
+            },
+            i => i,
+        }
+    }
+
     /// The AV index of `addr` in endpoint `ep`'s AV, or `FI_ADDR_NOTAVAIL`.
     fn av_index(&self, ep: usize, addr: &Addr) -> u64 {
         let Ok(e) = self.objs_ep(ep) else {
@@ -1768,6 +1808,8 @@ impl State {
                     );
                     if e_dgram && !op.send {
                         en.src = self.dgram_source(ep, w);
+                    } else if !op.send && !remote_write {
+                        en.src = self.conn_source(ep, w.qpn);
                     }
                     self.push(cq, en);
                 }

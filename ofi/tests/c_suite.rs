@@ -164,6 +164,8 @@ fn c_messages() {
             &["nolocal", "msg", "sread"],
             &["local", "tagged", "selective"],
             &["nolocal", "data", "selective"],
+            &["local", "tagged", "source"],
+            &["nolocal", "msg", "source"],
         ],
     );
 }

@@ -158,7 +158,11 @@ impl State {
         }
         self.count(ep, flags, ok && cut == 0);
         if !ok || cut > 0 || op.report || released {
-            self.push(rxcq, msg_entry(op.ctx, flags, (len, at), cut, w));
+            let mut en = msg_entry(op.ctx, flags, (len, at), cut, w);
+            if !remote_write {
+                en.src = self.conn_source(ep, w.qpn);
+            }
+            self.push(rxcq, en);
         }
         if let Ok(e) = self.ep_mut(ep) {
             e.multi_posted = false;

@@ -11,6 +11,7 @@
  *   map: FI_AV_MAP address vectors instead of FI_AV_TABLE.
  *   sread: CQs with a wait object (FI_WAIT_UNSPEC), completions waited for with
  *   fi_cq_sread/fi_cq_sreadfrom.
+ *   source: FI_SOURCE asked for: every receive names its sender.
  */
 #include "ctest.h"
 
@@ -18,6 +19,7 @@ static struct ct_pair P;
 static int local;
 static enum fi_cq_format fmt;
 static int sread;
+static int source;
 static char *abuf, *bbuf; /* each side's buffers, 2 MiB + a page each */
 static struct fid_mr *amr, *bmr;
 #define BUFLEN ((size_t)(2 << 20) + 4096)
@@ -157,8 +159,12 @@ static void order_and_readfrom(void)
 		CHECK(e.op_context == (void *)(uintptr_t)(0x100 + i));
 		if (fmt != FI_CQ_FORMAT_CONTEXT)
 			CHECK_EQ(e.len, 10 + i);
-		/* Without FI_SOURCE the source may be FI_ADDR_NOTAVAIL (fi_cq(3)). */
-		CHECK(src == P.b.peer || src == FI_ADDR_NOTAVAIL);
+		/* With FI_SOURCE the sender's AV address; without it, it may be
+		 * FI_ADDR_NOTAVAIL (fi_cq(3)). */
+		if (source)
+			CHECK_EQ(src, P.b.peer);
+		else
+			CHECK(src == P.b.peer || src == FI_ADDR_NOTAVAIL);
 		CHECK(ct_same(bbuf + i * 256, 10 + i, 20 + i));
 	}
 }
@@ -512,14 +518,18 @@ int main(int argc, char **argv)
 	const char *opt = argc > 3 ? argv[3] : "";
 	int sel = strcmp(opt, "selective") == 0, map = strcmp(opt, "map") == 0;
 	sread = strcmp(opt, "sread") == 0;
+	source = strcmp(opt, "source") == 0;
 	snprintf(name, sizeof(name), "msg %s %s%s%s", argv[1], argv[2], *opt ? " " : "", opt);
 	ct_name = name;
 
-	struct ct_opts o = { .caps = FI_MSG, .mr_local = local, .format = fmt,
+	struct ct_opts o = { .caps = FI_MSG | (source ? FI_SOURCE : 0), .mr_local = local,
+			     .format = fmt,
 			     .bind_flags = sel ? FI_SELECTIVE_COMPLETION : 0,
 			     .av_type = map ? FI_AV_MAP : FI_AV_TABLE,
 			     .wait_obj = sread ? FI_WAIT_UNSPEC : FI_WAIT_NONE };
 	ct_pair_open(&P, &o);
+	/* FI_SOURCE is given to those who ask, and only to them. */
+	CHECK_EQ(!!(P.list->caps & FI_SOURCE), source);
 	if (local)
 		CHECK(P.list->domain_attr->mr_mode & FI_MR_LOCAL);
 	else
