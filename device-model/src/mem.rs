@@ -197,11 +197,11 @@ impl DevMem {
         (end <= self.bytes.len() as u64).then_some(addr as usize..end as usize)
     }
 
-    /// A 32-bit load through the BAR0 window (0 where nothing is).
-    pub(crate) fn load(&self, addr: u64) -> u32 {
-        self.range(addr, 4).map_or(0, |r| {
-            u32::from_le_bytes(self.bytes[r].try_into().unwrap_or([0; 4]))
-        })
+    /// A 32-bit load through the BAR0 window; `None` outside the memory (beyond its size,
+    /// or before the first allocation made it).
+    pub(crate) fn load(&self, addr: u64) -> Option<u32> {
+        self.range(addr, 4)
+            .map(|r| u32::from_le_bytes(self.bytes[r].try_into().unwrap_or([0; 4])))
     }
 
     /// A store through the BAR0 window; `false` (nothing stored) outside the memory.

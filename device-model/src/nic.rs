@@ -366,10 +366,13 @@ impl Nic {
             regs::MAX_DM_SIZE => c.max_dm_size,
             o if (regs::DM_BASE..regs::DM_END).contains(&o) && o.is_multiple_of(4) => {
                 let a = o - regs::DM_BASE;
-                if a >= self.dm.size {
-                    self.guest_error(GuestError::BadOffset, o as u32);
+                match self.dm.load(a) {
+                    Some(v) => v,
+                    None => {
+                        self.guest_error(GuestError::BadOffset, o as u32);
+                        0
+                    }
                 }
-                self.dm.load(a)
             }
             o if (regs::CNTR_BASE..regs::CNTR_END).contains(&o) && o.is_multiple_of(4) => {
                 match self.cntr_mmio_read(o) {

@@ -248,3 +248,30 @@ fn sends_writes_reads_and_atomics_reach_device_memory() {
 fn functional_mode_leaves_device_memory_to_the_packet_path() {
     traffic(true);
 }
+
+#[test]
+fn the_window_outside_the_memory_is_a_guest_error() {
+    use ringbell_specs::regs::DM_BASE;
+    let fabric = Fabric::new(FabricConfig::new(2, 1));
+    let dev = Device::open(Box::new(fabric.port(0))).unwrap();
+    let port = fabric.port(0);
+    let errors = || fabric.nic_stats(0).guest_errors;
+    let e0 = errors();
+    // Before the first allocation there is no memory behind the window.
+    assert_eq!(port.read32(DM_BASE), 0);
+    port.write32(DM_BASE, 7);
+    fabric.run_until_quiet();
+    assert_eq!(errors(), e0 + 2);
+    let dm = dev.alloc_dm(64, 0).unwrap();
+    dm.write(0, &[1, 2, 3, 4]).unwrap();
+    // The first allocation starts at device address 0: its first word, through the window.
+    assert_eq!(port.read32(DM_BASE), u32::from_le_bytes([1, 2, 3, 4]));
+    assert_eq!(errors(), e0 + 2);
+    // Beyond the memory's size.
+    let end = DM_BASE + u64::from(dev.caps().max_dm_size);
+    assert_eq!(port.read32(end), 0);
+    port.write32(end, 7);
+    fabric.run_until_quiet();
+    assert_eq!(errors(), e0 + 4);
+    drop(dm);
+}
