@@ -91,10 +91,10 @@ impl DeviceMemory {
         &self.obj.dev
     }
 
-    /// Checks a host access of `len` bytes at `offset`: inside the allocation
-    /// ([`Error::OutOfBounds`]), both multiples of [`DM_ACCESS_ALIGN`]
+    /// Checks a host access of `len` bytes at `offset`, in this order: inside the
+    /// allocation ([`Error::OutOfBounds`]), both multiples of [`DM_ACCESS_ALIGN`]
     /// ([`Error::InvalidArgument`]). Returns the BAR0 offset of its first byte.
-    fn window(&self, offset: u64, len: usize) -> Result<u64, Error> {
+    pub fn window(&self, offset: u64, len: usize) -> Result<u64, Error> {
         if offset
             .checked_add(len as u64)
             .is_none_or(|e| e > self.obj.len)

@@ -10,7 +10,7 @@ use crate::abi;
 use crate::device::RbContext;
 use crate::pd::RbPd;
 use crate::state::{Kind, Owner, State};
-use ringbell::{DeviceMemory, DM_ACCESS_ALIGN};
+use ringbell::DeviceMemory;
 use ringbell_specs::cmd::DM_MAX_LOG_ALIGN;
 use std::os::raw::c_int;
 
@@ -65,22 +65,16 @@ pub(crate) fn free(st: &mut State, dm: &mut RbDm) -> i32 {
     0
 }
 
-/// Checks a copy of `len` bytes at `offset` of `dm` (mlx5's order: the range, then the
-/// alignment).
+/// Checks a copy of `len` bytes at `offset` of `dm` as the driver does (the range, then
+/// the alignment, mlx5's order), with mlx5's errnos: EFAULT outside the allocation, EINVAL
+/// unaligned; then a NULL host buffer is EINVAL.
 fn check_copy(dm: &RbDm, offset: u64, len: usize, host_null: bool) -> Result<(), i32> {
-    if offset
-        .checked_add(len as u64)
-        .is_none_or(|e| e > dm.drv.len())
-    {
-        return Err(libc::EFAULT);
+    match dm.drv.window(offset, len) {
+        Err(ringbell::Error::OutOfBounds { .. }) => Err(libc::EFAULT),
+        Err(e) => Err(crate::errno_of(&e)),
+        Ok(_) if host_null && len > 0 => Err(libc::EINVAL),
+        Ok(_) => Ok(()),
     }
-    if offset % DM_ACCESS_ALIGN != 0 || len as u64 % DM_ACCESS_ALIGN != 0 {
-        return Err(libc::EINVAL);
-    }
-    if host_null && len > 0 {
-        return Err(libc::EINVAL);
-    }
-    Ok(())
 }
 
 unsafe extern "C" fn memcpy_to_dm(

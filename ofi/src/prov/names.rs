@@ -30,6 +30,15 @@ fn file(d: &std::path::Path, service: u64) -> PathBuf {
     d.join(format!("service-{service}"))
 }
 
+/// The contents of a name's file: the NIC's index and, for a datagram endpoint, a space
+/// and its QP number.
+fn text(nic: usize, dgram: Option<u32>) -> String {
+    match dgram {
+        Some(q) => format!("{nic} {q}"),
+        None => nic.to_string(),
+    }
+}
+
 fn local() -> std::sync::MutexGuard<'static, Vec<(u64, usize, Option<u32>)>> {
     LOCAL.lock().unwrap_or_else(|p| p.into_inner())
 }
@@ -42,11 +51,7 @@ pub fn publish(service: u64, nic: usize, dgram: Option<u32>) {
         Some(d) => {
             // Written aside and renamed, so a reader sees the old name or the new one.
             let tmp = d.join(format!(".service-{service}.{}", std::process::id()));
-            let text = match dgram {
-                Some(q) => format!("{nic} {q}"),
-                None => nic.to_string(),
-            };
-            if std::fs::write(&tmp, text).is_ok()
+            if std::fs::write(&tmp, text(nic, dgram)).is_ok()
                 && std::fs::rename(&tmp, file(&d, service)).is_err()
             {
                 let _ = std::fs::remove_file(&tmp);
@@ -83,10 +88,7 @@ fn claim_in(d: Option<PathBuf>, nic: usize, dgram: Option<u32>) -> Option<u64> {
         .wrapping_mul(2654435761)
         .wrapping_add(NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed))
         % span;
-    let text = match dgram {
-        Some(q) => format!("{nic} {q}"),
-        None => nic.to_string(),
-    };
+    let text = text(nic, dgram);
     let tmp = d
         .as_ref()
         .map(|d| d.join(format!(".claim.{}.{seed}", std::process::id())));
