@@ -116,6 +116,8 @@ impl Nic {
             CmdOpcode::RegMr => self.reg_mr(params(input)?),
             CmdOpcode::ReregMr => self.rereg_mr(params(input)?),
             CmdOpcode::RegDmMr => self.reg_dm_mr(params(input)?),
+            CmdOpcode::AllocMw => self.alloc_mw(params(input)?),
+            CmdOpcode::DeallocMw => self.dealloc_mw(params::<ObjectIn>(input)?.num.get()),
             CmdOpcode::AllocDm => {
                 let p: AllocDmIn = params(input)?;
                 let (len, log_align) = (p.length.get(), p.log_align.get());
@@ -152,6 +154,8 @@ impl Nic {
                 let key = params::<ObjectIn>(input)?.num.get();
                 let idx = key_index(key);
                 match self.mrs.get(idx) {
+                    // Memory windows are bound to it (ABI 1.9).
+                    Some(mr) if mr.key == key && mr.mw_refs > 0 => Err(CmdStatus::Busy),
                     Some(mr) if mr.key == key => {
                         let pdn = mr.pdn;
                         let cntrs = mr.cntrs;
@@ -227,6 +231,7 @@ impl Nic {
                 self.release_srq_wqe(env, &mut qp);
                 self.unbind_all(&qp.cntrs);
                 self.trig_discard_qp(n);
+                self.unbind_qp_windows(n);
                 self.pd_unref(qp.pdn);
                 for c in [qp.send_cqn, qp.recv_cqn] {
                     if let Some(cq) = self.cqs.get_mut(c) {
@@ -320,6 +325,7 @@ impl Nic {
             max_cntr: c.max_cntr.into(),
             max_triggered: c.max_triggered.into(),
             max_dm_size: c.max_dm_size.into(),
+            max_mw: c.max_mw.into(),
         })
     }
 
@@ -368,6 +374,7 @@ impl Nic {
                 iova,
                 dm,
                 cntrs: Default::default(),
+                mw_refs: 0,
             })
             .ok_or(CmdStatus::Exhausted)?;
         // Key index must fit 24 bits.
@@ -394,6 +401,10 @@ impl Nic {
         // A region of device memory keeps its translation, PD and rights.
         if mr.dm != 0 {
             return Err(CmdStatus::BadParam);
+        }
+        // Windows bound to it keep it as it is (ABI 1.9).
+        if mr.mw_refs > 0 {
+            return Err(CmdStatus::Busy);
         }
         let all = REREG_TRANSLATION | REREG_PD | REREG_ACCESS;
         if flags == 0 || flags & !all != 0 {

@@ -36,6 +36,9 @@ pub(crate) struct EventCntrs(pub(crate) [u32; 6]);
 impl EventCntrs {
     /// The counter bound to `ev` (a single event bit), 0 when none.
     pub(crate) fn get(&self, ev: CntrEvents) -> u32 {
+        if ev.is_empty() {
+            return 0;
+        }
         self.0[ev.bits().trailing_zeros() as usize % 6]
     }
     pub(crate) fn any(&self) -> bool {
@@ -144,9 +147,11 @@ impl TriggerTable {
 /// The event a completed send WQE of opcode `op` counts as.
 pub(crate) fn send_event(op: SendOpcode) -> CntrEvents {
     match op {
-        SendOpcode::Send | SendOpcode::SendImm => CntrEvents::SEND,
+        SendOpcode::Send | SendOpcode::SendImm | SendOpcode::SendInv => CntrEvents::SEND,
         SendOpcode::Write | SendOpcode::WriteImm => CntrEvents::WRITE,
         SendOpcode::Read | SendOpcode::CmpSwap | SendOpcode::FetchAdd => CntrEvents::READ,
+        // Work of the NIC's own: no transfer to count.
+        SendOpcode::BindMw | SendOpcode::LocalInv => CntrEvents::empty(),
     }
 }
 
@@ -173,6 +178,10 @@ fn decode_wqe(body: &[u8], max_msg: u32) -> Option<SendWqe> {
         return None;
     }
     let op = SendOpcode::from_u8(ctrl.opcode)?;
+    // Memory-window work is not a transfer a counter can trigger (ABI 1.9).
+    if op.is_local() || op == SendOpcode::SendInv {
+        return None;
+    }
     crate::requester::decode_send_wqe(&ctrl, op, &body[SEG..ds * SEG], 1, max_msg).ok()
 }
 

@@ -95,6 +95,8 @@ impl Nic {
             SendOpcode::Read => FmOp::Read,
             SendOpcode::CmpSwap => FmOp::CmpSwap,
             SendOpcode::FetchAdd => FmOp::FetchAdd,
+            // Memory-window work and invalidating SENDs take the packet path.
+            SendOpcode::BindMw | SendOpcode::LocalInv | SendOpcode::SendInv => return false,
         };
         // READ data and an atomic's result are written into the local list.
         let (local, need) = match op {
@@ -284,9 +286,14 @@ impl Nic {
             if !qp.access().contains(Access::REMOTE_WRITE) {
                 return None;
             }
-            let Ok(iova) =
-                self.check_key(qp.pdn, msg.rkey, msg.raddr, msg.len, Access::REMOTE_WRITE)
-            else {
+            let Ok(iova) = self.check_rkey(
+                qp.pdn,
+                qp.qpn,
+                msg.rkey,
+                msg.raddr,
+                msg.len,
+                Access::REMOTE_WRITE,
+            ) else {
                 return None;
             };
             if msg.len > 0 {
@@ -379,7 +386,7 @@ impl Nic {
                     rc,
                     (CqeStatus::Success, VendorSyndrome::None),
                     msg.len as u32,
-                    flags,
+                    flags.into(),
                     imm,
                     now,
                 );
@@ -403,7 +410,14 @@ impl Nic {
                 return None;
             }
             let iova = self
-                .check_key(qp.pdn, msg.rkey, msg.raddr, msg.len, Access::REMOTE_READ)
+                .check_rkey(
+                    qp.pdn,
+                    qp.qpn,
+                    msg.rkey,
+                    msg.raddr,
+                    msg.len,
+                    Access::REMOTE_READ,
+                )
                 .ok()?;
             // Mapped for the device (writable is what the IOMMU port can check, and a
             // mapping it may write it may read): else the packet path reports the fault.
@@ -447,7 +461,14 @@ impl Nic {
             return None;
         }
         let iova = self
-            .check_key(qp.pdn, msg.rkey, msg.raddr, 8, Access::REMOTE_ATOMIC)
+            .check_rkey(
+                qp.pdn,
+                qp.qpn,
+                msg.rkey,
+                msg.raddr,
+                8,
+                Access::REMOTE_ATOMIC,
+            )
             .ok()?;
         let mut cur = [0u8; 8];
         env.dma_check(iova, 8).ok()?;

@@ -15,6 +15,7 @@ mod cq;
 mod env;
 mod functional;
 mod mem;
+mod mw;
 mod nic;
 mod qp;
 mod requester;

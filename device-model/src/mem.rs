@@ -26,6 +26,8 @@ pub(crate) struct Mr {
     pub(crate) dm: u32,
     /// Counters bound to remote accesses through this MR.
     pub(crate) cntrs: crate::counter::EventCntrs,
+    /// Memory windows bound to it (ABI 1.9).
+    pub(crate) mw_refs: u32,
 }
 
 /// Why a key check failed.

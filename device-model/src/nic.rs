@@ -47,6 +47,8 @@ pub struct NicConfig {
     pub max_triggered: u32,
     /// Bytes of device memory (`MAX_DM_SIZE`, ABI 1.8; at most [`regs::DM_MAX`], 0: none).
     pub max_dm_size: u32,
+    /// Memory windows (`MAX_MW`, ABI 1.9; 0: none).
+    pub max_mw: u32,
     /// Timing profile.
     pub timing: TimingProfile,
 }
@@ -73,6 +75,7 @@ impl NicConfig {
             max_cntr: 4096,
             max_triggered: 2048,
             max_dm_size: 128 << 10,
+            max_mw: 16384,
             timing: TimingProfile::default(),
         }
     }
@@ -184,6 +187,7 @@ pub struct Nic {
     pub(crate) cfg: NicConfig,
     pub(crate) pds: Table<Pd>,
     pub(crate) mrs: Table<Mr>,
+    pub(crate) mws: Table<crate::mw::Mw>,
     pub(crate) cqs: Table<Cq>,
     pub(crate) qps: Table<Qp>,
     pub(crate) srqs: Table<Srq>,
@@ -240,7 +244,10 @@ impl Nic {
         let max_cntr = cfg.max_cntr.min(regs::CNTR_MAX as u32 - 1);
         let max_triggered = cfg.max_triggered.min(0xFFFF);
         let max_dm_size = cfg.max_dm_size.min(regs::DM_MAX as u32) & !3;
+        // Window indices have 23 bits (bit 31 of a window's key marks it).
+        let max_mw = cfg.max_mw.min(0x7F_FFFF);
         let cfg = NicConfig {
+            max_mw,
             max_dm_size,
             max_qp,
             max_cq,
@@ -252,6 +259,7 @@ impl Nic {
         Nic {
             pds: Table::new(cfg.max_pd),
             mrs: Table::new(cfg.max_mr),
+            mws: Table::new(cfg.max_mw),
             cqs: Table::new(cfg.max_cq),
             qps: Table::starting_at(cfg.max_qp + 1, 2),
             srqs: Table::new(cfg.max_srq),
@@ -337,6 +345,11 @@ impl Nic {
             } else {
                 Caps::empty()
             }
+            | if self.cfg.max_mw > 0 {
+                Caps::MEMORY_WINDOW
+            } else {
+                Caps::empty()
+            }
     }
 
     /// A 32-bit register read. Never fails: unknown offsets read 0 and are counted.
@@ -351,6 +364,7 @@ impl Nic {
             regs::MAX_CQ => c.max_cq,
             regs::MAX_SRQ => c.max_srq,
             regs::MAX_MR => c.max_mr,
+            regs::MAX_MW => c.max_mw,
             regs::MAX_PD => c.max_pd,
             regs::MAX_QP_WR => c.max_qp_wr,
             regs::MAX_CQE => c.max_cqe,

@@ -61,6 +61,8 @@ pub(crate) struct SendWqe {
     pub(crate) len: u64,
     /// The destination of a datagram (a WQE of a UD QP).
     pub(crate) ud: Option<UdDest>,
+    /// A BIND_MW's bind segment (ABI 1.9).
+    pub(crate) bind: crate::mw::BindReq,
 }
 
 /// Where a UD send WQE sends its datagram (its address segment, decoded).
@@ -93,6 +95,7 @@ impl SendWqe {
             inline: Vec::new(),
             len: 0,
             ud: None,
+            bind: Default::default(),
         }
     }
     pub(crate) fn is_rd_atomic(&self) -> bool {
@@ -997,11 +1000,13 @@ impl Nic {
         syndrome: VendorSyndrome,
     ) -> Cqe {
         let opcode = match wqe.op {
-            SendOpcode::Send | SendOpcode::SendImm => CqeOpcode::Send,
+            SendOpcode::Send | SendOpcode::SendImm | SendOpcode::SendInv => CqeOpcode::Send,
             SendOpcode::Write | SendOpcode::WriteImm => CqeOpcode::RdmaWrite,
             SendOpcode::Read => CqeOpcode::RdmaRead,
             SendOpcode::CmpSwap => CqeOpcode::CompSwap,
             SendOpcode::FetchAdd => CqeOpcode::FetchAdd,
+            SendOpcode::BindMw => CqeOpcode::BindMw,
+            SendOpcode::LocalInv => CqeOpcode::LocalInv,
         };
         Cqe {
             opcode: opcode as u8,

@@ -12,8 +12,8 @@ use ringbell_specs::cmd::{Access, QpState};
 use ringbell_specs::cqe::{CqeStatus, DoorbellError, VendorSyndrome};
 use ringbell_specs::wire::{self, AethSyndrome, AtomicEth, NakCode, Opcode, Packet, Reth};
 use ringbell_specs::wqe::{
-    self, AtomicSeg, CtrlSeg, DataSeg, RaddrSeg, SendOpcode, UdAddrSeg, WqeFlags, INLINE_MARK,
-    MAX_DS, SEG, WQEBB,
+    self, AtomicSeg, BindSeg, CtrlSeg, DataSeg, RaddrSeg, SendOpcode, UdAddrSeg, WqeFlags,
+    INLINE_MARK, MAX_DS, SEG, WQEBB,
 };
 use ringbell_specs::{Psn, SimTime};
 use zerocopy::FromBytes;
@@ -148,6 +148,10 @@ impl Nic {
         if wqe.flags.contains(WqeFlags::FENCE) && qp.req.rd_atomic > 0 {
             return false;
         }
+        if wqe.op.is_local() {
+            self.run_local(env, qp, index, wqe);
+            return false;
+        }
         if rd_atomic && qp.req.rd_atomic >= (qp.attr.max_rd_atomic as u32).max(1) {
             return false;
         }
@@ -243,6 +247,37 @@ impl Nic {
         true
     }
 
+    /// Runs a BIND_MW or LOCAL_INV (ABI 1.9): the NIC does it at once, without a packet,
+    /// and it completes in order behind the work before it. A failure is `MW_BIND_ERR`
+    /// and moves the QP to ERR.
+    fn run_local(&mut self, env: &mut dyn Env, qp: &mut Qp, index: u32, wqe: SendWqe) {
+        let done = match wqe.op {
+            SendOpcode::BindMw => self.bind_mw(qp.pdn, qp.qpn, &wqe.bind),
+            _ => self.invalidate(qp.pdn, wqe.imm),
+        };
+        qp.fetch = index.wrapping_add(wqe.nbb);
+        qp.req.busy_until = env.now() + SimTime(self.cfg.timing.nic_per_qp_wqe_ps);
+        qp.req.push(Outstanding {
+            wqe_index: index,
+            wqe,
+            first_psn: qp.req.next_psn,
+            npsn: 0,
+            sent: 0,
+            sent_max: 0,
+            acked: 0,
+            ready_at: env.now(),
+            error: done.err().map(|s| (CqeStatus::MwBindErr, s)),
+            done: true,
+            hw: None,
+        });
+        self.complete_in_order(env, qp);
+        // The send engine goes on with the WQEs behind it.
+        if qp.fetch != qp.sq.pi && qp.state == QpState::Rts {
+            let now = env.now();
+            self.kick_qp_sq(env, qp, now);
+        }
+    }
+
     /// Puts the next packet of outstanding WQE `i` on the wire.
     fn send_packet(&mut self, env: &mut dyn Env, qp: &mut Qp, i: usize) {
         if qp.ud {
@@ -323,9 +358,11 @@ impl Nic {
                     return;
                 }
                 let w = &qp.req.outstanding[i].wqe;
-                let is_send = matches!(w.op, SendOpcode::Send | SendOpcode::SendImm);
+                let is_send = w.op.is_send();
                 let (first, last) = (k == 0, k + 1 == npsn);
                 let opcode = match (is_send, first, last, w.op.has_imm()) {
+                    (true, true, true, _) if w.op == SendOpcode::SendInv => Opcode::SendOnlyInv,
+                    (true, false, true, _) if w.op == SendOpcode::SendInv => Opcode::SendLastInv,
                     (true, true, true, false) => Opcode::SendOnly,
                     (true, true, true, true) => Opcode::SendOnlyImm,
                     (true, true, false, _) => Opcode::SendFirst,
@@ -360,7 +397,7 @@ impl Nic {
                         len: w.len as u32,
                     });
                 }
-                if opcode.has_immdt() {
+                if opcode.has_immdt() || opcode.has_ieth() {
                     repr.imm = Some(w.imm);
                 }
                 // The packet leaves once its payload has crossed PCIe (the reads of later
@@ -555,11 +592,12 @@ impl Nic {
         let Some(op) = SendOpcode::from_u8(ctrl.opcode) else {
             return Err(((CqeStatus::LocQpOpErr, VendorSyndrome::BadOpcode), nbb));
         };
-        // UC has SEND and RDMA WRITE only.
+        // UC has SEND and RDMA WRITE only (and binds and local invalidation, which need
+        // no packet); SEND with invalidate is RC's alone.
         if qp.uc
             && matches!(
                 op,
-                SendOpcode::Read | SendOpcode::CmpSwap | SendOpcode::FetchAdd
+                SendOpcode::Read | SendOpcode::CmpSwap | SendOpcode::FetchAdd | SendOpcode::SendInv
             )
         {
             return Err(((CqeStatus::LocQpOpErr, VendorSyndrome::BadOpcode), nbb));
@@ -675,6 +713,7 @@ impl Nic {
             inline: Vec::new(),
             len: rvh.len as u64,
             ud: None,
+            bind: Default::default(),
         };
         self.push_hw_task(env, qp, wqe, HwTask::RndvRead { srqn, handle, fin }, ready);
     }
@@ -849,6 +888,7 @@ impl Nic {
                     inline: fin.to_vec(),
                     len: fin.len() as u64,
                     ud: None,
+                    bind: Default::default(),
                 };
                 self.push_hw_task(env, qp, fin, HwTask::Fin, ready);
             }
@@ -1469,6 +1509,7 @@ pub(crate) fn decode_send_wqe_into(
     w.inline.clear();
     w.len = 0;
     w.ud = None;
+    w.bind = Default::default();
     let mut rest = body;
     if ud {
         if !matches!(op, SendOpcode::Send | SendOpcode::SendImm) {
@@ -1487,6 +1528,26 @@ pub(crate) fn decode_send_wqe_into(
             ip: a.dest_ip,
         });
         rest = tail;
+    }
+    if op.is_local() {
+        // BIND_MW: ctrl | bind; LOCAL_INV: ctrl (the key in `imm`). No data, never inline.
+        if flags.contains(WqeFlags::INLINE) {
+            return bad(VendorSyndrome::BadSegment);
+        }
+        if op == SendOpcode::BindMw {
+            let Ok((b, _)) = BindSeg::read_from_prefix(rest) else {
+                return bad(VendorSyndrome::BadSegment);
+            };
+            w.bind = crate::mw::BindReq {
+                addr: b.addr.get(),
+                len: b.length.get(),
+                mw_key: b.mw_key.get(),
+                new_key: b.new_key.get(),
+                mr_key: b.mr_key.get(),
+                access: b.access.get(),
+            };
+        }
+        return Ok(());
     }
     if op.has_raddr() {
         let Some((r, tail)) = split_seg::<RaddrSeg>(rest) else {

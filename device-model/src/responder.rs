@@ -7,8 +7,9 @@ use crate::qp::{Qp, RecvCtx, RecvTake, Reply, Resource, TmRecv, WriteCtx};
 use crate::tm::{self, SlotState, TmCompletion};
 use ringbell_specs::cmd::{Access, CntrEvents, QpState};
 use ringbell_specs::cqe::{
-    Cqe, CqeOpcode, CqeStatus, EventType, VendorSyndrome, CQE_FLAG_IMM, CQE_FLAG_SOLICITED,
-    CQE_FLAG_SRQ, CQE_FLAG_TM_DATA_VALID, CQE_FLAG_TM_MATCH, CQE_FLAG_UD, GRH_LEN,
+    Cqe, CqeOpcode, CqeStatus, EventType, VendorSyndrome, CQE_EXT_FLAG_INV, CQE_FLAG_IMM,
+    CQE_FLAG_SOLICITED, CQE_FLAG_SRQ, CQE_FLAG_TM_DATA_VALID, CQE_FLAG_TM_MATCH, CQE_FLAG_UD,
+    GRH_LEN,
 };
 use ringbell_specs::tm::{rndv_header, Rvh, Tmh, TmhOp, MAX_RNDV_HDR_SIZE, RNDV_HDR_LEN, TMH_LEN};
 use ringbell_specs::wire::{
@@ -276,7 +277,9 @@ impl Nic {
             | Opcode::SendLast
             | Opcode::SendLastImm
             | Opcode::SendOnly
-            | Opcode::SendOnlyImm => self.rx_send(env, qp, pkt, op, ready),
+            | Opcode::SendOnlyImm
+            | Opcode::SendLastInv
+            | Opcode::SendOnlyInv => self.rx_send(env, qp, pkt, op, ready),
             Opcode::WriteFirst
             | Opcode::WriteMiddle
             | Opcode::WriteLast
@@ -514,6 +517,16 @@ impl Nic {
         if end > self.cfg.max_msg_size as u64 || dst + data.len() as u64 > cap {
             return Err(too_long);
         }
+        // SEND with invalidate (ABI 1.9): the window must be one this QP may invalidate,
+        // checked before any of the last packet's data lands.
+        let inv = match (op.has_ieth(), pkt.repr.imm) {
+            (true, Some(key)) => {
+                Some(self.invalidation(qp.pdn, Some(qp.qpn), key).map_err(|s| {
+                    Fault::Fatal(NakCode::InvalidRequest, Some((CqeStatus::LocProtErr, s)))
+                })?)
+            }
+            _ => None,
+        };
         let sges = rc.sges.clone();
         self.scatter(env, qp.pdn, qp.qpn, &sges, dst, data, ready)
             .map_err(|(s, syn)| match s {
@@ -528,12 +541,15 @@ impl Nic {
         if op.is_last() {
             if let Some(rc) = qp.resp.recv.take() {
                 qp.resp.msn = qp.resp.msn.wrapping_add(1);
-                let mut flags = 0;
-                if pkt.repr.imm.is_some() {
-                    flags |= CQE_FLAG_IMM;
+                let mut flags = 0u16;
+                if let Some(idx) = inv {
+                    self.unbind(idx);
+                    flags |= u16::from(CQE_EXT_FLAG_INV) << 8;
+                } else if pkt.repr.imm.is_some() {
+                    flags |= u16::from(CQE_FLAG_IMM);
                 }
                 if pkt.repr.bth.solicited {
-                    flags |= CQE_FLAG_SOLICITED;
+                    flags |= u16::from(CQE_FLAG_SOLICITED);
                 }
                 let len = (rc.offset - rc.strip) as u32;
                 self.finish_recv(
@@ -659,11 +675,14 @@ impl Nic {
         rc: RecvCtx,
         (status, syndrome): (CqeStatus, VendorSyndrome),
         byte_len: u32,
-        flags: u8,
+        flags: u16,
         imm: u32,
         ready: SimTime,
     ) {
+        // The CQE's `flags` in the low byte, its `ext_flags` (ABI 1.9) in the high one.
+        let (ext, flags) = ((flags >> 8) as u8, flags as u8);
         let mut c = TmCompletion {
+            ext_flags: ext,
             status: status as u8,
             syndrome: syndrome as u8,
             counter: rc.wqe_index,
@@ -680,6 +699,7 @@ impl Nic {
             None => {
                 let mut cqe = recv_cqe(qp.qpn, &rc, status, byte_len);
                 cqe.flags |= flags;
+                cqe.ext_flags = ext;
                 cqe.imm = imm.into();
                 cqe.vendor_syndrome = syndrome as u8;
                 self.complete(env, qp.gen, qp.recv_cqn, ready, cqe);
@@ -886,8 +906,9 @@ impl Nic {
             if !qp.access().contains(Access::REMOTE_WRITE) || reth.len > self.cfg.max_msg_size {
                 return Err(Fault::Fatal(NakCode::InvalidRequest, None));
             }
-            self.check_key(
+            self.check_rkey(
                 qp.pdn,
+                qp.qpn,
                 reth.rkey,
                 reth.va,
                 reth.len as u64,
@@ -907,7 +928,7 @@ impl Nic {
         }
         let iova = if n > 0 {
             let iova = self
-                .check_key(qp.pdn, rkey, va, n as u64, Access::REMOTE_WRITE)
+                .check_rkey(qp.pdn, qp.qpn, rkey, va, n as u64, Access::REMOTE_WRITE)
                 .map_err(|_| Fault::Fatal(NakCode::RemoteAccessError, None))?;
             if let Err(f) = self.dm.check(env, iova, n as usize) {
                 self.iommu_fault(env, qp.qpn, f.iova);
@@ -1003,8 +1024,9 @@ impl Nic {
         {
             return Err(Fault::Fatal(NakCode::InvalidRequest, None));
         }
-        self.check_key(
+        self.check_rkey(
             qp.pdn,
+            qp.qpn,
             reth.rkey,
             reth.va,
             reth.len as u64,
@@ -1074,7 +1096,7 @@ impl Nic {
             return Err(Fault::Fatal(NakCode::InvalidRequest, None));
         }
         let iova = self
-            .check_key(qp.pdn, a.rkey, a.va, 8, Access::REMOTE_ATOMIC)
+            .check_rkey(qp.pdn, qp.qpn, a.rkey, a.va, 8, Access::REMOTE_ATOMIC)
             .map_err(|_| Fault::Fatal(NakCode::RemoteAccessError, None))?;
         let psn = pkt.repr.bth.psn;
         qp.resp.epsn = qp.resp.epsn.add(1);
@@ -1272,8 +1294,9 @@ impl Nic {
                 let plen = (len as u64 - off.min(len as u64)).min(mtu as u64) as usize;
                 // The MR is looked up again for every packet: it may be gone by now.
                 let iova = if plen > 0 {
-                    match self.check_key(
+                    match self.check_rkey(
                         qp.pdn,
+                        qp.qpn,
                         rkey,
                         va.wrapping_add(off),
                         plen as u64,

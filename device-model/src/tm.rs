@@ -140,6 +140,8 @@ pub(crate) struct TmCompletion {
     pub(crate) status: u8,
     pub(crate) syndrome: u8,
     pub(crate) flags: u8,
+    /// `Cqe::ext_flags` (ABI 1.9).
+    pub(crate) ext_flags: u8,
     pub(crate) counter: u32,
     pub(crate) qpn: u32,
     pub(crate) handle: u32,
@@ -164,6 +166,7 @@ impl Nic {
             byte_len: c.byte_len.into(),
             imm: c.imm.into(),
             flags: c.flags,
+            ext_flags: c.ext_flags,
             vendor_syndrome: c.syndrome,
             srqn: srqn.into(),
             tm_tag: c.tag.into(),

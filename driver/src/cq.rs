@@ -31,6 +31,8 @@ pub struct WorkCompletion {
     pub qpn: u32,
     /// Immediate data, when the message carried some.
     pub imm: Option<u32>,
+    /// The key of the memory window a received SEND with invalidate unbound (ABI 1.9).
+    pub invalidated: Option<u32>,
     /// The message had the solicited-event bit.
     pub solicited: bool,
     /// Device timestamp of the CQE write in picoseconds (simulated time on the emulator).
@@ -66,6 +68,7 @@ impl Default for WorkCompletion {
             byte_len: 0,
             qpn: 0,
             imm: None,
+            invalidated: None,
             solicited: false,
             timestamp_ps: 0,
             vendor_syndrome: 0,
@@ -362,6 +365,7 @@ impl CompletionQueue {
             byte_len: c.byte_len.get(),
             qpn,
             imm: (c.flags & cqe::CQE_FLAG_IMM != 0).then(|| c.imm.get()),
+            invalidated: (c.ext_flags & cqe::CQE_EXT_FLAG_INV != 0).then(|| c.imm.get()),
             solicited: c.flags & cqe::CQE_FLAG_SOLICITED != 0,
             timestamp_ps: c.timestamp.get(),
             vendor_syndrome: c.vendor_syndrome,

@@ -60,6 +60,8 @@ pub struct DeviceCaps {
     pub max_triggered: u32,
     /// Bytes of device memory (0: none; [`Device::alloc_dm`]).
     pub max_dm_size: u32,
+    /// Memory windows (ABI 1.9; 0: none).
+    pub max_mw: u32,
     /// Port MAC address.
     pub mac: [u8; 6],
     /// Port IPv4 address.
@@ -466,6 +468,7 @@ impl Device {
                 max_cntr: 0,
                 max_triggered: 0,
                 max_dm_size: 0,
+                max_mw: 0,
                 mac: [0; 6],
                 ip: [0; 4],
             },
@@ -530,6 +533,13 @@ impl Device {
                 .contains(regs::Caps::DEVICE_MEMORY)
             {
                 q.max_dm_size.get().min(regs::DM_MAX as u32)
+            } else {
+                0
+            },
+            max_mw: if regs::Caps::from_bits_truncate(q.caps.get())
+                .contains(regs::Caps::MEMORY_WINDOW)
+            {
+                q.max_mw.get()
             } else {
                 0
             },

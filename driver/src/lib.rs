@@ -32,6 +32,7 @@ mod error;
 mod fork;
 mod hostmem;
 mod mr;
+mod mw;
 mod port;
 mod qp;
 mod srq;
@@ -50,10 +51,11 @@ pub use dma::DmaMemory;
 pub use error::Error;
 pub use hostmem::{is_mapped, HOST_IOVA_OFFSET};
 pub use mr::{MemoryRegion, ProtectionDomain, Rereg, Sge};
+pub use mw::{inc_rkey, MemoryWindow, MwType};
 pub use port::{Port, PortError};
 pub use qp::{
-    ConnectOptions, Endpoint, QpInit, QpType, QueuePair, RecvWr, RemoteAddr, SendFlags, SendWr,
-    WrOp,
+    ConnectOptions, Endpoint, MwBind, QpInit, QpType, QueuePair, RecvWr, RemoteAddr, SendFlags,
+    SendWr, WrOp,
 };
 pub use ringbell_specs::cmd::{Access, CntrEvents, QpState};
 pub use ringbell_specs::stats::{PortStats, QpStats, UdStats};

@@ -24,7 +24,7 @@ pub struct ProtectionDomain {
 #[derive(Debug)]
 pub(crate) struct PdObject {
     dev: Device,
-    pdn: u32,
+    pub(crate) pdn: u32,
 }
 
 impl PdObject {
@@ -158,6 +158,7 @@ impl ProtectionDomain {
             host: None,
             dm: None,
             odp: false,
+            deregistered: false,
             cntrs: Default::default(),
             dev: self.dev.clone(),
             _pd: self.obj.clone(),
@@ -201,6 +202,8 @@ pub struct MemoryRegion {
     pub(crate) dm: Option<Rc<crate::dm::DmObject>>,
     /// Registered on demand ([`ProtectionDomain::reg_odp_mr`]).
     odp: bool,
+    /// DEREG_MR succeeded already ([`MemoryRegion::dereg`]).
+    deregistered: bool,
 }
 
 impl MemoryRegion {
@@ -296,9 +299,25 @@ impl MemoryRegion {
     }
 }
 
+impl MemoryRegion {
+    /// Deregisters the region now, reporting what the device says: `BUSY` while memory
+    /// windows are bound to it (ABI 1.9), and the region is then unchanged. After a success
+    /// only dropping it is left (which gives back its memory). Dropping a region that is
+    /// still registered deregisters it without a report.
+    pub fn dereg(&mut self) -> Result<(), Error> {
+        if !self.deregistered {
+            self.dev.inner.destroy(CmdOpcode::DeregMr, self.lkey)?;
+            self.deregistered = true;
+        }
+        Ok(())
+    }
+}
+
 impl Drop for MemoryRegion {
     fn drop(&mut self) {
-        let _ = self.dev.inner.destroy(CmdOpcode::DeregMr, self.lkey);
+        if !self.deregistered {
+            let _ = self.dev.inner.destroy(CmdOpcode::DeregMr, self.lkey);
+        }
     }
 }
 

@@ -19,8 +19,8 @@ use ringbell_specs::cmd::{
 use ringbell_specs::regs;
 use ringbell_specs::stats::QpStats;
 use ringbell_specs::wqe::{
-    self, AtomicSeg, CtrlSeg, DataSeg, RaddrSeg, SendOpcode, UdAddrSeg, WqeFlags, INLINE_MARK,
-    RECV_LKEY_END, SEG, WQEBB,
+    self, AtomicSeg, BindSeg, CtrlSeg, DataSeg, RaddrSeg, SendOpcode, UdAddrSeg, WqeFlags,
+    INLINE_MARK, RECV_LKEY_END, SEG, WQEBB,
 };
 use std::cell::Cell;
 use std::rc::Rc;
@@ -64,6 +64,32 @@ pub enum WrOp {
         /// Addend.
         add: u64,
     },
+    /// SEND that, once received, invalidates the peer's type 2 memory window with this key
+    /// (ABI 1.9; RC only). The receive completion reports the key.
+    SendInv(u32),
+    /// Binds (or, with length 0, unbinds) a memory window (ABI 1.9). No data.
+    BindMw(MwBind),
+    /// Invalidates the type 2 memory window with this key (ABI 1.9). No data.
+    LocalInv(u32),
+}
+
+/// What a [`WrOp::BindMw`] binds: the window, its key after the bind, and the part of a
+/// memory region it covers with which remote rights.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct MwBind {
+    /// The window's key now (for a type 2 window any key with its index).
+    pub mw_key: u32,
+    /// Its key after the bind: the same index (bits 31:8), the low 8 bits the caller's.
+    pub new_key: u32,
+    /// The memory region's lkey.
+    pub mr_key: u32,
+    /// First address of the window, in the region's addresses.
+    pub addr: u64,
+    /// Length; 0 unbinds.
+    pub len: u64,
+    /// Remote rights (`Access::REMOTE_WRITE`, `REMOTE_READ`, `REMOTE_ATOMIC` bits) and
+    /// `wqe::MW_ZERO_BASED`.
+    pub access: u32,
 }
 
 bitflags! {
@@ -311,6 +337,8 @@ struct SendPlan {
     atomic: Option<(u64, u64)>,
     /// The address segment of a UD send.
     ud: Option<UdAddrSeg>,
+    /// The bind segment of a BIND_MW.
+    bind: Option<BindSeg>,
     imm: u32,
     flags: WqeFlags,
     /// Size in 16-byte segments.
@@ -392,7 +420,44 @@ fn plan_send_wqe(
             swap,
         } => (SendOpcode::CmpSwap, Some(remote), Some((swap, compare)), 0),
         WrOp::FetchAdd { remote, add } => (SendOpcode::FetchAdd, Some(remote), Some((add, 0)), 0),
+        WrOp::SendInv(key) => (SendOpcode::SendInv, None, None, key),
+        WrOp::BindMw(_) => (SendOpcode::BindMw, None, None, 0),
+        WrOp::LocalInv(key) => (SendOpcode::LocalInv, None, None, key),
     };
+    if opcode.is_local() {
+        if ud_pd.is_some() {
+            return Err(Error::InvalidArgument(
+                "a UD QP sends only SEND and SEND with immediate",
+            ));
+        }
+        if !wr.sgl.is_empty() || wr.inline.is_some() {
+            return Err(Error::InvalidArgument(
+                "binding and invalidating windows carry no data",
+            ));
+        }
+        let bind = match wr.op {
+            WrOp::BindMw(b) => Some(BindSeg {
+                addr: b.addr.into(),
+                length: b.len.into(),
+                mw_key: b.mw_key.into(),
+                new_key: b.new_key.into(),
+                mr_key: b.mr_key.into(),
+                access: b.access.into(),
+            }),
+            _ => None,
+        };
+        let ds = 1 + bind.map_or(0, |_| wqe::BIND_SEGS);
+        return Ok(SendPlan {
+            opcode,
+            raddr: None,
+            atomic: None,
+            ud: None,
+            bind,
+            imm,
+            flags: WqeFlags::from_bits_truncate(wr.flags.bits()),
+            ds,
+        });
+    }
     let mut off = SEG;
     let mut ud = None;
     if let Some(pd) = ud_pd {
@@ -401,7 +466,7 @@ fn plan_send_wqe(
                 "a send on a UD QP needs a destination (address handle, QPN, Q_Key)",
             ));
         };
-        if raddr.is_some() {
+        if !matches!(opcode, SendOpcode::Send | SendOpcode::SendImm) {
             return Err(Error::InvalidArgument(
                 "a UD QP sends only SEND and SEND with immediate",
             ));
@@ -466,6 +531,7 @@ fn plan_send_wqe(
         raddr,
         atomic,
         ud,
+        bind: None,
         imm,
         flags,
         ds: off / SEG,
@@ -491,6 +557,16 @@ fn emit_send_wqe(
     };
     out.seg(0, ctrl.as_bytes())?;
     let mut off = SEG;
+    if let Some(b) = &plan.bind {
+        let b = b.as_bytes();
+        out.seg(off, &b[..SEG])?;
+        out.seg(off + SEG, &b[SEG..])?;
+        off += 2 * SEG;
+        for z in (off..WQEBB).step_by(SEG) {
+            out.seg(z, &[0u8; SEG])?;
+        }
+        return Ok(());
+    }
     if let Some(a) = &plan.ud {
         let b = a.as_bytes();
         out.seg(off, &b[..SEG])?;
@@ -1365,7 +1441,7 @@ mod tests {
         /// touched.
         #[test]
         fn wqe_bytes_match_the_stack_buffer_encoder(
-            kind in 0u8..7,
+            kind in 0u8..10,
             addr in prop_oneof![any::<u64>(), any::<u64>().prop_map(|a| a & !7)],
             rkey in any::<u32>(),
             imm in any::<u32>(),
@@ -1390,7 +1466,17 @@ mod tests {
                 3 => WrOp::WriteImm(remote, imm),
                 4 => WrOp::Read(remote),
                 5 => WrOp::CmpSwap { remote, compare: operands.0, swap: operands.1 },
-                _ => WrOp::FetchAdd { remote, add: operands.0 },
+                6 => WrOp::FetchAdd { remote, add: operands.0 },
+                7 => WrOp::SendInv(imm),
+                8 => WrOp::BindMw(MwBind {
+                    mw_key: rkey,
+                    new_key: imm,
+                    mr_key: rkey ^ imm,
+                    addr,
+                    len: operands.0,
+                    access: operands.1 as u32,
+                }),
+                _ => WrOp::LocalInv(imm),
             };
             let sgl: Vec<Sge> = sgl
                 .iter()
@@ -1477,8 +1563,41 @@ mod tests {
             WrOp::FetchAdd { remote, add } => {
                 (SendOpcode::FetchAdd, Some(remote), Some((add, 0)), 0)
             }
+            WrOp::SendInv(key) => (SendOpcode::SendInv, None, None, key),
+            WrOp::BindMw(_) => (SendOpcode::BindMw, None, None, 0),
+            WrOp::LocalInv(key) => (SendOpcode::LocalInv, None, None, key),
         };
         let err = |e: Error| Err(format!("{e:?}"));
+        if opcode.is_local() {
+            if !wr.sgl.is_empty() || wr.inline.is_some() {
+                return err(Error::InvalidArgument(
+                    "binding and invalidating windows carry no data",
+                ));
+            }
+            let mut ds = 1;
+            if let WrOp::BindMw(b) = wr.op {
+                let seg = BindSeg {
+                    addr: b.addr.into(),
+                    length: b.len.into(),
+                    mw_key: b.mw_key.into(),
+                    new_key: b.new_key.into(),
+                    mr_key: b.mr_key.into(),
+                    access: b.access.into(),
+                };
+                buf[SEG..3 * SEG].copy_from_slice(seg.as_bytes());
+                ds = 3;
+            }
+            let ctrl = CtrlSeg {
+                opcode: opcode as u8,
+                flags: WqeFlags::from_bits_truncate(wr.flags.bits()).bits(),
+                ds_count: ds,
+                imm: imm.into(),
+                wqe_index: wqe_index.into(),
+                ..Default::default()
+            };
+            buf[..SEG].copy_from_slice(ctrl.as_bytes());
+            return Ok(buf[..WQEBB].to_vec());
+        }
         let mut off = SEG;
         if let Some(r) = raddr {
             buf[off..off + SEG].copy_from_slice(

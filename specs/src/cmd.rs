@@ -60,6 +60,10 @@ pub enum CmdOpcode {
     ReregMr = 0x22,
     /// Register part of a device-memory allocation as a zero-based memory region. ABI 1.8.
     RegDmMr = 0x23,
+    /// Allocate a memory window. ABI 1.9.
+    AllocMw = 0x24,
+    /// Deallocate a memory window. ABI 1.9.
+    DeallocMw = 0x25,
     /// Create a completion queue.
     CreateCq = 0x30,
     /// Query a completion queue.
@@ -127,6 +131,8 @@ impl CmdOpcode {
             0x21 => DeregMr,
             0x22 => ReregMr,
             0x23 => RegDmMr,
+            0x24 => AllocMw,
+            0x25 => DeallocMw,
             0x30 => CreateCq,
             0x31 => QueryCq,
             0x32 => DestroyCq,
@@ -217,13 +223,13 @@ abi_struct!(
 
 abi_struct!(
     /// QUERY_DEVICE output.
-    QueryDeviceOut, 96, {
+    QueryDeviceOut, 100, {
         abi_version: U32, device_id: U32, caps: U32, max_qp: U32,
         max_cq: U32, max_srq: U32, max_mr: U32, max_pd: U32,
         max_qp_wr: U32, max_cqe: U32, max_sge: U32, max_inline: U32,
         max_msg_size: U32, max_rd_atomic: U32, mac: [u8; 6], mtu_caps: U16, ipv4: [u8; 4],
         max_num_tags: U32, max_tm_ops: U32, max_rndv_hdr_size: U32, tm_max_sge: U32,
-        max_cntr: U32, max_triggered: U32, max_dm_size: U32,
+        max_cntr: U32, max_triggered: U32, max_dm_size: U32, max_mw: U32,
     }
 );
 abi_struct!(
@@ -265,6 +271,20 @@ abi_struct!(
     /// zero-based region of PD `pdn` (its addresses run from 0).
     RegDmMrIn, 32, { pdn: U32, access: U32, dm: U32, rsvd0: U32, offset: U64, length: U64 }
 );
+abi_struct!(
+    /// ALLOC_MW input (ABI 1.9): a window of type `mw_type` ([`MW_TYPE_1`] or
+    /// [`MW_TYPE_2`]) in PD `pdn`. The output is an [`ObjectOut`] holding the window's key.
+    AllocMwIn, 8, { pdn: U32, mw_type: U32 }
+);
+/// A type 1 memory window: bound through any QP of its PD, invalidated by binding it again
+/// with length 0 (the `ibv_mw_type` value).
+pub const MW_TYPE_1: u32 = 1;
+/// A type 2 memory window: bound to one QP, which alone reaches memory through it; a BIND_MW
+/// needs it unbound, a LOCAL_INV or a SEND with invalidate unbinds it (type 2B).
+pub const MW_TYPE_2: u32 = 2;
+/// Bit 31 of every memory window's key (index bit 23): window keys and region keys never
+/// meet.
+pub const MW_KEY_BIT: u32 = 1 << 31;
 /// The largest `log_align` ALLOC_DM takes (a page).
 pub const DM_MAX_LOG_ALIGN: u32 = 12;
 /// REREG_MR flag: `va`, `length` and `iova` replace the region's.
@@ -611,6 +631,8 @@ bitflags! {
         const REMOTE_READ = 1 << 2;
         /// Remote peers may perform atomics.
         const REMOTE_ATOMIC = 1 << 3;
+        /// Memory windows may be bound to the region (ABI 1.9).
+        const MW_BIND = 1 << 4;
     }
 }
 
@@ -666,7 +688,13 @@ mod tests {
         assert_eq!(CmdOpcode::from_u16(0x22), Some(CmdOpcode::ReregMr));
         // ABI 1.8: REG_DM_MR after it, ALLOC_DM and FREE_DM in a block of their own.
         assert_eq!(CmdOpcode::from_u16(0x23), Some(CmdOpcode::RegDmMr));
-        assert_eq!(CmdOpcode::from_u16(0x24), None);
+        // ABI 1.9: ALLOC_MW and DEALLOC_MW after it.
+        assert_eq!(CmdOpcode::from_u16(0x24), Some(CmdOpcode::AllocMw));
+        assert_eq!(CmdOpcode::from_u16(0x25), Some(CmdOpcode::DeallocMw));
+        assert_eq!(CmdOpcode::from_u16(0x26), None);
+        assert_eq!(offset_of!(AllocMwIn, mw_type), 0x04);
+        assert_eq!(offset_of!(QueryDeviceOut, max_mw), 0x60);
+        assert_eq!(Access::MW_BIND.bits(), 1 << 4);
         assert_eq!(CmdOpcode::from_u16(0x70), Some(CmdOpcode::AllocDm));
         assert_eq!(CmdOpcode::from_u16(0x71), Some(CmdOpcode::FreeDm));
         assert_eq!(CmdOpcode::from_u16(0x72), None);

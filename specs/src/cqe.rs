@@ -26,7 +26,7 @@ abi_struct!(
     Cqe, 64, {
         opcode: u8, status: u8, wqe_counter: U16, qpn: U32,
         byte_len: U32, imm: U32, timestamp: U64,
-        flags: u8, vendor_syndrome: u8, rsvd0: U16, srqn: U32,
+        flags: u8, vendor_syndrome: u8, ext_flags: u8, rsvd0: u8, srqn: U32,
         tm_tag: U64, tm_app_ctx: U32, tm_handle: U32, tm_hw_cnt: U16,
         src_mac: [u8; 6], src_ip: [u8; 4], src_qpn: [u8; 3], owner: u8,
     }
@@ -65,6 +65,10 @@ impl Cqe {
     }
 }
 
+/// CQE extended flag (`ext_flags`, ABI 1.9): the received SEND invalidated a memory window;
+/// `imm` holds the key it invalidated (`IBV_WC_WITH_INV`).
+pub const CQE_EXT_FLAG_INV: u8 = 1 << 0;
+
 /// CQE flag: `imm` holds immediate data.
 pub const CQE_FLAG_IMM: u8 = 1 << 0;
 /// CQE flag: the message had the solicited-event bit.
@@ -86,6 +90,10 @@ pub enum CqeOpcode {
     CompSwap = 3,
     /// A fetch-and-add completed.
     FetchAdd = 4,
+    /// A memory window was bound (ABI 1.9).
+    BindMw = 5,
+    /// A local invalidation completed (ABI 1.9).
+    LocalInv = 7,
     /// A SEND was received.
     Recv = 128,
     /// An RDMA WRITE with immediate consumed a receive WQE.
@@ -112,6 +120,8 @@ impl CqeOpcode {
             2 => RdmaRead,
             3 => CompSwap,
             4 => FetchAdd,
+            5 => BindMw,
+            7 => LocalInv,
             128 => Recv,
             129 => RecvRdmaWithImm,
             130 => TmAdd,
@@ -160,6 +170,8 @@ pub enum CqeStatus {
     LocProtErr = 4,
     /// Flushed because the QP is in the error state.
     WrFlushErr = 5,
+    /// A memory-window bind failed (ABI 1.9).
+    MwBindErr = 6,
     /// Unexpected response opcode from the responder.
     BadRespErr = 7,
     /// Local access error.
@@ -196,6 +208,7 @@ impl CqeStatus {
             2 => LocQpOpErr,
             4 => LocProtErr,
             5 => WrFlushErr,
+            6 => MwBindErr,
             7 => BadRespErr,
             8 => LocAccessErr,
             9 => RemInvReqErr,
@@ -234,6 +247,9 @@ pub enum VendorSyndrome {
     NoAccess = 7,
     /// The message is longer than the device maximum or the buffer.
     TooLong = 8,
+    /// A memory-window operation named a window it cannot act on: no such window, a key
+    /// or index that does not match, the wrong type or state (ABI 1.9).
+    BadMw = 9,
 }
 
 abi_struct!(

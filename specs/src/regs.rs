@@ -83,6 +83,7 @@ registers! {
     MAX_CNTR = 0x048, Ro, 0, "Number of event counters; counter numbers are 1..MAX_CNTR (ABI 1.3).";
     MAX_TRIGGERED = 0x04C, Ro, 0, "Entries of the triggered-operation table (ABI 1.3).";
     MAX_DM_SIZE = 0x050, Ro, 0, "Bytes of device memory (ABI 1.8); 0: none.";
+    MAX_MW = 0x054, Ro, 0, "Number of memory windows (ABI 1.9); 0: none.";
     CMD_ADDR_LO = 0x080, Rw, 0, "Command mailbox IOVA, bits 31:0 (256-byte aligned).";
     CMD_ADDR_HI = 0x084, Rw, 0, "Command mailbox IOVA, bits 63:32.";
     CMD_DOORBELL = 0x088, Wo, 0, "Write a token to execute the command in the mailbox.";
@@ -232,6 +233,9 @@ bitflags! {
         /// Device memory: ALLOC_DM, FREE_DM, REG_DM_MR and the window at `DM_BASE`
         /// (ABI 1.8).
         const DEVICE_MEMORY = 1 << 13;
+        /// Memory windows of types 1 and 2: ALLOC_MW, DEALLOC_MW, the BIND_MW and
+        /// LOCAL_INV WQEs, SEND with invalidate (ABI 1.9).
+        const MEMORY_WINDOW = 1 << 14;
     }
 }
 
@@ -297,9 +301,10 @@ mod tests {
         assert_eq!(Caps::UC.bits(), 1 << 11);
         assert_eq!(Caps::RESIZE_CQ.bits(), 1 << 12);
         assert_eq!(Caps::DEVICE_MEMORY.bits(), 1 << 13);
-        // Bits 0..13 are defined (ABI 1.8); 31:14 are reserved.
-        assert_eq!(Caps::all().bits(), 0x3FFF);
-        assert_eq!(Caps::from_bits(1 << 14), None);
+        assert_eq!(Caps::MEMORY_WINDOW.bits(), 1 << 14);
+        // Bits 0..14 are defined (ABI 1.9); 31:15 are reserved.
+        assert_eq!(Caps::all().bits(), 0x7FFF);
+        assert_eq!(Caps::from_bits(1 << 15), None);
         // The device-memory window follows the BlueFlame area to the end of the 4 MiB BAR.
         assert_eq!(
             (DM_BASE, DM_END, BAR0_SIZE),

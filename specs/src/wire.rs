@@ -164,6 +164,10 @@ pub enum Opcode {
     CompareSwap = 0x13,
     /// FETCH_ADD.
     FetchAdd = 0x14,
+    /// SEND_LAST_WITH_INVALIDATE (ABI 1.9): BTH, IETH, payload.
+    SendLastInv = 0x16,
+    /// SEND_ONLY_WITH_INVALIDATE (ABI 1.9): BTH, IETH, payload.
+    SendOnlyInv = 0x17,
     /// UC SEND_FIRST (ABI 1.7).
     UcSendFirst = 0x20,
     /// UC SEND_MIDDLE (ABI 1.7).
@@ -196,7 +200,7 @@ pub enum Opcode {
 
 impl Opcode {
     /// Every opcode, in numeric order.
-    pub const ALL: [Opcode; 35] = [
+    pub const ALL: [Opcode; 37] = [
         Opcode::SendFirst,
         Opcode::SendMiddle,
         Opcode::SendLast,
@@ -218,6 +222,8 @@ impl Opcode {
         Opcode::AtomicAcknowledge,
         Opcode::CompareSwap,
         Opcode::FetchAdd,
+        Opcode::SendLastInv,
+        Opcode::SendOnlyInv,
         Opcode::UcSendFirst,
         Opcode::UcSendMiddle,
         Opcode::UcSendLast,
@@ -268,6 +274,8 @@ impl Opcode {
             Opcode::AtomicAcknowledge => "ATOMIC_ACKNOWLEDGE",
             Opcode::CompareSwap => "CMP_SWAP",
             Opcode::FetchAdd => "FETCH_ADD",
+            Opcode::SendLastInv => "SEND_LAST_WITH_INVALIDATE",
+            Opcode::SendOnlyInv => "SEND_ONLY_WITH_INVALIDATE",
             Opcode::UcSendFirst => "UC_SEND_FIRST",
             Opcode::UcSendMiddle => "UC_SEND_MIDDLE",
             Opcode::UcSendLast => "UC_SEND_LAST",
@@ -348,6 +356,12 @@ impl Opcode {
     /// An ImmDt header is present (after the RETH or DETH, if any).
     pub const fn has_immdt(self) -> bool {
         self.traits(T_IMMDT)
+    }
+
+    /// An IETH follows the BTH: the SEND_*_WITH_INVALIDATE opcodes (ABI 1.9). Its R_Key is
+    /// carried in [`PacketRepr::imm`].
+    pub const fn has_ieth(self) -> bool {
+        self.traits(T_IETH)
     }
 
     /// A DETH follows the BTH: the UD opcodes.
@@ -431,6 +445,9 @@ impl Opcode {
         ) {
             t |= T_IMMDT;
         }
+        if matches!(b, SendLastInv | SendOnlyInv) {
+            t |= T_IETH | T_SEND;
+        }
         if matches!(b, UdSendOnly | UdSendOnlyImm) {
             t |= T_UD;
         }
@@ -459,6 +476,7 @@ impl Opcode {
             SendMiddle
                 | SendLast
                 | SendLastImm
+                | SendLastInv
                 | WriteMiddle
                 | WriteLast
                 | WriteLastImm
@@ -504,7 +522,7 @@ impl Opcode {
         if self.has_atomic_ack_eth() {
             len += ATOMIC_ACK_ETH_LEN;
         }
-        if self.has_immdt() {
+        if self.has_immdt() || self.has_ieth() {
             len += IMMDT_LEN;
         }
         len
@@ -540,6 +558,7 @@ const T_WRITE: u16 = 1 << 8;
 const T_READ_RESPONSE: u16 = 1 << 9;
 const T_FIRST: u16 = 1 << 10;
 const T_LAST: u16 = 1 << 11;
+const T_IETH: u16 = 1 << 12;
 
 /// Every predicate of every opcode, by opcode byte (others 0, never read): one load answers
 /// any of them on the packet path.
@@ -965,7 +984,8 @@ pub struct PacketRepr {
     /// AtomicAckETH: the original remote value, for ATOMIC_ACKNOWLEDGE.
     pub atomic_ack: Option<u64>,
     /// ImmDt: the four immediate bytes read as a big-endian u32, for the *_WITH_IMMEDIATE
-    /// opcodes.
+    /// opcodes; for the *_WITH_INVALIDATE opcodes (ABI 1.9) the IETH, the R_Key to
+    /// invalidate, which sits where a SEND's ImmDt would.
     pub imm: Option<u32>,
 }
 
@@ -1073,7 +1093,7 @@ impl PacketRepr {
                 h[off..off + ATOMIC_ACK_ETH_LEN].copy_from_slice(&orig.to_be_bytes());
                 off += ATOMIC_ACK_ETH_LEN;
             }
-            if op.has_immdt() {
+            if op.has_immdt() || op.has_ieth() {
                 let imm = self.imm.unwrap_or(0);
                 h[off..off + IMMDT_LEN].copy_from_slice(&imm.to_be_bytes());
                 off += IMMDT_LEN;
@@ -1311,7 +1331,7 @@ fn parse(frame: &[u8], check_sums: bool) -> Result<Packet<'_>, WireError> {
     } else {
         None
     };
-    let imm = if op.has_immdt() {
+    let imm = if op.has_immdt() || op.has_ieth() {
         Some(be_u32(take(IMMDT_LEN), 0))
     } else {
         None
@@ -1891,7 +1911,7 @@ mod tests {
     fn opcode_table() {
         use Opcode::*;
         for (i, op) in Opcode::ALL.iter().enumerate() {
-            if !op.is_ud() && !op.is_uc() {
+            if !op.is_ud() && !op.is_uc() && !op.has_ieth() {
                 assert_eq!(usize::from(op.to_u8()), i);
             }
             assert_eq!(Opcode::from_u8(op.to_u8()), Some(*op));
@@ -1899,11 +1919,23 @@ mod tests {
             assert!(!op.name().is_empty());
         }
         for v in 0x15..=0xFFu8 {
-            if v != 0x64 && v != 0x65 && !(0x20..=0x2B).contains(&v) {
+            if !matches!(v, 0x16 | 0x17 | 0x64 | 0x65 | 0x20..=0x2B) {
                 assert_eq!(Opcode::from_u8(v), None);
             }
         }
         assert!(UdSendOnly.is_ud() && UdSendOnlyImm.is_ud() && !SendOnly.is_ud());
+        // ABI 1.9: the two SENDs with invalidate, RC only, an IETH where ImmDt would be.
+        assert_eq!((SendLastInv.to_u8(), SendOnlyInv.to_u8()), (0x16, 0x17));
+        for op in [SendLastInv, SendOnlyInv] {
+            assert!(
+                op.is_send() && op.is_last() && op.has_ieth() && !op.has_immdt(),
+                "{op}"
+            );
+            assert_eq!(op.to_uc(), None);
+        }
+        assert!(!SendLastInv.is_first() && SendOnlyInv.is_first());
+        assert_eq!(SendOnlyInv.name(), "SEND_ONLY_WITH_INVALIDATE");
+        assert!(Opcode::ALL.iter().filter(|o| o.has_ieth()).count() == 2);
         let lens = [
             (SendFirst, 12),
             (SendMiddle, 12),
@@ -1926,6 +1958,8 @@ mod tests {
             (AtomicAcknowledge, 24),
             (CompareSwap, 40),
             (FetchAdd, 40),
+            (SendLastInv, 16),
+            (SendOnlyInv, 16),
             (UdSendOnly, 20),
             (UdSendOnlyImm, 24),
         ];
@@ -1944,6 +1978,7 @@ mod tests {
         let last_only = [
             SendLast,
             SendLastImm,
+            SendLastInv,
             WriteLast,
             WriteLastImm,
             ReadResponseLast,
@@ -2321,7 +2356,7 @@ mod tests {
                         aeth: op.has_aeth().then_some(aeth),
                         atomic_eth: op.has_atomic_eth().then_some(atomic),
                         atomic_ack: op.has_atomic_ack_eth().then_some(orig),
-                        imm: op.has_immdt().then_some(imm),
+                        imm: (op.has_immdt() || op.has_ieth()).then_some(imm),
                     };
                     (repr, payload)
                 },

@@ -10,6 +10,9 @@
 //! READ                  ctrl | raddr | data*          (local scatter list)
 //! CMP_SWAP, FETCH_ADD   ctrl | raddr | atomic | data  (one 8-byte local result buffer)
 //! UD SEND, SEND_IMM     ctrl | ud_addr (32 bytes) | data* or inline     (ABI 1.5)
+//! SEND_INV              ctrl | data* or inline (the key to invalidate in `imm`; ABI 1.9)
+//! BIND_MW               ctrl | bind (32 bytes)                           (ABI 1.9)
+//! LOCAL_INV             ctrl (the key to invalidate in `imm`)            (ABI 1.9)
 //! ```
 //!
 //! A receive WQE is an array of [`DataSeg`] filling the queue's stride; the list ends at the
@@ -63,6 +66,12 @@ pub enum SendOpcode {
     CmpSwap = 0x06,
     /// Atomic fetch-and-add.
     FetchAdd = 0x07,
+    /// Bind a memory window (ABI 1.9).
+    BindMw = 0x08,
+    /// Invalidate a type 2 memory window locally (ABI 1.9).
+    LocalInv = 0x09,
+    /// SEND that invalidates a type 2 memory window at the responder (ABI 1.9).
+    SendInv = 0x0A,
 }
 
 impl SendOpcode {
@@ -77,12 +86,33 @@ impl SendOpcode {
             0x05 => Read,
             0x06 => CmpSwap,
             0x07 => FetchAdd,
+            0x08 => BindMw,
+            0x09 => LocalInv,
+            0x0A => SendInv,
             _ => return None,
         })
     }
     /// Whether a remote-address segment follows the control segment.
     pub fn has_raddr(self) -> bool {
-        !matches!(self, SendOpcode::Send | SendOpcode::SendImm)
+        matches!(
+            self,
+            SendOpcode::Write
+                | SendOpcode::WriteImm
+                | SendOpcode::Read
+                | SendOpcode::CmpSwap
+                | SendOpcode::FetchAdd
+        )
+    }
+    /// A SEND of any kind (plain, with immediate, with invalidate).
+    pub fn is_send(self) -> bool {
+        matches!(
+            self,
+            SendOpcode::Send | SendOpcode::SendImm | SendOpcode::SendInv
+        )
+    }
+    /// Done by the NIC alone, without a packet (BIND_MW, LOCAL_INV; ABI 1.9).
+    pub fn is_local(self) -> bool {
+        matches!(self, SendOpcode::BindMw | SendOpcode::LocalInv)
     }
     /// Whether an atomic segment follows the remote-address segment.
     pub fn is_atomic(self) -> bool {
@@ -136,6 +166,23 @@ abi_struct!(
         dest_ip: [u8; 4], rsvd1: U32, rsvd2: U64,
     }
 );
+abi_struct!(
+    /// Memory-window bind segment (ABI 1.9), right after the control segment of a BIND_MW
+    /// WQE. `mw_key` names the window (bits 31:8; for a type 1 window its current key,
+    /// exactly); after the bind the window's key is `new_key`, which has the same index.
+    /// The window covers `[addr, addr + length)` of the memory region `mr_key` with the
+    /// remote rights `access` (`cmd::Access` bits; [`MW_ZERO_BASED`] for a window whose
+    /// addresses start at 0). `length` 0 unbinds the window.
+    BindSeg, 32, {
+        addr: U64, length: U64, mw_key: U32, new_key: U32, mr_key: U32, access: U32,
+    }
+);
+/// `BindSeg::access` bit: the window is zero-based (its first byte has address 0); the
+/// libibverbs value of `IBV_ACCESS_ZERO_BASED`.
+pub const MW_ZERO_BASED: u32 = 1 << 5;
+/// 16-byte segments a [`BindSeg`] takes.
+pub const BIND_SEGS: usize = 2;
+
 abi_struct!(
     /// Scatter/gather entry.
     DataSeg, 16, { byte_count: U32, lkey: U32, addr: U64 }

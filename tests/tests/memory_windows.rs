@@ -1,0 +1,470 @@
+//! Memory windows (ABI 1.9) end to end: type 1 and type 2 windows bound by work requests,
+//! remote access through them (only inside the window, with its rights, and for type 2
+//! only through its QP), invalidation by rebinding, by LOCAL_INV and by a received SEND
+//! with invalidate, what binds refuse, and the region a bound window holds, in timed and in
+//! functional mode.
+
+use ringbell::*;
+use ringbell_emu::{Fabric, FabricConfig};
+use ringbell_specs::cmd::CmdStatus;
+use ringbell_specs::wqe::MW_ZERO_BASED;
+use ringbell_tests::*;
+
+fn all() -> Access {
+    Access::LOCAL_WRITE
+        | Access::REMOTE_WRITE
+        | Access::REMOTE_READ
+        | Access::REMOTE_ATOMIC
+        | Access::MW_BIND
+}
+
+fn pair_in(functional: bool) -> Pair {
+    let mut cfg = FabricConfig::new(2, 9);
+    cfg.functional = functional;
+    let fabric = Fabric::new(cfg);
+    let mut a = side(&fabric, 0, all());
+    let mut b = side(&fabric, 1, all());
+    connect(&mut a, &mut b, &ConnectOptions::default());
+    Pair { a, b, fabric }
+}
+
+/// Posts one signaled request on a side and waits for its completion. The request is
+/// built first, so it may borrow the side's region.
+macro_rules! one {
+    ($f:expr, $s:expr, $wr:expr $(,)?) => {{
+        let wr = $wr;
+        one_wr($f, &mut $s, wr)
+    }};
+}
+
+fn one_wr(fabric: &Fabric, s: &mut Side, wr: SendWr<'_>) -> WorkCompletion {
+    s.qp.post_send(&[wr.flags(SendFlags::SIGNALED)]).unwrap();
+    wait(fabric, &mut s.cq, 1)[0]
+}
+
+fn bind(mw: u32, new_key: u32, mr: &MemoryRegion, off: u64, len: u64, access: u32) -> WrOp {
+    WrOp::BindMw(MwBind {
+        mw_key: mw,
+        new_key,
+        mr_key: mr.lkey(),
+        addr: mr.addr() + off,
+        len,
+        access,
+    })
+}
+
+const RW: u32 = Access::REMOTE_WRITE.bits() | Access::REMOTE_READ.bits();
+
+fn write(p: &mut Pair, rkey: u32, addr: u64, data: &[u8]) -> WorkCompletion {
+    p.b.buf.write(0, data).unwrap();
+    let s = [p.b.mr.sge(0, data.len() as u32)];
+    let wr = SendWr::new(7, WrOp::Write(RemoteAddr { addr, rkey }), &s);
+    one!(&p.fabric, p.b, wr)
+}
+
+fn read(p: &mut Pair, rkey: u32, addr: u64, len: u32) -> (WorkCompletion, Vec<u8>) {
+    let s = [p.b.mr.sge(4096, len)];
+    let wr = SendWr::new(8, WrOp::Read(RemoteAddr { addr, rkey }), &s);
+    let wc = one!(&p.fabric, p.b, wr);
+    let mut got = vec![0u8; len as usize];
+    p.b.buf.read(4096, &mut got).unwrap();
+    (wc, got)
+}
+
+fn status<T: std::fmt::Debug>(r: Result<T, Error>) -> CmdStatus {
+    match r {
+        Err(Error::Command { status, .. }) => status,
+        other => panic!("expected a refused command, got {other:?}"),
+    }
+}
+
+fn type1(functional: bool) {
+    let mut p = pair_in(functional);
+    assert!(p.a.dev.caps().max_mw > 0);
+    let mw = p.a.pd.alloc_mw(MwType::Type1).unwrap();
+    let k1 = inc_rkey(mw.key());
+    assert_eq!(k1 >> 8, mw.key() >> 8);
+    // Window: 256 bytes at offset 0x1000 of A's buffer, read and write.
+    let wc = one!(
+        &p.fabric,
+        p.a,
+        SendWr::new(1, bind(mw.key(), k1, &p.a.mr, 0x1000, 256, RW), &[]),
+    );
+    assert_eq!(
+        (wc.status, wc.opcode, wc.wr_id),
+        (WcStatus::Success, WcOpcode::BindMw, 1)
+    );
+    let base = p.a.mr.addr() + 0x1000;
+    let data: Vec<u8> = (0..200u32).map(|i| (i * 7 + 3) as u8).collect();
+    let wc = write(&mut p, k1, base + 40, &data);
+    assert_eq!(wc.status, WcStatus::Success, "{wc:?}");
+    let mut got = vec![0u8; 200];
+    p.a.buf.read(0x1000 + 40, &mut got).unwrap();
+    assert_eq!(got, data);
+    let (wc, back) = read(&mut p, k1, base + 40, 200);
+    assert_eq!((wc.status, back), (WcStatus::Success, data.clone()));
+    // Rebinding with length 0 unbinds: the key is dead.
+    let k2 = inc_rkey(k1);
+    let wc = one!(
+        &p.fabric,
+        p.a,
+        SendWr::new(2, bind(k1, k2, &p.a.mr, 0, 0, 0), &[]),
+    );
+    assert_eq!(wc.status, WcStatus::Success);
+    let wc = write(&mut p, k1, base, &data[..8]);
+    assert_eq!(wc.status, WcStatus::RemAccessErr, "{wc:?}");
+}
+
+#[test]
+fn a_type_1_window_gives_access_to_its_range_until_it_is_unbound() {
+    type1(false);
+    type1(true);
+}
+
+/// Accesses outside the window, beyond its rights, or through its old key are remote
+/// access errors; a zero-based window is addressed from 0.
+#[test]
+fn a_window_limits_range_and_rights() {
+    for (case, (off, len, rights)) in [
+        (0, (256u64, 8u32, RW)),
+        (1, (250, 8, RW)),
+        (2, (0, 8, Access::REMOTE_READ.bits())),
+    ] {
+        let mut p = pair_in(case == 1);
+        let mw = p.a.pd.alloc_mw(MwType::Type1).unwrap();
+        let k = inc_rkey(mw.key());
+        let wc = one!(
+            &p.fabric,
+            p.a,
+            SendWr::new(1, bind(mw.key(), k, &p.a.mr, 0x2000, 256, rights), &[]),
+        );
+        assert_eq!(wc.status, WcStatus::Success);
+        let at = p.a.mr.addr() + 0x2000 + off;
+        let wc = write(&mut p, k, at, &[1; 8][..len as usize]);
+        assert_eq!(wc.status, WcStatus::RemAccessErr, "case {case}: {wc:?}");
+    }
+    // Zero-based: address 16 is byte 0x2010 of the buffer.
+    let mut p = pair_in(false);
+    let mw = p.a.pd.alloc_mw(MwType::Type1).unwrap();
+    let k = inc_rkey(mw.key());
+    let wc = one!(
+        &p.fabric,
+        p.a,
+        SendWr::new(
+            1,
+            bind(mw.key(), k, &p.a.mr, 0x2000, 64, RW | MW_ZERO_BASED),
+            &[],
+        ),
+    );
+    assert_eq!(wc.status, WcStatus::Success);
+    assert_eq!(write(&mut p, k, 16, &[9; 8]).status, WcStatus::Success);
+    let mut got = [0u8; 8];
+    p.a.buf.read(0x2010, &mut got).unwrap();
+    assert_eq!(got, [9; 8]);
+    assert_eq!(write(&mut p, k, 60, &[9; 8]).status, WcStatus::RemAccessErr);
+}
+
+fn type2(functional: bool) {
+    let mut p = pair_in(functional);
+    let mw = p.a.pd.alloc_mw(MwType::Type2).unwrap();
+    let k = (mw.key() & !0xFF) | 0x5A;
+    let wc = one!(
+        &p.fabric,
+        p.a,
+        SendWr::new(1, bind(mw.key(), k, &p.a.mr, 0, 4096, RW), &[]),
+    );
+    assert_eq!(
+        (wc.status, wc.opcode),
+        (WcStatus::Success, WcOpcode::BindMw)
+    );
+    // A bound type 2 window cannot be bound again.
+    let wc = one!(
+        &p.fabric,
+        p.a,
+        SendWr::new(2, bind(k, k + 1, &p.a.mr, 0, 64, RW), &[]),
+    );
+    assert_eq!(wc.status, WcStatus::MwBindErr, "{wc:?}");
+    // That failure took A's QP to ERR: a fresh pair for the rest.
+    let mut p = pair_in(functional);
+    let mw = p.a.pd.alloc_mw(MwType::Type2).unwrap();
+    let k = (mw.key() & !0xFF) | 0x11;
+    let wc = one!(
+        &p.fabric,
+        p.a,
+        SendWr::new(1, bind(mw.key(), k, &p.a.mr, 0, 4096, RW), &[]),
+    );
+    assert_eq!(wc.status, WcStatus::Success);
+    assert_eq!(
+        {
+            let at = p.a.mr.addr() + 8;
+            write(&mut p, k, at, &[5; 8]).status
+        },
+        WcStatus::Success
+    );
+    // LOCAL_INV unbinds it.
+    let wc = one!(&p.fabric, p.a, SendWr::new(3, WrOp::LocalInv(k), &[]));
+    assert_eq!(
+        (wc.status, wc.opcode),
+        (WcStatus::Success, WcOpcode::LocalInv)
+    );
+    assert_eq!(
+        {
+            let at = p.a.mr.addr() + 8;
+            write(&mut p, k, at, &[5; 8]).status
+        },
+        WcStatus::RemAccessErr
+    );
+
+    // Bound again (another tag), then invalidated by the peer's SEND with invalidate.
+    let mut p = pair_in(functional);
+    let mw = p.a.pd.alloc_mw(MwType::Type2).unwrap();
+    let k = (mw.key() & !0xFF) | 0x22;
+    let wc = one!(
+        &p.fabric,
+        p.a,
+        SendWr::new(1, bind(mw.key(), k, &p.a.mr, 0, 4096, RW), &[]),
+    );
+    assert_eq!(wc.status, WcStatus::Success);
+    let rs = [p.a.mr.sge(0x8000, 64)];
+    p.a.qp
+        .post_recv(&[RecvWr {
+            wr_id: 40,
+            sgl: &rs,
+        }])
+        .unwrap();
+    let ss = [p.b.mr.sge(0, 32)];
+    let wc = one!(&p.fabric, p.b, SendWr::new(41, WrOp::SendInv(k), &ss));
+    assert_eq!((wc.status, wc.opcode), (WcStatus::Success, WcOpcode::Send));
+    let r = wait(&p.fabric, &mut p.a.cq, 1)[0];
+    assert_eq!(
+        (r.status, r.opcode, r.byte_len),
+        (WcStatus::Success, WcOpcode::Recv, 32)
+    );
+    assert_eq!((r.invalidated, r.imm), (Some(k), None));
+    assert_eq!(
+        {
+            let at = p.a.mr.addr();
+            write(&mut p, k, at, &[5; 8]).status
+        },
+        WcStatus::RemAccessErr
+    );
+}
+
+#[test]
+fn a_type_2_window_is_bound_once_and_invalidated_locally_or_by_the_peer() {
+    type2(false);
+    type2(true);
+}
+
+/// A type 2 window is reached only through the QP that bound it, and binds only regions
+/// of its own PD.
+#[test]
+fn a_type_2_window_answers_only_its_own_qp() {
+    let mut p = pair_in(false);
+    // A second connection between the same two devices, A's end in the same PD.
+    let (cqa, mut cqb) = (
+        p.a.dev.create_cq(64).unwrap(),
+        p.b.dev.create_cq(64).unwrap(),
+    );
+    let mut qa2 = p.a.pd.create_qp(&QpInit::new(&cqa, &cqa)).unwrap();
+    let mut qb2 = p.b.pd.create_qp(&QpInit::new(&cqb, &cqb)).unwrap();
+    let (ea, eb) = (qa2.endpoint(5), qb2.endpoint(6));
+    qa2.connect(&eb, 5, &ConnectOptions::default()).unwrap();
+    qb2.connect(&ea, 6, &ConnectOptions::default()).unwrap();
+    let mw = p.a.pd.alloc_mw(MwType::Type2).unwrap();
+    let k = (mw.key() & !0xFF) | 2;
+    let wc = one!(
+        &p.fabric,
+        p.a,
+        SendWr::new(1, bind(mw.key(), k, &p.a.mr, 0, 64, RW), &[])
+    );
+    assert_eq!(wc.status, WcStatus::Success);
+    // Through the other connection: a remote access error.
+    let s = [p.b.mr.sge(0, 8)];
+    let at = RemoteAddr {
+        addr: p.a.mr.addr(),
+        rkey: k,
+    };
+    qb2.post_send(&[SendWr::new(2, WrOp::Write(at), &s)])
+        .unwrap();
+    let wc = wait(&p.fabric, &mut cqb, 1)[0];
+    assert_eq!(wc.status, WcStatus::RemAccessErr, "{wc:?}");
+    // Through its own: done.
+    assert_eq!(write(&mut p, k, at.addr, &[3; 8]).status, WcStatus::Success);
+    // A region of another PD of the same device cannot be bound.
+    let pd2 = p.a.dev.alloc_pd().unwrap();
+    let mr2 = pd2.reg_mr(&p.a.buf, all()).unwrap();
+    let mw2 = p.a.pd.alloc_mw(MwType::Type2).unwrap();
+    let wc = one!(
+        &p.fabric,
+        p.a,
+        SendWr::new(3, bind(mw2.key(), mw2.key(), &mr2, 0, 64, RW), &[])
+    );
+    assert_eq!(wc.status, WcStatus::MwBindErr, "{wc:?}");
+    drop((qa2, qb2));
+}
+
+/// What a bind refuses: a region without MW_BIND, a range beyond the region, write rights
+/// over a region without LOCAL_WRITE, a type 1 window named by a stale key. Each is
+/// MW_BIND_ERR and leaves the window as it was.
+#[test]
+fn binds_that_break_the_rules_fail_with_mw_bind_err() {
+    let cases: [(&str, Access, u64, u64, u32, bool); 4] = [
+        ("no MW_BIND", all() - Access::MW_BIND, 0, 64, RW, false),
+        ("beyond", all(), BUF as u64 - 32, 64, RW, false),
+        (
+            "write without LOCAL_WRITE",
+            Access::MW_BIND | Access::REMOTE_READ,
+            0,
+            64,
+            RW,
+            false,
+        ),
+        ("stale key", all(), 0, 64, RW, true),
+    ];
+    for (what, access, off, len, rights, stale) in cases {
+        let mut p = pair_in(false);
+        let mut mr = p.a.pd.reg_mr(&p.a.buf, access).unwrap();
+        let mw = p.a.pd.alloc_mw(MwType::Type1).unwrap();
+        let cur = if stale { inc_rkey(mw.key()) } else { mw.key() };
+        let wc = one!(
+            &p.fabric,
+            p.a,
+            SendWr::new(1, bind(cur, inc_rkey(cur), &mr, off, len, rights), &[]),
+        );
+        assert_eq!(wc.status, WcStatus::MwBindErr, "{what}: {wc:?}");
+        assert_eq!(wc.opcode, WcOpcode::BindMw, "{what}");
+        // Nothing was bound: the region deregisters at once.
+        assert!(mr.dereg().is_ok(), "{what}");
+    }
+}
+
+/// A bound window holds its region: DEREG_MR is BUSY until the window is unbound or
+/// deallocated, and destroying the QP of a type 2 window unbinds it.
+#[test]
+fn a_bound_window_holds_its_region() {
+    let mut p = pair_in(false);
+    let mut mr = p.a.pd.reg_mr(&p.a.buf, all()).unwrap();
+    let mw = p.a.pd.alloc_mw(MwType::Type1).unwrap();
+    let k = inc_rkey(mw.key());
+    let wc = one!(
+        &p.fabric,
+        p.a,
+        SendWr::new(1, bind(mw.key(), k, &mr, 0, 64, RW), &[]),
+    );
+    assert_eq!(wc.status, WcStatus::Success);
+    let e = mr.dereg().unwrap_err();
+    assert!(
+        matches!(
+            e,
+            Error::Command {
+                status: CmdStatus::Busy,
+                ..
+            }
+        ),
+        "{e:?}"
+    );
+    drop(mw);
+    assert!(mr.dereg().is_ok());
+
+    let mut mr = p.a.pd.reg_mr(&p.a.buf, all()).unwrap();
+    let mw = p.a.pd.alloc_mw(MwType::Type2).unwrap();
+    let wc = one!(
+        &p.fabric,
+        p.a,
+        SendWr::new(2, bind(mw.key(), mw.key(), &mr, 0, 64, RW), &[]),
+    );
+    assert_eq!(wc.status, WcStatus::Success);
+    assert!(mr.dereg().is_err());
+    // Destroying the QP it was bound through unbinds it.
+    let Pair { a, b, fabric } = p;
+    drop(a.qp);
+    assert!(mr.dereg().is_ok());
+    drop((mw, b, fabric));
+}
+
+/// A SEND with invalidate naming a key the receiver may not invalidate is an invalid
+/// request: the sender sees REM_INV_REQ_ERR, the receive completes with LOC_PROT_ERR.
+#[test]
+fn a_send_with_a_bad_invalidate_key_is_refused() {
+    let mut p = pair_in(false);
+    let mw = p.a.pd.alloc_mw(MwType::Type1).unwrap();
+    let k = inc_rkey(mw.key());
+    let wc = one!(
+        &p.fabric,
+        p.a,
+        SendWr::new(1, bind(mw.key(), k, &p.a.mr, 0, 64, RW), &[]),
+    );
+    assert_eq!(wc.status, WcStatus::Success);
+    let rs = [p.a.mr.sge(0x8000, 64)];
+    p.a.qp
+        .post_recv(&[RecvWr {
+            wr_id: 40,
+            sgl: &rs,
+        }])
+        .unwrap();
+    // A type 1 window cannot be invalidated by a SEND.
+    let ss = [p.b.mr.sge(0, 16)];
+    let wc = one!(&p.fabric, p.b, SendWr::new(41, WrOp::SendInv(k), &ss));
+    assert_eq!(wc.status, WcStatus::RemInvReqErr, "{wc:?}");
+    let r = wait(&p.fabric, &mut p.a.cq, 1)[0];
+    assert_eq!(r.status, WcStatus::LocProtErr, "{r:?}");
+}
+
+/// A window's key is a remote key only: as an lkey it is a local protection error.
+#[test]
+fn a_window_key_is_not_an_lkey() {
+    let mut p = pair_in(false);
+    let mw = p.a.pd.alloc_mw(MwType::Type1).unwrap();
+    let k = inc_rkey(mw.key());
+    let wc = one!(
+        &p.fabric,
+        p.a,
+        SendWr::new(1, bind(mw.key(), k, &p.a.mr, 0, 64, RW), &[]),
+    );
+    assert_eq!(wc.status, WcStatus::Success);
+    let s = [Sge {
+        addr: p.a.mr.addr(),
+        len: 8,
+        lkey: k,
+    }];
+    let wr = SendWr::new(
+        2,
+        WrOp::Write(RemoteAddr {
+            addr: p.b.mr.addr(),
+            rkey: p.b.mr.rkey(),
+        }),
+        &s,
+    );
+    let wc = one!(&p.fabric, p.a, wr);
+    assert_eq!(wc.status, WcStatus::LocProtErr, "{wc:?}");
+}
+
+/// ALLOC_MW checks its type; DEALLOC_MW its key.
+#[test]
+fn alloc_mw_checks_its_input() {
+    let p = pair();
+    let input = ringbell_specs::cmd::AllocMwIn {
+        pdn: p.a.pd.pdn().into(),
+        mw_type: 3.into(),
+    };
+    let r = p.a.dev.raw_command(
+        ringbell_specs::cmd::CmdOpcode::AllocMw as u16,
+        zerocopy::IntoBytes::as_bytes(&input),
+    );
+    assert_eq!(status(r), CmdStatus::BadParam);
+    let input = ringbell_specs::cmd::AllocMwIn {
+        pdn: 999.into(),
+        mw_type: 1.into(),
+    };
+    let r = p.a.dev.raw_command(
+        ringbell_specs::cmd::CmdOpcode::AllocMw as u16,
+        zerocopy::IntoBytes::as_bytes(&input),
+    );
+    assert_eq!(status(r), CmdStatus::BadResource);
+    let r = p.a.dev.raw_command(
+        ringbell_specs::cmd::CmdOpcode::DeallocMw as u16,
+        &p.a.mr.lkey().to_le_bytes(),
+    );
+    assert_eq!(status(r), CmdStatus::BadResource);
+}
