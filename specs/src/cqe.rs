@@ -93,7 +93,7 @@ pub enum CqeOpcode {
     /// A memory window was bound (ABI 1.9).
     BindMw = 5,
     /// A local invalidation completed (ABI 1.9).
-    LocalInv = 7,
+    LocalInv = 6,
     /// A SEND was received.
     Recv = 128,
     /// An RDMA WRITE with immediate consumed a receive WQE.
@@ -121,7 +121,7 @@ impl CqeOpcode {
             3 => CompSwap,
             4 => FetchAdd,
             5 => BindMw,
-            7 => LocalInv,
+            6 => LocalInv,
             128 => Recv,
             129 => RecvRdmaWithImm,
             130 => TmAdd,

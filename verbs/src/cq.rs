@@ -191,6 +191,9 @@ pub(crate) fn to_ibv_wc(w: &WorkCompletion, out: &mut abi::ibv_wc) {
     if let Some(imm) = w.imm {
         out.__bindgen_anon_1.imm_data = imm.to_be();
     }
+    if let Some(key) = w.invalidated {
+        out.__bindgen_anon_1.invalidated_rkey = key;
+    }
 }
 
 /// What a ConnectX-class NIC reports in a receive completion's `sl` on a RoCE port: not a
@@ -215,6 +218,9 @@ pub(crate) fn wc_flags_of(w: &WorkCompletion) -> u64 {
     let mut f = 0;
     if w.imm.is_some() {
         f |= abi::ibv_wc_flags_IBV_WC_WITH_IMM;
+    }
+    if w.invalidated.is_some() {
+        f |= abi::ibv_wc_flags_IBV_WC_WITH_INV;
     }
     if w.source.is_some() {
         // A datagram's receive buffer starts with the GRH area (RoCEv2 over IPv4: 20 zero

@@ -161,8 +161,8 @@ pub(crate) unsafe fn ctx<'a>(p: *mut abi::ibv_context) -> &'a mut RbContext {
 }
 
 /// Closes a context. Objects the program did not destroy go with it, as the kernel
-/// releases them when a process closes its device file: QPs, SRQs, MRs, AHs, CQs, channels
-/// and PDs, in that order.
+/// releases them when a process closes its device file: QPs, SRQs, memory windows, MRs, AHs,
+/// CQs, channels and PDs, in that order.
 pub(crate) fn close(st: &mut State, c: &mut RbContext) -> i32 {
     let me: *mut RbContext = c;
     for p in st.live_of(Kind::Qp) {
@@ -179,6 +179,15 @@ pub(crate) fn close(st: &mut State, c: &mut RbContext) -> i32 {
         let o = unsafe { &mut *(p as *mut crate::srq::RbSrq) };
         if o.ctx == me {
             crate::srq::destroy(st, o);
+        }
+    }
+    // Windows before the regions they are bound to.
+    for p in st.live_of(Kind::Mw) {
+        // SAFETY: the registry lists live objects of this kind, allocated as this type;
+        // the lock is held.
+        let o = unsafe { &mut *(p as *mut crate::mw::RbMw) };
+        if std::ptr::eq(o.mw.context, c.ibv()) {
+            crate::mw::dealloc(st, o);
         }
     }
     for p in st.live_of(Kind::Mr) {
@@ -276,7 +285,14 @@ pub(crate) fn query_device(caps: &DeviceCaps, a: &mut abi::ibv_device_attr) {
         | abi::ibv_device_cap_flags_IBV_DEVICE_CURR_QP_STATE_MOD
         | abi::ibv_device_cap_flags_IBV_DEVICE_PORT_ACTIVE_EVENT
         | abi::ibv_device_cap_flags_IBV_DEVICE_SYS_IMAGE_GUID
-        | abi::ibv_device_cap_flags_IBV_DEVICE_N_NOTIFY_CQ;
+        | abi::ibv_device_cap_flags_IBV_DEVICE_N_NOTIFY_CQ
+        | if caps.max_mw > 0 {
+            abi::ibv_device_cap_flags_IBV_DEVICE_MEM_WINDOW
+                | abi::ibv_device_cap_flags_IBV_DEVICE_MEM_WINDOW_TYPE_2B
+        } else {
+            0
+        };
+    a.max_mw = i(caps.max_mw);
     a.max_sge = i(caps.max_sge);
     a.max_sge_rd = i(caps.max_sge);
     a.max_cq = i(caps.max_cq);

@@ -31,6 +31,7 @@ mod devnode;
 mod dm;
 mod entry;
 mod events;
+mod mw;
 mod ops;
 mod pd;
 mod qp;

@@ -41,6 +41,9 @@ pub(crate) fn fill(v: &mut abi::verbs_context) {
     o.post_send = Some(post_send);
     o.post_recv = Some(post_recv);
     o.post_srq_recv = Some(post_srq_recv);
+    o.alloc_mw = Some(alloc_mw);
+    o.dealloc_mw = Some(dealloc_mw);
+    o.bind_mw = Some(bind_mw);
     v.query_port = Some(query_port_ex);
     v.query_device_ex = Some(query_device_ex);
     v.create_cq_ex = Some(create_cq_ex);
@@ -56,6 +59,44 @@ pub(crate) fn fill(v: &mut abi::verbs_context) {
     v.free_dm = Some(free_dm);
     v.reg_dm_mr = Some(reg_dm_mr);
     v.advise_mr = Some(advise_mr);
+}
+
+unsafe extern "C" fn alloc_mw(pd: *mut abi::ibv_pd, kind: abi::ibv_mw_type) -> *mut abi::ibv_mw {
+    crate::entry::ptr_or_errno(with(
+        pd as *mut crate::pd::RbPd,
+        Kind::Pd,
+        Err(libc::EINVAL),
+        |st, pd| crate::mw::alloc(st, pd, kind),
+    ))
+}
+
+unsafe extern "C" fn dealloc_mw(mw: *mut abi::ibv_mw) -> c_int {
+    with(
+        mw as *mut crate::mw::RbMw,
+        Kind::Mw,
+        libc::EINVAL,
+        crate::mw::dealloc,
+    )
+}
+
+unsafe extern "C" fn bind_mw(
+    qp: *mut abi::ibv_qp,
+    mw: *mut abi::ibv_mw,
+    bind: *mut abi::ibv_mw_bind,
+) -> c_int {
+    // SAFETY: NULL or the caller's struct (ibv_bind_mw(3)).
+    let Some(b) = (unsafe { bind.as_ref() }) else {
+        return libc::EINVAL;
+    };
+    with(qp as *mut RbQp, Kind::Qp, libc::EINVAL, |st, qp| {
+        if st.owner(mw as usize) != Owner::Ours(Kind::Mw) {
+            return libc::EINVAL;
+        }
+        // SAFETY: the registry says `mw` is a live window, allocated as an `RbMw`; the lock
+        // is held.
+        let mw = unsafe { &mut *(mw as *mut crate::mw::RbMw) };
+        crate::mw::bind(st, qp, mw, b)
+    })
 }
 
 unsafe extern "C" fn advise_mr(
@@ -574,7 +615,12 @@ unsafe extern "C" fn read_byte_len(cq: *mut abi::ibv_cq_ex) -> u32 {
     read(cq, |c| c.cur.byte_len)
 }
 unsafe extern "C" fn read_imm_data(cq: *mut abi::ibv_cq_ex) -> abi::__be32 {
-    read(cq, |c| c.cur.imm.unwrap_or(0).to_be())
+    // The immediate data (network order), or the key a SEND with invalidate unbound
+    // (`ibv_wc_read_invalidated_rkey` reads it here, in host order).
+    read(cq, |c| match c.cur.invalidated {
+        Some(key) => key,
+        None => c.cur.imm.unwrap_or(0).to_be(),
+    })
 }
 unsafe extern "C" fn read_qp_num(cq: *mut abi::ibv_cq_ex) -> u32 {
     read(cq, |c| c.cur.qpn)
@@ -798,17 +844,42 @@ unsafe extern "C" fn wr_set_inline_data_list(
 }
 unsafe extern "C" fn wr_bind_mw(
     q: *mut abi::ibv_qp_ex,
-    _mw: *mut abi::ibv_mw,
-    _rkey: u32,
-    _info: *const abi::ibv_mw_bind_info,
+    mw: *mut abi::ibv_mw,
+    rkey: u32,
+    info: *const abi::ibv_mw_bind_info,
 ) {
-    unsupported(q)
+    // SAFETY: NULL or the caller's struct.
+    let Some(info) = (unsafe { info.as_ref() }) else {
+        return unsupported(q);
+    };
+    with(
+        q as *mut RbQp,
+        Kind::Qp,
+        (),
+        |st, qp| match crate::mw::bind_op(st, mw, rkey, info) {
+            Ok(op) => qp.wr_op(
+                op,
+                ops(abi::ibv_qp_create_send_ops_flags_IBV_QP_EX_WITH_BIND_MW),
+            ),
+            Err(e) => qp.build_err = qp.build_err.max(e),
+        },
+    )
 }
-unsafe extern "C" fn wr_local_inv(q: *mut abi::ibv_qp_ex, _rkey: u32) {
-    unsupported(q)
+unsafe extern "C" fn wr_local_inv(q: *mut abi::ibv_qp_ex, rkey: u32) {
+    qpx(q, |qp| {
+        qp.wr_op(
+            WrOp::LocalInv(rkey),
+            ops(abi::ibv_qp_create_send_ops_flags_IBV_QP_EX_WITH_LOCAL_INV),
+        )
+    })
 }
-unsafe extern "C" fn wr_send_inv(q: *mut abi::ibv_qp_ex, _rkey: u32) {
-    unsupported(q)
+unsafe extern "C" fn wr_send_inv(q: *mut abi::ibv_qp_ex, rkey: u32) {
+    qpx(q, |qp| {
+        qp.wr_op(
+            WrOp::SendInv(rkey),
+            ops(abi::ibv_qp_create_send_ops_flags_IBV_QP_EX_WITH_SEND_WITH_INV),
+        )
+    })
 }
 unsafe extern "C" fn wr_send_tso(q: *mut abi::ibv_qp_ex, _hdr: *mut c_void, _sz: u16, _mss: u16) {
     unsupported(q)

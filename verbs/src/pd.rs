@@ -239,7 +239,7 @@ pub(crate) fn mr_access(access: u32) -> Result<Access, i32> {
     if access & needs_local != 0 && access & abi::ibv_access_flags_IBV_ACCESS_LOCAL_WRITE == 0 {
         return Err(libc::EINVAL);
     }
-    Ok(Access::from_bits_truncate(access & 0xf))
+    Ok(Access::from_bits_truncate(access & 0x1f))
 }
 
 /// `ibv_alloc_pd`.
@@ -448,6 +448,10 @@ pub(crate) unsafe fn rereg(
 
 /// `ibv_dereg_mr`.
 pub(crate) fn dereg(st: &mut State, mr: &mut RbMr) -> i32 {
+    // Memory windows bound to it keep it registered (EBUSY), as on a ConnectX device.
+    if let Err(e) = mr.drv.dereg() {
+        return crate::errno_of(&e);
+    }
     st.remove(mr as *mut RbMr as usize);
     // SAFETY: an MR's PD outlives it (deallocating a PD with MRs is refused).
     unsafe { (*mr.pd).children -= 1 };

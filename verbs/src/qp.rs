@@ -67,14 +67,19 @@ pub(crate) const SEND_OPS: u64 = (abi::ibv_qp_create_send_ops_flags_IBV_QP_EX_WI
     | abi::ibv_qp_create_send_ops_flags_IBV_QP_EX_WITH_SEND_WITH_IMM
     | abi::ibv_qp_create_send_ops_flags_IBV_QP_EX_WITH_RDMA_READ
     | abi::ibv_qp_create_send_ops_flags_IBV_QP_EX_WITH_ATOMIC_CMP_AND_SWP
-    | abi::ibv_qp_create_send_ops_flags_IBV_QP_EX_WITH_ATOMIC_FETCH_AND_ADD)
+    | abi::ibv_qp_create_send_ops_flags_IBV_QP_EX_WITH_ATOMIC_FETCH_AND_ADD
+    | abi::ibv_qp_create_send_ops_flags_IBV_QP_EX_WITH_SEND_WITH_INV
+    | abi::ibv_qp_create_send_ops_flags_IBV_QP_EX_WITH_LOCAL_INV
+    | abi::ibv_qp_create_send_ops_flags_IBV_QP_EX_WITH_BIND_MW)
     as u64;
 
 /// The send operations a UC QP can build: SEND and RDMA WRITE, with or without immediate.
 pub(crate) const SEND_OPS_UC: u64 = (abi::ibv_qp_create_send_ops_flags_IBV_QP_EX_WITH_RDMA_WRITE
     | abi::ibv_qp_create_send_ops_flags_IBV_QP_EX_WITH_RDMA_WRITE_WITH_IMM
     | abi::ibv_qp_create_send_ops_flags_IBV_QP_EX_WITH_SEND
-    | abi::ibv_qp_create_send_ops_flags_IBV_QP_EX_WITH_SEND_WITH_IMM)
+    | abi::ibv_qp_create_send_ops_flags_IBV_QP_EX_WITH_SEND_WITH_IMM
+    | abi::ibv_qp_create_send_ops_flags_IBV_QP_EX_WITH_LOCAL_INV
+    | abi::ibv_qp_create_send_ops_flags_IBV_QP_EX_WITH_BIND_MW)
     as u64;
 
 /// The send operations a UD QP can build.
@@ -410,7 +415,7 @@ fn flags_of(send_flags: u32, sig_all: bool) -> SendFlags {
 ///
 /// # Safety
 /// `wr` must be a valid `struct ibv_send_wr`.
-unsafe fn op_of(wr: &abi::ibv_send_wr) -> Result<WrOp, i32> {
+unsafe fn op_of(st: &State, wr: &abi::ibv_send_wr) -> Result<WrOp, i32> {
     // SAFETY: the union members read are the ones the opcode selects; every bit pattern of
     // these plain integers is valid.
     let (rdma, atomic, imm) = unsafe { (wr.wr.rdma, wr.wr.atomic, wr.__bindgen_anon_1.imm_data) };
@@ -439,6 +444,14 @@ unsafe fn op_of(wr: &abi::ibv_send_wr) -> Result<WrOp, i32> {
             },
             add: atomic.compare_add,
         },
+        // The key to invalidate, in host order (the union's `invalidate_rkey`).
+        abi::ibv_wr_opcode_IBV_WR_SEND_WITH_INV => WrOp::SendInv(imm),
+        abi::ibv_wr_opcode_IBV_WR_LOCAL_INV => WrOp::LocalInv(imm),
+        abi::ibv_wr_opcode_IBV_WR_BIND_MW => {
+            // SAFETY: the member the opcode selects; plain values and pointers.
+            let b = unsafe { wr.__bindgen_anon_2.bind_mw };
+            crate::mw::bind_op(st, b.mw, b.rkey, &b.bind_info)?
+        }
         _ => return Err(libc::EINVAL),
     })
 }
@@ -554,7 +567,7 @@ unsafe fn post_one_send(
     sges: &mut [Sge; MAX_SGE],
 ) -> i32 {
     // SAFETY: the caller's request.
-    let op = match unsafe { op_of(w) } {
+    let op = match unsafe { op_of(st, w) } {
         Ok(op) => op,
         Err(e) => return e,
     };

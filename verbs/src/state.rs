@@ -37,6 +37,7 @@ pub(crate) enum Kind {
     Ah,
     Td,
     Dm,
+    Mw,
 }
 
 /// Whose object a pointer is.

@@ -219,6 +219,7 @@ const PROGRAMS: &[&str] = &[
     "parent_domain",
     "dm",
     "odp",
+    "mw",
 ];
 
 macro_rules! c_program {
@@ -245,7 +246,8 @@ c_program!(
     uc,
     parent_domain,
     dm,
-    odp
+    odp,
+    mw
 );
 
 /// Every `tests/c/*.c` has its test above (a new program is not silently left out).

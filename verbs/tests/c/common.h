@@ -277,8 +277,10 @@ struct qp_opts {
 	uint32_t max_send_wr, max_recv_wr, max_send_sge, max_recv_sge, max_inline;
 	int sq_sig_all;
 	struct ibv_srq *srq;
-	/* ibv_create_qp_ex with IBV_QP_INIT_ATTR_SEND_OPS_FLAGS (the ibv_wr_* builder). */
+	/* ibv_create_qp_ex with IBV_QP_INIT_ATTR_SEND_OPS_FLAGS (the ibv_wr_* builder), with
+	 * these send operations beside the seven basic ones. */
 	int ex;
+	uint64_t more_send_ops;
 	uint8_t rnr_retry, retry_cnt, min_rnr_timer, timeout;
 	uint8_t max_rd_atomic;
 	uint32_t sq_psn, rq_psn;
@@ -348,7 +350,7 @@ static inline struct ibv_qp *side_qp(struct side *s, const struct qp_opts *o)
 					  IBV_QP_EX_WITH_RDMA_WRITE_WITH_IMM |
 					  IBV_QP_EX_WITH_RDMA_READ |
 					  IBV_QP_EX_WITH_ATOMIC_CMP_AND_SWP |
-					  IBV_QP_EX_WITH_ATOMIC_FETCH_AND_ADD,
+					  IBV_QP_EX_WITH_ATOMIC_FETCH_AND_ADD | o->more_send_ops,
 		};
 		qp = ibv_create_qp_ex(s->ctx, &a);
 	} else {
