@@ -468,3 +468,183 @@ fn alloc_mw_checks_its_input() {
     );
     assert_eq!(status(r), CmdStatus::BadResource);
 }
+
+/// What the reference model knows of a window.
+#[derive(Clone, Copy, Debug)]
+struct RefWin {
+    type2: bool,
+    key: u32,
+    /// Bound: offset in the region, length, rights, zero-based.
+    bound: Option<(u64, u64, u32, bool)>,
+}
+
+/// One step of a script against a type 1 and a type 2 window of A's.
+#[derive(Clone, Copy, Debug)]
+enum Step {
+    /// Bind window `w` (0: type 1, 1: type 2) over `[off, off + len)` of A's region.
+    Bind {
+        w: usize,
+        off: u64,
+        len: u64,
+        rights: u32,
+        zero_based: bool,
+    },
+    /// LOCAL_INV of window `w`'s key, from A.
+    LocalInv { w: usize },
+    /// A SEND from B invalidating window `w`'s key.
+    SendInv { w: usize },
+    /// B writes `len` bytes at `at` (in the window's addresses) through window `w`.
+    Write { w: usize, at: u64, len: u32 },
+    /// B reads `len` bytes at `at` through window `w`.
+    Read { w: usize, at: u64, len: u32 },
+    /// Both QPs are destroyed and a new connection made.
+    Reconnect,
+}
+
+fn step() -> impl proptest::strategy::Strategy<Value = Step> {
+    use proptest::prelude::*;
+    let rights = prop_oneof![
+        Just(RW),
+        Just(Access::REMOTE_WRITE.bits()),
+        Just(Access::REMOTE_READ.bits()),
+        Just(0u32)
+    ];
+    prop_oneof![
+        3 => (0..2usize, 0..8192u64, prop_oneof![Just(0u64), 1..512u64], rights, any::<bool>())
+            .prop_map(|(w, off, len, rights, zero_based)| Step::Bind { w, off, len, rights, zero_based }),
+        1 => (0..2usize).prop_map(|w| Step::LocalInv { w }),
+        1 => (0..2usize).prop_map(|w| Step::SendInv { w }),
+        4 => (0..2usize, 0..600u64, 1..64u32).prop_map(|(w, at, len)| Step::Write { w, at, len }),
+        2 => (0..2usize, 0..600u64, 1..64u32).prop_map(|(w, at, len)| Step::Read { w, at, len }),
+        1 => Just(Step::Reconnect),
+    ]
+}
+
+/// Drops both QPs (so type 2 windows bound through A's are unbound) and connects new ones.
+fn reconnect(p: &mut Pair, wins: &mut [RefWin; 2]) {
+    let make = |s: &Side| {
+        let mut init = QpInit::new(&s.cq, &s.cq);
+        init.max_send_wr = 64;
+        init.max_recv_wr = 64;
+        s.pd.create_qp(&init).unwrap()
+    };
+    let (qa, qb) = (make(&p.a), make(&p.b));
+    drop(std::mem::replace(&mut p.a.qp, qa));
+    drop(std::mem::replace(&mut p.b.qp, qb));
+    connect(&mut p.a, &mut p.b, &ConnectOptions::default());
+    settle(&p.fabric);
+    let _ = (poll_all(&mut p.a.cq), poll_all(&mut p.b.cq));
+    for w in wins.iter_mut().filter(|w| w.type2) {
+        w.bound = None;
+    }
+}
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig { cases: 40, ..Default::default() })]
+
+    /// Scripts of binds, invalidations, remote accesses and reconnections against a
+    /// reference model of the two windows: every completion status, every byte written and
+    /// read, and the state of each window (bound or not, and under which key) agree with it.
+    #[test]
+    fn windows_follow_the_reference_model(
+        script in proptest::collection::vec(step(), 1..24),
+        functional in proptest::prelude::any::<bool>(),
+    ) {
+        let mut p = pair_in(functional);
+        let mws = [
+            p.a.pd.alloc_mw(MwType::Type1).unwrap(),
+            p.a.pd.alloc_mw(MwType::Type2).unwrap(),
+        ];
+        let mut wins = [
+            RefWin { type2: false, key: mws[0].key(), bound: None },
+            RefWin { type2: true, key: mws[1].key(), bound: None },
+        ];
+        let base = p.a.mr.addr();
+        let mut n = 0u64;
+        for s in script {
+            n += 1;
+            match s {
+                Step::Bind { w, off, len, rights, zero_based } => {
+                    let r = wins[w];
+                    let new_key = inc_rkey(r.key);
+                    let access = rights | if zero_based { MW_ZERO_BASED } else { 0 };
+                    let op = bind(r.key, new_key, &p.a.mr, off, len, access);
+                    let wc = one!(&p.fabric, p.a, SendWr::new(n, op, &[]));
+                    if r.type2 && r.bound.is_some() {
+                        proptest::prop_assert_eq!(wc.status, WcStatus::MwBindErr);
+                        reconnect(&mut p, &mut wins);
+                    } else {
+                        proptest::prop_assert_eq!(wc.status, WcStatus::Success);
+                        wins[w].key = new_key;
+                        wins[w].bound = (len > 0).then_some((off, len, rights, zero_based));
+                    }
+                }
+                Step::LocalInv { w } => {
+                    let r = wins[w];
+                    let wc = one!(&p.fabric, p.a, SendWr::new(n, WrOp::LocalInv(r.key), &[]));
+                    if r.type2 && r.bound.is_some() {
+                        proptest::prop_assert_eq!(wc.status, WcStatus::Success);
+                        wins[w].bound = None;
+                    } else {
+                        proptest::prop_assert_eq!(wc.status, WcStatus::MwBindErr);
+                        reconnect(&mut p, &mut wins);
+                    }
+                }
+                Step::SendInv { w } => {
+                    let r = wins[w];
+                    let rs = [p.a.mr.sge(0x20000, 64)];
+                    p.a.qp.post_recv(&[RecvWr { wr_id: n, sgl: &rs }]).unwrap();
+                    let ss = [p.b.mr.sge(0, 8)];
+                    let wc = one_wr(&p.fabric, &mut p.b, SendWr::new(n, WrOp::SendInv(r.key), &ss));
+                    let rc = wait(&p.fabric, &mut p.a.cq, 1)[0];
+                    if r.type2 && r.bound.is_some() {
+                        proptest::prop_assert_eq!(wc.status, WcStatus::Success);
+                        proptest::prop_assert_eq!((rc.status, rc.invalidated), (WcStatus::Success, Some(r.key)));
+                        wins[w].bound = None;
+                    } else {
+                        proptest::prop_assert_eq!(wc.status, WcStatus::RemInvReqErr);
+                        proptest::prop_assert_eq!(rc.status, WcStatus::LocProtErr);
+                        reconnect(&mut p, &mut wins);
+                    }
+                }
+                Step::Write { w, at, len } | Step::Read { w, at, len } => {
+                    let r = wins[w];
+                    let is_write = matches!(s, Step::Write { .. });
+                    let need = if is_write { Access::REMOTE_WRITE } else { Access::REMOTE_READ };
+                    // Where the access lands in A's buffer, if the window allows it.
+                    let ok = r.bound.and_then(|(off, wlen, rights, _)| {
+                        (rights & need.bits() != 0 && at + u64::from(len) <= wlen).then_some(off + at)
+                    });
+                    let addr = match r.bound {
+                        Some((off, _, _, false)) => base + off + at,
+                        _ => at,
+                    };
+                    let data: Vec<u8> = (0..len).map(|i| (n as u32 * 31 + i) as u8).collect();
+                    let (wc, got) = if is_write {
+                        (write(&mut p, r.key, addr, &data), Vec::new())
+                    } else {
+                        read(&mut p, r.key, addr, len)
+                    };
+                    match ok {
+                        Some(o) => {
+                            proptest::prop_assert_eq!(wc.status, WcStatus::Success);
+                            let mut mem = vec![0u8; len as usize];
+                            p.a.buf.read(o as usize, &mut mem).unwrap();
+                            if is_write {
+                                proptest::prop_assert_eq!(mem, data);
+                            } else {
+                                proptest::prop_assert_eq!(mem, got);
+                            }
+                        }
+                        None => {
+                            proptest::prop_assert_eq!(wc.status, WcStatus::RemAccessErr);
+                            reconnect(&mut p, &mut wins);
+                        }
+                    }
+                }
+                Step::Reconnect => reconnect(&mut p, &mut wins),
+            }
+        }
+        drop(mws);
+    }
+}
