@@ -62,7 +62,7 @@ use ringbell_specs::cmd::{
     CreateCntrIn, CreateCqIn, CreateQpIn, CreateSrqIn, CreateTmSrqIn, FlushTriggeredIn, ModifyQpIn,
     ObjectIn, ObjectOut, PostTriggeredIn, QpAttr, QpAttrMask as M, QpState, QueryDeviceOut,
     RegMrIn, ResizeCqIn, TrigFlags, TrigKind, UpdateCntrIn, CNTR_BIND_MR, CNTR_BIND_QP,
-    CNTR_BIND_UNBIND, IN_OFFSET, MAILBOX_SIZE, OUT_OFFSET, PARAMS_SIZE, RESULT_OFFSET,
+    CNTR_BIND_UNBIND, IN_OFFSET, MAILBOX_SIZE, MW_KEY_BIT, OUT_OFFSET, PARAMS_SIZE, RESULT_OFFSET,
 };
 use ringbell_specs::cqe::{
     owner_bit, Cqe, CqeOpcode, EventType, CQE_FLAG_TM_DATA_VALID, CQE_FLAG_TM_MATCH,
@@ -76,8 +76,8 @@ use ringbell_specs::wire::{
     self, Aeth, AethSyndrome, AtomicEth, BthRepr, Endpoint, NakCode, Opcode, PacketRepr, Reth,
 };
 use ringbell_specs::wqe::{
-    AtomicSeg, CtrlSeg, DataSeg, RaddrSeg, SendOpcode, INLINE_MARK, MAX_SEND_WQE, RECV_LKEY_END,
-    SEG, WQEBB,
+    AtomicSeg, BindSeg, CtrlSeg, DataSeg, RaddrSeg, SendOpcode, INLINE_MARK, MAX_SEND_WQE,
+    RECV_LKEY_END, SEG, WQEBB,
 };
 use ringbell_specs::{Psn, Qpn, SimTime};
 use zerocopy::{FromBytes, IntoBytes};
@@ -1222,6 +1222,8 @@ impl Harness {
             4 => self.keys[1],
             5 => self.keys[2],
             6 => 0,
+            // A key that may be one of the first memory windows' (ABI 1.9).
+            _ if flag(u) => MW_KEY_BIT | range(u, 1, 4) << 8 | byte(u) as u32,
             _ => u32_(u),
         }
     }
@@ -1256,7 +1258,7 @@ impl Harness {
     /// A send WQE for SQ `q` built segment by segment, mostly valid.
     fn build_wqe(&self, u: &mut Unstructured<'_>, q: usize) -> Vec<u8> {
         let opcode = if byte(u) < 240 {
-            range(u, 1, 7) as u8
+            range(u, 1, 10) as u8
         } else {
             byte(u)
         };
@@ -1275,6 +1277,29 @@ impl Harness {
                 ..Default::default()
             };
             segs.extend_from_slice(r.as_bytes());
+        }
+        if op == Some(SendOpcode::BindMw) {
+            // A bind of one of the first windows over some of a region (ABI 1.9).
+            let mw = MW_KEY_BIT | range(u, 1, 4) << 8 | byte(u) as u32;
+            let b = BindSeg {
+                addr: self.pick_addr(u).into(),
+                length: u64::from(self.pick_len(u, q)).into(),
+                mw_key: mw.into(),
+                new_key: if flag(u) {
+                    (mw & !0xFF) | byte(u) as u32
+                } else {
+                    u32_(u)
+                }
+                .into(),
+                mr_key: self.pick_key(u).into(),
+                access: if flag(u) {
+                    u32::from(byte(u) & 0x2E)
+                } else {
+                    u32_(u)
+                }
+                .into(),
+            };
+            segs.extend_from_slice(b.as_bytes());
         }
         if op.is_some_and(|o| o.is_atomic()) {
             let a = AtomicSeg {
@@ -2105,9 +2130,9 @@ impl Harness {
         } else if sel < 192 {
             self.tm_command(u);
         } else {
-            const OPS: [u16; 25] = [
-                0x01, 0x02, 0x10, 0x11, 0x20, 0x21, 0x22, 0x23, 0x30, 0x31, 0x32, 0x33, 0x40,
-                0x41, 0x42, 0x43, 0x44, 0x50, 0x51, 0x52, 0x53, 0x54, 0x70, 0x71, 0x99,
+            const OPS: [u16; 27] = [
+                0x01, 0x02, 0x10, 0x11, 0x20, 0x21, 0x22, 0x23, 0x24, 0x25, 0x30, 0x31, 0x32, 0x33,
+                0x40, 0x41, 0x42, 0x43, 0x44, 0x50, 0x51, 0x52, 0x53, 0x54, 0x70, 0x71, 0x99,
             ];
             let op = OPS[byte(u) as usize % OPS.len()];
             let mut input = [0u8; PARAMS_SIZE];
@@ -2117,6 +2142,11 @@ impl Harness {
                 // Device memory of a size that fits (the rest fuzzed: alignment, reserved).
                 let len = u64::from(range(u, 1, 70_000));
                 input[..8].copy_from_slice(&len.to_le_bytes());
+            }
+            if op == CmdOpcode::AllocMw as u16 && byte(u) < 192 {
+                // A window of type 1 or 2 in one of the harness's PDs (ABI 1.9).
+                input[..4].copy_from_slice(&self.cntr.pds[0].to_le_bytes());
+                input[4..8].copy_from_slice(&range(u, 1, 2).to_le_bytes());
             }
             if op == CmdOpcode::RegDmMr as u16 && byte(u) < 192 {
                 // A region over one of the first allocations, in one of the harness's PDs.
