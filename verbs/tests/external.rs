@@ -549,10 +549,11 @@ fn ucx_perftest_tag_latency_over_ud() {
 }
 
 /// An Open MPI launcher (`mpirun`, `oshrun`) starting `ranks` processes on `srv`'s NICs
-/// over the UCX PML: each rank loads the library and claims its own NIC, and UCX may use
-/// ringbell's RC and UD only (and `self`, a rank to itself), so the job runs over ringbell
-/// or not at all. The caller adds the program and its arguments.
-fn ucx_launcher(launcher: &str, srv: &Served, ranks: usize) -> Command {
+/// over the UCX PML with one-sided component `osc`: each rank loads the library and claims
+/// its own NIC, and UCX may use ringbell's RC and UD only (and `self`, a rank to itself),
+/// so the job runs over ringbell or not at all. The caller adds the program and its
+/// arguments.
+fn ucx_launcher(launcher: &str, srv: &Served, ranks: usize, osc: &str) -> Command {
     let mut cmd = Command::new(launcher);
     cmd.args([
         "--allow-run-as-root",
@@ -560,7 +561,7 @@ fn ucx_launcher(launcher: &str, srv: &Served, ranks: usize) -> Command {
         "-np",
         &ranks.to_string(),
     ])
-    .args(["--mca", "pml", "ucx", "--mca", "osc", "^ucx"])
+    .args(["--mca", "pml", "ucx", "--mca", "osc", osc])
     .args(["-x", "LD_PRELOAD", "-x", "RINGBELL_SERVE", "-x", "UCX_TLS"])
     .env("LD_PRELOAD", library())
     .env("RINGBELL_SERVE", &srv.dir)
@@ -587,7 +588,7 @@ fn open_mpi_over_ucx_on_four_ranks() {
             .arg(src.join(format!("{prog}.c")));
         let o = run(cc, Duration::from_secs(120));
         assert!(o.status.success(), "mpicc {prog}.c:\n{}", text(&o));
-        let mut cmd = ucx_launcher("mpirun", &srv, 4);
+        let mut cmd = ucx_launcher("mpirun", &srv, 4, "^ucx");
         cmd.arg(out.join(prog));
         let o = run(cmd, Duration::from_secs(300));
         let t = text(&o);
@@ -598,6 +599,33 @@ fn open_mpi_over_ucx_on_four_ranks() {
         println!("{}", line.unwrap_or_default());
     }
     let _ = std::fs::remove_dir_all(&out);
+}
+
+/// MPI one-sided communication (`tests/mpi/rma.c`: puts, gets, fetch-and-op and accumulate,
+/// checked by every rank) through Open MPI's UCX one-sided component (`--mca osc ucx`) on
+/// four ranks: RDMA WRITEs, READs and atomics of ringbell's RC QPs.
+#[test]
+fn open_mpi_one_sided_over_ucx_on_four_ranks() {
+    need("mpirun", "openmpi-bin");
+    need("mpicc", "libopenmpi-dev");
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/mpi/rma.c");
+    let exe = std::env::temp_dir().join(format!("ringbell-rma-{}", std::process::id()));
+    let mut cc = Command::new("mpicc");
+    cc.args(["-O1", "-Wall", "-Werror", "-o"])
+        .arg(&exe)
+        .arg(&src);
+    let o = run(cc, Duration::from_secs(120));
+    assert!(o.status.success(), "mpicc rma.c:\n{}", text(&o));
+    let srv = Served::start_nodes("ucx-rma", 4);
+    let mut cmd = ucx_launcher("mpirun", &srv, 4, "ucx");
+    cmd.arg(&exe);
+    let o = run(cmd, Duration::from_secs(300));
+    let t = text(&o);
+    let _ = std::fs::remove_file(&exe);
+    assert!(o.status.success(), "MPI one-sided over UCX failed:\n{t}");
+    let line = t.lines().find(|l| l.starts_with("rma ok: 4 ranks"));
+    assert!(line.is_some(), "no 'rma ok: 4 ranks' line:\n{t}");
+    println!("{}", line.unwrap_or_default());
 }
 
 /// OpenSHMEM: Open MPI's OSHMEM with its UCX SPML on four PEs, each claiming its own NIC of
@@ -617,7 +645,7 @@ fn openshmem_over_ucx_on_four_pes() {
     let o = run(cc, Duration::from_secs(120));
     assert!(o.status.success(), "oshcc check.c:\n{}", text(&o));
     let srv = Served::start_nodes("shmem", 4);
-    let mut cmd = ucx_launcher("oshrun", &srv, 4);
+    let mut cmd = ucx_launcher("oshrun", &srv, 4, "^ucx");
     cmd.args(["--mca", "spml", "ucx", "--mca", "memory", "^patcher"])
         .arg(&exe);
     let o = run(cmd, Duration::from_secs(300));
@@ -655,7 +683,7 @@ fn netpipe_integrity_over_ucx() {
     let srv = Served::start("netpipe");
     let dir = std::env::temp_dir().join(format!("ringbell-netpipe-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
-    let mut cmd = ucx_launcher("mpirun", &srv, 2);
+    let mut cmd = ucx_launcher("mpirun", &srv, 2, "^ucx");
     cmd.args(["NPopenmpi", "-i", "-u", "1048576", "-o"])
         .arg(dir.join("np.out"))
         .current_dir(&dir);
