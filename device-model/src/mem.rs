@@ -80,12 +80,15 @@ impl Nic {
         if !mr.access.contains(need) {
             return Err(KeyError::NoAccess);
         }
-        let off = addr.wrapping_sub(mr.va);
-        if addr < mr.va || len > mr.len || off > mr.len - len {
-            return Err(KeyError::OutOfBounds);
-        }
+        let off = offset_in(mr.va, mr.len, addr, len).ok_or(KeyError::OutOfBounds)?;
         Ok(mr.iova.wrapping_add(off))
     }
+}
+
+/// Where `[addr, addr + len)` starts in `[base, base + size)`, if it lies inside it.
+pub(crate) fn offset_in(base: u64, size: u64, addr: u64, len: u64) -> Option<u64> {
+    let off = addr.wrapping_sub(base);
+    (addr >= base && len <= size && off <= size - len).then_some(off)
 }
 
 /// Where device memory sits in the model's address space: a region registered over a DM

@@ -283,10 +283,7 @@ impl Nic {
         if !b.access.contains(need) {
             return Err(KeyError::NoAccess);
         }
-        let off = addr.wrapping_sub(b.va);
-        if addr < b.va || len > b.len || off > b.len - len {
-            return Err(KeyError::OutOfBounds);
-        }
+        let off = crate::mem::offset_in(b.va, b.len, addr, len).ok_or(KeyError::OutOfBounds)?;
         let mr = self
             .mrs
             .get(key_index(b.mr_key))

@@ -147,6 +147,30 @@ impl Outstanding {
             hw: Some(task),
         }
     }
+    /// A WQE that puts no packet on the wire: a local operation already done (`done`), or
+    /// one that failed before it started (`error`). It completes in order at the head.
+    pub(crate) fn without_packets(
+        wqe_index: u32,
+        wqe: SendWqe,
+        first_psn: Psn,
+        at: SimTime,
+        error: Option<(CqeStatus, VendorSyndrome)>,
+        done: bool,
+    ) -> Outstanding {
+        Outstanding {
+            wqe_index,
+            wqe,
+            first_psn,
+            npsn: 0,
+            sent: 0,
+            sent_max: 0,
+            acked: 0,
+            ready_at: at,
+            error,
+            done,
+            hw: None,
+        }
+    }
     pub(crate) fn last_psn(&self) -> Psn {
         self.first_psn.add(self.npsn.saturating_sub(1))
     }

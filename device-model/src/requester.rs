@@ -257,19 +257,14 @@ impl Nic {
         };
         qp.fetch = index.wrapping_add(wqe.nbb);
         qp.req.busy_until = env.now() + SimTime(self.cfg.timing.nic_per_qp_wqe_ps);
-        qp.req.push(Outstanding {
-            wqe_index: index,
+        qp.req.push(Outstanding::without_packets(
+            index,
             wqe,
-            first_psn: qp.req.next_psn,
-            npsn: 0,
-            sent: 0,
-            sent_max: 0,
-            acked: 0,
-            ready_at: env.now(),
-            error: done.err().map(|s| (CqeStatus::MwBindErr, s)),
-            done: true,
-            hw: None,
-        });
+            qp.req.next_psn,
+            env.now(),
+            done.err().map(|s| (CqeStatus::MwBindErr, s)),
+            true,
+        ));
         self.complete_in_order(env, qp);
         // The send engine goes on with the WQEs behind it.
         if qp.fetch != qp.sq.pi && qp.state == QpState::Rts {
@@ -912,19 +907,14 @@ impl Nic {
             .and_then(|_| CtrlSeg::read_from_bytes(&b).ok())
             .and_then(|c| SendOpcode::from_u8(c.opcode))
             .unwrap_or(SendOpcode::Send);
-        qp.req.push(Outstanding {
-            wqe_index: index,
-            wqe: SendWqe::broken(op),
-            first_psn: qp.req.next_psn,
-            npsn: 0,
-            sent: 0,
-            sent_max: 0,
-            acked: 0,
-            ready_at: env.now(),
-            error: Some(e),
-            done: false,
-            hw: None,
-        });
+        qp.req.push(Outstanding::without_packets(
+            index,
+            SendWqe::broken(op),
+            qp.req.next_psn,
+            env.now(),
+            Some(e),
+            false,
+        ));
         qp.fetch = index.wrapping_add(nbb.max(1));
         self.complete_in_order(env, qp);
     }

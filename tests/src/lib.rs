@@ -88,6 +88,18 @@ pub fn pair_with(nodes: usize, mtu: u8, seed: u64) -> Pair {
     Pair { a, b, fabric }
 }
 
+/// Two nodes whose buffers are registered with `access`, connected with the default
+/// options, on a fabric of seed `seed`, timed or in functional mode.
+pub fn pair_in(functional: bool, seed: u64, access: Access) -> Pair {
+    let mut cfg = FabricConfig::new(2, seed);
+    cfg.functional = functional;
+    let fabric = Fabric::new(cfg);
+    let mut a = side(&fabric, 0, access);
+    let mut b = side(&fabric, 1, access);
+    connect(&mut a, &mut b, &ConnectOptions::default());
+    Pair { a, b, fabric }
+}
+
 /// The default pair: 2 nodes, MTU 4096, seed 1.
 pub fn pair() -> Pair {
     pair_with(2, 5, 1)

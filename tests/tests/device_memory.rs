@@ -19,13 +19,7 @@ fn status<T: std::fmt::Debug>(r: Result<T, Error>) -> CmdStatus {
 }
 
 fn pair_in(functional: bool) -> Pair {
-    let mut cfg = FabricConfig::new(2, 5);
-    cfg.functional = functional;
-    let fabric = Fabric::new(cfg);
-    let mut a = side(&fabric, 0, all());
-    let mut b = side(&fabric, 1, all());
-    connect(&mut a, &mut b, &ConnectOptions::default());
-    Pair { a, b, fabric }
+    ringbell_tests::pair_in(functional, 5, all())
 }
 
 #[test]

@@ -5,7 +5,7 @@
 //! functional mode.
 
 use ringbell::*;
-use ringbell_emu::{Fabric, FabricConfig};
+use ringbell_emu::Fabric;
 use ringbell_specs::cmd::CmdStatus;
 use ringbell_specs::wqe::MW_ZERO_BASED;
 use ringbell_tests::*;
@@ -19,13 +19,7 @@ fn all() -> Access {
 }
 
 fn pair_in(functional: bool) -> Pair {
-    let mut cfg = FabricConfig::new(2, 9);
-    cfg.functional = functional;
-    let fabric = Fabric::new(cfg);
-    let mut a = side(&fabric, 0, all());
-    let mut b = side(&fabric, 1, all());
-    connect(&mut a, &mut b, &ConnectOptions::default());
-    Pair { a, b, fabric }
+    ringbell_tests::pair_in(functional, 9, all())
 }
 
 /// Posts one signaled request on a side and waits for its completion. The request is
@@ -78,22 +72,56 @@ fn status<T: std::fmt::Debug>(r: Result<T, Error>) -> CmdStatus {
     }
 }
 
-fn type1(functional: bool) {
-    let mut p = pair_in(functional);
-    assert!(p.a.dev.caps().max_mw > 0);
-    let mw = p.a.pd.alloc_mw(MwType::Type1).unwrap();
-    let k1 = inc_rkey(mw.key());
-    assert_eq!(k1 >> 8, mw.key() >> 8);
-    // Window: 256 bytes at offset 0x1000 of A's buffer, read and write.
+/// A window of `kind` of A's, bound through A's QP over `[off, off + len)` of A's region
+/// with `access` under its next key (type 2: tag `tag`): the window and its key. The bind
+/// must succeed.
+fn bound(
+    p: &mut Pair,
+    kind: MwType,
+    tag: u8,
+    off: u64,
+    len: u64,
+    access: u32,
+) -> (MemoryWindow, u32) {
+    let mw = p.a.pd.alloc_mw(kind).unwrap();
+    let key = match kind {
+        MwType::Type1 => inc_rkey(mw.key()),
+        MwType::Type2 => (mw.key() & !0xFF) | u32::from(tag),
+    };
     let wc = one!(
         &p.fabric,
         p.a,
-        SendWr::new(1, bind(mw.key(), k1, &p.a.mr, 0x1000, 256, RW), &[]),
+        SendWr::new(1, bind(mw.key(), key, &p.a.mr, off, len, access), &[])
     );
     assert_eq!(
         (wc.status, wc.opcode, wc.wr_id),
-        (WcStatus::Success, WcOpcode::BindMw, 1)
+        (WcStatus::Success, WcOpcode::BindMw, 1),
+        "{wc:?}"
     );
+    (mw, key)
+}
+
+/// B sends 16 bytes with invalidate of `key` into a receive posted on A: the send's and
+/// the receive's completions.
+fn send_inv(p: &mut Pair, key: u32, id: u64) -> (WorkCompletion, WorkCompletion) {
+    let rs = [p.a.mr.sge(0x20000, 64)];
+    p.a.qp
+        .post_recv(&[RecvWr {
+            wr_id: id,
+            sgl: &rs,
+        }])
+        .unwrap();
+    let ss = [p.b.mr.sge(0, 16)];
+    let wc = one!(&p.fabric, p.b, SendWr::new(id, WrOp::SendInv(key), &ss));
+    (wc, wait(&p.fabric, &mut p.a.cq, 1)[0])
+}
+
+fn type1(functional: bool) {
+    let mut p = pair_in(functional);
+    assert!(p.a.dev.caps().max_mw > 0);
+    // Window: 256 bytes at offset 0x1000 of A's buffer, read and write.
+    let (mw, k1) = bound(&mut p, MwType::Type1, 0, 0x1000, 256, RW);
+    assert_eq!(k1 >> 8, mw.key() >> 8);
     let base = p.a.mr.addr() + 0x1000;
     let data: Vec<u8> = (0..200u32).map(|i| (i * 7 + 3) as u8).collect();
     let wc = write(&mut p, k1, base + 40, &data);
@@ -145,18 +173,7 @@ fn a_window_limits_range_and_rights() {
     }
     // Zero-based: address 16 is byte 0x2010 of the buffer.
     let mut p = pair_in(false);
-    let mw = p.a.pd.alloc_mw(MwType::Type1).unwrap();
-    let k = inc_rkey(mw.key());
-    let wc = one!(
-        &p.fabric,
-        p.a,
-        SendWr::new(
-            1,
-            bind(mw.key(), k, &p.a.mr, 0x2000, 64, RW | MW_ZERO_BASED),
-            &[],
-        ),
-    );
-    assert_eq!(wc.status, WcStatus::Success);
+    let (_mw, k) = bound(&mut p, MwType::Type1, 0, 0x2000, 64, RW | MW_ZERO_BASED);
     assert_eq!(write(&mut p, k, 16, &[9; 8]).status, WcStatus::Success);
     let mut got = [0u8; 8];
     p.a.buf.read(0x2010, &mut got).unwrap();
@@ -186,14 +203,7 @@ fn type2(functional: bool) {
     assert_eq!(wc.status, WcStatus::MwBindErr, "{wc:?}");
     // That failure took A's QP to ERR: a fresh pair for the rest.
     let mut p = pair_in(functional);
-    let mw = p.a.pd.alloc_mw(MwType::Type2).unwrap();
-    let k = (mw.key() & !0xFF) | 0x11;
-    let wc = one!(
-        &p.fabric,
-        p.a,
-        SendWr::new(1, bind(mw.key(), k, &p.a.mr, 0, 4096, RW), &[]),
-    );
-    assert_eq!(wc.status, WcStatus::Success);
+    let (_mw, k) = bound(&mut p, MwType::Type2, 0x11, 0, 4096, RW);
     assert_eq!(
         {
             let at = p.a.mr.addr() + 8;
@@ -217,28 +227,12 @@ fn type2(functional: bool) {
 
     // Bound again (another tag), then invalidated by the peer's SEND with invalidate.
     let mut p = pair_in(functional);
-    let mw = p.a.pd.alloc_mw(MwType::Type2).unwrap();
-    let k = (mw.key() & !0xFF) | 0x22;
-    let wc = one!(
-        &p.fabric,
-        p.a,
-        SendWr::new(1, bind(mw.key(), k, &p.a.mr, 0, 4096, RW), &[]),
-    );
-    assert_eq!(wc.status, WcStatus::Success);
-    let rs = [p.a.mr.sge(0x8000, 64)];
-    p.a.qp
-        .post_recv(&[RecvWr {
-            wr_id: 40,
-            sgl: &rs,
-        }])
-        .unwrap();
-    let ss = [p.b.mr.sge(0, 32)];
-    let wc = one!(&p.fabric, p.b, SendWr::new(41, WrOp::SendInv(k), &ss));
+    let (_mw, k) = bound(&mut p, MwType::Type2, 0x22, 0, 4096, RW);
+    let (wc, r) = send_inv(&mut p, k, 41);
     assert_eq!((wc.status, wc.opcode), (WcStatus::Success, WcOpcode::Send));
-    let r = wait(&p.fabric, &mut p.a.cq, 1)[0];
     assert_eq!(
         (r.status, r.opcode, r.byte_len),
-        (WcStatus::Success, WcOpcode::Recv, 32)
+        (WcStatus::Success, WcOpcode::Recv, 16)
     );
     assert_eq!((r.invalidated, r.imm), (Some(k), None));
     assert_eq!(
@@ -388,26 +382,10 @@ fn a_bound_window_holds_its_region() {
 #[test]
 fn a_send_with_a_bad_invalidate_key_is_refused() {
     let mut p = pair_in(false);
-    let mw = p.a.pd.alloc_mw(MwType::Type1).unwrap();
-    let k = inc_rkey(mw.key());
-    let wc = one!(
-        &p.fabric,
-        p.a,
-        SendWr::new(1, bind(mw.key(), k, &p.a.mr, 0, 64, RW), &[]),
-    );
-    assert_eq!(wc.status, WcStatus::Success);
-    let rs = [p.a.mr.sge(0x8000, 64)];
-    p.a.qp
-        .post_recv(&[RecvWr {
-            wr_id: 40,
-            sgl: &rs,
-        }])
-        .unwrap();
     // A type 1 window cannot be invalidated by a SEND.
-    let ss = [p.b.mr.sge(0, 16)];
-    let wc = one!(&p.fabric, p.b, SendWr::new(41, WrOp::SendInv(k), &ss));
+    let (_mw, k) = bound(&mut p, MwType::Type1, 0, 0, 64, RW);
+    let (wc, r) = send_inv(&mut p, k, 41);
     assert_eq!(wc.status, WcStatus::RemInvReqErr, "{wc:?}");
-    let r = wait(&p.fabric, &mut p.a.cq, 1)[0];
     assert_eq!(r.status, WcStatus::LocProtErr, "{r:?}");
 }
 
@@ -415,14 +393,7 @@ fn a_send_with_a_bad_invalidate_key_is_refused() {
 #[test]
 fn a_window_key_is_not_an_lkey() {
     let mut p = pair_in(false);
-    let mw = p.a.pd.alloc_mw(MwType::Type1).unwrap();
-    let k = inc_rkey(mw.key());
-    let wc = one!(
-        &p.fabric,
-        p.a,
-        SendWr::new(1, bind(mw.key(), k, &p.a.mr, 0, 64, RW), &[]),
-    );
-    assert_eq!(wc.status, WcStatus::Success);
+    let (_mw, k) = bound(&mut p, MwType::Type1, 0, 0, 64, RW);
     let s = [Sge {
         addr: p.a.mr.addr(),
         len: 8,
@@ -592,11 +563,7 @@ proptest::proptest! {
                 }
                 Step::SendInv { w } => {
                     let r = wins[w];
-                    let rs = [p.a.mr.sge(0x20000, 64)];
-                    p.a.qp.post_recv(&[RecvWr { wr_id: n, sgl: &rs }]).unwrap();
-                    let ss = [p.b.mr.sge(0, 8)];
-                    let wc = one_wr(&p.fabric, &mut p.b, SendWr::new(n, WrOp::SendInv(r.key), &ss));
-                    let rc = wait(&p.fabric, &mut p.a.cq, 1)[0];
+                    let (wc, rc) = send_inv(&mut p, r.key, n);
                     if r.type2 && r.bound.is_some() {
                         proptest::prop_assert_eq!(wc.status, WcStatus::Success);
                         proptest::prop_assert_eq!((rc.status, rc.invalidated), (WcStatus::Success, Some(r.key)));
