@@ -23,11 +23,16 @@
 //!
 //! **Bookkeeping.** Adopted runs of pages (*extents*) are process-wide, one memory file each,
 //! sorted by address. Each device maps whole extents and counts the memory regions that use
-//! each of its mappings. A registration inside one extent reuses it (no copy); one that
-//! overlaps or spans adopted pages otherwise adopts the union as one new file (copying the
-//! current bytes), because the device translates one region through one mapping: the old
-//! mappings are unmapped from the device and the union mapped in their place, with the sum
-//! of their counts. When the last region of a mapping is dropped (after its DEREG_MR) the
+//! each of its mappings. A registration inside one extent reuses it (no copy). One that
+//! overlaps or spans extents still backing their pages adopts only the pages no extent
+//! holds, one new extent per run of them, and uses the extents side by side: they are
+//! mapped at IOVA `VA + offset`, so a region across them is contiguous for the device, which
+//! translates it page by page (an IOMMU does; so does the emulator's). Nothing adopted is
+//! moved again, so work the device has in flight on those pages is undisturbed. Only when an
+//! extent no longer backs its pages (the program replaced them while a region still used
+//! them) is the union adopted as one new file, copying the current bytes: the old mappings
+//! are unmapped from the device and the union mapped in their place, with the sum of their
+//! counts. When the last region of a mapping is dropped (after its DEREG_MR) the
 //! device unmaps it; when no device maps an extent any more it is forgotten (its pages stay
 //! backed by the file, which is harmless). The file's descriptor is kept while an extent
 //! lives, so that a second device can map it and a failed merge can be rolled back.
@@ -37,11 +42,9 @@
 //!   another thread makes to the same pages during a registration (to the range or to
 //!   neighbouring bytes on its first and last page) can be lost. Register memory whose
 //!   pages no other thread writes meanwhile (page-aligned buffers are safe).
-//! - A merge while the device writes into one of the old mappings can lose those writes,
-//!   and a DMA in that window can fault: the device sees the new file from the moment it is
-//!   mapped, before the copy. With the in-process emulator the device only moves when the
-//!   driver lets it, so this concerns a device in another process (a served emulator) or
-//!   hardware with work in flight on the merged pages.
+//! - A merge (only over pages the program replaced under a live region) while the device
+//!   writes into one of the old mappings can lose those writes, and a DMA in that window can
+//!   fault: the device sees the new file from the moment it is mapped, before the copy.
 //! - A merge that replaces an extent other devices map moves them to the new file too, when
 //!   they are devices of this thread (devices are not `Send`, so a device adopts pages on
 //!   its own thread). One of another thread cannot be reached from here: such a merge is
@@ -133,13 +136,15 @@ struct Region {
     mrs: usize,
 }
 
-/// The adopted pages one memory region uses: its count on the device's mapping, given back
-/// on drop (which unmaps the mapping when it was the last).
+/// The adopted pages one memory region uses: its count on each of the device's mappings it
+/// lies in, given back on drop (which unmaps a mapping when it was the last).
 #[derive(Debug)]
 pub(crate) struct AdoptedPages {
     dev: Device,
-    /// The first page of the region (inside the mapping that covers it, merges included).
-    page: usize,
+    /// A page of the region in each mapping it uses (each inside the mapping that covers
+    /// it, merges included; a merge sums the counts, so a mapping two of them lie in after
+    /// one counts the region twice).
+    pages: Vec<usize>,
     /// The caller's bytes `[start, end)` the pages were adopted for.
     range: (usize, usize),
 }
@@ -147,29 +152,52 @@ pub(crate) struct AdoptedPages {
 impl Drop for AdoptedPages {
     fn drop(&mut self) {
         let mut extents = EXTENTS.lock().unwrap_or_else(PoisonError::into_inner);
-        let mut regions = self.dev.inner.host.0.borrow_mut();
-        let Some((&start, r)) = regions.range_mut(..=self.page).next_back() else {
-            return;
-        };
-        debug_assert!(self.page < r.end);
-        r.mrs -= 1;
-        if r.mrs > 0 {
-            return;
-        }
-        let end = r.end;
-        regions.remove(&start);
-        let _ = self
-            .dev
-            .inner
-            .port
-            .dma_unmap(iova(start), (end - start) as u64);
-        if let Some(e) = extents.get_mut(&start) {
-            e.devices -= 1;
-            if e.devices == 0 {
-                extents.remove(&start);
-            }
+        for &page in &self.pages {
+            release(&self.dev, &mut extents, page);
         }
     }
+}
+
+/// Gives back one count on the device's mapping that holds `page`, unmapping it (and
+/// forgetting its extent when no device maps it any more) when it was the last.
+fn release(dev: &Device, extents: &mut BTreeMap<usize, Extent>, page: usize) {
+    let mut regions = dev.inner.host.0.borrow_mut();
+    let Some((&start, r)) = regions.range_mut(..=page).next_back() else {
+        return;
+    };
+    debug_assert!(page < r.end);
+    r.mrs -= 1;
+    if r.mrs > 0 {
+        return;
+    }
+    let end = r.end;
+    regions.remove(&start);
+    let _ = dev.inner.port.dma_unmap(iova(start), (end - start) as u64);
+    if let Some(e) = extents.get_mut(&start) {
+        e.devices -= 1;
+        if e.devices == 0 {
+            extents.remove(&start);
+        }
+    }
+}
+
+/// `s` clipped to `[lo, hi)`.
+fn clip(s: &Segment, lo: usize, hi: usize) -> Segment {
+    let start = s.start.max(lo);
+    Segment {
+        start,
+        end: s.end.min(hi),
+        offset: s.offset + (start - s.start) as u64,
+        ..s.clone()
+    }
+}
+
+/// The segments of `segs` (sorted, adjacent) that meet `[lo, hi)`, clipped to it.
+fn within(segs: &[Segment], lo: usize, hi: usize) -> Vec<Segment> {
+    segs.iter()
+        .filter(|g| g.start < hi && g.end > lo)
+        .map(|g| clip(g, lo, hi))
+        .collect()
 }
 
 impl ProtectionDomain {
@@ -182,9 +210,10 @@ impl ProtectionDomain {
     /// the same bytes at the same addresses, and that file mapped for the device at IOVA
     /// `page + `[`HOST_IOVA_OFFSET`] (a range on the calling thread's own stack is moved by
     /// a helper thread while this one is parked in `read(2)`). Registrations that share
-    /// pages share one device mapping: one that overlaps adopted pages without lying inside
-    /// them adopts the union anew (a device writing into the old pages meanwhile can lose
-    /// those writes). The region keeps its pages mapped for the device until it is dropped
+    /// pages share the device mappings of those pages: one that overlaps adopted pages
+    /// without lying inside them adopts only the pages around them (the program replacing
+    /// adopted pages under a live region is the exception: then the union is adopted anew,
+    /// and a device writing into the old pages meanwhile can lose those writes). The region keeps its pages mapped for the device until it is dropped
     /// (after its DEREG_MR); the pages stay file-backed afterwards.
     ///
     /// Errors: [`Error::InvalidArgument`] for `len == 0`, a range that wraps, or one whose
@@ -385,9 +414,23 @@ fn adopt(dev: &Device, start: usize, end: usize, write: bool) -> Result<AdoptedP
             }
             return Ok(AdoptedPages {
                 dev: dev.clone(),
-                page: a,
+                pages: vec![a],
                 range: (start, end),
             });
+        }
+    }
+    // Pages that run over extents still holding their pages: only the pages between them
+    // (and around them) are adopted, a new extent each, and the region uses the mappings
+    // side by side (IOVA is VA + offset, so they are contiguous for the device). Nothing
+    // adopted moves: work the device has in flight on those pages is undisturbed.
+    if !over.is_empty() {
+        let segs = checked(a, b)?;
+        let intact = over.iter().all(|&s| {
+            let e = &extents[&s];
+            backs(&within(&segs, s.max(a), e.end.min(b)), s, e.ino)
+        });
+        if intact {
+            return adopt_between(dev, &mut extents, &over, (a, b), &segs, (start, end));
         }
     }
     // Otherwise adopt the union of the pages and the extents they overlap, for this device
@@ -475,8 +518,109 @@ fn adopt(dev: &Device, start: usize, end: usize, write: bool) -> Result<AdoptedP
     );
     Ok(AdoptedPages {
         dev: dev.clone(),
-        page: a,
+        pages: vec![a],
         range: (start, end),
+    })
+}
+
+/// Adopts the pages of `[a, b)` that none of the extents `over` (highest first; each still
+/// holding its pages) holds, one new extent per run, and counts a region over all of them
+/// on `dev`'s mappings. `segs`: the checked segments of `[a, b)`. A failure leaves the
+/// device's mappings as they were (runs already moved stay file-backed, as forgotten
+/// extents do).
+fn adopt_between(
+    dev: &Device,
+    extents: &mut BTreeMap<usize, Extent>,
+    over: &[usize],
+    (a, b): (usize, usize),
+    segs: &[Segment],
+    range: (usize, usize),
+) -> Result<AdoptedPages, Error> {
+    let mut gaps = Vec::new();
+    let mut at = a;
+    for &s in over.iter().rev() {
+        if s > at {
+            gaps.push((at, s));
+        }
+        at = at.max(extents[&s].end);
+    }
+    if at < b {
+        gaps.push((at, b));
+    }
+    let port = &dev.inner.port;
+    let mut made: Vec<(usize, usize, File, u64)> = Vec::new();
+    let undo = |made: &[(usize, usize, File, u64)]| {
+        for (ga, gb, _, _) in made {
+            let _ = port.dma_unmap(iova(*ga), (gb - ga) as u64);
+        }
+    };
+    for &(ga, gb) in &gaps {
+        let len = gb - ga;
+        let step = new_file(len).and_then(|file| {
+            let ino = file
+                .metadata()
+                .map_err(|e| Error::Memory(e.to_string()))?
+                .ino();
+            port.dma_map(file.as_fd(), len as u64, iova(ga))?;
+            if let Err(e) = transplant(ga, len, &file, &within(segs, ga, gb)) {
+                let _ = port.dma_unmap(iova(ga), len as u64);
+                return Err(e);
+            }
+            Ok((file, ino))
+        });
+        match step {
+            Ok((file, ino)) => made.push((ga, gb, file, ino)),
+            Err(e) => {
+                undo(&made);
+                return Err(e);
+            }
+        }
+    }
+    // The extents it lies in that this device does not map yet.
+    let mut regs = dev.inner.host.0.borrow_mut();
+    let mut mapped_now: Vec<usize> = Vec::new();
+    for &s in over {
+        if regs.contains_key(&s) {
+            continue;
+        }
+        let e = &extents[&s];
+        if let Err(e) = port.dma_map(e.file.as_fd(), (e.end - s) as u64, iova(s)) {
+            for m in &mapped_now {
+                let _ = port.dma_unmap(iova(*m), (extents[m].end - m) as u64);
+            }
+            undo(&made);
+            return Err(e.into());
+        }
+        mapped_now.push(s);
+    }
+    let mut pages = Vec::new();
+    for &s in over {
+        let end = extents[&s].end;
+        regs.entry(s).or_insert(Region { end, mrs: 0 }).mrs += 1;
+        pages.push(s);
+    }
+    for s in mapped_now {
+        if let Some(e) = extents.get_mut(&s) {
+            e.devices += 1;
+        }
+    }
+    for (ga, gb, file, ino) in made {
+        regs.insert(ga, Region { end: gb, mrs: 1 });
+        extents.insert(
+            ga,
+            Extent {
+                end: gb,
+                file,
+                ino,
+                devices: 1,
+            },
+        );
+        pages.push(ga);
+    }
+    Ok(AdoptedPages {
+        dev: dev.clone(),
+        pages,
+        range,
     })
 }
 
@@ -938,6 +1082,7 @@ mod tests {
     use super::*;
     use crate::port::{Port, PortError};
     use memmap2::MmapRaw;
+    use nix::sys::mman::mmap_anonymous;
     use ringbell_specs::regs;
     use std::cell::Cell;
     use std::os::fd::BorrowedFd;
@@ -1198,7 +1343,7 @@ mod tests {
     }
 
     #[test]
-    fn overlapping_registrations_share_one_mapping_in_either_drop_order() {
+    fn overlapping_registrations_share_mappings_and_adopt_only_new_pages() {
         for first_dropped in [0, 1] {
             let (dev, maps) = device();
             let pd = dev.alloc_pd().unwrap();
@@ -1207,29 +1352,41 @@ mod tests {
             let before = maps.borrow().len();
             // SAFETY: `mem` is ours and outlives the regions.
             let a = unsafe { pd.reg_user_mr(p.wrapping_add(4096), 8192, 0, Access::empty()) };
+            let first = map_of(base + 4096);
             // SAFETY: as above.
             let b = unsafe { pd.reg_user_mr(p.wrapping_add(10000), 9000, 0, Access::empty()) };
             let mrs = [a.unwrap(), b.unwrap()];
-            // One mapping covering pages 1..5, counted twice.
-            assert_eq!(maps.borrow().len(), before + 1);
-            assert_eq!(
-                maps.borrow().get(&iova(base + 4096)).map(|m| m.len()),
-                Some(4 * 4096)
-            );
+            // Pages 1 and 2 are the first region's, adopted once and not moved again
+            // (the same file backs them); pages 3 and 4 are a new run of their own.
+            assert_eq!(map_of(base + 4096).inode, first.inode);
+            assert_ne!(map_of(base + 3 * 4096).inode, first.inode);
+            assert_eq!(maps.borrow().len(), before + 2);
+            let len_at = |va: usize| maps.borrow().get(&iova(va)).map(|m| m.len());
+            assert_eq!(len_at(base + 4096), Some(2 * 4096));
+            assert_eq!(len_at(base + 3 * 4096), Some(2 * 4096));
             let regs = dev.inner.host.0.borrow();
             assert_eq!(regs[&(base + 4096)].mrs, 2);
+            assert_eq!(regs[&(base + 3 * 4096)].mrs, 1);
             drop(regs);
-            // A third inside the union: no new file, no new mapping.
+            // A third inside the first run: no new file, no new mapping.
             // SAFETY: as above.
             let c = unsafe { pd.reg_user_mr(p.wrapping_add(8192), 10, 0, Access::empty()) };
             assert_eq!(dev.inner.host.0.borrow()[&(base + 4096)].mrs, 3);
+            assert_eq!(maps.borrow().len(), before + 2);
             drop(c);
+            // SAFETY: inside `mem`.
+            unsafe { p.add(4096 * 2 + 1).write(9) };
+            // SAFETY: inside `mem`.
+            unsafe { p.add(4096 * 4 + 1).write(8) };
+            assert_eq!(device_view(&maps, base + 4096 * 2 + 1, 1), [9]);
+            assert_eq!(device_view(&maps, base + 4096 * 4 + 1, 1), [8]);
             let [x, y] = mrs;
             let (gone, kept) = if first_dropped == 0 { (x, y) } else { (y, x) };
             drop(gone);
-            assert_eq!(maps.borrow().len(), before + 1);
-            // SAFETY: inside `mem`.
-            unsafe { p.add(4096 * 2 + 1).write(9) };
+            // Dropping the first leaves both runs to the second; dropping the second
+            // leaves the first run only.
+            let left = if first_dropped == 0 { 2 } else { 1 };
+            assert_eq!(maps.borrow().len(), before + left);
             assert_eq!(device_view(&maps, base + 4096 * 2 + 1, 1), [9]);
             drop(kept);
             assert_eq!(maps.borrow().len(), before);
@@ -1319,7 +1476,7 @@ mod tests {
     }
 
     #[test]
-    fn a_merge_the_device_refuses_is_rolled_back() {
+    fn new_pages_the_device_refuses_are_rolled_back() {
         let (dev, maps, refuse) = refusing_device();
         let pd = dev.alloc_pd().unwrap();
         let mem = Anon::new(4 * 4096, ProtFlags::PROT_READ | ProtFlags::PROT_WRITE);
@@ -1344,10 +1501,13 @@ mod tests {
         // SAFETY: as above.
         let m2 =
             unsafe { pd.reg_user_mr(p.wrapping_add(4096), 8192, 0, Access::LOCAL_WRITE) }.unwrap();
+        // The first run as it was, and the new page beside it.
+        assert_eq!(maps.borrow().get(&iova(base)).map(|m| m.len()), Some(8192));
         assert_eq!(
-            maps.borrow().get(&iova(base)).map(|m| m.len()),
-            Some(3 * 4096)
+            maps.borrow().get(&iova(base + 8192)).map(|m| m.len()),
+            Some(4096)
         );
+        assert_eq!(map_of(base).inode, before.inode);
         assert_eq!(device_view(&maps, base + 4100, 2), [0x31, 0x32]);
         drop((m1, m2));
         assert!(maps.borrow().get(&iova(base)).is_none());
@@ -1381,8 +1541,48 @@ mod tests {
         assert!(maps.borrow().get(&iova(base)).is_none());
     }
 
+    /// A run whose pages the program replaced while a region still used them no longer
+    /// backs them: a registration over it adopts the union anew, with the program's
+    /// current bytes, and the device sees the same memory as the program.
     #[test]
-    fn a_second_device_maps_the_same_file_and_a_merge_moves_both_devices() {
+    fn pages_replaced_under_a_region_are_adopted_anew_with_the_union() {
+        let (dev, maps) = device();
+        let pd = dev.alloc_pd().unwrap();
+        let mem = Anon::new(3 * 4096, ProtFlags::PROT_READ | ProtFlags::PROT_WRITE);
+        let (p, base) = (mem.ptr(), mem.ptr() as usize);
+        // SAFETY: `mem` is ours and outlives the regions.
+        let m1 = unsafe { pd.reg_user_mr(p, 8192, 0, Access::LOCAL_WRITE) }.unwrap();
+        let first = map_of(base).inode;
+        // The program maps fresh private pages over page 1 (a contract the region's owner
+        // breaks, but a registration must still see the memory as it is now).
+        // SAFETY: page 1 of our own mapping, replaced by an anonymous page.
+        unsafe {
+            mmap_anonymous(
+                NonZeroUsize::new(base + 4096),
+                NonZeroUsize::new(4096).unwrap(),
+                ProtFlags::PROT_READ | ProtFlags::PROT_WRITE,
+                MapFlags::MAP_PRIVATE | MapFlags::MAP_FIXED,
+            )
+        }
+        .unwrap();
+        // SAFETY: inside `mem`.
+        unsafe { p.add(4096 + 5).write(0x42) };
+        // SAFETY: as above.
+        let m2 = unsafe { pd.reg_user_mr(p, 3 * 4096, 0, Access::LOCAL_WRITE) }.unwrap();
+        assert_ne!(map_of(base).inode, first);
+        assert_eq!(map_of(base).inode, map_of(base + 8192).inode);
+        assert_eq!(
+            maps.borrow().get(&iova(base)).map(|m| m.len()),
+            Some(3 * 4096)
+        );
+        assert_eq!(device_view(&maps, base + 4096 + 5, 1), [0x42]);
+        assert_eq!(dev.inner.host.0.borrow()[&base].mrs, 2);
+        drop((m1, m2));
+        assert!(maps.borrow().get(&iova(base)).is_none());
+    }
+
+    #[test]
+    fn a_second_device_maps_the_same_file_and_new_pages_beside_it() {
         let (d1, m1) = device();
         let (d2, m2) = device();
         let (pd1, pd2) = (d1.alloc_pd().unwrap(), d2.alloc_pd().unwrap());
@@ -1397,22 +1597,32 @@ mod tests {
         unsafe { p.add(4050).write(0x77) };
         assert_eq!(device_view(&m1, base + 4050, 1), [0x77]);
         assert_eq!(device_view(&m2, base + 4050, 1), [0x77]);
-        // A range of device 2 reaching past the shared extent: one new file for the union,
-        // mapped by both devices, the program's bytes kept.
+        let first = map_of(base).inode;
+        // A range of device 2 reaching past the shared run: the run stays as it is, mapped
+        // by both devices; the page past it is a run of its own, mapped by device 2.
         // SAFETY: inside `mem`, which outlives the region.
         let c =
             unsafe { pd2.reg_user_mr(p.wrapping_add(4096), 8192, 0, Access::LOCAL_WRITE) }.unwrap();
-        assert_eq!(EXTENTS.lock().unwrap()[&base].devices, 2);
-        assert_eq!(EXTENTS.lock().unwrap()[&base].end, base + 3 * 4096);
+        {
+            let ex = EXTENTS.lock().unwrap();
+            assert_eq!((ex[&base].devices, ex[&base].end), (2, base + 8192));
+            assert_eq!(
+                (ex[&(base + 8192)].devices, ex[&(base + 8192)].end),
+                (1, base + 3 * 4096)
+            );
+        }
+        assert_eq!(map_of(base).inode, first);
         // SAFETY: inside `mem`.
         unsafe { p.add(9000).write(0x55) };
+        assert_eq!(device_view(&m2, base + 9000, 1), [0x55]);
+        assert!(m1.borrow().get(&iova(base + 8192)).is_none());
         for m in [&m1, &m2] {
             assert_eq!(device_view(m, base + 4050, 1), [0x77], "kept");
-            assert_eq!(device_view(m, base + 9000, 1), [0x55], "one file for both");
         }
         drop(a);
         assert_eq!(device_view(&m2, base + 4050, 1), [0x77]);
         drop((b, c));
         assert!(EXTENTS.lock().unwrap().get(&base).is_none());
+        assert!(EXTENTS.lock().unwrap().get(&(base + 8192)).is_none());
     }
 }

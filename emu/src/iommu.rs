@@ -1,6 +1,9 @@
 //! Host memory behind an IOMMU: the driver's memory files, mapped a second time on the device
 //! side at driver-chosen IOVAs. Every device access is translated and bounds-checked; an
-//! address outside every mapping is a fault, never a touch.
+//! address outside every mapping is a fault, never a touch. An access may run from one
+//! mapping into the next when the two are adjacent in IOVA space, as a hardware IOMMU
+//! translates page by page: the driver maps runs of adopted pages separately and registers
+//! regions across them.
 
 use memmap2::MmapRaw;
 use nix::sys::uio::{process_vm_readv, process_vm_writev, RemoteIoVec};
@@ -188,13 +191,45 @@ impl Iommu {
         ))
     }
 
+    /// The pieces of `[iova, iova + len)` when it runs across mappings that are adjacent in
+    /// IOVA space: each piece's pointer and length, in order. A fault names the first byte
+    /// no mapping covers. (The usual access, inside one mapping, is [`Iommu::locate`]'s.)
+    #[cold]
+    fn spanning(&self, iova: u64, len: usize) -> Result<Vec<(*mut u8, usize)>, DmaFault> {
+        let mut out = Vec::new();
+        let (mut at, mut left) = (iova, len as u64);
+        let mut i = self
+            .maps
+            .partition_point(|(s, _)| *s <= iova)
+            .checked_sub(1)
+            .ok_or(DmaFault { iova })?;
+        while left > 0 {
+            let (start, m) = self.maps.get(i).ok_or(DmaFault { iova: at })?;
+            if at < *start || at - start >= m.len {
+                return Err(DmaFault { iova: at });
+            }
+            let off = at - start;
+            let n = left.min(m.len - off);
+            // SAFETY: off + n <= m.len, inside the live mapping.
+            out.push((unsafe { m.map.as_mut_ptr().add(off as usize) }, n as usize));
+            at += n;
+            left -= n;
+            i += 1;
+        }
+        Ok(out)
+    }
+
     /// Checks that the range is mapped. In the on-demand window, that every page of it is
     /// mapped now (a one-byte read of each, so a page the process has not mapped fails
     /// here, before the device acknowledges anything; whether it is writable shows when it
     /// is written).
     pub fn check(&self, iova: u64, len: usize) -> Result<(), DmaFault> {
-        match self.translate(iova, len) {
-            Err(f) => match self.process_addr(iova, len) {
+        match self
+            .translate(iova, len)
+            .map_err(|_| self.spanning(iova, len))
+        {
+            Err(Ok(_)) => Ok(()),
+            Err(Err(f)) => match self.process_addr(iova, len) {
                 Some(va) if len > 0 => probe(va, len).map_err(|bad| DmaFault {
                     iova: iova + (bad - va) as u64,
                 }),
@@ -209,7 +244,21 @@ impl Iommu {
     pub fn read(&self, iova: u64, buf: &mut [u8]) -> Result<(), DmaFault> {
         let p = match self.translate(iova, buf.len()) {
             Ok(p) => p,
-            Err(f) => {
+            Err(_) => {
+                let f = match self.spanning(iova, buf.len()) {
+                    Err(f) => f,
+                    Ok(pieces) => {
+                        let mut done = 0;
+                        for (p, n) in pieces {
+                            // SAFETY: as below, for each piece (inside its live mapping).
+                            unsafe {
+                                std::ptr::copy_nonoverlapping(p, buf[done..].as_mut_ptr(), n)
+                            };
+                            done += n;
+                        }
+                        return Ok(());
+                    }
+                };
                 let va = self.process_addr(iova, buf.len()).ok_or(f)?;
                 let n = buf.len();
                 let remote = [RemoteIoVec { base: va, len: n }];
@@ -230,7 +279,19 @@ impl Iommu {
     pub fn write(&self, iova: u64, data: &[u8]) -> Result<(), DmaFault> {
         let p = match self.translate(iova, data.len()) {
             Ok(p) => p,
-            Err(f) => {
+            Err(_) => {
+                let f = match self.spanning(iova, data.len()) {
+                    Err(f) => f,
+                    Ok(pieces) => {
+                        let mut done = 0;
+                        for (p, n) in pieces {
+                            // SAFETY: as below, for each piece (inside its live mapping).
+                            unsafe { std::ptr::copy_nonoverlapping(data[done..].as_ptr(), p, n) };
+                            done += n;
+                        }
+                        return Ok(());
+                    }
+                };
                 let va = self.process_addr(iova, data.len()).ok_or(f)?;
                 let remote = [RemoteIoVec {
                     base: va,
@@ -259,8 +320,8 @@ impl Iommu {
     ) -> Result<(), DmaFault> {
         let (d, s) = (self.locate(iova, len), src.locate(src_iova, len));
         let (Ok((d, (d_file, d_off))), Ok((s, (s_file, s_off)))) = (d, s) else {
-            // The on-demand window at either end: through a buffer, each side as it reads
-            // and writes.
+            // The on-demand window, or a range across mappings, at either end: through a
+            // buffer, each side as it reads and writes.
             let mut bounce = vec![0u8; len];
             src.read(src_iova, &mut bounce)?;
             return self.write(iova, &bounce);
@@ -291,5 +352,60 @@ impl Iommu {
     /// Whether there is no mapping.
     pub fn is_empty(&self) -> bool {
         self.maps.is_empty()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use nix::sys::memfd::{memfd_create, MemFdCreateFlag};
+    use std::os::fd::AsFd;
+
+    fn file(len: u64, fill: u8) -> File {
+        let f = File::from(memfd_create(c"iommu-test", MemFdCreateFlag::empty()).unwrap());
+        f.set_len(len).unwrap();
+        std::os::unix::fs::FileExt::write_all_at(&f, &vec![fill; len as usize], 0).unwrap();
+        f
+    }
+
+    /// Two mappings side by side in IOVA space are one range for the device; a gap, or the
+    /// end of the last mapping, is a fault at its first byte.
+    #[test]
+    fn accesses_run_across_adjacent_mappings_and_fault_at_a_gap() {
+        let mut io = Iommu::default();
+        let (a, b, c) = (file(8192, 1), file(4096, 2), file(4096, 3));
+        io.map(a.as_fd(), 8192, 0x10000).unwrap();
+        io.map(b.as_fd(), 4096, 0x12000).unwrap();
+        // A gap of one page, then c.
+        io.map(c.as_fd(), 4096, 0x14000).unwrap();
+        let mut got = vec![0u8; 200];
+        io.read(0x12000 - 100, &mut got).unwrap();
+        assert_eq!(&got[..100], &[1; 100][..]);
+        assert_eq!(&got[100..], &[2; 100][..]);
+        io.write(0x12000 - 4, &[9; 8]).unwrap();
+        io.read(0x12000 - 8, &mut got[..16]).unwrap();
+        assert_eq!(
+            &got[..16],
+            &[1, 1, 1, 1, 9, 9, 9, 9, 9, 9, 9, 9, 2, 2, 2, 2]
+        );
+        io.check(0x10000, 12288).unwrap();
+        assert_eq!(io.check(0x10000, 12289), Err(DmaFault { iova: 0x13000 }));
+        assert_eq!(
+            io.read(0x12ff0, &mut got[..32]),
+            Err(DmaFault { iova: 0x13000 })
+        );
+        assert_eq!(io.write(0x13ff0, &[0; 32]), Err(DmaFault { iova: 0x13ff0 }));
+        // Across mappings both ways in a device-to-device copy.
+        let mut other = Iommu::default();
+        let d = file(4096, 0);
+        other.map(d.as_fd(), 4096, 0x40000).unwrap();
+        other.copy_from(0x40000, &io, 0x11f00, 512).unwrap();
+        let mut back = vec![0u8; 512];
+        other.read(0x40000, &mut back).unwrap();
+        io.read(0x11f00, &mut got[..]).unwrap();
+        let mut want = vec![0u8; 512];
+        io.read(0x11f00, &mut want).unwrap();
+        assert_eq!(back, want);
+        io.copy_from(0x11ff0, &other, 0x40000, 64).unwrap();
     }
 }

@@ -216,23 +216,28 @@ fn send_from_static_data_into_a_receive_in_anonymous_mmap_memory() {
 }
 
 #[test]
-fn overlapping_registrations_merge_and_either_can_go_first() {
+fn overlapping_registrations_share_pages_and_either_can_go_first() {
     let _serial = serial();
     for first in 0..2 {
         let mut p = pair_with(2, 5, 10 + first);
         let maps = p.fabric.dma_mappings(1);
         let buf = Aligned::new(10 * 4096, 0);
-        // Pages 0..3, then pages 2..8: one mapping of pages 0..8, used by both.
+        // Pages 0..3, then pages 2..8: m1's pages stay as they are (nothing moves under
+        // work in flight), pages 3..8 are adopted beside them, and m2 uses both mappings.
         // SAFETY: `buf` outlives the regions.
         let m1 = unsafe { reg(&p.b.pd, buf.at(1000), 10000, ALL) };
         assert_eq!(p.fabric.dma_mappings(1), maps + 1);
         // SAFETY: as above.
         let m2 = unsafe { reg(&p.b.pd, buf.at(9000), 20000, ALL) };
-        assert_eq!(p.fabric.dma_mappings(1), maps + 1, "not merged");
-        // Sharing a page with m2, no byte: the same mapping again.
+        assert_eq!(
+            p.fabric.dma_mappings(1),
+            maps + 2,
+            "the new pages beside m1's"
+        );
+        // Sharing a page with m2, no byte: no new mapping.
         // SAFETY: as above.
         let m3 = unsafe { reg(&p.b.pd, buf.at(29500), 100, ALL) };
-        assert_eq!(p.fabric.dma_mappings(1), maps + 1);
+        assert_eq!(p.fabric.dma_mappings(1), maps + 2);
 
         let data = pattern(12000, first as usize);
         p.a.buf.write(0, &data).unwrap();
@@ -250,11 +255,25 @@ fn overlapping_registrations_merge_and_either_can_go_first() {
         assert_eq!(buf.read(14000, 12000), data);
         assert_eq!(buf.read(29500, 100), data[..100]);
         assert_eq!(buf.read(11000, 3000), vec![0; 3000]);
+        // Across the two mappings, one WRITE and one READ through m2: bytes 11000..13600.
+        write(&mut p, 5, 1, 2000, 2600);
+        assert_eq!(buf.read(11000, 2600), data[..2600]);
+        let back = [p.a.mr.sge(65536, 2600)];
+        run(
+            &mut p,
+            true,
+            SendWr::new(6, WrOp::Read(remote(&m2, 2000)), &back),
+        );
+        let mut got = vec![0u8; 2600];
+        p.a.buf.read(65536, &mut got).unwrap();
+        assert_eq!(got, data[..2600]);
+        buf.write(11000, &[0; 3000]);
         drop(m3);
 
         let (gone, kept, k) = if first == 0 { (m1, m2, 1) } else { (m2, m1, 0) };
         drop(gone);
-        assert_eq!(p.fabric.dma_mappings(1), maps + 1);
+        // m2 alone still uses both mappings; m1 alone its own.
+        assert_eq!(p.fabric.dma_mappings(1), maps + 1 + k);
         buf.write(0, &[0; 40960]);
         let sge = [p.a.mr.sge(100, 500)];
         let off = if k == 0 { 9000 } else { 100 };
