@@ -168,6 +168,13 @@ unsafe extern "C" fn obj_bind(fid: *mut abi::fid, bfid: *mut abi::fid, flags: u6
         if ep.enabled {
             return Err(abi::FI_EOPBADSTATE);
         }
+        // A scalable endpoint is bound to its AV alone (fi_scalable_ep_bind), its
+        // contexts to anything but one (they use their endpoint's).
+        match (ep.sep, kind) {
+            (Some(prov::Sep::Root { .. }), Kind::Av) | (None, _) => {}
+            (Some(prov::Sep::Root { .. }), _) | (Some(_), Kind::Av) => return Err(abi::FI_EINVAL),
+            (Some(_), _) => {}
+        }
         match kind {
             Kind::Av => ep.av = Some(b),
             // A shared receive context of the endpoint's own domain (not another
@@ -1054,11 +1061,14 @@ unsafe extern "C" fn av_open(
     run(|st| {
         st.check(dom as usize, Kind::Domain)?;
         // SAFETY: NULL or the caller's attributes (fi_av_open(3)).
-        if let Some(a) = unsafe { attr.as_ref() } {
-            if a.type_ > abi::fi_av_type_FI_AV_TABLE {
+        let a = unsafe { attr.as_ref() };
+        if let Some(a) = a {
+            // Receive-context bits leave room for an index (fi_rx_addr).
+            if a.type_ > abi::fi_av_type_FI_AV_TABLE || a.rx_ctx_bits < 0 || a.rx_ctx_bits > 32 {
                 return Err(abi::FI_EINVAL);
             }
         }
+        let rx_ctx_bits = a.map_or(0, |a| a.rx_ctx_bits as u32);
         if out.is_null() {
             return Err(abi::FI_EINVAL);
         }
@@ -1074,6 +1084,7 @@ unsafe extern "C" fn av_open(
             },
             Obj::Av(prov::Av {
                 addrs: Vec::new(),
+                rx_ctx_bits,
                 format,
             }),
             dom as usize,
@@ -1166,14 +1177,96 @@ fn ep_fid(context: *mut c_void) -> abi::fid_ep {
     }
 }
 
-enosys!(
-    no_scalable_ep(
-        *mut abi::fid_domain,
-        *mut abi::fi_info,
-        *mut *mut abi::fid_ep,
-        *mut c_void,
-    ) -> c_int
-);
+/// `fi_scalable_ep` (fi_scalable_ep(3)): an RDM endpoint of `ep_attr->tx_ctx_cnt`
+/// transmit and `rx_ctx_cnt` receive contexts (0 is 1; at most [`prov::MAX_EP_CTX`],
+/// else `-FI_EINVAL`), which only holds the address, the AV and the listener; data moves
+/// through its contexts (`fi_tx_context`, `fi_rx_context`).
+unsafe extern "C" fn scalable_ep(
+    dom: *mut abi::fid_domain,
+    info: *mut abi::fi_info,
+    out: *mut *mut abi::fid_ep,
+    context: *mut c_void,
+) -> c_int {
+    run(|st| {
+        st.check(dom as usize, Kind::Domain)?;
+        // SAFETY: NULL or the info libfabric passes on (fi_scalable_ep(3)).
+        let info = unsafe { info.as_ref() }.ok_or(abi::FI_EINVAL)?;
+        // SAFETY: the info's attribute pointers are NULL or valid (fi_getinfo(3)).
+        let attr = unsafe { info.ep_attr.as_ref() }.ok_or(abi::FI_EINVAL)?;
+        let count = |n: usize| match n {
+            0 => Ok(1),
+            n if n <= prov::MAX_EP_CTX => Ok(n),
+            _ => Err(abi::FI_EINVAL),
+        };
+        let (tx, rx) = (count(attr.tx_ctx_cnt)?, count(attr.rx_ctx_cnt)?);
+        if out.is_null()
+            || (attr.type_ != abi::fi_ep_type_FI_EP_RDM
+                && attr.type_ != abi::fi_ep_type_FI_EP_UNSPEC)
+        {
+            return Err(abi::FI_EINVAL);
+        }
+        let format = prov::Format::of(info.addr_format);
+        let mut ep = st.new_ep(dom as usize, info_service(info), false, format)?;
+        ep.sep = Some(prov::Sep::Root { tx, rx });
+        ep.source = info.caps & abi::FI_SOURCE != 0;
+        ep.directed = info.caps & abi::FI_DIRECTED_RECV != 0;
+        // SAFETY: as above.
+        if let Some(t) = unsafe { info.tx_attr.as_ref() } {
+            ep.tx_op_flags = t.op_flags;
+        }
+        // SAFETY: as above.
+        if let Some(r) = unsafe { info.rx_attr.as_ref() } {
+            ep.rx_op_flags = r.op_flags;
+        }
+        let mut fid = ep_fid(context);
+        fid.fid.fclass = abi::FI_CLASS_SEP as usize;
+        let p = adopt(st, fid, Obj::Ep(Box::new(ep)), dom as usize);
+        put(out, p).map(|()| 0)
+    })
+}
+
+/// `fi_tx_context` / `fi_rx_context` of a scalable endpoint: context `index` (see
+/// `prov::State::new_sep_ctx`), with the operation flags of `attr` when given (else the
+/// scalable endpoint's). An endpoint that is not scalable has no contexts (`-FI_EINVAL`).
+fn sep_ctx(
+    sep: *mut abi::fid_ep,
+    index: c_int,
+    op_flags: Option<u64>,
+    out: *mut *mut abi::fid_ep,
+    context: *mut c_void,
+    rx: bool,
+) -> c_int {
+    run(|st| {
+        st.check(sep as usize, Kind::Ep)?;
+        let index = usize::try_from(index).map_err(|_| abi::FI_EINVAL)?;
+        if out.is_null() {
+            return Err(abi::FI_EINVAL);
+        }
+        let mut e = st.new_sep_ctx(sep as usize, index, rx)?;
+        if let Some(f) = op_flags {
+            if rx {
+                e.rx_op_flags = f;
+            } else {
+                e.tx_op_flags = f;
+            }
+        }
+        let (source, directed) = {
+            let s = st.ep_mut(sep as usize)?;
+            (s.source, s.directed)
+        };
+        e.source = source;
+        e.directed = directed;
+        let dom = e.domain;
+        let mut fid = ep_fid(context);
+        fid.fid.fclass = if rx {
+            abi::FI_CLASS_RX_CTX
+        } else {
+            abi::FI_CLASS_TX_CTX
+        } as usize;
+        let p = adopt(st, fid, Obj::Ep(Box::new(e)), dom);
+        put(out, p).map(|()| 0)
+    })
+}
 /// `fi_poll_open` (fi_poll(3)): an empty poll set of the domain; `attr->flags` is reserved
 /// and must be 0.
 unsafe extern "C" fn poll_open(
@@ -1332,7 +1425,7 @@ static DOMAIN_OPS: abi::fi_ops_domain = abi::fi_ops_domain {
     av_open: Some(av_open),
     cq_open: Some(cq_open),
     endpoint: Some(endpoint),
-    scalable_ep: Some(no_scalable_ep),
+    scalable_ep: Some(scalable_ep),
     cntr_open: Some(cntr_open),
     poll_open: Some(poll_open),
     stx_ctx: Some(stx_ctx),
@@ -2063,24 +2156,29 @@ fn min_multi_recv_opt(level: c_int, name: c_int) -> Result<(), Errno> {
         Err(abi::FI_ENOPROTOOPT)
     }
 }
-enosys!(
-    ep_tx_ctx(
-        *mut abi::fid_ep,
-        c_int,
-        *mut abi::fi_tx_attr,
-        *mut *mut abi::fid_ep,
-        *mut c_void,
-    ) -> c_int
-);
-enosys!(
-    ep_rx_ctx(
-        *mut abi::fid_ep,
-        c_int,
-        *mut abi::fi_rx_attr,
-        *mut *mut abi::fid_ep,
-        *mut c_void,
-    ) -> c_int
-);
+unsafe extern "C" fn ep_tx_ctx(
+    sep: *mut abi::fid_ep,
+    index: c_int,
+    attr: *mut abi::fi_tx_attr,
+    out: *mut *mut abi::fid_ep,
+    context: *mut c_void,
+) -> c_int {
+    // SAFETY: NULL or the caller's attributes (fi_endpoint(3)).
+    let flags = unsafe { attr.as_ref() }.map(|a| a.op_flags);
+    sep_ctx(sep, index, flags, out, context, false)
+}
+
+unsafe extern "C" fn ep_rx_ctx(
+    sep: *mut abi::fid_ep,
+    index: c_int,
+    attr: *mut abi::fi_rx_attr,
+    out: *mut *mut abi::fid_ep,
+    context: *mut c_void,
+) -> c_int {
+    // SAFETY: NULL or the caller's attributes (fi_endpoint(3)).
+    let flags = unsafe { attr.as_ref() }.map(|a| a.op_flags);
+    sep_ctx(sep, index, flags, out, context, true)
+}
 enosys!(ep_size_left(*mut abi::fid_ep) -> isize);
 
 static EP_OPS: abi::fi_ops_ep = abi::fi_ops_ep {
@@ -2117,8 +2215,9 @@ unsafe extern "C" fn cm_getname(fid: *mut abi::fid, addr: *mut c_void, len: *mut
         let a = match st.objs.get(&(fid as usize)) {
             Some(prov::Obj::Pep(p)) => p.format.out(&p.addr),
             _ => {
+                // (A scalable endpoint's context has its endpoint's address.)
                 let e = st.ep_mut(st.ep_key(fid as usize))?;
-                e.format.out(&e.addr)
+                e.format.out(&prov::sep::base(&e.addr))
             }
         };
         give_addr(&a, addr, len)

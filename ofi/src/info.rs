@@ -45,6 +45,8 @@ pub const FI_RMA_EVENT: u64 = abi::FI_RMA_EVENT;
 pub const FI_LOCAL_COMM: u64 = abi::FI_LOCAL_COMM;
 pub const FI_REMOTE_COMM: u64 = abi::FI_REMOTE_COMM;
 pub const FI_MULTI_RECV: u64 = abi::FI_MULTI_RECV as u64;
+/// Receive contexts of a scalable endpoint named by address (`fi_rx_addr`).
+pub const FI_NAMED_RX_CTX: u64 = abi::FI_NAMED_RX_CTX;
 /// Mode bit: local buffers must be registered (before API 1.5; `FI_MR_LOCAL` since).
 pub const FI_LOCAL_MR: u64 = abi::FI_LOCAL_MR;
 /// Mode bit: remote CQ data consumes a posted receive.
@@ -56,6 +58,7 @@ pub const PRIMARY_CAPS: u64 = FI_MSG
     | FI_TAGGED
     | FI_ATOMIC
     | FI_DIRECTED_RECV
+    | FI_NAMED_RX_CTX
     | FI_READ
     | FI_WRITE
     | FI_SEND
@@ -73,9 +76,17 @@ pub const REMOTE_MEMORY_CAPS: u64 =
 pub const ASKED_CAPS: u64 = abi::FI_SOURCE;
 /// Everything the provider can do.
 pub const CAPS: u64 = PRIMARY_CAPS | SECONDARY_CAPS | ASKED_CAPS;
-/// Transmit-side capabilities.
-pub const TX_CAPS: u64 =
-    FI_MSG | FI_RMA | FI_TAGGED | FI_ATOMIC | FI_READ | FI_WRITE | FI_SEND | FI_TRIGGER;
+/// Transmit-side capabilities (naming a receive context is the initiator's:
+/// `FI_NAMED_RX_CTX`, fi_endpoint(3)).
+pub const TX_CAPS: u64 = FI_MSG
+    | FI_RMA
+    | FI_TAGGED
+    | FI_ATOMIC
+    | FI_READ
+    | FI_WRITE
+    | FI_SEND
+    | FI_TRIGGER
+    | FI_NAMED_RX_CTX;
 /// Receive-side capabilities.
 pub const RX_CAPS: u64 = FI_MSG
     | FI_RMA
@@ -164,7 +175,14 @@ pub struct Offer {
     /// Endpoints take a shared receive context (`rx_ctx_cnt` `FI_SHARED_CONTEXT`,
     /// `fi_srx_context`): untagged messages of RDM and connected endpoints only.
     pub shared_rx: bool,
+    /// Transmit and receive contexts of an endpoint (`ep_attr->tx_ctx_cnt`,
+    /// `rx_ctx_cnt`): 1, or as many as the hints asked of an RDM offer (a scalable
+    /// endpoint, `fi_scalable_ep`), up to [`MAX_EP_CTX`].
+    pub ctx_cnt: (usize, usize),
 }
+
+/// Most contexts of a scalable endpoint (`max_ep_tx_ctx`, `max_ep_rx_ctx` of an RDM offer).
+pub const MAX_EP_CTX: usize = crate::prov::MAX_EP_CTX;
 
 impl Offer {
     /// The default offer for NIC `domain`, before any hints.
@@ -192,6 +210,7 @@ impl Offer {
             addr_format: ADDR_FORMAT,
             shared_tx: false,
             shared_rx: false,
+            ctx_cnt: (1, 1),
         }
     }
 }
@@ -404,12 +423,24 @@ pub fn match_offer(version: u32, hints: &Hints, offer: &Offer) -> Result<Offer, 
     if hints.max_msg_size > offer.max_msg_size {
         return Err(NoMatch::MsgSize);
     }
-    // One transmit and one receive context per endpoint (fi_endpoint(3)); the transmit
-    // context may be a shared one (FI_SHARED_CONTEXT, SIZE_MAX: fi_stx_context). Shared
-    // receive contexts and scalable endpoints are not offered.
+    // One transmit and one receive context per endpoint (fi_endpoint(3)), either of
+    // which may be a shared one (FI_SHARED_CONTEXT, SIZE_MAX: fi_stx_context,
+    // fi_srx_context); or, on an RDM endpoint, up to MAX_EP_CTX of each (a scalable
+    // endpoint, fi_scalable_ep).
     let shared_tx = hints.ctx_cnt.0 == usize::MAX;
     let shared_rx = hints.ctx_cnt.1 == usize::MAX;
-    if (hints.ctx_cnt.0 > 1 && !shared_tx) || (hints.ctx_cnt.1 > 1 && !shared_rx) {
+    let most = if offer.ep_type == abi::fi_ep_type_FI_EP_RDM {
+        MAX_EP_CTX
+    } else {
+        1
+    };
+    if (hints.ctx_cnt.0 > most && !shared_tx) || (hints.ctx_cnt.1 > most && !shared_rx) {
+        return Err(NoMatch::Contexts);
+    }
+    // A scalable endpoint's contexts are its own, not shared ones.
+    if (shared_tx && hints.ctx_cnt.1 > 1 && !shared_rx)
+        || (shared_rx && hints.ctx_cnt.0 > 1 && !shared_tx)
+    {
         return Err(NoMatch::Contexts);
     }
     // A shared receive context takes untagged messages (its endpoints share one receive
@@ -449,6 +480,7 @@ pub fn match_offer(version: u32, hints: &Hints, offer: &Offer) -> Result<Offer, 
     let mut out = offer.clone();
     out.shared_tx = shared_tx;
     out.shared_rx = shared_rx;
+    out.ctx_cnt = (hints.ctx_cnt.0.max(1), hints.ctx_cnt.1.max(1));
     // Memory registration: without FI_MR_LOCAL in the hints the provider registers (or
     // copies) local buffers itself, and drops the bits the application does not handle.
     if let Some(m) = hints.mr_mode {
@@ -581,7 +613,7 @@ mod tests {
     }
 
     #[test]
-    fn shared_contexts_but_not_scalable_ones_are_offered() {
+    fn shared_contexts_and_scalable_rdm_endpoints_are_offered() {
         for offer in [
             rb0(),
             Offer::dgram_for_nic("rb0"),
@@ -602,9 +634,32 @@ mod tests {
             // A shared transmit context is offered (as the hints asked), nothing more.
             assert!(h((usize::MAX, 0)).unwrap().shared_tx);
             assert!(h((usize::MAX, 1)).unwrap().shared_tx);
-            for ctx in [(2, 1), (1, 4), (usize::MAX, 2)] {
+            // Several contexts: a scalable endpoint, RDM only, up to MAX_EP_CTX of each.
+            let rdm = offer.ep_type == abi::fi_ep_type_FI_EP_RDM;
+            for ctx in [(2, 1), (1, 4), (MAX_EP_CTX, MAX_EP_CTX)] {
+                match h(ctx) {
+                    Ok(o) => {
+                        assert!(rdm, "{ctx:?}");
+                        assert_eq!(o.ctx_cnt, (ctx.0.max(1), ctx.1), "{ctx:?}");
+                    }
+                    Err(e) => assert!(!rdm && e == NoMatch::Contexts, "{ctx:?}"),
+                }
+            }
+            // More than MAX_EP_CTX, or several contexts beside a shared one.
+            for ctx in [
+                (MAX_EP_CTX + 1, 1),
+                (1, MAX_EP_CTX + 1),
+                (usize::MAX, 2),
+                (2, usize::MAX),
+            ] {
                 assert_eq!(h(ctx), Err(NoMatch::Contexts), "{ctx:?}");
             }
+            assert_eq!(h((0, 0)).unwrap().ctx_cnt, (1, 1));
+            assert_eq!(
+                h((0, 0)).unwrap().caps & FI_NAMED_RX_CTX != 0,
+                rdm,
+                "named receive contexts are an RDM capability"
+            );
             // A shared receive context: untagged messages, never on datagram endpoints.
             for ctx in [(0, usize::MAX), (usize::MAX, usize::MAX)] {
                 match h(ctx) {

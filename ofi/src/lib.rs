@@ -265,8 +265,8 @@ pub(crate) fn write_info(o: &Offer) -> Option<*mut abi::fi_info> {
             (*ep).protocol_version = 1;
             (*ep).max_msg_size = o.max_msg_size;
             (*ep).mem_tag_format = info::MEM_TAG_FORMAT;
-            (*ep).tx_ctx_cnt = if o.shared_tx { usize::MAX } else { 1 };
-            (*ep).rx_ctx_cnt = if o.shared_rx { usize::MAX } else { 1 };
+            (*ep).tx_ctx_cnt = if o.shared_tx { usize::MAX } else { o.ctx_cnt.0 };
+            (*ep).rx_ctx_cnt = if o.shared_rx { usize::MAX } else { o.ctx_cnt.1 };
             (*dom).threading = o.threading;
             (*dom).control_progress = o.progress;
             (*dom).data_progress = o.progress;
@@ -279,8 +279,14 @@ pub(crate) fn write_info(o: &Offer) -> Option<*mut abi::fi_info> {
             (*dom).ep_cnt = 4096;
             (*dom).tx_ctx_cnt = 4096;
             (*dom).rx_ctx_cnt = 4096;
-            (*dom).max_ep_tx_ctx = 1;
-            (*dom).max_ep_rx_ctx = 1;
+            // Scalable endpoints are RDM ones (fi_scalable_ep).
+            let ctx = if o.ep_type == abi::fi_ep_type_FI_EP_RDM {
+                info::MAX_EP_CTX
+            } else {
+                1
+            };
+            (*dom).max_ep_tx_ctx = ctx;
+            (*dom).max_ep_rx_ctx = ctx;
             (*dom).cntr_cnt = 4096;
             (*dom).mr_iov_limit = 1;
             (*dom).mr_cnt = 16384;

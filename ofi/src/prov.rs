@@ -26,6 +26,7 @@ mod msgep;
 mod multi;
 pub mod names;
 mod peek;
+pub mod sep;
 mod tagged;
 mod wait;
 
@@ -42,6 +43,7 @@ use std::sync::{Mutex, MutexGuard, OnceLock};
 
 mod trig;
 pub use msgep::{ConnReq, Eq, EqErr, EqEvent, ListenAttrs, MsgEp, Pep};
+pub use sep::{Sep, MAX_EP_CTX};
 pub use tagged::{TagCounts, EAGER_MAX};
 pub use trig::{Trig, WorkOp};
 pub use wait::{sleep_on, FdWait, WaitSet};
@@ -278,6 +280,9 @@ pub struct Cq {
 
 pub struct Av {
     pub addrs: Vec<Option<Addr>>,
+    /// Bits at the top of an address that name a receive context (`rx_ctx_bits`,
+    /// `fi_rx_addr`): the rest is the index.
+    pub rx_ctx_bits: u32,
     /// The format of its domain's info: `fi_av_lookup` gives addresses in it.
     pub format: Format,
 }
@@ -515,6 +520,8 @@ pub struct Ep {
     multi_posted: bool,
     /// Receives posted behind a multi-receive buffer in use, in order ([`multi`]).
     rx_held: VecDeque<multi::Held>,
+    /// A scalable endpoint, or one of its contexts ([`sep`]).
+    pub sep: Option<Sep>,
 }
 
 pub enum Obj {
@@ -685,11 +692,15 @@ impl State {
             }
             // An endpoint is released once its aliases are closed (fi_endpoint(3)), a
             // shared receive context once its endpoints are.
+            // A scalable endpoint once its contexts are.
             Some(Kind::Ep) => {
                 self.objs
                     .values()
                     .any(|o| matches!(o, Obj::Alias(a) if a.ep == key))
                     || bound(&|e| e.rx_shared == Some(key))
+                    || bound(
+                        &|e| matches!(e.sep, Some(Sep::Tx { sep, .. } | Sep::Rx { sep, .. }) if sep == key),
+                    )
             }
             _ => false,
         }
@@ -982,6 +993,7 @@ impl State {
             min_multi_recv: multi::MIN_MULTI_RECV,
             multi_posted: false,
             rx_held: VecDeque::new(),
+            sep: None,
         })
     }
 
@@ -992,10 +1004,19 @@ impl State {
             if e.enabled {
                 return Ok(());
             }
-            if e.txcq.is_none() || e.rxcq.is_none() {
+            // A scalable endpoint's contexts: each the queue of its side, the AV and the
+            // listener their endpoint's.
+            let (tx, rx) = match e.sep {
+                Some(Sep::Root { .. }) => return self.enable_sep(ep),
+                Some(Sep::Tx { .. }) => (true, false),
+                Some(Sep::Rx { .. }) => (false, true),
+                None => (true, true),
+            };
+            if (tx && e.txcq.is_none()) || (rx && e.rxcq.is_none()) {
                 return Err(abi::FI_ENOCQ);
             }
             match &e.msg {
+                None if e.sep.is_some() => {}
                 // A connected endpoint reports on its event queue and needs no AV.
                 Some(m) if m.eq.is_none() => return Err(abi::FI_ENOEQ),
                 Some(_) => {}
@@ -1048,13 +1069,14 @@ impl State {
                 x.cntrs.recv = recv;
             }
         }
-        if !connected {
+        let context = self.objs_ep(ep)?.sep.is_some();
+        if !connected && !context {
             self.listen_on(nic, service)?;
         }
         let e = self.ep_mut(ep)?;
         // A connected endpoint is reached through its peer's passive endpoint, never by
         // its own number: only an RDM endpoint, which listens on it, is published.
-        if e.named && !connected {
+        if e.named && !connected && !context {
             names::publish(service, nic, None);
         }
         e.srq = srq;
@@ -1256,6 +1278,7 @@ impl State {
         report: bool,
         multi: bool,
     ) -> Result<(), Errno> {
+        self.sep_allows(ep, false)?;
         let (dom, sink) = {
             let e = self.ep_mut(ep)?;
             match (e.enabled, e.sink) {
@@ -1322,6 +1345,7 @@ impl State {
             imm,
             trig,
         } = req;
+        self.sep_allows(ep, true)?;
         let (dom, nic, dgram) = {
             let e = self.ep_mut(ep)?;
             if !e.enabled {
@@ -1340,7 +1364,7 @@ impl State {
         }
         let peer = match self.msg_dest(ep)? {
             Some(a) => a,
-            None => self.peer(ep, dest)?,
+            None => self.dest_peer(ep, dest)?,
         };
         let mut copy = Vec::new();
         let (sges, tmp, inline) = if inject {
@@ -1413,6 +1437,7 @@ impl State {
         bufs: &[(usize, usize, usize)],
         req: RmaReq,
     ) -> Result<(), Errno> {
+        self.sep_allows(ep, true)?;
         let (dom, nic, tx_selective) = {
             let e = self.ep_mut(ep)?;
             if e.dgram.is_some() {
@@ -1426,7 +1451,7 @@ impl State {
         };
         let peer = match self.msg_dest(ep)? {
             Some(a) => a,
-            None => self.peer(ep, req.dest)?,
+            None => self.dest_peer(ep, req.dest)?,
         };
         let (addr, key) = match req.op {
             RmaOp::Write { addr, key, .. } | RmaOp::Read { addr, key } => (addr, key),
@@ -1550,13 +1575,34 @@ impl State {
 
     /// The address of AV entry `dest` of endpoint `ep`'s AV.
     fn peer(&mut self, ep: usize, dest: u64) -> Result<Addr, Errno> {
-        let av = self.ep_mut(ep)?.av.ok_or(abi::FI_ENOAV)?;
-        self.av_mut(av)?
+        self.peer_rx(ep, dest).map(|(a, _)| a)
+    }
+
+    /// The address AV index `dest` of endpoint `ep`'s AV names, and the receive context
+    /// its top bits name (the AV's `rx_ctx_bits`; [`sep`]).
+    fn peer_rx(&mut self, ep: usize, dest: u64) -> Result<(Addr, u64), Errno> {
+        let av = self.ep_av(ep).ok_or(abi::FI_ENOAV)?;
+        let av = self.av_mut(av)?;
+        let (index, rx) = sep::split_rx(dest, av.rx_ctx_bits);
+        let a = av
             .addrs
-            .get(usize::try_from(dest).map_err(|_| EINVAL)?)
+            .get(usize::try_from(index).map_err(|_| EINVAL)?)
             .copied()
             .flatten()
-            .ok_or(EINVAL)
+            .ok_or(EINVAL)?;
+        Ok((a, rx))
+    }
+
+    /// The address a transmission to AV index `dest` of endpoint `ep` goes to: with the
+    /// receive context the index names, if any ([`sep::with_rx`]; a context beyond 254 is
+    /// no address, `-FI_EINVAL`).
+    fn dest_peer(&mut self, ep: usize, dest: u64) -> Result<Addr, Errno> {
+        let (a, rx) = self.peer_rx(ep, dest)?;
+        let rx = u8::try_from(rx)
+            .ok()
+            .filter(|&r| r != sep::TX_ONLY)
+            .ok_or(EINVAL)?;
+        Ok(sep::with_rx(a, rx))
     }
 
     /// For an endpoint that names the senders of its receives (FI_SOURCE): the AV index of
@@ -1578,11 +1624,11 @@ impl State {
                 Conn::Up(_, qp) if qp.qpn() == qpn => Some(k.0),
                 _ => None,
             });
-        let Some(peer) = peer else {
+        let Some(peer) = peer.map(|p| sep::base(&p)) else {
             return ADDR_UNSPEC;
         };
         match self.av_index(ep, &peer) {
-            ADDR_UNSPEC => match e.av.and_then(|k| self.objs.get(&k)) {
+            ADDR_UNSPEC => match self.ep_av(ep).and_then(|k| self.objs.get(&k)) {
                 Some(Obj::Av(av)) => av
                     .addrs
                     .iter()
@@ -1596,10 +1642,7 @@ impl State {
 
     /// The AV index of `addr` in endpoint `ep`'s AV, or `FI_ADDR_NOTAVAIL`.
     fn av_index(&self, ep: usize, addr: &Addr) -> u64 {
-        let Ok(e) = self.objs_ep(ep) else {
-            return ADDR_UNSPEC;
-        };
-        match e.av.and_then(|k| self.objs.get(&k)) {
+        match self.ep_av(ep).and_then(|k| self.objs.get(&k)) {
             Some(Obj::Av(av)) => av
                 .addrs
                 .iter()
@@ -1659,6 +1702,8 @@ impl State {
                 self.bind_remote_cntrs(ep, &qp, key.1);
                 let mut private = own.to_vec();
                 private.push(key.1);
+                // The receive context the connection is for ([`sep`]).
+                private.push(key.0[3]);
                 let id = self
                     .nics
                     .get_mut(&nic)
@@ -1875,10 +1920,8 @@ impl State {
                 if self.pep_request(nic, id, service_id, from, &private) {
                     return;
                 }
-                let key = self.objs.iter().find_map(|(&k, o)| match o {
-                    Obj::Ep(e) if e.enabled && e.nic == nic && e.service == service_id => Some(k),
-                    _ => None,
-                });
+                let rx = private.get(ADDR_LEN + 1).copied().unwrap_or(0);
+                let key = self.rx_target(nic, service_id, rx);
                 let peer: Option<Addr> = private.get(..ADDR_LEN).and_then(|b| b.try_into().ok());
                 let chan = private.get(ADDR_LEN).copied().unwrap_or(CH_MSG);
                 let (Some(key), Some(peer), true) = (key, peer, chan <= CH_TAG) else {
@@ -2101,7 +2144,8 @@ impl State {
         if ep.claimed {
             names::unpublish(ep.service, ep.nic);
         }
-        if !ep.enabled || ep.srx {
+        // (A scalable endpoint's contexts listen through it.)
+        if !ep.enabled || ep.srx || matches!(ep.sep, Some(Sep::Tx { .. } | Sep::Rx { .. })) {
             return;
         }
         // Only an RDM endpoint listens; a datagram one may be published all the same (a

@@ -195,6 +195,14 @@ fn c_shared_contexts() {
     run("shared_ctx", &[&[]]);
 }
 
+/// Scalable endpoints (`fi_scalable_ep`, `fi_tx_context`, `fi_rx_context`, `fi_rx_addr`),
+/// in-process and on served NICs.
+#[test]
+fn c_scalable_endpoints() {
+    run("scalable", &[&[]]);
+    run_served("scalable", &[&[]]);
+}
+
 /// The `FI_SOCKADDR_IN` address format (and `FI_SOCKADDR`): in-process (names in the
 /// process's table) and on served NICs (names, the provider's ephemeral ports among them,
 /// as files of the served directory).

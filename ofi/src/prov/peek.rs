@@ -45,6 +45,7 @@ impl State {
         req: TRecvReq,
         flags: u64,
     ) -> Result<(), Errno> {
+        self.sep_allows(ep, false)?;
         let (directed, selective, rxcq) = {
             let e = self.ep_mut(ep)?;
             if e.dgram.is_some() {

@@ -266,6 +266,7 @@ impl State {
         bufs: &[(usize, usize, usize)],
         req: TRecvReq,
     ) -> Result<(), Errno> {
+        self.sep_allows(ep, false)?;
         let (dom, directed, selective) = {
             let e = self.ep_mut(ep)?;
             if e.dgram.is_some() {
@@ -333,6 +334,7 @@ impl State {
         req: SendReq,
         tag: u64,
     ) -> Result<(), Errno> {
+        self.sep_allows(ep, true)?;
         let (dom, own) = {
             let e = self.ep_mut(ep)?;
             if e.dgram.is_some() {
@@ -343,7 +345,7 @@ impl State {
             }
             (e.domain, e.addr)
         };
-        let peer = self.peer(ep, req.dest)?;
+        let peer = self.dest_peer(ep, req.dest)?;
         let total: usize = bufs.iter().map(|b| b.1).sum();
         if req.inject && total > INJECT {
             return Err(abi::FI_EMSGSIZE);

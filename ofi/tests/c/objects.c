@@ -88,12 +88,13 @@ static void getinfo(void)
 	CHECK(list == NULL);
 	h->caps = FI_MSG;
 	/* (Datagram and connected endpoints: dgram.c, msgep.c.) */
-	/* Scalable endpoints (fi_endpoint(3)); shared contexts are offered (shared_ctx.c). */
+	/* Scalable endpoints of more contexts than max_ep_tx_ctx/max_ep_rx_ctx (16; fewer
+	 * are offered: scalable.c); shared contexts are offered (shared_ctx.c). */
 	h->ep_attr->type = FI_EP_RDM;
-	h->ep_attr->tx_ctx_cnt = 3;
+	h->ep_attr->tx_ctx_cnt = 17;
 	CHECK_EQ(fi_getinfo(CT_VERSION, NULL, NULL, 0, h, &list), -FI_ENODATA);
 	h->ep_attr->tx_ctx_cnt = 0;
-	h->ep_attr->rx_ctx_cnt = 2;
+	h->ep_attr->rx_ctx_cnt = 17;
 	CHECK_EQ(fi_getinfo(CT_VERSION, NULL, NULL, 0, h, &list), -FI_ENODATA);
 	h->ep_attr->rx_ctx_cnt = 1;
 	CHECK_EQ(fi_getinfo(CT_VERSION, NULL, NULL, 0, h, &list), 0);
