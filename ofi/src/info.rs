@@ -250,7 +250,7 @@ impl Offer {
     }
 }
 
-/// What a connected endpoint can do.
+/// What a connected endpoint can do (remote accesses counted: `FI_RMA_EVENT`).
 pub const MSG_EP_CAPS: u64 = FI_MSG
     | FI_RMA
     | FI_ATOMIC
@@ -260,6 +260,7 @@ pub const MSG_EP_CAPS: u64 = FI_MSG
     | FI_RECV
     | FI_REMOTE_READ
     | FI_REMOTE_WRITE
+    | FI_RMA_EVENT
     | FI_LOCAL_COMM
     | FI_REMOTE_COMM
     | FI_MULTI_RECV;

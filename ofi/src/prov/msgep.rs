@@ -256,6 +256,8 @@ impl State {
         let (ip, service) = parse_addr(&addr).ok_or(EINVAL)?;
         let ah = AhAttr::on_fabric(ip).ok_or(abi::FI_EHOSTUNREACH)?;
         let qp = new_qp(self.domain(e.domain)?, e, self.rx_srq(e))?;
+        // The endpoint's FI_REMOTE_WRITE/FI_REMOTE_READ counters count on its one QP.
+        self.bind_remote_cntrs(ep, &qp, CH_MSG);
         let id = self
             .nics
             .get_mut(&nic)
@@ -290,6 +292,7 @@ impl State {
             return Err(EINVAL);
         }
         let qp = new_qp(self.domain(e.domain)?, e, self.rx_srq(e))?;
+        self.bind_remote_cntrs(ep, &qp, CH_MSG);
         self.nics
             .get_mut(&nic)
             .ok_or(EINVAL)?

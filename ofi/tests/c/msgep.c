@@ -4,7 +4,8 @@
  * accepted with private data of its own (FI_CONNECTED on both sides, the active side with
  * that data) or rejected (FI_ECONNREFUSED in an error entry), messages and RMA over the
  * connection, a connection to a number nobody listens on, fi_shutdown (FI_SHUTDOWN on the
- * other side), FI_OPT_CM_DATA_SIZE, and bad input.
+ * other side), FI_OPT_CM_DATA_SIZE, the remote accesses an endpoint's counters count
+ * (FI_RMA_EVENT), and bad input.
  */
 #include "ctest.h"
 
@@ -17,6 +18,8 @@ static struct fid_pep *pep;
 static char pepname[64];
 static char *abuf, *bbuf;
 static struct fid_mr *amr, *bmr;
+/* A's endpoints count the remote writes and reads they are the target of (FI_RMA_EVENT). */
+static struct fid_cntr *rwrite, *rread;
 #define BUFLEN 65536
 
 struct cm_entry {
@@ -48,6 +51,10 @@ static struct fid_ep *ep_open(struct fid_domain *d, struct fi_info *info, struct
 	REQUIRE(fi_endpoint(d, info, &ep, (void *)0x5151) == 0);
 	REQUIRE(fi_ep_bind(ep, &eq->fid, 0) == 0);
 	REQUIRE(fi_ep_bind(ep, &cq->fid, FI_TRANSMIT | FI_RECV) == 0);
+	if (d == da) {
+		REQUIRE(fi_ep_bind(ep, &rwrite->fid, FI_REMOTE_WRITE) == 0);
+		REQUIRE(fi_ep_bind(ep, &rread->fid, FI_REMOTE_READ) == 0);
+	}
 	REQUIRE(fi_enable(ep) == 0);
 	return ep;
 }
@@ -61,7 +68,7 @@ static ssize_t next_event(struct fid_eq *eq, uint32_t *event, struct cm_entry *c
 
 static void getinfo(void)
 {
-	struct fi_info *h = ct_hints(FI_MSG | FI_RMA, 1);
+	struct fi_info *h = ct_hints(FI_MSG | FI_RMA | FI_RMA_EVENT, 1);
 	h->ep_attr->type = FI_EP_MSG;
 	h->tx_attr->op_flags = FI_COMPLETION;
 	REQUIRE(fi_getinfo(CT_VERSION, NULL, NULL, 0, h, &list) == 0);
@@ -69,6 +76,7 @@ static void getinfo(void)
 	REQUIRE(list && list->next);
 	CHECK_EQ(list->ep_attr->type, FI_EP_MSG);
 	CHECK(list->caps & FI_RMA);
+	CHECK(list->caps & FI_RMA_EVENT);
 	CHECK_EQ(list->caps & FI_TAGGED, 0);
 	CHECK(strcmp(list->domain_attr->name, "rb0") == 0);
 	CHECK(strcmp(list->next->domain_attr->name, "rb1") == 0);
@@ -87,6 +95,9 @@ static void setup(void)
 	eqb = eq_open();
 	cqa = cq_open(da);
 	cqb = cq_open(db);
+	struct fi_cntr_attr cntr_attr = {.events = FI_CNTR_EVENTS_COMP};
+	REQUIRE(fi_cntr_open(da, &cntr_attr, &rwrite, NULL) == 0);
+	REQUIRE(fi_cntr_open(da, &cntr_attr, &rread, NULL) == 0);
 	abuf = ct_pages(BUFLEN);
 	bbuf = ct_pages(BUFLEN);
 	REQUIRE(fi_mr_reg(da, abuf, BUFLEN, FI_SEND | FI_RECV | FI_REMOTE_WRITE | FI_REMOTE_READ, 0,
@@ -240,6 +251,11 @@ static void traffic(struct fid_ep *a, struct fid_ep *b)
 		 0);
 	CHECK(ct_wait(cqb, &e) && e.op_context == (void *)0xb4);
 	CHECK(ct_same(bbuf + 32768, 5000, 3));
+	/* A's endpoint counted them, with no host involved (FI_RMA_EVENT). */
+	CHECK_EQ(fi_cntr_wait(rwrite, 1, 5000), 0);
+	CHECK_EQ(fi_cntr_wait(rread, 1, 5000), 0);
+	CHECK_EQ(fi_cntr_read(rwrite), 1);
+	CHECK_EQ(fi_cntr_read(rread), 1);
 }
 
 /* A passive endpoint on rb0 and a connected endpoint on rb1 opened from infos naming the
@@ -347,6 +363,8 @@ int main(void)
 	CHECK_EQ(fi_close(&pep->fid), 0);
 	CHECK_EQ(fi_close(&amr->fid), 0);
 	CHECK_EQ(fi_close(&bmr->fid), 0);
+	CHECK_EQ(fi_close(&rwrite->fid), 0);
+	CHECK_EQ(fi_close(&rread->fid), 0);
 	CHECK_EQ(fi_close(&cqa->fid), 0);
 	CHECK_EQ(fi_close(&cqb->fid), 0);
 	CHECK_EQ(fi_close(&eqa->fid), 0);
