@@ -1069,6 +1069,13 @@ unsafe extern "C" fn av_open(
             }
         }
         let rx_ctx_bits = a.map_or(0, |a| a.rx_ctx_bits as u32);
+        // SAFETY: NULL or a string of the caller's (fi_av_open(3)).
+        let name = a.and_then(|a| unsafe { crate::string(a.name) });
+        let read_only = a.is_some_and(|a| a.flags & abi::FI_READ as u64 != 0);
+        // A read-only AV is a named one that exists (fi_av(3)).
+        if read_only && name.is_none() {
+            return Err(abi::FI_EINVAL);
+        }
         if out.is_null() {
             return Err(abi::FI_EINVAL);
         }
@@ -1082,11 +1089,25 @@ unsafe extern "C" fn av_open(
                 fid: fid_of(abi::FI_CLASS_AV, context),
                 ops: &AV_OPS as *const _ as *mut _,
             },
-            Obj::Av(prov::Av {
-                addrs: Vec::new(),
-                rx_ctx_bits,
-                format,
-            }),
+            match &name {
+                Some(n) => {
+                    let count = a.map_or(0, |a| a.count);
+                    let av = prov::Av::named(n, read_only, count, format, rx_ctx_bits)?;
+                    // The map of a named AV: its fi_addr_t values, as every opener sees
+                    // them (fi_av(3) map_addr), given back when the caller gave none.
+                    if let Some(p) = av.map_addr().filter(|_| !attr.is_null()) {
+                        // SAFETY: non-NULL: the caller's attributes, which fi_av_open(3)
+                        // writes `map_addr` back into (no reference to them is held here).
+                        unsafe {
+                            if (*attr).map_addr.is_null() {
+                                (*attr).map_addr = p as *mut c_void;
+                            }
+                        }
+                    }
+                    Obj::Av(av)
+                }
+                None => Obj::Av(prov::Av::new(format, rx_ctx_bits)),
+            },
             dom as usize,
         );
         put(out, p).map(|()| 0)
@@ -1917,11 +1938,15 @@ unsafe extern "C" fn av_insert(
             // Either format; an address that names no endpoint fails alone, its entry
             // FI_ADDR_NOTAVAIL (fi_av(3)).
             let (v, status) = match prov::dest_from_bytes(c) {
-                Ok(x) => {
-                    a.addrs.push(Some(prov::resolve_addr(&x)));
-                    n += 1;
-                    ((a.addrs.len() - 1) as u64, 0)
-                }
+                Ok(x) => match a.insert(prov::resolve_addr(&x)) {
+                    Ok(i) => {
+                        n += 1;
+                        (i, 0)
+                    }
+                    // A read-only AV takes none.
+                    Err(e) if e == abi::FI_EINVAL => return Err(e),
+                    Err(e) => (prov::ADDR_UNSPEC, e as c_int),
+                },
                 Err(e) => (prov::ADDR_UNSPEC, e as c_int),
             };
             if !fi_addr.is_null() {
@@ -1986,10 +2011,7 @@ unsafe extern "C" fn av_remove(
         let v = unsafe { std::slice::from_raw_parts(fi_addr, count) }.to_vec();
         let a = st.av_mut(av as usize)?;
         for x in v {
-            match usize::try_from(x).ok().and_then(|i| a.addrs.get_mut(i)) {
-                Some(s) => *s = None,
-                None => return Err(abi::FI_EINVAL),
-            }
+            a.remove(x)?;
         }
         Ok(0)
     })
@@ -2009,10 +2031,7 @@ unsafe extern "C" fn av_lookup(
         let v = st.av_mut(av as usize)?;
         // In the AV's format (fi_av(3): that of the addresses it stores).
         let a = v
-            .addrs
-            .get(usize::try_from(fi_addr).map_err(|_| abi::FI_EINVAL)?)
-            .copied()
-            .flatten()
+            .get(fi_addr)
             .map(|a| v.format.out(&a))
             .ok_or(abi::FI_EINVAL)?;
         // SAFETY: `addrlen` is non-NULL: the caller's buffer length.

@@ -74,8 +74,11 @@ pub const REMOTE_MEMORY_CAPS: u64 =
 /// Secondary capabilities given only to applications that ask for them: the source
 /// address of every receive (`fi_cq_readfrom`), which costs a look-up per receive.
 pub const ASKED_CAPS: u64 = abi::FI_SOURCE;
+/// Address vectors shared between processes by name (`FI_SHARED_AV`, a domain
+/// capability too): given to applications that ask, on endpoints that use an AV.
+pub const FI_SHARED_AV: u64 = abi::FI_SHARED_AV;
 /// Everything the provider can do.
-pub const CAPS: u64 = PRIMARY_CAPS | SECONDARY_CAPS | ASKED_CAPS;
+pub const CAPS: u64 = PRIMARY_CAPS | SECONDARY_CAPS | ASKED_CAPS | FI_SHARED_AV;
 /// Transmit-side capabilities (naming a receive context is the initiator's:
 /// `FI_NAMED_RX_CTX`, fi_endpoint(3)).
 pub const TX_CAPS: u64 = FI_MSG
@@ -266,7 +269,7 @@ pub const MSG_EP_CAPS: u64 = FI_MSG
     | FI_MULTI_RECV;
 /// What a datagram endpoint can do.
 pub const DGRAM_CAPS: u64 =
-    FI_MSG | FI_SEND | FI_RECV | FI_LOCAL_COMM | FI_REMOTE_COMM | ASKED_CAPS;
+    FI_MSG | FI_SEND | FI_RECV | FI_LOCAL_COMM | FI_REMOTE_COMM | ASKED_CAPS | FI_SHARED_AV;
 /// Largest datagram: one packet at the fabric's path MTU (`ringbell::UD_MAX_PAYLOAD`).
 pub const DGRAM_MAX_MSG: usize = 4096;
 
@@ -411,8 +414,9 @@ pub fn match_offer(version: u32, hints: &Hints, offer: &Offer) -> Result<Offer, 
     if hints.caps & !offer.caps != 0 {
         return Err(NoMatch::Caps);
     }
-    // A domain offers local and remote communication, nothing else (no shared AV).
-    if hints.domain_caps & !(FI_LOCAL_COMM | FI_REMOTE_COMM) != 0 {
+    // A domain offers local and remote communication, and named AVs shared between
+    // processes where its endpoints use AVs.
+    if hints.domain_caps & !(FI_LOCAL_COMM | FI_REMOTE_COMM | (offer.caps & FI_SHARED_AV)) != 0 {
         return Err(NoMatch::Caps);
     }
     if !ADDR_FORMATS.contains(&hints.addr_format) {
@@ -542,7 +546,8 @@ pub fn match_offer(version: u32, hints: &Hints, offer: &Offer) -> Result<Offer, 
     out.caps = primary
         | (offer.caps & SECONDARY_CAPS)
         | (hints.caps & SECONDARY_CAPS)
-        | (hints.caps & ASKED_CAPS);
+        | (hints.caps & ASKED_CAPS)
+        | ((hints.caps | hints.domain_caps) & FI_SHARED_AV);
     if shared_rx {
         out.caps &= !FI_TAGGED;
     }
@@ -602,8 +607,8 @@ mod tests {
     #[test]
     fn no_hints_get_everything() {
         let o = match_offer(V, &Hints::default(), &rb0()).unwrap();
-        // Everything but what is given only to those who ask (FI_SOURCE).
-        assert_eq!(o.caps, CAPS & !ASKED_CAPS);
+        // Everything but what is given only to those who ask (FI_SOURCE, FI_SHARED_AV).
+        assert_eq!(o.caps, CAPS & !ASKED_CAPS & !FI_SHARED_AV);
         assert_eq!(o.mr_mode, rb0().mr_mode);
         let asked = Hints {
             caps: FI_MSG | ASKED_CAPS,
@@ -611,6 +616,27 @@ mod tests {
         };
         let o = match_offer(V, &asked, &rb0()).unwrap();
         assert_eq!(o.caps & ASKED_CAPS, ASKED_CAPS);
+    }
+
+    #[test]
+    fn shared_avs_are_offered_where_endpoints_use_avs() {
+        for (offer, has) in [
+            (rb0(), true),
+            (Offer::dgram_for_nic("rb0"), true),
+            (Offer::msg_for_nic("rb0"), false),
+        ] {
+            for (caps, domain_caps) in [(FI_MSG | FI_SHARED_AV, 0), (0, FI_SHARED_AV)] {
+                let h = Hints {
+                    caps,
+                    domain_caps,
+                    ..Default::default()
+                };
+                match match_offer(V, &h, &offer) {
+                    Ok(o) => assert!(has && o.caps & FI_SHARED_AV != 0),
+                    Err(e) => assert!(!has && e == NoMatch::Caps),
+                }
+            }
+        }
     }
 
     #[test]
@@ -687,7 +713,7 @@ mod tests {
         };
         let o = h(&|h| h.ep_type = abi::fi_ep_type_FI_EP_DGRAM).unwrap();
         assert_eq!(o.ep_type, abi::fi_ep_type_FI_EP_DGRAM);
-        assert_eq!(o.caps, DGRAM_CAPS & !ASKED_CAPS);
+        assert_eq!(o.caps, DGRAM_CAPS & !ASKED_CAPS & !FI_SHARED_AV);
         assert_eq!(o.max_msg_size, DGRAM_MAX_MSG);
         assert_eq!(o.msg_order(), 0);
         // No mode asked of the application: no prefix, and no FI_RX_CQ_DATA (no RMA).

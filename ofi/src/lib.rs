@@ -290,7 +290,8 @@ pub(crate) fn write_info(o: &Offer) -> Option<*mut abi::fi_info> {
             (*dom).cntr_cnt = 4096;
             (*dom).mr_iov_limit = 1;
             (*dom).mr_cnt = 16384;
-            (*dom).caps = info::FI_LOCAL_COMM | info::FI_REMOTE_COMM;
+            (*dom).caps =
+                info::FI_LOCAL_COMM | info::FI_REMOTE_COMM | (o.caps & info::FI_SHARED_AV);
             (*dom).name = strdup(&o.domain)?;
             (*fab).name = strdup(info::PROVIDER_NAME)?;
             for (a, at, len) in [

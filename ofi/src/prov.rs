@@ -20,6 +20,7 @@
 //! steps the emulator; a CM with nothing to do but wait lets the idle clock run to its
 //! next timer ([`ConnectionManager::poll`]).
 
+mod av;
 mod bounce;
 mod dgram;
 mod msgep;
@@ -42,6 +43,7 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::{Mutex, MutexGuard, OnceLock};
 
 mod trig;
+pub use av::Av;
 pub use msgep::{ConnReq, Eq, EqErr, EqEvent, ListenAttrs, MsgEp, Pep};
 pub use sep::{Sep, MAX_EP_CTX};
 pub use tagged::{TagCounts, EAGER_MAX};
@@ -276,15 +278,6 @@ pub struct Cq {
     pub wait: Option<FdWait>,
     /// The wait set it belongs to (`FI_WAIT_SET`).
     pub wait_set: Option<usize>,
-}
-
-pub struct Av {
-    pub addrs: Vec<Option<Addr>>,
-    /// Bits at the top of an address that name a receive context (`rx_ctx_bits`,
-    /// `fi_rx_addr`): the rest is the index.
-    pub rx_ctx_bits: u32,
-    /// The format of its domain's info: `fi_av_lookup` gives addresses in it.
-    pub format: Format,
 }
 
 pub struct Domain {
@@ -1584,12 +1577,7 @@ impl State {
         let av = self.ep_av(ep).ok_or(abi::FI_ENOAV)?;
         let av = self.av_mut(av)?;
         let (index, rx) = sep::split_rx(dest, av.rx_ctx_bits);
-        let a = av
-            .addrs
-            .get(usize::try_from(index).map_err(|_| EINVAL)?)
-            .copied()
-            .flatten()
-            .ok_or(EINVAL)?;
+        let a = av.get(index).ok_or(EINVAL)?;
         Ok((a, rx))
     }
 
@@ -1630,9 +1618,7 @@ impl State {
         match self.av_index(ep, &peer) {
             ADDR_UNSPEC => match self.ep_av(ep).and_then(|k| self.objs.get(&k)) {
                 Some(Obj::Av(av)) => av
-                    .addrs
-                    .iter()
-                    .position(|a| a.as_ref().is_some_and(|a| resolve_addr(a) == peer))
+                    .position(|a| resolve_addr(a) == peer)
                     .map_or(ADDR_UNSPEC, |i| i as u64),
                 _ => ADDR_UNSPEC,
             },
@@ -1643,11 +1629,7 @@ impl State {
     /// The AV index of `addr` in endpoint `ep`'s AV, or `FI_ADDR_NOTAVAIL`.
     fn av_index(&self, ep: usize, addr: &Addr) -> u64 {
         match self.ep_av(ep).and_then(|k| self.objs.get(&k)) {
-            Some(Obj::Av(av)) => av
-                .addrs
-                .iter()
-                .position(|a| a.as_ref() == Some(addr))
-                .map_or(ADDR_UNSPEC, |i| i as u64),
+            Some(Obj::Av(av)) => av.position(|a| a == addr).map_or(ADDR_UNSPEC, |i| i as u64),
             _ => ADDR_UNSPEC,
         }
     }

@@ -195,6 +195,12 @@ fn c_shared_contexts() {
     run("shared_ctx", &[&[]]);
 }
 
+/// Named address vectors shared by processes (`FI_SHARED_AV`, `fi_av_open` by name).
+#[test]
+fn c_shared_avs() {
+    run("shared_av", &[&[]]);
+}
+
 /// Scalable endpoints (`fi_scalable_ep`, `fi_tx_context`, `fi_rx_context`, `fi_rx_addr`),
 /// in-process and on served NICs.
 #[test]

@@ -134,16 +134,14 @@ impl State {
         else {
             return ADDR_UNSPEC;
         };
-        let is = |a: &Option<Addr>, named: bool| {
-            a.as_ref().is_some_and(|a| {
-                let unnamed = parse_addr(a).is_some_and(|(_, s)| s & DGRAM_SERVICE != 0);
-                // Addresses that carry their QP number first; a named one costs a look-up.
-                unnamed != named && Self::dgram_dest(a).is_ok_and(|d| d == (from.ip, from.qpn))
-            })
+        let is = |a: &Addr, named: bool| {
+            let unnamed = parse_addr(a).is_some_and(|(_, s)| s & DGRAM_SERVICE != 0);
+            // Addresses that carry their QP number first; a named one costs a look-up.
+            unnamed != named && Self::dgram_dest(a).is_ok_and(|d| d == (from.ip, from.qpn))
         };
         [false, true]
             .into_iter()
-            .find_map(|named| av.addrs.iter().position(|a| is(a, named)))
+            .find_map(|named| av.position(|a| is(a, named)))
             .map_or(ADDR_UNSPEC, |i| i as u64)
     }
 

@@ -629,8 +629,8 @@ static void fabtests_findings(struct fid_fabric *fab, struct fid_domain *dom)
 	REQUIRE(fi_getinfo(CT_VERSION, "10.0.0.1", "4660", 0, h, &list) == 0);
 	CHECK(list->dest_addr != NULL && list->dest_addrlen == 16);
 	fi_freeinfo(list);
-	/* A domain capability the provider does not have (a shared AV). */
-	h->domain_attr->caps = FI_SHARED_AV;
+	/* A domain capability the provider does not have (device memory, FI_HMEM). */
+	h->domain_attr->caps = FI_HMEM;
 	CHECK_EQ(fi_getinfo(CT_VERSION, NULL, NULL, 0, h, &list), -FI_ENODATA);
 	h->domain_attr->caps = FI_LOCAL_COMM | FI_REMOTE_COMM;
 	REQUIRE(fi_getinfo(CT_VERSION, NULL, NULL, 0, h, &list) == 0);
