@@ -180,11 +180,21 @@ unsafe extern "C" fn obj_bind(fid: *mut abi::fid, bfid: *mut abi::fid, flags: u6
             // A shared receive context of the endpoint's own domain (not another
             // endpoint, nor a context bound to one).
             Kind::Ep => {
-                let dom = ep.domain;
+                let (dom, dgram) = (ep.domain, ep.is_dgram());
                 let is_srx = matches!(st.objs.get(&b), Some(Obj::Ep(x)) if x.srx);
                 if !is_srx || st.parents.get(&b) != Some(&dom) || b == key {
                     return Err(abi::FI_EINVAL);
                 }
+                // A context takes the receives of datagram endpoints or of RC
+                // connections, not both.
+                if dgram {
+                    return st.dgram_bind_srx(key, b).map(|()| 0);
+                }
+                let x = st.ep_mut(b)?;
+                if x.srx_dgram == Some(true) {
+                    return Err(abi::FI_EINVAL);
+                }
+                x.srx_dgram = Some(false);
                 st.ep_mut(key)?.rx_shared = Some(b);
             }
             // A shared transmit context of the endpoint's own domain.

@@ -449,14 +449,10 @@ pub fn match_offer(version: u32, hints: &Hints, offer: &Offer) -> Result<Offer, 
         return Err(NoMatch::Contexts);
     }
     // A shared receive context takes untagged messages (its endpoints share one receive
-    // queue, not a tag matcher) of RDM and connected endpoints (a datagram endpoint's UD
-    // QP has a receive queue of its own).
-    // Its completions do not name their senders (FI_SOURCE).
-    if shared_rx
-        && (offer.ep_type == abi::fi_ep_type_FI_EP_DGRAM
-            || hints.caps & PRIMARY_CAPS & FI_TAGGED != 0
-            || hints.caps & ASKED_CAPS != 0)
-    {
+    // queue, not a tag matcher), of RDM, connected or datagram endpoints (whose UD QPs
+    // then take their receives from its SRQ). Its completions do not name their senders
+    // (FI_SOURCE).
+    if shared_rx && (hints.caps & PRIMARY_CAPS & FI_TAGGED != 0 || hints.caps & ASKED_CAPS != 0) {
         return Err(NoMatch::Contexts);
     }
     if hints.caps & FI_TAGGED != 0
@@ -687,18 +683,10 @@ mod tests {
                 rdm,
                 "named receive contexts are an RDM capability"
             );
-            // A shared receive context: untagged messages, never on datagram endpoints.
+            // A shared receive context: untagged messages, on every endpoint type.
             for ctx in [(0, usize::MAX), (usize::MAX, usize::MAX)] {
-                match h(ctx) {
-                    Ok(o) => {
-                        assert!(offer.ep_type != abi::fi_ep_type_FI_EP_DGRAM);
-                        assert!(o.shared_rx && o.caps & FI_TAGGED == 0, "{ctx:?}");
-                    }
-                    Err(e) => {
-                        assert_eq!(offer.ep_type, abi::fi_ep_type_FI_EP_DGRAM);
-                        assert_eq!(e, NoMatch::Contexts);
-                    }
-                }
+                let o = h(ctx).unwrap();
+                assert!(o.shared_rx && o.caps & FI_TAGGED == 0, "{ctx:?}");
             }
         }
     }

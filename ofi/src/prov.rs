@@ -515,6 +515,10 @@ pub struct Ep {
     rx_held: VecDeque<multi::Held>,
     /// A scalable endpoint, or one of its contexts ([`sep`]).
     pub sep: Option<Sep>,
+    /// A shared receive context's kind, fixed by the first endpoint bound to it or the
+    /// first receive posted to it: receives of datagram endpoints (each behind a GRH area,
+    /// [`dgram`]) or of RC connections (each followed by the overflow).
+    pub srx_dgram: Option<bool>,
 }
 
 pub enum Obj {
@@ -987,6 +991,7 @@ impl State {
             multi_posted: false,
             rx_held: VecDeque::new(),
             sep: None,
+            srx_dgram: None,
         })
     }
 
@@ -1022,6 +1027,10 @@ impl State {
                     names::publish(e.service, e.nic, Some(g.qp.qpn()));
                 }
                 e.enabled = true;
+                let shared = e.rx_shared;
+                if let Some(s) = shared {
+                    self.srx_report_to(ep, s)?;
+                }
                 return Ok(());
             }
             (e.domain, e.nic, e.service)
@@ -1049,18 +1058,7 @@ impl State {
             (srq, cq, tm)
         };
         if let Some(s) = shared {
-            // The context's receives complete on the first bound endpoint's receive CQ
-            // and count on its receive counter.
-            let (rxcq, sel, recv) = {
-                let e = self.objs_ep(ep)?;
-                (e.rxcq, e.rx_selective, e.cntrs.recv)
-            };
-            let x = self.ep_mut(s)?;
-            if x.rxcq.is_none() {
-                x.rxcq = rxcq;
-                x.rx_selective = sel;
-                x.cntrs.recv = recv;
-            }
+            self.srx_report_to(ep, s)?;
         }
         let context = self.objs_ep(ep)?.sep.is_some();
         if !connected && !context {
@@ -1077,6 +1075,22 @@ impl State {
         e.tm = tm;
         e.sink = Some(sink);
         e.enabled = true;
+        Ok(())
+    }
+
+    /// The receives of shared receive context `s` complete on the receive CQ of `ep`, the
+    /// first endpoint bound to it that is enabled, and count on its receive counter.
+    fn srx_report_to(&mut self, ep: usize, s: usize) -> Result<(), Errno> {
+        let (rxcq, sel, recv) = {
+            let e = self.objs_ep(ep)?;
+            (e.rxcq, e.rx_selective, e.cntrs.recv)
+        };
+        let x = self.ep_mut(s)?;
+        if x.rxcq.is_none() {
+            x.rxcq = rxcq;
+            x.rx_selective = sel;
+            x.cntrs.recv = recv;
+        }
         Ok(())
     }
 
@@ -1286,7 +1300,20 @@ impl State {
         if multi && (bufs.len() != 1 || bufs[0].1 == 0) {
             return Err(EINVAL);
         }
-        let dgram = self.objs_ep(ep)?.dgram.is_some();
+        let dgram = {
+            let e = self.ep_mut(ep)?;
+            // A datagram endpoint bound to a shared receive context takes no receives of
+            // its own (as an RDM one has no SRQ: below).
+            if e.dgram.is_some() && e.rx_shared.is_some() {
+                return Err(abi::FI_EOPBADSTATE);
+            }
+            // The first receive of a shared context no endpoint is bound to yet fixes
+            // it to RC connections' receives.
+            if e.srx && e.srx_dgram.is_none() {
+                e.srx_dgram = Some(false);
+            }
+            e.dgram.is_some() || e.srx_dgram == Some(true)
+        };
         if dgram && multi {
             // Not offered to datagram endpoints.
             return Err(EINVAL);
@@ -1785,7 +1812,11 @@ impl State {
         if !ok {
             e.retire(w.qpn);
         }
-        let (txcq, rxcq, e_dgram) = (e.txcq, e.rxcq, e.dgram.is_some());
+        let (txcq, rxcq, e_dgram) = (
+            e.txcq,
+            e.rxcq,
+            e.dgram.is_some() || e.srx_dgram == Some(true),
+        );
         match op.kind {
             OpKind::Multi(m) => self.on_multi_wc(ep, op, m, w),
             OpKind::Msg => {
@@ -2270,6 +2301,11 @@ pub struct TRecvReq {
 }
 
 impl Ep {
+    /// A datagram endpoint ([`dgram`]).
+    pub fn is_dgram(&self) -> bool {
+        self.dgram.is_some()
+    }
+
     /// Moves the connection whose QP is `qpn` (now in the error state) out of use.
     fn retire(&mut self, qpn: u32) {
         let up = |c: &Conn| matches!(c, Conn::Up(_, qp) if qp.qpn() == qpn);

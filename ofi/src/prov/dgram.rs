@@ -38,19 +38,7 @@ impl State {
         let d = self.domain(dom)?;
         let dev = d.pd.device();
         let cq = dev.create_cq(2 * DEPTH).map_err(|_| abi::FI_ENOMEM)?;
-        let mut init = QpInit::new(&cq, &cq);
-        init.qp_type = QpType::Ud;
-        init.max_send_wr = DEPTH;
-        init.max_recv_wr = DEPTH;
-        init.max_send_sge = crate::info::IOV_LIMIT as u32;
-        // The GRH area, then the caller's buffers.
-        init.max_recv_sge = crate::info::IOV_LIMIT as u32 + 1;
-        init.max_inline = ringbell_specs::wqe::MAX_INLINE_UD as u32;
-        let mut qp = d.pd.create_qp(&init).map_err(|e| {
-            eprintln!("ringbell-fi: creating a UD QP: {e}");
-            abi::FI_ENOMEM
-        })?;
-        qp.ud_ready(QKEY, 0).map_err(|_| abi::FI_ENOMEM)?;
+        let qp = ud_qp(d, &cq, None)?;
         Ok((
             Dgram {
                 qp,
@@ -147,6 +135,38 @@ impl State {
 
     /// Posts a receive of endpoint `ep` over `sges` (the caller's buffers), behind the
     /// domain's scratch area `grh` that takes the GRH.
+    /// `fi_ep_bind` of datagram endpoint `ep` (not enabled yet) to shared receive context
+    /// `srx`: its UD QP is made anew on the context's SRQ (UD QPs take receives from an
+    /// SRQ like RC QPs, ABI 18.7), so its address, which carries the QP number, changes
+    /// (`fi_getname` after the bind gives the new one). A context that took receives or
+    /// endpoints of another type is `-FI_EINVAL`.
+    pub fn dgram_bind_srx(&mut self, ep: usize, srx: usize) -> Result<(), Errno> {
+        let x = self.objs_ep(srx)?;
+        if x.srx_dgram == Some(false) {
+            return Err(EINVAL);
+        }
+        let srq = x.srq.as_ref().ok_or(EINVAL)?;
+        let e = self.objs_ep(ep)?;
+        let cq = e.cq.as_ref().ok_or(EINVAL)?;
+        let qp = ud_qp(self.domain(e.domain)?, cq, Some(srq))?;
+        let qpn = qp.qpn();
+        let e = self.ep_mut(ep)?;
+        if let Some(g) = e.dgram.as_mut() {
+            g.qp = qp;
+        }
+        e.rx_shared = Some(srx);
+        // The number that carries the QP number follows it; a claimed one is published
+        // anew with it (a number of the application's is published when enabled).
+        if e.service & DGRAM_SERVICE != 0 && !e.named && !e.claimed {
+            e.service = DGRAM_SERVICE | u64::from(qpn);
+            e.addr = make_addr([e.addr[4], e.addr[5], e.addr[6], e.addr[7]], e.service);
+        } else if e.claimed {
+            names::publish(e.service, e.nic, Some(qpn));
+        }
+        self.ep_mut(srx)?.srx_dgram = Some(true);
+        Ok(())
+    }
+
     pub(super) fn dgram_recv(
         &mut self,
         ep: usize,
@@ -163,12 +183,40 @@ impl State {
             ..grh
         });
         sgl.extend_from_slice(sges);
-        let g = e.dgram.as_mut().ok_or(EINVAL)?;
-        g.qp.post_recv(&[RecvWr { wr_id, sgl: &sgl }])
-            .map_err(|_| EAGAIN)?;
+        // The endpoint's QP, or a shared receive context's SRQ.
+        let posted = match (e.dgram.as_mut(), e.srq.as_mut()) {
+            (Some(g), _) => g.qp.post_recv(&[RecvWr { wr_id, sgl: &sgl }]),
+            (None, Some(srq)) if e.srx => srq.post_recv(&[RecvWr { wr_id, sgl: &sgl }]),
+            _ => return Err(EINVAL),
+        };
+        posted.map_err(|_| EAGAIN)?;
         e.ops.insert(wr_id, op);
         Ok(())
     }
+}
+
+/// A UD QP of domain `d` (ready to send) completing on `cq`, taking its receives from
+/// `srq` when given.
+fn ud_qp(
+    d: &Domain,
+    cq: &CompletionQueue,
+    srq: Option<&SharedReceiveQueue>,
+) -> Result<QueuePair, Errno> {
+    let mut init = QpInit::new(cq, cq);
+    init.qp_type = QpType::Ud;
+    init.srq = srq;
+    init.max_send_wr = DEPTH;
+    init.max_recv_wr = DEPTH;
+    init.max_send_sge = crate::info::IOV_LIMIT as u32;
+    // The GRH area, then the caller's buffers.
+    init.max_recv_sge = crate::info::IOV_LIMIT as u32 + 1;
+    init.max_inline = ringbell_specs::wqe::MAX_INLINE_UD as u32;
+    let mut qp = d.pd.create_qp(&init).map_err(|e| {
+        eprintln!("ringbell-fi: creating a UD QP: {e}");
+        abi::FI_ENOMEM
+    })?;
+    qp.ud_ready(QKEY, 0).map_err(|_| abi::FI_ENOMEM)?;
+    Ok(qp)
 }
 
 /// The payload bytes of a datagram receive that completed with `byte_len` (the GRH area

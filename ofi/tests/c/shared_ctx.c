@@ -5,9 +5,11 @@
  * with its own completions, in order.
  *
  * Receive (fi_srx_context): the offer for rx_ctx_cnt = FI_SHARED_CONTEXT (untagged
- * messages, RDM and connected endpoints), the context's refusals, and two endpoints of
- * rb1 bound to one context: receives posted to the context take the messages sent to
- * either, each exactly once.
+ * messages, RDM, connected and datagram endpoints), the context's refusals, and two
+ * endpoints of rb1 bound to one context: receives posted to the context take the messages
+ * sent to either, each exactly once. The same with datagram endpoints, whose address
+ * changes when they are bound (their UD QP is made anew on the context's SRQ), and a
+ * context that takes the receives of one kind of endpoint refusing the other.
  */
 #include "ctest.h"
 
@@ -42,7 +44,9 @@ static void shared_rx(void)
 	CHECK_EQ(fi_getinfo(CT_VERSION, NULL, NULL, 0, h, &none), -FI_ENODATA);
 	h->caps = FI_MSG;
 	h->ep_attr->type = FI_EP_DGRAM;
-	CHECK_EQ(fi_getinfo(CT_VERSION, NULL, NULL, 0, h, &none), -FI_ENODATA);
+	REQUIRE(fi_getinfo(CT_VERSION, NULL, NULL, 0, h, &none) == 0);
+	CHECK_EQ(none->ep_attr->rx_ctx_cnt, FI_SHARED_CONTEXT);
+	fi_freeinfo(none);
 	fi_freeinfo(h);
 
 	struct fid_fabric *fab = NULL;
@@ -142,6 +146,110 @@ static void shared_rx(void)
 	CHECK_EQ(fi_close(&cqb->fid), 0);
 	CHECK_EQ(fi_close(&ava->fid), 0);
 	CHECK_EQ(fi_close(&avb->fid), 0);
+	close_pair(list, fab, da, db);
+}
+
+/* A shared receive context of datagram endpoints. */
+static void shared_rx_dgram(void)
+{
+	struct fi_info *h = ct_hints(FI_MSG, 1), *list = NULL, *rdm = NULL;
+	h->ep_attr->type = FI_EP_DGRAM;
+	h->ep_attr->rx_ctx_cnt = FI_SHARED_CONTEXT;
+	REQUIRE(fi_getinfo(CT_VERSION, NULL, NULL, 0, h, &list) == 0);
+	REQUIRE(list && list->next);
+	h->ep_attr->type = FI_EP_RDM;
+	REQUIRE(fi_getinfo(CT_VERSION, NULL, NULL, 0, h, &rdm) == 0);
+	fi_freeinfo(h);
+	struct fid_fabric *fab = NULL;
+	struct fid_domain *da = NULL, *db = NULL;
+	open_pair(list, &fab, &da, &db);
+
+	struct fi_cq_attr cq_attr = {.format = FI_CQ_FORMAT_TAGGED, .size = 64};
+	struct fi_av_attr av_attr = {.type = FI_AV_TABLE};
+	struct fid_cq *cqa, *cqb;
+	struct fid_av *ava, *avb;
+	struct fid_ep *srx = NULL, *rc_srx = NULL, *ea, *eb[2], *r = NULL;
+	REQUIRE(fi_av_open(da, &av_attr, &ava, NULL) == 0);
+	REQUIRE(fi_av_open(db, &av_attr, &avb, NULL) == 0);
+	REQUIRE(fi_cq_open(da, &cq_attr, &cqa, NULL) == 0);
+	REQUIRE(fi_cq_open(db, &cq_attr, &cqb, NULL) == 0);
+	REQUIRE(fi_srx_context(db, list->next->rx_attr, &srx, NULL) == 0);
+	REQUIRE(fi_srx_context(db, NULL, &rc_srx, NULL) == 0);
+	REQUIRE(fi_endpoint(da, list, &ea, NULL) == 0);
+	REQUIRE(fi_ep_bind(ea, &ava->fid, 0) == 0);
+	REQUIRE(fi_ep_bind(ea, &cqa->fid, FI_TRANSMIT | FI_RECV) == 0);
+	REQUIRE(fi_enable(ea) == 0);
+
+	char *abuf = ct_pages(1 << 16), *bbuf = ct_pages(1 << 16);
+	struct fid_mr *amr, *bmr;
+	REQUIRE(fi_mr_reg(da, abuf, 1 << 16, FI_SEND | FI_RECV, 0, 0, 0, &amr, NULL) == 0);
+	REQUIRE(fi_mr_reg(db, bbuf, 1 << 16, FI_SEND | FI_RECV, 0, 0, 0, &bmr, NULL) == 0);
+	/* A context that took a receive for RC connections takes no datagram endpoint. */
+	CHECK_EQ(fi_recv(rc_srx, bbuf + 60000, 64, fi_mr_desc(bmr), FI_ADDR_UNSPEC, NULL), 0);
+
+	fi_addr_t to_b[2];
+	for (int i = 0; i < 2; i++) {
+		REQUIRE(fi_endpoint(db, list->next, &eb[i], NULL) == 0);
+		REQUIRE(fi_ep_bind(eb[i], &avb->fid, 0) == 0);
+		REQUIRE(fi_ep_bind(eb[i], &cqb->fid, FI_TRANSMIT | FI_RECV) == 0);
+		CHECK_EQ(fi_ep_bind(eb[i], &rc_srx->fid, 0), -FI_EINVAL);
+		char before[64], name[64];
+		size_t blen = sizeof(before), len = sizeof(name);
+		REQUIRE(fi_getname(&eb[i]->fid, before, &blen) == 0);
+		REQUIRE(fi_ep_bind(eb[i], &srx->fid, 0) == 0);
+		REQUIRE(fi_enable(eb[i]) == 0);
+		/* Its UD QP is new: so is its address. */
+		REQUIRE(fi_getname(&eb[i]->fid, name, &len) == 0);
+		CHECK(len == blen && memcmp(name, before, len) != 0);
+		REQUIRE(fi_av_insert(ava, name, 1, &to_b[i], 0, NULL) == 1);
+	}
+	/* An RDM endpoint does not share a datagram context. */
+	REQUIRE(fi_endpoint(db, rdm->next, &r, NULL) == 0);
+	CHECK_EQ(fi_ep_bind(r, &srx->fid, 0), -FI_EINVAL);
+	CHECK_EQ(fi_close(&r->fid), 0);
+
+	/* Receives go to the context, not to its endpoints. */
+	CHECK_EQ(fi_recv(eb[0], bbuf, 64, fi_mr_desc(bmr), FI_ADDR_UNSPEC, NULL), -FI_EOPBADSTATE);
+	for (int k = 0; k < 8; k++)
+		CHECK_EQ(fi_recv(srx, bbuf + 4096 * k, 4096, fi_mr_desc(bmr), FI_ADDR_UNSPEC,
+				 (void *)(uintptr_t)(0xb0 + k)),
+			 0);
+	struct fi_cq_tagged_entry e;
+	for (int k = 0; k < 8; k++) {
+		ct_fill(abuf + 4096 * k, 500 + k, 30 + k);
+		CHECK_EQ(fi_send(ea, abuf + 4096 * k, 500 + k, fi_mr_desc(amr), to_b[k % 2],
+				 (void *)(uintptr_t)(0xa0 + k)),
+			 0);
+		CHECK(ct_wait(cqa, &e) && e.op_context == (void *)(uintptr_t)(0xa0 + k));
+	}
+	/* Every datagram, to either endpoint, in a receive of the context, each once, in the
+	 * order sent (one sender: one path). */
+	for (int k = 0; k < 8; k++) {
+		fi_addr_t src = 0;
+		if (ct_read(cqb, &e, &src, 30) != 1) {
+			CHECK(!"a datagram in the shared context");
+			break;
+		}
+		CHECK(e.op_context == (void *)(uintptr_t)(0xb0 + k));
+		CHECK_EQ(e.flags, FI_RECV | FI_MSG);
+		CHECK_EQ(e.len, 500 + k);
+		CHECK(e.buf == bbuf + 4096 * k);
+		CHECK(ct_same(bbuf + 4096 * k, e.len, 30 + k));
+		CHECK_EQ(src, FI_ADDR_NOTAVAIL);
+	}
+	CHECK(ct_quiet(cqb));
+	for (int i = 0; i < 2; i++)
+		CHECK_EQ(fi_close(&eb[i]->fid), 0);
+	CHECK_EQ(fi_close(&srx->fid), 0);
+	CHECK_EQ(fi_close(&rc_srx->fid), 0);
+	CHECK_EQ(fi_close(&ea->fid), 0);
+	CHECK_EQ(fi_close(&amr->fid), 0);
+	CHECK_EQ(fi_close(&bmr->fid), 0);
+	CHECK_EQ(fi_close(&cqa->fid), 0);
+	CHECK_EQ(fi_close(&cqb->fid), 0);
+	CHECK_EQ(fi_close(&ava->fid), 0);
+	CHECK_EQ(fi_close(&avb->fid), 0);
+	fi_freeinfo(rdm);
 	close_pair(list, fab, da, db);
 }
 
@@ -251,5 +359,6 @@ int main(void)
 	CHECK_EQ(fi_close(&avb->fid), 0);
 	close_pair(list, fab, da, db);
 	shared_rx();
+	shared_rx_dgram();
 	return ct_summary_exit();
 }
