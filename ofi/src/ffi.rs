@@ -1174,6 +1174,7 @@ unsafe extern "C" fn endpoint(
         if msg_type || connreq.is_some() || pep.is_some() {
             ep.msg = Some(prov::MsgEp {
                 connreq,
+                tagged: info.is_some_and(|i| i.caps & abi::FI_TAGGED as u64 != 0),
                 ..Default::default()
             });
         }

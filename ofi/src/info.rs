@@ -234,7 +234,7 @@ impl Offer {
 
     /// The connected offer for NIC `domain` (`FI_EP_MSG`): messages, RMA and atomics over
     /// one RC connection per endpoint, made through a passive endpoint's event queue
-    /// (fi_cm(3)); no tagged messages.
+    /// (fi_cm(3)); tagged messages over a second one.
     pub fn msg_for_nic(domain: &str) -> Offer {
         Offer {
             ep_type: abi::fi_ep_type_FI_EP_MSG,
@@ -253,8 +253,10 @@ impl Offer {
     }
 }
 
-/// What a connected endpoint can do (remote accesses counted: `FI_RMA_EVENT`).
+/// What a connected endpoint can do (remote accesses counted: `FI_RMA_EVENT`; tagged
+/// messages over a channel of their own).
 pub const MSG_EP_CAPS: u64 = FI_MSG
+    | FI_TAGGED
     | FI_RMA
     | FI_ATOMIC
     | FI_READ
@@ -612,6 +614,22 @@ mod tests {
         };
         let o = match_offer(V, &asked, &rb0()).unwrap();
         assert_eq!(o.caps & ASKED_CAPS, ASKED_CAPS);
+    }
+
+    #[test]
+    fn connected_endpoints_offer_tagged_messages_to_those_that_ask() {
+        let msg = Offer::msg_for_nic("rb0");
+        let h = |caps| Hints {
+            caps,
+            ep_type: abi::fi_ep_type_FI_EP_MSG,
+            ..Default::default()
+        };
+        let o = match_offer(V, &h(FI_MSG | FI_TAGGED), &msg).unwrap();
+        assert_eq!(o.caps & (FI_MSG | FI_TAGGED), FI_MSG | FI_TAGGED);
+        assert_eq!(
+            match_offer(V, &h(FI_MSG), &msg).unwrap().caps & FI_TAGGED,
+            0
+        );
     }
 
     #[test]

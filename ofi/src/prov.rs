@@ -1048,9 +1048,10 @@ impl State {
             };
             let dev = &self.nics[&nic].dev;
             let cq = dev.create_cq(8192).map_err(|_| abi::FI_ENOMEM)?;
-            // (A connected endpoint has no tagged messages, nor one of a shared receive
-            // context.)
-            let tm = if connected || shared.is_some() {
+            // (A connected endpoint has tagged messages when its info asked for them; one
+            // of a shared receive context has none.)
+            let tagged_msg = self.objs_ep(ep)?.msg.as_ref().is_some_and(|m| m.tagged);
+            let tm = if (connected && !tagged_msg) || shared.is_some() {
                 None
             } else {
                 Some(tagged::matcher(&d.pd)?)
@@ -1064,6 +1065,15 @@ impl State {
         if !connected && !context {
             self.listen_on(nic, service)?;
         }
+        // A connected endpoint's tagged channel listens on a number of its own.
+        let tag_service = match (connected, &tm) {
+            (true, Some(_)) => {
+                let s = self.own_service();
+                self.listen_on(nic, s)?;
+                Some(s)
+            }
+            _ => None,
+        };
         let e = self.ep_mut(ep)?;
         // A connected endpoint is reached through its peer's passive endpoint, never by
         // its own number: only an RDM endpoint, which listens on it, is published.
@@ -1073,6 +1083,9 @@ impl State {
         e.srq = srq;
         e.cq = Some(cq);
         e.tm = tm;
+        if let Some(m) = e.msg.as_mut() {
+            m.tag_service = tag_service;
+        }
         e.sink = Some(sink);
         e.enabled = true;
         Ok(())
@@ -1695,8 +1708,9 @@ impl State {
         match e.conns.get_mut(&key) {
             Some(Conn::Up(..) | Conn::Tag(..)) => unreachable!("handled above"),
             Some(Conn::Pending(_, q)) => q.push(p),
-            // A connected endpoint's one connection is made by fi_connect/fi_accept.
-            None if e.msg.is_some() => return Err(abi::FI_ENOTCONN),
+            // A connected endpoint's one connection is made by fi_connect/fi_accept (its
+            // tagged channel's as an RDM endpoint's are).
+            None if e.msg.is_some() && key.1 != CH_TAG => return Err(abi::FI_ENOTCONN),
             None => {
                 let (ip, service) = parse_addr(&key.0).ok_or(EINVAL)?;
                 let ah = AhAttr::on_fabric(ip)
@@ -1709,6 +1723,14 @@ impl State {
                     new_qp(self.domain(dom)?, e, self.rx_srq(e))?
                 };
                 self.bind_remote_cntrs(ep, &qp, key.1);
+                // A connected endpoint's tagged channel is known by its own address.
+                let own = self
+                    .objs_ep(ep)?
+                    .msg
+                    .as_ref()
+                    .and_then(|m| m.tag_service)
+                    .filter(|_| key.1 == CH_TAG)
+                    .map_or(own, |s| make_addr([own[4], own[5], own[6], own[7]], s));
                 let mut private = own.to_vec();
                 private.push(key.1);
                 // The receive context the connection is for ([`sep`]).
@@ -2163,6 +2185,9 @@ impl State {
         }
         // Only an RDM endpoint listens; a datagram one may be published all the same (a
         // connected one never is).
+        if let Some(s) = ep.msg.as_ref().and_then(|m| m.tag_service) {
+            self.stop_listening(ep.nic, s, false);
+        }
         if ep.dgram.is_none() && ep.msg.is_none() {
             self.stop_listening(ep.nic, ep.service, ep.named);
         } else if ep.named && ep.dgram.is_some() {

@@ -181,6 +181,13 @@ fn c_msg_endpoints() {
     run("msgep", &[&[]]);
 }
 
+/// Tagged messages on connected endpoints, in-process and on served NICs.
+#[test]
+fn c_msg_endpoints_tagged() {
+    run("msgtag", &[&[]]);
+    run_served("msgtag", &[&[]]);
+}
+
 /// File-descriptor wait objects and `fi_trywait`, in-process (nothing sleeps while the
 /// fabric can still move) and on served NICs (the waits sleep until an interrupt).
 #[test]

@@ -118,10 +118,10 @@ fn hints_select_and_refuse() {
     assert_eq!(t.matches("provider: ringbell\n").count(), 3, "{t}");
     assert!(t.contains("domain: rb1"));
     assert_eq!(t.matches("type: FI_EP_RDM").count(), 1, "{t}");
-    // What no offer has: no data (FI_ENODATA, 61).
+    // What no offer has (tagged datagrams): no data (FI_ENODATA, 61).
     let o = fi_info(
         &dir,
-        &["-p", "ringbell", "-t", "FI_EP_MSG", "-c", "FI_TAGGED"],
+        &["-p", "ringbell", "-t", "FI_EP_DGRAM", "-c", "FI_TAGGED"],
         &[],
     );
     assert!(!o.status.success(), "{o:?}");

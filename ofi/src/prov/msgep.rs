@@ -9,6 +9,13 @@
 //!
 //! The endpoint is an RDM endpoint with one connection (one RC QP on its SRQ): messages,
 //! RMA and atomics go over it whatever address they name.
+//!
+//! Tagged messages (an endpoint whose info has `FI_TAGGED`) go over a tagged channel of
+//! the endpoint's own, as an RDM endpoint's do ([`CH_TAG`], [`tagged`]): once enabled
+//! the endpoint listens on a second service number of the process's, and each side of a
+//! connection gives the other the address of that channel ahead of the application's
+//! private data ([`TAG_PREFIX`] bytes, all zero for an endpoint without one); the first
+//! tagged send connects it, and both sides then send over that one connection.
 
 use super::*;
 
@@ -86,6 +93,8 @@ pub struct ConnReq {
     /// endpoint that accepts it has that address (as an accepted socket has its
     /// listener's).
     pub service: u64,
+    /// The address of the requester's tagged channel, if it has one.
+    pub peer_tag: Option<Addr>,
 }
 
 /// A connected endpoint's state.
@@ -97,6 +106,24 @@ pub struct MsgEp {
     /// Its one connection, once asked for.
     pub id: Option<ConnId>,
     pub key: Option<ConnKey>,
+    /// Its info asked for tagged messages: it has a tagged channel once enabled.
+    pub tagged: bool,
+    /// The service number its tagged channel listens on.
+    pub tag_service: Option<u64>,
+    /// The address of the peer's tagged channel, as the peer gave it when connecting.
+    pub peer_tag: Option<Addr>,
+    /// It accepted its connection (it did not ask for it).
+    pub accepted: bool,
+}
+
+/// Bytes ahead of the application's private data in a connection request or reply: the
+/// address of the sender's tagged channel (zero: none).
+pub const TAG_PREFIX: usize = ADDR_LEN;
+
+/// The tagged channel's address in the head of private data `p`, if any.
+fn tag_prefix_of(p: &[u8]) -> Option<Addr> {
+    let a: Addr = p.get(..TAG_PREFIX)?.try_into().ok()?;
+    parse_addr(&a).map(|_| a)
 }
 
 impl State {
@@ -256,6 +283,7 @@ impl State {
         let (ip, service) = parse_addr(&addr).ok_or(EINVAL)?;
         let ah = AhAttr::on_fabric(ip).ok_or(abi::FI_EHOSTUNREACH)?;
         let qp = new_qp(self.domain(e.domain)?, e, self.rx_srq(e))?;
+        let private = [&self.tag_prefix(ep)?[..], param].concat();
         // The endpoint's FI_REMOTE_WRITE/FI_REMOTE_READ counters count on its one QP.
         self.bind_remote_cntrs(ep, &qp, CH_MSG);
         let id = self
@@ -263,7 +291,7 @@ impl State {
             .get_mut(&nic)
             .ok_or(EINVAL)?
             .cm
-            .connect(ah, service, qp, &connect_opts(), param)
+            .connect(ah, service, qp, &connect_opts(), &private)
             .map_err(|_| EINVAL)?;
         let key = (addr, CH_MSG);
         let e = self.ep_mut(ep)?;
@@ -287,17 +315,18 @@ impl State {
         let Some(Obj::ConnReq(r)) = self.objs.get(&handle) else {
             return Err(EINVAL);
         };
-        let (nic, id, from) = (r.nic, r.id, r.from);
+        let (nic, id, from, peer_tag) = (r.nic, r.id, r.from, r.peer_tag);
         if nic != e.nic {
             return Err(EINVAL);
         }
         let qp = new_qp(self.domain(e.domain)?, e, self.rx_srq(e))?;
+        let private = [&self.tag_prefix(ep)?[..], param].concat();
         self.bind_remote_cntrs(ep, &qp, CH_MSG);
         self.nics
             .get_mut(&nic)
             .ok_or(EINVAL)?
             .cm
-            .accept(id, qp, &connect_opts(), param)
+            .accept(id, qp, &connect_opts(), &private)
             .map_err(|_| abi::FI_ECONNABORTED)?;
         let key = (make_addr(from.ip, u64::from(id.0)), CH_MSG);
         self.free_connreq(handle);
@@ -307,7 +336,28 @@ impl State {
         let m = e.msg.as_mut().ok_or(EINVAL)?;
         m.id = Some(id);
         m.key = Some(key);
+        m.peer_tag = peer_tag;
+        m.accepted = true;
         Ok(())
+    }
+
+    /// What endpoint `ep` puts ahead of its private data: its tagged channel's address.
+    fn tag_prefix(&self, ep: usize) -> Result<Addr, Errno> {
+        let e = self.objs_ep(ep)?;
+        let ip = self.nics.get(&e.nic).ok_or(EINVAL)?.cm.address().ip;
+        Ok(match e.msg.as_ref().and_then(|m| m.tag_service) {
+            Some(s) => make_addr(ip, s),
+            None => [0; TAG_PREFIX],
+        })
+    }
+
+    /// Where the tagged messages of connected endpoint `ep` go: its peer's tagged channel
+    /// (`-FI_ENOTCONN` before the connection is made, or when the peer has none).
+    pub(super) fn tag_dest(&self, ep: usize) -> Result<Option<Addr>, Errno> {
+        match self.objs_ep(ep)?.msg.as_ref() {
+            Some(m) => m.peer_tag.map(Some).ok_or(abi::FI_ENOTCONN),
+            None => Ok(None),
+        }
     }
 
     /// Forgets connection request `handle` and frees its `struct fid`.
@@ -422,6 +472,7 @@ impl State {
                 id,
                 from,
                 service,
+                peer_tag: tag_prefix_of(private),
             }),
         );
         self.eq_push(
@@ -430,7 +481,7 @@ impl State {
                 event: abi::FI_CONNREQ,
                 fid: key,
                 connreq: Some((nic, handle)),
-                data: private.to_vec(),
+                data: private.get(TAG_PREFIX..).unwrap_or_default().to_vec(),
                 listen,
                 written: false,
             }),
@@ -454,6 +505,22 @@ impl State {
     pub(super) fn msg_cm_event(&mut self, nic: usize, id: ConnId, what: MsgCm) {
         let Some((ep, eq)) = self.msg_ep_of(nic, id) else {
             return;
+        };
+        // The active side: the acceptor's reply, its tagged channel's address first.
+        let what = match what {
+            MsgCm::Up(data) => {
+                let Ok(e) = self.ep_mut(ep) else { return };
+                let active = e.msg.as_ref().is_some_and(|m| !m.accepted);
+                if active && data.len() >= TAG_PREFIX {
+                    if let Some(m) = e.msg.as_mut() {
+                        m.peer_tag = tag_prefix_of(&data);
+                    }
+                    MsgCm::Up(data[TAG_PREFIX..].to_vec())
+                } else {
+                    MsgCm::Up(data)
+                }
+            }
+            w => w,
         };
         let ev = match what {
             MsgCm::Up(data) => Ok(EqEvent {

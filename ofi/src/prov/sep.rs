@@ -131,9 +131,19 @@ impl State {
 
     /// The receive endpoint of NIC `nic` that a connection request for `service` and
     /// receive context `rx` reaches: an enabled RDM endpoint listening on `service` (for
-    /// context 0), or receive context `rx` of the scalable endpoint that does.
+    /// context 0), or receive context `rx` of the scalable endpoint that does, or the
+    /// connected endpoint whose tagged channel does.
     pub(crate) fn rx_target(&self, nic: usize, service: u64, rx: u8) -> Option<usize> {
         self.objs.iter().find_map(|(&k, o)| match o {
+            // A connected endpoint's tagged channel.
+            Obj::Ep(e)
+                if e.enabled
+                    && e.nic == nic
+                    && rx == 0
+                    && e.msg.as_ref().and_then(|m| m.tag_service) == Some(service) =>
+            {
+                Some(k)
+            }
             Obj::Ep(e) if e.enabled && e.nic == nic && e.service == service => match e.sep {
                 None if rx == 0 => Some(k),
                 Some(Sep::Rx { sep, index }) if index == usize::from(rx) => {

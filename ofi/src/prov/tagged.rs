@@ -345,7 +345,11 @@ impl State {
             }
             (e.domain, e.addr)
         };
-        let peer = self.dest_peer(ep, req.dest)?;
+        // (A connected endpoint's go to its peer's tagged channel, whatever the address.)
+        let peer = match self.tag_dest(ep)? {
+            Some(a) => a,
+            None => self.dest_peer(ep, req.dest)?,
+        };
         let total: usize = bufs.iter().map(|b| b.1).sum();
         if req.inject && total > INJECT {
             return Err(abi::FI_EMSGSIZE);

@@ -80,9 +80,10 @@ static void getinfo(void)
 	fi_freeinfo(list);
 	fi_freeinfo(h);
 
-	/* What the provider does not offer: -FI_ENODATA (fi_getinfo(3)). */
+	/* What the provider does not offer: -FI_ENODATA (fi_getinfo(3)); here tagged
+	 * datagrams. */
 	h = ct_hints(FI_MSG | FI_TAGGED, 1);
-	h->ep_attr->type = FI_EP_MSG;
+	h->ep_attr->type = FI_EP_DGRAM;
 	list = NULL;
 	CHECK_EQ(fi_getinfo(CT_VERSION, NULL, NULL, 0, h, &list), -FI_ENODATA);
 	CHECK(list == NULL);
