@@ -4,8 +4,8 @@
 //! same environment). The programs (`tests/mpi/*.c`) check their own results and exit
 //! non-zero with a message on a mismatch: a ring, wildcard receives, barriers and
 //! allreduces, large (rendezvous) messages, and probes (MPI_Probe, MPI_Iprobe, MPI_Mprobe,
-//! MPI_Improbe with MPI_Mrecv) with a cancelled receive; two of them again through the ob1
-//! PML over Open MPI's ofi BTL. And NetPIPE (netpipe-openmpi),
+//! MPI_Improbe with MPI_Mrecv) with a cancelled receive; three of them again through the ob1
+//! PML over Open MPI's ofi BTL (wildcard on eight ranks). And NetPIPE (netpipe-openmpi),
 //! unmodified: its integrity check of every message size up to 1 MiB between two ranks.
 
 mod common;
@@ -181,6 +181,45 @@ fn open_mpi_ob1_over_the_ofi_btl() {
             out.lines().find(|l| l.starts_with(&want)).unwrap_or("")
         );
     }
+}
+
+/// The wildcard program on eight ranks over the ofi BTL: rank 0 receives many small
+/// messages from every other rank while the BTL registers pieces of its receive pool beside
+/// pages receives are landing in. Registering memory once moved adopted pages again (a
+/// merge), and a DMA into them in that moment failed (`fi_cq_readerr`, provider error 11 or
+/// 21); pages adopted once now stay where they are.
+#[test]
+fn open_mpi_ob1_over_the_ofi_btl_with_wildcard_receives_on_eight_ranks() {
+    let bin = build();
+    let prov = common::provider_dir("mpi-btl8");
+    let served = common::Served::start_nodes("mpi-btl8", 8);
+    let mca = [
+        "--mca",
+        "pml",
+        "ob1",
+        "--mca",
+        "btl",
+        "self,ofi",
+        "--mca",
+        "btl_ofi_mode",
+        "2",
+        "--mca",
+        "btl_ofi_provider_include",
+        "ringbell",
+    ];
+    let o = launcher_with(&prov, &served.dir, 8, &bin, &mca)
+        .arg(bin.join("wildcard"))
+        .output()
+        .unwrap();
+    let out = text(&o);
+    assert!(
+        o.status.success(),
+        "wildcard over the ofi BTL failed ({}):\n{out}",
+        o.status
+    );
+    let line = out.lines().find(|l| l.starts_with("wildcard ok: 8 ranks"));
+    assert!(line.is_some(), "no 'wildcard ok: 8 ranks':\n{out}");
+    println!("over the ofi BTL: {}", line.unwrap_or(""));
 }
 
 /// NetPIPE's integrity run (`NPopenmpi -i`) over the provider: every message size from 1 byte
