@@ -137,49 +137,52 @@ fn open_mpi_on_four_ranks() {
     run_all(4);
 }
 
-/// The ob1 PML over Open MPI's ofi BTL in its two-sided mode (`btl_ofi_mode 2`): messages
-/// as sends, and large ones moved by RDMA READ and WRITE of registered memory. The BTL
-/// reads `FI_MR_VIRT_ADDR` in the info to address remote memory by virtual address rather
-/// than by offset (it asks for the remote-key bits without `FI_MR_LOCAL`).
+/// Open MPI's ob1 PML over its ofi BTL in the BTL's two-sided mode (`btl_ofi_mode 2`).
+const OB1_OVER_THE_OFI_BTL: [&str; 12] = [
+    "--mca",
+    "pml",
+    "ob1",
+    "--mca",
+    "btl",
+    "self,ofi",
+    "--mca",
+    "btl_ofi_mode",
+    "2",
+    "--mca",
+    "btl_ofi_provider_include",
+    "ringbell",
+];
+
+/// Runs `prog` on `ranks` ranks of `served` with [`OB1_OVER_THE_OFI_BTL`] and checks its
+/// "`prog` ok: `ranks` ranks" line.
+fn over_the_ofi_btl(bin: &Path, prov: &Path, served: &Path, ranks: usize, prog: &str) {
+    let o = launcher_with(prov, served, ranks, bin, &OB1_OVER_THE_OFI_BTL)
+        .arg(bin.join(prog))
+        .output()
+        .unwrap();
+    let out = text(&o);
+    assert!(
+        o.status.success(),
+        "{prog} over the ofi BTL failed ({}):\n{out}",
+        o.status
+    );
+    let want = format!("{prog} ok: {ranks} ranks");
+    let line = out.lines().find(|l| l.starts_with(&want));
+    assert!(line.is_some(), "{prog}: no '{want}':\n{out}");
+    println!("over the ofi BTL: {}", line.unwrap_or(""));
+}
+
+/// The ob1 PML over Open MPI's ofi BTL in its two-sided mode: messages as sends, and large
+/// ones moved by RDMA READ and WRITE of registered memory. The BTL reads `FI_MR_VIRT_ADDR`
+/// in the info to address remote memory by virtual address rather than by offset (it asks
+/// for the remote-key bits without `FI_MR_LOCAL`).
 #[test]
 fn open_mpi_ob1_over_the_ofi_btl() {
     let bin = build();
     let prov = common::provider_dir("mpi-btl");
     let served = common::Served::start_nodes("mpi-btl", 2);
-    let mca = [
-        "--mca",
-        "pml",
-        "ob1",
-        "--mca",
-        "btl",
-        "self,ofi",
-        "--mca",
-        "btl_ofi_mode",
-        "2",
-        "--mca",
-        "btl_ofi_provider_include",
-        "ringbell",
-    ];
     for prog in ["collectives", "large"] {
-        let o = launcher_with(&prov, &served.dir, 2, &bin, &mca)
-            .arg(bin.join(prog))
-            .output()
-            .unwrap();
-        let out = text(&o);
-        assert!(
-            o.status.success(),
-            "{prog} over the ofi BTL failed ({}):\n{out}",
-            o.status
-        );
-        let want = format!("{prog} ok: 2 ranks");
-        assert!(
-            out.lines().any(|l| l.starts_with(&want)),
-            "{prog}: no '{want}':\n{out}"
-        );
-        println!(
-            "over the ofi BTL: {}",
-            out.lines().find(|l| l.starts_with(&want)).unwrap_or("")
-        );
+        over_the_ofi_btl(&bin, &prov, &served.dir, 2, prog);
     }
 }
 
@@ -193,33 +196,7 @@ fn open_mpi_ob1_over_the_ofi_btl_with_wildcard_receives_on_eight_ranks() {
     let bin = build();
     let prov = common::provider_dir("mpi-btl8");
     let served = common::Served::start_nodes("mpi-btl8", 8);
-    let mca = [
-        "--mca",
-        "pml",
-        "ob1",
-        "--mca",
-        "btl",
-        "self,ofi",
-        "--mca",
-        "btl_ofi_mode",
-        "2",
-        "--mca",
-        "btl_ofi_provider_include",
-        "ringbell",
-    ];
-    let o = launcher_with(&prov, &served.dir, 8, &bin, &mca)
-        .arg(bin.join("wildcard"))
-        .output()
-        .unwrap();
-    let out = text(&o);
-    assert!(
-        o.status.success(),
-        "wildcard over the ofi BTL failed ({}):\n{out}",
-        o.status
-    );
-    let line = out.lines().find(|l| l.starts_with("wildcard ok: 8 ranks"));
-    assert!(line.is_some(), "no 'wildcard ok: 8 ranks':\n{out}");
-    println!("over the ofi BTL: {}", line.unwrap_or(""));
+    over_the_ofi_btl(&bin, &prov, &served.dir, 8, "wildcard");
 }
 
 /// NetPIPE's integrity run (`NPopenmpi -i`) over the provider: every message size from 1 byte
