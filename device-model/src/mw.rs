@@ -36,8 +36,8 @@ pub(crate) struct Binding {
     /// The window's first address as remote peers name it (0 when zero-based).
     pub(crate) va: u64,
     pub(crate) len: u64,
-    /// Offset of the window's first byte in the region.
-    pub(crate) mr_off: u64,
+    /// The region's address of the window's first byte.
+    pub(crate) mr_addr: u64,
     pub(crate) access: Access,
     /// Type 2: the QP it was bound through, the only one that reaches memory through it.
     pub(crate) qpn: u32,
@@ -194,7 +194,7 @@ impl Nic {
                 b.addr
             },
             len: b.len,
-            mr_off: b.addr - mr.va,
+            mr_addr: b.addr,
             access,
             qpn: if type2 { qpn } else { 0 },
         };
@@ -284,11 +284,13 @@ impl Nic {
             return Err(KeyError::NoAccess);
         }
         let off = crate::mem::offset_in(b.va, b.len, addr, len).ok_or(KeyError::OutOfBounds)?;
-        let mr = self
-            .mrs
-            .get(key_index(b.mr_key))
-            .filter(|m| m.key == b.mr_key)
-            .ok_or(KeyError::NoSuchKey)?;
-        Ok(mr.iova.wrapping_add(b.mr_off).wrapping_add(off))
+        // The bytes are the region's: translated as the region's own key would be.
+        self.check_key(
+            mw.pdn,
+            b.mr_key,
+            b.mr_addr.wrapping_add(off),
+            len,
+            Access::empty(),
+        )
     }
 }

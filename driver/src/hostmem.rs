@@ -381,7 +381,6 @@ fn adopt(dev: &Device, start: usize, end: usize, write: bool) -> Result<AdoptedP
     }
     note_device(dev);
     let mut extents = EXTENTS.lock().unwrap_or_else(PoisonError::into_inner);
-    let regions = &dev.inner.host.0;
     // The extents that overlap the pages, highest first.
     let over: Vec<usize> = extents
         .range(..b)
@@ -398,42 +397,21 @@ fn adopt(dev: &Device, start: usize, end: usize, write: bool) -> Result<AdoptedP
         }
         Ok(segs)
     };
-    // Inside one extent whose file still backs the pages: use it as it is.
-    if let [s] = over[..] {
+    // Pages inside or over extents still holding their pages: the extents are used as they
+    // are, only the pages between them (and around them) are adopted, a new extent each,
+    // and the region uses the mappings side by side (IOVA is VA + offset, so they are
+    // contiguous for the device). Nothing adopted moves: work the device has in flight on
+    // those pages is undisturbed.
+    let segs = checked(a, b)?;
+    let intact = over.iter().all(|&s| {
         let e = &extents[&s];
-        if s <= a && b <= e.end && backs(&checked(a, b)?, s, e.ino) {
-            let mut regs = regions.borrow_mut();
-            if let Some(r) = regs.get_mut(&s) {
-                r.mrs += 1;
-            } else {
-                dev.inner
-                    .port
-                    .dma_map(e.file.as_fd(), (e.end - s) as u64, iova(s))?;
-                regs.insert(s, Region { end: e.end, mrs: 1 });
-                extents.get_mut(&s).expect("found above").devices += 1;
-            }
-            return Ok(AdoptedPages {
-                dev: dev.clone(),
-                pages: vec![a],
-                range: (start, end),
-            });
-        }
+        backs(&within(&segs, s.max(a), e.end.min(b)), s, e.ino)
+    });
+    if intact {
+        return adopt_between(dev, &mut extents, &over, (a, b), &segs, (start, end));
     }
-    // Pages that run over extents still holding their pages: only the pages between them
-    // (and around them) are adopted, a new extent each, and the region uses the mappings
-    // side by side (IOVA is VA + offset, so they are contiguous for the device). Nothing
-    // adopted moves: work the device has in flight on those pages is undisturbed.
-    if !over.is_empty() {
-        let segs = checked(a, b)?;
-        let intact = over.iter().all(|&s| {
-            let e = &extents[&s];
-            backs(&within(&segs, s.max(a), e.end.min(b)), s, e.ino)
-        });
-        if intact {
-            return adopt_between(dev, &mut extents, &over, (a, b), &segs, (start, end));
-        }
-    }
-    // Otherwise adopt the union of the pages and the extents they overlap, for this device
+    // Otherwise (an extent no longer holds its pages: the program replaced them under a
+    // live region) adopt the union of the pages and the extents they overlap, for this device
     // and for every other device of this thread that maps one of those extents: each is
     // moved to the new file with it.
     let ua = over.last().map_or(a, |&s| s.min(a));
@@ -523,11 +501,30 @@ fn adopt(dev: &Device, start: usize, end: usize, write: bool) -> Result<AdoptedP
     })
 }
 
+/// Counts one more region on `dev`'s mapping of extent `s`, mapping the extent for `dev`
+/// first if it does not map it yet. [`release`] gives the count back.
+fn count_on(dev: &Device, extents: &mut BTreeMap<usize, Extent>, s: usize) -> Result<(), Error> {
+    let mut regs = dev.inner.host.0.borrow_mut();
+    if let Some(r) = regs.get_mut(&s) {
+        r.mrs += 1;
+        return Ok(());
+    }
+    let e = extents
+        .get_mut(&s)
+        .ok_or(Error::InvalidArgument("no adopted pages there"))?;
+    dev.inner
+        .port
+        .dma_map(e.file.as_fd(), (e.end - s) as u64, iova(s))?;
+    regs.insert(s, Region { end: e.end, mrs: 1 });
+    e.devices += 1;
+    Ok(())
+}
+
 /// Adopts the pages of `[a, b)` that none of the extents `over` (highest first; each still
 /// holding its pages) holds, one new extent per run, and counts a region over all of them
-/// on `dev`'s mappings. `segs`: the checked segments of `[a, b)`. A failure leaves the
-/// device's mappings as they were (runs already moved stay file-backed, as forgotten
-/// extents do).
+/// on `dev`'s mappings (a range inside one extent adopts nothing). `segs`: the checked
+/// segments of `[a, b)`. A failure gives back every count taken (runs already moved stay
+/// file-backed, as forgotten extents do).
 fn adopt_between(
     dev: &Device,
     extents: &mut BTreeMap<usize, Extent>,
@@ -547,81 +544,72 @@ fn adopt_between(
     if at < b {
         gaps.push((at, b));
     }
-    let port = &dev.inner.port;
-    let mut made: Vec<(usize, usize, File, u64)> = Vec::new();
-    let undo = |made: &[(usize, usize, File, u64)]| {
-        for (ga, gb, _, _) in made {
-            let _ = port.dma_unmap(iova(*ga), (gb - ga) as u64);
+    let mut pages = Vec::new();
+    let mut step = |extents: &mut BTreeMap<usize, Extent>, r: Result<usize, Error>| match r {
+        Ok(page) => {
+            pages.push(page);
+            Ok(())
+        }
+        Err(e) => {
+            for &p in &pages {
+                release(dev, extents, p);
+            }
+            Err(e)
         }
     };
+    // The extents first (a count is given back as easily as taken), then the runs between
+    // them (moving pages cannot be undone).
+    for &s in over {
+        let r = count_on(dev, extents, s).map(|()| s);
+        step(extents, r)?;
+    }
     for &(ga, gb) in &gaps {
-        let len = gb - ga;
-        let step = new_file(len).and_then(|file| {
-            let ino = file
-                .metadata()
-                .map_err(|e| Error::Memory(e.to_string()))?
-                .ino();
-            port.dma_map(file.as_fd(), len as u64, iova(ga))?;
-            if let Err(e) = transplant(ga, len, &file, &within(segs, ga, gb)) {
-                let _ = port.dma_unmap(iova(ga), len as u64);
-                return Err(e);
-            }
-            Ok((file, ino))
-        });
-        match step {
-            Ok((file, ino)) => made.push((ga, gb, file, ino)),
-            Err(e) => {
-                undo(&made);
-                return Err(e);
-            }
-        }
-    }
-    // The extents it lies in that this device does not map yet.
-    let mut regs = dev.inner.host.0.borrow_mut();
-    let mut mapped_now: Vec<usize> = Vec::new();
-    for &s in over {
-        if regs.contains_key(&s) {
-            continue;
-        }
-        let e = &extents[&s];
-        if let Err(e) = port.dma_map(e.file.as_fd(), (e.end - s) as u64, iova(s)) {
-            for m in &mapped_now {
-                let _ = port.dma_unmap(iova(*m), (extents[m].end - m) as u64);
-            }
-            undo(&made);
-            return Err(e.into());
-        }
-        mapped_now.push(s);
-    }
-    let mut pages = Vec::new();
-    for &s in over {
-        let end = extents[&s].end;
-        regs.entry(s).or_insert(Region { end, mrs: 0 }).mrs += 1;
-        pages.push(s);
-    }
-    for s in mapped_now {
-        if let Some(e) = extents.get_mut(&s) {
-            e.devices += 1;
-        }
-    }
-    for (ga, gb, file, ino) in made {
-        regs.insert(ga, Region { end: gb, mrs: 1 });
-        extents.insert(
-            ga,
-            Extent {
-                end: gb,
-                file,
-                ino,
-                devices: 1,
-            },
-        );
-        pages.push(ga);
+        let r = adopt_run(dev, extents, ga, gb, &within(segs, ga, gb)).map(|()| ga);
+        step(extents, r)?;
     }
     Ok(AdoptedPages {
         dev: dev.clone(),
         pages,
         range,
     })
+}
+
+/// Adopts the pages `[ga, gb)` (segments `segs`) as a new extent mapped by `dev`, counting
+/// one region on it.
+fn adopt_run(
+    dev: &Device,
+    extents: &mut BTreeMap<usize, Extent>,
+    ga: usize,
+    gb: usize,
+    segs: &[Segment],
+) -> Result<(), Error> {
+    let len = gb - ga;
+    let file = new_file(len)?;
+    let ino = file
+        .metadata()
+        .map_err(|e| Error::Memory(e.to_string()))?
+        .ino();
+    let port = &dev.inner.port;
+    port.dma_map(file.as_fd(), len as u64, iova(ga))?;
+    if let Err(e) = transplant(ga, len, &file, segs) {
+        let _ = port.dma_unmap(iova(ga), len as u64);
+        return Err(e);
+    }
+    dev.inner
+        .host
+        .0
+        .borrow_mut()
+        .insert(ga, Region { end: gb, mrs: 1 });
+    extents.insert(
+        ga,
+        Extent {
+            end: gb,
+            file,
+            ino,
+            devices: 1,
+        },
+    );
+    Ok(())
 }
 
 /// Records that the memory files with these inodes were replaced by copies (old, new) in a

@@ -191,32 +191,49 @@ impl Iommu {
         ))
     }
 
-    /// The pieces of `[iova, iova + len)` when it runs across mappings that are adjacent in
-    /// IOVA space: each piece's pointer and length, in order. A fault names the first byte
-    /// no mapping covers. (The usual access, inside one mapping, is [`Iommu::locate`]'s.)
+    /// For `[iova, iova + len)` running across mappings that are adjacent in IOVA space:
+    /// checks that they cover it, then calls `each(pointer, length, offset in the range)`
+    /// for each piece in order (nothing is called when a byte is not covered; the fault
+    /// names the first such byte). The usual access, inside one mapping, is
+    /// [`Iommu::locate`]'s.
     #[cold]
-    fn spanning(&self, iova: u64, len: usize) -> Result<Vec<(*mut u8, usize)>, DmaFault> {
-        let mut out = Vec::new();
-        let (mut at, mut left) = (iova, len as u64);
+    fn spanning(
+        &self,
+        iova: u64,
+        len: usize,
+        mut each: impl FnMut(*mut u8, usize, usize),
+    ) -> Result<(), DmaFault> {
+        self.walk(iova, len, &mut |_, _, _| {})?;
+        self.walk(iova, len, &mut each)
+    }
+
+    /// [`Iommu::spanning`]'s walk over the pieces, calling `f` as it goes.
+    fn walk(
+        &self,
+        iova: u64,
+        len: usize,
+        f: &mut dyn FnMut(*mut u8, usize, usize),
+    ) -> Result<(), DmaFault> {
+        let (mut at, mut done) = (iova, 0usize);
         let mut i = self
             .maps
             .partition_point(|(s, _)| *s <= iova)
             .checked_sub(1)
             .ok_or(DmaFault { iova })?;
-        while left > 0 {
+        while done < len {
             let (start, m) = self.maps.get(i).ok_or(DmaFault { iova: at })?;
             if at < *start || at - start >= m.len {
                 return Err(DmaFault { iova: at });
             }
             let off = at - start;
-            let n = left.min(m.len - off);
+            let n = ((len - done) as u64).min(m.len - off) as usize;
             // SAFETY: off + n <= m.len, inside the live mapping.
-            out.push((unsafe { m.map.as_mut_ptr().add(off as usize) }, n as usize));
-            at += n;
-            left -= n;
+            f(unsafe { m.map.as_mut_ptr().add(off as usize) }, n, done);
+            at += n as u64;
+            done += n;
             i += 1;
         }
-        Ok(out)
+        Ok(())
     }
 
     /// Checks that the range is mapped. In the on-demand window, that every page of it is
@@ -226,7 +243,7 @@ impl Iommu {
     pub fn check(&self, iova: u64, len: usize) -> Result<(), DmaFault> {
         match self
             .translate(iova, len)
-            .map_err(|_| self.spanning(iova, len))
+            .map_err(|_| self.spanning(iova, len, |_, _, _| {}))
         {
             Err(Ok(_)) => Ok(()),
             Err(Err(f)) => match self.process_addr(iova, len) {
@@ -245,19 +262,15 @@ impl Iommu {
         let p = match self.translate(iova, buf.len()) {
             Ok(p) => p,
             Err(_) => {
-                let f = match self.spanning(iova, buf.len()) {
-                    Err(f) => f,
-                    Ok(pieces) => {
-                        let mut done = 0;
-                        for (p, n) in pieces {
-                            // SAFETY: as below, for each piece (inside its live mapping).
-                            unsafe {
-                                std::ptr::copy_nonoverlapping(p, buf[done..].as_mut_ptr(), n)
-                            };
-                            done += n;
-                        }
-                        return Ok(());
-                    }
+                let n = buf.len();
+                let out = buf.as_mut_ptr();
+                // SAFETY: as below, for each piece (inside its live mapping), into `buf` at
+                // the piece's offset (the pieces add up to `buf.len()`).
+                let pieces = self.spanning(iova, n, |p, k, at| unsafe {
+                    std::ptr::copy_nonoverlapping(p, out.add(at), k)
+                });
+                let Err(f) = pieces else {
+                    return Ok(());
                 };
                 let va = self.process_addr(iova, buf.len()).ok_or(f)?;
                 let n = buf.len();
@@ -280,17 +293,13 @@ impl Iommu {
         let p = match self.translate(iova, data.len()) {
             Ok(p) => p,
             Err(_) => {
-                let f = match self.spanning(iova, data.len()) {
-                    Err(f) => f,
-                    Ok(pieces) => {
-                        let mut done = 0;
-                        for (p, n) in pieces {
-                            // SAFETY: as below, for each piece (inside its live mapping).
-                            unsafe { std::ptr::copy_nonoverlapping(data[done..].as_ptr(), p, n) };
-                            done += n;
-                        }
-                        return Ok(());
-                    }
+                // SAFETY: as below, for each piece (inside its live mapping), from `data` at
+                // the piece's offset (the pieces add up to `data.len()`).
+                let pieces = self.spanning(iova, data.len(), |p, k, at| unsafe {
+                    std::ptr::copy_nonoverlapping(data.as_ptr().add(at), p, k)
+                });
+                let Err(f) = pieces else {
+                    return Ok(());
                 };
                 let va = self.process_addr(iova, data.len()).ok_or(f)?;
                 let remote = [RemoteIoVec {

@@ -9,7 +9,7 @@ use crate::abi;
 use crate::pd::{RbMr, RbPd};
 use crate::qp::RbQp;
 use crate::state::{Kind, Owner, State};
-use ringbell::{MemoryWindow, MwBind, MwType, SendFlags, SendWr, WrOp};
+use ringbell::{MemoryWindow, MwBind, MwType, SendWr, WrOp};
 use std::os::raw::c_int;
 
 /// A ringbell memory window.
@@ -127,13 +127,7 @@ pub(crate) fn bind(st: &State, qp: &mut RbQp, mw: &mut RbMw, b: &abi::ibv_mw_bin
         Ok(op) => op,
         Err(e) => return e,
     };
-    let mut flags = SendFlags::empty();
-    if qp.sq_sig_all || b.send_flags & abi::ibv_send_flags_IBV_SEND_SIGNALED != 0 {
-        flags |= SendFlags::SIGNALED;
-    }
-    if b.send_flags & abi::ibv_send_flags_IBV_SEND_FENCE != 0 {
-        flags |= SendFlags::FENCE;
-    }
+    let flags = crate::qp::flags_of(b.send_flags, qp.sq_sig_all);
     let wr = SendWr::new(b.wr_id, op, &[]).flags(flags);
     let r = crate::qp::post_result(qp.drv.post_send(&[wr]));
     if r == 0 {

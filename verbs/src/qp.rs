@@ -397,7 +397,7 @@ pub(crate) fn query(
     0
 }
 
-fn flags_of(send_flags: u32, sig_all: bool) -> SendFlags {
+pub(crate) fn flags_of(send_flags: u32, sig_all: bool) -> SendFlags {
     let mut f = SendFlags::empty();
     if sig_all || send_flags & abi::ibv_send_flags_IBV_SEND_SIGNALED != 0 {
         f |= SendFlags::SIGNALED;

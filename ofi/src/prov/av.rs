@@ -193,9 +193,11 @@ impl Drop for Shared {
 }
 
 impl Shared {
-    /// Bytes of a file of `capacity` slots.
-    fn len(capacity: usize) -> usize {
-        8 * (HEADER_WORDS + capacity) + ADDR_LEN * capacity
+    /// Bytes of a file of `capacity` slots; `None` when that is more than an address space
+    /// holds (a capacity read from a file another process wrote is not trusted).
+    fn len(capacity: usize) -> Option<usize> {
+        let words = HEADER_WORDS.checked_add(capacity)?.checked_mul(8)?;
+        words.checked_add(ADDR_LEN.checked_mul(capacity)?)
     }
 
     /// Word `i` of the mapping.
@@ -224,7 +226,7 @@ impl Shared {
             Err(_) => return Err(abi::FI_EACCES),
         };
         let size = file.metadata().map_err(|_| EINVAL)?.len() as usize;
-        if size < Shared::len(0) {
+        if size < 8 * HEADER_WORDS {
             return Ok(None);
         }
         let map = Mapping::of(&file, size)?;
@@ -235,7 +237,9 @@ impl Shared {
             path: None,
         };
         let capacity = s.word(1).load(Ordering::Acquire) as usize;
-        if s.word(0).load(Ordering::Acquire) != MAGIC || Shared::len(capacity) > size {
+        if s.word(0).load(Ordering::Acquire) != MAGIC
+            || Shared::len(capacity).is_none_or(|l| l > size)
+        {
             return Ok(None);
         }
         s.capacity = capacity;
@@ -245,6 +249,7 @@ impl Shared {
     /// Opens the file at `path` for writing, creating it with `capacity` slots when there
     /// is none or its creator is gone.
     fn open_or_create(path: &std::path::Path, capacity: usize) -> Result<Shared, Errno> {
+        let len = Shared::len(capacity).ok_or(abi::FI_ENOMEM)?;
         for _ in 0..8 {
             match std::fs::OpenOptions::new()
                 .read(true)
@@ -253,9 +258,8 @@ impl Shared {
                 .open(path)
             {
                 Ok(file) => {
-                    file.set_len(Shared::len(capacity) as u64)
-                        .map_err(|_| abi::FI_ENOMEM)?;
-                    let map = Mapping::of(&file, Shared::len(capacity))?;
+                    file.set_len(len as u64).map_err(|_| abi::FI_ENOMEM)?;
+                    let map = Mapping::of(&file, len)?;
                     let s = Shared {
                         map,
                         capacity,
