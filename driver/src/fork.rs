@@ -17,8 +17,12 @@
 //! place of each descriptor of the original (`dup2`, keeping close-on-exec). The child's
 //! first steps must not allocate before that is done: the C library's allocator may keep its
 //! state in adopted pages, which are still shared until then; so the copies and the plan are
-//! made in the parent, and the child only makes system calls. The parent then closes its
-//! copies. The child has what fork gives any other memory, a copy as of the fork, and the
+//! made in the parent, and the child only makes system calls, reading what to do from a
+//! private anonymous mapping of their own (the heap may be adopted memory, still shared,
+//! where the parent frees the plan and goes on allocating while the child works). The copies
+//! are filled last, so that nothing changes memory between them and the fork: a heap arena
+//! may be partly adopted (copied) and partly not (forked), and the two must agree. The
+//! parent then closes its copies. The child has what fork gives any other memory, a copy as of the fork, and the
 //! parent keeps its own. A child that keeps using a device in this process (the in-process
 //! emulator was duplicated with it) drives its own copy. Once a device of the process lives
 //! elsewhere (a served emulator, hardware), the driver's own files (rings, mailboxes, DMA
@@ -37,12 +41,13 @@
 use crate::hostmem::Segment;
 use nix::fcntl::{fcntl, FcntlArg, FdFlag};
 use nix::sys::memfd::{memfd_create, MemFdCreateFlag};
-use nix::sys::mman::{mmap, MapFlags, ProtFlags};
+use nix::sys::mman::{mmap, mmap_anonymous, munmap, MapFlags, ProtFlags};
 use std::collections::BTreeMap;
 use std::fs::File;
 use std::num::NonZeroUsize;
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd, RawFd};
+use std::os::fd::{AsRawFd, BorrowedFd, RawFd};
 use std::os::unix::fs::{FileExt, MetadataExt};
+use std::ptr::NonNull;
 use std::sync::atomic::{AtomicBool, AtomicPtr, Ordering};
 use std::sync::Once;
 
@@ -89,6 +94,8 @@ struct Plan {
 /// One memory file of ours and its copy.
 struct Copy {
     copy: File,
+    /// The original's name, for a report.
+    name: String,
     /// (old, new) inodes.
     inodes: (u64, u64),
     maps: Vec<Segment>,
@@ -99,6 +106,11 @@ struct Copy {
 extern "C" fn before() {
     // Never unwind into the C library's fork.
     let _ = std::panic::catch_unwind(|| {
+        // A plan an earlier fork left (its handlers did not run) goes with its steps.
+        free(
+            PLAN.swap(std::ptr::null_mut(), Ordering::AcqRel),
+            STEPS.swap(std::ptr::null_mut(), Ordering::AcqRel),
+        );
         let plan = match plan() {
             Ok(p) if !p.copies.is_empty() => p,
             Ok(_) => return,
@@ -109,52 +121,216 @@ extern "C" fn before() {
         };
         let p = Box::into_raw(plan);
         // SAFETY: just leaked above; only this thread sees it until it is published.
-        if let Err(e) = fill(unsafe { &mut *p }) {
-            // SAFETY: as above, not published.
-            drop(unsafe { Box::from_raw(p) });
+        let plan = unsafe { &mut *p };
+        // The steps are written first: `fill` must be the last thing before the fork that
+        // changes memory, so that a copy of the heap shows the allocator's state at the fork
+        // (a heap arena may be partly adopted memory, copied, and partly not, forked).
+        let steps = match steps(plan) {
+            Ok(s) => s,
+            Err(e) => {
+                // SAFETY: as above, not published.
+                drop(unsafe { Box::from_raw(p) });
+                eprintln!("ringbell: before fork: cannot copy device memory: {e}");
+                return;
+            }
+        };
+        if let Err(e) = fill(plan) {
+            free(p, steps.as_ptr());
             eprintln!("ringbell: before fork: cannot copy device memory: {e}");
             return;
         }
-        let old = PLAN.swap(p, Ordering::AcqRel);
-        if !old.is_null() {
-            // SAFETY: a plan an earlier fork left (its handlers did not run), made by
-            // `Box::into_raw` here and no longer reachable from PLAN.
-            drop(unsafe { Box::from_raw(old) });
-        }
+        PLAN.store(p, Ordering::Release);
+        STEPS.store(steps.as_ptr(), Ordering::Release);
     });
 }
 
 extern "C" fn in_parent() {
-    let p = PLAN.swap(std::ptr::null_mut(), Ordering::AcqRel);
-    if !p.is_null() {
-        // SAFETY: the plan `before` leaked for this fork, taken out of PLAN; dropping it
-        // closes the parent's descriptors of the copies (the child has its own).
-        drop(unsafe { Box::from_raw(p) });
+    // Dropping the plan closes the parent's descriptors of the copies (the child has its
+    // own); the child reads nothing of it until its heap is its own.
+    free(
+        PLAN.swap(std::ptr::null_mut(), Ordering::AcqRel),
+        STEPS.swap(std::ptr::null_mut(), Ordering::AcqRel),
+    );
+}
+
+/// Drops a plan and unmaps its steps, either of which may be null.
+fn free(plan: *mut Plan, steps: *mut Steps) {
+    if !plan.is_null() {
+        // SAFETY: a plan `before` leaked (`Box::into_raw`), taken out of PLAN, so nothing
+        // else refers to it.
+        drop(unsafe { Box::from_raw(plan) });
+    }
+    if let Some(s) = NonNull::new(steps) {
+        // SAFETY: a mapping `steps` made, taken out of STEPS; its size is in its header.
+        let _ = unsafe { munmap(s.cast(), s.as_ref().bytes) };
     }
 }
 
 extern "C" fn in_child() {
     let p = PLAN.swap(std::ptr::null_mut(), Ordering::AcqRel);
-    if p.is_null() {
+    let Some(s) = NonNull::new(STEPS.swap(std::ptr::null_mut(), Ordering::AcqRel)) else {
         return;
+    };
+    // SAFETY: the steps `before` wrote for this fork in a private anonymous mapping, this
+    // process's own copy since the fork; read only. Nothing on the heap is read before
+    // they are done: the heap may be adopted memory still shared with the parent, which
+    // frees the plan and goes on allocating meanwhile.
+    let steps =
+        unsafe { std::slice::from_raw_parts(s.as_ptr().add(1).cast::<Step>(), s.as_ref().len) };
+    // The first failure: which copy, where (address or descriptor), and why.
+    let mut failed: Option<(usize, usize, nix::Error)> = None;
+    for st in steps {
+        if let Err(e) = st.run() {
+            failed = failed.or(Some((st.copy, st.at(), e)));
+        }
     }
-    // SAFETY: the plan `before` made, inherited from the parent and taken out of PLAN; read
-    // only (no allocation) until every copy is in place.
-    let plan = unsafe { &*p };
-    let mut ok = true;
-    for c in &plan.copies {
-        ok &= put_in_place(c).is_ok();
-    }
-    // The shared pages are replaced: allocating is safe again.
+    // The shared pages are replaced: the heap is this process's own, with the bytes it
+    // had when `before` copied it, the plan among them; allocating is safe again.
     let _ = std::panic::catch_unwind(|| {
-        let pairs: Vec<(u64, u64)> = plan.copies.iter().map(|c| c.inodes).collect();
-        crate::hostmem::renamed(&pairs);
-        if !ok {
-            eprintln!("ringbell: after fork, some device memory stays shared with the parent");
+        // SAFETY: the plan `before` made, in this process's own copy of the heap now.
+        if let Some(plan) = unsafe { p.as_ref() } {
+            let pairs: Vec<(u64, u64)> = plan.copies.iter().map(|c| c.inodes).collect();
+            crate::hostmem::renamed(&pairs);
+            if let Some((i, at, e)) = failed {
+                eprintln!(
+                    "ringbell: after fork, some device memory stays shared with the parent \
+                     ({} at {at:#x}: {e})",
+                    plan.copies[i].name
+                );
+            }
         }
     });
-    // SAFETY: as above; nothing else refers to the plan.
-    drop(unsafe { Box::from_raw(p) });
+    free(p, s.as_ptr());
+}
+
+/// The calls the child makes before anything else (the steps of [`in_child`]): a header
+/// and its steps, in a private anonymous mapping of their own, which `fork` copies.
+static STEPS: AtomicPtr<Steps> = AtomicPtr::new(std::ptr::null_mut());
+
+/// The header of the steps' mapping; `len` [`Step`]s follow it.
+#[repr(C)]
+struct Steps {
+    /// Bytes of the mapping, header included.
+    bytes: usize,
+    len: usize,
+}
+
+/// One system call of the child: map a copy over a mapping of its original, or put it in
+/// the place of one of the original's descriptors.
+#[derive(Clone, Copy)]
+#[repr(C)]
+struct Step {
+    /// The copy's index in the plan.
+    copy: usize,
+    /// The copy's descriptor.
+    src: RawFd,
+    /// The descriptor to replace, or -1 for a mapping.
+    fd: RawFd,
+    /// A mapping's protection ([`ProtFlags`] bits).
+    prot: i32,
+    addr: usize,
+    len: usize,
+    offset: i64,
+}
+
+impl Step {
+    /// Where it acts: the mapping's address or the descriptor.
+    fn at(&self) -> usize {
+        if self.fd < 0 {
+            self.addr
+        } else {
+            self.fd as usize
+        }
+    }
+
+    /// Makes the call. System calls only.
+    fn run(&self) -> nix::Result<()> {
+        // SAFETY: the copy's descriptor, open in this process (inherited from the parent,
+        // which made it before the fork).
+        let src = unsafe { BorrowedFd::borrow_raw(self.src) };
+        if self.fd >= 0 {
+            let cloexec = fcntl(self.fd, FcntlArg::F_GETFD)
+                .map(|b| FdFlag::from_bits_truncate(b).contains(FdFlag::FD_CLOEXEC))
+                .unwrap_or(true);
+            nix::unistd::dup2(src.as_raw_fd(), self.fd)?;
+            if cloexec {
+                fcntl(self.fd, FcntlArg::F_SETFD(FdFlag::FD_CLOEXEC))?;
+            }
+            return Ok(());
+        }
+        let (Some(addr), Some(len)) = (NonZeroUsize::new(self.addr), NonZeroUsize::new(self.len))
+        else {
+            return Ok(());
+        };
+        // SAFETY: replaces a mapping of ours with a mapping of the copy of its bytes at the
+        // same addresses, length and protection: every pointer into it stays valid and
+        // reads what it read when `before` copied it.
+        unsafe {
+            mmap(
+                Some(addr),
+                len,
+                ProtFlags::from_bits_truncate(self.prot),
+                MapFlags::MAP_SHARED | MapFlags::MAP_FIXED,
+                src,
+                self.offset,
+            )
+        }
+        .map(drop)
+    }
+}
+
+/// Writes the child's steps for `plan` into a new private anonymous mapping.
+fn steps(plan: &Plan) -> nix::Result<NonNull<Steps>> {
+    let mut all = Vec::new();
+    for (i, c) in plan.copies.iter().enumerate() {
+        let src = c.copy.as_raw_fd();
+        for s in &c.maps {
+            let mut prot = ProtFlags::empty();
+            prot.set(ProtFlags::PROT_READ, s.read);
+            prot.set(ProtFlags::PROT_WRITE, s.write);
+            all.push(Step {
+                copy: i,
+                src,
+                fd: -1,
+                prot: prot.bits(),
+                addr: s.start,
+                len: s.end - s.start,
+                offset: s.offset as i64,
+            });
+        }
+        all.extend(c.fds.iter().map(|&fd| Step {
+            copy: i,
+            src,
+            fd,
+            prot: 0,
+            addr: 0,
+            len: 0,
+            offset: 0,
+        }));
+    }
+    let bytes = std::mem::size_of::<Steps>() + std::mem::size_of_val(all.as_slice());
+    let size = NonZeroUsize::new(bytes).expect("the header has a size");
+    // SAFETY: a new private anonymous mapping the kernel places.
+    let mem = unsafe {
+        mmap_anonymous(
+            None,
+            size,
+            ProtFlags::PROT_READ | ProtFlags::PROT_WRITE,
+            MapFlags::MAP_PRIVATE,
+        )?
+    };
+    let head = mem.cast::<Steps>();
+    // SAFETY: the mapping is `bytes` long, page aligned and this function's alone: a header,
+    // then room for every step (`Step`'s alignment, 8, divides the header's size, 16).
+    unsafe {
+        head.as_ptr().write(Steps {
+            bytes,
+            len: all.len(),
+        });
+        let first = head.as_ptr().add(1).cast::<Step>();
+        std::ptr::copy_nonoverlapping(all.as_ptr(), first, all.len());
+    }
+    Ok(head)
 }
 
 /// Lists every ringbell memory file this process maps or holds and makes an empty copy of
@@ -218,6 +394,7 @@ fn plan() -> std::io::Result<Box<Plan>> {
         let new = copy.metadata()?.ino();
         copies.push(Copy {
             copy,
+            name: base.to_string(),
             inodes: (ino, new),
             maps,
             fds,
@@ -255,49 +432,6 @@ fn fill(plan: &mut Plan) -> std::io::Result<()> {
                 c.copy.write_all_at(&plan.buf[..n], at)?;
                 at += n as u64;
             }
-        }
-    }
-    Ok(())
-}
-
-/// In the child: maps the copy over each mapping of the original and puts it in the place of
-/// each of its descriptors. System calls only.
-fn put_in_place(c: &Copy) -> nix::Result<()> {
-    for s in &c.maps {
-        let mut prot = ProtFlags::empty();
-        if s.read {
-            prot |= ProtFlags::PROT_READ;
-        }
-        if s.write {
-            prot |= ProtFlags::PROT_WRITE;
-        }
-        let (Some(addr), Some(len)) = (
-            NonZeroUsize::new(s.start),
-            NonZeroUsize::new(s.end - s.start),
-        ) else {
-            continue;
-        };
-        // SAFETY: replaces a mapping of ours with a mapping of the copy of its bytes at the
-        // same addresses, length and protection: every pointer into it stays valid and
-        // reads what it read at the fork.
-        unsafe {
-            mmap(
-                Some(addr),
-                len,
-                prot,
-                MapFlags::MAP_SHARED | MapFlags::MAP_FIXED,
-                c.copy.as_fd(),
-                s.offset as i64,
-            )?
-        };
-    }
-    for &fd in &c.fds {
-        let cloexec = fcntl(fd, FcntlArg::F_GETFD)
-            .map(|b| FdFlag::from_bits_truncate(b).contains(FdFlag::FD_CLOEXEC))
-            .unwrap_or(true);
-        nix::unistd::dup2(c.copy.as_raw_fd(), fd)?;
-        if cloexec {
-            fcntl(fd, FcntlArg::F_SETFD(FdFlag::FD_CLOEXEC))?;
         }
     }
     Ok(())
