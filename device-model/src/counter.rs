@@ -148,7 +148,7 @@ impl TriggerTable {
 pub(crate) fn send_event(op: SendOpcode) -> CntrEvents {
     match op {
         SendOpcode::Send | SendOpcode::SendImm | SendOpcode::SendInv => CntrEvents::SEND,
-        SendOpcode::Write | SendOpcode::WriteImm => CntrEvents::WRITE,
+        SendOpcode::Write | SendOpcode::WriteImm | SendOpcode::AtomicWrite => CntrEvents::WRITE,
         SendOpcode::Read | SendOpcode::CmpSwap | SendOpcode::FetchAdd => CntrEvents::READ,
         // Work of the NIC's own: no transfer to count.
         SendOpcode::BindMw | SendOpcode::LocalInv => CntrEvents::empty(),

@@ -95,8 +95,11 @@ impl Nic {
             SendOpcode::Read => FmOp::Read,
             SendOpcode::CmpSwap => FmOp::CmpSwap,
             SendOpcode::FetchAdd => FmOp::FetchAdd,
-            // Memory-window work and invalidating SENDs take the packet path.
-            SendOpcode::BindMw | SendOpcode::LocalInv | SendOpcode::SendInv => return false,
+            // Memory-window work, invalidating SENDs and ATOMIC WRITEs take the packet path.
+            SendOpcode::BindMw
+            | SendOpcode::LocalInv
+            | SendOpcode::SendInv
+            | SendOpcode::AtomicWrite => return false,
         };
         // READ data and an atomic's result are written into the local list.
         let (local, need) = match op {

@@ -340,6 +340,7 @@ impl Nic {
             | Caps::REREG_MR
             | Caps::UC
             | Caps::RESIZE_CQ
+            | Caps::ATOMIC_WRITE
             | if self.cfg.max_dm_size > 0 {
                 Caps::DEVICE_MEMORY
             } else {

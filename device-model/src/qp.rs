@@ -1031,6 +1031,7 @@ impl Nic {
             SendOpcode::FetchAdd => CqeOpcode::FetchAdd,
             SendOpcode::BindMw => CqeOpcode::BindMw,
             SendOpcode::LocalInv => CqeOpcode::LocalInv,
+            SendOpcode::AtomicWrite => CqeOpcode::AtomicWrite,
         };
         Cqe {
             opcode: opcode as u8,

@@ -356,6 +356,7 @@ impl Nic {
                 let is_send = w.op.is_send();
                 let (first, last) = (k == 0, k + 1 == npsn);
                 let opcode = match (is_send, first, last, w.op.has_imm()) {
+                    _ if w.op == SendOpcode::AtomicWrite => Opcode::AtomicWrite,
                     (true, true, true, _) if w.op == SendOpcode::SendInv => Opcode::SendOnlyInv,
                     (true, false, true, _) if w.op == SendOpcode::SendInv => Opcode::SendLastInv,
                     (true, true, true, false) => Opcode::SendOnly,
@@ -588,11 +589,15 @@ impl Nic {
             return Err(((CqeStatus::LocQpOpErr, VendorSyndrome::BadOpcode), nbb));
         };
         // UC has SEND and RDMA WRITE only (and binds and local invalidation, which need
-        // no packet); SEND with invalidate is RC's alone.
+        // no packet); SEND with invalidate and ATOMIC WRITE are RC's alone.
         if qp.uc
             && matches!(
                 op,
-                SendOpcode::Read | SendOpcode::CmpSwap | SendOpcode::FetchAdd | SendOpcode::SendInv
+                SendOpcode::Read
+                    | SendOpcode::CmpSwap
+                    | SendOpcode::FetchAdd
+                    | SendOpcode::SendInv
+                    | SendOpcode::AtomicWrite
             )
         {
             return Err(((CqeStatus::LocQpOpErr, VendorSyndrome::BadOpcode), nbb));
@@ -1588,6 +1593,10 @@ pub(crate) fn decode_send_wqe_into(
     }
     if op.is_atomic() {
         w.len = 8;
+    }
+    // ATOMIC WRITE: its 8 bytes inline, nothing else.
+    if op == SendOpcode::AtomicWrite && (!flags.contains(WqeFlags::INLINE) || w.len != 8) {
+        return bad(VendorSyndrome::BadSegment);
     }
     Ok(())
 }

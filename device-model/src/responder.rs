@@ -288,6 +288,7 @@ impl Nic {
             | Opcode::WriteOnlyImm => self.rx_write(env, qp, pkt, op, ready),
             Opcode::ReadRequest => self.rx_read(env, qp, pkt, ready),
             Opcode::CompareSwap | Opcode::FetchAdd => self.rx_atomic(env, qp, pkt, op, ready),
+            Opcode::AtomicWrite => self.rx_atomic_write(env, qp, pkt, ready),
             _ => Err(Fault::Fatal(NakCode::InvalidRequest, None)),
         };
         match r {
@@ -1002,6 +1003,51 @@ impl Nic {
                 ready,
             );
         }
+        Ok(())
+    }
+
+    /// IBTA 1.5 ATOMIC WRITE (ABI 1.10): 8 bytes to a naturally aligned address the R_Key
+    /// allows writing, stored whole, acknowledged like an RDMA WRITE. Anything else about
+    /// it (another length, a misaligned address, a message in progress) is an invalid
+    /// request; a duplicate is acknowledged without being written again.
+    fn rx_atomic_write(
+        &mut self,
+        env: &mut dyn Env,
+        qp: &mut Qp,
+        pkt: &Packet<'_>,
+        ready: SimTime,
+    ) -> Result<(), Fault> {
+        Self::check_sequence(qp, Opcode::AtomicWrite, false)?;
+        let Some(reth) = pkt.repr.reth else {
+            return Err(Fault::Fatal(NakCode::InvalidRequest, None));
+        };
+        if reth.len != 8
+            || pkt.payload.len() != 8
+            || !reth.va.is_multiple_of(8)
+            || !qp.access().contains(Access::REMOTE_WRITE)
+        {
+            return Err(Fault::Fatal(NakCode::InvalidRequest, None));
+        }
+        let iova = self
+            .check_rkey(qp.pdn, qp.qpn, reth.rkey, reth.va, 8, Access::REMOTE_WRITE)
+            .map_err(|_| Fault::Fatal(NakCode::RemoteAccessError, None))?;
+        if let Err(f) = self.dm.check(env, iova, 8) {
+            self.iommu_fault(env, qp.qpn, f.iova);
+            return Err(Fault::Fatal(NakCode::RemoteOperationalError, None));
+        }
+        self.post_dma_write(env, ready, iova, pkt.payload, qp.qpn);
+        qp.resp.epsn = qp.resp.epsn.add(1);
+        qp.resp.msn = qp.resp.msn.wrapping_add(1);
+        let c = qp.cntrs;
+        self.qp_count(env, &c, CntrEvents::REMOTE_WRITE, true, ready);
+        self.mr_count(env, reth.rkey, CntrEvents::REMOTE_WRITE, ready);
+        self.send_ack(
+            env,
+            qp,
+            pkt.repr.bth.psn,
+            AethSyndrome::Ack { credits: 0x1F },
+            ready,
+        );
         Ok(())
     }
 

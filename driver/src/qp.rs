@@ -71,6 +71,10 @@ pub enum WrOp {
     BindMw(MwBind),
     /// Invalidates the type 2 memory window with this key (ABI 1.9). No data.
     LocalInv(u32),
+    /// IBTA 1.5 ATOMIC WRITE (ABI 1.10; RC only): the request's 8 inline bytes
+    /// ([`SendWr::inline`]) stored whole at an 8-byte aligned remote address. Whatever the
+    /// QP's `max_inline`: the bytes travel in the WQE.
+    AtomicWrite(RemoteAddr),
 }
 
 /// What a [`WrOp::BindMw`] binds: the window, its key after the bind, and the part of a
@@ -423,6 +427,7 @@ fn plan_send_wqe(
         WrOp::SendInv(key) => (SendOpcode::SendInv, None, None, key),
         WrOp::BindMw(_) => (SendOpcode::BindMw, None, None, 0),
         WrOp::LocalInv(key) => (SendOpcode::LocalInv, None, None, key),
+        WrOp::AtomicWrite(r) => (SendOpcode::AtomicWrite, Some(r), None, 0),
     };
     if opcode.is_local() {
         if ud_pd.is_some() {
@@ -506,6 +511,11 @@ fn plan_send_wqe(
         off += SEG;
     }
     let mut flags = WqeFlags::from_bits_truncate(wr.flags.bits());
+    let max_inline = match atomic_write_inline(wr, raddr) {
+        Some(Err(e)) => return Err(e),
+        Some(Ok(n)) => n,
+        None => max_inline,
+    };
     if let Some(data) = wr.inline {
         if matches!(
             opcode,
@@ -536,6 +546,29 @@ fn plan_send_wqe(
         flags,
         ds: off / SEG,
     })
+}
+
+/// For an ATOMIC WRITE, checks its data and target and gives the inline limit that applies
+/// to it (its 8 bytes travel in the WQE whatever the QP's `max_inline`); `None` for any
+/// other request.
+#[inline(always)]
+fn atomic_write_inline(wr: &SendWr<'_>, raddr: Option<RemoteAddr>) -> Option<Result<u32, Error>> {
+    if !matches!(wr.op, WrOp::AtomicWrite(_)) {
+        return None;
+    }
+    Some(
+        if wr.inline.map(<[u8]>::len) != Some(8) || !wr.sgl.is_empty() {
+            Err(Error::InvalidArgument(
+                "an ATOMIC WRITE carries exactly 8 inline bytes",
+            ))
+        } else if raddr.is_some_and(|r| r.addr % 8 != 0) {
+            Err(Error::InvalidArgument(
+                "atomic target must be 8-byte aligned",
+            ))
+        } else {
+            Ok(8)
+        },
+    )
 }
 
 /// Writes the WQE `plan` describes for `wr`, with `wqe_index` in its control segment: every
@@ -1255,7 +1288,7 @@ impl QueuePair {
         if self.uc
             && matches!(
                 wr.op,
-                WrOp::Read(_) | WrOp::CmpSwap { .. } | WrOp::FetchAdd { .. }
+                WrOp::Read(_) | WrOp::CmpSwap { .. } | WrOp::FetchAdd { .. } | WrOp::AtomicWrite(_)
             )
         {
             return Err(Error::InvalidArgument(
@@ -1441,7 +1474,7 @@ mod tests {
         /// touched.
         #[test]
         fn wqe_bytes_match_the_stack_buffer_encoder(
-            kind in 0u8..10,
+            kind in 0u8..11,
             addr in prop_oneof![any::<u64>(), any::<u64>().prop_map(|a| a & !7)],
             rkey in any::<u32>(),
             imm in any::<u32>(),
@@ -1476,7 +1509,8 @@ mod tests {
                     len: operands.0,
                     access: operands.1 as u32,
                 }),
-                _ => WrOp::LocalInv(imm),
+                9 => WrOp::LocalInv(imm),
+                _ => WrOp::AtomicWrite(remote),
             };
             let sgl: Vec<Sge> = sgl
                 .iter()
@@ -1566,6 +1600,7 @@ mod tests {
             WrOp::SendInv(key) => (SendOpcode::SendInv, None, None, key),
             WrOp::BindMw(_) => (SendOpcode::BindMw, None, None, 0),
             WrOp::LocalInv(key) => (SendOpcode::LocalInv, None, None, key),
+            WrOp::AtomicWrite(r) => (SendOpcode::AtomicWrite, Some(r), None, 0),
         };
         let err = |e: Error| Err(format!("{e:?}"));
         if opcode.is_local() {
@@ -1631,6 +1666,23 @@ mod tests {
             off += SEG;
         }
         let mut flags = WqeFlags::from_bits_truncate(wr.flags.bits());
+        if let WrOp::AtomicWrite(r) = wr.op {
+            if wr.inline.map(<[u8]>::len) != Some(8) || !wr.sgl.is_empty() {
+                return err(Error::InvalidArgument(
+                    "an ATOMIC WRITE carries exactly 8 inline bytes",
+                ));
+            }
+            if r.addr % 8 != 0 {
+                return err(Error::InvalidArgument(
+                    "atomic target must be 8-byte aligned",
+                ));
+            }
+        }
+        let max_inline = if matches!(wr.op, WrOp::AtomicWrite(_)) {
+            8
+        } else {
+            max_inline
+        };
         if let Some(data) = wr.inline {
             if matches!(
                 opcode,

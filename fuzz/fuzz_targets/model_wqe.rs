@@ -1258,7 +1258,7 @@ impl Harness {
     /// A send WQE for SQ `q` built segment by segment, mostly valid.
     fn build_wqe(&self, u: &mut Unstructured<'_>, q: usize) -> Vec<u8> {
         let opcode = if byte(u) < 240 {
-            range(u, 1, 10) as u8
+            range(u, 1, 11) as u8
         } else {
             byte(u)
         };
@@ -1488,10 +1488,11 @@ impl Harness {
 
     /// A frame with valid headers addressed to QP `c`, fuzzed fields.
     fn build_frame(&mut self, u: &mut Unstructured<'_>, c: usize) -> Vec<u8> {
-        let opcode = if byte(u) < 240 {
-            range(u, 0, 0x14) as u8
-        } else {
-            byte(u)
+        let opcode = match byte(u) {
+            0..=229 => range(u, 0, 0x14) as u8,
+            // ATOMIC WRITE (ABI 1.10).
+            230..=239 => Opcode::AtomicWrite as u8,
+            _ => byte(u),
         };
         let op = Opcode::from_u8(opcode);
         let is_response = op.is_some_and(|o| o.is_response());

@@ -94,6 +94,8 @@ pub enum CqeOpcode {
     BindMw = 5,
     /// A local invalidation completed (ABI 1.9).
     LocalInv = 6,
+    /// An ATOMIC WRITE completed (ABI 1.10; the `ibv_wc_opcode` value).
+    AtomicWrite = 9,
     /// A SEND was received.
     Recv = 128,
     /// An RDMA WRITE with immediate consumed a receive WQE.
@@ -122,6 +124,7 @@ impl CqeOpcode {
             4 => FetchAdd,
             5 => BindMw,
             6 => LocalInv,
+            9 => AtomicWrite,
             128 => Recv,
             129 => RecvRdmaWithImm,
             130 => TmAdd,

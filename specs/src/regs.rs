@@ -236,6 +236,8 @@ bitflags! {
         /// Memory windows of types 1 and 2: ALLOC_MW, DEALLOC_MW, the BIND_MW and
         /// LOCAL_INV WQEs, SEND with invalidate (ABI 1.9).
         const MEMORY_WINDOW = 1 << 14;
+        /// IBTA 1.5 ATOMIC WRITE: the ATOMIC_WRITE WQE and its wire opcode (ABI 1.10).
+        const ATOMIC_WRITE = 1 << 15;
     }
 }
 
@@ -302,9 +304,10 @@ mod tests {
         assert_eq!(Caps::RESIZE_CQ.bits(), 1 << 12);
         assert_eq!(Caps::DEVICE_MEMORY.bits(), 1 << 13);
         assert_eq!(Caps::MEMORY_WINDOW.bits(), 1 << 14);
-        // Bits 0..14 are defined (ABI 1.9); 31:15 are reserved.
-        assert_eq!(Caps::all().bits(), 0x7FFF);
-        assert_eq!(Caps::from_bits(1 << 15), None);
+        assert_eq!(Caps::ATOMIC_WRITE.bits(), 1 << 15);
+        // Bits 0..15 are defined (ABI 1.10); 31:16 are reserved.
+        assert_eq!(Caps::all().bits(), 0xFFFF);
+        assert_eq!(Caps::from_bits(1 << 16), None);
         // The device-memory window follows the BlueFlame area to the end of the 4 MiB BAR.
         assert_eq!(
             (DM_BASE, DM_END, BAR0_SIZE),

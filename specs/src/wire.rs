@@ -168,6 +168,8 @@ pub enum Opcode {
     SendLastInv = 0x16,
     /// SEND_ONLY_WITH_INVALIDATE (ABI 1.9): BTH, IETH, payload.
     SendOnlyInv = 0x17,
+    /// ATOMIC_WRITE (IBTA 1.5; ABI 1.10): BTH, RETH, 8 payload bytes.
+    AtomicWrite = 0x1D,
     /// UC SEND_FIRST (ABI 1.7).
     UcSendFirst = 0x20,
     /// UC SEND_MIDDLE (ABI 1.7).
@@ -200,7 +202,7 @@ pub enum Opcode {
 
 impl Opcode {
     /// Every opcode, in numeric order.
-    pub const ALL: [Opcode; 37] = [
+    pub const ALL: [Opcode; 38] = [
         Opcode::SendFirst,
         Opcode::SendMiddle,
         Opcode::SendLast,
@@ -224,6 +226,7 @@ impl Opcode {
         Opcode::FetchAdd,
         Opcode::SendLastInv,
         Opcode::SendOnlyInv,
+        Opcode::AtomicWrite,
         Opcode::UcSendFirst,
         Opcode::UcSendMiddle,
         Opcode::UcSendLast,
@@ -276,6 +279,7 @@ impl Opcode {
             Opcode::FetchAdd => "FETCH_ADD",
             Opcode::SendLastInv => "SEND_LAST_WITH_INVALIDATE",
             Opcode::SendOnlyInv => "SEND_ONLY_WITH_INVALIDATE",
+            Opcode::AtomicWrite => "ATOMIC_WRITE",
             Opcode::UcSendFirst => "UC_SEND_FIRST",
             Opcode::UcSendMiddle => "UC_SEND_MIDDLE",
             Opcode::UcSendLast => "UC_SEND_LAST",
@@ -404,6 +408,11 @@ impl Opcode {
         self.has_atomic_eth()
     }
 
+    /// An ATOMIC WRITE request (IBTA 1.5; ABI 1.10).
+    pub fn is_atomic_write(self) -> bool {
+        self.traits(T_ATOMIC_WRITE)
+    }
+
     /// Starts a message: a FIRST or ONLY packet, or a single-packet operation.
     pub fn is_first(self) -> bool {
         self.traits(T_FIRST)
@@ -420,8 +429,14 @@ impl Opcode {
         // A UC opcode has its RC twin's headers and position.
         let b = self.base();
         let mut t = 0;
-        if matches!(b, WriteFirst | WriteOnly | WriteOnlyImm | ReadRequest) {
+        if matches!(
+            b,
+            WriteFirst | WriteOnly | WriteOnlyImm | ReadRequest | AtomicWrite
+        ) {
             t |= T_RETH;
+        }
+        if matches!(b, AtomicWrite) {
+            t |= T_ATOMIC_WRITE;
         }
         if matches!(
             b,
@@ -528,9 +543,14 @@ impl Opcode {
         len
     }
 
-    /// The packet may carry payload bytes (SEND, RDMA WRITE, read responses, UD SEND).
+    /// The packet may carry payload bytes (SEND, RDMA WRITE, read responses, UD SEND,
+    /// ATOMIC WRITE).
     pub fn has_payload(self) -> bool {
-        self.is_send() || self.is_write() || self.is_read_response() || self.is_ud()
+        self.is_send()
+            || self.is_write()
+            || self.is_read_response()
+            || self.is_ud()
+            || self.is_atomic_write()
     }
 }
 
@@ -558,6 +578,7 @@ const T_WRITE: u16 = 1 << 8;
 const T_READ_RESPONSE: u16 = 1 << 9;
 const T_FIRST: u16 = 1 << 10;
 const T_LAST: u16 = 1 << 11;
+const T_ATOMIC_WRITE: u16 = 1 << 13;
 const T_IETH: u16 = 1 << 12;
 
 /// Every predicate of every opcode, by opcode byte (others 0, never read): one load answers
@@ -1911,7 +1932,7 @@ mod tests {
     fn opcode_table() {
         use Opcode::*;
         for (i, op) in Opcode::ALL.iter().enumerate() {
-            if !op.is_ud() && !op.is_uc() && !op.has_ieth() {
+            if !op.is_ud() && !op.is_uc() && !op.has_ieth() && !op.is_atomic_write() {
                 assert_eq!(usize::from(op.to_u8()), i);
             }
             assert_eq!(Opcode::from_u8(op.to_u8()), Some(*op));
@@ -1919,7 +1940,7 @@ mod tests {
             assert!(!op.name().is_empty());
         }
         for v in 0x15..=0xFFu8 {
-            if !matches!(v, 0x16 | 0x17 | 0x64 | 0x65 | 0x20..=0x2B) {
+            if !matches!(v, 0x16 | 0x17 | 0x1D | 0x64 | 0x65 | 0x20..=0x2B) {
                 assert_eq!(Opcode::from_u8(v), None);
             }
         }
@@ -1936,6 +1957,15 @@ mod tests {
         assert!(!SendLastInv.is_first() && SendOnlyInv.is_first());
         assert_eq!(SendOnlyInv.name(), "SEND_ONLY_WITH_INVALIDATE");
         assert!(Opcode::ALL.iter().filter(|o| o.has_ieth()).count() == 2);
+        // ABI 1.10: IBTA 1.5's ATOMIC WRITE, one packet with a RETH and 8 payload bytes;
+        // not an RDMA WRITE (no UC twin) and not an atomic with an AtomicETH.
+        assert_eq!(AtomicWrite.to_u8(), 0x1D);
+        assert!(AtomicWrite.is_first() && AtomicWrite.is_last() && AtomicWrite.has_reth());
+        assert!(AtomicWrite.has_payload() && AtomicWrite.is_request());
+        assert!(!AtomicWrite.is_write() && !AtomicWrite.is_atomic() && !AtomicWrite.is_send());
+        assert_eq!(AtomicWrite.to_uc(), None);
+        assert_eq!(AtomicWrite.name(), "ATOMIC_WRITE");
+        assert!(Opcode::ALL.iter().filter(|o| o.is_atomic_write()).count() == 1);
         let lens = [
             (SendFirst, 12),
             (SendMiddle, 12),
@@ -1960,6 +1990,7 @@ mod tests {
             (FetchAdd, 40),
             (SendLastInv, 16),
             (SendOnlyInv, 16),
+            (AtomicWrite, 28),
             (UdSendOnly, 20),
             (UdSendOnlyImm, 24),
         ];

@@ -13,6 +13,7 @@
 //! SEND_INV              ctrl | data* or inline (the key to invalidate in `imm`; ABI 1.9)
 //! BIND_MW               ctrl | bind (32 bytes)                           (ABI 1.9)
 //! LOCAL_INV             ctrl (the key to invalidate in `imm`)            (ABI 1.9)
+//! ATOMIC_WRITE          ctrl | raddr | inline (exactly 8 bytes)          (ABI 1.10)
 //! ```
 //!
 //! A receive WQE is an array of [`DataSeg`] filling the queue's stride; the list ends at the
@@ -72,6 +73,9 @@ pub enum SendOpcode {
     LocalInv = 0x09,
     /// SEND that invalidates a type 2 memory window at the responder (ABI 1.9).
     SendInv = 0x0A,
+    /// IBTA 1.5 ATOMIC WRITE: 8 bytes, carried inline, written at the responder as one
+    /// naturally aligned store (ABI 1.10).
+    AtomicWrite = 0x0B,
 }
 
 impl SendOpcode {
@@ -89,6 +93,7 @@ impl SendOpcode {
             0x08 => BindMw,
             0x09 => LocalInv,
             0x0A => SendInv,
+            0x0B => AtomicWrite,
             _ => return None,
         })
     }
@@ -101,6 +106,7 @@ impl SendOpcode {
                 | SendOpcode::Read
                 | SendOpcode::CmpSwap
                 | SendOpcode::FetchAdd
+                | SendOpcode::AtomicWrite
         )
     }
     /// A SEND of any kind (plain, with immediate, with invalidate).

@@ -897,9 +897,15 @@ unsafe extern "C" fn wr_set_xrc_srqn(q: *mut abi::ibv_qp_ex, _srqn: u32) {
 }
 unsafe extern "C" fn wr_atomic_write(
     q: *mut abi::ibv_qp_ex,
-    _rkey: u32,
-    _addr: u64,
-    _wr: *const c_void,
+    rkey: u32,
+    addr: u64,
+    atomic_wr: *const c_void,
 ) {
-    unsupported(q)
+    if atomic_wr.is_null() {
+        return unsupported(q);
+    }
+    // SAFETY: the caller's 8 bytes (`atomic_wr`, checked non-null), read unaligned as
+    // libibverbs allows any alignment.
+    let bytes = unsafe { (atomic_wr as *const [u8; 8]).read_unaligned() };
+    qpx(q, |qp| qp.wr_atomic_write(RemoteAddr { addr, rkey }, bytes))
 }

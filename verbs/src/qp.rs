@@ -70,7 +70,8 @@ pub(crate) const SEND_OPS: u64 = (abi::ibv_qp_create_send_ops_flags_IBV_QP_EX_WI
     | abi::ibv_qp_create_send_ops_flags_IBV_QP_EX_WITH_ATOMIC_FETCH_AND_ADD
     | abi::ibv_qp_create_send_ops_flags_IBV_QP_EX_WITH_SEND_WITH_INV
     | abi::ibv_qp_create_send_ops_flags_IBV_QP_EX_WITH_LOCAL_INV
-    | abi::ibv_qp_create_send_ops_flags_IBV_QP_EX_WITH_BIND_MW)
+    | abi::ibv_qp_create_send_ops_flags_IBV_QP_EX_WITH_BIND_MW
+    | abi::ibv_qp_create_send_ops_flags_IBV_QP_EX_WITH_ATOMIC_WRITE)
     as u64;
 
 /// The send operations a UC QP can build: SEND and RDMA WRITE, with or without immediate.
@@ -773,6 +774,17 @@ impl RbQp {
                 p.inline = Some(parts.concat());
             }
             _ => self.build_err = libc::EINVAL,
+        }
+    }
+
+    /// `ibv_wr_atomic_write`: an ATOMIC WRITE of these 8 bytes (copied now).
+    pub fn wr_atomic_write(&mut self, remote: RemoteAddr, bytes: [u8; 8]) {
+        self.wr_op(
+            WrOp::AtomicWrite(remote),
+            abi::ibv_qp_create_send_ops_flags_IBV_QP_EX_WITH_ATOMIC_WRITE as u64,
+        );
+        if let Some(p) = self.last() {
+            p.inline = Some(bytes.to_vec());
         }
     }
 

@@ -350,6 +350,33 @@ static void builder(void)
 	CHECK_EQ(*u64_at(a.buf, ATOMIC + 8), 200);
 	CHECK_EQ(*u64_at(b.buf, ATOMIC), 205);
 
+	/* ATOMIC WRITE: eight bytes from the caller's (unaligned, reused) buffer, stored whole;
+	 * a misaligned target or a NULL value is refused at ibv_wr_complete, posting nothing. */
+	{
+		uint8_t val[9] = {0, 0xa1, 0xa2, 0xa3, 0xa4, 0xa5, 0xa6, 0xa7, 0xa8};
+		*u64_at(b.buf, ATOMIC + 16) = 0;
+		*u64_at(b.buf, ATOMIC + 24) = 0x0102030405060708ull;
+		ibv_wr_start(qx);
+		qx->wr_id = 38;
+		qx->wr_flags = IBV_SEND_SIGNALED;
+		ibv_wr_atomic_write(qx, b.mr->rkey, (uintptr_t)b.buf + ATOMIC + 16, val + 1);
+		CHECK_RET(ibv_wr_complete(qx), 0);
+		memset(val, 0, sizeof(val));
+		sent(38, IBV_WC_ATOMIC_WRITE);
+		static const uint8_t want[8] = {0xa1, 0xa2, 0xa3, 0xa4, 0xa5, 0xa6, 0xa7, 0xa8};
+		CHECK_MEM(b.buf + ATOMIC + 16, want, 8);
+		CHECK_EQ(*u64_at(b.buf, ATOMIC + 24), 0x0102030405060708ull);
+		ibv_wr_start(qx);
+		qx->wr_id = 39;
+		ibv_wr_atomic_write(qx, b.mr->rkey, (uintptr_t)b.buf + ATOMIC + 20, want);
+		CHECK(ibv_wr_complete(qx) != 0);
+		ibv_wr_start(qx);
+		ibv_wr_atomic_write(qx, b.mr->rkey, (uintptr_t)b.buf + ATOMIC + 16, NULL);
+		CHECK(ibv_wr_complete(qx) != 0);
+		EXPECT_NO_WC(a.cq, 20);
+		CHECK_MEM(b.buf + ATOMIC + 16, want, 8);
+	}
+
 	/* Inline data, single and list, from a stack buffer reused at once. */
 	{
 		uint8_t msg[40], orig[40];
@@ -444,6 +471,9 @@ static void builder_limits(void)
 	ibv_wr_rdma_write(qx, b.mr->rkey, (uintptr_t)b.buf);
 	ibv_wr_set_sge(qx, a.mr->lkey, (uintptr_t)a.buf, 8);
 	CHECK(ibv_wr_complete(qx) != 0);
+	ibv_wr_start(qx);
+	ibv_wr_atomic_write(qx, b.mr->rkey, (uintptr_t)b.buf, a.buf);
+	CHECK(ibv_wr_complete(qx) != 0);
 	/* Too much inline data, too many SGEs. */
 	uint8_t big[64] = {0};
 	ibv_wr_start(qx);
@@ -486,6 +516,7 @@ int main(void)
 	CHECK_RET(ibv_destroy_qp(b.qp), 0);
 	/* Again with the builder, on new QPs made with ibv_create_qp_ex. */
 	o.ex = 1;
+	o.more_send_ops = IBV_QP_EX_WITH_ATOMIC_WRITE;
 	side_qp(&a, &o);
 	side_qp(&b, &o);
 	sides_connect(&a, &o, &b, &o);
