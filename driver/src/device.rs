@@ -413,6 +413,11 @@ pub struct Device {
 }
 
 impl Device {
+    /// Whether `other` is a handle on this same open device.
+    pub fn same(&self, other: &Device) -> bool {
+        Rc::ptr_eq(&self.inner, &other.inner)
+    }
+
     /// Opens the device behind `port`: checks identity and ABI version, sets up the command
     /// mailbox and the event queue, and reads the capabilities. Commands time out after
     /// [`DEFAULT_COMMAND_TIMEOUT`].

@@ -5,6 +5,7 @@ use crate::abi;
 use crate::state::{Kind, State};
 use ringbell::{Device, DeviceCaps};
 use std::collections::VecDeque;
+use std::os::raw::c_int;
 
 /// PCI vendor id of a ringbell NIC (what `ibv_devinfo` prints as vendor_id).
 pub const VENDOR_ID: u32 = 0x1de5;
@@ -108,12 +109,57 @@ impl RbContext {
 
 /// Opens a context on NIC `nic`: libibverbs' layout with every op filled in.
 pub(crate) fn open(st: &mut State, nic: usize) -> Result<*mut abi::ibv_context, i32> {
+    open_with(st, nic, None)
+}
+
+/// The inode (device, number) of descriptor `fd`, if it is open.
+fn inode_of(fd: c_int) -> Option<(u64, u64)> {
+    // SAFETY: `struct stat` is plain integers; all zeroes is a valid value.
+    let mut sb: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: fstat into a live struct; a bad descriptor only fails.
+    (unsafe { libc::fstat(fd, &mut sb) } == 0).then_some((sb.st_dev, sb.st_ino))
+}
+
+/// `ibv_import_device`: a new context on the NIC of the live context whose `cmd_fd` the
+/// program duplicated into `cmd_fd`, sharing that context's objects by handle
+/// (`ibv_import_pd`, `ibv_import_mr`, `ibv_import_dm`). The new context owns `cmd_fd` and
+/// closes it. `Ok(None)`: no context of this process has that descriptor (not ours). The
+/// context's own descriptor, not a duplicate, is EINVAL (both would close it).
+pub(crate) fn import(st: &mut State, cmd_fd: c_int) -> Result<Option<*mut abi::ibv_context>, i32> {
+    let Some(ino) = inode_of(cmd_fd) else {
+        return Err(libc::EBADF);
+    };
+    let found = st.contexts.iter().find_map(|(&nic, v)| {
+        v.iter().find_map(|&p| {
+            // SAFETY: the registry lists live contexts, under the lock.
+            let fd = unsafe { ctx(p as *mut abi::ibv_context) }
+                .vctx
+                .context
+                .cmd_fd;
+            (inode_of(fd) == Some(ino)).then_some((nic, fd))
+        })
+    });
+    match found {
+        None => Ok(None),
+        Some((_, fd)) if fd == cmd_fd => Err(libc::EINVAL),
+        Some((nic, _)) => open_with(st, nic, Some(cmd_fd)).map(Some),
+    }
+}
+
+/// [`open`], with the command descriptor given (an import) or made here.
+fn open_with(
+    st: &mut State,
+    nic: usize,
+    cmd_fd: Option<c_int>,
+) -> Result<*mut abi::ibv_context, i32> {
     let dev = st.device(nic)?;
     let async_fd = crate::events::new_eventfd()?;
     // A descriptor of its own (a memory file: its inode is unique), so that programs that
     // dup or pass `cmd_fd` get a real descriptor and `ibv_import_device` can recognise it.
     // SAFETY: plain syscall with a NUL-terminated name; the descriptor is the context's.
-    let cmd_fd = unsafe { libc::memfd_create(c"ringbell-verbs-cmd".as_ptr(), libc::MFD_CLOEXEC) };
+    let cmd_fd = cmd_fd.unwrap_or_else(|| unsafe {
+        libc::memfd_create(c"ringbell-verbs-cmd".as_ptr(), libc::MFD_CLOEXEC)
+    });
     if cmd_fd < 0 {
         // SAFETY: the eventfd just made, not handed out.
         unsafe { libc::close(async_fd) };

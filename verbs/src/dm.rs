@@ -18,7 +18,9 @@ use std::os::raw::c_int;
 #[repr(C)]
 pub(crate) struct RbDm {
     pub dm: abi::ibv_dm,
-    pub drv: DeviceMemory,
+    /// Shared with the allocations imported from it (`ibv_import_dm`): the device keeps
+    /// the memory until the last of them is freed or unimported.
+    pub drv: std::rc::Rc<DeviceMemory>,
 }
 
 /// `ibv_alloc_dm`.
@@ -47,6 +49,30 @@ pub(crate) fn alloc(
             comp_mask: 0,
             handle: drv.num(),
         },
+        drv: std::rc::Rc::new(drv),
+    }));
+    st.add(p as usize, Kind::Dm);
+    Ok(p as *mut abi::ibv_dm)
+}
+
+/// `ibv_import_dm`: another handle, in context `c`, on the allocation `handle` names among
+/// the allocations of `c`'s NIC in this process. None there: EINVAL.
+pub(crate) fn import(
+    st: &mut State,
+    c: &mut RbContext,
+    handle: u32,
+) -> Result<*mut abi::ibv_dm, i32> {
+    let found = st.live_of(Kind::Dm).into_iter().find_map(|p| {
+        // SAFETY: the registry lists live allocations, allocated as `RbDm`; the lock is held.
+        let o = unsafe { &*(p as *const RbDm) };
+        (o.drv.device().same(&c.dev) && o.dm.handle == handle).then(|| (o.dm, o.drv.clone()))
+    });
+    let (dm, drv) = found.ok_or(libc::EINVAL)?;
+    let p = Box::into_raw(Box::new(RbDm {
+        dm: abi::ibv_dm {
+            context: c.ibv(),
+            ..dm
+        },
         drv,
     }));
     st.add(p as usize, Kind::Dm);
@@ -55,7 +81,7 @@ pub(crate) fn alloc(
 
 /// `ibv_free_dm`.
 pub(crate) fn free(st: &mut State, dm: &mut RbDm) -> i32 {
-    if dm.drv.in_use() {
+    if std::rc::Rc::strong_count(&dm.drv) == 1 && dm.drv.in_use() {
         return libc::EBUSY;
     }
     st.remove(dm as *mut RbDm as usize);

@@ -501,37 +501,19 @@ pub unsafe extern "C" fn ibv_get_pkey_index(
 
 #[no_mangle]
 pub unsafe extern "C" fn ibv_import_device(cmd_fd: c_int) -> *mut abi::ibv_context {
-    // A ringbell context's `cmd_fd` (or a dup of it) cannot be imported: contexts are not
-    // shared between processes.
-    // SAFETY: `struct stat` is plain integers; all zeroes is a valid value.
-    let mut sb: libc::stat = unsafe { std::mem::zeroed() };
-    // SAFETY: fstat into a live struct; a bad descriptor only fails.
-    if unsafe { libc::fstat(cmd_fd, &mut sb) } == 0 {
-        let ours = guard(false, || {
-            let st = lock();
-            st.contexts.values().flatten().any(|&p| {
-                // SAFETY: the registry lists live contexts, under the lock.
-                let fd = unsafe { device::ctx(p as *mut abi::ibv_context) }
-                    .vctx
-                    .context
-                    .cmd_fd;
-                // SAFETY: plain integers, as above.
-                let mut o: libc::stat = unsafe { std::mem::zeroed() };
-                // SAFETY: as above.
-                let r = unsafe { libc::fstat(fd, &mut o) };
-                r == 0 && o.st_dev == sb.st_dev && o.st_ino == sb.st_ino
-            })
-        });
-        if ours {
-            return null_with(libc::EOPNOTSUPP);
-        }
+    // A duplicate of a ringbell context's `cmd_fd` imports that context's device (within
+    // this process: contexts are not shared with other processes); any other descriptor
+    // is libibverbs'.
+    match guard(Err(libc::EIO), || device::import(&mut lock(), cmd_fd)) {
+        Ok(Some(p)) => p,
+        Err(e) => null_with(e),
+        Ok(None) => forward!(
+            "ibv_import_device",
+            fn(c_int) -> *mut abi::ibv_context,
+            (cmd_fd)
+        )
+        .unwrap_or_else(|| null_with(libc::EINVAL)),
     }
-    forward!(
-        "ibv_import_device",
-        fn(c_int) -> *mut abi::ibv_context,
-        (cmd_fd)
-    )
-    .unwrap_or_else(|| null_with(libc::EINVAL))
 }
 
 // ---- PD and MR ----
@@ -1346,7 +1328,7 @@ pub unsafe extern "C" fn ibv_resolve_eth_l2_from_gid(
     }
 }
 
-// ---- import (sharing objects between processes: not for ringbell objects) ----
+// ---- import (objects shared between contexts of one process) ----
 
 #[no_mangle]
 pub unsafe extern "C" fn ibv_import_pd(
@@ -1354,7 +1336,9 @@ pub unsafe extern "C" fn ibv_import_pd(
     handle: u32,
 ) -> *mut abi::ibv_pd {
     match owner(ctx as usize) {
-        Owner::Ours(Kind::Context) => null_with(libc::EOPNOTSUPP),
+        Owner::Ours(Kind::Context) => ptr_or_errno(with_ctx(ctx, Err(libc::EINVAL), |st, c| {
+            crate::pd::import_pd(st, c, handle)
+        })),
         Owner::Foreign => forward!(
             "ibv_import_pd",
             fn(*mut abi::ibv_context, u32) -> *mut abi::ibv_pd,
@@ -1368,7 +1352,12 @@ pub unsafe extern "C" fn ibv_import_pd(
 #[no_mangle]
 pub unsafe extern "C" fn ibv_import_mr(pd: *mut abi::ibv_pd, handle: u32) -> *mut abi::ibv_mr {
     match owner(pd as usize) {
-        Owner::Ours(Kind::Pd) => null_with(libc::EOPNOTSUPP),
+        Owner::Ours(Kind::Pd) => ptr_or_errno(with(
+            pd as *mut RbPd,
+            Kind::Pd,
+            Err(libc::EINVAL),
+            |st, p| crate::pd::import_mr(st, p, handle),
+        )),
         Owner::Foreign => forward!(
             "ibv_import_mr",
             fn(*mut abi::ibv_pd, u32) -> *mut abi::ibv_mr,
@@ -1385,7 +1374,9 @@ pub unsafe extern "C" fn ibv_import_dm(
     handle: u32,
 ) -> *mut abi::ibv_dm {
     match owner(ctx as usize) {
-        Owner::Ours(Kind::Context) => null_with(libc::EOPNOTSUPP),
+        Owner::Ours(Kind::Context) => ptr_or_errno(with_ctx(ctx, Err(libc::EINVAL), |st, c| {
+            crate::dm::import(st, c, handle)
+        })),
         Owner::Foreign => forward!(
             "ibv_import_dm",
             fn(*mut abi::ibv_context, u32) -> *mut abi::ibv_dm,
@@ -1398,15 +1389,40 @@ pub unsafe extern "C" fn ibv_import_dm(
 
 #[no_mangle]
 pub unsafe extern "C" fn ibv_unimport_pd(pd: *mut abi::ibv_pd) {
-    if owner(pd as usize) == Owner::Foreign {
-        forward!("ibv_unimport_pd", fn(*mut abi::ibv_pd) -> (), (pd));
+    match owner(pd as usize) {
+        Owner::Ours(Kind::Pd) => with(pd as *mut RbPd, Kind::Pd, (), crate::pd::unimport_pd),
+        Owner::Foreign => {
+            forward!("ibv_unimport_pd", fn(*mut abi::ibv_pd) -> (), (pd));
+        }
+        _ => {}
     }
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn ibv_unimport_mr(mr: *mut abi::ibv_mr) {
-    if owner(mr as usize) == Owner::Foreign {
-        forward!("ibv_unimport_mr", fn(*mut abi::ibv_mr) -> (), (mr));
+    match owner(mr as usize) {
+        // A region windows are bound to stays (EBUSY), as ibv_dereg_mr leaves it.
+        Owner::Ours(Kind::Mr) => {
+            with(mr as *mut RbMr, Kind::Mr, 0, crate::pd::dereg);
+        }
+        Owner::Foreign => {
+            forward!("ibv_unimport_mr", fn(*mut abi::ibv_mr) -> (), (mr));
+        }
+        _ => {}
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn ibv_unimport_dm(dm: *mut abi::ibv_dm) {
+    match owner(dm as usize) {
+        // Memory regions still use keep it (EBUSY), as ibv_free_dm leaves it.
+        Owner::Ours(Kind::Dm) => {
+            with(dm as *mut crate::dm::RbDm, Kind::Dm, 0, crate::dm::free);
+        }
+        Owner::Foreign => {
+            forward!("ibv_unimport_dm", fn(*mut abi::ibv_dm) -> (), (dm));
+        }
+        _ => {}
     }
 }
 

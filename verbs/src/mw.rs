@@ -96,7 +96,7 @@ pub(crate) fn bind_op(
             return Err(libc::EINVAL);
         }
         // SAFETY: the registry says it is a live MR, allocated as an `RbMr`.
-        unsafe { (*(info.mr as *const RbMr)).drv.lkey() }
+        unsafe { (*(info.mr as *const RbMr)).drv.borrow().lkey() }
     };
     Ok(WrOp::BindMw(MwBind {
         mw_key: key,

@@ -6,6 +6,7 @@ use crate::state::{Kind, Owner, State};
 use ringbell::{
     Access, Allocated, MemoryRegion, ProtectionDomain, QueueAlloc, QueueAllocator, QueueMem,
 };
+use std::cell::RefCell;
 use std::ffi::c_void;
 use std::ptr::NonNull;
 use std::rc::Rc;
@@ -204,12 +205,13 @@ pub(crate) fn alloc_parent(
     Ok(p as *mut abi::ibv_pd)
 }
 
-/// A ringbell MR.
+/// A ringbell MR. Its region is shared with the MRs imported from it (`ibv_import_mr`):
+/// the device keeps the region until the last of them is deregistered or unimported.
 #[repr(C)]
 pub(crate) struct RbMr {
     pub mr: abi::ibv_mr,
     pub pd: *mut RbPd,
-    pub drv: MemoryRegion,
+    pub drv: Rc<RefCell<MemoryRegion>>,
 }
 
 /// Access bits that are hints a device may ignore (libibverbs' optional range).
@@ -278,6 +280,77 @@ pub(crate) fn dealloc(st: &mut State, pd: &mut RbPd) -> i32 {
     // SAFETY: `pd` is the `RbPd` `alloc` boxed, now out of the registry.
     drop(unsafe { Box::from_raw(pd as *mut RbPd) });
     0
+}
+
+/// `ibv_import_pd`: another handle, in context `c`, on the PD `handle` names among the PDs
+/// of `c`'s NIC in this process (parent domains are not PDs a handle names). The device's
+/// PD stays while any handle on it does. No such PD: EINVAL.
+pub(crate) fn import_pd(
+    st: &mut State,
+    c: &mut RbContext,
+    handle: u32,
+) -> Result<*mut abi::ibv_pd, i32> {
+    let found = st.live_of(Kind::Pd).into_iter().find_map(|p| {
+        // SAFETY: the registry lists live PDs, allocated as `RbPd`; the lock is held.
+        let o = unsafe { &*(p as *const RbPd) };
+        // SAFETY: a PD's context outlives it.
+        let nic = unsafe { (*o.ctx).nic };
+        (o.parent.is_none() && nic == c.nic && o.pd.handle == handle).then(|| o.drv.clone())
+    });
+    let drv = found.ok_or(libc::EINVAL)?;
+    let p = Box::into_raw(Box::new(RbPd {
+        pd: abi::ibv_pd {
+            context: c.ibv(),
+            handle,
+        },
+        ctx: c,
+        drv,
+        children: 0,
+        parent: None,
+    }));
+    st.add(p as usize, Kind::Pd);
+    Ok(p as *mut abi::ibv_pd)
+}
+
+/// `ibv_unimport_pd`: drops this handle (the device's PD stays for the others, and for
+/// none it goes). A handle objects were made with is kept: they need it.
+pub(crate) fn unimport_pd(st: &mut State, pd: &mut RbPd) {
+    if pd.parent.is_none() {
+        let _ = dealloc(st, pd);
+    }
+}
+
+/// `ibv_import_mr`: another handle, in `pd`, on the region whose handle (its lkey) is
+/// `handle` among the regions of `pd`'s device PD. None there: EINVAL. The region stays
+/// registered while any handle on it does.
+pub(crate) fn import_mr(
+    st: &mut State,
+    pd: &mut RbPd,
+    handle: u32,
+) -> Result<*mut abi::ibv_mr, i32> {
+    let pdn = pd.drv.pdn();
+    // SAFETY: a PD's context outlives it.
+    let nic = unsafe { (*pd.ctx).nic };
+    let found = st.live_of(Kind::Mr).into_iter().find_map(|p| {
+        // SAFETY: the registry lists live MRs, allocated as `RbMr`; the lock is held.
+        let o = unsafe { &*(p as *const RbMr) };
+        // SAFETY: an MR's PD, and the PD's context, outlive it.
+        let (opd, onic) = unsafe { ((*o.pd).drv.pdn(), (*(*o.pd).ctx).nic) };
+        (onic == nic && opd == pdn && o.mr.handle == handle).then(|| (o.mr, o.drv.clone()))
+    });
+    let (mr, drv) = found.ok_or(libc::EINVAL)?;
+    let p = Box::into_raw(Box::new(RbMr {
+        mr: abi::ibv_mr {
+            context: pd.pd.context,
+            pd: &mut pd.pd,
+            ..mr
+        },
+        pd,
+        drv,
+    }));
+    pd.children += 1;
+    st.add(p as usize, Kind::Mr);
+    Ok(p as *mut abi::ibv_mr)
 }
 
 /// `ibv_reg_mr_iova2`: registers `[addr, addr + len)` of this process's memory, addressed
@@ -355,7 +428,7 @@ pub(crate) fn publish_mr(
             rkey: drv.rkey(),
         },
         pd,
-        drv,
+        drv: Rc::new(RefCell::new(drv)),
     }));
     pd.children += 1;
     st.add(p as usize, Kind::Mr);
@@ -400,7 +473,7 @@ pub(crate) unsafe fn rereg(
         return fail(ERR_CMD, libc::EINVAL);
     }
     // A region on demand or of device memory is re-registered by registering anew.
-    if mr.drv.on_demand() || mr.mr.addr.is_null() {
+    if mr.drv.borrow().on_demand() || mr.mr.addr.is_null() {
         return fail(ERR_CMD, libc::EOPNOTSUPP);
     }
     let new_pd = if change_pd {
@@ -429,7 +502,7 @@ pub(crate) unsafe fn rereg(
     let range = translation.then_some((addr, len, addr as u64));
     let drv_pd = new_pd.as_ref().map(|p| &p.drv);
     // SAFETY: the caller's promise for the new range, passed on.
-    if let Err(e) = unsafe { mr.drv.rereg_user(drv_pd, range, acc) } {
+    if let Err(e) = unsafe { mr.drv.borrow_mut().rereg_user(drv_pd, range, acc) } {
         return fail(ERR_CMD, crate::errno_of(&e));
     }
     if let Some(p) = new_pd {
@@ -448,9 +521,12 @@ pub(crate) unsafe fn rereg(
 
 /// `ibv_dereg_mr`.
 pub(crate) fn dereg(st: &mut State, mr: &mut RbMr) -> i32 {
-    // Memory windows bound to it keep it registered (EBUSY), as on a ConnectX device.
-    if let Err(e) = mr.drv.dereg() {
-        return crate::errno_of(&e);
+    // Memory windows bound to it keep it registered (EBUSY), as on a ConnectX device. A
+    // region still imported elsewhere stays for the other handles.
+    if Rc::strong_count(&mr.drv) == 1 {
+        if let Err(e) = mr.drv.borrow_mut().dereg() {
+            return crate::errno_of(&e);
+        }
     }
     st.remove(mr as *mut RbMr as usize);
     // SAFETY: an MR's PD outlives it (deallocating a PD with MRs is refused).
@@ -487,14 +563,15 @@ pub(crate) fn advise(st: &State, pd: &RbPd, advice: u32, flags: u32, sges: &[abi
         let Some(mr) = found else {
             return libc::EFAULT;
         };
-        if !mr.drv.on_demand() {
+        let drv = mr.drv.borrow();
+        if !drv.on_demand() {
             return libc::EINVAL;
         }
-        let off = s.addr.wrapping_sub(mr.drv.addr());
-        if s.addr < mr.drv.addr() || off.saturating_add(u64::from(s.length)) > mr.drv.len() {
+        let off = s.addr.wrapping_sub(drv.addr());
+        if s.addr < drv.addr() || off.saturating_add(u64::from(s.length)) > drv.len() {
             return libc::EFAULT;
         }
-        if advice == PREFETCH_WRITE && !mr.drv.access().contains(Access::LOCAL_WRITE) {
+        if advice == PREFETCH_WRITE && !drv.access().contains(Access::LOCAL_WRITE) {
             return libc::EPERM;
         }
     }

@@ -220,6 +220,7 @@ const PROGRAMS: &[&str] = &[
     "dm",
     "odp",
     "mw",
+    "import",
 ];
 
 macro_rules! c_program {
@@ -247,7 +248,8 @@ c_program!(
     parent_domain,
     dm,
     odp,
-    mw
+    mw,
+    import,
 );
 
 /// Every `tests/c/*.c` has its test above (a new program is not silently left out).

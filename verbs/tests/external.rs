@@ -467,7 +467,9 @@ fn rdma_core_test_suite_passes_on_rb0() {
     // What a device with ringbell's capabilities must run, not skip (UD QPs and address
     // handles included: test_addr, the UD tests of test_qp, test_qpex, test_cqex,
     // test_cq_events and test_relaxed_ordering; UC QPs: five tests of test_qp; parent
-    // domains: five of test_parent_domain, the sixth needing huge pages).
+    // domains: five of test_parent_domain, the sixth needing huge pages; ATOMIC WRITE:
+    // test_qp_ex_rc_atomic_write; imported objects: test_shared_pd, and test_import_dm in
+    // test_device).
     for (file, at_least) in [
         ("test_device", 10),
         ("test_pd", 4),
@@ -477,11 +479,12 @@ fn rdma_core_test_suite_passes_on_rb0() {
         ("test_cq_events", 2),
         ("test_mr", 1),
         ("test_qp", 21),
-        ("test_qpex", 16),
+        ("test_qpex", 18),
         ("test_atomic", 7),
         ("test_tag_matching", 4),
         ("test_relaxed_ordering", 2),
         ("test_parent_domain", 5),
+        ("test_shared_pd", 1),
     ] {
         let passed = per_file.get(file).map_or(0, |c| c[0]);
         assert!(
