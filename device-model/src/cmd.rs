@@ -5,7 +5,7 @@ use crate::cq::Cq;
 use crate::env::{write_owned_entry, Env};
 use crate::mem::{key_index, Mr, Pd};
 use crate::nic::Nic;
-use crate::qp::{check_modify, ModifyError, Qp, Srq, WorkQueue};
+use crate::qp::{check_modify, ModifyError, Qp, Srq, WorkQueue, XrcRole};
 use ringbell_specs::cmd::*;
 use ringbell_specs::cqe::{owner_bit, EventType, CQE_SIZE};
 use zerocopy::{FromBytes, IntoBytes};
@@ -116,6 +116,22 @@ impl Nic {
             CmdOpcode::RegMr => self.reg_mr(params(input)?),
             CmdOpcode::ReregMr => self.rereg_mr(params(input)?),
             CmdOpcode::RegDmMr => self.reg_dm_mr(params(input)?),
+            CmdOpcode::AllocXrcd => obj(self
+                .xrcds
+                .insert_with(|_| Pd::default())
+                .ok_or(CmdStatus::Exhausted)?),
+            CmdOpcode::DeallocXrcd => {
+                let n = params::<ObjectIn>(input)?.num.get();
+                match self.xrcds.get(n) {
+                    None => Err(CmdStatus::BadResource),
+                    Some(x) if x.refs > 0 => Err(CmdStatus::Busy),
+                    Some(_) => {
+                        self.xrcds.remove(n);
+                        Ok(Vec::new())
+                    }
+                }
+            }
+            CmdOpcode::CreateXrcSrq => self.create_xrc_srq(params(input)?),
             CmdOpcode::AllocMw => self.alloc_mw(params(input)?),
             CmdOpcode::DeallocMw => self.dealloc_mw(params::<ObjectIn>(input)?.num.get()),
             CmdOpcode::AllocDm => {
@@ -232,6 +248,14 @@ impl Nic {
                 self.unbind_all(&qp.cntrs);
                 self.trig_discard_qp(n);
                 self.unbind_qp_windows(n);
+                if let Some(XrcRole::Tgt { xrcdn }) = qp.xrc {
+                    // A target holds its XRC domain only: the PD, SRQ and CQ it last
+                    // used were each request's.
+                    if let Some(x) = self.xrcds.get_mut(xrcdn) {
+                        x.refs = x.refs.saturating_sub(1);
+                    }
+                    return Ok(Vec::new());
+                }
                 self.pd_unref(qp.pdn);
                 for c in [qp.send_cqn, qp.recv_cqn] {
                     if let Some(cq) = self.cqs.get_mut(c) {
@@ -243,7 +267,7 @@ impl Nic {
                 }
                 Ok(Vec::new())
             }
-            CmdOpcode::CreateSrq => self.create_srq(params(input)?, None),
+            CmdOpcode::CreateSrq => self.create_srq(params(input)?, None, None),
             CmdOpcode::CreateTmSrq => self.create_tm_srq(params(input)?),
             CmdOpcode::CreateCntr
             | CmdOpcode::DestroyCntr
@@ -274,10 +298,15 @@ impl Nic {
                     Some(s) => {
                         let pdn = s.pdn;
                         let tm_cq = s.tm.as_ref().map(|t| t.cqn);
+                        let xrc = s.xrc;
                         self.srqs.remove(n);
                         self.pd_unref(pdn);
-                        if let Some(cq) = tm_cq.and_then(|c| self.cqs.get_mut(c)) {
+                        let own_cq = tm_cq.or(xrc.map(|(_, c)| c));
+                        if let Some(cq) = own_cq.and_then(|c| self.cqs.get_mut(c)) {
                             cq.refs = cq.refs.saturating_sub(1);
+                        }
+                        if let Some(x) = xrc.and_then(|(x, _)| self.xrcds.get_mut(x)) {
+                            x.refs = x.refs.saturating_sub(1);
                         }
                         Ok(Vec::new())
                     }
@@ -532,6 +561,9 @@ impl Nic {
     }
 
     fn create_qp(&mut self, p: CreateQpIn) -> Outcome {
+        if p.qp_type == QP_TYPE_XRC_TGT {
+            return self.create_xrc_tgt(p);
+        }
         let pdn = p.pdn.get();
         if self.pds.get(pdn).is_none() {
             return Err(CmdStatus::BadResource);
@@ -547,29 +579,35 @@ impl Nic {
             }
         }
         let (ud, gsi, uc) = match p.qp_type {
-            QP_TYPE_RC => (false, false, false),
+            QP_TYPE_RC | QP_TYPE_XRC_INI => (false, false, false),
             QP_TYPE_UC => (false, false, true),
             QP_TYPE_UD => (true, false, false),
             QP_TYPE_GSI => (true, true, false),
             _ => return Err(CmdStatus::BadParam),
         };
+        // An XRC initiator only sends: no receive queue, no SRQ.
+        let ini = p.qp_type == QP_TYPE_XRC_INI;
+        if ini && srqn != 0 {
+            return Err(CmdStatus::BadParam);
+        }
         // Tag matching is an RC offload: a UC or UD QP takes an ordinary SRQ only.
         if (ud || uc) && self.srqs.get(srqn).is_some_and(|s| s.tm.is_some()) {
             return Err(CmdStatus::BadParam);
         }
         let max = self.cfg.max_qp_wr as u64;
         let sq_ok = p.sq_log_size >= 1 && p.sq_log_size <= 24 && (1u64 << p.sq_log_size) <= max;
-        let rq_ok = srqn != 0
-            || (p.rq_log_size >= 1 && p.rq_log_size <= 24 && (1u64 << p.rq_log_size) <= max);
-        let stride_ok = srqn != 0 || (4..=9).contains(&p.rq_log_stride);
+        let no_rq = srqn != 0 || ini;
+        let rq_ok =
+            no_rq || (p.rq_log_size >= 1 && p.rq_log_size <= 24 && (1u64 << p.rq_log_size) <= max);
+        let stride_ok = no_rq || (4..=9).contains(&p.rq_log_stride);
         if !sq_ok || !rq_ok || !stride_ok {
             return Err(CmdStatus::BadSize);
         }
         if !p.sq_iova.get().is_multiple_of(64)
-            || (srqn == 0 && !p.rq_iova.get().is_multiple_of(16))
+            || (!no_rq && !p.rq_iova.get().is_multiple_of(16))
             || !p.db_iova.get().is_multiple_of(8)
             || !fits(p.sq_iova.get(), 64 << p.sq_log_size)
-            || (srqn == 0 && !fits(p.rq_iova.get(), 1 << (p.rq_log_size + p.rq_log_stride)))
+            || (!no_rq && !fits(p.rq_iova.get(), 1 << (p.rq_log_size + p.rq_log_stride)))
         {
             return Err(CmdStatus::BadParam);
         }
@@ -591,7 +629,7 @@ impl Nic {
             },
             rq: WorkQueue {
                 iova: p.rq_iova.get(),
-                log_size: if srqn != 0 { 0 } else { p.rq_log_size },
+                log_size: if no_rq { 0 } else { p.rq_log_size },
                 log_stride: p.rq_log_stride,
                 pi: 0,
                 ci: 0,
@@ -607,6 +645,7 @@ impl Nic {
             stats: Default::default(),
             ud,
             uc,
+            xrc: ini.then_some(XrcRole::Ini),
             ud_stats: Default::default(),
             cntrs: Default::default(),
         };
@@ -663,14 +702,83 @@ impl Nic {
                 ci: 0,
             },
         );
-        let n = self.create_srq(p.srq, Some(Box::new(tm)))?;
+        let n = self.create_srq(p.srq, Some(Box::new(tm)), None)?;
         if let Some(cq) = self.cqs.get_mut(cqn) {
             cq.refs += 1;
         }
         Ok(n)
     }
 
-    fn create_srq(&mut self, p: CreateSrqIn, tm: Option<Box<crate::tm::TmState>>) -> Outcome {
+    /// CREATE_QP of an XRC target (ABI 1.11): no PD, CQ, queue or doorbell of its own (each
+    /// request's XRC SRQ gives those), only its XRC domain.
+    fn create_xrc_tgt(&mut self, p: CreateQpIn) -> Outcome {
+        let xrcdn = p.xrcdn.get();
+        if self.xrcds.get(xrcdn).is_none() {
+            return Err(CmdStatus::BadResource);
+        }
+        let gen = self.fresh_gen();
+        let none = WorkQueue {
+            iova: 0,
+            log_size: 0,
+            log_stride: 6,
+            pi: 0,
+            ci: 0,
+        };
+        let n = self
+            .qps
+            .insert_with(|qpn| Qp {
+                gen,
+                qpn,
+                pdn: 0,
+                state: QpState::Reset,
+                send_cqn: 0,
+                recv_cqn: 0,
+                srqn: 0,
+                sq: none.clone(),
+                rq: none,
+                fetch: 0,
+                attr: QpAttr {
+                    path_mtu: 1,
+                    ..Default::default()
+                },
+                req: Default::default(),
+                resp: Default::default(),
+                stats: Default::default(),
+                ud: false,
+                uc: false,
+                xrc: Some(XrcRole::Tgt { xrcdn }),
+                ud_stats: Default::default(),
+                cntrs: Default::default(),
+            })
+            .ok_or(CmdStatus::Exhausted)?;
+        if let Some(x) = self.xrcds.get_mut(xrcdn) {
+            x.refs += 1;
+        }
+        obj(n)
+    }
+
+    /// CREATE_XRC_SRQ (ABI 1.11): an SRQ of an XRC domain, completing on its own CQ.
+    fn create_xrc_srq(&mut self, p: CreateXrcSrqIn) -> Outcome {
+        let (xrcdn, cqn) = (p.xrcdn.get(), p.cqn.get());
+        if self.xrcds.get(xrcdn).is_none() || self.cqs.get(cqn).is_none() {
+            return Err(CmdStatus::BadResource);
+        }
+        let n = self.create_srq(p.srq, None, Some((xrcdn, cqn)))?;
+        if let Some(cq) = self.cqs.get_mut(cqn) {
+            cq.refs += 1;
+        }
+        if let Some(x) = self.xrcds.get_mut(xrcdn) {
+            x.refs += 1;
+        }
+        Ok(n)
+    }
+
+    fn create_srq(
+        &mut self,
+        p: CreateSrqIn,
+        tm: Option<Box<crate::tm::TmState>>,
+        xrc: Option<(u32, u32)>,
+    ) -> Outcome {
         let pdn = p.pdn.get();
         if self.pds.get(pdn).is_none() {
             return Err(CmdStatus::BadResource);
@@ -693,6 +801,7 @@ impl Nic {
             .srqs
             .insert_with(|_| Srq {
                 pdn,
+                xrc,
                 wq: WorkQueue {
                     iova: p.ring_iova.get(),
                     log_size: p.log_size,

@@ -40,6 +40,7 @@ impl Nic {
         qp.state == QpState::Rts
             && !qp.ud
             && !qp.uc
+            && qp.xrc.is_none()
             && qp.req.outstanding.is_empty()
             && qp.req.hw_waiting.is_empty()
             && now >= qp.req.rnr_until
@@ -231,6 +232,7 @@ impl Nic {
         let idle = matches!(qp.state, QpState::Rtr | QpState::Rts | QpState::Sqd)
             && !qp.ud
             && !qp.uc
+            && qp.xrc.is_none()
             && msg.src_ip == qp.attr.dest_ip
             && !qp.resp.dead
             && qp.resp.queue.is_empty()

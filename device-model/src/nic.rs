@@ -186,6 +186,8 @@ pub(crate) struct EventRing {
 pub struct Nic {
     pub(crate) cfg: NicConfig,
     pub(crate) pds: Table<Pd>,
+    /// XRC domains (ABI 1.11): each counts the XRC SRQs and target QPs in it, as a PD does.
+    pub(crate) xrcds: Table<Pd>,
     pub(crate) mrs: Table<Mr>,
     pub(crate) mws: Table<crate::mw::Mw>,
     pub(crate) cqs: Table<Cq>,
@@ -258,6 +260,7 @@ impl Nic {
         };
         Nic {
             pds: Table::new(cfg.max_pd),
+            xrcds: Table::new(cfg.max_pd),
             mrs: Table::new(cfg.max_mr),
             mws: Table::new(cfg.max_mw),
             cqs: Table::new(cfg.max_cq),
@@ -341,6 +344,7 @@ impl Nic {
             | Caps::UC
             | Caps::RESIZE_CQ
             | Caps::ATOMIC_WRITE
+            | Caps::XRC
             | if self.cfg.max_dm_size > 0 {
                 Caps::DEVICE_MEMORY
             } else {

@@ -63,6 +63,8 @@ pub(crate) struct SendWqe {
     pub(crate) ud: Option<UdDest>,
     /// A BIND_MW's bind segment (ABI 1.9).
     pub(crate) bind: crate::mw::BindReq,
+    /// The XRC SRQ at the target of a request from an XRC initiator (ABI 1.11).
+    pub(crate) xrc_srqn: u32,
 }
 
 /// Where a UD send WQE sends its datagram (its address segment, decoded).
@@ -96,6 +98,7 @@ impl SendWqe {
             len: 0,
             ud: None,
             bind: Default::default(),
+            xrc_srqn: 0,
         }
     }
     pub(crate) fn is_rd_atomic(&self) -> bool {
@@ -456,6 +459,8 @@ pub(crate) struct Qp {
     pub(crate) ud: bool,
     /// An unreliable-connected QP (ABI 1.7): connected like RC, no ACKs, SEND and WRITE.
     pub(crate) uc: bool,
+    /// An XRC initiator or target (ABI 1.11): RC on the XRC transport.
+    pub(crate) xrc: Option<XrcRole>,
     /// Datagram counters (UD QPs; `wrong_transport_dropped` on every QP).
     pub(crate) ud_stats: UdStats,
     /// Context generation, see [`crate::NicEvent::SqProcess`].
@@ -482,10 +487,22 @@ impl Qp {
     }
 }
 
+/// The part an XRC QP plays (ABI 1.11).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum XrcRole {
+    /// Sends only; each request names the XRC SRQ at the target (the WQE's `xrc_srqn`).
+    Ini,
+    /// Receives only, for XRC domain `xrcdn`: each request goes to the XRC SRQ it names,
+    /// which gives it its PD, its receive WQE and its CQ.
+    Tgt { xrcdn: u32 },
+}
+
 /// A shared receive queue.
 #[derive(Debug)]
 pub(crate) struct Srq {
     pub(crate) pdn: u32,
+    /// An XRC SRQ (ABI 1.11): its XRC domain and the CQ its receives complete on.
+    pub(crate) xrc: Option<(u32, u32)>,
     pub(crate) wq: WorkQueue,
     pub(crate) limit: u32,
     pub(crate) refs: u32,
@@ -528,6 +545,32 @@ fn uc_transition_masks(from: QpState, to: QpState) -> Option<(M, M)> {
         (Rts, Sqd) => (e, M::EN_SQD_ASYNC_NOTIFY),
         (Sqd, Sqd) => (e, M::PORT | M::AV | M::ACCESS_FLAGS | M::PKEY_INDEX),
         _ => return transition_masks(from, to).filter(|(r, o)| r.is_empty() && o.is_empty()),
+    })
+}
+
+/// (required, optional) attribute masks of an XRC transition (ABI 1.11), as the IBTA and
+/// Linux's table have them: an initiator is RC without the receive side's attributes (READ
+/// and atomic resources as responder, the RNR timer), a target RC without the send side's
+/// (retries, READ and atomic resources as requester). The rest is RC's.
+fn xrc_transition_masks(role: XrcRole, from: QpState, to: QpState) -> Option<(M, M)> {
+    use QpState::*;
+    let e = M::empty();
+    let ini = role == XrcRole::Ini;
+    Some(match (from, to) {
+        (Init, Rtr) if ini => (
+            M::AV | M::PATH_MTU | M::DEST_QPN | M::RQ_PSN,
+            M::ACCESS_FLAGS | M::PKEY_INDEX,
+        ),
+        (Rtr, Rts) if ini => (
+            M::TIMEOUT | M::RETRY_CNT | M::RNR_RETRY | M::SQ_PSN | M::MAX_QP_RD_ATOMIC,
+            M::CUR_STATE | M::ACCESS_FLAGS,
+        ),
+        (Rts, Rts) | (Sqd, Rts) if ini => (e, M::CUR_STATE | M::ACCESS_FLAGS),
+        (Rtr, Rts) => (
+            M::TIMEOUT | M::SQ_PSN,
+            M::CUR_STATE | M::ACCESS_FLAGS | M::MIN_RNR_TIMER,
+        ),
+        _ => return transition_masks(from, to),
     })
 }
 
@@ -591,9 +634,10 @@ pub(crate) fn check_modify(
     } else {
         qp.state
     };
-    let masks = match (qp.ud, qp.uc) {
-        (true, _) => ud_transition_masks(qp.state, to),
-        (_, true) => uc_transition_masks(qp.state, to),
+    let masks = match (qp.ud, qp.uc, qp.xrc) {
+        (true, _, _) => ud_transition_masks(qp.state, to),
+        (_, true, _) => uc_transition_masks(qp.state, to),
+        (_, _, Some(role)) => xrc_transition_masks(role, qp.state, to),
         _ => transition_masks(qp.state, to),
     };
     let (req, opt) = masks.ok_or(ModifyError::BadState)?;
@@ -1194,6 +1238,7 @@ mod tests {
             stats: QpStats::default(),
             ud: false,
             uc: false,
+            xrc: None,
             ud_stats: UdStats::default(),
             gen: 1,
             cntrs: Default::default(),

@@ -273,6 +273,23 @@ impl Nic {
         }
     }
 
+    /// The headers of a request of WQE `w` from `qp`: on an XRC initiator (ABI 1.11), with
+    /// the XRCETH naming the target's SRQ.
+    fn request_repr(
+        &self,
+        qp: &Qp,
+        w: &SendWqe,
+        opcode: Opcode,
+        psn: Psn,
+        ack_req: bool,
+    ) -> wire::PacketRepr {
+        let mut repr = self.packet_repr(qp, opcode, psn, ack_req);
+        if repr.xrc.is_some() {
+            repr.xrc = Some(w.xrc_srqn);
+        }
+        repr
+    }
+
     /// Puts the next packet of outstanding WQE `i` on the wire.
     fn send_packet(&mut self, env: &mut dyn Env, qp: &mut Qp, i: usize) {
         if qp.ud {
@@ -294,7 +311,7 @@ impl Nic {
                 // One request for everything not answered yet (all of it the first time).
                 let done = acked as u64 * mtu as u64;
                 psn = first_psn.add(acked);
-                let mut repr = self.packet_repr(qp, Opcode::ReadRequest, psn, true);
+                let mut repr = self.request_repr(qp, w, Opcode::ReadRequest, psn, true);
                 repr.reth = Some(Reth {
                     va: w.raddr.wrapping_add(done),
                     rkey: w.rkey,
@@ -312,7 +329,7 @@ impl Nic {
                 } else {
                     Opcode::FetchAdd
                 };
-                let mut repr = self.packet_repr(qp, opcode, psn, true);
+                let mut repr = self.request_repr(qp, w, opcode, psn, true);
                 repr.atomic_eth = Some(AtomicEth {
                     va: w.raddr,
                     rkey: w.rkey,
@@ -384,7 +401,7 @@ impl Nic {
                     (opcode, ack_req)
                 };
                 let w = &qp.req.outstanding[i].wqe;
-                let mut repr = self.packet_repr(qp, opcode, psn, ack_req);
+                let mut repr = self.request_repr(qp, w, opcode, psn, ack_req);
                 repr.bth.solicited = last && w.flags.contains(WqeFlags::SOLICITED);
                 if opcode.has_reth() {
                     repr.reth = Some(Reth {
@@ -714,6 +731,7 @@ impl Nic {
             len: rvh.len as u64,
             ud: None,
             bind: Default::default(),
+            xrc_srqn: 0,
         };
         self.push_hw_task(env, qp, wqe, HwTask::RndvRead { srqn, handle, fin }, ready);
     }
@@ -889,6 +907,7 @@ impl Nic {
                     len: fin.len() as u64,
                     ud: None,
                     bind: Default::default(),
+                    xrc_srqn: 0,
                 };
                 self.push_hw_task(env, qp, fin, HwTask::Fin, ready);
             }
@@ -1505,6 +1524,7 @@ pub(crate) fn decode_send_wqe_into(
     w.len = 0;
     w.ud = None;
     w.bind = Default::default();
+    w.xrc_srqn = ctrl.xrc_srqn.get() & 0x00FF_FFFF;
     let mut rest = body;
     if ud {
         if !matches!(op, SendOpcode::Send | SendOpcode::SendImm) {

@@ -3,7 +3,7 @@
 
 use crate::env::{trace, Env, NicEvent, Stage, TraceEvent};
 use crate::nic::Nic;
-use crate::qp::{Qp, RecvCtx, RecvTake, Reply, Resource, TmRecv, WriteCtx};
+use crate::qp::{Qp, RecvCtx, RecvTake, Reply, Resource, TmRecv, WriteCtx, XrcRole};
 use crate::tm::{self, SlotState, TmCompletion};
 use ringbell_specs::cmd::{Access, CntrEvents, QpState};
 use ringbell_specs::cqe::{
@@ -80,7 +80,10 @@ impl Nic {
             return;
         };
         let op = Opcode::from_u8(pkt.repr.bth.opcode);
-        if op.is_some_and(Opcode::is_ud) != qp.ud || op.is_some_and(Opcode::is_uc) != qp.uc {
+        if op.is_some_and(Opcode::is_ud) != qp.ud
+            || op.is_some_and(Opcode::is_uc) != qp.uc
+            || pkt.repr.xrc.is_some() != qp.xrc.is_some()
+        {
             // Traffic of another transport: RC at a UD or UC QP, a datagram at a connected
             // QP, UC at an RC QP.
             qp.ud_stats.wrong_transport_dropped += 1;
@@ -152,6 +155,8 @@ impl Nic {
             atomic_ack: None,
             imm: None,
             deth: None,
+            // An XRC QP's packets are XRC's; a request's SRQ number is its WQE's.
+            xrc: qp.xrc.map(|_| 0),
         }
     }
 
@@ -238,6 +243,31 @@ impl Nic {
         self.emit(env, qp.qpn, &repr, &[], ready);
     }
 
+    /// An XRC target (ABI 1.11) takes the PD, the receive WQEs and the CQ of the XRC SRQ
+    /// each request names in its XRCETH, which must be an SRQ of the target's XRC domain
+    /// (else the request is invalid); a message in progress keeps the SRQ it started on.
+    fn bind_xrc_target(&self, qp: &mut Qp, pkt: &Packet<'_>) -> Result<(), Fault> {
+        let Some(XrcRole::Tgt { xrcdn }) = qp.xrc else {
+            return Ok(());
+        };
+        let invalid = Fault::Fatal(NakCode::InvalidRequest, None);
+        let srqn = pkt.repr.xrc.unwrap_or(0);
+        if (qp.resp.recv.is_some() || qp.resp.write.is_some()) && srqn != qp.srqn {
+            return Err(invalid);
+        }
+        let Some((srq, cqn)) = self
+            .srqs
+            .get(srqn)
+            .and_then(|s| s.xrc.filter(|&(x, _)| x == xrcdn).map(|(_, c)| (s, c)))
+        else {
+            return Err(invalid);
+        };
+        qp.srqn = srqn;
+        qp.pdn = srq.pdn;
+        qp.recv_cqn = cqn;
+        Ok(())
+    }
+
     fn handle_request(&mut self, env: &mut dyn Env, qp: &mut Qp, pkt: &Packet<'_>) {
         let ready = env.now() + SimTime(self.cfg.timing.nic_rx_pkt_ps);
         if qp.resp.dead {
@@ -271,7 +301,7 @@ impl Nic {
         let Some(op) = Opcode::from_u8(pkt.repr.bth.opcode) else {
             return;
         };
-        let r = match op {
+        let r = self.bind_xrc_target(qp, pkt).and_then(|()| match op {
             Opcode::SendFirst
             | Opcode::SendMiddle
             | Opcode::SendLast
@@ -290,7 +320,7 @@ impl Nic {
             Opcode::CompareSwap | Opcode::FetchAdd => self.rx_atomic(env, qp, pkt, op, ready),
             Opcode::AtomicWrite => self.rx_atomic_write(env, qp, pkt, ready),
             _ => Err(Fault::Fatal(NakCode::InvalidRequest, None)),
-        };
+        });
         match r {
             Ok(()) => {}
             Err(Fault::Rnr) => {

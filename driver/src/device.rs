@@ -413,11 +413,6 @@ pub struct Device {
 }
 
 impl Device {
-    /// Whether `other` is a handle on this same open device.
-    pub fn same(&self, other: &Device) -> bool {
-        Rc::ptr_eq(&self.inner, &other.inner)
-    }
-
     /// Opens the device behind `port`: checks identity and ABI version, sets up the command
     /// mailbox and the event queue, and reads the capabilities. Commands time out after
     /// [`DEFAULT_COMMAND_TIMEOUT`].
@@ -764,7 +759,7 @@ impl Device {
     }
 
     /// Whether `other` is a handle to this same open device.
-    pub(crate) fn same_as(&self, other: &Device) -> bool {
+    pub fn same_as(&self, other: &Device) -> bool {
         Rc::ptr_eq(&self.inner, &other.inner)
     }
 

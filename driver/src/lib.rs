@@ -40,6 +40,7 @@ pub mod tagmatch;
 pub mod tm;
 mod ud;
 pub mod vfio;
+mod xrc;
 
 pub use counter::{Counter, CounterInfo, CounterWait, TriggerHandle, TriggerOpts};
 pub use cq::{CompletionQueue, CqAttr, WcOpcode, WcStatus, WorkCompletion};
@@ -62,3 +63,4 @@ pub use ringbell_specs::stats::{PortStats, QpStats, UdStats};
 pub use srq::SharedReceiveQueue;
 pub use ud::{AddressHandle, AhAttr, UdDest, UdSource, GRH_LEN, UD_MAX_PAYLOAD};
 pub use vfio::{VfioError, VfioPort};
+pub use xrc::Xrcd;

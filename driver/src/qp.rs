@@ -14,7 +14,7 @@ use crate::srq::SrqObject;
 use bitflags::bitflags;
 use ringbell_specs::cmd::{
     Access, CmdOpcode, CreateQpIn, ModifyQpIn, ObjectIn, QpAttr, QpAttrMask, QpState, QP_TYPE_GSI,
-    QP_TYPE_RC, QP_TYPE_UC, QP_TYPE_UD,
+    QP_TYPE_RC, QP_TYPE_UC, QP_TYPE_UD, QP_TYPE_XRC_INI, QP_TYPE_XRC_TGT,
 };
 use ringbell_specs::regs;
 use ringbell_specs::stats::QpStats;
@@ -124,6 +124,9 @@ pub struct SendWr<'a> {
     pub flags: SendFlags,
     /// The destination of a send on a UD QP (required there; ignored on RC).
     pub ud: Option<crate::UdDest<'a>>,
+    /// The XRC SRQ at the target that receives a request of an XRC initiator QP (ABI 1.11;
+    /// ignored on other QPs).
+    pub xrc_srqn: u32,
 }
 
 impl<'a> SendWr<'a> {
@@ -136,6 +139,7 @@ impl<'a> SendWr<'a> {
             inline: None,
             flags: SendFlags::SIGNALED,
             ud: None,
+            xrc_srqn: 0,
         }
     }
     /// A signaled request with inline data.
@@ -147,6 +151,7 @@ impl<'a> SendWr<'a> {
             inline: Some(data),
             flags: SendFlags::SIGNALED,
             ud: None,
+            xrc_srqn: 0,
         }
     }
     /// Replaces the flags.
@@ -154,7 +159,13 @@ impl<'a> SendWr<'a> {
         self.flags = flags;
         self
     }
-    /// Sends the datagram to `dest` (UD QPs).
+    /// Names the XRC SRQ at the target that receives the request (XRC initiator QPs).
+    pub fn xrc(mut self, srqn: u32) -> Self {
+        self.xrc_srqn = srqn;
+        self
+    }
+
+    /// The destination of a datagram (UD QPs).
     pub fn to(mut self, dest: crate::UdDest<'a>) -> Self {
         self.ud = Some(dest);
         self
@@ -176,6 +187,12 @@ pub enum QpType {
     /// The general services QP: a UD QP that always gets QPN 1, one per device, where
     /// connection management listens ([`crate::cm`]).
     Gsi,
+    /// XRC initiator (ABI 1.11): an RC QP that only sends, each request naming the XRC SRQ
+    /// at the target that receives it ([`SendWr::xrc`]); no receive queue.
+    XrcIni,
+    /// XRC target (ABI 1.11): an RC QP of an XRC domain that only receives, each request
+    /// going to the XRC SRQ it names; made by [`crate::Xrcd::create_target_qp`].
+    XrcTgt,
 }
 
 /// A receive work request.
@@ -586,6 +603,7 @@ fn emit_send_wqe(
         wqe_index: wqe_index.into(),
         ds_count: plan.ds as u8,
         imm: plan.imm.into(),
+        xrc_srqn: wr.xrc_srqn.into(),
         ..Default::default()
     };
     out.seg(0, ctrl.as_bytes())?;
@@ -662,6 +680,9 @@ fn small_wqe(
     uc: bool,
     wqe_index: u16,
 ) -> Option<[u64; 8]> {
+    if wr.xrc_srqn != 0 {
+        return None;
+    }
     let (opcode, raddr, imm) = if let WrOp::Write(r) = wr.op {
         (SendOpcode::Write, Some(r), 0)
     } else {
@@ -744,16 +765,27 @@ pub struct QueuePair {
     ud: bool,
     /// A UC QP.
     uc: bool,
+    /// An XRC initiator or target (ABI 1.11).
+    xrc: Option<QpType>,
     state: QpState,
     /// Counters bound to the QP live at least as long as it (dropped after DESTROY_QP).
     cntrs: std::cell::RefCell<Vec<Rc<crate::counter::CntrObject>>>,
-    /// The objects the device QP refers to stay alive at least as long as it.
-    _uses: (
+    /// The objects the device QP refers to stay alive at least as long as it (an XRC
+    /// target's: its XRC domain only).
+    _uses: Uses,
+}
+
+/// What a QP's device object refers to (held for their lifetimes, never read).
+#[derive(Debug)]
+#[allow(dead_code)]
+enum Uses {
+    Qp(
         Rc<PdObject>,
         Rc<CqObject>,
         Rc<CqObject>,
         Option<Rc<SrqObject>>,
     ),
+    XrcTarget(crate::Xrcd),
 }
 
 impl ProtectionDomain {
@@ -783,6 +815,20 @@ impl ProtectionDomain {
         }
         let ud = matches!(init.qp_type, QpType::Ud | QpType::Gsi);
         let uc = init.qp_type == QpType::Uc;
+        let ini = init.qp_type == QpType::XrcIni;
+        if init.qp_type == QpType::XrcTgt {
+            return Err(Error::InvalidArgument(
+                "an XRC target QP is made by its XRC domain (Xrcd::create_target_qp)",
+            ));
+        }
+        if ini && !caps.caps.contains(regs::Caps::XRC) {
+            return Err(Error::Unsupported("XRC QPs: the device lacks CAPS.XRC"));
+        }
+        if ini && init.srq.is_some() {
+            return Err(Error::InvalidArgument(
+                "an XRC initiator QP has no receive side",
+            ));
+        }
         if ud && !caps.caps.contains(regs::Caps::UD) {
             return Err(Error::Unsupported("UD QPs: the device lacks CAPS.UD"));
         }
@@ -799,7 +845,9 @@ impl ProtectionDomain {
         }
         if init.max_send_wr == 0
             || init.max_send_wr > caps.max_qp_wr
-            || (init.srq.is_none() && (init.max_recv_wr == 0 || init.max_recv_wr > caps.max_qp_wr))
+            || (init.srq.is_none()
+                && !ini
+                && (init.max_recv_wr == 0 || init.max_recv_wr > caps.max_qp_wr))
         {
             return Err(Error::InvalidArgument(
                 "queue size is 0 or beyond max_qp_wr",
@@ -826,7 +874,7 @@ impl ProtectionDomain {
         let rq_stride_log = (init.max_recv_sge.max(1) as usize * SEG)
             .next_power_of_two()
             .trailing_zeros() as u8;
-        let rq_log = if init.srq.is_some() {
+        let rq_log = if init.srq.is_some() || ini {
             0
         } else {
             init.max_recv_wr.next_power_of_two().trailing_zeros().max(1) as u8
@@ -835,7 +883,7 @@ impl ProtectionDomain {
         let sq =
             self.dev
                 .alloc_queue_mem((1usize << sq_log) * WQEBB, RING_ALIGN, QueueMem::Qp, a)?;
-        let rq = if init.srq.is_none() {
+        let rq = if init.srq.is_none() && !ini {
             let len = (1usize << rq_log) << rq_stride_log;
             Some(self.dev.alloc_queue_mem(len, RING_ALIGN, QueueMem::Qp, a)?)
         } else {
@@ -858,6 +906,8 @@ impl ProtectionDomain {
                 QpType::Uc => QP_TYPE_UC,
                 QpType::Ud => QP_TYPE_UD,
                 QpType::Gsi => QP_TYPE_GSI,
+                QpType::XrcIni => QP_TYPE_XRC_INI,
+                QpType::XrcTgt => QP_TYPE_XRC_TGT,
             },
             ..Default::default()
         };
@@ -898,8 +948,9 @@ impl ProtectionDomain {
             bf: caps.caps.contains(regs::Caps::BLUEFLAME) && (qpn as u64) < regs::BF_MAX_QP,
             ud,
             uc,
+            xrc: ini.then_some(QpType::XrcIni),
             cntrs: Default::default(),
-            _uses: (
+            _uses: Uses::Qp(
                 self.obj.clone(),
                 init.send_cq.keepalive(),
                 init.recv_cq.keepalive(),
@@ -910,6 +961,58 @@ impl ProtectionDomain {
 }
 
 impl QueuePair {
+    /// An XRC target QP of XRC domain `xrcd` (ABI 1.11): no queues of its own (a minimal
+    /// send ring and doorbell record are kept for the layout), no PD, CQ or SRQ.
+    pub(crate) fn xrc_target(xrcd: &crate::Xrcd) -> Result<QueuePair, Error> {
+        let dev = xrcd.device().clone();
+        let sq_log = 1u8;
+        let sq = dev.alloc_queue_mem(2 * WQEBB, RING_ALIGN, QueueMem::Qp, None)?;
+        let db = dev.alloc_queue_mem(64, 64, QueueMem::Doorbell, None)?;
+        let input = CreateQpIn {
+            qp_type: QP_TYPE_XRC_TGT,
+            xrcdn: xrcd.num().into(),
+            ..Default::default()
+        };
+        let qpn = dev.inner.create(CmdOpcode::CreateQp, input.as_bytes())?;
+        let cells = |n: u32| (0..n).map(|_| Cell::new(0u64)).collect::<Box<[_]>>();
+        let rings = Rc::new(QpRings {
+            sq_mask: (1 << sq_log) - 1,
+            sq_wrid: cells(1 << sq_log),
+            sq_nbb: (0..1u32 << sq_log).map(|_| Cell::new(1u8)).collect(),
+            sq_ci: Cell::new(0),
+            sq_pi: Cell::new(0),
+            rq_mask: 0,
+            rq_wrid: cells(1),
+            rq_ci: Cell::new(0),
+            rq_pi: Cell::new(0),
+            reset_ps: Cell::new(0),
+        });
+        dev.inner.qps.borrow_mut().insert(qpn, rings.clone());
+        Ok(QueuePair {
+            dev,
+            qpn,
+            rings,
+            sq,
+            rq: None,
+            db,
+            sq_log,
+            sq_pi: 0,
+            rq_log: 0,
+            rq_stride_log: 0,
+            rq_pi: 0,
+            max_send_sge: 0,
+            max_recv_sge: 0,
+            max_inline: 0,
+            state: QpState::Reset,
+            bf: false,
+            ud: false,
+            uc: false,
+            xrc: Some(QpType::XrcTgt),
+            cntrs: Default::default(),
+            _uses: Uses::XrcTarget(xrcd.clone()),
+        })
+    }
+
     pub(crate) fn device(&self) -> &Device {
         &self.dev
     }
@@ -1057,8 +1160,9 @@ impl QueuePair {
             ..Default::default()
         };
         self.modify(M::STATE | M::PKEY_INDEX | M::PORT | M::ACCESS_FLAGS, &init)?;
-        // UC has no READ/atomic resources and no RNR timer.
-        let rc_only = match self.uc {
+        // UC, and an XRC initiator (which only sends), have no READ/atomic resources as
+        // responder and no RNR timer.
+        let rc_only = match self.uc || self.xrc == Some(QpType::XrcIni) {
             true => M::empty(),
             false => M::MAX_DEST_RD_ATOMIC | M::MIN_RNR_TIMER,
         };
@@ -1091,10 +1195,12 @@ impl QueuePair {
             max_rd_atomic: o.max_rd_atomic,
             ..Default::default()
         };
-        // UC has no ACK timer, retries or READ/atomic credits.
-        let rc_only = match self.uc {
-            true => M::empty(),
-            false => M::TIMEOUT | M::RETRY_CNT | M::RNR_RETRY | M::MAX_QP_RD_ATOMIC,
+        // UC has no ACK timer, retries or READ/atomic credits; an XRC target (which only
+        // receives) has the timer alone.
+        let rc_only = match (self.uc, self.xrc) {
+            (true, _) => M::empty(),
+            (_, Some(QpType::XrcTgt)) => M::TIMEOUT,
+            _ => M::TIMEOUT | M::RETRY_CNT | M::RNR_RETRY | M::MAX_QP_RD_ATOMIC,
         };
         self.modify(M::STATE | M::SQ_PSN | rc_only, &rts)
     }
@@ -1133,6 +1239,9 @@ impl QueuePair {
     /// the retry starts at the first missing response PSN, and the bytes already placed
     /// stay.
     pub fn post_send(&mut self, wrs: &[SendWr<'_>]) -> Result<(), Error> {
+        if self.xrc == Some(QpType::XrcTgt) {
+            return Err(Error::InvalidArgument("an XRC target QP does not send"));
+        }
         if matches!(self.state, QpState::Reset | QpState::Init | QpState::Rtr) {
             return Err(Error::InvalidState {
                 qpn: self.qpn,
@@ -1295,7 +1404,10 @@ impl QueuePair {
                 "a UC QP sends only SEND and RDMA WRITE",
             ));
         }
-        let ud_pd = self.ud.then_some(&self._uses.0);
+        let ud_pd = match (&self._uses, self.ud) {
+            (Uses::Qp(pd, ..), true) => Some(pd),
+            _ => None,
+        };
         let plan = plan_send_wqe(wr, self.max_inline, self.max_send_sge, ud_pd)?;
         let nbb = wqe::wqebbs(plan.ds) as u32;
         let free = (1u32 << self.sq_log) - pi.wrapping_sub(self.rings.sq_ci.get());
@@ -1331,7 +1443,10 @@ impl QueuePair {
             });
         }
         let Some(rq) = &self.rq else {
-            return Err(Error::InvalidArgument("QP uses an SRQ; post to the SRQ"));
+            return Err(Error::InvalidArgument(match self.xrc {
+                Some(_) => "an XRC QP has no receive queue; post to its XRC SRQ",
+                None => "QP uses an SRQ; post to the SRQ",
+            }));
         };
         let start = self.rq_pi;
         let mut result = Ok(());
@@ -1490,6 +1605,7 @@ mod tests {
             max_send_sge in prop_oneof![Just(16u32), 0u32..18],
             wqe_index in any::<u16>(),
             start_block in 0usize..8,
+            xrc_srqn in prop_oneof![Just(0u32), 1u32..0x0100_0000],
         ) {
             let remote = RemoteAddr { addr, rkey };
             let op = match kind {
@@ -1523,6 +1639,7 @@ mod tests {
                 inline: inline.as_deref(),
                 flags: SendFlags::from_bits_truncate(flags),
                 ud: None,
+                xrc_srqn,
             };
             let want = reference_wqe(&wr, max_inline, max_send_sge, wqe_index);
             let plan = plan_send_wqe(&wr, max_inline, max_send_sge, None);
@@ -1556,7 +1673,10 @@ mod tests {
                     // inline bytes, takes the small path; a UC QP's READ does not.
                     let inline_small = inline.as_ref().is_some_and(|d| (8..=12).contains(&d.len()));
                     let sgl_small = inline.is_none() && sgl.len() <= 1;
-                    prop_assert_eq!(small.is_some(), kind <= 4 && (inline_small || sgl_small));
+                    prop_assert_eq!(
+                        small.is_some(),
+                        kind <= 4 && (inline_small || sgl_small) && xrc_srqn == 0
+                    );
                     if kind == 4 {
                         prop_assert!(small_wqe(&wr, max_inline, max_send_sge, true, wqe_index).is_none());
                     }
@@ -1628,6 +1748,7 @@ mod tests {
                 ds_count: ds,
                 imm: imm.into(),
                 wqe_index: wqe_index.into(),
+                xrc_srqn: wr.xrc_srqn.into(),
                 ..Default::default()
             };
             buf[..SEG].copy_from_slice(ctrl.as_bytes());
@@ -1722,6 +1843,7 @@ mod tests {
             ds_count: ds as u8,
             imm: imm.into(),
             wqe_index: wqe_index.into(),
+            xrc_srqn: wr.xrc_srqn.into(),
             ..Default::default()
         };
         buf[..SEG].copy_from_slice(ctrl.as_bytes());

@@ -99,7 +99,7 @@ impl ProtectionDomain {
         max_sge: u32,
         limit: u32,
     ) -> Result<SharedReceiveQueue, Error> {
-        self.create_srq_inner(max_wr, max_sge, limit, None)
+        self.create_srq_inner(max_wr, max_sge, limit, None, None)
     }
 
     /// Creates an SRQ, or (with `tm`) a TM-SRQ whose list operations and every completion
@@ -110,6 +110,7 @@ impl ProtectionDomain {
         max_sge: u32,
         limit: u32,
         tm: Option<crate::tm::TmCreate<'_>>,
+        xrc: Option<(&crate::Xrcd, &crate::CompletionQueue)>,
     ) -> Result<SharedReceiveQueue, Error> {
         if max_wr == 0 || max_wr > self.dev.caps().max_qp_wr || max_sge == 0 || max_sge > 32 {
             return Err(Error::InvalidArgument("SRQ size or SGE count out of range"));
@@ -134,6 +135,19 @@ impl ProtectionDomain {
             ..Default::default()
         };
         let (srqn, tm_rings, tm_ops) = match tm {
+            None if xrc.is_some() => {
+                let (x, cq) = xrc.expect("matched");
+                let input = ringbell_specs::cmd::CreateXrcSrqIn {
+                    srq: input,
+                    xrcdn: x.num().into(),
+                    cqn: cq.cqn().into(),
+                };
+                let n = self
+                    .dev
+                    .inner
+                    .create(CmdOpcode::CreateXrcSrq, input.as_bytes())?;
+                (n, None, None)
+            }
             None => (
                 self.dev
                     .inner
@@ -154,6 +168,7 @@ impl ProtectionDomain {
             ring,
             db,
             _pd: self.obj.clone(),
+            _xrc: xrc.map(|(x, cq)| (x.clone(), cq.keepalive())),
         });
         Ok(SharedReceiveQueue {
             obj,
@@ -247,6 +262,8 @@ pub(crate) struct SrqObject {
     ring: DmaBuffer,
     db: DmaBuffer,
     _pd: Rc<PdObject>,
+    /// An XRC SRQ's domain and CQ (ABI 1.11).
+    _xrc: Option<(crate::Xrcd, Rc<crate::cq::CqObject>)>,
 }
 
 impl Drop for SrqObject {

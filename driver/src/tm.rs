@@ -232,6 +232,7 @@ impl ProtectionDomain {
                 max_num_tags,
                 max_ops,
             }),
+            None,
         )
     }
 }

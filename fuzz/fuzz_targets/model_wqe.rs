@@ -1138,6 +1138,7 @@ impl Harness {
             reth: None,
             aeth: None,
             atomic_eth: None,
+            xrc: None,
             atomic_ack: None,
             imm: None,
         }
@@ -2131,9 +2132,10 @@ impl Harness {
         } else if sel < 192 {
             self.tm_command(u);
         } else {
-            const OPS: [u16; 27] = [
-                0x01, 0x02, 0x10, 0x11, 0x20, 0x21, 0x22, 0x23, 0x24, 0x25, 0x30, 0x31, 0x32, 0x33,
-                0x40, 0x41, 0x42, 0x43, 0x44, 0x50, 0x51, 0x52, 0x53, 0x54, 0x70, 0x71, 0x99,
+            const OPS: [u16; 29] = [
+                0x01, 0x02, 0x10, 0x11, 0x20, 0x21, 0x22, 0x23, 0x24, 0x25, 0x26, 0x27, 0x30, 0x31,
+                0x32, 0x33, 0x40, 0x41, 0x42, 0x43, 0x44, 0x50, 0x51, 0x52, 0x53, 0x54, 0x70, 0x71,
+                0x99,
             ];
             let op = OPS[byte(u) as usize % OPS.len()];
             let mut input = [0u8; PARAMS_SIZE];
@@ -2143,6 +2145,19 @@ impl Harness {
                 // Device memory of a size that fits (the rest fuzzed: alignment, reserved).
                 let len = u64::from(range(u, 1, 70_000));
                 input[..8].copy_from_slice(&len.to_le_bytes());
+            }
+            if op == CmdOpcode::CreateQp as u16 && byte(u) < 64 {
+                // An XRC initiator or target (ABI 1.11) in one of the first domains, the
+                // rest fuzzed.
+                input[0x13] = if flag(u) { 9 } else { 10 };
+                input[0x14..0x18].copy_from_slice(&range(u, 1, 3).to_le_bytes());
+            }
+            if op == CmdOpcode::CreateXrcSrq as u16 && byte(u) < 192 {
+                // An XRC SRQ of one of the first domains on one of the harness's CQs and
+                // PDs, ring and sizes fuzzed.
+                input[..4].copy_from_slice(&self.cntr.pds[0].to_le_bytes());
+                input[0x20..0x24].copy_from_slice(&range(u, 1, 3).to_le_bytes());
+                input[0x24..0x28].copy_from_slice(&self.cqs[MAIN].cqn.to_le_bytes());
             }
             if op == CmdOpcode::AllocMw as u16 && byte(u) < 192 {
                 // A window of type 1 or 2 in one of the harness's PDs (ABI 1.9).

@@ -202,6 +202,8 @@ struct Input<'a> {
     atomic_eth: Option<(u64, u32, u64, u64)>,
     atomic_ack: Option<u64>,
     imm: Option<u32>,
+    /// XRC (ABI 1.11): the SRQ number of an RC opcode's XRC twin.
+    xrc: Option<u32>,
     payload: &'a [u8],
 }
 
@@ -266,6 +268,10 @@ fn emit_direction(data: &[u8]) {
             }),
         atomic_ack: inp.atomic_ack,
         imm: inp.imm,
+        // XRC is RC's: a UC or UD opcode has no XRC twin.
+        xrc: inp
+            .xrc
+            .filter(|_| Opcode::from_u8(opcode).is_some_and(|o| !o.is_uc() && !o.is_ud())),
     };
     let payload = inp.payload;
     let mut out = vec![0xAA; 3]; // emit appends: start from a non-empty buffer
@@ -328,6 +334,10 @@ fn emit_direction(data: &[u8]) {
             .has_atomic_ack_eth()
             .then(|| repr.atomic_ack.unwrap_or(0)),
         imm: op.has_immdt().then(|| repr.imm.unwrap_or(0)),
+        // A request's XRCETH holds 24 bits; a response has none.
+        xrc: repr
+            .xrc
+            .map(|n| if op.is_request() { n & 0x00FF_FFFF } else { 0 }),
         ..repr
     };
     match parsed {

@@ -64,6 +64,10 @@ pub enum CmdOpcode {
     AllocMw = 0x24,
     /// Deallocate a memory window. ABI 1.9.
     DeallocMw = 0x25,
+    /// Allocate an XRC domain. ABI 1.11.
+    AllocXrcd = 0x26,
+    /// Deallocate an XRC domain. ABI 1.11.
+    DeallocXrcd = 0x27,
     /// Create a completion queue.
     CreateCq = 0x30,
     /// Query a completion queue.
@@ -93,6 +97,8 @@ pub enum CmdOpcode {
     DestroySrq = 0x52,
     /// Create a tag-matching SRQ. ABI 1.2.
     CreateTmSrq = 0x53,
+    /// Create an XRC SRQ. ABI 1.11.
+    CreateXrcSrq = 0x54,
     /// Create an event counter. ABI 1.3.
     CreateCntr = 0x60,
     /// Destroy an event counter. ABI 1.3.
@@ -133,6 +139,8 @@ impl CmdOpcode {
             0x23 => RegDmMr,
             0x24 => AllocMw,
             0x25 => DeallocMw,
+            0x26 => AllocXrcd,
+            0x27 => DeallocXrcd,
             0x30 => CreateCq,
             0x31 => QueryCq,
             0x32 => DestroyCq,
@@ -147,6 +155,7 @@ impl CmdOpcode {
             0x51 => ArmSrq,
             0x52 => DestroySrq,
             0x53 => CreateTmSrq,
+            0x54 => CreateXrcSrq,
             0x60 => CreateCntr,
             0x61 => DestroyCntr,
             0x62 => UpdateCntr,
@@ -319,10 +328,12 @@ abi_struct!(
     /// queue holds `1 << rq_log_size` entries of `1 << rq_log_stride` bytes (ignored with an
     /// SRQ). The doorbell record is 8 bytes: receive PI (u32) then send PI (u32).
     /// `qp_type` (ABI 1.5): [`QP_TYPE_RC`] (0, as before 1.5), [`QP_TYPE_UD`],
-    /// [`QP_TYPE_GSI`] or, since ABI 1.7, [`QP_TYPE_UC`].
+    /// [`QP_TYPE_GSI`], since ABI 1.7 [`QP_TYPE_UC`], and since ABI 1.11
+    /// [`QP_TYPE_XRC_INI`] and [`QP_TYPE_XRC_TGT`]. `xrcdn` (ABI 1.11; reserved before): the
+    /// XRC domain of an XRC target QP.
     CreateQpIn, 48, {
         pdn: U32, send_cqn: U32, recv_cqn: U32, srqn: U32,
-        sq_log_size: u8, rq_log_size: u8, rq_log_stride: u8, qp_type: u8, rsvd1: U32,
+        sq_log_size: u8, rq_log_size: u8, rq_log_stride: u8, qp_type: u8, xrcdn: U32,
         sq_iova: U64, rq_iova: U64, db_iova: U64,
     }
 );
@@ -343,6 +354,12 @@ pub const QP_TYPE_RC: u8 = 0;
 pub const QP_TYPE_UC: u8 = 3;
 /// CREATE_QP `qp_type`: unreliable datagram (ABI 1.5). 4 is libibverbs' `IBV_QPT_UD`.
 pub const QP_TYPE_UD: u8 = 4;
+/// CREATE_QP `qp_type` (ABI 1.11): XRC initiator, a send-only RC QP whose requests name
+/// an XRC SRQ at the target. 9 is libibverbs' `IBV_QPT_XRC_SEND`.
+pub const QP_TYPE_XRC_INI: u8 = 9;
+/// CREATE_QP `qp_type` (ABI 1.11): XRC target, a receive-only RC QP of an XRC domain that
+/// delivers each request to the XRC SRQ it names. 10 is libibverbs' `IBV_QPT_XRC_RECV`.
+pub const QP_TYPE_XRC_TGT: u8 = 10;
 /// CREATE_QP `qp_type` (ABI 1.5): the general services QP, a UD QP that always gets QPN 1
 /// (the IBTA's GSI, where connection management listens); one per device. 1 is the
 /// kernel's `IB_QPT_GSI`.
@@ -376,6 +393,11 @@ abi_struct!(
         srq: CreateSrqIn, cqn: U32, max_num_tags: U32, ops_log_size: u8, rsvd0: [u8; 7],
         ops_iova: U64,
     }
+);
+abi_struct!(
+    /// CREATE_XRC_SRQ input (ABI 1.11): an SRQ (as in CREATE_SRQ) of XRC domain `xrcdn`,
+    /// whose receive completions go to CQ `cqn` (whichever XRC target QP took them).
+    CreateXrcSrqIn, 40, { srq: CreateSrqIn, xrcdn: U32, cqn: U32 }
 );
 abi_struct!(
     /// ARM_SRQ input: raise SRQ_LIMIT once fewer than `limit` WQEs remain (0 disarms).
@@ -691,7 +713,16 @@ mod tests {
         // ABI 1.9: ALLOC_MW and DEALLOC_MW after it.
         assert_eq!(CmdOpcode::from_u16(0x24), Some(CmdOpcode::AllocMw));
         assert_eq!(CmdOpcode::from_u16(0x25), Some(CmdOpcode::DeallocMw));
-        assert_eq!(CmdOpcode::from_u16(0x26), None);
+        // ABI 1.11: ALLOC_XRCD and DEALLOC_XRCD after them, CREATE_XRC_SRQ after
+        // CREATE_TM_SRQ; CREATE_QP's reserved word at 0x14 names the target's XRC domain.
+        assert_eq!(CmdOpcode::from_u16(0x26), Some(CmdOpcode::AllocXrcd));
+        assert_eq!(CmdOpcode::from_u16(0x27), Some(CmdOpcode::DeallocXrcd));
+        assert_eq!(CmdOpcode::from_u16(0x28), None);
+        assert_eq!(CmdOpcode::from_u16(0x54), Some(CmdOpcode::CreateXrcSrq));
+        assert_eq!(CmdOpcode::from_u16(0x55), None);
+        assert_eq!(offset_of!(CreateQpIn, xrcdn), 0x14);
+        assert_eq!(offset_of!(CreateXrcSrqIn, xrcdn), 0x20);
+        assert_eq!((QP_TYPE_XRC_INI, QP_TYPE_XRC_TGT), (9, 10));
         assert_eq!(offset_of!(AllocMwIn, mw_type), 0x04);
         assert_eq!(offset_of!(QueryDeviceOut, max_mw), 0x60);
         assert_eq!(Access::MW_BIND.bits(), 1 << 4);

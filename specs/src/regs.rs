@@ -238,6 +238,9 @@ bitflags! {
         const MEMORY_WINDOW = 1 << 14;
         /// IBTA 1.5 ATOMIC WRITE: the ATOMIC_WRITE WQE and its wire opcode (ABI 1.10).
         const ATOMIC_WRITE = 1 << 15;
+        /// XRC (ABI 1.11): XRC domains, XRC SRQs, the XRC initiator and target QPs, and
+        /// the XRC transport on the wire.
+        const XRC = 1 << 16;
     }
 }
 
@@ -305,9 +308,10 @@ mod tests {
         assert_eq!(Caps::DEVICE_MEMORY.bits(), 1 << 13);
         assert_eq!(Caps::MEMORY_WINDOW.bits(), 1 << 14);
         assert_eq!(Caps::ATOMIC_WRITE.bits(), 1 << 15);
-        // Bits 0..15 are defined (ABI 1.10); 31:16 are reserved.
-        assert_eq!(Caps::all().bits(), 0xFFFF);
-        assert_eq!(Caps::from_bits(1 << 16), None);
+        assert_eq!(Caps::XRC.bits(), 1 << 16);
+        // Bits 0..16 are defined (ABI 1.11); 31:17 are reserved.
+        assert_eq!(Caps::all().bits(), 0x1_FFFF);
+        assert_eq!(Caps::from_bits(1 << 17), None);
         // The device-memory window follows the BlueFlame area to the end of the 4 MiB BAR.
         assert_eq!(
             (DM_BASE, DM_END, BAR0_SIZE),

@@ -1008,7 +1008,17 @@ pub struct PacketRepr {
     /// opcodes; for the *_WITH_INVALIDATE opcodes (ABI 1.9) the IETH, the R_Key to
     /// invalidate, which sits where a SEND's ImmDt would.
     pub imm: Option<u32>,
+    /// XRC (ABI 1.11): `Some` for a packet of the XRC transport, whose BTH opcode byte is
+    /// [`XRC_PREFIX`] `|` the RC opcode kept in `bth.opcode`. On a request the XRCETH, right
+    /// after the BTH, carries this XRC SRQ number (24 bits); a response has no XRCETH (0
+    /// here).
+    pub xrc: Option<u32>,
 }
+
+/// The transport bits 7:5 of an XRC opcode (ABI 1.11): `0xA0 |` the RC opcode.
+pub const XRC_PREFIX: u8 = 0xA0;
+/// Bytes of the XRCETH (ABI 1.11): 8 reserved bits, then the XRC SRQ number.
+pub const XRCETH_LEN: usize = 4;
 
 impl PacketRepr {
     /// The opcode, if `bth.opcode` is a known RC opcode.
@@ -1016,9 +1026,19 @@ impl PacketRepr {
         Opcode::from_u8(self.bth.opcode)
     }
 
-    /// BTH plus extended headers as emitted for this repr's opcode.
+    /// BTH plus extended headers as emitted for this repr's opcode (and transport).
     pub fn header_len(&self) -> usize {
-        self.opcode().map_or(BTH_LEN, Opcode::header_len)
+        self.opcode()
+            .map_or(BTH_LEN, |op| op.header_len() + self.xrceth_len(op))
+    }
+
+    /// The XRCETH's bytes for a packet of opcode `op`: on XRC requests only.
+    fn xrceth_len(&self, op: Opcode) -> usize {
+        if self.xrc.is_some() && op.is_request() {
+            XRCETH_LEN
+        } else {
+            0
+        }
     }
 
     /// Total frame length (no Ethernet FCS) for `payload_len` payload bytes, including pad
@@ -1052,6 +1072,7 @@ impl PacketRepr {
         /// The longest run of headers: outer ones, then BTH and every extended header.
         const MAX_HDR: usize = ROCE_OUTER_LEN
             + BTH_LEN
+            + XRCETH_LEN
             + DETH_LEN
             + RETH_LEN
             + ATOMIC_ETH_LEN
@@ -1087,10 +1108,22 @@ impl PacketRepr {
         h[UDP + 4..UDP + 6].copy_from_slice(&udp_len.to_be_bytes());
 
         // BTH and extended headers.
-        let bth = BthRepr { pad, ..self.bth };
+        let opcode = match self.xrc {
+            Some(_) => self.bth.opcode | XRC_PREFIX,
+            None => self.bth.opcode,
+        };
+        let bth = BthRepr {
+            pad,
+            opcode,
+            ..self.bth
+        };
         bth.emit(&mut h[ROCE_OUTER_LEN..]);
         let mut off = ROCE_OUTER_LEN + BTH_LEN;
         if let Some(op) = self.opcode() {
+            if let (Some(srqn), XRCETH_LEN) = (self.xrc, self.xrceth_len(op)) {
+                h[off..off + XRCETH_LEN].copy_from_slice(&(srqn & 0x00FF_FFFF).to_be_bytes());
+                off += XRCETH_LEN;
+            }
             if op.has_deth() {
                 self.deth.unwrap_or_default().emit(&mut h[off..]);
                 off += DETH_LEN;
@@ -1293,12 +1326,19 @@ fn parse(frame: &[u8], check_sums: bool) -> Result<Packet<'_>, WireError> {
     if ib.len() < BTH_LEN + ICRC_LEN {
         return Err(WireError::Truncated);
     }
-    let bth = BthRepr::parse(ib)?;
+    let mut bth = BthRepr::parse(ib)?;
     if bth.tver != 0 {
         return Err(WireError::BadTver);
     }
-    let op = Opcode::from_u8(bth.opcode).ok_or(WireError::UnknownOpcode(bth.opcode))?;
-    let hdr_len = op.header_len();
+    let raw = bth.opcode;
+    // XRC (ABI 1.11): the RC opcode under transport bits 101.
+    let xrc_frame = raw & 0xE0 == XRC_PREFIX;
+    if xrc_frame {
+        bth.opcode = raw & 0x1F;
+    }
+    let op = Opcode::from_u8(bth.opcode).ok_or(WireError::UnknownOpcode(raw))?;
+    let xrceth = xrc_frame && op.is_request();
+    let hdr_len = op.header_len() + if xrceth { XRCETH_LEN } else { 0 };
     let icrc_off = ib.len() - ICRC_LEN;
     if icrc_off < hdr_len {
         return Err(WireError::Truncated);
@@ -1326,6 +1366,11 @@ fn parse(frame: &[u8], check_sums: bool) -> Result<Packet<'_>, WireError> {
         let s = &ib[off..off + len];
         off += len;
         s
+    };
+    let xrc = match (xrc_frame, xrceth) {
+        (false, _) => None,
+        (true, false) => Some(0),
+        (true, true) => Some(be_u32(take(XRCETH_LEN), 0) & 0x00FF_FFFF),
     };
     let deth = if op.has_deth() {
         Some(Deth::parse(take(DETH_LEN))?)
@@ -1378,6 +1423,7 @@ fn parse(frame: &[u8], check_sums: bool) -> Result<Packet<'_>, WireError> {
         atomic_eth,
         atomic_ack,
         imm,
+        xrc,
     };
     Ok(Packet {
         repr,
@@ -1498,6 +1544,7 @@ mod tests {
             aeth: None,
             atomic_eth: None,
             atomic_ack: None,
+            xrc: None,
             imm: None,
         }
     }
@@ -1928,6 +1975,61 @@ mod tests {
         assert_eq!(repr.frame_len(usize::MAX), usize::MAX);
     }
 
+    /// XRC (ABI 1.11): a request is its RC opcode under transport bits 101 with an XRCETH
+    /// (the SRQ number) right after the BTH; a response has no XRCETH; both parse back to
+    /// the RC opcode with `xrc` set, and an XRC byte whose low bits name no RC opcode is
+    /// unknown.
+    #[test]
+    fn xrc_requests_carry_an_xrceth() {
+        let mut send = base(Opcode::SendOnly, 7);
+        send.xrc = Some(0x12_3456);
+        let mut f = Vec::new();
+        send.emit(b"hello!!!", &mut f);
+        let ib = ROCE_OUTER_LEN;
+        assert_eq!(f[ib], 0xA4);
+        assert_eq!(
+            &f[ib + BTH_LEN..ib + BTH_LEN + XRCETH_LEN],
+            &[0, 0x12, 0x34, 0x56]
+        );
+        assert_eq!(send.header_len(), BTH_LEN + XRCETH_LEN);
+        assert_eq!(f.len(), send.frame_len(8));
+        let p = parse_packet(&f).unwrap();
+        assert_eq!((p.repr, p.payload), (send, &b"hello!!!"[..]));
+        // A WRITE: the XRCETH comes before the RETH.
+        let mut write = base(Opcode::WriteOnly, 8);
+        write.reth = Some(Reth {
+            va: 0x1000,
+            rkey: 0x55,
+            len: 4,
+        });
+        write.xrc = Some(9);
+        let mut f = Vec::new();
+        write.emit(b"abcd", &mut f);
+        assert_eq!(f[ib], 0xAA);
+        assert_eq!(be_u32(&f, ib + BTH_LEN), 9);
+        assert_eq!(be_u32(&f, ib + BTH_LEN + XRCETH_LEN + 8), 0x55);
+        assert_eq!(parse_packet(&f).unwrap().repr, write);
+        // An ACK: no XRCETH.
+        let mut ack = base(Opcode::Acknowledge, 7);
+        ack.aeth = Some(Aeth {
+            syndrome: AethSyndrome::Ack { credits: 3 },
+            msn: 1,
+        });
+        ack.xrc = Some(0);
+        let mut f = Vec::new();
+        ack.emit(&[], &mut f);
+        assert_eq!(f[ib], 0xB1);
+        assert_eq!(ack.header_len(), BTH_LEN + AETH_LEN);
+        assert_eq!(parse_packet(&f).unwrap().repr, ack);
+        // 0xB5: the low bits name no RC opcode.
+        f[ib] = 0xB5;
+        seal(&mut f);
+        assert_eq!(
+            parse_packet(&f).map(|_| ()),
+            Err(WireError::UnknownOpcode(0xB5))
+        );
+    }
+
     #[test]
     fn opcode_table() {
         use Opcode::*;
@@ -2348,6 +2450,7 @@ mod tests {
             any::<u64>(),
             any::<u32>(),
             prop::collection::vec(any::<u8>(), 0..80),
+            prop::option::of(0..=0xFF_FFFFu32),
         )
             .prop_map(
                 |(
@@ -2362,6 +2465,7 @@ mod tests {
                     orig,
                     imm,
                     mut payload,
+                    xrc,
                 )| {
                     if !op.has_payload() {
                         payload.clear();
@@ -2388,6 +2492,14 @@ mod tests {
                         atomic_eth: op.has_atomic_eth().then_some(atomic),
                         atomic_ack: op.has_atomic_ack_eth().then_some(orig),
                         imm: (op.has_immdt() || op.has_ieth()).then_some(imm),
+                        // XRC (ABI 1.11): RC opcodes only; a response has no XRCETH.
+                        xrc: xrc.filter(|_| !op.is_uc() && !op.is_ud()).map(|n| {
+                            if op.is_request() {
+                                n
+                            } else {
+                                0
+                            }
+                        }),
                     };
                     (repr, payload)
                 },

@@ -146,12 +146,14 @@ bitflags! {
 }
 
 abi_struct!(
-    /// Control segment: the first 16 bytes of every send WQE. `wqe_index` must equal the low
+    /// Control segment: the first 16 bytes of every send WQE. `xrc_srqn` (ABI 1.11; reserved
+    /// before): on an XRC initiator QP, the XRC SRQ at the target that receives the request
+    /// (low 24 bits); ignored on other QPs. `wqe_index` must equal the low
     /// 16 bits of the WQEBB counter at which the WQE starts; the device rejects a doorbell that
     /// makes it fetch a block whose index does not match (a stale or unwritten WQE).
     CtrlSeg, 16, {
         opcode: u8, flags: u8, wqe_index: U16, ds_count: u8, rsvd0: u8, rsvd1: U16,
-        imm: U32, rsvd2: U32,
+        imm: U32, xrc_srqn: U32,
     }
 );
 abi_struct!(

@@ -1021,6 +1021,7 @@ fn raw_request(
         atomic_eth: None,
         atomic_ack: None,
         imm: None,
+        xrc: None,
     };
     let mut f = Vec::new();
     repr.emit(payload, &mut f);

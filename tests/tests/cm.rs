@@ -334,6 +334,7 @@ fn forge(f: &Fabric, src: AhAttr, dst: AhAttr, msg: &[u8], to_node: usize) {
         atomic_eth: None,
         atomic_ack: None,
         imm: None,
+        xrc: None,
     };
     let mut frame = Vec::new();
     repr.emit(msg, &mut frame);

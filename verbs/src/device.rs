@@ -113,7 +113,7 @@ pub(crate) fn open(st: &mut State, nic: usize) -> Result<*mut abi::ibv_context, 
 }
 
 /// The inode (device, number) of descriptor `fd`, if it is open.
-fn inode_of(fd: c_int) -> Option<(u64, u64)> {
+pub(crate) fn inode_of(fd: c_int) -> Option<(u64, u64)> {
     // SAFETY: `struct stat` is plain integers; all zeroes is a valid value.
     let mut sb: libc::stat = unsafe { std::mem::zeroed() };
     // SAFETY: fstat into a live struct; a bad descriptor only fails.
@@ -227,6 +227,15 @@ pub(crate) fn close(st: &mut State, c: &mut RbContext) -> i32 {
             crate::srq::destroy(st, o);
         }
     }
+    // XRC domains once their SRQs and target QPs are gone.
+    for p in st.live_of(Kind::Xrcd) {
+        // SAFETY: the registry lists live objects of this kind, allocated as this type;
+        // the lock is held.
+        let o = unsafe { &mut *(p as *mut crate::xrc::RbXrcd) };
+        if o.ctx == me {
+            crate::xrc::close(st, o);
+        }
+    }
     // Windows before the regions they are bound to.
     for p in st.live_of(Kind::Mw) {
         // SAFETY: the registry lists live objects of this kind, allocated as this type;
@@ -337,6 +346,11 @@ pub(crate) fn query_device(caps: &DeviceCaps, a: &mut abi::ibv_device_attr) {
                 | abi::ibv_device_cap_flags_IBV_DEVICE_MEM_WINDOW_TYPE_2B
         } else {
             0
+        }
+        | if caps.caps.contains(ringbell_specs::regs::Caps::XRC) {
+            abi::ibv_device_cap_flags_IBV_DEVICE_XRC
+        } else {
+            0
         };
     a.max_mw = i(caps.max_mw);
     a.max_sge = i(caps.max_sge);
@@ -381,8 +395,8 @@ pub(crate) fn query_device_ex(caps: &DeviceCaps, odp: bool, a: &mut abi::ibv_dev
     a.phys_port_cnt_ex = 1;
     a.max_dm_size = u64::from(caps.max_dm_size);
     if odp {
-        // On-demand paging (a NIC in this process): every operation of RC, UC and UD, SRQ
-        // receives of RC, and implicit (whole address space) regions.
+        // On-demand paging (a NIC in this process): every operation of RC, UC, UD and XRC,
+        // SRQ receives of RC and XRC, and implicit (whole address space) regions.
         let all = abi::ibv_odp_transport_cap_bits_IBV_ODP_SUPPORT_SEND
             | abi::ibv_odp_transport_cap_bits_IBV_ODP_SUPPORT_RECV;
         a.odp_caps.general_caps = u64::from(
@@ -397,6 +411,8 @@ pub(crate) fn query_device_ex(caps: &DeviceCaps, odp: bool, a: &mut abi::ibv_dev
         a.odp_caps.per_transport_caps.uc_odp_caps =
             all | abi::ibv_odp_transport_cap_bits_IBV_ODP_SUPPORT_WRITE;
         a.odp_caps.per_transport_caps.ud_odp_caps = all;
+        // XRC is RC on the wire, with its receives from XRC SRQs.
+        a.xrc_odp_caps = a.odp_caps.per_transport_caps.rc_odp_caps;
     }
 }
 

@@ -65,7 +65,7 @@ pub(crate) fn import(
     let found = st.live_of(Kind::Dm).into_iter().find_map(|p| {
         // SAFETY: the registry lists live allocations, allocated as `RbDm`; the lock is held.
         let o = unsafe { &*(p as *const RbDm) };
-        (o.drv.device().same(&c.dev) && o.dm.handle == handle).then(|| (o.dm, o.drv.clone()))
+        (o.drv.device().same_as(&c.dev) && o.dm.handle == handle).then(|| (o.dm, o.drv.clone()))
     });
     let (dm, drv) = found.ok_or(libc::EINVAL)?;
     let p = Box::into_raw(Box::new(RbDm {

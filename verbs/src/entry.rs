@@ -970,6 +970,10 @@ pub(crate) fn create_qp_checked(
     pd: *mut abi::ibv_pd,
     a: &mut abi::ibv_qp_init_attr_ex,
 ) -> Result<*mut RbQp, i32> {
+    // An XRC initiator has no receive side: a NULL receive CQ stands for its send CQ.
+    if a.qp_type == abi::ibv_qp_type_IBV_QPT_XRC_SEND && a.recv_cq.is_null() {
+        a.recv_cq = a.send_cq;
+    }
     if st.owner(pd as usize) != Owner::Ours(Kind::Pd)
         || st.owner(a.send_cq as usize) != Owner::Ours(Kind::Cq)
         || st.owner(a.recv_cq as usize) != Owner::Ours(Kind::Cq)

@@ -51,6 +51,8 @@ pub(crate) fn fill(v: &mut abi::verbs_context) {
     v.create_srq_ex = Some(create_srq_ex);
     v.post_srq_ops = Some(post_srq_ops);
     v.get_srq_num = Some(get_srq_num);
+    v.open_xrcd = Some(open_xrcd);
+    v.close_xrcd = Some(close_xrcd);
     v.query_rt_values = Some(query_rt_values);
     v.alloc_td = Some(alloc_td);
     v.dealloc_td = Some(dealloc_td);
@@ -270,6 +272,34 @@ unsafe extern "C" fn post_srq_ops(
     })
 }
 
+unsafe extern "C" fn open_xrcd(
+    ctx: *mut abi::ibv_context,
+    attr: *mut abi::ibv_xrcd_init_attr,
+) -> *mut abi::ibv_xrcd {
+    if attr.is_null() {
+        set_errno(libc::EINVAL);
+        return std::ptr::null_mut();
+    }
+    // SAFETY: the caller's struct, checked non-null; read only.
+    let a = unsafe { &*attr };
+    match with_ctx(ctx, Err(libc::EINVAL), |st, c| crate::xrc::open(st, c, a)) {
+        Ok(p) => p,
+        Err(e) => {
+            set_errno(e);
+            std::ptr::null_mut()
+        }
+    }
+}
+
+unsafe extern "C" fn close_xrcd(x: *mut abi::ibv_xrcd) -> c_int {
+    with(
+        x as *mut crate::xrc::RbXrcd,
+        Kind::Xrcd,
+        libc::EINVAL,
+        crate::xrc::close,
+    )
+}
+
 unsafe extern "C" fn get_srq_num(srq: *mut abi::ibv_srq, num: *mut u32) -> c_int {
     if num.is_null() {
         return libc::EINVAL;
@@ -463,7 +493,10 @@ unsafe extern "C" fn create_qp_ex(
     }
     // SAFETY: the caller's struct (the verb writes the real capacities back into it).
     let a = unsafe { &mut *attr };
-    let r = with_ctx(ctx, Err(libc::EINVAL), |st, _| {
+    let r = with_ctx(ctx, Err(libc::EINVAL), |st, c| {
+        if a.qp_type == abi::ibv_qp_type_IBV_QPT_XRC_RECV {
+            return crate::xrc::create_target(st, c, a);
+        }
         if a.comp_mask & abi::ibv_qp_init_attr_mask_IBV_QP_INIT_ATTR_PD == 0 {
             return Err(libc::EINVAL);
         }
@@ -492,7 +525,8 @@ unsafe extern "C" fn create_srq_ex(
         let known = abi::ibv_srq_init_attr_mask_IBV_SRQ_INIT_ATTR_TYPE
             | abi::ibv_srq_init_attr_mask_IBV_SRQ_INIT_ATTR_PD
             | abi::ibv_srq_init_attr_mask_IBV_SRQ_INIT_ATTR_CQ
-            | abi::ibv_srq_init_attr_mask_IBV_SRQ_INIT_ATTR_TM;
+            | abi::ibv_srq_init_attr_mask_IBV_SRQ_INIT_ATTR_TM
+            | abi::ibv_srq_init_attr_mask_IBV_SRQ_INIT_ATTR_XRCD;
         if a.comp_mask & !known != 0 {
             return Err(libc::EOPNOTSUPP);
         }
@@ -511,9 +545,19 @@ unsafe extern "C" fn create_srq_ex(
                     return Err(libc::EINVAL);
                 }
             }
+            abi::ibv_srq_type_IBV_SRQT_XRC => {
+                if a.comp_mask & abi::ibv_srq_init_attr_mask_IBV_SRQ_INIT_ATTR_XRCD == 0
+                    || a.comp_mask & abi::ibv_srq_init_attr_mask_IBV_SRQ_INIT_ATTR_CQ == 0
+                    || st.owner(a.xrcd as usize) != Owner::Ours(Kind::Xrcd)
+                {
+                    return Err(libc::EINVAL);
+                }
+            }
             _ => return Err(libc::EOPNOTSUPP),
         }
-        let cq = if a.srq_type == abi::ibv_srq_type_IBV_SRQT_TM {
+        let cq = if a.srq_type == abi::ibv_srq_type_IBV_SRQT_TM
+            || a.srq_type == abi::ibv_srq_type_IBV_SRQT_XRC
+        {
             a.cq as usize
         } else {
             0
@@ -892,8 +936,8 @@ unsafe extern "C" fn wr_set_ud_addr(
 ) {
     qpx(q, |qp| qp.wr_set_ud_addr(ah as usize, qpn, qkey))
 }
-unsafe extern "C" fn wr_set_xrc_srqn(q: *mut abi::ibv_qp_ex, _srqn: u32) {
-    unsupported(q)
+unsafe extern "C" fn wr_set_xrc_srqn(q: *mut abi::ibv_qp_ex, srqn: u32) {
+    qpx(q, |qp| qp.wr_set_xrc_srqn(srqn))
 }
 unsafe extern "C" fn wr_atomic_write(
     q: *mut abi::ibv_qp_ex,

@@ -30,6 +30,8 @@ pub(crate) struct Pending {
     /// `ibv_wr_set_ud_addr`: the address handle (as the program's pointer, checked when the
     /// request is posted), remote QPN and Q_Key.
     ud: Option<(usize, u32, u32)>,
+    /// `ibv_wr_set_xrc_srqn`: the SRQ at the target (XRC initiators).
+    xrc_srqn: u32,
 }
 
 /// A ringbell QP: the extended QP layout (whose prefix is `struct ibv_qp`) and the state
@@ -42,9 +44,13 @@ pub(crate) struct RbQp {
     pub send_cq: *mut RbCq,
     pub recv_cq: *mut RbCq,
     pub srq: *mut RbSrq,
+    /// An XRC target's domain (null otherwise).
+    pub xrcd: *mut crate::xrc::RbXrcd,
     pub drv: QueuePair,
     /// An unreliable datagram QP (else RC).
     pub ud: bool,
+    /// An XRC initiator (`IBV_QPT_XRC_SEND`) or target (`IBV_QPT_XRC_RECV`).
+    pub xrc: Option<QpType>,
     pub cap: abi::ibv_qp_cap,
     pub sq_sig_all: bool,
     /// Whether `ibv_qp_to_qp_ex` hands out the builder (created with send ops flags).
@@ -109,8 +115,12 @@ pub(crate) fn create(
         abi::ibv_qp_type_IBV_QPT_RC => QpType::Rc,
         abi::ibv_qp_type_IBV_QPT_UC => QpType::Uc,
         abi::ibv_qp_type_IBV_QPT_UD => QpType::Ud,
+        abi::ibv_qp_type_IBV_QPT_XRC_SEND => QpType::XrcIni,
+        // A target is made in its XRC domain (ibv_create_qp_ex with IBV_QP_INIT_ATTR_XRCD).
+        abi::ibv_qp_type_IBV_QPT_XRC_RECV => return Err(libc::EINVAL),
         _ => return Err(libc::EOPNOTSUPP),
     };
+    let ini = qp_type == QpType::XrcIni;
     let ud = qp_type == QpType::Ud;
     if attr.comp_mask & !SUPPORTED_MASK != 0 {
         return Err(libc::EOPNOTSUPP);
@@ -154,6 +164,13 @@ pub(crate) fn create(
     } else {
         (max_sge, caps.max_inline)
     };
+    // An XRC initiator only sends: its receive side is ignored.
+    if ini {
+        if srq.is_some() {
+            return Err(libc::EINVAL);
+        }
+        (c.max_recv_wr, c.max_recv_sge) = (0, 0);
+    }
     if c.max_send_wr > caps.max_qp_wr
         || (srq.is_none() && c.max_recv_wr > caps.max_qp_wr)
         || c.max_send_sge > max_send_sge
@@ -166,7 +183,7 @@ pub(crate) fn create(
     init.qp_type = qp_type;
     init.srq = srq.as_ref().map(|s| &s.drv);
     init.max_send_wr = c.max_send_wr.max(1);
-    init.max_recv_wr = if srq.is_some() {
+    init.max_recv_wr = if srq.is_some() || ini {
         0
     } else {
         c.max_recv_wr.max(1)
@@ -182,16 +199,52 @@ pub(crate) fn create(
     // rounded-up ring too).
     c.max_recv_wr = drv.recv_queue_depth();
     c.max_send_sge = init.max_send_sge;
-    c.max_recv_sge = if srq.is_some() { 0 } else { init.max_recv_sge };
-    let cap = *c;
+    c.max_recv_sge = if srq.is_some() || ini {
+        0
+    } else {
+        init.max_recv_sge
+    };
+    let p = publish(
+        st,
+        ctx,
+        Some((pd, a.send_cq, a.recv_cq, a.srq)),
+        drv,
+        attr,
+        qp_type,
+    )?;
+    pd.children += 1;
+    scq.users += 1;
+    rcq.users += 1;
+    if let Some(s) = srq {
+        s.users += 1;
+    }
+    Ok(p)
+}
+
+/// Makes the `RbQp` of a device QP just created on context `ctx`, with its PD, CQs and
+/// SRQ (none for an XRC target), and records it. The creator counts the uses.
+pub(crate) fn publish(
+    st: &mut State,
+    ctx: &mut RbContext,
+    uses: Option<(&mut RbPd, *mut RbCq, *mut RbCq, *mut RbSrq)>,
+    drv: QueuePair,
+    attr: &abi::ibv_qp_init_attr_ex,
+    qp_type: QpType,
+) -> Result<*mut RbQp, i32> {
+    let ex = attr.comp_mask & abi::ibv_qp_init_attr_mask_IBV_QP_INIT_ATTR_SEND_OPS_FLAGS != 0;
     let qpn = drv.qpn();
+    let (pd, scq, rcq, srq) = match uses {
+        Some((pd, s, r, q)) => (pd as *mut RbPd, s, r, q),
+        None => Default::default(),
+    };
     let mut qpx = abi::ibv_qp_ex::default();
     qpx.qp_base.context = ctx.ibv();
     qpx.qp_base.qp_context = attr.qp_context;
-    qpx.qp_base.pd = &mut pd.pd;
-    qpx.qp_base.send_cq = a.send_cq as *mut abi::ibv_cq;
-    qpx.qp_base.recv_cq = a.recv_cq as *mut abi::ibv_cq;
-    qpx.qp_base.srq = a.srq as *mut abi::ibv_srq;
+    // SAFETY: a live PD when given (the caller's), else null.
+    qpx.qp_base.pd = unsafe { pd.as_mut() }.map_or(std::ptr::null_mut(), |p| &mut p.pd);
+    qpx.qp_base.send_cq = scq as *mut abi::ibv_cq;
+    qpx.qp_base.recv_cq = rcq as *mut abi::ibv_cq;
+    qpx.qp_base.srq = srq as *mut abi::ibv_srq;
     qpx.qp_base.handle = qpn;
     qpx.qp_base.qp_num = qpn;
     qpx.qp_base.state = abi::ibv_qp_state_IBV_QPS_RESET;
@@ -201,21 +254,23 @@ pub(crate) fn create(
     }
     let p = Box::into_raw(Box::new(RbQp {
         qpx,
-        ctx: pd.ctx,
+        ctx,
         pd,
-        send_cq: a.send_cq,
-        recv_cq: a.recv_cq,
-        srq: a.srq,
+        send_cq: scq,
+        recv_cq: rcq,
+        srq,
+        xrcd: std::ptr::null_mut(),
         drv,
-        ud,
-        cap,
+        ud: qp_type == QpType::Ud,
+        xrc: matches!(qp_type, QpType::XrcIni | QpType::XrcTgt).then_some(qp_type),
+        cap: attr.cap,
         sq_sig_all: attr.sq_sig_all != 0,
         ex,
         send_ops_flags: if ex { attr.send_ops_flags } else { 0 },
         ah_attr: abi::ibv_ah_attr::default(),
         building: None,
         build_err: 0,
-        inline_buf: Vec::with_capacity(caps.max_inline as usize),
+        inline_buf: Vec::with_capacity(attr.cap.max_inline_data as usize),
     }));
     // SAFETY: `p` was just allocated; the mutex and condition variable are initialised in
     // place, where they stay.
@@ -228,12 +283,6 @@ pub(crate) fn create(
             &mut (*p).qpx.qp_base.cond as *mut _ as *mut _,
             std::ptr::null(),
         );
-    }
-    pd.children += 1;
-    scq.users += 1;
-    rcq.users += 1;
-    if let Some(s) = srq {
-        s.users += 1;
     }
     st.add(p as usize, Kind::Qp);
     st.qps.insert((ctx.nic, qpn), p as usize);
@@ -248,11 +297,20 @@ pub(crate) fn destroy(st: &mut State, qp: &mut RbQp) -> i32 {
     // it lives).
     unsafe {
         st.qps.remove(&((*qp.ctx).nic, qp.drv.qpn()));
-        (*qp.pd).children -= 1;
-        (*qp.send_cq).users -= 1;
-        (*qp.recv_cq).users -= 1;
+        if let Some(pd) = qp.pd.as_mut() {
+            pd.children -= 1;
+        }
+        if let Some(c) = qp.send_cq.as_mut() {
+            c.users -= 1;
+        }
+        if let Some(c) = qp.recv_cq.as_mut() {
+            c.users -= 1;
+        }
         if let Some(s) = qp.srq.as_mut() {
             s.users -= 1;
+        }
+        if let Some(x) = qp.xrcd.as_mut() {
+            x.users -= 1;
         }
     }
     // SAFETY: the `RbQp` `create` boxed, now out of the registry.
@@ -276,6 +334,20 @@ fn qp_state_of(s: u32) -> Option<QpState> {
 /// `ibv_modify_qp`: libibverbs' masks are the device's; the device checks each transition's
 /// required and optional attributes (IBTA table) and refuses anything else with EINVAL.
 pub(crate) fn modify(qp: &mut RbQp, attr: &abi::ibv_qp_attr, mask: u32) -> i32 {
+    // The kernel drops the attributes an XRC QP's one side does not have before checking
+    // the transition (uverbs' modify_qp_mask), so programs pass RC's masks for both.
+    let mask = match qp.xrc {
+        Some(QpType::XrcIni) => {
+            mask & !(abi::ibv_qp_attr_mask_IBV_QP_MAX_DEST_RD_ATOMIC
+                | abi::ibv_qp_attr_mask_IBV_QP_MIN_RNR_TIMER)
+        }
+        Some(QpType::XrcTgt) => {
+            mask & !(abi::ibv_qp_attr_mask_IBV_QP_MAX_QP_RD_ATOMIC
+                | abi::ibv_qp_attr_mask_IBV_QP_RETRY_CNT
+                | abi::ibv_qp_attr_mask_IBV_QP_RNR_RETRY)
+        }
+        _ => mask,
+    };
     let mut a = QpAttr::default();
     if mask & abi::ibv_qp_attr_mask_IBV_QP_STATE != 0 {
         match qp_state_of(attr.qp_state) {
@@ -582,6 +654,12 @@ unsafe fn post_one_send(
     } else {
         None
     };
+    let xrc_srqn = match qp.xrc {
+        // SAFETY: the `xrc` member of the `qp_type` union is the one a request on an XRC
+        // initiator uses; a plain value.
+        Some(QpType::XrcIni) => unsafe { w.qp_type.xrc.remote_srqn },
+        _ => 0,
+    };
     let known = abi::ibv_send_flags_IBV_SEND_FENCE
         | abi::ibv_send_flags_IBV_SEND_SIGNALED
         | abi::ibv_send_flags_IBV_SEND_SOLICITED
@@ -627,6 +705,7 @@ unsafe fn post_one_send(
             inline: Some(&buf),
             flags,
             ud,
+            xrc_srqn,
         }]);
         qp.inline_buf = buf;
         return post_result(r);
@@ -645,6 +724,7 @@ unsafe fn post_one_send(
         inline: None,
         flags,
         ud,
+        xrc_srqn,
     };
     post_result(qp.drv.post_send(&[wr]))
 }
@@ -738,6 +818,7 @@ impl RbQp {
                 sgl: Vec::new(),
                 inline: None,
                 ud: None,
+                xrc_srqn: 0,
             }),
             None => self.build_err = libc::EINVAL,
         }
@@ -788,6 +869,19 @@ impl RbQp {
         }
     }
 
+    /// `ibv_wr_set_xrc_srqn`: the SRQ at the target of the request being built (XRC
+    /// initiators; EOPNOTSUPP at `ibv_wr_complete` on other QPs).
+    pub fn wr_set_xrc_srqn(&mut self, srqn: u32) {
+        if self.xrc != Some(QpType::XrcIni) {
+            self.build_err = self.build_err.max(libc::EOPNOTSUPP);
+            return;
+        }
+        match self.last() {
+            Some(p) => p.xrc_srqn = srqn,
+            None => self.build_err = libc::EINVAL,
+        }
+    }
+
     /// `ibv_wr_set_ud_addr`: the destination of the request being built (UD QPs).
     pub fn wr_set_ud_addr(&mut self, ah: usize, qpn: u32, qkey: u32) {
         if !self.ud {
@@ -828,6 +922,7 @@ impl RbQp {
                     inline: p.inline.as_deref(),
                     flags,
                     ud,
+                    xrc_srqn: p.xrc_srqn,
                 };
                 if let Err(e) = self.drv.post_send(&[wr]) {
                     r = crate::errno_of(&e);

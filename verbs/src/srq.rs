@@ -15,8 +15,10 @@ pub(crate) struct RbSrq {
     pub srq: abi::ibv_srq,
     pub ctx: *mut RbContext,
     pub pd: *mut RbPd,
-    /// The TM-SRQ's CQ (null for a plain SRQ).
+    /// The TM-SRQ's or XRC SRQ's CQ (null for a plain SRQ).
     pub cq: *mut RbCq,
+    /// An XRC SRQ's domain (null otherwise).
+    pub xrcd: *mut crate::xrc::RbXrcd,
     pub drv: SharedReceiveQueue,
     pub max_wr: u32,
     pub max_sge: u32,
@@ -48,7 +50,22 @@ pub(crate) fn create(
         return Err(libc::EINVAL);
     }
     let tm = attr.srq_type == abi::ibv_srq_type_IBV_SRQT_TM;
-    let drv = if tm {
+    let xrcd = match attr.srq_type {
+        abi::ibv_srq_type_IBV_SRQT_XRC => attr.xrcd as *mut crate::xrc::RbXrcd,
+        _ => std::ptr::null_mut(),
+    };
+    let drv = if !xrcd.is_null() {
+        if cq.is_null() {
+            return Err(libc::EINVAL);
+        }
+        // SAFETY: both checked live by the caller.
+        let (cq, x) = unsafe { (&*cq, &*xrcd) };
+        if cq.ctx != pd.ctx || x.ctx != pd.ctx {
+            return Err(libc::EINVAL);
+        }
+        pd.drv
+            .create_xrc_srq(&x.drv, &cq.drv, a.max_wr, a.max_sge, a.srq_limit)
+    } else if tm {
         if cq.is_null() {
             return Err(libc::EINVAL);
         }
@@ -93,6 +110,7 @@ pub(crate) fn create(
         ctx,
         pd,
         cq,
+        xrcd,
         drv,
         max_wr,
         max_sge,
@@ -110,6 +128,10 @@ pub(crate) fn create(
     if !cq.is_null() {
         // SAFETY: checked live by the caller.
         unsafe { (*cq).users += 1 };
+    }
+    // SAFETY: checked live by the caller.
+    if let Some(x) = unsafe { xrcd.as_mut() } {
+        x.users += 1;
     }
     // SAFETY: see above (`ctx` is the PD's live context).
     let nic = unsafe { (*pd.ctx).nic };
@@ -131,6 +153,9 @@ pub(crate) fn destroy(st: &mut State, srq: &mut RbSrq) -> i32 {
         (*srq.pd).children -= 1;
         if let Some(cq) = srq.cq.as_mut() {
             cq.users -= 1;
+        }
+        if let Some(x) = srq.xrcd.as_mut() {
+            x.users -= 1;
         }
     }
     // SAFETY: the `RbSrq` `create` boxed, now out of the registry.

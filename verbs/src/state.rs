@@ -38,6 +38,7 @@ pub(crate) enum Kind {
     Td,
     Dm,
     Mw,
+    Xrcd,
 }
 
 /// Whose object a pointer is.

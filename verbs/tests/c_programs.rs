@@ -221,6 +221,7 @@ const PROGRAMS: &[&str] = &[
     "odp",
     "mw",
     "import",
+    "xrc",
 ];
 
 macro_rules! c_program {
@@ -250,6 +251,7 @@ c_program!(
     odp,
     mw,
     import,
+    xrc,
 );
 
 /// Every `tests/c/*.c` has its test above (a new program is not silently left out).

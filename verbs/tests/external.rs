@@ -259,6 +259,14 @@ fn perftest_ib_write_bw_uc() {
     perftest_with("ib_write_bw", 18615, BW, &["-c", "UC"]);
 }
 #[test]
+fn perftest_ib_send_bw_xrc() {
+    perftest_with("ib_send_bw", 18631, BW, &["-c", "XRC"]);
+}
+#[test]
+fn perftest_ib_read_lat_xrc() {
+    perftest_with("ib_read_lat", 18632, LAT, &["-c", "XRC"]);
+}
+#[test]
 fn perftest_ib_send_lat_uc() {
     perftest_with("ib_send_lat", 18616, LAT, &["-c", "UC"]);
 }
@@ -322,6 +330,33 @@ fn pingpong(prog: &str, port: u16, extra: &[&str]) {
 #[test]
 fn ibv_rc_pingpong_validates_data() {
     pingpong("ibv_rc_pingpong", 18611, &[]);
+}
+
+/// `ibv_xsrq_pingpong`: an XRC initiator and target each way, the messages to the peer's
+/// XRC SRQ.
+#[test]
+fn ibv_xsrq_pingpong_succeeds() {
+    let prog = "ibv_xsrq_pingpong";
+    need(prog, "ibverbs-utils");
+    let srv = Served::start(&format!("{prog}-18633"));
+    let server = ["-d", "rb0", "-g", "0", "-n", "50", "-p", "18633"];
+    let client = [
+        "-d",
+        "rb1",
+        "-g",
+        "0",
+        "-n",
+        "50",
+        "-p",
+        "18633",
+        "localhost",
+    ];
+    let (s, c) = srv.pair(prog, &server, &client);
+    for (side, o) in [("server", &s), ("client", &c)] {
+        let t = text(o);
+        assert!(o.status.success(), "{prog} {side} failed:\n{t}");
+        assert!(t.lines().any(|l| l == "success"), "{prog} {side}:\n{t}");
+    }
 }
 
 #[test]
@@ -469,20 +504,22 @@ fn rdma_core_test_suite_passes_on_rb0() {
     // test_cq_events and test_relaxed_ordering; UC QPs: five tests of test_qp; parent
     // domains: five of test_parent_domain, the sixth needing huge pages; ATOMIC WRITE:
     // test_qp_ex_rc_atomic_write; imported objects: test_shared_pd, and test_import_dm in
-    // test_device).
+    // test_device; XRC: two of test_atomic, test_qpex, test_relaxed_ordering and
+    // test_cqex, and test_odp_xrc_traffic).
     for (file, at_least) in [
         ("test_device", 10),
         ("test_pd", 4),
         ("test_addr", 3),
         ("test_cq", 4),
-        ("test_cqex", 4),
+        ("test_cqex", 5),
+        ("test_odp", 15),
         ("test_cq_events", 2),
         ("test_mr", 1),
         ("test_qp", 21),
-        ("test_qpex", 18),
-        ("test_atomic", 7),
+        ("test_qpex", 20),
+        ("test_atomic", 9),
         ("test_tag_matching", 4),
-        ("test_relaxed_ordering", 2),
+        ("test_relaxed_ordering", 3),
         ("test_parent_domain", 5),
         ("test_shared_pd", 1),
     ] {

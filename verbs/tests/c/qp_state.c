@@ -269,9 +269,18 @@ static void extended_create(void)
 	ax.comp_mask = 0;
 	CHECK_NULL_ERRNO(ibv_create_qp_ex(a.ctx, &ax), EINVAL);
 
+	/* An XRC target without its XRC domain (xrc.c has XRC). */
+	{
+		struct ibv_qp_init_attr ia = {.send_cq = a.cq, .recv_cq = a.cq,
+					      .qp_type = IBV_QPT_XRC_RECV};
+		CHECK_NULL_ERRNO(ibv_create_qp(a.pd, &ia), EINVAL);
+		struct ibv_qp_init_attr_ex iax = {.qp_type = IBV_QPT_XRC_RECV,
+						  .comp_mask = IBV_QP_INIT_ATTR_PD, .pd = a.pd};
+		CHECK_NULL_ERRNO(ibv_create_qp_ex(a.ctx, &iax), EINVAL);
+	}
+
 	/* Unsupported types. */
-	const enum ibv_qp_type types[] = {IBV_QPT_XRC_SEND, IBV_QPT_XRC_RECV,
-					  IBV_QPT_RAW_PACKET, IBV_QPT_DRIVER};
+	const enum ibv_qp_type types[] = {IBV_QPT_RAW_PACKET, IBV_QPT_DRIVER};
 	for (size_t i = 0; i < sizeof(types) / sizeof(types[0]); i++) {
 		struct ibv_qp_init_attr ia = {
 			.send_cq = a.cq,
