@@ -245,12 +245,16 @@ impl Nic {
 
     /// An XRC target (ABI 1.11) takes the PD, the receive WQEs and the CQ of the XRC SRQ
     /// each request names in its XRCETH, which must be an SRQ of the target's XRC domain
-    /// (else the request is invalid); a message in progress keeps the SRQ it started on.
+    /// (else the request is invalid); a message in progress keeps the SRQ it started on. A
+    /// request to an initiator, which only sends, is invalid.
     fn bind_xrc_target(&self, qp: &mut Qp, pkt: &Packet<'_>) -> Result<(), Fault> {
-        let Some(XrcRole::Tgt { xrcdn }) = qp.xrc else {
-            return Ok(());
-        };
         let invalid = Fault::Fatal(NakCode::InvalidRequest, None);
+        let xrcdn = match qp.xrc {
+            None => return Ok(()),
+            // An initiator has no receive side: a request to it is invalid.
+            Some(XrcRole::Ini) => return Err(invalid),
+            Some(XrcRole::Tgt { xrcdn }) => xrcdn,
+        };
         let srqn = pkt.repr.xrc.unwrap_or(0);
         if (qp.resp.recv.is_some() || qp.resp.write.is_some()) && srqn != qp.srqn {
             return Err(invalid);

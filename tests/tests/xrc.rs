@@ -392,3 +392,54 @@ mod routing {
         }
     }
 }
+
+/// A request arriving at an initiator (which only sends) is invalid: the initiator NAKs it
+/// and goes to ERR, taking nothing.
+#[test]
+fn a_request_to_an_initiator_is_invalid() {
+    use ringbell_specs::wire::{BthRepr, Endpoint, Opcode, PacketRepr, DEFAULT_PKEY};
+    use ringbell_specs::{Psn, Qpn};
+    let mut x = xrc(false);
+    let (ei, et) = (x.ini.endpoint(100), x.tgt.endpoint(900));
+    let repr = PacketRepr {
+        src: Endpoint {
+            mac: et.mac,
+            ip: et.ip,
+        },
+        dst: Endpoint {
+            mac: ei.mac,
+            ip: ei.ip,
+        },
+        udp_src_port: 0xC000,
+        ip_id: 1,
+        tos: 0,
+        ttl: 64,
+        bth: BthRepr {
+            opcode: Opcode::SendOnly as u8,
+            solicited: false,
+            mig_req: false,
+            pad: 0,
+            tver: 0,
+            pkey: DEFAULT_PKEY,
+            fecn: false,
+            becn: false,
+            dest_qp: Qpn::from_bits(x.ini.qpn()),
+            ack_req: true,
+            psn: Psn::new(900),
+        },
+        deth: None,
+        reth: None,
+        aeth: None,
+        atomic_eth: None,
+        atomic_ack: None,
+        imm: None,
+        xrc: Some(x.srqs[0].0.srqn()),
+    };
+    let mut f = Vec::new();
+    repr.emit(b"unasked", &mut f);
+    x.fabric.inject_frame(0, f);
+    settle(&x.fabric);
+    assert_eq!(x.ini.query().unwrap().state, QpState::Err as u8);
+    assert_eq!(x.ini.stats().unwrap().naks_sent, 1);
+    assert!(poll_all(&mut x.a.cq).is_empty());
+}
