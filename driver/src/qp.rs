@@ -311,6 +311,24 @@ pub(crate) struct QpRings {
 }
 
 impl QpRings {
+    /// Empty bookkeeping for a send ring of `2^sq_log` blocks and a receive ring of
+    /// `2^rq_log` entries.
+    pub(crate) fn new(sq_log: u8, rq_log: u8) -> QpRings {
+        let cells = |n: u32| (0..n).map(|_| Cell::new(0u64)).collect::<Box<[_]>>();
+        QpRings {
+            sq_mask: (1 << sq_log) - 1,
+            sq_wrid: cells(1 << sq_log),
+            sq_nbb: (0..1u32 << sq_log).map(|_| Cell::new(1u8)).collect(),
+            sq_ci: Cell::new(0),
+            sq_pi: Cell::new(0),
+            rq_mask: (1u32 << rq_log) - 1,
+            rq_wrid: cells(1 << rq_log),
+            rq_ci: Cell::new(0),
+            rq_pi: Cell::new(0),
+            reset_ps: Cell::new(0),
+        }
+    }
+
     /// Whether a completion of this QP stamped `timestamp_ps` was written before its last
     /// reset. Such completions are dropped when polled, as rdma-core's providers clean a QP's
     /// completions from its CQs when it is reset (mlx5's `mlx5_cq_clean`): the ring indices
@@ -915,19 +933,7 @@ impl ProtectionDomain {
             .dev
             .inner
             .create(CmdOpcode::CreateQp, input.as_bytes())?;
-        let cells = |n: u32| (0..n).map(|_| Cell::new(0u64)).collect::<Box<[_]>>();
-        let rings = Rc::new(QpRings {
-            sq_mask: (1 << sq_log) - 1,
-            sq_wrid: cells(1 << sq_log),
-            sq_nbb: (0..1u32 << sq_log).map(|_| Cell::new(1u8)).collect(),
-            sq_ci: Cell::new(0),
-            sq_pi: Cell::new(0),
-            rq_mask: (1u32 << rq_log) - 1,
-            rq_wrid: cells(1 << rq_log),
-            rq_ci: Cell::new(0),
-            rq_pi: Cell::new(0),
-            reset_ps: Cell::new(0),
-        });
+        let rings = Rc::new(QpRings::new(sq_log, rq_log));
         self.dev.inner.qps.borrow_mut().insert(qpn, rings.clone());
         Ok(QueuePair {
             dev: self.dev.clone(),
@@ -974,19 +980,7 @@ impl QueuePair {
             ..Default::default()
         };
         let qpn = dev.inner.create(CmdOpcode::CreateQp, input.as_bytes())?;
-        let cells = |n: u32| (0..n).map(|_| Cell::new(0u64)).collect::<Box<[_]>>();
-        let rings = Rc::new(QpRings {
-            sq_mask: (1 << sq_log) - 1,
-            sq_wrid: cells(1 << sq_log),
-            sq_nbb: (0..1u32 << sq_log).map(|_| Cell::new(1u8)).collect(),
-            sq_ci: Cell::new(0),
-            sq_pi: Cell::new(0),
-            rq_mask: 0,
-            rq_wrid: cells(1),
-            rq_ci: Cell::new(0),
-            rq_pi: Cell::new(0),
-            reset_ps: Cell::new(0),
-        });
+        let rings = Rc::new(QpRings::new(sq_log, 0));
         dev.inner.qps.borrow_mut().insert(qpn, rings.clone());
         Ok(QueuePair {
             dev,
@@ -1536,18 +1530,7 @@ mod tests {
     use proptest::prelude::*;
 
     fn rings(sq_log: u32) -> QpRings {
-        QpRings {
-            sq_mask: (1 << sq_log) - 1,
-            sq_wrid: (0..1u32 << sq_log).map(|_| Cell::new(0)).collect(),
-            sq_nbb: (0..1u32 << sq_log).map(|_| Cell::new(1)).collect(),
-            sq_ci: Cell::new(0),
-            sq_pi: Cell::new(0),
-            rq_mask: 7,
-            rq_wrid: (0..8).map(|_| Cell::new(0)).collect(),
-            rq_ci: Cell::new(0),
-            rq_pi: Cell::new(0),
-            reset_ps: Cell::new(0),
-        }
+        QpRings::new(sq_log as u8, 3)
     }
 
     proptest! {

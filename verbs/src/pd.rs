@@ -247,6 +247,11 @@ pub(crate) fn mr_access(access: u32) -> Result<Access, i32> {
 /// `ibv_alloc_pd`.
 pub(crate) fn alloc(st: &mut State, c: &mut RbContext) -> Result<*mut abi::ibv_pd, i32> {
     let drv = c.dev.alloc_pd().map_err(|e| crate::errno_of(&e))?;
+    Ok(publish_pd(st, c, drv))
+}
+
+/// Makes the `struct ibv_pd` of a handle on device PD `drv` in context `c` and records it.
+fn publish_pd(st: &mut State, c: &mut RbContext, drv: ProtectionDomain) -> *mut abi::ibv_pd {
     let p = Box::into_raw(Box::new(RbPd {
         pd: abi::ibv_pd {
             context: c.ibv(),
@@ -258,7 +263,7 @@ pub(crate) fn alloc(st: &mut State, c: &mut RbContext) -> Result<*mut abi::ibv_p
         parent: None,
     }));
     st.add(p as usize, Kind::Pd);
-    Ok(p as *mut abi::ibv_pd)
+    p as *mut abi::ibv_pd
 }
 
 /// `ibv_dealloc_pd` (of a PD or a parent domain).
@@ -298,18 +303,7 @@ pub(crate) fn import_pd(
         (o.parent.is_none() && nic == c.nic && o.pd.handle == handle).then(|| o.drv.clone())
     });
     let drv = found.ok_or(libc::EINVAL)?;
-    let p = Box::into_raw(Box::new(RbPd {
-        pd: abi::ibv_pd {
-            context: c.ibv(),
-            handle,
-        },
-        ctx: c,
-        drv,
-        children: 0,
-        parent: None,
-    }));
-    st.add(p as usize, Kind::Pd);
-    Ok(p as *mut abi::ibv_pd)
+    Ok(publish_pd(st, c, drv))
 }
 
 /// `ibv_unimport_pd`: drops this handle (the device's PD stays for the others, and for
