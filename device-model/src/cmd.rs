@@ -577,6 +577,10 @@ impl Nic {
             if srq.pdn != pdn {
                 return Err(CmdStatus::BadPd);
             }
+            // An XRC SRQ is reached through XRC targets only.
+            if srq.xrc.is_some() {
+                return Err(CmdStatus::BadParam);
+            }
         }
         let (ud, gsi, uc) = match p.qp_type {
             QP_TYPE_RC | QP_TYPE_XRC_INI => (false, false, false),

@@ -240,6 +240,16 @@ fn what_is_refused() {
         x.a.pd.create_qp(&init),
         Err(Error::InvalidArgument(_))
     ));
+    // An RC QP cannot take its receives from an XRC SRQ.
+    let mut init = QpInit::new(&x.b.cq, &x.b.cq);
+    init.srq = Some(&x.srqs[0].0);
+    assert!(matches!(
+        x.b.pd.create_qp(&init),
+        Err(Error::Command {
+            status: ringbell_specs::cmd::CmdStatus::BadParam,
+            ..
+        })
+    ));
     // An XRC SRQ on a CQ of another device.
     let xrcd = x.a.dev.alloc_xrcd().unwrap();
     assert!(matches!(
