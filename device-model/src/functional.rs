@@ -454,6 +454,7 @@ impl Nic {
                     last: first.add(msg.npsn - 1),
                     va: msg.raddr,
                     rkey: msg.rkey,
+                    pdn: qp.pdn,
                     len: msg.len as u32,
                 },
             );

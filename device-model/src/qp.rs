@@ -361,11 +361,13 @@ pub(crate) struct WriteCtx {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum Reply {
     /// READ responses from PSN `first`: `len` bytes at `va` through `rkey` (looked up again for
-    /// every packet), `next` packets already sent.
+    /// every packet, in PD `pdn`: an XRC target's changes with each request), `next` packets
+    /// already sent.
     Read {
         first: Psn,
         va: u64,
         rkey: u32,
+        pdn: u32,
         len: u32,
         next: u32,
         msn: u32,
@@ -408,6 +410,8 @@ pub(crate) enum Resource {
         last: Psn,
         va: u64,
         rkey: u32,
+        /// The PD the key was checked in.
+        pdn: u32,
         len: u32,
     },
     Atomic {

@@ -1124,6 +1124,7 @@ impl Nic {
                 last: first.add(n - 1),
                 va: reth.va,
                 rkey: reth.rkey,
+                pdn: qp.pdn,
                 len: reth.len,
             },
         );
@@ -1146,6 +1147,7 @@ impl Nic {
                 first,
                 va: reth.va,
                 rkey: reth.rkey,
+                pdn: qp.pdn,
                 len: reth.len,
                 next: 0,
                 msn,
@@ -1254,6 +1256,7 @@ impl Nic {
                         last,
                         va,
                         rkey,
+                        pdn,
                         len,
                     } if psn.diff(first) >= 0 && last.diff(psn) >= 0 && rkey == reth.rkey => {
                         // The request must ask for what the original's remaining responses
@@ -1261,11 +1264,11 @@ impl Nic {
                         let skip = psn.diff(first) as u64 * mtu;
                         let ok = reth.va == va.wrapping_add(skip)
                             && reth.len as u64 <= (len as u64).saturating_sub(skip);
-                        ok.then_some(())
+                        ok.then_some(pdn)
                     }
                     _ => None,
                 });
-                if found.is_some() {
+                if let Some(pdn) = found {
                     qp.stats.read_replays += 1;
                     let not_before = self.after_posted_writes(ready);
                     self.queue_reply(
@@ -1275,6 +1278,7 @@ impl Nic {
                             first: psn,
                             va: reth.va,
                             rkey: reth.rkey,
+                            pdn,
                             len: reth.len,
                             next: 0,
                             msn,
@@ -1363,6 +1367,7 @@ impl Nic {
                 first,
                 va,
                 rkey,
+                pdn,
                 len,
                 next,
                 msn,
@@ -1375,7 +1380,7 @@ impl Nic {
                 // The MR is looked up again for every packet: it may be gone by now.
                 let iova = if plen > 0 {
                     match self.check_rkey(
-                        qp.pdn,
+                        pdn,
                         qp.qpn,
                         rkey,
                         va.wrapping_add(off),

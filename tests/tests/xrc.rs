@@ -453,3 +453,40 @@ fn a_request_to_an_initiator_is_invalid() {
     assert_eq!(x.ini.stats().unwrap().naks_sent, 1);
     assert!(poll_all(&mut x.a.cq).is_empty());
 }
+
+/// A READ's responses keep checking its key in the PD of the SRQ it named, while later
+/// requests name an SRQ of another PD.
+#[test]
+fn a_read_streams_on_while_later_requests_name_another_pd() {
+    let mut x = xrc(false);
+    let pd2 = x.b.dev.alloc_pd().unwrap();
+    let cq2 = x.b.dev.create_cq(16).unwrap();
+    let buf2 = x.b.dev.alloc_dma(4096).unwrap();
+    let mr2 = pd2.reg_mr(&buf2, all()).unwrap();
+    let xrcd = x._xrcds.0.clone();
+    let mut srq2 = pd2.create_xrc_srq(&xrcd, &cq2, 8, 1, 0).unwrap();
+    srq2.post_recv(&[RecvWr {
+        wr_id: 55,
+        sgl: &[mr2.sge(0, 4096)],
+    }])
+    .unwrap();
+    let data: Vec<u8> = (0..16384u32).map(|i| (i % 251) as u8).collect();
+    x.b.buf.write(65536, &data).unwrap();
+    let s0 = x.srqs[0].0.srqn();
+    let remote = RemoteAddr {
+        addr: x.b.mr.addr() + 65536,
+        rkey: x.b.mr.rkey(),
+    };
+    // 16 KiB in 256-byte responses, then a SEND to the other PD's SRQ right behind it.
+    let sge = [x.a.mr.sge(131072, 16384)];
+    let read = SendWr::new(1, WrOp::Read(remote), &sge).xrc(s0);
+    let msg = [x.a.mr.sge(0, 32)];
+    let send = SendWr::new(2, WrOp::Send, &msg).xrc(srq2.srqn());
+    x.ini.post_send(&[read, send]).unwrap();
+    let wc = wait(&x.fabric, &mut x.a.cq, 2);
+    assert!(wc.iter().all(|w| w.status == WcStatus::Success), "{wc:?}");
+    let mut got = vec![0u8; 16384];
+    x.a.buf.read(131072, &mut got).unwrap();
+    assert_eq!(got, data);
+    assert_eq!(wait(&x.fabric, &mut { cq2 }, 1)[0].wr_id, 55);
+}
