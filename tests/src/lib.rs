@@ -2,7 +2,7 @@
 //! through the real driver.
 
 use ringbell::*;
-use ringbell_emu::{Fabric, FabricConfig};
+use ringbell_emu::{Fabric, FabricConfig, FaultPlan, LinkFaults};
 
 /// One side of a connection: device, PD, CQ, QP and a registered buffer.
 #[derive(Debug)]
@@ -189,4 +189,21 @@ pub fn recv_wrs(sgls: &[[Sge; 1]]) -> Vec<RecvWr<'_>> {
             sgl: s,
         })
         .collect()
+}
+
+/// Faults on every link for the property tests over a lossy fabric: each frame dropped or
+/// duplicated with probability `ppm` (parts per million), held back up to 3 µs with half
+/// that, and a bit flipped with a quarter of it.
+pub fn lossy(ppm: u32) -> FaultPlan {
+    FaultPlan {
+        links: LinkFaults {
+            drop_ppm: ppm,
+            duplicate_ppm: ppm,
+            reorder_ppm: ppm / 2,
+            reorder_delay: ringbell_specs::SimTime(3_000_000),
+            corrupt_ppm: ppm / 4,
+            down: vec![],
+        },
+        ..Default::default()
+    }
 }

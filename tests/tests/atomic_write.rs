@@ -8,7 +8,7 @@
 
 use proptest::prelude::*;
 use ringbell::*;
-use ringbell_emu::{Fabric, FabricConfig, FaultPlan, LinkFaults};
+use ringbell_emu::{Fabric, FabricConfig};
 use ringbell_specs::cqe::VendorSyndrome;
 use ringbell_tests::*;
 
@@ -216,17 +216,7 @@ proptest! {
     ) {
         let mut cfg = FabricConfig::new(2, seed);
         cfg.functional = functional;
-        cfg.faults = FaultPlan {
-            links: LinkFaults {
-                drop_ppm: 40_000,
-                duplicate_ppm: 40_000,
-                reorder_ppm: 20_000,
-                reorder_delay: ringbell_specs::SimTime(3_000_000),
-                corrupt_ppm: 10_000,
-                down: vec![],
-            },
-            ..Default::default()
-        };
+        cfg.faults = lossy(40_000);
         let fabric = Fabric::new(cfg);
         let mut a = side(&fabric, 0, full());
         let mut b = side(&fabric, 1, full());

@@ -269,7 +269,6 @@ fn what_is_refused() {
 mod routing {
     use super::*;
     use proptest::prelude::*;
-    use ringbell_emu::{FaultPlan, LinkFaults};
 
     #[derive(Clone, Debug)]
     enum Msg {
@@ -306,17 +305,7 @@ mod routing {
             seed in 0u64..500,
         ) {
             let mut cfg = FabricConfig::new(2, seed);
-            cfg.faults = FaultPlan {
-                links: LinkFaults {
-                    drop_ppm: 30_000,
-                    duplicate_ppm: 30_000,
-                    reorder_ppm: 20_000,
-                    reorder_delay: ringbell_specs::SimTime(3_000_000),
-                    corrupt_ppm: 10_000,
-                    down: vec![],
-                },
-                ..Default::default()
-            };
+            cfg.faults = lossy(30_000);
             let fabric = Fabric::new(cfg);
             let mut a = side(&fabric, 0, all());
             let b = side(&fabric, 1, all());
