@@ -1041,9 +1041,10 @@ impl Nic {
     }
 
     /// IBTA 1.5 ATOMIC WRITE (ABI 1.10): 8 bytes to a naturally aligned address the R_Key
-    /// allows writing, stored whole, acknowledged like an RDMA WRITE. Anything else about
-    /// it (another length, a misaligned address, a message in progress) is an invalid
-    /// request; a duplicate is acknowledged without being written again.
+    /// allows writing, stored whole: an RDMA WRITE_ONLY of exactly 8 aligned bytes, which
+    /// [`Nic::rx_write`] checks and executes. Another length or a misaligned address is an
+    /// invalid request; a duplicate is acknowledged without being written again (as any
+    /// duplicate WRITE).
     fn rx_atomic_write(
         &mut self,
         env: &mut dyn Env,
@@ -1051,38 +1052,14 @@ impl Nic {
         pkt: &Packet<'_>,
         ready: SimTime,
     ) -> Result<(), Fault> {
-        Self::check_sequence(qp, Opcode::AtomicWrite, false)?;
-        let Some(reth) = pkt.repr.reth else {
-            return Err(Fault::Fatal(NakCode::InvalidRequest, None));
-        };
-        if reth.len != 8
-            || pkt.payload.len() != 8
-            || !reth.va.is_multiple_of(8)
-            || !qp.access().contains(Access::REMOTE_WRITE)
-        {
+        let whole = pkt
+            .repr
+            .reth
+            .is_some_and(|r| r.len == 8 && r.va.is_multiple_of(8));
+        if !whole || pkt.payload.len() != 8 {
             return Err(Fault::Fatal(NakCode::InvalidRequest, None));
         }
-        let iova = self
-            .check_rkey(qp.pdn, qp.qpn, reth.rkey, reth.va, 8, Access::REMOTE_WRITE)
-            .map_err(|_| Fault::Fatal(NakCode::RemoteAccessError, None))?;
-        if let Err(f) = self.dm.check(env, iova, 8) {
-            self.iommu_fault(env, qp.qpn, f.iova);
-            return Err(Fault::Fatal(NakCode::RemoteOperationalError, None));
-        }
-        self.post_dma_write(env, ready, iova, pkt.payload, qp.qpn);
-        qp.resp.epsn = qp.resp.epsn.add(1);
-        qp.resp.msn = qp.resp.msn.wrapping_add(1);
-        let c = qp.cntrs;
-        self.qp_count(env, &c, CntrEvents::REMOTE_WRITE, true, ready);
-        self.mr_count(env, reth.rkey, CntrEvents::REMOTE_WRITE, ready);
-        self.send_ack(
-            env,
-            qp,
-            pkt.repr.bth.psn,
-            AethSyndrome::Ack { credits: 0x1F },
-            ready,
-        );
-        Ok(())
+        self.rx_write(env, qp, pkt, Opcode::WriteOnly, ready)
     }
 
     fn rx_read(

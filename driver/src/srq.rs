@@ -134,9 +134,8 @@ impl ProtectionDomain {
             db_iova: db.iova().into(),
             ..Default::default()
         };
-        let (srqn, tm_rings, tm_ops) = match tm {
-            None if xrc.is_some() => {
-                let (x, cq) = xrc.expect("matched");
+        let (srqn, tm_rings, tm_ops) = match (tm, xrc) {
+            (None, Some((x, cq))) => {
                 let input = ringbell_specs::cmd::CreateXrcSrqIn {
                     srq: input,
                     xrcdn: x.num().into(),
@@ -148,14 +147,14 @@ impl ProtectionDomain {
                     .create(CmdOpcode::CreateXrcSrq, input.as_bytes())?;
                 (n, None, None)
             }
-            None => (
+            (None, None) => (
                 self.dev
                     .inner
                     .create(CmdOpcode::CreateSrq, input.as_bytes())?,
                 None,
                 None,
             ),
-            Some(t) => {
+            (Some(t), _) => {
                 let (n, rings, ops) = crate::tm::create(self, input, &t)?;
                 (n, Some(rings), Some(ops))
             }

@@ -177,6 +177,19 @@ struct ct_opts {
 	enum fi_wait_obj wait_obj; /* of the CQs; 0: FI_WAIT_NONE */
 };
 
+/* An enabled endpoint of `info` in `d`, bound to `on` (its EQ or AV) and to `cq` for
+ * both directions. */
+static inline struct fid_ep *ct_ep_open(struct fid_domain *d, struct fi_info *info,
+					struct fid *on, struct fid_cq *cq)
+{
+	struct fid_ep *ep = NULL;
+	REQUIRE(fi_endpoint(d, info, &ep, NULL) == 0);
+	REQUIRE(fi_ep_bind(ep, on, 0) == 0);
+	REQUIRE(fi_ep_bind(ep, &cq->fid, FI_TRANSMIT | FI_RECV) == 0);
+	REQUIRE(fi_enable(ep) == 0);
+	return ep;
+}
+
 static inline void ct_side_open(struct ct_pair *p, struct ct_side *s, struct fi_info *info,
 			 const struct ct_opts *o)
 {

@@ -14,17 +14,6 @@ struct cm_entry {
 	char data[64];
 };
 
-static struct fid_ep *ep_open(struct fid_domain *d, struct fi_info *info, struct fid_eq *eq,
-			      struct fid_cq *cq)
-{
-	struct fid_ep *ep = NULL;
-	REQUIRE(fi_endpoint(d, info, &ep, NULL) == 0);
-	REQUIRE(fi_ep_bind(ep, &eq->fid, 0) == 0);
-	REQUIRE(fi_ep_bind(ep, &cq->fid, FI_TRANSMIT | FI_RECV) == 0);
-	REQUIRE(fi_enable(ep) == 0);
-	return ep;
-}
-
 /* Receives a tagged completion on `cq` and checks it. */
 static void expect(struct fid_cq *cq, void *ctx, uint64_t tag, size_t len, const char *buf,
 		   unsigned seed)
@@ -79,7 +68,7 @@ int main(void)
 	REQUIRE(fi_getname(&pep->fid, pepname, &plen) == 0);
 
 	char *abuf = ct_pages(4 << 20), *bbuf = ct_pages(4 << 20);
-	struct fid_ep *b = ep_open(db, list->next, eqb, cqb);
+	struct fid_ep *b = ct_ep_open(db, list->next, &eqb->fid, cqb);
 	CHECK_EQ(fi_tsend(b, bbuf, 8, NULL, 0, 1, NULL), -FI_ENOTCONN);
 
 	/* The connection, private data intact both ways (56 bytes: the most there is). */
@@ -93,7 +82,7 @@ int main(void)
 		(ssize_t)(sizeof(c.e) + sizeof(req)));
 	CHECK_EQ(ev, FI_CONNREQ);
 	CHECK(ct_same(c.data, sizeof(req), 5));
-	struct fid_ep *a = ep_open(da, c.e.info, eqa, cqa);
+	struct fid_ep *a = ct_ep_open(da, c.e.info, &eqa->fid, cqa);
 	fi_freeinfo(c.e.info);
 	CHECK_EQ(fi_accept(a, rep, sizeof(rep)), 0);
 	CHECK_EQ(fi_eq_sread(eqb, &ev, &c, sizeof(c), 10000, 0),

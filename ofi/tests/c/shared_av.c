@@ -11,17 +11,6 @@
  */
 #include "ctest.h"
 
-static struct fid_ep *ep_open(struct fid_domain *d, struct fi_info *info, struct fid_av *av,
-			      struct fid_cq *cq)
-{
-	struct fid_ep *ep = NULL;
-	REQUIRE(fi_endpoint(d, info, &ep, NULL) == 0);
-	REQUIRE(fi_ep_bind(ep, &av->fid, 0) == 0);
-	REQUIRE(fi_ep_bind(ep, &cq->fid, FI_TRANSMIT | FI_RECV) == 0);
-	REQUIRE(fi_enable(ep) == 0);
-	return ep;
-}
-
 /* `a` sends `len` bytes of pattern `seed` to `to`; `b` receives them into `in`. */
 static void exchange(struct fid_ep *a, struct fid_cq *cqa, fi_addr_t to, struct fid_ep *b,
 		     struct fid_cq *cqb, char *out, char *in, size_t len, unsigned seed)
@@ -72,7 +61,7 @@ int main(void)
 	struct fi_av_attr plain = {.type = FI_AV_MAP};
 	struct fid_av *avb;
 	REQUIRE(fi_av_open(db, &plain, &avb, NULL) == 0);
-	struct fid_ep *eb = ep_open(db, list->next, avb, cqb);
+	struct fid_ep *eb = ct_ep_open(db, list->next, &avb->fid, cqb);
 	char bname[64];
 	size_t blen = sizeof(bname);
 	REQUIRE(fi_getname(&eb->fid, bname, &blen) == 0);
@@ -114,7 +103,8 @@ int main(void)
 	CHECK_EQ(fi_av_remove(avr, &shared_b, 1, 0), -FI_EINVAL);
 
 	/* Endpoints of A on either opener reach B with the one fi_addr_t. */
-	struct fid_ep *ea = ep_open(da, list, avw, cqa), *ea2 = ep_open(da, list, avr, cqa2);
+	struct fid_ep *ea = ct_ep_open(da, list, &avw->fid, cqa);
+	struct fid_ep *ea2 = ct_ep_open(da, list, &avr->fid, cqa2);
 	char *out = ct_pages(1 << 16), *in = ct_pages(1 << 16);
 	exchange(ea, cqa, to_b, eb, cqb, out, in, 100, 1);
 	exchange(ea2, cqa2, shared_b, eb, cqb, out + 4096, in + 4096, 200, 2);

@@ -255,17 +255,6 @@ static ssize_t next_event(struct fid_eq *eq, uint32_t *event, struct cm_entry *c
 	return fi_eq_sread(eq, event, c, sizeof(*c), 10000, 0);
 }
 
-static struct fid_ep *ep_open(struct fid_domain *d, struct fi_info *info, struct fid_eq *eq,
-			      struct fid_cq *cq)
-{
-	struct fid_ep *ep = NULL;
-	REQUIRE(fi_endpoint(d, info, &ep, NULL) == 0);
-	REQUIRE(fi_ep_bind(ep, &eq->fid, 0) == 0);
-	REQUIRE(fi_ep_bind(ep, &cq->fid, FI_TRANSMIT | FI_RECV) == 0);
-	REQUIRE(fi_enable(ep) == 0);
-	return ep;
-}
-
 /* Connected endpoints: a passive endpoint on rb0 listening on a port of the
  * application's, an endpoint on rb1 connecting to 127.0.0.1 and that port. */
 static void msg(struct fid_fabric *fab)
@@ -300,7 +289,7 @@ static void msg(struct fid_fabric *fab)
 	CHECK_EQ(fi_setname(&pep->fid, &other, sizeof(other)), -FI_EOPBADSTATE);
 
 	/* Refused destinations: another family, port 0, INADDR_ANY. */
-	struct fid_ep *b = ep_open(db, dst->next, eqb, cqb);
+	struct fid_ep *b = ct_ep_open(db, dst->next, &eqb->fid, cqb);
 	struct sockaddr_in bad = sin_of("127.0.0.1", atoi(svc[2]));
 	bad.sin_family = AF_INET6;
 	CHECK_EQ(fi_connect(b, &bad, NULL, 0), -FI_EINVAL);
@@ -317,7 +306,7 @@ static void msg(struct fid_fabric *fab)
 	CHECK_EQ(ev, FI_CONNREQ);
 	REQUIRE(c.e.info != NULL);
 	CHECK_EQ(c.e.info->addr_format, FI_SOCKADDR_IN);
-	struct fid_ep *a = ep_open(da, c.e.info, eqa, cqa);
+	struct fid_ep *a = ct_ep_open(da, c.e.info, &eqa->fid, cqa);
 	fi_freeinfo(c.e.info);
 	CHECK_EQ(fi_accept(a, NULL, 0), 0);
 	CHECK(next_event(eqb, &ev, &c) >= (ssize_t)sizeof(c.e));
@@ -368,7 +357,7 @@ static void msg(struct fid_fabric *fab)
 	h->handle = NULL;
 	CHECK(hl->handle == &pep->fid);
 	CHECK(strcmp(hl->domain_attr->name, "rb1") == 0);
-	struct fid_ep *t = ep_open(db, hl, eqb, cqb);
+	struct fid_ep *t = ct_ep_open(db, hl, &eqb->fid, cqb);
 	CHECK_EQ(fi_close(&pep->fid), 0);
 	n = sizeof(bname);
 	CHECK_EQ(fi_getname(&t->fid, &bname, &n), 0);
