@@ -132,6 +132,10 @@ impl Nic {
                 }
             }
             CmdOpcode::CreateXrcSrq => self.create_xrc_srq(params(input)?),
+            CmdOpcode::CreateFlow => obj(self.create_flow(params(input)?)?),
+            CmdOpcode::DestroyFlow => self
+                .destroy_flow(params::<ObjectIn>(input)?.num.get())
+                .map(|()| Vec::new()),
             CmdOpcode::AllocMw => self.alloc_mw(params(input)?),
             CmdOpcode::DeallocMw => self.dealloc_mw(params::<ObjectIn>(input)?.num.get()),
             CmdOpcode::AllocDm => {
@@ -243,6 +247,10 @@ impl Nic {
             }
             CmdOpcode::DestroyQp => {
                 let n = params::<ObjectIn>(input)?.num.get();
+                // Flow-steering rules hold their QP, as Linux's do (EBUSY).
+                if self.qps.get(n).is_some_and(|qp| qp.flows > 0) {
+                    return Err(CmdStatus::Busy);
+                }
                 let mut qp = self.qps.remove(n).ok_or(CmdStatus::BadResource)?;
                 self.release_srq_wqe(env, &mut qp);
                 self.unbind_all(&qp.cntrs);
@@ -582,8 +590,9 @@ impl Nic {
                 return Err(CmdStatus::BadParam);
             }
         }
+        let raw = p.qp_type == QP_TYPE_RAW_PACKET;
         let (ud, gsi, uc) = match p.qp_type {
-            QP_TYPE_RC | QP_TYPE_XRC_INI => (false, false, false),
+            QP_TYPE_RC | QP_TYPE_XRC_INI | QP_TYPE_RAW_PACKET => (false, false, false),
             QP_TYPE_UC => (false, false, true),
             QP_TYPE_UD => (true, false, false),
             QP_TYPE_GSI => (true, true, false),
@@ -595,7 +604,7 @@ impl Nic {
             return Err(CmdStatus::BadParam);
         }
         // Tag matching is an RC offload: a UC or UD QP takes an ordinary SRQ only.
-        if (ud || uc) && self.srqs.get(srqn).is_some_and(|s| s.tm.is_some()) {
+        if (ud || uc || raw) && self.srqs.get(srqn).is_some_and(|s| s.tm.is_some()) {
             return Err(CmdStatus::BadParam);
         }
         let max = self.cfg.max_qp_wr as u64;
@@ -641,7 +650,7 @@ impl Nic {
             fetch: 0,
             // A UD QP has no path: its datagrams may be as long as the port MTU (4096).
             attr: QpAttr {
-                path_mtu: if ud { 5 } else { 1 },
+                path_mtu: if ud || raw { 5 } else { 1 },
                 ..Default::default()
             },
             req: Default::default(),
@@ -650,6 +659,8 @@ impl Nic {
             ud,
             uc,
             xrc: ini.then_some(XrcRole::Ini),
+            raw,
+            flows: 0,
             ud_stats: Default::default(),
             cntrs: Default::default(),
         };
@@ -751,6 +762,8 @@ impl Nic {
                 ud: false,
                 uc: false,
                 xrc: Some(XrcRole::Tgt { xrcdn }),
+                raw: false,
+                flows: 0,
                 ud_stats: Default::default(),
                 cntrs: Default::default(),
             })

@@ -426,7 +426,7 @@ impl Nic {
                 }
                 // Triggered transfers are RC work requests (their WQE has no UD address, and
                 // a READ or atomic has no UC form).
-                if qp.ud || qp.uc {
+                if qp.ud || qp.uc || qp.raw {
                     return Err(CmdStatus::BadParam);
                 }
                 if matches!(qp.state, QpState::Reset | QpState::Err | QpState::Sqe) {

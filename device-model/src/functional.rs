@@ -39,6 +39,7 @@ impl Nic {
     pub(crate) fn fm_eligible(&self, qp: &Qp, now: SimTime) -> bool {
         qp.state == QpState::Rts
             && !qp.ud
+            && !qp.raw
             && !qp.uc
             && qp.xrc.is_none()
             && qp.req.outstanding.is_empty()
@@ -231,6 +232,7 @@ impl Nic {
             qp.srqn == 0 || !needs_recv || self.srqs.get(qp.srqn).is_some_and(|s| s.tm.is_none());
         let idle = matches!(qp.state, QpState::Rtr | QpState::Rts | QpState::Sqd)
             && !qp.ud
+            && !qp.raw
             && !qp.uc
             && qp.xrc.is_none()
             && msg.src_ip == qp.attr.dest_ip

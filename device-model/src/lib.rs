@@ -18,6 +18,7 @@ mod mem;
 mod mw;
 mod nic;
 mod qp;
+mod raw;
 mod requester;
 mod responder;
 pub mod sim;

@@ -234,6 +234,11 @@ pub struct Nic {
     pub(crate) wqe_pool: Vec<crate::qp::SendWqe>,
     /// The device's own memory (ABI 1.8).
     pub(crate) dm: crate::mem::DevMem,
+    /// Flow-steering rules (ABI 1.12), how many are live, and the last rule's creation
+    /// number.
+    pub(crate) flows: Table<crate::raw::Flow>,
+    pub(crate) flows_live: u32,
+    pub(crate) flow_seq: u64,
 }
 
 impl Nic {
@@ -292,6 +297,9 @@ impl Nic {
             fm_wqe: None,
             wqe_pool: Vec::new(),
             dm: crate::mem::DevMem::new(max_dm_size.into()),
+            flows: Table::new(crate::raw::MAX_FLOWS),
+            flows_live: 0,
+            flow_seq: 0,
         }
     }
 
@@ -345,6 +353,7 @@ impl Nic {
             | Caps::RESIZE_CQ
             | Caps::ATOMIC_WRITE
             | Caps::XRC
+            | Caps::RAW_PACKET
             | if self.cfg.max_dm_size > 0 {
                 Caps::DEVICE_MEMORY
             } else {

@@ -465,6 +465,10 @@ pub(crate) struct Qp {
     pub(crate) uc: bool,
     /// An XRC initiator or target (ABI 1.11): RC on the XRC transport.
     pub(crate) xrc: Option<XrcRole>,
+    /// A raw packet QP (ABI 1.12): whole Ethernet frames, steered to it by flow rules.
+    pub(crate) raw: bool,
+    /// Flow-steering rules that name this QP: it cannot be destroyed while any remains.
+    pub(crate) flows: u32,
     /// Datagram counters (UD QPs; `wrong_transport_dropped` on every QP).
     pub(crate) ud_stats: UdStats,
     /// Context generation, see [`crate::NicEvent::SqProcess`].
@@ -527,6 +531,23 @@ fn ud_transition_masks(from: QpState, to: QpState) -> Option<(M, M)> {
         (Rts, Rts) | (Sqd, Rts) => (e, M::CUR_STATE | M::QKEY),
         (Rts, Sqd) => (e, M::EN_SQD_ASYNC_NOTIFY),
         (Sqd, Sqd) => (e, M::PKEY_INDEX | M::QKEY),
+        _ => return transition_masks(from, to).filter(|(r, o)| r.is_empty() && o.is_empty()),
+    })
+}
+
+/// (required, optional) attribute masks of a raw packet QP's transition (ABI 1.12), as
+/// Linux's table has them: the port to enter INIT, nothing else; transitions to RESET and
+/// ERR are RC's.
+fn raw_transition_masks(from: QpState, to: QpState) -> Option<(M, M)> {
+    use QpState::*;
+    let e = M::empty();
+    Some(match (from, to) {
+        (Reset, Init) => (M::PORT, e),
+        (Init, Init) => (e, M::PORT),
+        (Init, Rtr) | (Rtr, Rts) => (e, e),
+        (Rts, Rts) | (Sqd, Rts) => (e, M::CUR_STATE),
+        (Rts, Sqd) => (e, M::EN_SQD_ASYNC_NOTIFY),
+        (Sqd, Sqd) => (e, e),
         _ => return transition_masks(from, to).filter(|(r, o)| r.is_empty() && o.is_empty()),
     })
 }
@@ -639,6 +660,7 @@ pub(crate) fn check_modify(
         qp.state
     };
     let masks = match (qp.ud, qp.uc, qp.xrc) {
+        _ if qp.raw => raw_transition_masks(qp.state, to),
         (true, _, _) => ud_transition_masks(qp.state, to),
         (_, true, _) => uc_transition_masks(qp.state, to),
         (_, _, Some(role)) => xrc_transition_masks(role, qp.state, to),
@@ -1243,6 +1265,8 @@ mod tests {
             ud: false,
             uc: false,
             xrc: None,
+            raw: false,
+            flows: 0,
             ud_stats: UdStats::default(),
             gen: 1,
             cntrs: Default::default(),

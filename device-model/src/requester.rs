@@ -157,7 +157,7 @@ impl Nic {
         }
         let mtu = qp.mtu();
         // A datagram is one packet: longer than the path MTU is a local length error.
-        if qp.ud && wqe.len > mtu as u64 {
+        if (qp.ud && wqe.len > mtu as u64) || (qp.raw && !crate::raw::raw_len_ok(wqe.len)) {
             self.fail_wqe(
                 env,
                 qp,
@@ -168,6 +168,7 @@ impl Nic {
             return false;
         }
         let npsn = match wqe.op {
+            _ if qp.raw => 1,
             SendOpcode::CmpSwap | SendOpcode::FetchAdd => 1,
             _ => (wqe.len as u32).div_ceil(mtu).max(1),
         };
@@ -292,6 +293,10 @@ impl Nic {
 
     /// Puts the next packet of outstanding WQE `i` on the wire.
     fn send_packet(&mut self, env: &mut dyn Env, qp: &mut Qp, i: usize) {
+        if qp.raw {
+            self.send_raw(env, qp, i);
+            return;
+        }
         if qp.ud {
             self.send_datagram(env, qp, i);
             return;
@@ -618,6 +623,12 @@ impl Nic {
             )
         {
             return Err(((CqeStatus::LocQpOpErr, VendorSyndrome::BadOpcode), nbb));
+        }
+        // A raw packet QP sends frames: SEND (no immediate, no invalidation) and the local
+        // operations.
+        if qp.raw && !matches!(op, SendOpcode::Send | SendOpcode::BindMw | SendOpcode::LocalInv)
+        {
+            return Err((crate::raw::RAW_BAD_OP, nbb));
         }
         decode_send_wqe_into(
             &ctrl,
@@ -1410,13 +1421,13 @@ impl Nic {
         self.rewind(env, qp, psn, at);
     }
 
-    fn complete_in_order(&mut self, env: &mut dyn Env, qp: &mut Qp) {
+    pub(crate) fn complete_in_order(&mut self, env: &mut dyn Env, qp: &mut Qp) {
         let now = env.now();
         self.complete_in_order_at(env, qp, now);
     }
 
     /// Completes finished WQEs from the head of the outstanding list, in order.
-    fn complete_in_order_at(&mut self, env: &mut dyn Env, qp: &mut Qp, ready: SimTime) {
+    pub(crate) fn complete_in_order_at(&mut self, env: &mut dyn Env, qp: &mut Qp, ready: SimTime) {
         let mut freed = false;
         while let Some(front) = qp.req.outstanding.front() {
             if let Some((status, syn)) = front.error {

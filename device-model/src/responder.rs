@@ -42,6 +42,10 @@ impl Nic {
 
     fn receive_frame(&mut self, env: &mut dyn Env, frame: &[u8], check_sums: bool) {
         self.stats.rx_frames += 1;
+        if self.steers(frame) {
+            self.steer(env, frame);
+            return;
+        }
         let parsed = if check_sums {
             wire::parse_packet(frame)
         } else {

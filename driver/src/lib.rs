@@ -35,6 +35,7 @@ mod mr;
 mod mw;
 mod port;
 mod qp;
+pub mod raw;
 mod srq;
 pub mod tagmatch;
 pub mod tm;

@@ -14,7 +14,7 @@ use crate::srq::SrqObject;
 use bitflags::bitflags;
 use ringbell_specs::cmd::{
     Access, CmdOpcode, CreateQpIn, ModifyQpIn, ObjectIn, QpAttr, QpAttrMask, QpState, QP_TYPE_GSI,
-    QP_TYPE_RC, QP_TYPE_UC, QP_TYPE_UD, QP_TYPE_XRC_INI, QP_TYPE_XRC_TGT,
+    QP_TYPE_RAW_PACKET, QP_TYPE_RC, QP_TYPE_UC, QP_TYPE_UD, QP_TYPE_XRC_INI, QP_TYPE_XRC_TGT,
 };
 use ringbell_specs::regs;
 use ringbell_specs::stats::QpStats;
@@ -193,6 +193,9 @@ pub enum QpType {
     /// XRC target (ABI 1.11): an RC QP of an XRC domain that only receives, each request
     /// going to the XRC SRQ it names; made by [`crate::Xrcd::create_target_qp`].
     XrcTgt,
+    /// Raw packet (ABI 1.12): sends whole Ethernet frames and receives the frames its flow
+    /// rules steer to it ([`crate::raw`]).
+    RawPacket,
 }
 
 /// A receive work request.
@@ -785,6 +788,9 @@ pub struct QueuePair {
     uc: bool,
     /// An XRC initiator or target (ABI 1.11).
     xrc: Option<QpType>,
+    /// A raw packet QP (ABI 1.12), and the flow rules that name it.
+    pub(crate) raw: bool,
+    pub(crate) flows: Rc<std::cell::Cell<u32>>,
     state: QpState,
     /// Counters bound to the QP live at least as long as it (dropped after DESTROY_QP).
     cntrs: std::cell::RefCell<Vec<Rc<crate::counter::CntrObject>>>,
@@ -834,6 +840,12 @@ impl ProtectionDomain {
         let ud = matches!(init.qp_type, QpType::Ud | QpType::Gsi);
         let uc = init.qp_type == QpType::Uc;
         let ini = init.qp_type == QpType::XrcIni;
+        let raw = init.qp_type == QpType::RawPacket;
+        if raw && !caps.caps.contains(regs::Caps::RAW_PACKET) {
+            return Err(Error::Unsupported(
+                "raw packet QPs: the device lacks CAPS.RAW_PACKET",
+            ));
+        }
         if init.qp_type == QpType::XrcTgt {
             return Err(Error::InvalidArgument(
                 "an XRC target QP is made by its XRC domain (Xrcd::create_target_qp)",
@@ -926,6 +938,7 @@ impl ProtectionDomain {
                 QpType::Gsi => QP_TYPE_GSI,
                 QpType::XrcIni => QP_TYPE_XRC_INI,
                 QpType::XrcTgt => QP_TYPE_XRC_TGT,
+                QpType::RawPacket => QP_TYPE_RAW_PACKET,
             },
             ..Default::default()
         };
@@ -955,6 +968,8 @@ impl ProtectionDomain {
             ud,
             uc,
             xrc: ini.then_some(QpType::XrcIni),
+            raw,
+            flows: Default::default(),
             cntrs: Default::default(),
             _uses: Uses::Qp(
                 self.obj.clone(),
@@ -1002,6 +1017,8 @@ impl QueuePair {
             ud: false,
             uc: false,
             xrc: Some(QpType::XrcTgt),
+            raw: false,
+            flows: Default::default(),
             cntrs: Default::default(),
             _uses: Uses::XrcTarget(xrcd.clone()),
         })
@@ -1020,7 +1037,7 @@ impl QueuePair {
     /// Encodes `wr` as the one-block WQE of a triggered operation (control segment with
     /// index 0 first).
     pub(crate) fn encode_triggered(&self, wr: &SendWr<'_>) -> Result<[u8; WQEBB], Error> {
-        if self.ud || self.uc {
+        if self.ud || self.uc || self.raw {
             return Err(Error::InvalidArgument("triggered operations run on RC QPs"));
         }
         let plan = plan_send_wqe(wr, self.max_inline, self.max_send_sge, None)?;
@@ -1262,7 +1279,7 @@ impl QueuePair {
             // The common small post (one block, written as whole words): no plan, no
             // segment-by-segment writes. Anything else, and every error, takes the general
             // path, which encodes the same bytes.
-            if let Some(ring) = ring.filter(|_| !self.ud) {
+            if let Some(ring) = ring.filter(|_| !self.ud && !self.raw) {
                 if pi.wrapping_sub(ci) <= mask {
                     if let Some(words) = small_wqe(wr, max_inline, max_send_sge, uc, pi as u16) {
                         let slot = (pi & mask) as usize;
@@ -1396,6 +1413,11 @@ impl QueuePair {
         {
             return Err(Error::InvalidArgument(
                 "a UC QP sends only SEND and RDMA WRITE",
+            ));
+        }
+        if self.raw && !matches!(wr.op, WrOp::Send | WrOp::BindMw(..) | WrOp::LocalInv(_)) {
+            return Err(Error::InvalidArgument(
+                "a raw packet QP sends frames with SEND only",
             ));
         }
         let ud_pd = match (&self._uses, self.ud) {

@@ -219,89 +219,14 @@ fn recycle_into(pool: &mut Vec<Vec<u8>>, mut buf: Vec<u8>) {
 }
 
 impl NodeEnv<'_> {
-    /// Whether functional mode is in force: looked up when the model asks (about once per
-    /// message) rather than for every event.
-    fn functional_mode(&self) -> bool {
-        let w = &*self.w;
-        self.src_iommu.is_none()
-            && w.cfg.functional
-            && w.faults.inactive()
-            && w.capture.is_none()
-            && w.timeline.is_none()
-    }
-
-    /// Records the flight of `frame` (sent by this node, last bit out at `at`) towards `dst`,
-    /// arriving at `arrival`, with fate `status` (see [`Stage::Flight`]).
-    fn trace_flight(
-        &mut self,
-        frame: &[u8],
-        dst: Option<usize>,
-        at: SimTime,
-        arrival: SimTime,
-        status: u8,
-    ) {
-        if let Some(t) = &mut self.w.timeline {
-            let stage = match self.w.cfg.topology {
-                Topology::BackToBack => Stage::Flight,
-                Topology::Switch => Stage::SwitchedFlight,
-            };
-            let (op, dqpn, psn) = crate::timeline::bth_of(frame);
-            let ev = TraceEvent::new(stage, at, arrival)
-                .obj(dst.map_or(u32::MAX, |d| d as u32))
-                .qpn(dqpn)
-                .psn(psn)
-                .op(op)
-                .status(status)
-                .bytes(frame.len());
-            t.record(self.node, ev);
-        }
-    }
-}
-
-impl Env for NodeEnv<'_> {
-    fn now(&self) -> SimTime {
-        self.now
-    }
-    fn dma_read(&mut self, iova: u64, buf: &mut [u8]) -> Result<(), DmaFault> {
-        self.iommu.read(iova, buf)
-    }
-    fn dma_write(&mut self, iova: u64, data: &[u8]) -> Result<(), DmaFault> {
-        self.iommu.write(iova, data)
-    }
-    fn dma_check(&self, iova: u64, len: usize) -> Result<(), DmaFault> {
-        self.iommu.check(iova, len)
-    }
-    fn schedule(&mut self, at: SimTime, ev: NicEvent) {
-        if matches!(ev, NicEvent::AckTimer { .. }) {
-            self.w.timers += 1;
-        }
-        self.w.queue.push(at, Event::Nic(self.node, ev));
-    }
-    fn transmit(&mut self, at: SimTime, mut frame: Vec<u8>) {
-        // The model leaves the IPv4 checksum and the ICRC to whoever needs them (defers_sums):
-        // a capture shows the frame whole, and a frame that may be changed on the way is
-        // sealed first so that its receiver's checks see the change.
-        let unsealed = self.w.capture.is_none() && self.w.faults.inactive();
-        if !unsealed {
-            wire::seal(&mut frame);
-        }
-        let mut dst_mac = [0u8; 6];
-        if let Some(m) = frame.get(..6) {
-            dst_mac.copy_from_slice(m);
-        }
+    /// Puts `frame`, whose last bit leaves its sender at `at`, on its way to node `dst`:
+    /// through the switch, the fault plan and the capture.
+    fn deliver(&mut self, at: SimTime, frame: Vec<u8>, dst: usize, unsealed: bool) {
         let t = &self.w.cfg.timing;
         let ser = SimTime(t.serialize_ps(frame.len()));
         // A capture stamps the frame when its first bit goes on the wire.
         let first_bit = (at - ser).max(self.now);
         let hop = SimTime(t.link_phy_mac_ps + t.link_prop_ps);
-        let Some(dst) = self.w.macs.node(&dst_mac) else {
-            self.trace_flight(&frame, None, at, at + hop, 3);
-            self.w.stats.frames_unroutable += 1;
-            if let Some(c) = &mut self.w.capture {
-                c.record(Some(self.node), None, first_bit, &frame, Fate::Unroutable);
-            }
-            return;
-        };
         self.w.stats.bytes_on_wire += frame.len() as u64;
         let arrival = match self.w.cfg.topology {
             Topology::BackToBack => at + hop,
@@ -372,6 +297,110 @@ impl Env for NodeEnv<'_> {
                 .push(arrival + extra, Event::Frame(dst, f, unsealed));
         }
     }
+    /// Whether functional mode is in force: looked up when the model asks (about once per
+    /// message) rather than for every event.
+    fn functional_mode(&self) -> bool {
+        let w = &*self.w;
+        self.src_iommu.is_none()
+            && w.cfg.functional
+            && w.faults.inactive()
+            && w.capture.is_none()
+            && w.timeline.is_none()
+    }
+
+    /// Records the flight of `frame` (sent by this node, last bit out at `at`) towards `dst`,
+    /// arriving at `arrival`, with fate `status` (see [`Stage::Flight`]).
+    fn trace_flight(
+        &mut self,
+        frame: &[u8],
+        dst: Option<usize>,
+        at: SimTime,
+        arrival: SimTime,
+        status: u8,
+    ) {
+        if let Some(t) = &mut self.w.timeline {
+            let stage = match self.w.cfg.topology {
+                Topology::BackToBack => Stage::Flight,
+                Topology::Switch => Stage::SwitchedFlight,
+            };
+            let (op, dqpn, psn) = crate::timeline::bth_of(frame);
+            let ev = TraceEvent::new(stage, at, arrival)
+                .obj(dst.map_or(u32::MAX, |d| d as u32))
+                .qpn(dqpn)
+                .psn(psn)
+                .op(op)
+                .status(status)
+                .bytes(frame.len());
+            t.record(self.node, ev);
+        }
+    }
+}
+
+impl Env for NodeEnv<'_> {
+    fn now(&self) -> SimTime {
+        self.now
+    }
+    fn dma_read(&mut self, iova: u64, buf: &mut [u8]) -> Result<(), DmaFault> {
+        self.iommu.read(iova, buf)
+    }
+    fn dma_write(&mut self, iova: u64, data: &[u8]) -> Result<(), DmaFault> {
+        self.iommu.write(iova, data)
+    }
+    fn dma_check(&self, iova: u64, len: usize) -> Result<(), DmaFault> {
+        self.iommu.check(iova, len)
+    }
+    fn schedule(&mut self, at: SimTime, ev: NicEvent) {
+        if matches!(ev, NicEvent::AckTimer { .. }) {
+            self.w.timers += 1;
+        }
+        self.w.queue.push(at, Event::Nic(self.node, ev));
+    }
+    fn transmit(&mut self, at: SimTime, mut frame: Vec<u8>) {
+        // The model leaves the IPv4 checksum and the ICRC to whoever needs them (defers_sums):
+        // a capture shows the frame whole, and a frame that may be changed on the way is
+        // sealed first so that its receiver's checks see the change.
+        let unsealed = self.w.capture.is_none() && self.w.faults.inactive();
+        if !unsealed {
+            wire::seal(&mut frame);
+        }
+        let mut dst_mac = [0u8; 6];
+        if let Some(m) = frame.get(..6) {
+            dst_mac.copy_from_slice(m);
+        }
+        // A multicast or broadcast frame (only raw packet QPs send one) goes to every NIC,
+        // its sender's own included: the switch floods it, and the sending NIC loops it back
+        // to its own flow-steering rules.
+        if dst_mac[0] & 1 == 1 {
+            let n = self.w.in_flight.len();
+            for dst in 0..n {
+                let copy = match dst + 1 < n {
+                    true => {
+                        let mut b = self.buffer();
+                        b.clear();
+                        b.extend_from_slice(&frame);
+                        b
+                    }
+                    false => std::mem::take(&mut frame),
+                };
+                self.deliver(at, copy, dst, unsealed);
+            }
+            return;
+        }
+        let Some(dst) = self.w.macs.node(&dst_mac) else {
+            let t = &self.w.cfg.timing;
+            let ser = SimTime(t.serialize_ps(frame.len()));
+            let first_bit = (at - ser).max(self.now);
+            let hop = SimTime(t.link_phy_mac_ps + t.link_prop_ps);
+            self.trace_flight(&frame, None, at, at + hop, 3);
+            self.w.stats.frames_unroutable += 1;
+            if let Some(c) = &mut self.w.capture {
+                c.record(Some(self.node), None, first_bit, &frame, Fate::Unroutable);
+            }
+            return;
+        };
+        self.deliver(at, frame, dst, unsealed);
+    }
+
     fn interrupt(&mut self, _vector: u32) {
         *self.interrupts += 1;
         if let Some(f) = self.w.irq_flag.get_mut(self.node) {

@@ -89,6 +89,10 @@ pub enum CmdOpcode {
     QueryQpStats = 0x44,
     /// Read a QP's datagram counters (`stats::UdStats`). ABI 1.5.
     QueryQpUdStats = 0x45,
+    /// Steer received frames that match a rule to a raw packet QP. ABI 1.12.
+    CreateFlow = 0x46,
+    /// Remove a flow-steering rule. ABI 1.12.
+    DestroyFlow = 0x47,
     /// Create a shared receive queue.
     CreateSrq = 0x50,
     /// Set an SRQ's limit and arm the limit event.
@@ -151,6 +155,8 @@ impl CmdOpcode {
             0x43 => DestroyQp,
             0x44 => QueryQpStats,
             0x45 => QueryQpUdStats,
+            0x46 => CreateFlow,
+            0x47 => DestroyFlow,
             0x50 => CreateSrq,
             0x51 => ArmSrq,
             0x52 => DestroySrq,
@@ -354,6 +360,15 @@ pub const QP_TYPE_RC: u8 = 0;
 pub const QP_TYPE_UC: u8 = 3;
 /// CREATE_QP `qp_type`: unreliable datagram (ABI 1.5). 4 is libibverbs' `IBV_QPT_UD`.
 pub const QP_TYPE_UD: u8 = 4;
+/// CREATE_QP `qp_type` (ABI 1.12): raw packet, a QP whose send WQEs carry whole Ethernet
+/// frames and whose receive queue takes the frames that flow-steering rules
+/// ([`CreateFlowIn`]) send it. 8 is libibverbs' `IBV_QPT_RAW_PACKET`.
+pub const QP_TYPE_RAW_PACKET: u8 = 8;
+/// The longest frame a raw packet QP sends or receives (without the FCS): a jumbo Ethernet
+/// frame of 9,000 bytes of payload behind a header with a VLAN tag.
+pub const RAW_MAX_FRAME: usize = 9018;
+/// The shortest frame a raw packet QP sends: an Ethernet header.
+pub const RAW_MIN_FRAME: usize = 14;
 /// CREATE_QP `qp_type` (ABI 1.11): XRC initiator, a send-only RC QP whose requests name
 /// an XRC SRQ at the target. 9 is libibverbs' `IBV_QPT_XRC_SEND`.
 pub const QP_TYPE_XRC_INI: u8 = 9;
@@ -399,6 +414,96 @@ abi_struct!(
     /// whose receive completions go to CQ `cqn` (whichever XRC target QP took them).
     CreateXrcSrqIn, 40, { srq: CreateSrqIn, xrcdn: U32, cqn: U32 }
 );
+abi_struct!(
+    /// The fields a flow-steering rule compares (ABI 1.12), as the device reads them from a
+    /// frame: the Ethernet addresses and type (behind one VLAN tag, if the frame has one),
+    /// the IP addresses (an IPv4 address as the IPv4-mapped IPv6 address `::ffff:a.b.c.d`),
+    /// the IP protocol (IPv4) or next header (IPv6), and the TCP or UDP ports of an
+    /// unfragmented packet. A field the frame does not have reads as zeros.
+    FlowMatch, 52, {
+        dmac: [u8; 6], smac: [u8; 6], ethertype: U16, src_ip: [u8; 16], dst_ip: [u8; 16],
+        ip_proto: u8, rsvd0: u8, src_port: U16, dst_port: U16,
+    }
+);
+abi_struct!(
+    /// CREATE_FLOW input (ABI 1.12): frames whose fields, under `mask`, equal `value` go to
+    /// raw packet QP `qpn`. Of several matching rules the lowest `priority` wins, then the
+    /// oldest. Output: the rule's number ([`ObjectOut`]).
+    CreateFlowIn, 112, { qpn: U32, priority: U16, rsvd0: U16, value: FlowMatch, mask: FlowMatch }
+);
+
+impl FlowMatch {
+    /// Whether `self` (a frame's fields) equals `value` in every bit of `mask`.
+    pub fn matches(&self, value: &FlowMatch, mask: &FlowMatch) -> bool {
+        self.as_bytes()
+            .iter()
+            .zip(value.as_bytes())
+            .zip(mask.as_bytes())
+            .all(|((f, v), m)| f & m == v & m)
+    }
+
+    /// The fields of an Ethernet frame (without its FCS). Never fails: what a short or
+    /// malformed frame lacks reads as zeros.
+    pub fn of_frame(frame: &[u8]) -> FlowMatch {
+        let mut m = FlowMatch::default();
+        let Some(eth) = frame.get(..14) else {
+            return m;
+        };
+        m.dmac.copy_from_slice(&eth[0..6]);
+        m.smac.copy_from_slice(&eth[6..12]);
+        let mut ty = u16::from_be_bytes([eth[12], eth[13]]);
+        let mut at = 14;
+        if ty == 0x8100 {
+            let Some(inner) = frame.get(16..18) else {
+                return m;
+            };
+            ty = u16::from_be_bytes([inner[0], inner[1]]);
+            at = 18;
+        }
+        m.ethertype = ty.into();
+        let l3 = &frame[at.min(frame.len())..];
+        let (proto, l4) = match ty {
+            0x0800 => {
+                let Some(ip) = l3.get(..20) else {
+                    return m;
+                };
+                let ihl = usize::from(ip[0] & 0x0F) * 4;
+                if ip[0] >> 4 != 4 || ihl < 20 {
+                    return m;
+                }
+                m.src_ip[10..12].fill(0xFF);
+                m.dst_ip[10..12].fill(0xFF);
+                m.src_ip[12..].copy_from_slice(&ip[12..16]);
+                m.dst_ip[12..].copy_from_slice(&ip[16..20]);
+                m.ip_proto = ip[9];
+                // Only a first fragment with offset 0 and no more to come has the ports.
+                let frag = u16::from_be_bytes([ip[6], ip[7]]) & 0x3FFF;
+                (ip[9], if frag == 0 { l3.get(ihl..) } else { None })
+            }
+            0x86DD => {
+                let Some(ip) = l3.get(..40) else {
+                    return m;
+                };
+                if ip[0] >> 4 != 6 {
+                    return m;
+                }
+                m.src_ip.copy_from_slice(&ip[8..24]);
+                m.dst_ip.copy_from_slice(&ip[24..40]);
+                m.ip_proto = ip[6];
+                (ip[6], l3.get(40..))
+            }
+            _ => return m,
+        };
+        if let (6 | 17, Some(l4)) = (proto, l4) {
+            if let Some(p) = l4.get(..4) {
+                m.src_port = u16::from_be_bytes([p[0], p[1]]).into();
+                m.dst_port = u16::from_be_bytes([p[2], p[3]]).into();
+            }
+        }
+        m
+    }
+}
+
 abi_struct!(
     /// ARM_SRQ input: raise SRQ_LIMIT once fewer than `limit` WQEs remain (0 disarms).
     ArmSrqIn, 8, { srqn: U32, limit: U32 }
@@ -705,7 +810,17 @@ mod tests {
         use core::mem::offset_of;
         assert_eq!(CmdOpcode::from_u16(0x45), Some(CmdOpcode::QueryQpUdStats));
         assert_eq!(CmdOpcode::QueryQpUdStats as u16, 0x45);
-        assert_eq!(CmdOpcode::from_u16(0x46), None);
+        // ABI 1.12: CREATE_FLOW and DESTROY_FLOW after it.
+        assert_eq!(CmdOpcode::from_u16(0x46), Some(CmdOpcode::CreateFlow));
+        assert_eq!(CmdOpcode::from_u16(0x47), Some(CmdOpcode::DestroyFlow));
+        assert_eq!(CmdOpcode::from_u16(0x48), None);
+        assert_eq!(QP_TYPE_RAW_PACKET, 8);
+        assert_eq!(offset_of!(FlowMatch, ethertype), 0x0C);
+        assert_eq!(offset_of!(FlowMatch, src_ip), 0x0E);
+        assert_eq!(offset_of!(FlowMatch, ip_proto), 0x2E);
+        assert_eq!(offset_of!(FlowMatch, dst_port), 0x32);
+        assert_eq!(offset_of!(CreateFlowIn, value), 0x08);
+        assert_eq!(offset_of!(CreateFlowIn, mask), 0x3C);
         // ABI 1.6: REREG_MR, after DEREG_MR.
         assert_eq!(CmdOpcode::from_u16(0x22), Some(CmdOpcode::ReregMr));
         // ABI 1.8: REG_DM_MR after it, ALLOC_DM and FREE_DM in a block of their own.

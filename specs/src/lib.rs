@@ -21,7 +21,7 @@ pub use types::{Iova, Lkey, Psn, Qpn, Rkey, SimTime};
 /// ABI major version implemented by this crate.
 pub const ABI_MAJOR: u16 = 1;
 /// ABI minor version implemented by this crate.
-pub const ABI_MINOR: u16 = 11;
+pub const ABI_MINOR: u16 = 12;
 /// The value of the `ABI_VERSION` register: major in bits 31:16, minor in bits 15:0.
 pub const ABI_VERSION: u32 = ((ABI_MAJOR as u32) << 16) | ABI_MINOR as u32;
 

@@ -241,6 +241,9 @@ bitflags! {
         /// XRC (ABI 1.11): XRC domains, XRC SRQs, the XRC initiator and target QPs, and
         /// the XRC transport on the wire.
         const XRC = 1 << 16;
+        /// Raw packet QPs and flow steering (ABI 1.12): CREATE_QP type 8, CREATE_FLOW and
+        /// DESTROY_FLOW, frames other than RoCE on the wire.
+        const RAW_PACKET = 1 << 17;
     }
 }
 
@@ -309,9 +312,10 @@ mod tests {
         assert_eq!(Caps::MEMORY_WINDOW.bits(), 1 << 14);
         assert_eq!(Caps::ATOMIC_WRITE.bits(), 1 << 15);
         assert_eq!(Caps::XRC.bits(), 1 << 16);
-        // Bits 0..16 are defined (ABI 1.11); 31:17 are reserved.
-        assert_eq!(Caps::all().bits(), 0x1_FFFF);
-        assert_eq!(Caps::from_bits(1 << 17), None);
+        assert_eq!(Caps::RAW_PACKET.bits(), 1 << 17);
+        // Bits 0..17 are defined (ABI 1.12); 31:18 are reserved.
+        assert_eq!(Caps::all().bits(), 0x3_FFFF);
+        assert_eq!(Caps::from_bits(1 << 18), None);
         // The device-memory window follows the BlueFlame area to the end of the 4 MiB BAR.
         assert_eq!(
             (DM_BASE, DM_END, BAR0_SIZE),

@@ -1,0 +1,213 @@
+//! Raw packet QPs and flow steering (ABI 1.12).
+//!
+//! A raw packet QP's send WQE carries a whole Ethernet frame, which the NIC puts on the
+//! wire as it is (no RoCE headers, no acknowledgement; the WQE completes once the frame has
+//! left). Frames that are not RoCEv2 go through the NIC's flow-steering rules: the rule
+//! that matches with the lowest priority (then the oldest) gives the frame to its raw
+//! packet QP, whose next receive WQE takes it whole. A frame no rule matches is dropped.
+
+use crate::env::Env;
+use crate::nic::Nic;
+use crate::qp::{Qp, RecvCtx, RecvTake};
+use crate::responder::recv_cqe;
+use ringbell_specs::cmd::{CmdStatus, CreateFlowIn, FlowMatch, QpState};
+use ringbell_specs::SimTime;
+use ringbell_specs::cqe::{CqeStatus, VendorSyndrome};
+use ringbell_specs::wire;
+
+/// Flow-steering rules per NIC.
+pub const MAX_FLOWS: u32 = 1024;
+
+/// One flow-steering rule.
+#[derive(Debug)]
+pub(crate) struct Flow {
+    pub(crate) qpn: u32,
+    pub(crate) priority: u16,
+    /// Creation order: of rules of one priority, the oldest wins.
+    pub(crate) seq: u64,
+    /// Already masked.
+    pub(crate) value: FlowMatch,
+    pub(crate) mask: FlowMatch,
+}
+
+/// Whether `frame` is RoCEv2 (IPv4, UDP, destination port 4791): such frames go to the
+/// transport, never to the flow-steering rules.
+fn is_roce(frame: &[u8]) -> bool {
+    let Some(h) = frame.get(..wire::ROCE_OUTER_LEN) else {
+        return false;
+    };
+    let ip = &h[wire::ETH_HDR_LEN..];
+    let udp = &h[wire::ETH_HDR_LEN + wire::IPV4_HDR_LEN..];
+    h[12..14] == wire::ETHERTYPE_IPV4.to_be_bytes()
+        && ip[0] == 0x45
+        && ip[9] == wire::IPPROTO_UDP
+        && udp[2..4] == wire::ROCEV2_UDP_PORT.to_be_bytes()
+}
+
+impl Nic {
+    /// CREATE_FLOW: a rule for raw packet QP `qpn` in RTR or any earlier state.
+    pub(crate) fn create_flow(&mut self, p: CreateFlowIn) -> Result<u32, CmdStatus> {
+        let qpn = p.qpn.get();
+        let qp = self.qps.get_mut(qpn).ok_or(CmdStatus::BadResource)?;
+        if !qp.raw {
+            return Err(CmdStatus::BadParam);
+        }
+        if p.rsvd0.get() != 0 || p.value.rsvd0 != 0 || p.mask.rsvd0 != 0 {
+            return Err(CmdStatus::BadParam);
+        }
+        let mut value = p.value;
+        for (v, m) in zerocopy::IntoBytes::as_mut_bytes(&mut value)
+            .iter_mut()
+            .zip(zerocopy::IntoBytes::as_bytes(&p.mask))
+        {
+            *v &= m;
+        }
+        self.flow_seq += 1;
+        let flow = Flow {
+            qpn,
+            priority: p.priority.get(),
+            seq: self.flow_seq,
+            value,
+            mask: p.mask,
+        };
+        let n = self
+            .flows
+            .insert_with(|_| flow)
+            .ok_or(CmdStatus::Exhausted)?;
+        qp.flows += 1;
+        self.flows_live += 1;
+        Ok(n)
+    }
+
+    /// DESTROY_FLOW.
+    pub(crate) fn destroy_flow(&mut self, n: u32) -> Result<(), CmdStatus> {
+        let f = self.flows.remove(n).ok_or(CmdStatus::BadResource)?;
+        self.flows_live -= 1;
+        if let Some(qp) = self.qps.get_mut(f.qpn) {
+            qp.flows = qp.flows.saturating_sub(1);
+        }
+        Ok(())
+    }
+
+    /// Whether a received frame is one for the flow-steering rules rather than the
+    /// transport (never, while the NIC has no rules).
+    pub(crate) fn steers(&self, frame: &[u8]) -> bool {
+        self.flows_live > 0 && !is_roce(frame)
+    }
+
+    /// A frame that is not RoCEv2 arrives: to the raw packet QP of the best matching rule.
+    pub(crate) fn steer(&mut self, env: &mut dyn Env, frame: &[u8]) {
+        let key = FlowMatch::of_frame(frame);
+        let best = self
+            .flows
+            .iter()
+            .filter(|(_, f)| key.matches(&f.value, &f.mask))
+            .min_by_key(|(_, f)| (f.priority, f.seq))
+            .map(|(_, f)| f.qpn);
+        let Some(qpn) = best else {
+            self.stats.rx_dropped += 1;
+            return;
+        };
+        let Some(mut qp) = self.qps.remove(qpn) else {
+            self.stats.rx_dropped += 1;
+            return;
+        };
+        if matches!(qp.state, QpState::Rtr | QpState::Rts | QpState::Sqd) {
+            self.rx_raw(env, &mut qp, frame);
+        } else {
+            self.stats.rx_dropped += 1;
+        }
+        self.qps.restore(qpn, qp);
+    }
+
+    /// A frame for raw packet QP `qp`: scattered whole into its next receive WQE. No WQE,
+    /// or one too small, drops it (counted as the UD counters count datagrams).
+    fn rx_raw(&mut self, env: &mut dyn Env, qp: &mut Qp, frame: &[u8]) {
+        let ready = env.now() + SimTime(self.cfg.timing.nic_rx_pkt_ps);
+        let (wqe_index, srqn, sges) = match self.take_recv_wqe_for(env, qp, frame.len() as u64) {
+            Ok(RecvTake::Wqe(i, srqn, sges)) => (i, srqn, sges),
+            Ok(RecvTake::Empty) => {
+                qp.ud_stats.no_recv_dropped += 1;
+                self.stats.rx_dropped += 1;
+                return;
+            }
+            Ok(RecvTake::TooSmall) => {
+                qp.ud_stats.too_long_dropped += 1;
+                self.stats.rx_dropped += 1;
+                return;
+            }
+            Err(iova) => {
+                self.iommu_fault(env, qp.qpn, iova);
+                self.stats.rx_dropped += 1;
+                self.flush(env, qp);
+                return;
+            }
+        };
+        let placed = self.scatter(env, qp.pdn, qp.qpn, &sges, 0, frame, ready);
+        let rc = RecvCtx {
+            wqe_index,
+            srqn,
+            sges: Vec::new(),
+            offset: 0,
+            strip: 0,
+            tm: None,
+        };
+        if let Err((status, syndrome)) = placed {
+            let mut cqe = recv_cqe(qp.qpn, &rc, status, 0);
+            cqe.vendor_syndrome = syndrome as u8;
+            self.complete(env, qp.gen, qp.recv_cqn, ready, cqe);
+            self.flush(env, qp);
+            return;
+        }
+        let cqe = recv_cqe(qp.qpn, &rc, CqeStatus::Success, frame.len() as u32);
+        qp.ud_stats.received += 1;
+        self.complete(env, qp.gen, qp.recv_cqn, ready, cqe);
+    }
+
+    /// Sends outstanding WQE `i` of a raw packet QP: its gathered (or inline) bytes are the
+    /// frame. It completes once the frame has left.
+    pub(crate) fn send_raw(&mut self, env: &mut dyn Env, qp: &mut Qp, i: usize) {
+        let now = env.now();
+        let o = &qp.req.outstanding[i];
+        let ready = o.ready_at.max(now);
+        let w = &o.wqe;
+        let len = w.len as usize;
+        let mut frame = env.buffer();
+        frame.clear();
+        frame.resize(len, 0);
+        let mut next_ready = ready;
+        let gathered = if w.sges.is_empty() {
+            let n = len.min(w.inline.len());
+            frame[..n].copy_from_slice(&w.inline[..n]);
+            Ok(())
+        } else {
+            next_ready = self.reserve_pcie_read(ready, len);
+            let sges = w.sges.clone();
+            self.gather(env, qp.qpn, qp.pdn, &sges, 0, &mut frame)
+        };
+        if let Err(e) = gathered {
+            env.recycle(frame);
+            qp.req.fail(i, e);
+            self.complete_in_order(env, qp);
+            return;
+        }
+        self.send_frame(env, next_ready, frame);
+        let o = &mut qp.req.outstanding[i];
+        (o.sent, o.sent_max, o.done) = (1, 1, true);
+        qp.stats.packets_sent += 1;
+        qp.ud_stats.sent += 1;
+        let left = self.egress_free;
+        self.complete_in_order_at(env, qp, left);
+    }
+}
+
+/// The check a raw packet QP's send WQE gets when it starts: a frame from an Ethernet
+/// header to a jumbo frame.
+pub(crate) fn raw_len_ok(len: u64) -> bool {
+    (ringbell_specs::cmd::RAW_MIN_FRAME as u64..=ringbell_specs::cmd::RAW_MAX_FRAME as u64)
+        .contains(&len)
+}
+
+/// Why a raw packet QP refuses a send opcode: it has SEND and the local operations only.
+pub(crate) const RAW_BAD_OP: (CqeStatus, VendorSyndrome) =
+    (CqeStatus::LocQpOpErr, VendorSyndrome::BadOpcode);

@@ -1,0 +1,177 @@
+//! Raw packet QPs and flow steering (ABI 1.12).
+//!
+//! A raw packet QP ([`QpType::RawPacket`](crate::QpType::RawPacket)) sends whole Ethernet
+//! frames: a SEND's gather list (or inline data) is the frame, from the destination MAC
+//! address to the end of the payload, without the FCS, 14 to 9,018 bytes. Nothing
+//! acknowledges it; the send completes once the frame has left. It receives what a flow
+//! rule ([`QueuePair::create_flow`]) steers to it: each frame whole, into the next receive
+//! request. A frame to a multicast or broadcast address reaches every NIC of the fabric,
+//! the sender's own included; a frame to the sender's own MAC address comes back to it.
+//!
+//! Set-up: RESET → INIT with the port ([`QueuePair::raw_ready`] does the three steps),
+//! then INIT → RTR → RTS with no attributes.
+
+use crate::device::Device;
+use crate::error::Error;
+use crate::qp::QueuePair;
+use ringbell_specs::cmd::{CmdOpcode, CreateFlowIn, QpAttr, QpAttrMask, QpState};
+pub use ringbell_specs::cmd::{FlowMatch, RAW_MAX_FRAME, RAW_MIN_FRAME};
+use ringbell_specs::regs;
+use std::cell::Cell;
+use std::rc::Rc;
+use zerocopy::IntoBytes;
+
+/// What a flow rule matches: a frame's fields ([`FlowMatch::of_frame`]) that, under
+/// `mask`, equal `value`. Of several rules that match a frame, the lowest `priority` wins,
+/// then the oldest. The builder methods set a field's value and a full mask.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct FlowRule {
+    /// Lower wins.
+    pub priority: u16,
+    /// The fields' values (bits outside `mask` are ignored).
+    pub value: FlowMatch,
+    /// The bits compared.
+    pub mask: FlowMatch,
+}
+
+impl FlowRule {
+    /// Frames to destination MAC address `mac`.
+    pub fn dst_mac(mut self, mac: [u8; 6]) -> Self {
+        (self.value.dmac, self.mask.dmac) = (mac, [0xFF; 6]);
+        self
+    }
+    /// Frames from source MAC address `mac`.
+    pub fn src_mac(mut self, mac: [u8; 6]) -> Self {
+        (self.value.smac, self.mask.smac) = (mac, [0xFF; 6]);
+        self
+    }
+    /// Frames of EtherType `ty` (behind a VLAN tag, if the frame has one).
+    pub fn ethertype(mut self, ty: u16) -> Self {
+        (self.value.ethertype, self.mask.ethertype) = (ty.into(), 0xFFFF.into());
+        self
+    }
+    /// IPv4 packets from `ip` (the EtherType is set too).
+    pub fn ipv4_src(self, ip: [u8; 4]) -> Self {
+        let mut r = self.ethertype(0x0800);
+        (r.value.src_ip, r.mask.src_ip) = (mapped(ip), [0xFF; 16]);
+        r
+    }
+    /// IPv4 packets to `ip` (the EtherType is set too).
+    pub fn ipv4_dst(self, ip: [u8; 4]) -> Self {
+        let mut r = self.ethertype(0x0800);
+        (r.value.dst_ip, r.mask.dst_ip) = (mapped(ip), [0xFF; 16]);
+        r
+    }
+    /// IPv6 packets from `ip` (the EtherType is set too).
+    pub fn ipv6_src(self, ip: [u8; 16]) -> Self {
+        let mut r = self.ethertype(0x86DD);
+        (r.value.src_ip, r.mask.src_ip) = (ip, [0xFF; 16]);
+        r
+    }
+    /// IPv6 packets to `ip` (the EtherType is set too).
+    pub fn ipv6_dst(self, ip: [u8; 16]) -> Self {
+        let mut r = self.ethertype(0x86DD);
+        (r.value.dst_ip, r.mask.dst_ip) = (ip, [0xFF; 16]);
+        r
+    }
+    /// IP packets of protocol (IPv4) or next header (IPv6) `proto`.
+    pub fn ip_proto(mut self, proto: u8) -> Self {
+        (self.value.ip_proto, self.mask.ip_proto) = (proto, 0xFF);
+        self
+    }
+    /// TCP or UDP segments from port `port`.
+    pub fn src_port(mut self, port: u16) -> Self {
+        (self.value.src_port, self.mask.src_port) = (port.into(), 0xFFFF.into());
+        self
+    }
+    /// TCP or UDP segments to port `port`.
+    pub fn dst_port(mut self, port: u16) -> Self {
+        (self.value.dst_port, self.mask.dst_port) = (port.into(), 0xFFFF.into());
+        self
+    }
+    /// With priority `p` (lower wins).
+    pub fn priority(mut self, p: u16) -> Self {
+        self.priority = p;
+        self
+    }
+}
+
+/// An IPv4 address as the IPv4-mapped IPv6 address rules compare.
+pub fn mapped(ip: [u8; 4]) -> [u8; 16] {
+    let mut a = [0u8; 16];
+    a[10..12].fill(0xFF);
+    a[12..].copy_from_slice(&ip);
+    a
+}
+
+/// A flow-steering rule. Dropping it removes the rule. Its QP cannot be destroyed while a
+/// rule names it (the device refuses, as Linux's `ibv_destroy_qp` is `EBUSY`): drop the
+/// rules first.
+#[derive(Debug)]
+pub struct Flow {
+    dev: Device,
+    num: u32,
+    held: Rc<Cell<u32>>,
+}
+
+impl Flow {
+    /// The device's number for the rule.
+    pub fn num(&self) -> u32 {
+        self.num
+    }
+}
+
+impl Drop for Flow {
+    fn drop(&mut self) {
+        if self.dev.inner.destroy(CmdOpcode::DestroyFlow, self.num).is_ok() {
+            self.held.set(self.held.get().saturating_sub(1));
+        }
+    }
+}
+
+impl QueuePair {
+    /// Steers the frames `rule` matches to this raw packet QP.
+    pub fn create_flow(&self, rule: &FlowRule) -> Result<Flow, Error> {
+        if !self.device().caps().caps.contains(regs::Caps::RAW_PACKET) {
+            return Err(Error::Unsupported(
+                "flow steering: the device lacks CAPS.RAW_PACKET",
+            ));
+        }
+        if !self.raw {
+            return Err(Error::InvalidArgument(
+                "flow rules steer frames to raw packet QPs only",
+            ));
+        }
+        let input = CreateFlowIn {
+            qpn: self.qpn().into(),
+            priority: rule.priority.into(),
+            value: rule.value,
+            mask: rule.mask,
+            ..Default::default()
+        };
+        let num = self.device().inner.create(CmdOpcode::CreateFlow, input.as_bytes())?;
+        self.flows.set(self.flows.get() + 1);
+        Ok(Flow {
+            dev: self.device().clone(),
+            num,
+            held: self.flows.clone(),
+        })
+    }
+
+    /// Flow rules that name this QP.
+    pub fn flows_attached(&self) -> u32 {
+        self.flows.get()
+    }
+
+    /// Takes a raw packet QP from RESET to RTS (INIT with port 1, then RTR and RTS).
+    pub fn raw_ready(&mut self) -> Result<(), Error> {
+        use QpAttrMask as M;
+        let to = |s: QpState| QpAttr {
+            state: s as u8,
+            ..Default::default()
+        };
+        self.modify(M::STATE | M::PORT, &to(QpState::Init))?;
+        self.modify(M::STATE, &to(QpState::Rtr))?;
+        self.modify(M::STATE, &to(QpState::Rts))
+    }
+}
