@@ -11,9 +11,9 @@ use crate::nic::Nic;
 use crate::qp::{Qp, RecvCtx, RecvTake};
 use crate::responder::recv_cqe;
 use ringbell_specs::cmd::{CmdStatus, CreateFlowIn, FlowMatch, QpState};
-use ringbell_specs::SimTime;
 use ringbell_specs::cqe::{CqeStatus, VendorSyndrome};
 use ringbell_specs::wire;
+use ringbell_specs::SimTime;
 
 /// Flow-steering rules per NIC.
 pub const MAX_FLOWS: u32 = 1024;

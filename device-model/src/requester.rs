@@ -626,7 +626,11 @@ impl Nic {
         }
         // A raw packet QP sends frames: SEND (no immediate, no invalidation) and the local
         // operations.
-        if qp.raw && !matches!(op, SendOpcode::Send | SendOpcode::BindMw | SendOpcode::LocalInv)
+        if qp.raw
+            && !matches!(
+                op,
+                SendOpcode::Send | SendOpcode::BindMw | SendOpcode::LocalInv
+            )
         {
             return Err((crate::raw::RAW_BAD_OP, nbb));
         }

@@ -123,7 +123,12 @@ impl Flow {
 
 impl Drop for Flow {
     fn drop(&mut self) {
-        if self.dev.inner.destroy(CmdOpcode::DestroyFlow, self.num).is_ok() {
+        if self
+            .dev
+            .inner
+            .destroy(CmdOpcode::DestroyFlow, self.num)
+            .is_ok()
+        {
             self.held.set(self.held.get().saturating_sub(1));
         }
     }
@@ -149,7 +154,10 @@ impl QueuePair {
             mask: rule.mask,
             ..Default::default()
         };
-        let num = self.device().inner.create(CmdOpcode::CreateFlow, input.as_bytes())?;
+        let num = self
+            .device()
+            .inner
+            .create(CmdOpcode::CreateFlow, input.as_bytes())?;
         self.flows.set(self.flows.get() + 1);
         Ok(Flow {
             dev: self.device().clone(),

@@ -73,7 +73,16 @@ fn frame(
 }
 
 fn udp4(dst: [u8; 6], sip: [u8; 4], dip: [u8; 4], ports: (u16, u16), body: &[u8]) -> Vec<u8> {
-    frame(dst, SRC_MAC, false, 17, mapped(sip), mapped(dip), ports, body)
+    frame(
+        dst,
+        SRC_MAC,
+        false,
+        17,
+        mapped(sip),
+        mapped(dip),
+        ports,
+        body,
+    )
 }
 
 /// Sends `f` from `s`'s QP (from its buffer at offset 0) and waits for the send completion.
@@ -104,10 +113,9 @@ fn a_frame_arrives_whole_at_the_qp_its_rule_names() {
     let mut a = raw_side(&f, 0);
     let mut b = raw_side(&f, 1);
     let b_mac = b.dev.ah_attr().mac;
-    let flow = b
-        .qp
-        .create_flow(&FlowRule::default().dst_mac(b_mac))
-        .expect("flow");
+    let flow =
+        b.qp.create_flow(&FlowRule::default().dst_mac(b_mac))
+            .expect("flow");
     assert_eq!(b.qp.flows_attached(), 1);
     post_recvs(&mut b.qp, &b.mr, 1 << 16, 4);
     let body: Vec<u8> = (0..1000u32).map(|i| (i * 7) as u8).collect();
@@ -201,10 +209,14 @@ fn ipv6_tcp_rules_and_prefix_masks() {
     let mut a = raw_side(&f, 0);
     let mut b = raw_side(&f, 1);
     let b_mac = b.dev.ah_attr().mac;
-    let sip: [u8; 16] = [0xa0, 0xa1, 0, 0, 0, 0, 0, 0, 0, 0, 0xa2, 0xa3, 0xa4, 0xa5, 0xa6, 0xa7];
+    let sip: [u8; 16] = [
+        0xa0, 0xa1, 0, 0, 0, 0, 0, 0, 0, 0, 0xa2, 0xa3, 0xa4, 0xa5, 0xa6, 0xa7,
+    ];
     let mut rule = FlowRule::default().ipv6_src(sip).ip_proto(6).src_port(80);
     // Only the first 64 bits of the source.
-    rule.mask.src_ip = [0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0, 0, 0, 0, 0, 0, 0, 0];
+    rule.mask.src_ip = [
+        0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0, 0, 0, 0, 0, 0, 0, 0,
+    ];
     let _fl = b.qp.create_flow(&rule).unwrap();
     post_recvs(&mut b.qp, &b.mr, 1 << 16, 8);
     let mut other = sip;
@@ -212,11 +224,26 @@ fn ipv6_tcp_rules_and_prefix_masks() {
     let mut far = sip;
     far[0] ^= 1;
     let cases = [
-        (frame(b_mac, SRC_MAC, true, 6, other, sip, (80, 9), b"a"), true),
-        (frame(b_mac, SRC_MAC, true, 6, far, sip, (80, 9), b"b"), false),
-        (frame(b_mac, SRC_MAC, true, 17, sip, sip, (80, 9), b"c"), false),
-        (frame(b_mac, SRC_MAC, true, 6, sip, sip, (81, 9), b"d"), false),
-        (frame(b_mac, SRC_MAC, false, 6, sip, sip, (80, 9), b"e"), false),
+        (
+            frame(b_mac, SRC_MAC, true, 6, other, sip, (80, 9), b"a"),
+            true,
+        ),
+        (
+            frame(b_mac, SRC_MAC, true, 6, far, sip, (80, 9), b"b"),
+            false,
+        ),
+        (
+            frame(b_mac, SRC_MAC, true, 17, sip, sip, (80, 9), b"c"),
+            false,
+        ),
+        (
+            frame(b_mac, SRC_MAC, true, 6, sip, sip, (81, 9), b"d"),
+            false,
+        ),
+        (
+            frame(b_mac, SRC_MAC, false, 6, sip, sip, (80, 9), b"e"),
+            false,
+        ),
     ];
     for (i, (fr, hit)) in cases.iter().enumerate() {
         send_frame(&f, &mut a, fr, i as u64);
@@ -244,7 +271,10 @@ fn rules_leave_roce_traffic_to_the_transport() {
     let r = wait(&p.fabric, &mut p.b.cq, 1)[0];
     assert_eq!((r.qpn, r.wr_id, r.byte_len), (p.b.qp.qpn(), 7, 4));
     assert_eq!(wait(&p.fabric, &mut p.a.cq, 1)[0].status, WcStatus::Success);
-    assert!(drain(&p.fabric, &mut p.b.cq).is_empty(), "nothing for the raw QP");
+    assert!(
+        drain(&p.fabric, &mut p.b.cq).is_empty(),
+        "nothing for the raw QP"
+    );
 }
 
 #[test]

@@ -211,6 +211,15 @@ pub(crate) unsafe fn ctx<'a>(p: *mut abi::ibv_context) -> &'a mut RbContext {
 /// CQs, channels and PDs, in that order.
 pub(crate) fn close(st: &mut State, c: &mut RbContext) -> i32 {
     let me: *mut RbContext = c;
+    // Flow rules before the QPs they hold.
+    for p in st.live_of(Kind::Flow) {
+        // SAFETY: the registry lists live objects of this kind, allocated as this type;
+        // the lock is held.
+        let o = unsafe { &mut *(p as *mut crate::flow::RbFlow) };
+        if std::ptr::eq(o.flow.context, c.ibv()) {
+            crate::flow::destroy(st, o);
+        }
+    }
     for p in st.live_of(Kind::Qp) {
         // SAFETY: the registry lists live objects of this kind, allocated as this type;
         // the lock is held.

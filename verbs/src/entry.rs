@@ -1100,7 +1100,13 @@ pub unsafe extern "C" fn ibv_query_qp_data_in_order(
 #[no_mangle]
 pub unsafe extern "C" fn ibv_destroy_qp(qp: *mut abi::ibv_qp) -> c_int {
     match owner(qp as usize) {
-        Owner::Ours(Kind::Qp) => with(qp as *mut RbQp, Kind::Qp, libc::EINVAL, crate::qp::destroy),
+        Owner::Ours(Kind::Qp) => with(qp as *mut RbQp, Kind::Qp, libc::EINVAL, |st, q| {
+            // Flow rules hold their QP (uverbs: EBUSY).
+            match q.drv.flows_attached() {
+                0 => crate::qp::destroy(st, q),
+                _ => libc::EBUSY,
+            }
+        }),
         Owner::Foreign => {
             forward!("ibv_destroy_qp", fn(*mut abi::ibv_qp) -> c_int, (qp)).unwrap_or(libc::EINVAL)
         }

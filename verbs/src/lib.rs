@@ -31,6 +31,7 @@ mod devnode;
 mod dm;
 mod entry;
 mod events;
+mod flow;
 mod mw;
 mod ops;
 mod pd;

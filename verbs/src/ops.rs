@@ -52,6 +52,8 @@ pub(crate) fn fill(v: &mut abi::verbs_context) {
     v.post_srq_ops = Some(post_srq_ops);
     v.get_srq_num = Some(get_srq_num);
     v.open_xrcd = Some(open_xrcd);
+    v.ibv_create_flow = Some(create_flow);
+    v.ibv_destroy_flow = Some(destroy_flow);
     v.close_xrcd = Some(close_xrcd);
     v.query_rt_values = Some(query_rt_values);
     v.alloc_td = Some(alloc_td);
@@ -270,6 +272,92 @@ unsafe extern "C" fn post_srq_ops(
         // SAFETY: the caller's list.
         unsafe { crate::srq::post_ops(srq, op, bad) }
     })
+}
+
+/// The most specs a rule may have, and the largest spec read.
+const MAX_FLOW_SPECS: usize = 16;
+const MAX_FLOW_SPEC: usize = 256;
+
+unsafe extern "C" fn create_flow(
+    qp: *mut abi::ibv_qp,
+    attr: *mut abi::ibv_flow_attr,
+) -> *mut abi::ibv_flow {
+    use crate::flow::Spec;
+    if attr.is_null() {
+        set_errno(libc::EINVAL);
+        return std::ptr::null_mut();
+    }
+    // SAFETY: the caller's struct, checked non-null; read only.
+    let a = unsafe { std::ptr::read_unaligned(attr) };
+    if a.num_of_specs as usize > MAX_FLOW_SPECS {
+        set_errno(libc::EINVAL);
+        return std::ptr::null_mut();
+    }
+    // The specs follow the attributes, each starting with its type and size
+    // (`struct ibv_flow_spec`'s header), each read as the struct its type names when its
+    // size holds one.
+    let mut specs = Vec::with_capacity(a.num_of_specs as usize);
+    // SAFETY: libibverbs' layout: the specs are laid out right after the attributes.
+    let mut at = unsafe { (attr as *const u8).add(std::mem::size_of::<abi::ibv_flow_attr>()) };
+    for _ in 0..a.num_of_specs {
+        // SAFETY: a spec header (type, size) at `at`, per ibv_create_flow(3).
+        let (ty, size) = unsafe {
+            (
+                std::ptr::read_unaligned(at as *const u32),
+                std::ptr::read_unaligned(at.add(4) as *const u16) as usize,
+            )
+        };
+        if !(8..=MAX_FLOW_SPEC).contains(&size) {
+            set_errno(libc::EINVAL);
+            return std::ptr::null_mut();
+        }
+        /// Reads the spec at `at` as a `T` when `size` holds one.
+        ///
+        /// # Safety
+        /// `at` points at a spec of `size` readable bytes.
+        unsafe fn read<T>(at: *const u8, size: usize) -> Option<T> {
+            // SAFETY: `size` bytes are readable and `T` fits in them.
+            (size >= std::mem::size_of::<T>())
+                .then(|| unsafe { std::ptr::read_unaligned(at as *const T) })
+        }
+        // SAFETY: the caller's spec of `size` bytes.
+        let spec = unsafe {
+            match ty {
+                abi::ibv_flow_spec_type_IBV_FLOW_SPEC_ETH => read(at, size).map(Spec::Eth),
+                abi::ibv_flow_spec_type_IBV_FLOW_SPEC_IPV4 => read(at, size).map(Spec::Ipv4),
+                abi::ibv_flow_spec_type_IBV_FLOW_SPEC_IPV4_EXT => read(at, size).map(Spec::Ipv4Ext),
+                abi::ibv_flow_spec_type_IBV_FLOW_SPEC_IPV6 => read(at, size).map(Spec::Ipv6),
+                abi::ibv_flow_spec_type_IBV_FLOW_SPEC_TCP
+                | abi::ibv_flow_spec_type_IBV_FLOW_SPEC_UDP => read(at, size).map(Spec::TcpUdp),
+                _ => Some(Spec::Unsupported),
+            }
+        };
+        let Some(spec) = spec else {
+            set_errno(libc::EINVAL);
+            return std::ptr::null_mut();
+        };
+        specs.push(spec);
+        // SAFETY: the next spec follows this one.
+        at = unsafe { at.add(size) };
+    }
+    match with(qp as *mut RbQp, Kind::Qp, Err(libc::EINVAL), |st, q| {
+        crate::flow::create(st, q, &a, &specs)
+    }) {
+        Ok(p) => p,
+        Err(e) => {
+            set_errno(e);
+            std::ptr::null_mut()
+        }
+    }
+}
+
+unsafe extern "C" fn destroy_flow(f: *mut abi::ibv_flow) -> c_int {
+    with(
+        f as *mut crate::flow::RbFlow,
+        Kind::Flow,
+        libc::EINVAL,
+        crate::flow::destroy,
+    )
 }
 
 unsafe extern "C" fn open_xrcd(

@@ -94,6 +94,9 @@ pub(crate) const SEND_OPS_UD: u64 = (abi::ibv_qp_create_send_ops_flags_IBV_QP_EX
     | abi::ibv_qp_create_send_ops_flags_IBV_QP_EX_WITH_SEND_WITH_IMM)
     as u64;
 
+/// The send operations a raw packet QP can build: SEND of a whole frame.
+pub(crate) const SEND_OPS_RAW: u64 = abi::ibv_qp_create_send_ops_flags_IBV_QP_EX_WITH_SEND as u64;
+
 /// Checked pointers of a creation request.
 pub(crate) struct CreateArgs {
     pub pd: *mut RbPd,
@@ -116,6 +119,7 @@ pub(crate) fn create(
         abi::ibv_qp_type_IBV_QPT_UC => QpType::Uc,
         abi::ibv_qp_type_IBV_QPT_UD => QpType::Ud,
         abi::ibv_qp_type_IBV_QPT_XRC_SEND => QpType::XrcIni,
+        abi::ibv_qp_type_IBV_QPT_RAW_PACKET => QpType::RawPacket,
         // A target is made in its XRC domain (ibv_create_qp_ex with IBV_QP_INIT_ATTR_XRCD).
         abi::ibv_qp_type_IBV_QPT_XRC_RECV => return Err(libc::EINVAL),
         _ => return Err(libc::EOPNOTSUPP),
@@ -134,6 +138,7 @@ pub(crate) fn create(
     let ops = match qp_type {
         QpType::Ud => SEND_OPS_UD,
         QpType::Uc => SEND_OPS_UC,
+        QpType::RawPacket => SEND_OPS_RAW,
         _ => SEND_OPS,
     };
     if ex && attr.send_ops_flags & !ops != 0 {

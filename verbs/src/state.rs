@@ -39,6 +39,7 @@ pub(crate) enum Kind {
     Dm,
     Mw,
     Xrcd,
+    Flow,
 }
 
 /// Whose object a pointer is.
