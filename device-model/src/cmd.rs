@@ -10,7 +10,7 @@ use ringbell_specs::cmd::*;
 use ringbell_specs::cqe::{owner_bit, EventType, CQE_SIZE};
 use zerocopy::{FromBytes, IntoBytes};
 
-type Outcome = Result<Vec<u8>, CmdStatus>;
+pub(crate) type Outcome = Result<Vec<u8>, CmdStatus>;
 
 fn params<T: FromBytes>(input: &[u8]) -> Result<T, CmdStatus> {
     read_params(input).ok_or(CmdStatus::BadParam)
@@ -133,6 +133,9 @@ impl Nic {
             }
             CmdOpcode::CreateXrcSrq => self.create_xrc_srq(params(input)?),
             CmdOpcode::CreateFlow => obj(self.create_flow(params(input)?)?),
+            CmdOpcode::SetQpRss => self.set_qp_rss(env, params(input)?).map(|()| Vec::new()),
+            CmdOpcode::CreateWq => self.create_wq(params(input)?),
+            CmdOpcode::ModifyWq => self.modify_wq(params(input)?).map(|()| Vec::new()),
             CmdOpcode::DestroyFlow => self
                 .destroy_flow(params::<ObjectIn>(input)?.num.get())
                 .map(|()| Vec::new()),
@@ -252,6 +255,7 @@ impl Nic {
                     return Err(CmdStatus::Busy);
                 }
                 let mut qp = self.qps.remove(n).ok_or(CmdStatus::BadResource)?;
+                self.release_rss(&mut qp);
                 self.release_srq_wqe(env, &mut qp);
                 self.unbind_all(&qp.cntrs);
                 self.trig_discard_qp(n);
@@ -661,6 +665,7 @@ impl Nic {
             xrc: ini.then_some(XrcRole::Ini),
             raw,
             flows: 0,
+            rss: None,
             ud_stats: Default::default(),
             cntrs: Default::default(),
         };
@@ -764,6 +769,7 @@ impl Nic {
                 xrc: Some(XrcRole::Tgt { xrcdn }),
                 raw: false,
                 flows: 0,
+                rss: None,
                 ud_stats: Default::default(),
                 cntrs: Default::default(),
             })
@@ -790,7 +796,7 @@ impl Nic {
         Ok(n)
     }
 
-    fn create_srq(
+    pub(crate) fn create_srq(
         &mut self,
         p: CreateSrqIn,
         tm: Option<Box<crate::tm::TmState>>,
@@ -829,6 +835,7 @@ impl Nic {
                 limit: p.limit.get(),
                 refs: 0,
                 tm,
+                wq_state: ringbell_specs::cmd::WQ_STATE_READY,
             })
             .ok_or(CmdStatus::Exhausted)?;
         let _ = self.pd_ref(pdn);

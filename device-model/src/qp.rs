@@ -469,6 +469,8 @@ pub(crate) struct Qp {
     pub(crate) raw: bool,
     /// Flow-steering rules that name this QP: it cannot be destroyed while any remains.
     pub(crate) flows: u32,
+    /// A raw packet QP's RSS table (ABI 1.12): it receives through these WQs.
+    pub(crate) rss: Option<Box<crate::raw::Rss>>,
     /// Datagram counters (UD QPs; `wrong_transport_dropped` on every QP).
     pub(crate) ud_stats: UdStats,
     /// Context generation, see [`crate::NicEvent::SqProcess`].
@@ -509,8 +511,11 @@ pub(crate) enum XrcRole {
 #[derive(Debug)]
 pub(crate) struct Srq {
     pub(crate) pdn: u32,
-    /// An XRC SRQ (ABI 1.11): its XRC domain and the CQ its receives complete on.
+    /// An XRC SRQ (ABI 1.11): its XRC domain and the CQ its receives complete on; a
+    /// receive WQ (ABI 1.12): domain 0 and its CQ.
     pub(crate) xrc: Option<(u32, u32)>,
+    /// A receive WQ's state (ABI 1.12): frames reach it only when READY.
+    pub(crate) wq_state: u8,
     pub(crate) wq: WorkQueue,
     pub(crate) limit: u32,
     pub(crate) refs: u32,
@@ -1267,6 +1272,7 @@ mod tests {
             xrc: None,
             raw: false,
             flows: 0,
+            rss: None,
             ud_stats: UdStats::default(),
             gen: 1,
             cntrs: Default::default(),

@@ -10,10 +10,16 @@ use crate::env::Env;
 use crate::nic::Nic;
 use crate::qp::{Qp, RecvCtx, RecvTake};
 use crate::responder::recv_cqe;
-use ringbell_specs::cmd::{CmdStatus, CreateFlowIn, FlowMatch, QpState};
+use ringbell_specs::cmd::{
+    toeplitz, CmdStatus, CreateFlowIn, CreateWqIn, FlowMatch, ModifyWqIn, ObjectOut, QpState,
+    SetQpRssIn, RSS_DST_IPV4, RSS_DST_IPV6, RSS_DST_PORT_TCP, RSS_DST_PORT_UDP, RSS_MAX_LOG_SIZE,
+    RSS_SRC_IPV4, RSS_SRC_IPV6, RSS_SRC_PORT_TCP, RSS_SRC_PORT_UDP, WQ_STATE_ERR, WQ_STATE_READY,
+    WQ_STATE_RESET,
+};
 use ringbell_specs::cqe::{CqeStatus, VendorSyndrome};
 use ringbell_specs::wire;
 use ringbell_specs::SimTime;
+use zerocopy::FromBytes;
 
 /// Flow-steering rules per NIC.
 pub const MAX_FLOWS: u32 = 1024;
@@ -28,6 +34,54 @@ pub(crate) struct Flow {
     /// Already masked.
     pub(crate) value: FlowMatch,
     pub(crate) mask: FlowMatch,
+}
+
+/// A raw packet QP's RSS table (ABI 1.12).
+#[derive(Debug)]
+pub(crate) struct Rss {
+    fields: u32,
+    key: [u8; 40],
+    key_len: usize,
+    /// Receive WQ numbers.
+    table: Vec<u32>,
+}
+
+impl Rss {
+    /// The WQ a frame of these fields goes to.
+    fn wq_for(&self, m: &FlowMatch) -> u32 {
+        let mut input = [0u8; 36];
+        let mut n = 0;
+        let mut put = |b: &[u8]| {
+            input[n..n + b.len()].copy_from_slice(b);
+            n += b.len();
+        };
+        let (src, dst) = match m.ethertype.get() {
+            0x0800 => (
+                (RSS_SRC_IPV4, &m.src_ip[12..]),
+                (RSS_DST_IPV4, &m.dst_ip[12..]),
+            ),
+            0x86DD => ((RSS_SRC_IPV6, &m.src_ip[..]), (RSS_DST_IPV6, &m.dst_ip[..])),
+            _ => ((0, &[][..]), (0, &[][..])),
+        };
+        for (bit, bytes) in [src, dst] {
+            if bit != 0 && self.fields & bit != 0 {
+                put(bytes);
+            }
+        }
+        let ports = match m.ip_proto {
+            6 => (RSS_SRC_PORT_TCP, RSS_DST_PORT_TCP),
+            17 => (RSS_SRC_PORT_UDP, RSS_DST_PORT_UDP),
+            _ => (0, 0),
+        };
+        if ports.0 != 0 && self.fields & ports.0 != 0 {
+            put(&m.src_port.get().to_be_bytes());
+        }
+        if ports.1 != 0 && self.fields & ports.1 != 0 {
+            put(&m.dst_port.get().to_be_bytes());
+        }
+        let hash = toeplitz(&self.key[..self.key_len], &input[..n]);
+        self.table[hash as usize & (self.table.len() - 1)]
+    }
 }
 
 /// Whether `frame` is RoCEv2 (IPv4, UDP, destination port 4791): such frames go to the
@@ -89,6 +143,105 @@ impl Nic {
         Ok(())
     }
 
+    /// CREATE_WQ: an SRQ whose receives complete on its own CQ, in RESET.
+    pub(crate) fn create_wq(&mut self, p: CreateWqIn) -> crate::cmd::Outcome {
+        let cqn = p.cqn.get();
+        if self.cqs.get(cqn).is_none() {
+            return Err(CmdStatus::BadResource);
+        }
+        if p.rsvd0.get() != 0 {
+            return Err(CmdStatus::BadParam);
+        }
+        let out = self.create_srq(p.srq, None, Some((0, cqn)))?;
+        let n = ObjectOut::read_from_prefix(&out).map_or(0, |(o, _)| o.num.get());
+        if let Some(s) = self.srqs.get_mut(n) {
+            s.wq_state = WQ_STATE_RESET;
+        }
+        if let Some(cq) = self.cqs.get_mut(cqn) {
+            cq.refs += 1;
+        }
+        Ok(out)
+    }
+
+    /// MODIFY_WQ.
+    pub(crate) fn modify_wq(&mut self, p: ModifyWqIn) -> Result<(), CmdStatus> {
+        let s = self
+            .srqs
+            .get_mut(p.wqn.get())
+            .filter(|s| matches!(s.xrc, Some((0, _))))
+            .ok_or(CmdStatus::BadResource)?;
+        if !matches!(p.state, WQ_STATE_RESET | WQ_STATE_READY | WQ_STATE_ERR) {
+            return Err(CmdStatus::BadParam);
+        }
+        s.wq_state = p.state;
+        Ok(())
+    }
+
+    /// SET_QP_RSS: a raw packet QP in RESET takes an indirection table of receive WQs.
+    pub(crate) fn set_qp_rss(&mut self, env: &mut dyn Env, p: SetQpRssIn) -> Result<(), CmdStatus> {
+        let qpn = p.qpn.get();
+        let qp = self.qps.get(qpn).ok_or(CmdStatus::BadResource)?;
+        if !qp.raw || qp.rss.is_some() || qp.state != QpState::Reset {
+            return Err(CmdStatus::BadState);
+        }
+        let known = RSS_SRC_IPV4
+            | RSS_DST_IPV4
+            | RSS_SRC_IPV6
+            | RSS_DST_IPV6
+            | RSS_SRC_PORT_TCP
+            | RSS_DST_PORT_TCP
+            | RSS_SRC_PORT_UDP
+            | RSS_DST_PORT_UDP;
+        if p.fields.get() & !known != 0
+            || p.key_len > 40
+            || p.log_size > RSS_MAX_LOG_SIZE
+            || p.rsvd0.get() != 0
+            || p.rsvd1.get() != 0
+        {
+            return Err(CmdStatus::BadParam);
+        }
+        let mut raw = vec![0u8; 4 << p.log_size];
+        if env.dma_read(p.table_iova.get(), &mut raw).is_err() {
+            return Err(CmdStatus::DmaFault);
+        }
+        let table: Vec<u32> = raw
+            .chunks_exact(4)
+            .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect();
+        if table.iter().any(|&n| {
+            !self
+                .srqs
+                .get(n)
+                .is_some_and(|s| matches!(s.xrc, Some((0, _))))
+        }) {
+            return Err(CmdStatus::BadResource);
+        }
+        for &n in &table {
+            if let Some(s) = self.srqs.get_mut(n) {
+                s.refs += 1;
+            }
+        }
+        let rss = Rss {
+            fields: p.fields.get(),
+            key: p.key_bytes(),
+            key_len: p.key_len.into(),
+            table,
+        };
+        if let Some(qp) = self.qps.get_mut(qpn) {
+            qp.rss = Some(Box::new(rss));
+        }
+        Ok(())
+    }
+
+    /// Lets go of a QP's RSS table (DESTROY_QP).
+    pub(crate) fn release_rss(&mut self, qp: &mut Qp) {
+        for n in qp.rss.take().map(|r| r.table).unwrap_or_default() {
+            if let Some(s) = self.srqs.get_mut(n) {
+                s.refs = s.refs.saturating_sub(1);
+            }
+        }
+    }
+
     /// Whether a received frame is one for the flow-steering rules rather than the
     /// transport (never, while the NIC has no rules).
     pub(crate) fn steers(&self, frame: &[u8]) -> bool {
@@ -112,7 +265,21 @@ impl Nic {
             self.stats.rx_dropped += 1;
             return;
         };
-        if matches!(qp.state, QpState::Rtr | QpState::Rts | QpState::Sqd) {
+        if let Some(rss) = &qp.rss {
+            // An RSS QP has no state of its own that matters: the WQ the hash picks
+            // receives the frame, when READY, and completes it on the WQ's CQ.
+            let wqn = rss.wq_for(&key);
+            match self.srqs.get(wqn) {
+                Some(s) if s.wq_state == WQ_STATE_READY => {
+                    let cqn = s.xrc.map_or(0, |(_, c)| c);
+                    let saved = (qp.srqn, qp.pdn, qp.recv_cqn);
+                    (qp.srqn, qp.pdn, qp.recv_cqn) = (wqn, s.pdn, cqn);
+                    self.rx_raw(env, &mut qp, frame);
+                    (qp.srqn, qp.pdn, qp.recv_cqn) = saved;
+                }
+                _ => self.stats.rx_dropped += 1,
+            }
+        } else if matches!(qp.state, QpState::Rtr | QpState::Rts | QpState::Sqd) {
             self.rx_raw(env, &mut qp, frame);
         } else {
             self.stats.rx_dropped += 1;

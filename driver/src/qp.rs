@@ -791,6 +791,8 @@ pub struct QueuePair {
     /// A raw packet QP (ABI 1.12), and the flow rules that name it.
     pub(crate) raw: bool,
     pub(crate) flows: Rc<std::cell::Cell<u32>>,
+    /// The receive WQs of its RSS table, alive while it is.
+    pub(crate) rss: std::cell::RefCell<Vec<Rc<crate::srq::SrqObject>>>,
     state: QpState,
     /// Counters bound to the QP live at least as long as it (dropped after DESTROY_QP).
     cntrs: std::cell::RefCell<Vec<Rc<crate::counter::CntrObject>>>,
@@ -970,6 +972,7 @@ impl ProtectionDomain {
             xrc: ini.then_some(QpType::XrcIni),
             raw,
             flows: Default::default(),
+            rss: Default::default(),
             cntrs: Default::default(),
             _uses: Uses::Qp(
                 self.obj.clone(),
@@ -1019,6 +1022,7 @@ impl QueuePair {
             xrc: Some(QpType::XrcTgt),
             raw: false,
             flows: Default::default(),
+            rss: Default::default(),
             cntrs: Default::default(),
             _uses: Uses::XrcTarget(xrcd.clone()),
         })

@@ -11,10 +11,16 @@
 //! Set-up: RESET → INIT with the port ([`QueuePair::raw_ready`] does the three steps),
 //! then INIT → RTR → RTS with no attributes.
 
+use crate::cq::CompletionQueue;
 use crate::device::Device;
 use crate::error::Error;
+use crate::mr::ProtectionDomain;
 use crate::qp::QueuePair;
-use ringbell_specs::cmd::{CmdOpcode, CreateFlowIn, QpAttr, QpAttrMask, QpState};
+use crate::srq::SharedReceiveQueue;
+use ringbell_specs::cmd::{
+    CmdOpcode, CreateFlowIn, ModifyWqIn, QpAttr, QpAttrMask, QpState, SetQpRssIn, WQ_STATE_ERR,
+    WQ_STATE_READY, WQ_STATE_RESET,
+};
 pub use ringbell_specs::cmd::{FlowMatch, RAW_MAX_FRAME, RAW_MIN_FRAME};
 use ringbell_specs::regs;
 use std::cell::Cell;
@@ -181,5 +187,109 @@ impl QueuePair {
         self.modify(M::STATE | M::PORT, &to(QpState::Init))?;
         self.modify(M::STATE, &to(QpState::Rtr))?;
         self.modify(M::STATE, &to(QpState::Rts))
+    }
+}
+
+/// A receive WQ's state ([`SharedReceiveQueue::modify_wq`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WqState {
+    /// Made so: frames for it are dropped.
+    Reset,
+    /// Receiving.
+    Ready,
+    /// Stopped: frames for it are dropped.
+    Err,
+}
+
+impl ProtectionDomain {
+    /// A receive WQ (ABI 1.12): a receive queue whose requests complete on `cq`, reached
+    /// only through an RSS table ([`QueuePair::set_rss`]). It starts in RESET.
+    pub fn create_recv_wq(
+        &self,
+        cq: &CompletionQueue,
+        max_wr: u32,
+        max_sge: u32,
+    ) -> Result<SharedReceiveQueue, Error> {
+        if !self.device().caps().caps.contains(regs::Caps::RAW_PACKET) {
+            return Err(Error::Unsupported(
+                "receive WQs: the device lacks CAPS.RAW_PACKET",
+            ));
+        }
+        if !cq.belongs_to(self.device()) {
+            return Err(Error::InvalidArgument("CQ belongs to another device"));
+        }
+        self.create_srq_inner(max_wr, max_sge, 0, None, Some((None, cq)))
+    }
+}
+
+impl SharedReceiveQueue {
+    /// Moves a receive WQ to `state`.
+    pub fn modify_wq(&self, state: WqState) -> Result<(), Error> {
+        let input = ModifyWqIn {
+            wqn: self.srqn().into(),
+            state: match state {
+                WqState::Reset => WQ_STATE_RESET,
+                WqState::Ready => WQ_STATE_READY,
+                WqState::Err => WQ_STATE_ERR,
+            },
+            ..Default::default()
+        };
+        self.device()
+            .inner
+            .command(CmdOpcode::ModifyWq, input.as_bytes())
+            .map(|_| ())
+    }
+}
+
+/// What an RSS hash covers ([`QueuePair::set_rss`]): `RSS_*` bits of
+/// [`ringbell_specs::cmd`], libibverbs' `IBV_RX_HASH_*` values.
+pub use ringbell_specs::cmd::{
+    RSS_DST_IPV4, RSS_DST_IPV6, RSS_DST_PORT_TCP, RSS_DST_PORT_UDP, RSS_MAX_LOG_SIZE, RSS_SRC_IPV4,
+    RSS_SRC_IPV6, RSS_SRC_PORT_TCP, RSS_SRC_PORT_UDP,
+};
+
+impl QueuePair {
+    /// Makes this raw packet QP (in RESET) receive through `wqs` (a power of two of them,
+    /// at most `1 << RSS_MAX_LOG_SIZE`, receive WQs of its device): a frame a flow rule
+    /// steers to it goes to `wqs[toeplitz(key, fields of the frame) % wqs.len()]`. The
+    /// WQs stay alive while the QP does.
+    pub fn set_rss(
+        &self,
+        fields: u32,
+        key: &[u8],
+        wqs: &[&SharedReceiveQueue],
+    ) -> Result<(), Error> {
+        if !self.raw {
+            return Err(Error::InvalidArgument("RSS is for raw packet QPs"));
+        }
+        if !wqs.len().is_power_of_two()
+            || wqs.len() > 1 << RSS_MAX_LOG_SIZE
+            || key.len() > 40
+            || wqs.iter().any(|w| !w.belongs_to(self.device()))
+        {
+            return Err(Error::InvalidArgument(
+                "RSS: a power of two of this device's WQs, and a key of at most 40 bytes",
+            ));
+        }
+        let table = self.device().alloc_dma(4 * wqs.len())?;
+        for (i, w) in wqs.iter().enumerate() {
+            table.write(i * 4, &w.srqn().to_le_bytes())?;
+        }
+        let mut input = SetQpRssIn {
+            qpn: self.qpn().into(),
+            fields: fields.into(),
+            log_size: wqs.len().trailing_zeros() as u8,
+            key_len: key.len() as u8,
+            table_iova: table.iova().into(),
+            ..Default::default()
+        };
+        input.set_key(key);
+        self.device()
+            .inner
+            .command(CmdOpcode::SetQpRss, input.as_bytes())?;
+        self.rss
+            .borrow_mut()
+            .extend(wqs.iter().map(|w| w.keepalive()));
+        Ok(())
     }
 }

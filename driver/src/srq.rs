@@ -110,7 +110,9 @@ impl ProtectionDomain {
         max_sge: u32,
         limit: u32,
         tm: Option<crate::tm::TmCreate<'_>>,
-        xrc: Option<(&crate::Xrcd, &crate::CompletionQueue)>,
+        // An SRQ with a CQ of its own: of an XRC domain (an XRC SRQ), or of none (a receive
+        // WQ, ABI 1.12).
+        xrc: Option<(Option<&crate::Xrcd>, &crate::CompletionQueue)>,
     ) -> Result<SharedReceiveQueue, Error> {
         if max_wr == 0 || max_wr > self.dev.caps().max_qp_wr || max_sge == 0 || max_sge > 32 {
             return Err(Error::InvalidArgument("SRQ size or SGE count out of range"));
@@ -135,7 +137,19 @@ impl ProtectionDomain {
             ..Default::default()
         };
         let (srqn, tm_rings, tm_ops) = match (tm, xrc) {
-            (None, Some((x, cq))) => {
+            (None, Some((None, cq))) => {
+                let input = ringbell_specs::cmd::CreateWqIn {
+                    srq: input,
+                    cqn: cq.cqn().into(),
+                    ..Default::default()
+                };
+                let n = self
+                    .dev
+                    .inner
+                    .create(CmdOpcode::CreateWq, input.as_bytes())?;
+                (n, None, None)
+            }
+            (None, Some((Some(x), cq))) => {
                 let input = ringbell_specs::cmd::CreateXrcSrqIn {
                     srq: input,
                     xrcdn: x.num().into(),
@@ -167,7 +181,7 @@ impl ProtectionDomain {
             ring,
             db,
             _pd: self.obj.clone(),
-            _xrc: xrc.map(|(x, cq)| (x.clone(), cq.keepalive())),
+            _xrc: xrc.map(|(x, cq)| (x.cloned(), cq.keepalive())),
         });
         Ok(SharedReceiveQueue {
             obj,
@@ -185,6 +199,11 @@ impl SharedReceiveQueue {
     /// The SRQ number.
     pub fn srqn(&self) -> u32 {
         self.obj.srqn
+    }
+
+    /// Its device.
+    pub(crate) fn device(&self) -> &Device {
+        &self.obj.dev
     }
 
     /// Whether this SRQ lives on `dev` (SRQ numbers are per device).
@@ -261,8 +280,8 @@ pub(crate) struct SrqObject {
     ring: DmaBuffer,
     db: DmaBuffer,
     _pd: Rc<PdObject>,
-    /// An XRC SRQ's domain and CQ (ABI 1.11).
-    _xrc: Option<(crate::Xrcd, Rc<crate::cq::CqObject>)>,
+    /// An XRC SRQ's domain and CQ (ABI 1.11), or a receive WQ's CQ (ABI 1.12).
+    _xrc: Option<(Option<crate::Xrcd>, Rc<crate::cq::CqObject>)>,
 }
 
 impl Drop for SrqObject {

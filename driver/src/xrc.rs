@@ -92,6 +92,6 @@ impl ProtectionDomain {
                 "XRC domain or CQ belongs to another device",
             ));
         }
-        self.create_srq_inner(max_wr, max_sge, limit, None, Some((xrcd, cq)))
+        self.create_srq_inner(max_wr, max_sge, limit, None, Some((Some(xrcd), cq)))
     }
 }

@@ -93,6 +93,8 @@ pub enum CmdOpcode {
     CreateFlow = 0x46,
     /// Remove a flow-steering rule. ABI 1.12.
     DestroyFlow = 0x47,
+    /// Give a raw packet QP an indirection table of receive WQs and a hash (RSS). ABI 1.12.
+    SetQpRss = 0x48,
     /// Create a shared receive queue.
     CreateSrq = 0x50,
     /// Set an SRQ's limit and arm the limit event.
@@ -103,6 +105,10 @@ pub enum CmdOpcode {
     CreateTmSrq = 0x53,
     /// Create an XRC SRQ. ABI 1.11.
     CreateXrcSrq = 0x54,
+    /// Create a receive WQ: an SRQ with a CQ of its own, for RSS tables. ABI 1.12.
+    CreateWq = 0x55,
+    /// Move a receive WQ between RESET, READY and ERR. ABI 1.12.
+    ModifyWq = 0x56,
     /// Create an event counter. ABI 1.3.
     CreateCntr = 0x60,
     /// Destroy an event counter. ABI 1.3.
@@ -157,11 +163,14 @@ impl CmdOpcode {
             0x45 => QueryQpUdStats,
             0x46 => CreateFlow,
             0x47 => DestroyFlow,
+            0x48 => SetQpRss,
             0x50 => CreateSrq,
             0x51 => ArmSrq,
             0x52 => DestroySrq,
             0x53 => CreateTmSrq,
             0x54 => CreateXrcSrq,
+            0x55 => CreateWq,
+            0x56 => ModifyWq,
             0x60 => CreateCntr,
             0x61 => DestroyCntr,
             0x62 => UpdateCntr,
@@ -505,6 +514,92 @@ impl FlowMatch {
 }
 
 abi_struct!(
+    /// CREATE_WQ input (ABI 1.12): a receive WQ, an SRQ (as in CREATE_SRQ) whose receives
+    /// complete on CQ `cqn`. It is reached only through an RSS table ([`SetQpRssIn`]), in
+    /// state RESET until MODIFY_WQ makes it READY. It is destroyed with DESTROY_SRQ.
+    CreateWqIn, 40, { srq: CreateSrqIn, cqn: U32, rsvd0: U32 }
+);
+abi_struct!(
+    /// MODIFY_WQ input (ABI 1.12): the WQ's new state, [`WQ_STATE_RESET`],
+    /// [`WQ_STATE_READY`] or [`WQ_STATE_ERR`]. Frames for a WQ that is not READY are
+    /// dropped.
+    ModifyWqIn, 8, { wqn: U32, state: u8, rsvd0: [u8; 3] }
+);
+/// MODIFY_WQ state: RESET.
+pub const WQ_STATE_RESET: u8 = 0;
+/// MODIFY_WQ state: READY.
+pub const WQ_STATE_READY: u8 = 1;
+/// MODIFY_WQ state: ERR.
+pub const WQ_STATE_ERR: u8 = 2;
+abi_struct!(
+    /// SET_QP_RSS input (ABI 1.12): raw packet QP `qpn`, in RESET, receives through an
+    /// indirection table of `1 << log_size` receive WQ numbers (u32 each, at `table_iova`,
+    /// read once). A steered frame goes to entry `hash & (size - 1)`, where `hash` is the
+    /// Toeplitz hash under the first `key_len` bytes of `key` of the frame's fields that
+    /// `fields` selects ([`RSS_SRC_IPV4`] and the others; the key is `key` then `key_tail`),
+    /// in the order source address,
+    /// destination address, source port, destination port.
+    SetQpRssIn, 64, {
+        qpn: U32, fields: U32, log_size: u8, key_len: u8, rsvd0: U16, rsvd1: U32,
+        table_iova: U64, key: [u8; 32], key_tail: [u8; 8],
+    }
+);
+
+impl SetQpRssIn {
+    /// The 40 key bytes (`key`, then `key_tail`).
+    pub fn key_bytes(&self) -> [u8; 40] {
+        let mut k = [0u8; 40];
+        k[..32].copy_from_slice(&self.key);
+        k[32..].copy_from_slice(&self.key_tail);
+        k
+    }
+    /// Sets the key from up to 40 bytes (the rest zeros).
+    pub fn set_key(&mut self, key: &[u8]) {
+        let mut k = [0u8; 40];
+        let n = key.len().min(40);
+        k[..n].copy_from_slice(&key[..n]);
+        self.key.copy_from_slice(&k[..32]);
+        self.key_tail.copy_from_slice(&k[32..]);
+    }
+}
+/// SET_QP_RSS field: the IPv4 source address (libibverbs' `IBV_RX_HASH_SRC_IPV4`).
+pub const RSS_SRC_IPV4: u32 = 1 << 0;
+/// SET_QP_RSS field: the IPv4 destination address.
+pub const RSS_DST_IPV4: u32 = 1 << 1;
+/// SET_QP_RSS field: the IPv6 source address.
+pub const RSS_SRC_IPV6: u32 = 1 << 2;
+/// SET_QP_RSS field: the IPv6 destination address.
+pub const RSS_DST_IPV6: u32 = 1 << 3;
+/// SET_QP_RSS field: the TCP source port.
+pub const RSS_SRC_PORT_TCP: u32 = 1 << 4;
+/// SET_QP_RSS field: the TCP destination port.
+pub const RSS_DST_PORT_TCP: u32 = 1 << 5;
+/// SET_QP_RSS field: the UDP source port.
+pub const RSS_SRC_PORT_UDP: u32 = 1 << 6;
+/// SET_QP_RSS field: the UDP destination port.
+pub const RSS_DST_PORT_UDP: u32 = 1 << 7;
+/// The largest RSS table: `1 << RSS_MAX_LOG_SIZE` entries.
+pub const RSS_MAX_LOG_SIZE: u8 = 10;
+
+/// The Toeplitz hash of `input` under `key` (Microsoft's RSS definition): for every set
+/// bit of the input, from the first byte's high bit on, the 32 key bits starting at that
+/// bit's position are XORed into the result. Key bits past the key's end read as zeros.
+pub fn toeplitz(key: &[u8], input: &[u8]) -> u32 {
+    let bit = |i: usize| key.get(i / 8).is_some_and(|b| b & (0x80 >> (i % 8)) != 0) as u32;
+    let mut window: u32 = (0..32).fold(0, |w, i| w << 1 | bit(i));
+    let mut hash = 0;
+    for (n, byte) in input.iter().enumerate() {
+        for b in 0..8 {
+            if byte & (0x80 >> b) != 0 {
+                hash ^= window;
+            }
+            window = window << 1 | bit(n * 8 + b + 32);
+        }
+    }
+    hash
+}
+
+abi_struct!(
     /// ARM_SRQ input: raise SRQ_LIMIT once fewer than `limit` WQEs remain (0 disarms).
     ArmSrqIn, 8, { srqn: U32, limit: U32 }
 );
@@ -781,6 +876,84 @@ mod tests {
     use super::*;
 
     #[test]
+    fn toeplitz_matches_the_rss_verification_vectors() {
+        // Microsoft's RSS verification key and the first two IPv4 cases (source address,
+        // destination address, source port, destination port).
+        let key = [
+            0x6d, 0x5a, 0x56, 0xda, 0x25, 0x5b, 0x0e, 0xc2, 0x41, 0x67, 0x25, 0x3d, 0x43, 0xa3,
+            0x8f, 0xb0, 0xd0, 0xca, 0x2b, 0xcb, 0xae, 0x7b, 0x30, 0xb4, 0x77, 0xcb, 0x2d, 0xa3,
+            0x80, 0x30, 0xf2, 0x0c, 0x6a, 0x42, 0xb7, 0x3b, 0xbe, 0xac, 0x01, 0xfa,
+        ];
+        let case = |src: [u8; 4], dst: [u8; 4], sp: u16, dp: u16| {
+            let ip = [src, dst].concat();
+            let all = [
+                ip.clone(),
+                sp.to_be_bytes().to_vec(),
+                dp.to_be_bytes().to_vec(),
+            ]
+            .concat();
+            (toeplitz(&key, &ip), toeplitz(&key, &all))
+        };
+        assert_eq!(
+            case([66, 9, 149, 187], [161, 142, 100, 80], 2794, 1766),
+            (0x323e_8fc2, 0x51cc_c178)
+        );
+        assert_eq!(
+            case([199, 92, 111, 2], [65, 69, 140, 83], 14230, 4739),
+            (0xd718_262a, 0xc626_b0ea)
+        );
+        assert_eq!(toeplitz(&key, &[]), 0);
+        assert_eq!(toeplitz(&[], &[0xff; 8]), 0);
+    }
+
+    #[test]
+    fn a_frame_s_flow_fields() {
+        let mut f = vec![0u8; 14 + 4 + 20 + 8];
+        f[..6].copy_from_slice(&[1, 2, 3, 4, 5, 6]);
+        f[6..12].copy_from_slice(&[7, 8, 9, 10, 11, 12]);
+        // A VLAN tag, then IPv4 with UDP 1234 -> 5678.
+        f[12..14].copy_from_slice(&[0x81, 0x00]);
+        f[16..18].copy_from_slice(&[0x08, 0x00]);
+        f[18] = 0x45;
+        f[18 + 9] = 17;
+        f[18 + 12..18 + 16].copy_from_slice(&[1, 1, 1, 1]);
+        f[18 + 16..18 + 20].copy_from_slice(&[2, 2, 2, 2]);
+        f[38..40].copy_from_slice(&1234u16.to_be_bytes());
+        f[40..42].copy_from_slice(&5678u16.to_be_bytes());
+        let m = FlowMatch::of_frame(&f);
+        assert_eq!(
+            (m.dmac, m.smac),
+            ([1, 2, 3, 4, 5, 6], [7, 8, 9, 10, 11, 12])
+        );
+        assert_eq!((m.ethertype.get(), m.ip_proto), (0x0800, 17));
+        assert_eq!(
+            m.src_ip,
+            [0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff, 1, 1, 1, 1]
+        );
+        assert_eq!(&m.dst_ip[12..], &[2, 2, 2, 2]);
+        assert_eq!((m.src_port.get(), m.dst_port.get()), (1234, 5678));
+        // A later fragment has no ports; a cut frame keeps what it has.
+        let mut frag = f.clone();
+        frag[18 + 7] = 1;
+        assert_eq!(FlowMatch::of_frame(&frag).dst_port.get(), 0);
+        let cut = FlowMatch::of_frame(&f[..20]);
+        assert_eq!((cut.ethertype.get(), cut.src_ip), (0x0800, [0; 16]));
+        assert_eq!(FlowMatch::of_frame(&f[..5]), FlowMatch::default());
+        // Matching under masks.
+        let mut mask = FlowMatch::default();
+        mask.dst_port = 0xFFFF.into();
+        let mut value = FlowMatch::default();
+        value.dst_port = 5678.into();
+        assert!(m.matches(&value, &mask));
+        value.dst_port = 5679.into();
+        assert!(!m.matches(&value, &mask));
+        assert!(
+            m.matches(&value, &FlowMatch::default()),
+            "an empty mask matches all"
+        );
+    }
+
+    #[test]
     fn mtu_codes() {
         assert_eq!(mtu_bytes(1), Some(256));
         assert_eq!(mtu_bytes(5), Some(4096));
@@ -813,7 +986,14 @@ mod tests {
         // ABI 1.12: CREATE_FLOW and DESTROY_FLOW after it.
         assert_eq!(CmdOpcode::from_u16(0x46), Some(CmdOpcode::CreateFlow));
         assert_eq!(CmdOpcode::from_u16(0x47), Some(CmdOpcode::DestroyFlow));
-        assert_eq!(CmdOpcode::from_u16(0x48), None);
+        assert_eq!(CmdOpcode::from_u16(0x48), Some(CmdOpcode::SetQpRss));
+        assert_eq!(CmdOpcode::from_u16(0x49), None);
+        assert_eq!(CmdOpcode::from_u16(0x55), Some(CmdOpcode::CreateWq));
+        assert_eq!(CmdOpcode::from_u16(0x56), Some(CmdOpcode::ModifyWq));
+        assert_eq!(CmdOpcode::from_u16(0x57), None);
+        assert_eq!(offset_of!(CreateWqIn, cqn), 0x20);
+        assert_eq!(offset_of!(SetQpRssIn, table_iova), 0x10);
+        assert_eq!(offset_of!(SetQpRssIn, key), 0x18);
         assert_eq!(QP_TYPE_RAW_PACKET, 8);
         assert_eq!(offset_of!(FlowMatch, ethertype), 0x0C);
         assert_eq!(offset_of!(FlowMatch, src_ip), 0x0E);
@@ -834,7 +1014,6 @@ mod tests {
         assert_eq!(CmdOpcode::from_u16(0x27), Some(CmdOpcode::DeallocXrcd));
         assert_eq!(CmdOpcode::from_u16(0x28), None);
         assert_eq!(CmdOpcode::from_u16(0x54), Some(CmdOpcode::CreateXrcSrq));
-        assert_eq!(CmdOpcode::from_u16(0x55), None);
         assert_eq!(offset_of!(CreateQpIn, xrcdn), 0x14);
         assert_eq!(offset_of!(CreateXrcSrqIn, xrcdn), 0x20);
         assert_eq!((QP_TYPE_XRC_INI, QP_TYPE_XRC_TGT), (9, 10));

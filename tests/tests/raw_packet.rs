@@ -446,3 +446,77 @@ proptest! {
         drop(flows);
     }
 }
+
+#[test]
+fn rss_spreads_frames_over_its_wqs_by_the_toeplitz_hash() {
+    use ringbell::raw::*;
+    let f = Fabric::new(FabricConfig::new(2, 7));
+    let mut a = raw_side(&f, 0);
+    let mut b = raw_side(&f, 1);
+    let b_mac = b.dev.ah_attr().mac;
+    let key: Vec<u8> = (0..40u8).map(|i| i.wrapping_mul(37) ^ 0x5a).collect();
+    let mut cqs: Vec<CompletionQueue> = (0..4).map(|_| b.dev.create_cq(64).unwrap()).collect();
+    let mut wqs: Vec<SharedReceiveQueue> = cqs
+        .iter()
+        .map(|cq| b.pd.create_recv_wq(cq, 32, 1).unwrap())
+        .collect();
+    let mut init = QpInit::new(&b.cq, &b.cq);
+    init.qp_type = QpType::RawPacket;
+    let rss = b.pd.create_qp(&init).unwrap();
+    let fields = RSS_SRC_IPV4 | RSS_DST_IPV4 | RSS_SRC_PORT_UDP | RSS_DST_PORT_UDP;
+    rss.set_rss(fields, &key, &wqs.iter().collect::<Vec<_>>())
+        .unwrap();
+    // A second table, or RSS on an RC QP, is refused.
+    assert!(rss.set_rss(fields, &key, &[&wqs[0]]).is_err());
+    assert!(b.qp.set_rss(fields, &key, &[&wqs[0]]).is_err());
+    let _fl = rss
+        .create_flow(&FlowRule::default().dst_mac(b_mac))
+        .unwrap();
+    for (i, w) in wqs.iter_mut().enumerate() {
+        let base = i as u64 * 32 * 256;
+        for j in 0..32u64 {
+            let sge = [b.mr.sge(base + j * 256, 256)];
+            w.post_recv(&[RecvWr {
+                wr_id: base + j,
+                sgl: &sge,
+            }])
+            .unwrap();
+        }
+    }
+    // WQ 3 stays in RESET: what the hash sends it is dropped.
+    for w in &wqs[..3] {
+        w.modify_wq(WqState::Ready).unwrap();
+    }
+    let mut want = [0usize; 4];
+    for i in 0..32u8 {
+        let (sip, dip, sp, dp) = (
+            [i, i + 1, i + 2, i + 3],
+            [2, 2, 2, 2],
+            1000 + i as u16,
+            5678u16,
+        );
+        let fr = udp4(b_mac, sip, dip, (sp, dp), &[i; 20]);
+        assert_eq!(send_frame(&f, &mut a, &fr, i.into()), WcStatus::Success);
+        let input = [&sip[..], &dip[..], &sp.to_be_bytes(), &dp.to_be_bytes()].concat();
+        let wq = ringbell_specs::cmd::toeplitz(&key, &input) as usize & 3;
+        let dropped = f.nic_stats(1).rx_dropped;
+        settle(&f);
+        let got: Vec<usize> = cqs
+            .iter_mut()
+            .enumerate()
+            .flat_map(|(k, cq)| poll_all(cq).into_iter().map(move |_| k))
+            .collect();
+        if wq == 3 {
+            assert!(got.is_empty());
+            assert_eq!(f.nic_stats(1).rx_dropped, dropped + 1);
+        } else {
+            assert_eq!(got, vec![wq], "frame {i}");
+        }
+        want[wq] += 1;
+    }
+    assert!(
+        want.iter().filter(|&&n| n > 0).count() >= 3,
+        "the hash spreads: {want:?}"
+    );
+    assert!(poll_all(&mut b.cq).is_empty(), "nothing on the QP's own CQ");
+}
