@@ -940,10 +940,14 @@ mod tests {
         assert_eq!((cut.ethertype.get(), cut.src_ip), (0x0800, [0; 16]));
         assert_eq!(FlowMatch::of_frame(&f[..5]), FlowMatch::default());
         // Matching under masks.
-        let mut mask = FlowMatch::default();
-        mask.dst_port = 0xFFFF.into();
-        let mut value = FlowMatch::default();
-        value.dst_port = 5678.into();
+        let mask = FlowMatch {
+            dst_port: 0xFFFF.into(),
+            ..Default::default()
+        };
+        let mut value = FlowMatch {
+            dst_port: 5678.into(),
+            ..Default::default()
+        };
         assert!(m.matches(&value, &mask));
         value.dst_port = 5679.into();
         assert!(!m.matches(&value, &mask));

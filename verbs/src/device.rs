@@ -228,6 +228,23 @@ pub(crate) fn close(st: &mut State, c: &mut RbContext) -> i32 {
             crate::qp::destroy(st, o);
         }
     }
+    // Indirection tables once their RSS QPs are gone, then their WQs.
+    for p in st.live_of(Kind::IndTable) {
+        // SAFETY: the registry lists live objects of this kind, allocated as this type;
+        // the lock is held.
+        let o = unsafe { &mut *(p as *mut crate::wq::RbIndTable) };
+        if o.ctx == me {
+            crate::wq::destroy_table(st, o);
+        }
+    }
+    for p in st.live_of(Kind::Wq) {
+        // SAFETY: the registry lists live objects of this kind, allocated as this type;
+        // the lock is held.
+        let o = unsafe { &mut *(p as *mut crate::wq::RbWq) };
+        if o.ctx == me {
+            crate::wq::destroy(st, o);
+        }
+    }
     for p in st.live_of(Kind::Srq) {
         // SAFETY: the registry lists live objects of this kind, allocated as this type;
         // the lock is held.
@@ -402,6 +419,15 @@ pub(crate) fn query_device_ex(caps: &DeviceCaps, odp: bool, a: &mut abi::ibv_dev
         };
     }
     a.phys_port_cnt_ex = 1;
+    // RSS over receive WQs, for raw packet QPs: Toeplitz over IP addresses and ports.
+    a.rss_caps = abi::ibv_rss_caps {
+        supported_qpts: 1 << abi::ibv_qp_type_IBV_QPT_RAW_PACKET,
+        max_rwq_indirection_tables: caps.max_qp,
+        max_rwq_indirection_table_size: 1 << ringbell::raw::RSS_MAX_LOG_SIZE,
+        rx_hash_fields_mask: (1 << 8) - 1,
+        rx_hash_function: abi::ibv_rx_hash_function_flags_IBV_RX_HASH_FUNC_TOEPLITZ as u8,
+    };
+    a.max_wq_type_rq = caps.max_srq;
     a.max_dm_size = u64::from(caps.max_dm_size);
     if odp {
         // On-demand paging (a NIC in this process): every operation of RC, UC, UD and XRC,

@@ -39,6 +39,7 @@ mod qp;
 mod real;
 mod srq;
 pub mod state;
+mod wq;
 mod xrc;
 
 pub use device::{FW_VER, VENDOR_ID, VENDOR_PART_ID};

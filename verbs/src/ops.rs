@@ -53,6 +53,11 @@ pub(crate) fn fill(v: &mut abi::verbs_context) {
     v.get_srq_num = Some(get_srq_num);
     v.open_xrcd = Some(open_xrcd);
     v.ibv_create_flow = Some(create_flow);
+    v.create_wq = Some(create_wq);
+    v.modify_wq = Some(modify_wq);
+    v.destroy_wq = Some(destroy_wq);
+    v.create_rwq_ind_table = Some(create_rwq_ind_table);
+    v.destroy_rwq_ind_table = Some(destroy_rwq_ind_table);
     v.ibv_destroy_flow = Some(destroy_flow);
     v.close_xrcd = Some(close_xrcd);
     v.query_rt_values = Some(query_rt_values);
@@ -360,6 +365,105 @@ unsafe extern "C" fn destroy_flow(f: *mut abi::ibv_flow) -> c_int {
     )
 }
 
+unsafe extern "C" fn create_wq(
+    ctx: *mut abi::ibv_context,
+    attr: *mut abi::ibv_wq_init_attr,
+) -> *mut abi::ibv_wq {
+    if attr.is_null() {
+        set_errno(libc::EINVAL);
+        return std::ptr::null_mut();
+    }
+    // SAFETY: the caller's struct (the verb writes the real size back into it).
+    let a = unsafe { &mut *attr };
+    match with_ctx(ctx, Err(libc::EINVAL), |st, c| crate::wq::create(st, c, a)) {
+        Ok(p) => p,
+        Err(e) => {
+            set_errno(e);
+            std::ptr::null_mut()
+        }
+    }
+}
+
+unsafe extern "C" fn modify_wq(wq: *mut abi::ibv_wq, attr: *mut abi::ibv_wq_attr) -> c_int {
+    if attr.is_null() {
+        return libc::EINVAL;
+    }
+    // SAFETY: the caller's struct, checked non-null; read only.
+    let a = unsafe { std::ptr::read_unaligned(attr) };
+    with(
+        wq as *mut crate::wq::RbWq,
+        Kind::Wq,
+        libc::EINVAL,
+        |_, w| crate::wq::modify(w, &a),
+    )
+}
+
+unsafe extern "C" fn destroy_wq(wq: *mut abi::ibv_wq) -> c_int {
+    with(
+        wq as *mut crate::wq::RbWq,
+        Kind::Wq,
+        libc::EINVAL,
+        crate::wq::destroy,
+    )
+}
+
+/// `wq->post_recv`.
+pub(crate) unsafe extern "C" fn post_wq_recv(
+    wq: *mut abi::ibv_wq,
+    wr: *mut abi::ibv_recv_wr,
+    bad: *mut *mut abi::ibv_recv_wr,
+) -> c_int {
+    with(
+        wq as *mut crate::wq::RbWq,
+        Kind::Wq,
+        libc::EINVAL,
+        |_, w| {
+            // SAFETY: the caller's list.
+            unsafe { crate::wq::post_recv(w, wr, bad) }
+        },
+    )
+}
+
+unsafe extern "C" fn create_rwq_ind_table(
+    ctx: *mut abi::ibv_context,
+    attr: *mut abi::ibv_rwq_ind_table_init_attr,
+) -> *mut abi::ibv_rwq_ind_table {
+    if attr.is_null() {
+        set_errno(libc::EINVAL);
+        return std::ptr::null_mut();
+    }
+    // SAFETY: the caller's struct, checked non-null; read only.
+    let a = unsafe { std::ptr::read_unaligned(attr) };
+    if a.comp_mask != 0 {
+        set_errno(libc::EOPNOTSUPP);
+        return std::ptr::null_mut();
+    }
+    if a.log_ind_tbl_size > u32::from(ringbell::raw::RSS_MAX_LOG_SIZE) || a.ind_tbl.is_null() {
+        set_errno(libc::EINVAL);
+        return std::ptr::null_mut();
+    }
+    // SAFETY: the caller's array of `1 << log_ind_tbl_size` WQ pointers, checked non-null.
+    let wqs = unsafe { std::slice::from_raw_parts(a.ind_tbl, 1 << a.log_ind_tbl_size) }.to_vec();
+    match with_ctx(ctx, Err(libc::EINVAL), |st, c| {
+        crate::wq::create_table(st, c, a.log_ind_tbl_size, &wqs)
+    }) {
+        Ok(p) => p,
+        Err(e) => {
+            set_errno(e);
+            std::ptr::null_mut()
+        }
+    }
+}
+
+unsafe extern "C" fn destroy_rwq_ind_table(t: *mut abi::ibv_rwq_ind_table) -> c_int {
+    with(
+        t as *mut crate::wq::RbIndTable,
+        Kind::IndTable,
+        libc::EINVAL,
+        crate::wq::destroy_table,
+    )
+}
+
 unsafe extern "C" fn open_xrcd(
     ctx: *mut abi::ibv_context,
     attr: *mut abi::ibv_xrcd_init_attr,
@@ -581,12 +685,34 @@ unsafe extern "C" fn create_qp_ex(
     }
     // SAFETY: the caller's struct (the verb writes the real capacities back into it).
     let a = unsafe { &mut *attr };
+    // An RSS QP's hash key, copied from the caller's buffer.
+    let mut key = Vec::new();
+    if a.comp_mask & abi::ibv_qp_init_attr_mask_IBV_QP_INIT_ATTR_RX_HASH != 0 {
+        let h = &a.rx_hash_conf;
+        if h.rx_hash_key_len > 40 || (h.rx_hash_key_len > 0 && h.rx_hash_key.is_null()) {
+            set_errno(libc::EINVAL);
+            return std::ptr::null_mut();
+        }
+        if h.rx_hash_key_len > 0 {
+            // SAFETY: the caller's key of `rx_hash_key_len` bytes, checked non-null.
+            key.extend_from_slice(unsafe {
+                std::slice::from_raw_parts(h.rx_hash_key, h.rx_hash_key_len.into())
+            });
+        }
+    }
     let r = with_ctx(ctx, Err(libc::EINVAL), |st, c| {
         if a.qp_type == abi::ibv_qp_type_IBV_QPT_XRC_RECV {
             return crate::xrc::create_target(st, c, a);
         }
         if a.comp_mask & abi::ibv_qp_init_attr_mask_IBV_QP_INIT_ATTR_PD == 0 {
             return Err(libc::EINVAL);
+        }
+        if a.comp_mask
+            & (abi::ibv_qp_init_attr_mask_IBV_QP_INIT_ATTR_IND_TABLE
+                | abi::ibv_qp_init_attr_mask_IBV_QP_INIT_ATTR_RX_HASH)
+            != 0
+        {
+            return crate::wq::create_rss_qp(st, c, a, &key);
         }
         crate::entry::create_qp_checked(st, a.pd, a)
     });

@@ -64,6 +64,9 @@ pub(crate) struct RbQp {
     pub build_err: i32,
     /// Gathered inline payload of the request being posted (no allocation per post).
     inline_buf: Vec<u8>,
+    /// An RSS QP's indirection table (NULL for any other QP): it only receives, through
+    /// the table's WQs.
+    pub ind_table: *mut crate::wq::RbIndTable,
 }
 
 /// The send operations a ringbell QP can build.
@@ -276,6 +279,7 @@ pub(crate) fn publish(
         building: None,
         build_err: 0,
         inline_buf: Vec::with_capacity(attr.cap.max_inline_data as usize),
+        ind_table: std::ptr::null_mut(),
     }));
     // SAFETY: `p` was just allocated; the mutex and condition variable are initialised in
     // place, where they stay.
@@ -316,6 +320,9 @@ pub(crate) fn destroy(st: &mut State, qp: &mut RbQp) -> i32 {
         }
         if let Some(x) = qp.xrcd.as_mut() {
             x.users -= 1;
+        }
+        if let Some(t) = qp.ind_table.as_mut() {
+            t.users -= 1;
         }
     }
     // SAFETY: the `RbQp` `create` boxed, now out of the registry.
@@ -601,6 +608,10 @@ pub(crate) unsafe fn post_send(
     bad: *mut *mut abi::ibv_send_wr,
 ) -> i32 {
     let mut sges = [Sge::default(); MAX_SGE];
+    // An RSS QP has no send queue.
+    if !qp.ind_table.is_null() {
+        return refuse_first(wr, bad);
+    }
     // SAFETY: the caller's list; each request is valid, as libibverbs requires.
     unsafe { post_list(wr, bad, |w| post_one_send(st, qp, w, &mut sges)) }
 }
@@ -743,6 +754,10 @@ pub(crate) unsafe fn post_recv(
     wr: *mut abi::ibv_recv_wr,
     bad: *mut *mut abi::ibv_recv_wr,
 ) -> i32 {
+    // An RSS QP receives through its table's WQs.
+    if !qp.ind_table.is_null() {
+        return refuse_first(wr, bad);
+    }
     let mut sges = [Sge::default(); MAX_SGE];
     let max_sge = qp.cap.max_recv_sge;
     let on_srq = !qp.srq.is_null();
@@ -763,6 +778,15 @@ pub(crate) unsafe fn post_recv(
             )
         })
     }
+}
+
+/// Refuses a whole list with EINVAL, naming its first request as the bad one.
+fn refuse_first<W>(wr: *mut W, bad: *mut *mut W) -> i32 {
+    if !bad.is_null() {
+        // SAFETY: `bad` is the caller's out-pointer, checked non-null.
+        unsafe { *bad = wr };
+    }
+    libc::EINVAL
 }
 
 /// The errno of a driver post (0 when it went through).

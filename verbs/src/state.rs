@@ -40,6 +40,8 @@ pub(crate) enum Kind {
     Mw,
     Xrcd,
     Flow,
+    Wq,
+    IndTable,
 }
 
 /// Whose object a pointer is.
