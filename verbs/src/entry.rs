@@ -1169,7 +1169,16 @@ pub unsafe extern "C" fn ibv_attach_mcast(
     lid: u16,
 ) -> c_int {
     match owner(qp as usize) {
-        Owner::Ours(Kind::Qp) => libc::EOPNOTSUPP,
+        Owner::Ours(Kind::Qp) => {
+            if gid.is_null() {
+                return libc::EINVAL;
+            }
+            // SAFETY: the caller's GID, checked non-null.
+            let g = unsafe { (*gid).raw };
+            with(qp as *mut RbQp, Kind::Qp, libc::EINVAL, |_, q| {
+                crate::flow::attach_mcast(q, g)
+            })
+        }
         Owner::Foreign => forward!(
             "ibv_attach_mcast",
             fn(*mut abi::ibv_qp, *const abi::ibv_gid, u16) -> c_int,
@@ -1187,7 +1196,16 @@ pub unsafe extern "C" fn ibv_detach_mcast(
     lid: u16,
 ) -> c_int {
     match owner(qp as usize) {
-        Owner::Ours(Kind::Qp) => libc::EOPNOTSUPP,
+        Owner::Ours(Kind::Qp) => {
+            if gid.is_null() {
+                return libc::EINVAL;
+            }
+            // SAFETY: the caller's GID, checked non-null.
+            let g = unsafe { (*gid).raw };
+            with(qp as *mut RbQp, Kind::Qp, libc::EINVAL, |_, q| {
+                crate::flow::detach_mcast(q, g)
+            })
+        }
         Owner::Foreign => forward!(
             "ibv_detach_mcast",
             fn(*mut abi::ibv_qp, *const abi::ibv_gid, u16) -> c_int,

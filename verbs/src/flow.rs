@@ -210,6 +210,9 @@ pub(crate) fn create(
         _ => return Err(libc::EINVAL),
     }
     let rule = rule_of(attr, specs)?;
+    if crate::debug() {
+        eprintln!("ringbell-verbs: flow rule on QP {}: {rule:?}", qp.drv.qpn());
+    }
     let drv = qp.drv.create_flow(&rule).map_err(|e| crate::errno_of(&e))?;
     let p = Box::into_raw(Box::new(RbFlow {
         flow: abi::ibv_flow {
@@ -230,4 +233,40 @@ pub(crate) fn destroy(st: &mut State, f: &mut RbFlow) -> i32 {
     // SAFETY: the `RbFlow` `create` boxed, now out of the registry.
     drop(unsafe { Box::from_raw(p) });
     0
+}
+
+/// `ibv_attach_mcast`: a raw packet QP receives the frames to the multicast MAC address in
+/// the last six bytes of the GID (as mlx4 and mlx5 attach raw Ethernet QPs, and perftest's
+/// `--raw_mcast` builds its group), through a rule of its own. Attaching a group twice is
+/// harmless; a GID whose address is not multicast is EINVAL. UD multicast is EOPNOTSUPP.
+pub(crate) fn attach_mcast(qp: &mut RbQp, gid: [u8; 16]) -> i32 {
+    if qp.qpx.qp_base.qp_type != abi::ibv_qp_type_IBV_QPT_RAW_PACKET {
+        return libc::EOPNOTSUPP;
+    }
+    let mut mac = [0u8; 6];
+    mac.copy_from_slice(&gid[10..]);
+    if mac[0] & 1 == 0 {
+        return libc::EINVAL;
+    }
+    if qp.mcast.iter().any(|(g, _)| *g == gid) {
+        return 0;
+    }
+    match qp.drv.create_flow(&FlowRule::default().dst_mac(mac)) {
+        Ok(f) => {
+            qp.mcast.push((gid, f));
+            0
+        }
+        Err(e) => crate::errno_of(&e),
+    }
+}
+
+/// `ibv_detach_mcast`: EINVAL for a group the QP is not attached to.
+pub(crate) fn detach_mcast(qp: &mut RbQp, gid: [u8; 16]) -> i32 {
+    match qp.mcast.iter().position(|(g, _)| *g == gid) {
+        Some(i) => {
+            qp.mcast.remove(i);
+            0
+        }
+        None => libc::EINVAL,
+    }
 }

@@ -350,6 +350,12 @@ unsafe extern "C" fn create_flow(
     }) {
         Ok(p) => p,
         Err(e) => {
+            if crate::debug() {
+                eprintln!(
+                    "ringbell-verbs: ibv_create_flow refused (errno {e}): type {}, flags {:#x}, port {}, {} specs",
+                    a.type_, a.flags, a.port, a.num_of_specs
+                );
+            }
             set_errno(e);
             std::ptr::null_mut()
         }

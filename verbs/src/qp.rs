@@ -67,6 +67,8 @@ pub(crate) struct RbQp {
     /// An RSS QP's indirection table (NULL for any other QP): it only receives, through
     /// the table's WQs.
     pub ind_table: *mut crate::wq::RbIndTable,
+    /// The multicast groups a raw packet QP is attached to, each a rule on its MAC address.
+    pub mcast: Vec<([u8; 16], ringbell::raw::Flow)>,
 }
 
 /// The send operations a ringbell QP can build.
@@ -280,6 +282,7 @@ pub(crate) fn publish(
         build_err: 0,
         inline_buf: Vec::with_capacity(attr.cap.max_inline_data as usize),
         ind_table: std::ptr::null_mut(),
+        mcast: Vec::new(),
     }));
     // SAFETY: `p` was just allocated; the mutex and condition variable are initialised in
     // place, where they stay.
@@ -325,6 +328,8 @@ pub(crate) fn destroy(st: &mut State, qp: &mut RbQp) -> i32 {
             t.users -= 1;
         }
     }
+    // Multicast groups (rules on the QP) go before the QP.
+    qp.mcast.clear();
     // SAFETY: the `RbQp` `create` boxed, now out of the registry.
     drop(unsafe { Box::from_raw(p) });
     0

@@ -1,6 +1,7 @@
 //! Suites other people wrote, run as installed against ringbell NICs through the library:
 //! rdma-core's own Python tests (pyverbs), perftest's eight programs (the send tests over
-//! UD, the send and write tests over UC) and ibverbs-utils' pingpongs (RC, SRQ, UD, UC)
+//! UD, the send and write tests over UC, some over XRC) and its raw Ethernet bandwidth and
+//! latency programs and ibverbs-utils' pingpongs (RC, SRQ, UD, UC)
 //! between two processes on one
 //! `ringbell-emu serve`, and `ibv_devinfo`; UCX (`ucx_perftest` over its `rc_verbs` and
 //! `ud_verbs` transports), Open MPI with its UCX PML (our MPI programs and NetPIPE's
@@ -297,6 +298,99 @@ fn perftest_ib_atomic_lat() {
 #[test]
 fn perftest_ib_atomic_bw() {
     perftest("ib_atomic_bw", 18608, BW);
+}
+
+/// perftest's raw Ethernet programs between the two NICs' MAC addresses (no socket: the
+/// server's flow rule catches the client's frames). The client starts once the server has
+/// printed its result header (its rule is in place; its receives follow at once); a client
+/// whose frames still came too early (the server has not finished 20 s after it) runs
+/// again, up to three times.
+fn raw_perftest(prog: &str, header: &str) {
+    use std::io::{BufRead, BufReader, Read};
+    need(prog, "perftest");
+    let srv = Served::start(&format!("{prog}-raw"));
+    let (m0, m1) = ("02:00:00:00:00:01", "02:00:00:00:00:02");
+    // Line-buffered (coreutils' stdbuf keeps the library's LD_PRELOAD), so that the header
+    // shows when it is printed.
+    let mut s = srv
+        .command("stdbuf")
+        .args([
+            "-oL", prog, "-d", "rb0", "-B", m0, "-E", m1, "--server", "-n", "200",
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(s.stdout.take().unwrap()).lines();
+    let mut server_out = String::new();
+    for l in lines.by_ref() {
+        let l = l.unwrap();
+        server_out += &l;
+        server_out.push('\n');
+        if l.contains(header) {
+            break;
+        }
+    }
+    assert!(server_out.contains(header), "{prog} server:\n{server_out}");
+    // The rest of the server's output, read as it comes.
+    let rest = std::thread::spawn(move || {
+        let mut t = String::new();
+        for l in lines {
+            t += &l.unwrap();
+            t.push('\n');
+        }
+        t
+    });
+    std::thread::sleep(Duration::from_millis(300));
+    let mut client = None;
+    for _ in 0..3 {
+        let mut cmd = srv.command(prog);
+        cmd.args(["-d", "rb1", "-B", m1, "-E", m0, "--client", "-n", "200"]);
+        client = Some(run(cmd, Duration::from_secs(60)));
+        let t0 = Instant::now();
+        while t0.elapsed() < Duration::from_secs(20) && s.try_wait().unwrap().is_none() {
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        if s.try_wait().unwrap().is_some() {
+            break;
+        }
+    }
+    let c = client.unwrap();
+    let status = match s.try_wait().unwrap() {
+        Some(st) => st,
+        None => {
+            let _ = s.kill();
+            panic!("{prog} server never finished:\n{server_out}");
+        }
+    };
+    let mut err = String::new();
+    let _ = s.stderr.take().unwrap().read_to_string(&mut err);
+    server_out += &rest.join().unwrap();
+    assert!(status.success(), "{prog} server failed:\n{server_out}{err}");
+    assert!(c.status.success(), "{prog} client failed:\n{}", text(&c));
+    for (side, out) in [("server", server_out.clone()), ("client", text(&c))] {
+        let row = out
+            .lines()
+            .skip_while(|l| !l.contains(header))
+            .nth(1)
+            .unwrap_or_default()
+            .to_string();
+        let cols: Vec<&str> = row.split_whitespace().collect();
+        assert!(
+            cols.len() >= 4 && cols[1] == "200",
+            "{prog} {side}: unexpected row {row:?}:\n{out}"
+        );
+        println!("{prog} {side}: {row}");
+    }
+}
+
+#[test]
+fn perftest_raw_ethernet_bw() {
+    raw_perftest("raw_ethernet_bw", BW);
+}
+#[test]
+fn perftest_raw_ethernet_lat() {
+    raw_perftest("raw_ethernet_lat", LAT);
 }
 
 /// ibverbs-utils' pingpongs with data validation (`-c`), between two processes, with
