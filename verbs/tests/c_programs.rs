@@ -222,6 +222,7 @@ const PROGRAMS: &[&str] = &[
     "mw",
     "import",
     "xrc",
+    "raw",
 ];
 
 macro_rules! c_program {
@@ -252,6 +253,7 @@ c_program!(
     mw,
     import,
     xrc,
+    raw,
 );
 
 /// Every `tests/c/*.c` has its test above (a new program is not silently left out).

@@ -599,7 +599,8 @@ fn rdma_core_test_suite_passes_on_rb0() {
     // domains: five of test_parent_domain, the sixth needing huge pages; ATOMIC WRITE:
     // test_qp_ex_rc_atomic_write; imported objects: test_shared_pd, and test_import_dm in
     // test_device; XRC: two of test_atomic, test_qpex, test_relaxed_ordering and
-    // test_cqex, and test_odp_xrc_traffic).
+    // test_cqex, and test_odp_xrc_traffic; raw packet QPs: nine of test_qp, test_flow's
+    // five, and RSS: test_rss_traffic).
     for (file, at_least) in [
         ("test_device", 10),
         ("test_pd", 4),
@@ -609,7 +610,9 @@ fn rdma_core_test_suite_passes_on_rb0() {
         ("test_odp", 15),
         ("test_cq_events", 2),
         ("test_mr", 1),
-        ("test_qp", 21),
+        ("test_qp", 30),
+        ("test_flow", 5),
+        ("test_rss_traffic", 1),
         ("test_qpex", 20),
         ("test_atomic", 9),
         ("test_tag_matching", 4),
