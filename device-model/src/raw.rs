@@ -84,20 +84,6 @@ impl Rss {
     }
 }
 
-/// Whether `frame` is RoCEv2 (IPv4, UDP, destination port 4791): such frames go to the
-/// transport, never to the flow-steering rules.
-fn is_roce(frame: &[u8]) -> bool {
-    let Some(h) = frame.get(..wire::ROCE_OUTER_LEN) else {
-        return false;
-    };
-    let ip = &h[wire::ETH_HDR_LEN..];
-    let udp = &h[wire::ETH_HDR_LEN + wire::IPV4_HDR_LEN..];
-    h[12..14] == wire::ETHERTYPE_IPV4.to_be_bytes()
-        && ip[0] == 0x45
-        && ip[9] == wire::IPPROTO_UDP
-        && udp[2..4] == wire::ROCEV2_UDP_PORT.to_be_bytes()
-}
-
 impl Nic {
     /// CREATE_FLOW: a rule for raw packet QP `qpn` in RTR or any earlier state.
     pub(crate) fn create_flow(&mut self, p: CreateFlowIn) -> Result<u32, CmdStatus> {
@@ -245,7 +231,7 @@ impl Nic {
     /// Whether a received frame is one for the flow-steering rules rather than the
     /// transport (never, while the NIC has no rules).
     pub(crate) fn steers(&self, frame: &[u8]) -> bool {
-        self.flows_live > 0 && !is_roce(frame)
+        self.flows_live > 0 && !wire::is_rocev2(frame)
     }
 
     /// A frame that is not RoCEv2 arrives: to the raw packet QP of the best matching rule.

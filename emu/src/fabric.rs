@@ -72,6 +72,10 @@ pub struct FabricStats {
     pub frames_unroutable: u64,
     /// Payload-carrying bytes put on links.
     pub bytes_on_wire: u64,
+    /// Frames that are not RoCE dropped because the fault plan changed a bit of them: their
+    /// receiver's MAC would find the FCS wrong (a RoCE frame's ICRC catches the change at
+    /// its receiver instead).
+    pub frames_fcs_dropped: u64,
 }
 
 #[derive(Debug)]
@@ -280,6 +284,10 @@ impl NodeEnv<'_> {
         }
         let mut frame = frame;
         if let Some(bit) = v.flip {
+            if !wire::is_rocev2(&frame) {
+                self.w.stats.frames_fcs_dropped += 1;
+                return;
+            }
             if let Some(b) = frame.get_mut(bit / 8) {
                 *b ^= 1 << (bit % 8);
             }
@@ -360,7 +368,8 @@ impl Env for NodeEnv<'_> {
         // a capture shows the frame whole, and a frame that may be changed on the way is
         // sealed first so that its receiver's checks see the change.
         let unsealed = self.w.capture.is_none() && self.w.faults.inactive();
-        if !unsealed {
+        // Only RoCE frames have sums to write: a raw packet QP's frame is sent as it is.
+        if !unsealed && wire::is_rocev2(&frame) {
             wire::seal(&mut frame);
         }
         let mut dst_mac = [0u8; 6];

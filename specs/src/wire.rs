@@ -618,6 +618,21 @@ impl fmt::Display for Opcode {
     }
 }
 
+/// Whether `frame` is RoCEv2 by its outer headers alone (EtherType IPv4, IHL 5, protocol
+/// UDP, destination port 4791), without checking them: what a NIC with flow-steering rules
+/// gives its transport rather than its rules (ABI 1.12).
+pub fn is_rocev2(frame: &[u8]) -> bool {
+    let Some(h) = frame.get(..ROCE_OUTER_LEN) else {
+        return false;
+    };
+    let ip = &h[ETH_HDR_LEN..];
+    let udp = &h[ETH_HDR_LEN + IPV4_HDR_LEN..];
+    h[12..14] == ETHERTYPE_IPV4.to_be_bytes()
+        && ip[0] == 0x45
+        && ip[9] == IPPROTO_UDP
+        && udp[2..4] == ROCEV2_UDP_PORT.to_be_bytes()
+}
+
 /// Number of pad bytes that bring `payload_len` to a multiple of 4.
 pub fn pad_len(payload_len: usize) -> u8 {
     (payload_len.wrapping_neg() & 3) as u8
