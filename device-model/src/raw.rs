@@ -8,8 +8,7 @@
 
 use crate::env::Env;
 use crate::nic::Nic;
-use crate::qp::{Qp, RecvCtx, RecvTake};
-use crate::responder::recv_cqe;
+use crate::qp::Qp;
 use ringbell_specs::cmd::{
     toeplitz, CmdStatus, CreateFlowIn, CreateWqIn, FlowMatch, ModifyWqIn, ObjectOut, QpState,
     SetQpRssIn, RSS_DST_IPV4, RSS_DST_IPV6, RSS_DST_PORT_TCP, RSS_DST_PORT_UDP, RSS_MAX_LOG_SIZE,
@@ -277,44 +276,10 @@ impl Nic {
     /// or one too small, drops it (counted as the UD counters count datagrams).
     fn rx_raw(&mut self, env: &mut dyn Env, qp: &mut Qp, frame: &[u8]) {
         let ready = env.now() + SimTime(self.cfg.timing.nic_rx_pkt_ps);
-        let (wqe_index, srqn, sges) = match self.take_recv_wqe_for(env, qp, frame.len() as u64) {
-            Ok(RecvTake::Wqe(i, srqn, sges)) => (i, srqn, sges),
-            Ok(RecvTake::Empty) => {
-                qp.ud_stats.no_recv_dropped += 1;
-                self.stats.rx_dropped += 1;
-                return;
-            }
-            Ok(RecvTake::TooSmall) => {
-                qp.ud_stats.too_long_dropped += 1;
-                self.stats.rx_dropped += 1;
-                return;
-            }
-            Err(iova) => {
-                self.iommu_fault(env, qp.qpn, iova);
-                self.stats.rx_dropped += 1;
-                self.flush(env, qp);
-                return;
-            }
-        };
-        let placed = self.scatter(env, qp.pdn, qp.qpn, &sges, 0, frame, ready);
-        let rc = RecvCtx {
-            wqe_index,
-            srqn,
-            sges: Vec::new(),
-            offset: 0,
-            strip: 0,
-            tm: None,
-        };
-        if let Err((status, syndrome)) = placed {
-            let mut cqe = recv_cqe(qp.qpn, &rc, status, 0);
-            cqe.vendor_syndrome = syndrome as u8;
+        if let Some(cqe) = self.place_datagram(env, qp, &[frame], ready) {
+            qp.ud_stats.received += 1;
             self.complete(env, qp.gen, qp.recv_cqn, ready, cqe);
-            self.flush(env, qp);
-            return;
         }
-        let cqe = recv_cqe(qp.qpn, &rc, CqeStatus::Success, frame.len() as u32);
-        qp.ud_stats.received += 1;
-        self.complete(env, qp.gen, qp.recv_cqn, ready, cqe);
     }
 
     /// Sends outstanding WQE `i` of a raw packet QP: its gathered (or inline) bytes are the
@@ -345,12 +310,7 @@ impl Nic {
             return;
         }
         self.send_frame(env, next_ready, frame);
-        let o = &mut qp.req.outstanding[i];
-        (o.sent, o.sent_max, o.done) = (1, 1, true);
-        qp.stats.packets_sent += 1;
-        qp.ud_stats.sent += 1;
-        let left = self.egress_free;
-        self.complete_in_order_at(env, qp, left);
+        self.sent_unacknowledged(env, qp, i);
     }
 }
 

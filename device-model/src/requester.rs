@@ -495,6 +495,13 @@ impl Nic {
         let repr = self.datagram_repr(qp, &dest, opcode, psn, w);
         self.emit(env, qp.qpn, &repr, &payload, next_ready);
         self.scratch = payload;
+        self.sent_unacknowledged(env, qp, i);
+    }
+
+    /// Outstanding WQE `i`'s one packet (a datagram, a raw frame) has been handed to the
+    /// egress port: nothing will acknowledge it, so it is done, and it completes in order
+    /// once the frame has left.
+    pub(crate) fn sent_unacknowledged(&mut self, env: &mut dyn Env, qp: &mut Qp, i: usize) {
         let o = &mut qp.req.outstanding[i];
         (o.sent, o.sent_max, o.done) = (1, 1, true);
         qp.stats.packets_sent += 1;

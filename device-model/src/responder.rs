@@ -628,29 +628,6 @@ impl Nic {
             self.stats.rx_dropped += 1;
             return;
         }
-        let need = (GRH_LEN + pkt.payload.len()) as u64;
-        let (wqe_index, srqn, sges) = match self.take_recv_wqe_for(env, qp, need) {
-            Ok(RecvTake::Wqe(i, srqn, sges)) => (i, srqn, sges),
-            Ok(RecvTake::Empty) => {
-                qp.ud_stats.no_recv_dropped += 1;
-                self.stats.rx_dropped += 1;
-                return;
-            }
-            Ok(RecvTake::TooSmall) => {
-                qp.ud_stats.too_long_dropped += 1;
-                self.stats.rx_dropped += 1;
-                return;
-            }
-            Err(iova) => {
-                // The receive ring itself is unreadable: the driver's mistake, reported by
-                // the IOMMU_FAULT event. The datagram is lost and, as on RC, the QP moves to
-                // ERR (its receive queue cannot be used).
-                self.iommu_fault(env, qp.qpn, iova);
-                self.stats.rx_dropped += 1;
-                self.flush(env, qp);
-                return;
-            }
-        };
         // The GRH area: 20 bytes of zeros, then the IPv4 header as received (RoCEv2), its
         // checksum as the sender sealed it (an unsealed frame carries zeros there).
         let mut grh = [0u8; GRH_LEN];
@@ -659,37 +636,9 @@ impl Nic {
             .unwrap_or_default();
         grh[GRH_LEN - ip.len()..].copy_from_slice(ip);
         wire::write_ipv4_checksum(&mut grh[GRH_LEN - ip.len()..]);
-        let placed = self
-            .scatter(env, qp.pdn, qp.qpn, &sges, 0, &grh, ready)
-            .and_then(|()| {
-                self.scatter(
-                    env,
-                    qp.pdn,
-                    qp.qpn,
-                    &sges,
-                    GRH_LEN as u64,
-                    pkt.payload,
-                    ready,
-                )
-            });
-        let rc = RecvCtx {
-            wqe_index,
-            srqn,
-            sges: Vec::new(),
-            offset: 0,
-            strip: 0,
-            tm: None,
-        };
-        if let Err((status, syndrome)) = placed {
-            // A bad receive WQE (key, PD, rights, an unmapped buffer): it completes in error
-            // and the QP moves to ERR, as on RC.
-            let mut cqe = recv_cqe(qp.qpn, &rc, status, 0);
-            cqe.vendor_syndrome = syndrome as u8;
-            self.complete(env, qp.gen, qp.recv_cqn, ready, cqe);
-            self.flush(env, qp);
+        let Some(mut cqe) = self.place_datagram(env, qp, &[&grh, pkt.payload], ready) else {
             return;
-        }
-        let mut cqe = recv_cqe(qp.qpn, &rc, CqeStatus::Success, need as u32);
+        };
         cqe.flags |= CQE_FLAG_UD;
         if let Some(imm) = pkt.repr.imm {
             cqe.flags |= CQE_FLAG_IMM;
@@ -703,6 +652,64 @@ impl Nic {
         cqe.set_ud_src_qpn(deth.src_qp.get());
         qp.ud_stats.received += 1;
         self.complete(env, qp.gen, qp.recv_cqn, ready, cqe);
+    }
+
+    /// Places an unacknowledged message (a UD datagram, a raw packet QP's frame), `parts`
+    /// one after the other, into `qp`'s next receive WQE. No WQE, or one too small, drops
+    /// it, counted in the QP's [`UdStats`](ringbell_specs::stats::UdStats); an unreadable
+    /// receive ring raises IOMMU_FAULT and moves the QP to ERR (the driver's mistake); a bad
+    /// WQE (key, PD, rights, an unmapped buffer) completes in error and moves the QP to ERR,
+    /// as on RC. Otherwise the receive's successful CQE, for the caller to finish and
+    /// complete.
+    pub(crate) fn place_datagram(
+        &mut self,
+        env: &mut dyn Env,
+        qp: &mut Qp,
+        parts: &[&[u8]],
+        ready: SimTime,
+    ) -> Option<Cqe> {
+        let need: usize = parts.iter().map(|p| p.len()).sum();
+        let (wqe_index, srqn, sges) = match self.take_recv_wqe_for(env, qp, need as u64) {
+            Ok(RecvTake::Wqe(i, srqn, sges)) => (i, srqn, sges),
+            Ok(RecvTake::Empty) => {
+                qp.ud_stats.no_recv_dropped += 1;
+                self.stats.rx_dropped += 1;
+                return None;
+            }
+            Ok(RecvTake::TooSmall) => {
+                qp.ud_stats.too_long_dropped += 1;
+                self.stats.rx_dropped += 1;
+                return None;
+            }
+            Err(iova) => {
+                self.iommu_fault(env, qp.qpn, iova);
+                self.stats.rx_dropped += 1;
+                self.flush(env, qp);
+                return None;
+            }
+        };
+        let mut at = 0u64;
+        let mut placed = Ok(());
+        for p in parts {
+            placed = placed.and_then(|()| self.scatter(env, qp.pdn, qp.qpn, &sges, at, p, ready));
+            at += p.len() as u64;
+        }
+        let rc = RecvCtx {
+            wqe_index,
+            srqn,
+            sges: Vec::new(),
+            offset: 0,
+            strip: 0,
+            tm: None,
+        };
+        if let Err((status, syndrome)) = placed {
+            let mut cqe = recv_cqe(qp.qpn, &rc, status, 0);
+            cqe.vendor_syndrome = syndrome as u8;
+            self.complete(env, qp.gen, qp.recv_cqn, ready, cqe);
+            self.flush(env, qp);
+            return None;
+        }
+        Some(recv_cqe(qp.qpn, &rc, CqeStatus::Success, need as u32))
     }
 
     /// Completes a receive WQE (ordinary, untagged on a TM-SRQ, or a matched tagged buffer).

@@ -2132,10 +2132,10 @@ impl Harness {
         } else if sel < 192 {
             self.tm_command(u);
         } else {
-            const OPS: [u16; 29] = [
+            const OPS: [u16; 34] = [
                 0x01, 0x02, 0x10, 0x11, 0x20, 0x21, 0x22, 0x23, 0x24, 0x25, 0x26, 0x27, 0x30, 0x31,
-                0x32, 0x33, 0x40, 0x41, 0x42, 0x43, 0x44, 0x50, 0x51, 0x52, 0x53, 0x54, 0x70, 0x71,
-                0x99,
+                0x32, 0x33, 0x40, 0x41, 0x42, 0x43, 0x44, 0x46, 0x47, 0x48, 0x50, 0x51, 0x52, 0x53,
+                0x54, 0x55, 0x56, 0x70, 0x71, 0x99,
             ];
             let op = OPS[byte(u) as usize % OPS.len()];
             let mut input = [0u8; PARAMS_SIZE];
@@ -2146,11 +2146,45 @@ impl Harness {
                 let len = u64::from(range(u, 1, 70_000));
                 input[..8].copy_from_slice(&len.to_le_bytes());
             }
-            if op == CmdOpcode::CreateQp as u16 && byte(u) < 64 {
-                // An XRC initiator or target (ABI 1.11) in one of the first domains, the
-                // rest fuzzed.
-                input[0x13] = if flag(u) { 9 } else { 10 };
+            if op == CmdOpcode::CreateQp as u16 && byte(u) < 96 {
+                // An XRC initiator or target (ABI 1.11) in one of the first domains, or a raw
+                // packet QP (ABI 1.12), the rest fuzzed.
+                input[0x13] = [8, 9, 10][byte(u) as usize % 3];
                 input[0x14..0x18].copy_from_slice(&range(u, 1, 3).to_le_bytes());
+            }
+            if op == CmdOpcode::CreateFlow as u16 && byte(u) < 192 {
+                // A rule for one of the first QPs (a raw packet QP the fuzzer made, or one
+                // of the harness's, refused), reserved fields clear: the frames delivered
+                // after it that are not RoCE go through it.
+                input[..4].copy_from_slice(&range(u, 2, 8).to_le_bytes());
+                input[6..8].fill(0);
+                input[0x08 + 0x2F] = 0;
+                input[0x3C + 0x2F] = 0;
+            }
+            if op == CmdOpcode::CreateWq as u16 && byte(u) < 192 {
+                // A receive WQ on one of the harness's PDs and CQs, ring and sizes fuzzed.
+                input[..4].copy_from_slice(&self.cntr.pds[0].to_le_bytes());
+                input[0x20..0x24].copy_from_slice(&self.cqs[MAIN].cqn.to_le_bytes());
+                input[0x24..0x28].fill(0);
+            }
+            if op == CmdOpcode::ModifyWq as u16 && byte(u) < 192 {
+                input[..4].copy_from_slice(&range(u, 1, 4).to_le_bytes());
+                input[4] = range(u, 0, 3) as u8;
+            }
+            if op == CmdOpcode::SetQpRss as u16 && byte(u) < 192 {
+                // A table of the first SRQ numbers (WQs or not) in the data area, for one of
+                // the first QPs, hash fields, key and sizes fuzzed.
+                let log = range(u, 0, 3);
+                let at = DATA + 0x8000;
+                for i in 0..1u64 << log {
+                    self.host
+                        .write(at + 4 * i, &range(u, 1, 4).to_le_bytes());
+                }
+                input[..4].copy_from_slice(&range(u, 2, 8).to_le_bytes());
+                input[8] = log as u8;
+                input[9] = range(u, 0, 40) as u8;
+                input[0x0A..0x10].fill(0);
+                input[0x10..0x18].copy_from_slice(&at.to_le_bytes());
             }
             if op == CmdOpcode::CreateXrcSrq as u16 && byte(u) < 192 {
                 // An XRC SRQ of one of the first domains on one of the harness's CQs and

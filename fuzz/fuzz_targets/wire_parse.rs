@@ -46,6 +46,27 @@ fn parse_direction(data: &[u8]) {
         header_round_trips(b);
     }
 
+    // The flow-steering view of any bytes (ABI 1.12): never panics, matches itself under
+    // every mask and anything under the empty one; whatever parses as RoCE has RoCE's
+    // outer headers.
+    let m = ringbell_specs::cmd::FlowMatch::of_frame(data);
+    let ones = ringbell_specs::cmd::FlowMatch {
+        dmac: [0xFF; 6],
+        smac: [0xFF; 6],
+        ethertype: 0xFFFF.into(),
+        src_ip: [0xFF; 16],
+        dst_ip: [0xFF; 16],
+        ip_proto: 0xFF,
+        rsvd0: 0xFF,
+        src_port: 0xFFFF.into(),
+        dst_port: 0xFFFF.into(),
+    };
+    assert!(m.matches(&m, &ones));
+    assert!(m.matches(&Default::default(), &Default::default()));
+    if parse_packet(data).is_ok() {
+        assert!(wire::is_rocev2(data));
+    }
+
     // Sealing writes the two sums (IPv4 checksum, ICRC) and nothing else; the unsealed parser
     // accepts exactly what the full parser accepts once the frame is sealed, to the same
     // packet.

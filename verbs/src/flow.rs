@@ -13,7 +13,7 @@
 use crate::abi;
 use crate::qp::RbQp;
 use crate::state::{Kind, State};
-use ringbell::raw::{Flow, FlowRule};
+use ringbell::raw::{Flow, FlowMatch, FlowRule};
 
 /// A ringbell flow handle.
 #[repr(C)]
@@ -66,6 +66,44 @@ fn set16<T: Copy + Into<u16> + From<u16>>(
     Ok(())
 }
 
+/// An IPv4 spec's addresses (network order in memory), and the EtherType it implies.
+fn ipv4(
+    v: &mut FlowMatch,
+    m: &mut FlowMatch,
+    val: abi::ibv_flow_ipv4_filter,
+    mask: abi::ibv_flow_ipv4_filter,
+) -> Result<(), i32> {
+    // An IPv4 address as the rules compare it: the last four bytes of the mapped address.
+    let v4 = |a: u32| {
+        let mut x = [0u8; 16];
+        x[12..].copy_from_slice(&a.to_ne_bytes());
+        x
+    };
+    set16(&mut v.ethertype, &mut m.ethertype, 0x0800, 0xFFFF)?;
+    set(
+        &mut v.src_ip,
+        &mut m.src_ip,
+        &v4(val.src_ip),
+        &v4(mask.src_ip),
+    )?;
+    set(
+        &mut v.dst_ip,
+        &mut m.dst_ip,
+        &v4(val.dst_ip),
+        &v4(mask.dst_ip),
+    )
+}
+
+/// The IP protocol (IPv4) or next header (IPv6).
+fn proto(v: &mut FlowMatch, m: &mut FlowMatch, val: u8, mask: u8) -> Result<(), i32> {
+    set(
+        std::array::from_mut(&mut v.ip_proto),
+        std::array::from_mut(&mut m.ip_proto),
+        &[val],
+        &[mask],
+    )
+}
+
 /// The rule an `ibv_flow_attr` and its specs describe.
 pub(crate) fn rule_of(attr: &abi::ibv_flow_attr, specs: &[Spec]) -> Result<FlowRule, i32> {
     if attr.comp_mask != 0 || attr.port != 1 {
@@ -79,15 +117,6 @@ pub(crate) fn rule_of(attr: &abi::ibv_flow_attr, specs: &[Spec]) -> Result<FlowR
         ..Default::default()
     };
     let (v, m) = (&mut r.value, &mut r.mask);
-    let ethertype = |v: &mut ringbell::raw::FlowMatch, m: &mut ringbell::raw::FlowMatch, ty| {
-        set16(&mut v.ethertype, &mut m.ethertype, ty, 0xFFFF)
-    };
-    let v4 = |a: u32| {
-        let mut x = [0u8; 16];
-        // In network byte order in memory: the bytes as they are.
-        x[12..].copy_from_slice(&a.to_ne_bytes());
-        x
-    };
     for s in specs {
         match *s {
             Spec::Eth(e) => {
@@ -103,50 +132,23 @@ pub(crate) fn rule_of(attr: &abi::ibv_flow_attr, specs: &[Spec]) -> Result<FlowR
                     u16::from_be(e.mask.ether_type),
                 )?;
             }
-            Spec::Ipv4(ip) => {
-                ethertype(v, m, 0x0800)?;
-                set(
-                    &mut v.src_ip,
-                    &mut m.src_ip,
-                    &v4(ip.val.src_ip),
-                    &v4(ip.mask.src_ip),
-                )?;
-                set(
-                    &mut v.dst_ip,
-                    &mut m.dst_ip,
-                    &v4(ip.val.dst_ip),
-                    &v4(ip.mask.dst_ip),
-                )?;
-            }
+            Spec::Ipv4(ip) => ipv4(v, m, ip.val, ip.mask)?,
             Spec::Ipv4Ext(ip) => {
                 if ip.mask.tos != 0 || ip.mask.ttl != 0 || ip.mask.flags != 0 {
                     return Err(libc::EOPNOTSUPP);
                 }
-                ethertype(v, m, 0x0800)?;
-                set(
-                    &mut v.src_ip,
-                    &mut m.src_ip,
-                    &v4(ip.val.src_ip),
-                    &v4(ip.mask.src_ip),
-                )?;
-                set(
-                    &mut v.dst_ip,
-                    &mut m.dst_ip,
-                    &v4(ip.val.dst_ip),
-                    &v4(ip.mask.dst_ip),
-                )?;
-                set(
-                    std::array::from_mut(&mut v.ip_proto),
-                    std::array::from_mut(&mut m.ip_proto),
-                    &[ip.val.proto],
-                    &[ip.mask.proto],
-                )?;
+                let addrs = |f: abi::ibv_flow_ipv4_ext_filter| abi::ibv_flow_ipv4_filter {
+                    src_ip: f.src_ip,
+                    dst_ip: f.dst_ip,
+                };
+                ipv4(v, m, addrs(ip.val), addrs(ip.mask))?;
+                proto(v, m, ip.val.proto, ip.mask.proto)?;
             }
             Spec::Ipv6(ip) => {
                 if ip.mask.flow_label != 0 || ip.mask.traffic_class != 0 || ip.mask.hop_limit != 0 {
                     return Err(libc::EOPNOTSUPP);
                 }
-                ethertype(v, m, 0x86DD)?;
+                set16(&mut v.ethertype, &mut m.ethertype, 0x86DD, 0xFFFF)?;
                 set(
                     &mut v.src_ip,
                     &mut m.src_ip,
@@ -159,35 +161,23 @@ pub(crate) fn rule_of(attr: &abi::ibv_flow_attr, specs: &[Spec]) -> Result<FlowR
                     &ip.val.dst_ip,
                     &ip.mask.dst_ip,
                 )?;
-                set(
-                    std::array::from_mut(&mut v.ip_proto),
-                    std::array::from_mut(&mut m.ip_proto),
-                    &[ip.val.next_hdr],
-                    &[ip.mask.next_hdr],
-                )?;
+                proto(v, m, ip.val.next_hdr, ip.mask.next_hdr)?;
             }
             Spec::TcpUdp(p) => {
-                let proto = match p.type_ {
-                    abi::ibv_flow_spec_type_IBV_FLOW_SPEC_TCP => 6,
-                    _ => 17,
-                };
-                set(
-                    std::array::from_mut(&mut v.ip_proto),
-                    std::array::from_mut(&mut m.ip_proto),
-                    &[proto],
-                    &[0xFF],
-                )?;
+                let tcp = p.type_ == abi::ibv_flow_spec_type_IBV_FLOW_SPEC_TCP;
+                proto(v, m, if tcp { 6 } else { 17 }, 0xFF)?;
+                let (val, mask) = (p.val, p.mask);
                 set16(
                     &mut v.src_port,
                     &mut m.src_port,
-                    u16::from_be(p.val.src_port),
-                    u16::from_be(p.mask.src_port),
+                    u16::from_be(val.src_port),
+                    u16::from_be(mask.src_port),
                 )?;
                 set16(
                     &mut v.dst_port,
                     &mut m.dst_port,
-                    u16::from_be(p.val.dst_port),
-                    u16::from_be(p.mask.dst_port),
+                    u16::from_be(val.dst_port),
+                    u16::from_be(mask.dst_port),
                 )?;
             }
             Spec::Unsupported => return Err(libc::EOPNOTSUPP),

@@ -216,7 +216,12 @@ fn perftest_with(prog: &str, port: u16, header: &str, extra: &[&str]) {
     let wall = t0.elapsed();
     assert!(s.status.success(), "{prog} server failed:\n{}", text(&s));
     assert!(c.status.success(), "{prog} client failed:\n{}", text(&c));
-    let out = text(&c);
+    let row = result_row(prog, &text(&c), header);
+    println!("{prog} ({wall:.2?} wall):\n{header}\n{row}");
+}
+
+/// The row under perftest's result `header` in `out`, checked to report 200 iterations.
+fn result_row(prog: &str, out: &str, header: &str) -> String {
     assert!(out.contains(header), "{prog}: no result table:\n{out}");
     let row = out
         .lines()
@@ -227,9 +232,9 @@ fn perftest_with(prog: &str, port: u16, header: &str, extra: &[&str]) {
     let cols: Vec<&str> = row.split_whitespace().collect();
     assert!(
         cols.len() >= 4 && cols[1] == "200",
-        "{prog}: unexpected row {row:?}"
+        "{prog}: unexpected row {row:?}:\n{out}"
     );
-    println!("{prog} ({wall:.2?} wall):\n{header}\n{row}");
+    row
 }
 
 const LAT: &str = "#bytes #iterations";
@@ -369,18 +374,7 @@ fn raw_perftest(prog: &str, header: &str) {
     assert!(status.success(), "{prog} server failed:\n{server_out}{err}");
     assert!(c.status.success(), "{prog} client failed:\n{}", text(&c));
     for (side, out) in [("server", server_out.clone()), ("client", text(&c))] {
-        let row = out
-            .lines()
-            .skip_while(|l| !l.contains(header))
-            .nth(1)
-            .unwrap_or_default()
-            .to_string();
-        let cols: Vec<&str> = row.split_whitespace().collect();
-        assert!(
-            cols.len() >= 4 && cols[1] == "200",
-            "{prog} {side}: unexpected row {row:?}:\n{out}"
-        );
-        println!("{prog} {side}: {row}");
+        println!("{prog} {side}: {}", result_row(prog, &out, header));
     }
 }
 
