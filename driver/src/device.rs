@@ -636,7 +636,9 @@ impl Device {
     /// power of two; its pages mapped and writable), adopted for the device in place
     /// (`hostmem`), zeroed, and given back to the allocator when the buffer is dropped.
     /// Errors: [`Error::Memory`] when the allocator has none; [`Error::InvalidArgument`]
-    /// for a misaligned pointer; [`Error::BadAddress`] for memory that cannot be adopted.
+    /// for a misaligned pointer; [`Error::BadAddress`] for memory that cannot be adopted,
+    /// except huge pages (`MAP_HUGETLB`), which no memory file of normal pages can replace:
+    /// they go back to the allocator and the queue takes the driver's own memory.
     /// Memory the driver could not use goes back to the allocator at once.
     pub(crate) fn alloc_queue_mem(
         &self,
@@ -666,6 +668,15 @@ impl Device {
         // buffer does only after the device's mapping of them is gone.
         let pages = match unsafe { crate::hostmem::adopt_queue(self, p.as_ptr(), len) } {
             Ok(pages) => pages,
+            // Huge pages cannot be adopted: the queue takes the driver's own memory, and
+            // the allocator has its memory back at once (the program sees its queue work
+            // as with any allocator).
+            Err(Error::BadAddress { reason, .. })
+                if reason.starts_with(crate::hostmem::HUGE_PAGES) =>
+            {
+                a.0.free(p, kind);
+                return self.alloc_ring(len);
+            }
             Err(e) => {
                 a.0.free(p, kind);
                 return Err(e);

@@ -710,7 +710,7 @@ impl Segment {
             ));
         }
         if self.name.contains("anon_hugepage") {
-            return Err("huge pages".into());
+            return Err(HUGE_PAGES.into());
         }
         if write && !self.write {
             return Err("read-only, and the device may write the region".into());
@@ -718,6 +718,10 @@ impl Segment {
         Ok(())
     }
 }
+
+/// Why pages of a huge-page mapping (`MAP_HUGETLB`) cannot be adopted: a memory file of
+/// normal pages cannot take their place.
+pub(crate) const HUGE_PAGES: &str = "huge pages";
 
 /// Whether `[addr, addr + len)` is mapped in this process and readable, and writable too
 /// if `write` (`/proc/self/maps`, read only as far as the range): for libraries that copy
