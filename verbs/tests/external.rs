@@ -593,7 +593,7 @@ fn rdma_core_test_suite_passes_on_rb0() {
     // domains: five of test_parent_domain, the sixth needing huge pages; ATOMIC WRITE:
     // test_qp_ex_rc_atomic_write; imported objects: test_shared_pd, and test_import_dm in
     // test_device; XRC: two of test_atomic, test_qpex, test_relaxed_ordering and
-    // test_cqex, and test_odp_xrc_traffic; raw packet QPs: nine of test_qp, test_flow's
+    // test_cqex, and test_odp_xrc_traffic; raw packet QPs: test_qp's raw tests, test_flow's
     // five, and RSS: test_rss_traffic).
     for (file, at_least) in [
         ("test_device", 10),
@@ -604,7 +604,7 @@ fn rdma_core_test_suite_passes_on_rb0() {
         ("test_odp", 15),
         ("test_cq_events", 2),
         ("test_mr", 1),
-        ("test_qp", 30),
+        ("test_qp", 26),
         ("test_flow", 5),
         ("test_rss_traffic", 1),
         ("test_qpex", 20),
