@@ -135,6 +135,8 @@ impl Nic {
             CmdOpcode::CreateFlow => obj(self.create_flow(params(input)?)?),
             CmdOpcode::SetQpRss => self.set_qp_rss(env, params(input)?).map(|()| Vec::new()),
             CmdOpcode::CreateWq => self.create_wq(params(input)?),
+            CmdOpcode::AttachMcast => self.attach_mcast(params(input)?).map(|()| Vec::new()),
+            CmdOpcode::DetachMcast => self.detach_mcast(params(input)?).map(|()| Vec::new()),
             CmdOpcode::ModifyWq => self.modify_wq(params(input)?).map(|()| Vec::new()),
             CmdOpcode::DestroyFlow => self
                 .destroy_flow(params::<ObjectIn>(input)?.num.get())

@@ -239,6 +239,8 @@ pub struct Nic {
     pub(crate) flows: Table<crate::raw::Flow>,
     pub(crate) flows_live: u32,
     pub(crate) flow_seq: u64,
+    /// UD multicast attachments (ABI 1.12): (group IPv4 address, QPN).
+    pub(crate) mcast: Vec<([u8; 4], u32)>,
 }
 
 impl Nic {
@@ -300,6 +302,7 @@ impl Nic {
             flows: Table::new(crate::raw::MAX_FLOWS),
             flows_live: 0,
             flow_seq: 0,
+            mcast: Vec::new(),
         }
     }
 
@@ -354,6 +357,7 @@ impl Nic {
             | Caps::ATOMIC_WRITE
             | Caps::XRC
             | Caps::RAW_PACKET
+            | Caps::UD_MCAST
             | if self.cfg.max_dm_size > 0 {
                 Caps::DEVICE_MEMORY
             } else {

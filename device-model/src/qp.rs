@@ -467,7 +467,8 @@ pub(crate) struct Qp {
     pub(crate) xrc: Option<XrcRole>,
     /// A raw packet QP (ABI 1.12): whole Ethernet frames, steered to it by flow rules.
     pub(crate) raw: bool,
-    /// Flow-steering rules that name this QP: it cannot be destroyed while any remains.
+    /// Flow-steering rules that name this QP, and multicast groups it is attached to: it
+    /// cannot be destroyed while any remains.
     pub(crate) flows: u32,
     /// A raw packet QP's RSS table (ABI 1.12): it receives through these WQs.
     pub(crate) rss: Option<Box<crate::raw::Rss>>,

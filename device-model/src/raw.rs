@@ -10,10 +10,10 @@ use crate::env::Env;
 use crate::nic::Nic;
 use crate::qp::Qp;
 use ringbell_specs::cmd::{
-    toeplitz, CmdStatus, CreateFlowIn, CreateWqIn, FlowMatch, ModifyWqIn, ObjectOut, QpState,
-    SetQpRssIn, RSS_DST_IPV4, RSS_DST_IPV6, RSS_DST_PORT_TCP, RSS_DST_PORT_UDP, RSS_MAX_LOG_SIZE,
-    RSS_SRC_IPV4, RSS_SRC_IPV6, RSS_SRC_PORT_TCP, RSS_SRC_PORT_UDP, WQ_STATE_ERR, WQ_STATE_READY,
-    WQ_STATE_RESET,
+    mcast_group, toeplitz, CmdStatus, CreateFlowIn, CreateWqIn, FlowMatch, McastIn, ModifyWqIn,
+    ObjectOut, QpState, SetQpRssIn, MCAST_QPN, RSS_DST_IPV4, RSS_DST_IPV6, RSS_DST_PORT_TCP,
+    RSS_DST_PORT_UDP, RSS_MAX_LOG_SIZE, RSS_SRC_IPV4, RSS_SRC_IPV6, RSS_SRC_PORT_TCP,
+    RSS_SRC_PORT_UDP, WQ_STATE_ERR, WQ_STATE_READY, WQ_STATE_RESET,
 };
 use ringbell_specs::cqe::{CqeStatus, VendorSyndrome};
 use ringbell_specs::wire;
@@ -22,6 +22,8 @@ use zerocopy::FromBytes;
 
 /// Flow-steering rules per NIC.
 pub const MAX_FLOWS: u32 = 1024;
+/// Multicast attachments (group, QP) per NIC.
+pub const MAX_MCAST: u32 = 1024;
 
 /// One flow-steering rule.
 #[derive(Debug)]
@@ -224,6 +226,75 @@ impl Nic {
             if let Some(s) = self.srqs.get_mut(n) {
                 s.refs = s.refs.saturating_sub(1);
             }
+        }
+    }
+
+    /// ATTACH_MCAST: UD QP `qpn` receives the datagrams to the group (attaching it twice
+    /// changes nothing).
+    pub(crate) fn attach_mcast(&mut self, p: McastIn) -> Result<(), CmdStatus> {
+        let qpn = p.qpn.get();
+        let group = mcast_group(&p.gid).ok_or(CmdStatus::BadParam)?;
+        let qp = self.qps.get_mut(qpn).ok_or(CmdStatus::BadResource)?;
+        if !qp.ud || qpn == ringbell_specs::cmd::GSI_QPN || p.rsvd0.get() != 0 {
+            return Err(CmdStatus::BadParam);
+        }
+        if self.mcast.contains(&(group, qpn)) {
+            return Ok(());
+        }
+        if self.mcast.len() >= MAX_MCAST as usize {
+            return Err(CmdStatus::Exhausted);
+        }
+        qp.flows += 1;
+        self.mcast.push((group, qpn));
+        Ok(())
+    }
+
+    /// DETACH_MCAST: `BAD_RESOURCE` when the QP is not attached to the group.
+    pub(crate) fn detach_mcast(&mut self, p: McastIn) -> Result<(), CmdStatus> {
+        let qpn = p.qpn.get();
+        let group = mcast_group(&p.gid).ok_or(CmdStatus::BadParam)?;
+        let at = self
+            .mcast
+            .iter()
+            .position(|&m| m == (group, qpn))
+            .ok_or(CmdStatus::BadResource)?;
+        self.mcast.remove(at);
+        if let Some(qp) = self.qps.get_mut(qpn) {
+            qp.flows = qp.flows.saturating_sub(1);
+        }
+        Ok(())
+    }
+
+    /// A datagram to a multicast address: to every UD QP attached to its group (in RTR,
+    /// RTS or SQD, with the default P_Key), each as its own datagram; its destination QPN
+    /// must be the multicast QPN. Nothing attached: dropped.
+    pub(crate) fn rx_multicast(&mut self, env: &mut dyn Env, pkt: &wire::Packet<'_>, frame: &[u8]) {
+        let op = wire::Opcode::from_u8(pkt.repr.bth.opcode);
+        let group = pkt.repr.dst.ip;
+        if pkt.repr.bth.dest_qp.get() != MCAST_QPN
+            || !op.is_some_and(wire::Opcode::is_ud)
+            || pkt.repr.bth.pkey != 0xFFFF
+        {
+            self.stats.rx_dropped += 1;
+            return;
+        }
+        let mut delivered = false;
+        for i in 0..self.mcast.len() {
+            let (g, qpn) = self.mcast[i];
+            if g != group {
+                continue;
+            }
+            let Some(mut qp) = self.qps.remove(qpn) else {
+                continue;
+            };
+            if matches!(qp.state, QpState::Rtr | QpState::Rts | QpState::Sqd) {
+                self.rx_datagram(env, &mut qp, pkt, frame);
+                delivered = true;
+            }
+            self.qps.restore(qpn, qp);
+        }
+        if !delivered {
+            self.stats.rx_dropped += 1;
         }
     }
 

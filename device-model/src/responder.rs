@@ -64,7 +64,11 @@ impl Nic {
             }
         };
         if pkt.repr.dst.ip != self.cfg.ip {
-            self.stats.rx_dropped += 1;
+            if pkt.repr.dst.ip[0] & 0xF0 == 0xE0 {
+                self.rx_multicast(env, pkt, frame);
+            } else {
+                self.stats.rx_dropped += 1;
+            }
             return;
         }
         let qpn = pkt.repr.bth.dest_qp.get();
@@ -620,7 +624,13 @@ impl Nic {
     /// [`UdStats`](ringbell_specs::stats::UdStats); the QP keeps serving and the sender is
     /// never told. Otherwise the GRH area and the payload are scattered into the WQE and the
     /// completion names the sender.
-    fn rx_datagram(&mut self, env: &mut dyn Env, qp: &mut Qp, pkt: &Packet<'_>, frame: &[u8]) {
+    pub(crate) fn rx_datagram(
+        &mut self,
+        env: &mut dyn Env,
+        qp: &mut Qp,
+        pkt: &Packet<'_>,
+        frame: &[u8],
+    ) {
         let ready = env.now() + SimTime(self.cfg.timing.nic_rx_pkt_ps);
         let deth = pkt.repr.deth.unwrap_or_default();
         if deth.qkey != qp.attr.qkey.get() {

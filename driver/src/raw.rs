@@ -8,6 +8,8 @@
 //! request. A frame to a multicast or broadcast address reaches every NIC of the fabric,
 //! the sender's own included; a frame to the sender's own MAC address comes back to it.
 //!
+//! UD multicast (ABI 1.12) is here too: [`QueuePair::attach_mcast`].
+//!
 //! Set-up: RESET → INIT with the port ([`QueuePair::raw_ready`] does the three steps),
 //! then INIT → RTR → RTS with no attributes.
 
@@ -291,5 +293,39 @@ impl QueuePair {
             .borrow_mut()
             .extend(wqs.iter().map(|w| w.keepalive()));
         Ok(())
+    }
+}
+
+impl QueuePair {
+    /// Attaches this UD QP to the multicast group of `gid` (an IPv4-mapped address of
+    /// 224.0.0.0/4): it receives the datagrams sent to the group ([`AhAttr::multicast`],
+    /// QPN [`MCAST_QPN`](ringbell_specs::cmd::MCAST_QPN)) while it is attached. Attaching
+    /// twice changes nothing. The device refuses to destroy a QP that is still attached.
+    ///
+    /// [`AhAttr::multicast`]: crate::AhAttr::multicast
+    pub fn attach_mcast(&self, gid: [u8; 16]) -> Result<(), Error> {
+        self.mcast_command(CmdOpcode::AttachMcast, gid)
+    }
+
+    /// Detaches this QP from the group of `gid` (not attached: the device's `BAD_RESOURCE`).
+    pub fn detach_mcast(&self, gid: [u8; 16]) -> Result<(), Error> {
+        self.mcast_command(CmdOpcode::DetachMcast, gid)
+    }
+
+    fn mcast_command(&self, op: CmdOpcode, gid: [u8; 16]) -> Result<(), Error> {
+        if !self.device().caps().caps.contains(regs::Caps::UD_MCAST) {
+            return Err(Error::Unsupported(
+                "multicast: the device lacks CAPS.UD_MCAST",
+            ));
+        }
+        let input = ringbell_specs::cmd::McastIn {
+            qpn: self.qpn().into(),
+            gid,
+            ..Default::default()
+        };
+        self.device()
+            .inner
+            .command(op, input.as_bytes())
+            .map(|_| ())
     }
 }

@@ -39,6 +39,17 @@ pub struct AhAttr {
 }
 
 impl AhAttr {
+    /// The address of multicast group `ip` (224.0.0.0/4; `None` otherwise): its Ethernet
+    /// address is the group's (`01:00:5e` and the low 23 bits). A datagram to it goes to
+    /// QPN [`MCAST_QPN`](ringbell_specs::cmd::MCAST_QPN) and reaches every QP attached to
+    /// the group ([`QueuePair::attach_mcast`](crate::QueuePair::attach_mcast)).
+    pub fn multicast(ip: [u8; 4]) -> Option<AhAttr> {
+        (ip[0] & 0xF0 == 0xE0).then(|| AhAttr {
+            mac: ringbell_specs::cmd::mcast_mac(ip),
+            ip,
+        })
+    }
+
     /// The port with IPv4 address `ip` on a ringbell fabric, or `None` for an address
     /// outside its plan. The emulated fabric gives node `n` (counting from 1) the IPv4
     /// address `10.0.hi.lo` and the MAC address `02:00:00:00:hi:lo` (`hi`, `lo`: the bytes
@@ -75,9 +86,12 @@ impl AddressHandle {
 
 impl ProtectionDomain {
     /// Creates an address handle for `attr` in this PD. A multicast or broadcast MAC, or
-    /// the IPv4 addresses 0.0.0.0 and 255.255.255.255, are refused (`InvalidArgument`).
+    /// the IPv4 addresses 0.0.0.0 and 255.255.255.255, are refused (`InvalidArgument`),
+    /// except a multicast group's ([`AhAttr::multicast`]; ABI 1.12).
     pub fn create_ah(&self, attr: &AhAttr) -> Result<AddressHandle, Error> {
-        if attr.mac[0] & 1 != 0 {
+        let group =
+            attr.ip[0] & 0xF0 == 0xE0 && attr.mac == ringbell_specs::cmd::mcast_mac(attr.ip);
+        if attr.mac[0] & 1 != 0 && !group {
             return Err(Error::InvalidArgument(
                 "address handle: a multicast or broadcast MAC",
             ));

@@ -2132,10 +2132,10 @@ impl Harness {
         } else if sel < 192 {
             self.tm_command(u);
         } else {
-            const OPS: [u16; 34] = [
+            const OPS: [u16; 36] = [
                 0x01, 0x02, 0x10, 0x11, 0x20, 0x21, 0x22, 0x23, 0x24, 0x25, 0x26, 0x27, 0x30, 0x31,
-                0x32, 0x33, 0x40, 0x41, 0x42, 0x43, 0x44, 0x46, 0x47, 0x48, 0x50, 0x51, 0x52, 0x53,
-                0x54, 0x55, 0x56, 0x70, 0x71, 0x99,
+                0x32, 0x33, 0x40, 0x41, 0x42, 0x43, 0x44, 0x46, 0x47, 0x48, 0x49, 0x4A, 0x50, 0x51,
+                0x52, 0x53, 0x54, 0x55, 0x56, 0x70, 0x71, 0x99,
             ];
             let op = OPS[byte(u) as usize % OPS.len()];
             let mut input = [0u8; PARAMS_SIZE];
@@ -2160,6 +2160,17 @@ impl Harness {
                 input[6..8].fill(0);
                 input[0x08 + 0x2F] = 0;
                 input[0x3C + 0x2F] = 0;
+            }
+            if (op == CmdOpcode::AttachMcast as u16 || op == CmdOpcode::DetachMcast as u16)
+                && byte(u) < 192
+            {
+                // One of the first QPs and a group of 239.0.0.0/24 (a UD QP the fuzzer
+                // made, or not), reserved field clear.
+                input[..4].copy_from_slice(&range(u, 2, 8).to_le_bytes());
+                input[4..8].fill(0);
+                input[8..18].fill(0);
+                input[18..20].fill(0xFF);
+                input[20..24].copy_from_slice(&[239, 0, 0, byte(u) & 3]);
             }
             if op == CmdOpcode::CreateWq as u16 && byte(u) < 192 {
                 // A receive WQ on one of the harness's PDs and CQs, ring and sizes fuzzed.

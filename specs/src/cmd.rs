@@ -95,6 +95,10 @@ pub enum CmdOpcode {
     DestroyFlow = 0x47,
     /// Give a raw packet QP an indirection table of receive WQs and a hash (RSS). ABI 1.12.
     SetQpRss = 0x48,
+    /// Attach a UD QP to a multicast group. ABI 1.12.
+    AttachMcast = 0x49,
+    /// Detach a UD QP from a multicast group. ABI 1.12.
+    DetachMcast = 0x4A,
     /// Create a shared receive queue.
     CreateSrq = 0x50,
     /// Set an SRQ's limit and arm the limit event.
@@ -164,6 +168,8 @@ impl CmdOpcode {
             0x46 => CreateFlow,
             0x47 => DestroyFlow,
             0x48 => SetQpRss,
+            0x49 => AttachMcast,
+            0x4A => DetachMcast,
             0x50 => CreateSrq,
             0x51 => ArmSrq,
             0x52 => DestroySrq,
@@ -511,6 +517,24 @@ impl FlowMatch {
         }
         m
     }
+}
+
+abi_struct!(
+    /// ATTACH_MCAST and DETACH_MCAST input (ABI 1.12): UD QP `qpn` and the group's GID, an
+    /// IPv4-mapped address of 224.0.0.0/4 (`::ffff:224.x.y.z`), RoCEv2's form of a group.
+    McastIn, 24, { qpn: U32, rsvd0: U32, gid: [u8; 16] }
+);
+/// The destination QPN of a multicast datagram (IBTA 10.5.2.3): every QP attached to the
+/// group of its destination address receives it.
+pub const MCAST_QPN: u32 = 0xFF_FFFF;
+/// The IPv4 group address of a multicast GID (an IPv4-mapped address of 224.0.0.0/4).
+pub fn mcast_group(gid: &[u8; 16]) -> Option<[u8; 4]> {
+    let mapped = gid[..10] == [0; 10] && gid[10..12] == [0xFF, 0xFF];
+    (mapped && gid[12] & 0xF0 == 0xE0).then(|| [gid[12], gid[13], gid[14], gid[15]])
+}
+/// The Ethernet address of IPv4 group `ip` (RFC 1112): `01:00:5e` and its low 23 bits.
+pub fn mcast_mac(ip: [u8; 4]) -> [u8; 6] {
+    [0x01, 0x00, 0x5E, ip[1] & 0x7F, ip[2], ip[3]]
 }
 
 abi_struct!(
@@ -991,7 +1015,11 @@ mod tests {
         assert_eq!(CmdOpcode::from_u16(0x46), Some(CmdOpcode::CreateFlow));
         assert_eq!(CmdOpcode::from_u16(0x47), Some(CmdOpcode::DestroyFlow));
         assert_eq!(CmdOpcode::from_u16(0x48), Some(CmdOpcode::SetQpRss));
-        assert_eq!(CmdOpcode::from_u16(0x49), None);
+        assert_eq!(CmdOpcode::from_u16(0x49), Some(CmdOpcode::AttachMcast));
+        assert_eq!(CmdOpcode::from_u16(0x4A), Some(CmdOpcode::DetachMcast));
+        assert_eq!(CmdOpcode::from_u16(0x4B), None);
+        assert_eq!(offset_of!(McastIn, gid), 0x08);
+        assert_eq!(MCAST_QPN, 0xFF_FFFF);
         assert_eq!(CmdOpcode::from_u16(0x55), Some(CmdOpcode::CreateWq));
         assert_eq!(CmdOpcode::from_u16(0x56), Some(CmdOpcode::ModifyWq));
         assert_eq!(CmdOpcode::from_u16(0x57), None);

@@ -244,6 +244,8 @@ bitflags! {
         /// Raw packet QPs and flow steering (ABI 1.12): CREATE_QP type 8, CREATE_FLOW and
         /// DESTROY_FLOW, frames other than RoCE on the wire.
         const RAW_PACKET = 1 << 17;
+        /// UD multicast (ABI 1.12): ATTACH_MCAST and DETACH_MCAST, datagrams to a group.
+        const UD_MCAST = 1 << 18;
     }
 }
 
@@ -313,9 +315,10 @@ mod tests {
         assert_eq!(Caps::ATOMIC_WRITE.bits(), 1 << 15);
         assert_eq!(Caps::XRC.bits(), 1 << 16);
         assert_eq!(Caps::RAW_PACKET.bits(), 1 << 17);
-        // Bits 0..17 are defined (ABI 1.12); 31:18 are reserved.
-        assert_eq!(Caps::all().bits(), 0x3_FFFF);
-        assert_eq!(Caps::from_bits(1 << 18), None);
+        assert_eq!(Caps::UD_MCAST.bits(), 1 << 18);
+        // Bits 0..18 are defined (ABI 1.12); 31:19 are reserved.
+        assert_eq!(Caps::all().bits(), 0x7_FFFF);
+        assert_eq!(Caps::from_bits(1 << 19), None);
         // The device-memory window follows the BlueFlame area to the end of the 4 MiB BAR.
         assert_eq!(
             (DM_BASE, DM_END, BAR0_SIZE),

@@ -528,3 +528,102 @@ fn ud_state_masks_follow_the_ibta_table() {
         Err(Error::InvalidArgument(_))
     ));
 }
+
+#[test]
+fn multicast_reaches_every_attached_qp_once_and_no_other() {
+    use ringbell_specs::cmd::MCAST_QPN;
+    let f = Fabric::new(FabricConfig::new(3, 21));
+    let mut a = ud_on(&f, 0, QKEY);
+    let mut b = ud_on(&f, 1, QKEY);
+    let mut c = ud_on(&f, 2, QKEY);
+    // A second QP on node 2, attached too; node 1's QP is attached, node 0's (the sender's
+    // own NIC) as well, after the first datagram.
+    let mut c2 = ud_qp(&c.pd, &c.cq, QKEY);
+    let gid = |ip: [u8; 4]| {
+        let mut g = [0u8; 16];
+        g[10..12].fill(0xFF);
+        g[12..].copy_from_slice(&ip);
+        g
+    };
+    let group = [239, 1, 2, 3];
+    for qp in [&b.qp, &c.qp, &c2] {
+        qp.attach_mcast(gid(group)).unwrap();
+    }
+    b.qp.attach_mcast(gid(group)).unwrap();
+    // Not a group address; a QP of another transport.
+    assert!(b.qp.attach_mcast(gid([10, 0, 0, 2])).is_err());
+    let mut p = pair();
+    assert!(p.a.qp.attach_mcast(gid(group)).is_err());
+    for (u, base) in [(&mut b, 0), (&mut c, 0)] {
+        post_recv(u, 1, base, 1024);
+        post_recv(u, 2, base + 1024, 1024);
+    }
+    for i in 0..2u64 {
+        let sge = [c.mr.sge(8192 + i * 1024, 1024)];
+        c2.post_recv(&[RecvWr {
+            wr_id: 10 + i,
+            sgl: &sge,
+        }])
+        .unwrap();
+    }
+    let ah = a.pd.create_ah(&AhAttr::multicast(group).unwrap()).unwrap();
+    let msg = *b"to the group";
+    let send = |a: &mut Ud, id| {
+        let dest = UdDest {
+            ah: &ah,
+            qpn: MCAST_QPN,
+            qkey: QKEY,
+        };
+        a.qp.post_send(&[SendWr::inline(id, WrOp::Send, &msg).to(dest)])
+            .unwrap();
+    };
+    send(&mut a, 7);
+    assert_eq!(wait(&f, &mut a.cq, 1)[0].status, WcStatus::Success);
+    let got_b = drain(&f, &mut b.cq);
+    let got_c = drain(&f, &mut c.cq);
+    assert_eq!(got_b.len(), 1, "node 1's QP, once though attached twice");
+    assert_eq!(got_c.len(), 2, "both QPs of node 2");
+    for w in got_b.iter().chain(&got_c) {
+        assert_eq!(
+            (w.status, w.byte_len as usize),
+            (WcStatus::Success, GRH_LEN + msg.len())
+        );
+        assert_eq!(w.source.unwrap().qpn, a.qp.qpn());
+    }
+    let mut body = [0u8; 12];
+    c.buf.read(8192 + GRH_LEN, &mut body).unwrap();
+    assert_eq!(body, msg);
+    // The sender's own NIC delivers to its attached QP; a detached QP gets nothing.
+    a.qp.attach_mcast(gid(group)).unwrap();
+    post_recv(&mut a, 30, 0, 1024);
+    c.qp.detach_mcast(gid(group)).unwrap();
+    assert!(
+        c.qp.detach_mcast(gid(group)).is_err(),
+        "not attached any more"
+    );
+    send(&mut a, 8);
+    let got_a = wait(&f, &mut a.cq, 2);
+    assert!(got_a
+        .iter()
+        .any(|w| w.wr_id == 30 && w.opcode == WcOpcode::Recv));
+    assert_eq!(drain(&f, &mut b.cq).len(), 1);
+    let got_c = drain(&f, &mut c.cq);
+    assert_eq!(
+        got_c.iter().map(|w| w.qpn).collect::<Vec<_>>(),
+        vec![c2.qpn()]
+    );
+    // A group datagram to a QPN other than the multicast one is dropped.
+    let dest = UdDest {
+        ah: &ah,
+        qpn: b.qp.qpn(),
+        qkey: QKEY,
+    };
+    a.qp.post_send(&[SendWr::inline(9, WrOp::Send, &msg).to(dest)])
+        .unwrap();
+    assert_eq!(wait(&f, &mut a.cq, 1)[0].wr_id, 9);
+    assert!(drain(&f, &mut b.cq).is_empty());
+    for qp in [&a.qp, &b.qp, &c2] {
+        qp.detach_mcast(gid(group)).unwrap();
+    }
+    let _ = &mut p;
+}

@@ -84,7 +84,8 @@ pub(crate) fn mac_of_gid(gid: &[u8; 16]) -> Option<([u8; 6], [u8; 4])> {
     if gid[..10] != [0; 10] || gid[10] != 0xff || gid[11] != 0xff {
         return None;
     }
-    let a = ringbell::AhAttr::on_fabric([gid[12], gid[13], gid[14], gid[15]])?;
+    let ip = [gid[12], gid[13], gid[14], gid[15]];
+    let a = ringbell::AhAttr::on_fabric(ip).or_else(|| ringbell::AhAttr::multicast(ip))?;
     Some((a.mac, a.ip))
 }
 

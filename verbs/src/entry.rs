@@ -1101,10 +1101,10 @@ pub unsafe extern "C" fn ibv_query_qp_data_in_order(
 pub unsafe extern "C" fn ibv_destroy_qp(qp: *mut abi::ibv_qp) -> c_int {
     match owner(qp as usize) {
         Owner::Ours(Kind::Qp) => with(qp as *mut RbQp, Kind::Qp, libc::EINVAL, |st, q| {
-            // Flow rules hold their QP (uverbs: EBUSY).
-            match q.drv.flows_attached() {
-                0 => crate::qp::destroy(st, q),
-                _ => libc::EBUSY,
+            // Flow rules and multicast groups hold their QP (uverbs: EBUSY).
+            match q.drv.flows_attached() == 0 && q.mcast.is_empty() {
+                true => crate::qp::destroy(st, q),
+                false => libc::EBUSY,
             }
         }),
         Owner::Foreign => {

@@ -225,35 +225,53 @@ pub(crate) fn destroy(st: &mut State, f: &mut RbFlow) -> i32 {
     0
 }
 
-/// `ibv_attach_mcast`: a raw packet QP receives the frames to the multicast MAC address in
-/// the last six bytes of the GID (as mlx4 and mlx5 attach raw Ethernet QPs, and perftest's
-/// `--raw_mcast` builds its group), through a rule of its own. Attaching a group twice is
-/// harmless; a GID whose address is not multicast is EINVAL. UD multicast is EOPNOTSUPP.
+/// `ibv_attach_mcast`. A UD QP joins the group of an IPv4-mapped group address
+/// (`::ffff:224.0.0.0/100`; RoCEv2's form of a group; any other GID is EINVAL) and receives
+/// the datagrams sent to it (QPN `0xFFFFFF`). A raw packet QP receives the frames to the
+/// multicast MAC address in the last six bytes of the GID (as mlx4 and mlx5 attach raw
+/// Ethernet QPs, and perftest's `--raw_mcast` builds its group; an address that is not
+/// multicast is EINVAL), through a rule of its own. Attaching a group twice is harmless.
+/// Other QP types: EOPNOTSUPP.
 pub(crate) fn attach_mcast(qp: &mut RbQp, gid: [u8; 16]) -> i32 {
-    if qp.qpx.qp_base.qp_type != abi::ibv_qp_type_IBV_QPT_RAW_PACKET {
-        return libc::EOPNOTSUPP;
-    }
-    let mut mac = [0u8; 6];
-    mac.copy_from_slice(&gid[10..]);
-    if mac[0] & 1 == 0 {
-        return libc::EINVAL;
-    }
     if qp.mcast.iter().any(|(g, _)| *g == gid) {
         return 0;
     }
-    match qp.drv.create_flow(&FlowRule::default().dst_mac(mac)) {
-        Ok(f) => {
-            qp.mcast.push((gid, f));
-            0
+    let rule = match qp.qpx.qp_base.qp_type {
+        abi::ibv_qp_type_IBV_QPT_RAW_PACKET => {
+            let mut mac = [0u8; 6];
+            mac.copy_from_slice(&gid[10..]);
+            if mac[0] & 1 == 0 {
+                return libc::EINVAL;
+            }
+            match qp.drv.create_flow(&FlowRule::default().dst_mac(mac)) {
+                Ok(f) => Some(f),
+                Err(e) => return crate::errno_of(&e),
+            }
         }
-        Err(e) => crate::errno_of(&e),
-    }
+        abi::ibv_qp_type_IBV_QPT_UD => {
+            if ringbell_specs::cmd::mcast_group(&gid).is_none() {
+                return libc::EINVAL;
+            }
+            if let Err(e) = qp.drv.attach_mcast(gid) {
+                return crate::errno_of(&e);
+            }
+            None
+        }
+        _ => return libc::EOPNOTSUPP,
+    };
+    qp.mcast.push((gid, rule));
+    0
 }
 
 /// `ibv_detach_mcast`: EINVAL for a group the QP is not attached to.
 pub(crate) fn detach_mcast(qp: &mut RbQp, gid: [u8; 16]) -> i32 {
     match qp.mcast.iter().position(|(g, _)| *g == gid) {
         Some(i) => {
+            if qp.mcast[i].1.is_none() {
+                if let Err(e) = qp.drv.detach_mcast(gid) {
+                    return crate::errno_of(&e);
+                }
+            }
             qp.mcast.remove(i);
             0
         }

@@ -67,8 +67,9 @@ pub(crate) struct RbQp {
     /// An RSS QP's indirection table (NULL for any other QP): it only receives, through
     /// the table's WQs.
     pub ind_table: *mut crate::wq::RbIndTable,
-    /// The multicast groups a raw packet QP is attached to, each a rule on its MAC address.
-    pub mcast: Vec<([u8; 16], ringbell::raw::Flow)>,
+    /// The multicast groups the QP is attached to: a raw packet QP's each through a rule on
+    /// its MAC address, a UD QP's through the device's group table.
+    pub mcast: Vec<([u8; 16], Option<ringbell::raw::Flow>)>,
 }
 
 /// The send operations a ringbell QP can build.
@@ -328,8 +329,12 @@ pub(crate) fn destroy(st: &mut State, qp: &mut RbQp) -> i32 {
             t.users -= 1;
         }
     }
-    // Multicast groups (rules on the QP) go before the QP.
-    qp.mcast.clear();
+    // Multicast groups (rules on the QP, or the device's attachments) go before the QP.
+    for (gid, rule) in qp.mcast.drain(..) {
+        if rule.is_none() {
+            let _ = qp.drv.detach_mcast(gid);
+        }
+    }
     // SAFETY: the `RbQp` `create` boxed, now out of the registry.
     drop(unsafe { Box::from_raw(p) });
     0
@@ -393,6 +398,8 @@ pub(crate) fn modify(qp: &mut RbQp, attr: &abi::ibv_qp_attr, mask: u32) -> i32 {
         // SAFETY: every bit pattern is a valid `raw` view of the GID union.
         let dgid = unsafe { ah.grh.dgid.raw };
         match mac_of_gid(&dgid) {
+            // A connection has one peer: a group address is no path.
+            Some((mac, _)) if mac[0] & 1 != 0 => return libc::EINVAL,
             Some((mac, ip)) => {
                 a.dest_mac = mac;
                 a.dest_ip = ip;

@@ -624,6 +624,91 @@ static void too_long(void)
 	printf("  4097 bytes: IBV_WC_LOC_LEN_ERR, nothing received\n");
 }
 
+/* Multicast (ibv_attach_mcast(3)): a datagram to a group (an AH to ::ffff:239.1.2.3, QPN
+ * 0xFFFFFF) reaches every attached QP once, the sender's own NIC's included; a detached or
+ * unattached QP gets nothing; a QP attached to a group cannot be destroyed (EBUSY); what
+ * is refused. */
+static void multicast(void)
+{
+	struct ud a, b;
+	ud_open(&a, "rb0");
+	ud_open(&b, "rb1");
+	union ibv_gid grp = {0};
+	grp.raw[10] = grp.raw[11] = 0xff;
+	grp.raw[12] = 239, grp.raw[13] = 1, grp.raw[14] = 2, grp.raw[15] = 3;
+	union ibv_gid uni = b.gid;
+	CHECK_RET(ibv_attach_mcast(b.qp, &uni, 0), EINVAL);
+	CHECK_RET(ibv_attach_mcast(b.qp, NULL, 0), EINVAL);
+	CHECK_RET(ibv_attach_mcast(b.qp, &grp, 0), 0);
+	CHECK_RET(ibv_attach_mcast(b.qp, &grp, 0), 0);
+	struct ibv_qp *b2 = ud_create(&b, 0);
+	ud_ready(b2, QKEY, 0);
+	CHECK_RET(ibv_attach_mcast(b2, &grp, 0), 0);
+	struct ibv_qp *idle = ud_create(&b, 0);
+	ud_ready(idle, QKEY, 0);
+	for (int i = 0; i < 2; i++) {
+		post_recv(b.qp, 100 + i, b.buf + i * 1024, 1024, b.mr->lkey);
+		post_recv(b2, 200 + i, b.buf + 4096 + i * 1024, 1024, b.mr->lkey);
+		post_recv(idle, 300 + i, b.buf + 8192 + i * 1024, 1024, b.mr->lkey);
+	}
+	/* An address handle to the group. */
+	struct ibv_ah *ah = ah_to(a.pd, &grp);
+	memcpy(a.buf, "to the group", 12);
+	send_ud(&a, 1, 0, 12, ah, 0xffffff, QKEY);
+	sent(&a, 1);
+	struct ibv_wc wc;
+	int seen_b = 0, seen_b2 = 0;
+	for (int k = 0; k < 2; k++) {
+		EXPECT_WC(b.cq, &wc, IBV_WC_SUCCESS, IBV_WC_RECV);
+		CHECK_EQ(wc.byte_len, 40 + 12);
+		CHECK_EQ(wc.src_qp, a.qp->qp_num);
+		seen_b += wc.qp_num == b.qp->qp_num;
+		seen_b2 += wc.qp_num == b2->qp_num;
+	}
+	CHECK(seen_b == 1 && seen_b2 == 1);
+	CHECK(memcmp(b.buf + 40, "to the group", 12) == 0);
+	EXPECT_NO_WC(b.cq, 200);
+	/* Attached QPs hold: EBUSY until detached; a second detach is EINVAL. */
+	CHECK_RET(ibv_destroy_qp(b2), EBUSY);
+	CHECK_RET(ibv_detach_mcast(b2, &grp, 0), 0);
+	CHECK_RET(ibv_detach_mcast(b2, &grp, 0), EINVAL);
+	/* The sender's own NIC: attached, it receives its own group's datagram too. */
+	CHECK_RET(ibv_attach_mcast(a.qp, &grp, 0), 0);
+	post_recv(a.qp, 400, a.buf + 4096, 1024, a.mr->lkey);
+	send_ud(&a, 2, 0, 12, ah, 0xffffff, QKEY);
+	int got_send = 0, got_recv = 0;
+	for (int k = 0; k < 2; k++) {
+		POLL_ONE(a.cq, &wc);
+		CHECK_EQ(wc.status, IBV_WC_SUCCESS);
+		got_send += wc.opcode == IBV_WC_SEND;
+		got_recv += wc.opcode == IBV_WC_RECV && wc.wr_id == 400;
+	}
+	CHECK(got_send == 1 && got_recv == 1);
+	EXPECT_WC(b.cq, &wc, IBV_WC_SUCCESS, IBV_WC_RECV);
+	CHECK_EQ(wc.qp_num, b.qp->qp_num);
+	EXPECT_NO_WC(b.cq, 200);
+	CHECK_RET(ibv_detach_mcast(a.qp, &grp, 0), 0);
+	CHECK_RET(ibv_detach_mcast(b.qp, &grp, 0), 0);
+	CHECK_RET(ibv_destroy_qp(b2), 0);
+	CHECK_RET(ibv_destroy_qp(idle), 0);
+	CHECK_RET(ibv_destroy_ah(ah), 0);
+	/* An RC QP has no groups; a group is no path for a connection. */
+	struct side r;
+	side_open(&r, "rb0", 4096, 16);
+	struct qp_opts o = default_qp_opts();
+	struct ibv_qp *rc = side_qp(&r, &o);
+	CHECK_RET(ibv_attach_mcast(rc, &grp, 0), EOPNOTSUPP);
+	qp_to_init(rc);
+	struct ibv_qp_attr at = rtr_attr(2, &grp, &o);
+	CHECK_RET(ibv_modify_qp(rc, &at, IBV_QP_STATE | IBV_QP_AV | IBV_QP_PATH_MTU |
+						IBV_QP_DEST_QPN | IBV_QP_RQ_PSN |
+						IBV_QP_MAX_DEST_RD_ATOMIC | IBV_QP_MIN_RNR_TIMER),
+		  EINVAL);
+	side_close(&r);
+	ud_close(&a);
+	ud_close(&b);
+}
+
 int main(void)
 {
 	creation();
@@ -640,6 +725,7 @@ int main(void)
 	ud_close(&b);
 	builder();
 	too_long();
+	multicast();
 	printf("ud: all checks passed\n");
 	return 0;
 }
