@@ -788,9 +788,12 @@ pub struct QueuePair {
     uc: bool,
     /// An XRC initiator or target (ABI 1.11).
     xrc: Option<QpType>,
-    /// A raw packet QP (ABI 1.12), and the flow rules that name it.
+    /// A raw packet QP (ABI 1.12), the numbers of the flow rules that name it (shared with
+    /// their handles), and the multicast groups it is attached to: dropping the QP removes
+    /// them first, as the device would not destroy it otherwise.
     pub(crate) raw: bool,
-    pub(crate) flows: Rc<std::cell::Cell<u32>>,
+    pub(crate) flows: Rc<std::cell::RefCell<Vec<u32>>>,
+    pub(crate) mcast: std::cell::RefCell<Vec<[u8; 16]>>,
     /// The receive WQs of its RSS table, alive while it is.
     pub(crate) rss: std::cell::RefCell<Vec<Rc<crate::srq::SrqObject>>>,
     state: QpState,
@@ -972,6 +975,7 @@ impl ProtectionDomain {
             xrc: ini.then_some(QpType::XrcIni),
             raw,
             flows: Default::default(),
+            mcast: Default::default(),
             rss: Default::default(),
             cntrs: Default::default(),
             _uses: Uses::Qp(
@@ -1022,6 +1026,7 @@ impl QueuePair {
             xrc: Some(QpType::XrcTgt),
             raw: false,
             flows: Default::default(),
+            mcast: Default::default(),
             rss: Default::default(),
             cntrs: Default::default(),
             _uses: Uses::XrcTarget(xrcd.clone()),
@@ -1545,6 +1550,7 @@ pub(crate) fn write_recv_wqe(
 
 impl Drop for QueuePair {
     fn drop(&mut self) {
+        self.release_steering();
         let _ = self.dev.inner.destroy(CmdOpcode::DestroyQp, self.qpn);
         self.dev.inner.qps.borrow_mut().remove(&self.qpn);
     }

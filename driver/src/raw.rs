@@ -25,7 +25,7 @@ use ringbell_specs::cmd::{
 };
 pub use ringbell_specs::cmd::{FlowMatch, RAW_MAX_FRAME, RAW_MIN_FRAME};
 use ringbell_specs::regs;
-use std::cell::Cell;
+use std::cell::RefCell;
 use std::rc::Rc;
 use zerocopy::IntoBytes;
 
@@ -112,14 +112,15 @@ pub fn mapped(ip: [u8; 4]) -> [u8; 16] {
     a
 }
 
-/// A flow-steering rule. Dropping it removes the rule. Its QP cannot be destroyed while a
-/// rule names it (the device refuses, as Linux's `ibv_destroy_qp` is `EBUSY`): drop the
-/// rules first.
+/// A flow-steering rule. Dropping it removes the rule. The device refuses to destroy a QP
+/// that a rule names (as Linux's `ibv_destroy_qp` is `EBUSY`): dropping the
+/// [`QueuePair`] removes its remaining rules first, and their handles then do nothing.
 #[derive(Debug)]
 pub struct Flow {
     dev: Device,
     num: u32,
-    held: Rc<Cell<u32>>,
+    /// The rule numbers of its QP (shared with it): a rule no longer listed is gone.
+    held: Rc<RefCell<Vec<u32>>>,
 }
 
 impl Flow {
@@ -131,13 +132,10 @@ impl Flow {
 
 impl Drop for Flow {
     fn drop(&mut self) {
-        if self
-            .dev
-            .inner
-            .destroy(CmdOpcode::DestroyFlow, self.num)
-            .is_ok()
-        {
-            self.held.set(self.held.get().saturating_sub(1));
+        let mut held = self.held.borrow_mut();
+        if let Some(i) = held.iter().position(|&n| n == self.num) {
+            held.swap_remove(i);
+            let _ = self.dev.inner.destroy(CmdOpcode::DestroyFlow, self.num);
         }
     }
 }
@@ -166,7 +164,7 @@ impl QueuePair {
             .device()
             .inner
             .create(CmdOpcode::CreateFlow, input.as_bytes())?;
-        self.flows.set(self.flows.get() + 1);
+        self.flows.borrow_mut().push(num);
         Ok(Flow {
             dev: self.device().clone(),
             num,
@@ -176,7 +174,23 @@ impl QueuePair {
 
     /// Flow rules that name this QP.
     pub fn flows_attached(&self) -> u32 {
-        self.flows.get()
+        self.flows.borrow().len() as u32
+    }
+
+    /// Multicast groups this QP is attached to.
+    pub fn mcast_attached(&self) -> u32 {
+        self.mcast.borrow().len() as u32
+    }
+
+    /// Removes the rules that name this QP and detaches it from its groups (before its
+    /// DESTROY_QP).
+    pub(crate) fn release_steering(&self) {
+        for n in self.flows.borrow_mut().drain(..) {
+            let _ = self.device().inner.destroy(CmdOpcode::DestroyFlow, n);
+        }
+        for gid in self.mcast.borrow_mut().drain(..) {
+            let _ = self.mcast_command(CmdOpcode::DetachMcast, gid);
+        }
     }
 
     /// Takes a raw packet QP from RESET to RTS (INIT with port 1, then RTR and RTS).
@@ -300,16 +314,24 @@ impl QueuePair {
     /// Attaches this UD QP to the multicast group of `gid` (an IPv4-mapped address of
     /// 224.0.0.0/4): it receives the datagrams sent to the group ([`AhAttr::multicast`],
     /// QPN [`MCAST_QPN`](ringbell_specs::cmd::MCAST_QPN)) while it is attached. Attaching
-    /// twice changes nothing. The device refuses to destroy a QP that is still attached.
+    /// twice changes nothing. The device refuses to destroy a QP that is still attached:
+    /// dropping the [`QueuePair`] detaches it first.
     ///
     /// [`AhAttr::multicast`]: crate::AhAttr::multicast
     pub fn attach_mcast(&self, gid: [u8; 16]) -> Result<(), Error> {
-        self.mcast_command(CmdOpcode::AttachMcast, gid)
+        self.mcast_command(CmdOpcode::AttachMcast, gid)?;
+        let mut m = self.mcast.borrow_mut();
+        if !m.contains(&gid) {
+            m.push(gid);
+        }
+        Ok(())
     }
 
     /// Detaches this QP from the group of `gid` (not attached: the device's `BAD_RESOURCE`).
     pub fn detach_mcast(&self, gid: [u8; 16]) -> Result<(), Error> {
-        self.mcast_command(CmdOpcode::DetachMcast, gid)
+        self.mcast_command(CmdOpcode::DetachMcast, gid)?;
+        self.mcast.borrow_mut().retain(|g| *g != gid);
+        Ok(())
     }
 
     fn mcast_command(&self, op: CmdOpcode, gid: [u8; 16]) -> Result<(), Error> {

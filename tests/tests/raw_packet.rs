@@ -555,3 +555,29 @@ fn a_corrupted_frame_is_dropped_never_delivered() {
         assert!(sent.contains(&back), "receive {k} is a frame that was sent");
     }
 }
+
+#[test]
+fn dropping_a_qp_removes_its_rules_and_groups_first() {
+    let f = Fabric::new(FabricConfig::new(2, 9));
+    let mut a = raw_side(&f, 0);
+    let b = raw_side(&f, 1);
+    let b_mac = b.dev.ah_attr().mac;
+    let mut qp = raw_qp(&b);
+    let rule = qp.create_flow(&FlowRule::default().dst_mac(b_mac)).unwrap();
+    post_recvs(&mut qp, &b.mr, 0, 2);
+    let fr = udp4(b_mac, [1, 1, 1, 1], [2, 2, 2, 2], (1, 2), b"x");
+    send_frame(&f, &mut a, &fr, 1);
+    settle(&f);
+    let qpn = qp.qpn();
+    // The QP goes before its rule's handle: the device destroys both (no rule is left to
+    // steer the next frame, which is then not RoCE to a NIC without rules), and the
+    // handle's drop afterwards does nothing.
+    drop(qp);
+    drop(rule);
+    let malformed = f.nic_stats(1).rx_malformed;
+    send_frame(&f, &mut a, &fr, 2);
+    settle(&f);
+    assert_eq!(f.nic_stats(1).rx_malformed, malformed + 1);
+    // The QP number is free again: the device destroyed the QP.
+    assert_eq!(raw_qp(&b).qpn(), qpn);
+}

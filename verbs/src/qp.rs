@@ -329,12 +329,8 @@ pub(crate) fn destroy(st: &mut State, qp: &mut RbQp) -> i32 {
             t.users -= 1;
         }
     }
-    // Multicast groups (rules on the QP, or the device's attachments) go before the QP.
-    for (gid, rule) in qp.mcast.drain(..) {
-        if rule.is_none() {
-            let _ = qp.drv.detach_mcast(gid);
-        }
-    }
+    // The QP's multicast groups and rules go with it (the driver removes them first).
+    qp.mcast.clear();
     // SAFETY: the `RbQp` `create` boxed, now out of the registry.
     drop(unsafe { Box::from_raw(p) });
     0
