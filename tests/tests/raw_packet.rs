@@ -592,11 +592,12 @@ fn raw_frames_in_a_capture_and_a_timeline_arrive_unchanged() {
     let mut a = raw_side(&f, 0);
     let mut b = raw_side(&f, 1);
     let b_mac = b.dev.ah_attr().mac;
-    let _fl = b
-        .qp
-        .create_flow(&FlowRule::default().dst_mac(b_mac))
-        .unwrap();
-    let _fm = b.qp.create_flow(&FlowRule::default().dst_mac(MCAST)).unwrap();
+    let _fl =
+        b.qp.create_flow(&FlowRule::default().dst_mac(b_mac))
+            .unwrap();
+    let _fm =
+        b.qp.create_flow(&FlowRule::default().dst_mac(MCAST))
+            .unwrap();
     post_recvs(&mut b.qp, &b.mr, 0, 4);
     let frames = [
         udp4(b_mac, [1, 1, 1, 1], [2, 2, 2, 2], (1, 2), &[7; 100]),
@@ -611,9 +612,7 @@ fn raw_frames_in_a_capture_and_a_timeline_arrive_unchanged() {
         assert_eq!(send_frame(&f, &mut a, &fr, i as u64), WcStatus::Success);
         let got = wait(&f, &mut b.cq, 1)[0];
         let mut back = vec![0u8; got.byte_len as usize];
-        b.buf
-            .read((got.wr_id * 16384) as usize, &mut back)
-            .unwrap();
+        b.buf.read((got.wr_id * 16384) as usize, &mut back).unwrap();
         assert_eq!(back, fr, "frame {i}");
     }
     settle(&f);
