@@ -339,6 +339,8 @@ impl DevInner {
         if let Some(why) = &*self.lost.borrow() {
             return Err(Error::DeviceLost(why.clone()));
         }
+        // Processes that share the device (a child of fork and its parent) take turns.
+        let _turn = self.port.exclusive();
         let token = self.token.get().wrapping_add(1).max(1);
         self.token.set(token);
         let hdr = CmdHeader {

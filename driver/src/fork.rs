@@ -28,8 +28,10 @@
 //! elsewhere (a served emulator, hardware), the driver's own files (rings, mailboxes, DMA
 //! buffers: `memfd:ringbell-dma`) are left shared, since that device keeps using the
 //! parent's: the child shares the device with its parent, as a child shares a kernel RDMA
-//! context, and must not post work or commands on it while the parent does (nothing
-//! serializes the two). Registered program memory is copied all the same.
+//! context. Their commands and vfio-user exchanges take turns through a lock they share
+//! ([`crate::vfio::SharedLock`]), as the kernel serializes a shared context's commands;
+//! posting to one queue from both at once is theirs to avoid, as on hardware. Registered
+//! program memory is copied all the same.
 //!
 //! What stays shared: a file whose pages lie where the forking thread's calls into fork run
 //! (stack memory the program registered, just below the caller of fork): the child runs on

@@ -66,6 +66,14 @@ pub trait Port {
     fn interrupt_fd(&self, _vector: u32) -> Option<BorrowedFd<'_>> {
         None
     }
+    /// Holds off the other processes that share this device (children of `fork` share a
+    /// device outside the process, and its command mailbox) for as long as the guard lives:
+    /// the driver holds it for each command, as the kernel serializes the commands of an
+    /// RDMA context that processes share. `None` (the default): nothing to serialize (the
+    /// in-process emulator, which a child of `fork` gets a copy of).
+    fn exclusive(&self) -> Option<crate::vfio::SharedGuard<'_>> {
+        None
+    }
     /// Whether the device runs in lockstep with the caller, one [`Port::progress`] call at a
     /// time (the in-process emulator): a command then waits until it completes or the
     /// device goes idle, and no wall-clock timeout applies. Hardware and a device served by

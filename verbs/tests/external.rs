@@ -509,16 +509,15 @@ fn ibv_devinfo_shows_the_device_port_and_tag_matching() {
 }
 
 /// rdma-core 44's Python suite (shipped gzipped under /usr/share/doc/rdma-core/tests),
-/// copied to a scratch directory, unpacked and run against rb0 through pyverbs.
-#[test]
-fn rdma_core_test_suite_passes_on_rb0() {
+/// copied to a scratch directory `name` and unpacked.
+fn rdma_core_tests(name: &str) -> PathBuf {
     let installed = Path::new("/usr/share/doc/rdma-core/tests");
     assert!(
         installed.join("run_tests.py").exists(),
         "rdma-core's tests are missing: install the Debian packages rdma-core and python3-pyverbs"
     );
     need("/usr/bin/python3", "python3");
-    let dir = std::env::temp_dir().join(format!("ringbell-rdma-core-tests-{}", std::process::id()));
+    let dir = std::env::temp_dir().join(format!("ringbell-{name}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     let st = Command::new("cp")
         .arg("-r")
@@ -536,6 +535,39 @@ fn rdma_core_test_suite_passes_on_rb0() {
         let st = Command::new("gunzip").args(&gz).status().unwrap();
         assert!(st.success());
     }
+    dir
+}
+
+/// The same suite against the two NICs of a `ringbell-emu serve` (over vfio-user): it
+/// passes whole. Its `test_multi_process_alloc_dm` has five children of `fork` issue
+/// commands on their parent's context at once, which share the served device with it (and
+/// the socket): the driver serializes them as the kernel serializes a shared context's.
+#[test]
+fn rdma_core_test_suite_passes_on_a_served_nic() {
+    let dir = rdma_core_tests("rdma-core-served");
+    let srv = Served::start("rdma-core-served");
+    let mut cmd = srv.command("/usr/bin/python3");
+    cmd.current_dir(&dir)
+        .args(["run_tests.py", "--dev", "rb0"])
+        .env_remove("RINGBELL_NICS");
+    let o = run(cmd, Duration::from_secs(600));
+    let t = text(&o);
+    let _ = std::fs::remove_dir_all(&dir);
+    let summary = t
+        .lines()
+        .rev()
+        .find(|l| l.starts_with("OK") || l.starts_with("FAILED"));
+    assert!(
+        o.status.success() && summary.is_some_and(|l| l.starts_with("OK")),
+        "rdma-core suite on a served NIC failed ({summary:?}):\n{t}"
+    );
+    println!("rdma-core tests against a served rb0: {summary:?}");
+}
+
+/// rdma-core's suite against rb0 of the library's in-process fabric.
+#[test]
+fn rdma_core_test_suite_passes_on_rb0() {
+    let dir = rdma_core_tests("rdma-core-tests");
     let mut cmd = Command::new("/usr/bin/python3");
     cmd.current_dir(&dir)
         .args(["run_tests.py", "--dev", "rb0", "-v"])

@@ -9,6 +9,8 @@
 //! is an eventfd ([`Port::interrupt_fd`]).
 
 pub mod kernel;
+mod shared_lock;
+pub use shared_lock::{SharedGuard, SharedLock};
 pub mod sysfs;
 pub mod user;
 
@@ -302,6 +304,9 @@ impl Bar {
 pub struct VfioPort {
     bar: Bar,
     transport: Box<dyn Transport>,
+    /// Serializes the commands of this process and the children it forks, which share the
+    /// device (and its mailbox) with it.
+    commands: Option<SharedLock>,
     irq: Option<vmm_sys_util::eventfd::EventFd>,
     /// Trapped accesses that failed (kept for diagnosis: a `Port` cannot return an error).
     errors: std::cell::Cell<u64>,
@@ -325,6 +330,7 @@ impl VfioPort {
         irq: Option<vmm_sys_util::eventfd::EventFd>,
     ) -> VfioPort {
         VfioPort {
+            commands: SharedLock::new(),
             bar,
             transport,
             irq,
@@ -430,6 +436,10 @@ impl Port for VfioPort {
 
     fn failure(&self) -> Option<String> {
         self.transport.broken()
+    }
+
+    fn exclusive(&self) -> Option<SharedGuard<'_>> {
+        self.commands.as_ref().map(SharedLock::lock)
     }
 
     fn interrupt_fd(&self, vector: u32) -> Option<BorrowedFd<'_>> {

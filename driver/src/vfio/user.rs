@@ -462,6 +462,9 @@ impl Conn {
 #[derive(Debug)]
 pub struct UserTransport {
     conn: RefCell<Conn>,
+    /// Serializes the exchanges of this process and the children it forks, which share the
+    /// socket with it (a request and its reply go together).
+    turns: Option<super::SharedLock>,
     /// The DMA mappings the server accepted: IOVA to length.
     maps: RefCell<BTreeMap<u64, u64>>,
 }
@@ -491,6 +494,7 @@ impl UserTransport {
                 cmsg: nix::cmsg_space!([RawFd; SCM_MAX_FD]),
             }),
             maps: RefCell::new(BTreeMap::new()),
+            turns: super::SharedLock::new(),
         })
     }
 
@@ -545,6 +549,7 @@ impl UserTransport {
         fd: Option<BorrowedFd<'_>>,
         max_payload: usize,
     ) -> Result<Reply, VfioError> {
+        let _turn = self.turns.as_ref().map(super::SharedLock::lock);
         let mut conn = self.conn.borrow_mut();
         if let Some(why) = &conn.broken {
             return Err(VfioError::Protocol(format!(
