@@ -287,7 +287,8 @@ impl QueuePair {
                 "RSS: a power of two of this device's WQs, and a key of at most 40 bytes",
             ));
         }
-        let table = self.device().alloc_dma(4 * wqs.len())?;
+        // From the driver's DMA arena: no memory file of its own for a table read once.
+        let table = self.device().alloc_ring(4 * wqs.len())?;
         for (i, w) in wqs.iter().enumerate() {
             table.write(i * 4, &w.srqn().to_le_bytes())?;
         }

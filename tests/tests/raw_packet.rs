@@ -18,6 +18,15 @@ fn raw_side(f: &Fabric, node: usize) -> Side {
     s
 }
 
+/// A fabric of two nodes with a raw packet QP in RTS on each, and node 1's MAC address.
+fn two_raw(seed: u64) -> (Fabric, Side, Side, [u8; 6]) {
+    let f = Fabric::new(FabricConfig::new(2, seed));
+    let a = raw_side(&f, 0);
+    let b = raw_side(&f, 1);
+    let b_mac = b.dev.ah_attr().mac;
+    (f, a, b, b_mac)
+}
+
 /// Another raw packet QP on `s`'s device, completing on `s`'s CQ, in RTS.
 fn raw_qp(s: &Side) -> QueuePair {
     let mut init = QpInit::new(&s.cq, &s.cq);
@@ -109,10 +118,7 @@ fn post_recvs(qp: &mut QueuePair, mr: &MemoryRegion, base: u64, n: u64) {
 
 #[test]
 fn a_frame_arrives_whole_at_the_qp_its_rule_names() {
-    let f = Fabric::new(FabricConfig::new(2, 1));
-    let mut a = raw_side(&f, 0);
-    let mut b = raw_side(&f, 1);
-    let b_mac = b.dev.ah_attr().mac;
+    let (f, mut a, mut b, b_mac) = two_raw(1);
     let flow =
         b.qp.create_flow(&FlowRule::default().dst_mac(b_mac))
             .expect("flow");
@@ -177,10 +183,7 @@ fn multicast_reaches_every_nic_and_loops_back_to_the_sender() {
 
 #[test]
 fn the_lowest_priority_then_the_oldest_rule_wins() {
-    let f = Fabric::new(FabricConfig::new(2, 3));
-    let mut a = raw_side(&f, 0);
-    let b = raw_side(&f, 1);
-    let b_mac = b.dev.ah_attr().mac;
+    let (f, mut a, b, b_mac) = two_raw(3);
     let mut q: Vec<QueuePair> = (0..3).map(|_| raw_qp(&b)).collect();
     for (i, qp) in q.iter_mut().enumerate() {
         post_recvs(qp, &b.mr, (i as u64 + 1) << 16, 4);
@@ -205,10 +208,7 @@ fn the_lowest_priority_then_the_oldest_rule_wins() {
 
 #[test]
 fn ipv6_tcp_rules_and_prefix_masks() {
-    let f = Fabric::new(FabricConfig::new(2, 4));
-    let mut a = raw_side(&f, 0);
-    let mut b = raw_side(&f, 1);
-    let b_mac = b.dev.ah_attr().mac;
+    let (f, mut a, mut b, b_mac) = two_raw(4);
     let sip: [u8; 16] = [
         0xa0, 0xa1, 0, 0, 0, 0, 0, 0, 0, 0, 0xa2, 0xa3, 0xa4, 0xa5, 0xa6, 0xa7,
     ];
@@ -409,10 +409,7 @@ proptest! {
     #[test]
     fn steering_follows_priority_and_age(rules in proptest::collection::vec(ref_rule(), 1..5),
                                          pkts in proptest::collection::vec(pkt(), 1..10)) {
-        let f = Fabric::new(FabricConfig::new(2, 6));
-        let mut a = raw_side(&f, 0);
-        let b = raw_side(&f, 1);
-        let b_mac = b.dev.ah_attr().mac;
+        let (f, mut a, b, b_mac) = two_raw(6);
         let mut qps: Vec<QueuePair> = rules.iter().map(|_| raw_qp(&b)).collect();
         let mut flows = Vec::new();
         for (i, (r, qp)) in rules.iter().zip(&mut qps).enumerate() {
@@ -450,10 +447,7 @@ proptest! {
 #[test]
 fn rss_spreads_frames_over_its_wqs_by_the_toeplitz_hash() {
     use ringbell::raw::*;
-    let f = Fabric::new(FabricConfig::new(2, 7));
-    let mut a = raw_side(&f, 0);
-    let mut b = raw_side(&f, 1);
-    let b_mac = b.dev.ah_attr().mac;
+    let (f, mut a, mut b, b_mac) = two_raw(7);
     let key: Vec<u8> = (0..40u8).map(|i| i.wrapping_mul(37) ^ 0x5a).collect();
     let mut cqs: Vec<CompletionQueue> = (0..4).map(|_| b.dev.create_cq(64).unwrap()).collect();
     let mut wqs: Vec<SharedReceiveQueue> = cqs
@@ -558,10 +552,7 @@ fn a_corrupted_frame_is_dropped_never_delivered() {
 
 #[test]
 fn dropping_a_qp_removes_its_rules_and_groups_first() {
-    let f = Fabric::new(FabricConfig::new(2, 9));
-    let mut a = raw_side(&f, 0);
-    let b = raw_side(&f, 1);
-    let b_mac = b.dev.ah_attr().mac;
+    let (f, mut a, b, b_mac) = two_raw(9);
     let mut qp = raw_qp(&b);
     let rule = qp.create_flow(&FlowRule::default().dst_mac(b_mac)).unwrap();
     post_recvs(&mut qp, &b.mr, 0, 2);

@@ -1102,7 +1102,7 @@ pub unsafe extern "C" fn ibv_destroy_qp(qp: *mut abi::ibv_qp) -> c_int {
     match owner(qp as usize) {
         Owner::Ours(Kind::Qp) => with(qp as *mut RbQp, Kind::Qp, libc::EINVAL, |st, q| {
             // Flow rules and multicast groups hold their QP (uverbs: EBUSY).
-            match q.drv.flows_attached() == 0 && q.mcast.is_empty() {
+            match q.drv.flows_attached() == 0 && q.drv.mcast_attached() == 0 {
                 true => crate::qp::destroy(st, q),
                 false => libc::EBUSY,
             }

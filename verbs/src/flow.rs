@@ -200,9 +200,6 @@ pub(crate) fn create(
         _ => return Err(libc::EINVAL),
     }
     let rule = rule_of(attr, specs)?;
-    if crate::debug() {
-        eprintln!("ringbell-verbs: flow rule on QP {}: {rule:?}", qp.drv.qpn());
-    }
     let drv = qp.drv.create_flow(&rule).map_err(|e| crate::errno_of(&e))?;
     let p = Box::into_raw(Box::new(RbFlow {
         flow: abi::ibv_flow {
@@ -233,45 +230,41 @@ pub(crate) fn destroy(st: &mut State, f: &mut RbFlow) -> i32 {
 /// multicast is EINVAL), through a rule of its own. Attaching a group twice is harmless.
 /// Other QP types: EOPNOTSUPP.
 pub(crate) fn attach_mcast(qp: &mut RbQp, gid: [u8; 16]) -> i32 {
-    if qp.mcast.iter().any(|(g, _)| *g == gid) {
-        return 0;
-    }
-    let rule = match qp.qpx.qp_base.qp_type {
+    match qp.qpx.qp_base.qp_type {
         abi::ibv_qp_type_IBV_QPT_RAW_PACKET => {
+            if qp.mcast.iter().any(|(g, _)| *g == gid) {
+                return 0;
+            }
             let mut mac = [0u8; 6];
             mac.copy_from_slice(&gid[10..]);
             if mac[0] & 1 == 0 {
                 return libc::EINVAL;
             }
             match qp.drv.create_flow(&FlowRule::default().dst_mac(mac)) {
-                Ok(f) => Some(f),
-                Err(e) => return crate::errno_of(&e),
+                Ok(f) => {
+                    qp.mcast.push((gid, f));
+                    0
+                }
+                Err(e) => crate::errno_of(&e),
             }
         }
         abi::ibv_qp_type_IBV_QPT_UD => {
             if ringbell_specs::cmd::mcast_group(&gid).is_none() {
                 return libc::EINVAL;
             }
-            if let Err(e) = qp.drv.attach_mcast(gid) {
-                return crate::errno_of(&e);
-            }
-            None
+            crate::qp::post_result(qp.drv.attach_mcast(gid))
         }
-        _ => return libc::EOPNOTSUPP,
-    };
-    qp.mcast.push((gid, rule));
-    0
+        _ => libc::EOPNOTSUPP,
+    }
 }
 
 /// `ibv_detach_mcast`: EINVAL for a group the QP is not attached to.
 pub(crate) fn detach_mcast(qp: &mut RbQp, gid: [u8; 16]) -> i32 {
+    if qp.qpx.qp_base.qp_type == abi::ibv_qp_type_IBV_QPT_UD {
+        return crate::qp::post_result(qp.drv.detach_mcast(gid));
+    }
     match qp.mcast.iter().position(|(g, _)| *g == gid) {
         Some(i) => {
-            if qp.mcast[i].1.is_none() {
-                if let Err(e) = qp.drv.detach_mcast(gid) {
-                    return crate::errno_of(&e);
-                }
-            }
             qp.mcast.remove(i);
             0
         }

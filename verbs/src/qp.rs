@@ -67,9 +67,9 @@ pub(crate) struct RbQp {
     /// An RSS QP's indirection table (NULL for any other QP): it only receives, through
     /// the table's WQs.
     pub ind_table: *mut crate::wq::RbIndTable,
-    /// The multicast groups the QP is attached to: a raw packet QP's each through a rule on
-    /// its MAC address, a UD QP's through the device's group table.
-    pub mcast: Vec<([u8; 16], Option<ringbell::raw::Flow>)>,
+    /// The multicast groups a raw packet QP is attached to, each through a rule on its MAC
+    /// address (a UD QP's groups are the driver's: `QueuePair::mcast_attached`).
+    pub mcast: Vec<([u8; 16], ringbell::raw::Flow)>,
 }
 
 /// The send operations a ringbell QP can build.
