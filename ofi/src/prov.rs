@@ -1786,6 +1786,11 @@ impl State {
                 _ => None,
             })
             .collect();
+        // Datagrams taken from a shared receive context through different endpoints' QPs
+        // are reported in the order the context's receives were consumed (their work
+        // request ids follow the posts, and the SRQ is consumed in order), as one CQ of the
+        // device would have them, not endpoint by endpoint.
+        let mut shared_dgrams: Vec<(usize, WorkCompletion)> = Vec::new();
         for key in keys {
             loop {
                 let mut wc = [WorkCompletion::default(); 16];
@@ -1794,7 +1799,10 @@ impl State {
                     _ => 0,
                 };
                 for w in &wc[..k] {
-                    self.on_wc(key, w);
+                    match self.shared_dgram_context(key, w) {
+                        Some(s) => shared_dgrams.push((s, *w)),
+                        None => self.on_wc(key, w),
+                    }
                 }
                 if k < wc.len() {
                     break;
@@ -1802,6 +1810,10 @@ impl State {
             }
             self.tag_progress(key);
             self.rx_drain(key);
+        }
+        shared_dgrams.sort_by_key(|(s, w)| (*s, w.wr_id));
+        for (s, w) in &shared_dgrams {
+            self.on_wc(*s, w);
         }
         self.wait_sync_all();
         moved
@@ -1816,6 +1828,16 @@ impl State {
                 c.errs.push_back(en);
             }
         }
+    }
+
+    /// The shared receive context of datagram endpoints whose receive completion `w`, read
+    /// from endpoint `ep`'s CQ, is; `None` for any other completion.
+    fn shared_dgram_context(&self, ep: usize, w: &WorkCompletion) -> Option<usize> {
+        let e = self.objs_ep(ep).ok()?;
+        if w.wr_id & SRX_WR == 0 || e.srx || e.dgram.is_none() {
+            return None;
+        }
+        e.rx_shared
     }
 
     /// Handles one driver completion of endpoint `ep`.
