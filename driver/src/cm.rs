@@ -326,6 +326,30 @@ pub enum CmEvent {
         /// The QP this CM held, if any.
         qp: Option<QueuePair>,
     },
+    /// The passive side's answer to [`ConnectionManager::connect_external`]: the caller
+    /// moves its QP to RTR towards `remote` and to RTS sending from `local_psn`, under
+    /// `opts` (the two sides' options combined), then calls
+    /// [`ConnectionManager::establish`] (or [`ConnectionManager::refuse`]).
+    Replied {
+        /// The connection.
+        id: ConnId,
+        /// The peer's QP.
+        remote: Endpoint,
+        /// The first PSN the caller's QP sends.
+        local_psn: u32,
+        /// The options to move the QP with.
+        opts: ConnectOptions,
+        /// The peer's private data.
+        private: Vec<u8>,
+    },
+    /// A connection accepted with [`ConnectionManager::accept_external`] is up: the peer's
+    /// RTU arrived.
+    Ready {
+        /// The connection.
+        id: ConnId,
+        /// The peer's private data.
+        private: Vec<u8>,
+    },
     /// The connection is closed (the peer's DREQ, or the DREP to ours). The application
     /// moves its QP to ERR (or RESET) itself.
     Disconnected {
@@ -351,14 +375,37 @@ pub struct CmStats {
     pub duplicates: u64,
 }
 
+/// The QP of a connection being set up: held (and moved) by the CM, or the caller's, who
+/// moves it itself (the `*_external` calls, as librdmacm moves QPs for the kernel's CM).
+#[derive(Debug)]
+enum Held {
+    Qp(Box<QueuePair>),
+    Caller,
+}
+
+impl Held {
+    fn into_qp(self) -> Option<QueuePair> {
+        match self {
+            Held::Qp(qp) => Some(*qp),
+            Held::Caller => None,
+        }
+    }
+}
+
 #[derive(Debug)]
 enum State {
     /// Active: REQ sent, waiting for REP or REJ.
-    ReqSent { qp: QueuePair, opts: ConnectOptions },
+    ReqSent {
+        qp: Held,
+        qpn: u32,
+        opts: ConnectOptions,
+    },
+    /// Active, the caller's QP: REP received, waiting for the caller to move its QP.
+    RepRcvd,
     /// Passive: REQ received, waiting for the application.
     ReqRcvd { req: CmMsg },
-    /// Passive: REP sent, QP in RTR, waiting for RTU.
-    RepSent { qp: QueuePair, opts: ConnectOptions },
+    /// Passive: REP sent, QP in RTR (or RTS, the caller's), waiting for RTU.
+    RepSent { qp: Held, opts: ConnectOptions },
     /// Connected (both sides): repeats of REP are answered with RTU.
     Established,
     /// DREQ sent, waiting for DREP.
@@ -511,6 +558,35 @@ impl ConnectionManager {
                 state: qp.state(),
             });
         }
+        let qpn = qp.qpn();
+        self.start_connect(peer, service_id, Held::Qp(Box::new(qp)), qpn, opts, private)
+    }
+
+    /// [`ConnectionManager::connect`] for a QP the caller moves itself (QP number `qpn`
+    /// of this device, in RESET or INIT): the passive side's answer comes as
+    /// [`CmEvent::Replied`], and the connection is up once the caller has called
+    /// [`ConnectionManager::establish`]; or [`CmEvent::Rejected`] or
+    /// [`CmEvent::TimedOut`] (without a QP).
+    pub fn connect_external(
+        &mut self,
+        peer: AhAttr,
+        service_id: u64,
+        qpn: u32,
+        opts: &ConnectOptions,
+        private: &[u8],
+    ) -> Result<ConnId, Error> {
+        self.start_connect(peer, service_id, Held::Caller, qpn, opts, private)
+    }
+
+    fn start_connect(
+        &mut self,
+        peer: AhAttr,
+        service_id: u64,
+        qp: Held,
+        qpn: u32,
+        opts: &ConnectOptions,
+        private: &[u8],
+    ) -> Result<ConnId, Error> {
         if private.len() > MAX_REQ_PRIVATE {
             return Err(Error::InvalidArgument(
                 "REQ private data is at most 92 bytes",
@@ -527,8 +603,8 @@ impl ConnectionManager {
             remote_comm_id: 0,
             path_mtu: opts.path_mtu,
             service_id,
-            qpn: qp.qpn(),
-            psn: start_psn(id, qp.qpn()),
+            qpn,
+            psn: start_psn(id, qpn),
             responder_resources: opts.max_dest_rd_atomic,
             initiator_depth: opts.max_rd_atomic,
             retry_cnt: opts.retry_cnt,
@@ -539,7 +615,11 @@ impl ConnectionManager {
             ..Default::default()
         };
         let mut conn = Conn {
-            state: State::ReqSent { qp, opts: *opts },
+            state: State::ReqSent {
+                qp,
+                qpn,
+                opts: *opts,
+            },
             peer,
             remote_comm_id: 0,
             last: Vec::new(),
@@ -559,9 +639,89 @@ impl ConnectionManager {
     pub fn accept(
         &mut self,
         id: ConnId,
-        mut qp: QueuePair,
+        qp: QueuePair,
         opts: &ConnectOptions,
         private: &[u8],
+    ) -> Result<(), Error> {
+        if !qp.belongs_to(&self.dev) || qp.state() != QpState::Reset {
+            return Err(Error::InvalidArgument(
+                "accept needs an RC QP of this device in RESET",
+            ));
+        }
+        let qpn = qp.qpn();
+        let mut held = Some(qp);
+        self.answer(id, qpn, opts, private, |remote, mine, _| {
+            let qp = held.as_mut().expect("moved once");
+            qp.to_rtr(remote, mine)
+        })?;
+        let qp = held.take().expect("moved once");
+        self.hold(id, Held::Qp(Box::new(qp)));
+        Ok(())
+    }
+
+    /// [`ConnectionManager::accept`] for a QP the caller has moved itself (QP number
+    /// `qpn`): to RTR towards the requester and to RTS, as [`ConnectionManager::request`]
+    /// and [`first_psn`] give them; then the REP goes out. The connection is up at
+    /// [`CmEvent::Ready`].
+    pub fn accept_external(
+        &mut self,
+        id: ConnId,
+        qpn: u32,
+        opts: &ConnectOptions,
+        private: &[u8],
+    ) -> Result<(), Error> {
+        self.answer(id, qpn, opts, private, |_, _, _| Ok(()))?;
+        self.hold(id, Held::Caller);
+        Ok(())
+    }
+
+    /// The READ/atomic depths of the connection request `id` (a
+    /// [`CmEvent::ConnectRequest`] not answered yet): the requester's initiator depth and
+    /// responder resources.
+    pub fn request_depths(&self, id: ConnId) -> Option<(u8, u8)> {
+        match &self.conns.get(&id.0)?.state {
+            State::ReqRcvd { req } => Some((req.initiator_depth, req.responder_resources)),
+            _ => None,
+        }
+    }
+
+    /// The connection request `id` (a [`CmEvent::ConnectRequest`] not answered yet):
+    /// the requester's QP and the options both sides agree on.
+    pub fn request(&self, id: ConnId, opts: &ConnectOptions) -> Option<(Endpoint, ConnectOptions)> {
+        let conn = self.conns.get(&id.0)?;
+        let State::ReqRcvd { req } = &conn.state else {
+            return None;
+        };
+        Some((
+            Endpoint {
+                qpn: req.qpn,
+                psn: req.psn,
+                mac: conn.peer.mac,
+                ip: conn.peer.ip,
+            },
+            ConnectOptions {
+                path_mtu: opts.path_mtu.min(req.path_mtu).max(1),
+                max_rd_atomic: opts.max_rd_atomic.min(req.responder_resources),
+                ..*opts
+            },
+        ))
+    }
+
+    fn hold(&mut self, id: ConnId, qp: Held) {
+        if let Some(State::RepSent { qp: h, .. }) = self.conns.get_mut(&id.0).map(|c| &mut c.state)
+        {
+            *h = qp;
+        }
+    }
+
+    /// Checks the request `id`, lets `up` move the QP, and sends the REP.
+    fn answer(
+        &mut self,
+        id: ConnId,
+        qpn: u32,
+        opts: &ConnectOptions,
+        private: &[u8],
+        up: impl FnOnce(&Endpoint, &ConnectOptions, u32) -> Result<(), Error>,
     ) -> Result<(), Error> {
         let Some(conn) = self.conns.get(&id.0) else {
             return Err(Error::InvalidArgument("no such connection request"));
@@ -571,37 +731,22 @@ impl ConnectionManager {
                 "the connection is not awaiting an answer",
             ));
         };
-        if !qp.belongs_to(&self.dev) || qp.state() != QpState::Reset {
-            return Err(Error::InvalidArgument(
-                "accept needs an RC QP of this device in RESET",
-            ));
-        }
         if private.len() > MAX_REP_PRIVATE {
             return Err(Error::InvalidArgument(
                 "REP private data is at most 196 bytes",
             ));
         }
         let req = req.clone();
-        let mine = ConnectOptions {
-            path_mtu: opts.path_mtu.min(req.path_mtu).max(1),
-            max_rd_atomic: opts.max_rd_atomic.min(req.responder_resources),
-            ..*opts
-        };
-        let remote = Endpoint {
-            qpn: req.qpn,
-            psn: req.psn,
-            mac: conn.peer.mac,
-            ip: conn.peer.ip,
-        };
-        qp.to_rtr(&remote, &mine)?;
+        let (remote, mine) = self.request(id, opts).expect("checked above");
+        up(&remote, &mine, start_psn(id.0, qpn))?;
         let rep = CmMsg {
             kind: Some(CmKind::Rep),
             local_comm_id: id.0,
             remote_comm_id: req.local_comm_id,
             path_mtu: mine.path_mtu,
             service_id: req.service_id,
-            qpn: qp.qpn(),
-            psn: start_psn(id.0, qp.qpn()),
+            qpn,
+            psn: start_psn(id.0, qpn),
             responder_resources: mine.max_dest_rd_atomic,
             initiator_depth: mine.max_rd_atomic,
             min_rnr_timer: mine.min_rnr_timer,
@@ -610,7 +755,10 @@ impl ConnectionManager {
         };
         let mut conn = self.conns.remove(&id.0).expect("checked above");
         rep.emit(&mut conn.last);
-        conn.state = State::RepSent { qp, opts: mine };
+        conn.state = State::RepSent {
+            qp: Held::Caller,
+            opts: mine,
+        };
         conn.repeats = 0;
         let r = self.send_and_arm(&mut conn);
         self.conns.insert(id.0, conn);
@@ -646,6 +794,55 @@ impl ConnectionManager {
         self.time_wait(&mut conn);
         self.conns.insert(id.0, conn);
         r
+    }
+
+    /// Completes [`ConnectionManager::connect_external`] once the caller has moved its QP
+    /// as [`CmEvent::Replied`] said: the RTU goes out and the connection is up.
+    pub fn establish(&mut self, id: ConnId) -> Result<(), Error> {
+        let Some(conn) = self.conns.get_mut(&id.0) else {
+            return Err(Error::InvalidArgument("no such connection"));
+        };
+        if !matches!(conn.state, State::RepRcvd) {
+            return Err(Error::InvalidArgument("the connection awaits no RTU"));
+        }
+        let rtu = CmMsg::about(CmKind::Rtu, id.0, conn.remote_comm_id);
+        conn.last.clear();
+        rtu.emit(&mut conn.last);
+        conn.state = State::Established;
+        conn.deadline = None;
+        let (peer, last) = (conn.peer, conn.last.clone());
+        self.send(peer, &last)
+    }
+
+    /// Refuses the REP of a [`CmEvent::Replied`] connection (the caller could not move
+    /// its QP): a REJ goes to the peer.
+    pub fn refuse(&mut self, id: ConnId) -> Result<(), Error> {
+        let Some(mut conn) = self.conns.remove(&id.0) else {
+            return Err(Error::InvalidArgument("no such connection"));
+        };
+        if !matches!(conn.state, State::RepRcvd) {
+            self.conns.insert(id.0, conn);
+            return Err(Error::InvalidArgument("the connection awaits no RTU"));
+        }
+        let rej = CmMsg {
+            reason: REJ_CONSUMER,
+            ..CmMsg::about(CmKind::Rej, id.0, conn.remote_comm_id)
+        };
+        conn.last.clear();
+        rej.emit(&mut conn.last);
+        let r = self.send(conn.peer, &conn.last);
+        self.time_wait(&mut conn);
+        self.conns.insert(id.0, conn);
+        r
+    }
+
+    /// Forgets connection `id` at once, whatever its state, without a word to the peer
+    /// (its owner is gone; the peer's timers end its side). A QP the CM held is dropped.
+    pub fn forget(&mut self, id: ConnId) {
+        if let Some(c) = self.conns.remove(&id.0) {
+            self.by_remote.remove(&(c.peer, c.remote_comm_id));
+        }
+        self.events.retain(|e| e.id() != id);
     }
 
     /// Closes the established connection `id`: a DREQ goes to the peer, and
@@ -898,7 +1095,36 @@ impl ConnectionManager {
         };
         let mut conn = self.conns.remove(&id).expect("conn_of found it");
         match std::mem::replace(&mut conn.state, State::TimeWait) {
-            State::ReqSent { mut qp, opts } => {
+            State::ReqSent {
+                qp: Held::Caller,
+                qpn,
+                opts,
+            } => {
+                conn.remote_comm_id = m.local_comm_id;
+                conn.state = State::RepRcvd;
+                conn.deadline = None;
+                self.events.push_back(CmEvent::Replied {
+                    id: ConnId(id),
+                    remote: Endpoint {
+                        qpn: m.qpn,
+                        psn: m.psn,
+                        mac: from.mac,
+                        ip: from.ip,
+                    },
+                    local_psn: start_psn(id, qpn),
+                    opts: ConnectOptions {
+                        path_mtu: opts.path_mtu.min(m.path_mtu).max(1),
+                        max_rd_atomic: opts.max_rd_atomic.min(m.responder_resources),
+                        ..opts
+                    },
+                    private: m.private,
+                });
+            }
+            State::ReqSent {
+                qp: Held::Qp(mut qp),
+                opts,
+                ..
+            } => {
                 let mine = ConnectOptions {
                     path_mtu: opts.path_mtu.min(m.path_mtu).max(1),
                     max_rd_atomic: opts.max_rd_atomic.min(m.responder_resources),
@@ -928,7 +1154,7 @@ impl ConnectionManager {
                         id: ConnId(id),
                         reason: REJ_CONSUMER,
                         private: Vec::new(),
-                        qp: Some(qp),
+                        qp: Some(*qp),
                     });
                 } else {
                     let rtu = CmMsg::about(CmKind::Rtu, id, m.local_comm_id);
@@ -938,7 +1164,7 @@ impl ConnectionManager {
                     conn.deadline = None;
                     self.events.push_back(CmEvent::Established {
                         id: ConnId(id),
-                        qp,
+                        qp: *qp,
                         private: m.private,
                     });
                 }
@@ -952,6 +1178,11 @@ impl ConnectionManager {
                     let _ = self.send(from, &last);
                 }
                 conn.state = s;
+            }
+            State::RepRcvd => {
+                // The caller is moving its QP: its RTU follows.
+                self.stats.duplicates += 1;
+                conn.state = State::RepRcvd;
             }
             s => {
                 self.stats.ignored += 1;
@@ -968,14 +1199,26 @@ impl ConnectionManager {
         };
         let mut conn = self.conns.remove(&id).expect("conn_of found it");
         match std::mem::replace(&mut conn.state, State::Established) {
-            State::RepSent { mut qp, opts } => {
+            State::RepSent {
+                qp: Held::Caller, ..
+            } => {
+                conn.deadline = None;
+                self.events.push_back(CmEvent::Ready {
+                    id: ConnId(id),
+                    private: m.private,
+                });
+            }
+            State::RepSent {
+                qp: Held::Qp(mut qp),
+                opts,
+            } => {
                 let psn = start_psn(id, qp.qpn());
                 match qp.to_rts(psn, &opts) {
                     Ok(()) => {
                         conn.deadline = None;
                         self.events.push_back(CmEvent::Established {
                             id: ConnId(id),
-                            qp,
+                            qp: *qp,
                             private: m.private,
                         });
                     }
@@ -983,7 +1226,7 @@ impl ConnectionManager {
                         self.time_wait(&mut conn);
                         self.events.push_back(CmEvent::TimedOut {
                             id: ConnId(id),
-                            qp: Some(qp),
+                            qp: Some(*qp),
                         });
                     }
                 }
@@ -1010,7 +1253,17 @@ impl ConnectionManager {
                     id: ConnId(id),
                     reason: m.reason,
                     private: m.private,
-                    qp: Some(qp),
+                    qp: qp.into_qp(),
+                });
+            }
+            State::RepRcvd => {
+                conn.last.clear();
+                self.time_wait(&mut conn);
+                self.events.push_back(CmEvent::Rejected {
+                    id: ConnId(id),
+                    reason: m.reason,
+                    private: m.private,
+                    qp: None,
                 });
             }
             s => {
@@ -1086,13 +1339,12 @@ impl ConnectionManager {
                 continue;
             }
             if conn.repeats >= self.cfg.retries {
-                let qp = match std::mem::replace(&mut conn.state, State::TimeWait) {
-                    State::ReqSent { qp, .. } | State::RepSent { qp, .. } => Some(qp),
-                    _ => None,
-                };
-                let ev = match qp {
-                    None => CmEvent::Disconnected { id: ConnId(id) },
-                    qp => CmEvent::TimedOut { id: ConnId(id), qp },
+                let ev = match std::mem::replace(&mut conn.state, State::TimeWait) {
+                    State::ReqSent { qp, .. } | State::RepSent { qp, .. } => CmEvent::TimedOut {
+                        id: ConnId(id),
+                        qp: qp.into_qp(),
+                    },
+                    _ => CmEvent::Disconnected { id: ConnId(id) },
                 };
                 self.events.push_back(ev);
                 self.time_wait(&mut conn);
@@ -1107,6 +1359,21 @@ impl ConnectionManager {
     }
 }
 
+impl CmEvent {
+    /// The connection the event concerns.
+    pub fn id(&self) -> ConnId {
+        match self {
+            CmEvent::ConnectRequest { id, .. }
+            | CmEvent::Established { id, .. }
+            | CmEvent::Rejected { id, .. }
+            | CmEvent::TimedOut { id, .. }
+            | CmEvent::Replied { id, .. }
+            | CmEvent::Ready { id, .. }
+            | CmEvent::Disconnected { id } => *id,
+        }
+    }
+}
+
 impl Conn {
     /// When this connection needs attention: its retry timer, or the end of its time-wait.
     fn wakeup(&self) -> Option<u64> {
@@ -1115,6 +1382,12 @@ impl Conn {
             _ => self.deadline,
         }
     }
+}
+
+/// The first PSN QP `qpn` sends on connection `id` (see
+/// [`ConnectionManager::accept_external`]).
+pub fn first_psn(id: ConnId, qpn: u32) -> u32 {
+    start_psn(id.0, qpn)
 }
 
 /// The first PSN a QP sends on connection `id`: spread over the PSN space, the same for

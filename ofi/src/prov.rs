@@ -2139,6 +2139,9 @@ impl State {
                     }
                 }
             }
+            // Only connections made with the caller moving its QP end so; the provider
+            // hands its QPs to the CM.
+            CmEvent::Replied { .. } | CmEvent::Ready { .. } => {}
         }
     }
 

@@ -25,6 +25,10 @@
 #[doc(hidden)]
 pub mod abi;
 mod ah;
+mod cma;
+#[doc(hidden)]
+pub mod cma_abi;
+mod cma_entry;
 mod cq;
 mod device;
 mod devnode;

@@ -609,6 +609,37 @@ pub(crate) fn with_ctx<R: Copy>(
     })
 }
 
+/// [`with`] for a caller that holds the lock already: `None` when `p` is not a live
+/// object of `kind`.
+pub(crate) fn with_held<T, R>(
+    st: &mut State,
+    p: *mut T,
+    kind: Kind,
+    f: impl FnOnce(&mut State, &mut T) -> R,
+) -> Option<R> {
+    if p.is_null() || st.owner(p as usize) != Owner::Ours(kind) {
+        return None;
+    }
+    // SAFETY: the registry says `p` is a live object of this kind, which the library
+    // allocated as `T` (its C struct first); the caller holds the lock.
+    let o = unsafe { &mut *p };
+    Some(f(st, o))
+}
+
+/// [`with_ctx`] for a caller that holds the lock already.
+pub(crate) fn with_ctx_held<R>(
+    st: &mut State,
+    ctx: *mut abi::ibv_context,
+    f: impl FnOnce(&mut State, &mut RbContext) -> R,
+) -> Option<R> {
+    if ctx.is_null() || st.owner(ctx as usize) != Owner::Ours(Kind::Context) {
+        return None;
+    }
+    // SAFETY: a live ringbell context; the caller holds the lock.
+    let c = unsafe { device::ctx(ctx) };
+    Some(f(st, c))
+}
+
 /// Whether `p` is null or a live ringbell object of `kind`.
 pub(crate) fn null_or(st: &State, p: usize, kind: Kind) -> bool {
     p == 0 || st.owner(p) == Owner::Ours(kind)

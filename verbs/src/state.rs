@@ -74,6 +74,8 @@ pub(crate) struct State {
     pub srqs: BTreeMap<(usize, u32), usize>,
     /// Contexts by NIC, for events that concern a device.
     pub contexts: BTreeMap<usize, Vec<usize>>,
+    /// RDMA-CM's ids, channels and connections.
+    pub cma: crate::cma::Cma,
 }
 
 /// The guarded state.
@@ -133,6 +135,7 @@ impl State {
             qps: BTreeMap::new(),
             srqs: BTreeMap::new(),
             contexts: BTreeMap::new(),
+            cma: Default::default(),
         }
     }
 

@@ -1,0 +1,1430 @@
+//! RDMA-CM (`librdmacm`'s `rdma_*` calls) over ringbell NICs: IPv4 addresses, ports and
+//! RC connections, made with the driver's connection manager ([`ringbell::cm`]) between
+//! the NICs' general services QPs.
+//!
+//! What librdmacm asks of the kernel's `rdma_cm` is done here:
+//! - addresses: a NIC's IPv4 address names it; the fabric's address plan
+//!   ([`ringbell::AhAttr::on_fabric`]) resolves a destination, so address and route
+//!   resolution complete at once (their events are queued by the call);
+//! - ports: `rdma_bind_addr` and `rdma_listen` take a port of the port space
+//!   (`RDMA_PS_TCP` or `RDMA_PS_IB`); a connection request names the service id
+//!   `RDMA_IB_IP_PS_* | port`, as the kernel's does;
+//! - connections: librdmacm's QP moves (INIT at `rdma_create_qp`, RTR and RTS before the
+//!   REP on the passive side and on the REP on the active side, ERR at a disconnect) and the
+//!   IB CM's REQ, REP, RTU, REJ, DREQ and DREP. The REQ carries a 36-byte header before the
+//!   application's private data (its source port and addresses), as the kernel's CMA
+//!   header does, so an application has 56 bytes in a request, 196 in an accept and 148 in
+//!   a reject; events hand over the whole private area of the message, zero-filled.
+//!
+//! Progress is by polling: every call that waits drives the NICs' CMs. An event channel's
+//! descriptor reads as always ready; `rdma_get_cm_event` on a descriptor made non-blocking
+//! returns `EAGAIN` when nothing is queued.
+//!
+//! The C boundary (pointers, socket addresses, allocation) is `cma_entry`; this module is
+//! the logic, under the library's lock.
+
+use crate::abi;
+use crate::cma_abi::*;
+use crate::ops::{with_ctx_held, with_held};
+use crate::qp::RbQp;
+use crate::state::{Kind, State};
+use ringbell::cm::{
+    first_psn, CmEvent, ConnId, ConnectionManager, REJ_CONSUMER, REJ_INVALID_SERVICE_ID,
+};
+use ringbell::{AhAttr, ConnectOptions, Endpoint};
+use std::collections::{BTreeMap, VecDeque};
+use std::net::{Ipv4Addr, SocketAddrV4};
+
+/// Bytes of the header before the application's private data in a connection request.
+pub const REQ_HEADER: usize = 36;
+/// Private data of a request the application may give (the REQ's 92 less the header).
+pub const MAX_CONNECT_PRIVATE: usize = ringbell::cm::MAX_REQ_PRIVATE - REQ_HEADER;
+/// Private data of an accept.
+pub const MAX_ACCEPT_PRIVATE: usize = ringbell::cm::MAX_REP_PRIVATE;
+/// Private data of a reject.
+pub const MAX_REJECT_PRIVATE: usize = ringbell::cm::MAX_REJ_PRIVATE;
+/// The READ/atomic depth a NIC offers (the device's `max_qp_rd_atom`).
+const MAX_DEPTH: u8 = 16;
+/// First ephemeral port.
+const EPHEMERAL: u16 = 32768;
+
+/// A connection id of librdmacm's, as programs hold it, with the event it is on.
+#[repr(C)]
+pub struct RbCmId {
+    pub id: rdma_cm_id,
+}
+
+/// An event handed to a program, with the private data its parameters point to.
+#[repr(C)]
+pub struct RbCmEvent {
+    pub ev: rdma_cm_event,
+    private: Vec<u8>,
+}
+
+/// An event channel, as programs hold it.
+#[repr(C)]
+pub struct RbEventChannel {
+    pub ch: rdma_event_channel,
+}
+
+/// Where an id stands.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Phase {
+    Idle,
+    Bound,
+    AddrResolved,
+    RouteResolved,
+    Listening,
+    /// Active: REQ sent.
+    Connecting(ConnId),
+    /// Active without a QP: REP received, waiting for `rdma_establish`.
+    Replied(ConnId),
+    /// Passive: a request waiting for `rdma_accept` or `rdma_reject`.
+    Requested(ConnId),
+    /// Passive: REP sent.
+    Accepting(ConnId),
+    Connected(ConnId),
+    /// Closed, refused, or unreachable.
+    Done,
+}
+
+/// The library's side of an id.
+struct Id {
+    id: Box<RbCmId>,
+    chan: usize,
+    nic: Option<usize>,
+    phase: Phase,
+    /// Bound or resolved source (an unspecified address: every NIC).
+    src: SocketAddrV4,
+    dst: SocketAddrV4,
+    /// READ/atomic depths of a request not answered yet (the requester's view swapped).
+    depths: (u8, u8),
+    /// QP attributes `rdma_get_request` creates the new id's QP with (`rdma_create_ep`
+    /// on a passive id).
+    ep_qp: Option<abi::ibv_qp_init_attr>,
+    /// CQs and channels the library made for the id's QP (destroyed with the id's QP at
+    /// `rdma_destroy_ep`).
+    made: Vec<(*mut abi::ibv_cq, *mut abi::ibv_comp_channel)>,
+}
+
+/// An event channel's queue. A synchronous id (made without a channel) has one of its own.
+struct Chan {
+    ch: Box<RbEventChannel>,
+    events: VecDeque<Box<RbCmEvent>>,
+}
+
+/// Everything RDMA-CM keeps, behind the library's lock.
+#[derive(Default)]
+pub(crate) struct Cma {
+    cms: BTreeMap<usize, ConnectionManager>,
+    ctxs: BTreeMap<usize, *mut abi::ibv_context>,
+    pds: BTreeMap<usize, *mut abi::ibv_pd>,
+    ids: BTreeMap<usize, Id>,
+    chans: BTreeMap<usize, Chan>,
+    /// Events handed out and not acknowledged yet.
+    delivered: BTreeMap<usize, Box<RbCmEvent>>,
+    /// Listening ids by (NIC, or every NIC; port).
+    listeners: BTreeMap<(Option<usize>, u16), usize>,
+    /// Ids by the connection their NIC's CM numbers.
+    conns: BTreeMap<(usize, ConnId), usize>,
+    next_port: u16,
+}
+
+/// What a connect or accept asks for (`struct rdma_conn_param`, copied).
+#[derive(Clone, Debug, Default)]
+pub(crate) struct ConnParam {
+    pub private: Vec<u8>,
+    pub responder_resources: u8,
+    pub initiator_depth: u8,
+    pub retry_count: u8,
+    pub rnr_retry_count: u8,
+    pub qp_num: u32,
+}
+
+/// `a` as a `struct sockaddr_in` at the start of a `struct sockaddr_storage`.
+pub(crate) fn sockaddr_of(a: SocketAddrV4) -> [u64; 16] {
+    let mut b = [0u8; 128];
+    b[0..2].copy_from_slice(&(libc::AF_INET as u16).to_ne_bytes());
+    b[2..4].copy_from_slice(&a.port().to_be_bytes());
+    b[4..8].copy_from_slice(&a.ip().octets());
+    let mut out = [0u64; 16];
+    for (o, c) in out.iter_mut().zip(b.chunks_exact(8)) {
+        *o = u64::from_ne_bytes(c.try_into().expect("8 bytes"));
+    }
+    out
+}
+
+/// The RoCEv2 GID of an IPv4 address.
+fn gid_of(ip: Ipv4Addr) -> abi::ibv_gid {
+    let mut raw = [0u8; 16];
+    raw[10] = 0xff;
+    raw[11] = 0xff;
+    raw[12..].copy_from_slice(&ip.octets());
+    abi::ibv_gid { raw }
+}
+
+/// The service id of `port` in port space `ps`.
+fn service_id(ps: u32, port: u16) -> u64 {
+    (u64::from(ps) << 16) | u64::from(port)
+}
+
+/// `data` padded with zeroes to `len` bytes (the whole private area of a message).
+fn padded(data: &[u8], len: usize) -> Vec<u8> {
+    let mut v = data.to_vec();
+    v.resize(len.max(data.len()), 0);
+    v
+}
+
+impl Cma {
+    /// A new event channel; `fd` is its descriptor. Returns its address.
+    pub fn create_channel(&mut self, fd: i32) -> *mut rdma_event_channel {
+        let mut ch = Box::new(RbEventChannel {
+            ch: rdma_event_channel { fd },
+        });
+        let p: *mut rdma_event_channel = &mut ch.ch;
+        self.chans.insert(
+            p as usize,
+            Chan {
+                ch,
+                events: VecDeque::new(),
+            },
+        );
+        p
+    }
+
+    /// Destroys channel `p`: EBUSY while an id uses it; its descriptor is returned to be
+    /// closed.
+    pub fn destroy_channel(&mut self, p: usize) -> Result<i32, i32> {
+        let Some(c) = self.chans.get(&p) else {
+            return Err(libc::EINVAL);
+        };
+        if self.ids.values().any(|i| i.chan == p) {
+            return Err(libc::EBUSY);
+        }
+        let fd = c.ch.ch.fd;
+        self.chans.remove(&p);
+        Ok(fd)
+    }
+
+    /// Whether `p` is an id of this library.
+    pub fn is_id(&self, p: usize) -> bool {
+        self.ids.contains_key(&p)
+    }
+
+    /// Whether `p` is an id made without a channel (whose calls wait for their events).
+    pub fn is_sync(&self, p: usize) -> bool {
+        self.ids
+            .get(&p)
+            .is_some_and(|i| self.chans.get(&i.chan).is_some_and(|c| c.ch.ch.fd < 0))
+    }
+
+    /// `rdma_create_id` on channel `chan` (a synchronous id: a channel of its own, made by
+    /// the caller with descriptor -1).
+    pub fn create_id(
+        &mut self,
+        chan: usize,
+        context: *mut std::ffi::c_void,
+        ps: u32,
+    ) -> Result<*mut rdma_cm_id, i32> {
+        if !self.chans.contains_key(&chan) {
+            return Err(libc::EINVAL);
+        }
+        match ps {
+            RDMA_PS_TCP | RDMA_PS_IB => {}
+            // Datagram connections (SIDR) and IPoIB's space are not offered.
+            RDMA_PS_UDP | RDMA_PS_IPOIB => return Err(libc::EPROTONOSUPPORT),
+            _ => return Err(libc::EINVAL),
+        }
+        let p = self.new_id(chan, context, ps);
+        Ok(p)
+    }
+
+    fn new_id(&mut self, chan: usize, context: *mut std::ffi::c_void, ps: u32) -> *mut rdma_cm_id {
+        let mut id = Box::new(RbCmId {
+            id: rdma_cm_id {
+                verbs: std::ptr::null_mut(),
+                channel: self
+                    .chans
+                    .get_mut(&chan)
+                    .map_or(std::ptr::null_mut(), |c| &mut c.ch.ch as *mut _),
+                context,
+                qp: std::ptr::null_mut(),
+                route: rdma_route {
+                    addr: rdma_addr {
+                        src_storage: [0; 16],
+                        dst_storage: [0; 16],
+                        addr: rdma_ib_addr {
+                            sgid: abi::ibv_gid { raw: [0; 16] },
+                            dgid: abi::ibv_gid { raw: [0; 16] },
+                            pkey: 0,
+                        },
+                    },
+                    path_rec: std::ptr::null_mut(),
+                    num_paths: 0,
+                },
+                ps,
+                port_num: 0,
+                event: std::ptr::null_mut(),
+                send_cq_channel: std::ptr::null_mut(),
+                send_cq: std::ptr::null_mut(),
+                recv_cq_channel: std::ptr::null_mut(),
+                recv_cq: std::ptr::null_mut(),
+                srq: std::ptr::null_mut(),
+                pd: std::ptr::null_mut(),
+                qp_type: abi::ibv_qp_type_IBV_QPT_RC,
+            },
+        });
+        let p: *mut rdma_cm_id = &mut id.id;
+        self.ids.insert(
+            p as usize,
+            Id {
+                id,
+                chan,
+                nic: None,
+                phase: Phase::Idle,
+                src: SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, 0),
+                dst: SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, 0),
+                depths: (0, 0),
+                ep_qp: None,
+                made: Vec::new(),
+            },
+        );
+        p
+    }
+
+    /// The IPv4 address of NIC `i` (opening it).
+    fn nic_ip(st: &mut State, i: usize) -> Option<Ipv4Addr> {
+        st.device(i).ok().map(|d| Ipv4Addr::from(d.caps().ip))
+    }
+
+    /// The NICs this process uses (on a served fabric, the one it claims or
+    /// `RINGBELL_NIC` names), as `ibv_get_device_list` lists them.
+    fn local_nics(st: &State) -> Vec<usize> {
+        let choice = st.plan.choice();
+        (0..st.nics.len()).filter(|&i| choice.includes(i)).collect()
+    }
+
+    /// The NIC of this process with address `ip`.
+    fn nic_with(st: &mut State, ip: Ipv4Addr) -> Option<usize> {
+        Self::local_nics(st)
+            .into_iter()
+            .find(|&i| Self::nic_ip(st, i) == Some(ip))
+    }
+
+    /// The context the library opened on NIC `i` (one per NIC, kept).
+    fn ctx(&mut self, st: &mut State, i: usize) -> Result<*mut abi::ibv_context, i32> {
+        if let Some(&c) = self.ctxs.get(&i) {
+            return Ok(c);
+        }
+        let c = crate::device::open(st, i)?;
+        self.ctxs.insert(i, c);
+        Ok(c)
+    }
+
+    /// The CM of NIC `i`.
+    fn cm(&mut self, st: &mut State, i: usize) -> Result<&mut ConnectionManager, i32> {
+        match self.cms.entry(i) {
+            std::collections::btree_map::Entry::Occupied(o) => Ok(o.into_mut()),
+            std::collections::btree_map::Entry::Vacant(v) => {
+                let dev = st.device(i)?;
+                let cm = ConnectionManager::new(&dev).map_err(|e| crate::errno_of(&e))?;
+                Ok(v.insert(cm))
+            }
+        }
+    }
+
+    fn fresh_port(&mut self) -> u16 {
+        loop {
+            let p = self.next_port.max(EPHEMERAL);
+            self.next_port = if p == u16::MAX { EPHEMERAL } else { p + 1 };
+            if !self.listeners.keys().any(|&(_, lp)| lp == p) {
+                return p;
+            }
+        }
+    }
+
+    /// Sets id `p` on NIC `nic` (its context, port and source address).
+    fn place(&mut self, st: &mut State, p: usize, nic: usize) -> Result<(), i32> {
+        let ctx = self.ctx(st, nic)?;
+        let ip = Self::nic_ip(st, nic).ok_or(libc::ENODEV)?;
+        let port = match self.ids.get(&p).map(|i| i.src.port()) {
+            Some(0) | None => self.fresh_port(),
+            Some(q) => q,
+        };
+        let i = self.ids.get_mut(&p).ok_or(libc::EINVAL)?;
+        i.nic = Some(nic);
+        i.src = SocketAddrV4::new(ip, port);
+        i.id.id.verbs = ctx;
+        i.id.id.port_num = 1;
+        i.id.id.route.addr.src_storage = sockaddr_of(i.src);
+        i.id.id.route.addr.addr.sgid = gid_of(ip);
+        Ok(())
+    }
+
+    /// `rdma_bind_addr`: `addr`'s IPv4 address names a NIC of this process (or is
+    /// unspecified: every NIC); port 0 takes a free port.
+    pub fn bind(&mut self, st: &mut State, p: usize, addr: SocketAddrV4) -> Result<(), i32> {
+        let phase = self.ids.get(&p).ok_or(libc::EINVAL)?.phase;
+        if phase != Phase::Idle {
+            return Err(libc::EINVAL);
+        }
+        let nic = match addr.ip().is_unspecified() {
+            true => None,
+            false => Some(Self::nic_with(st, *addr.ip()).ok_or(libc::EADDRNOTAVAIL)?),
+        };
+        let port = match addr.port() {
+            0 => self.fresh_port(),
+            q => {
+                let taken = self
+                    .listeners
+                    .keys()
+                    .any(|&(n, lp)| lp == q && (n.is_none() || nic.is_none() || n == nic))
+                    || self.ids.iter().any(|(&k, i)| {
+                        k != p
+                            && i.phase == Phase::Bound
+                            && i.src.port() == q
+                            && (i.nic.is_none() || nic.is_none() || i.nic == nic)
+                    });
+                if taken {
+                    return Err(libc::EADDRINUSE);
+                }
+                q
+            }
+        };
+        {
+            let i = self.ids.get_mut(&p).ok_or(libc::EINVAL)?;
+            i.src = SocketAddrV4::new(*addr.ip(), port);
+            i.id.id.route.addr.src_storage = sockaddr_of(i.src);
+            i.phase = Phase::Bound;
+        }
+        if let Some(n) = nic {
+            self.place(st, p, n)?;
+        }
+        Ok(())
+    }
+
+    /// `rdma_resolve_addr`: picks the NIC (the source's, the bound one, the destination's
+    /// when it is local, or the first) and queues `ADDR_RESOLVED`, or `ADDR_ERROR` for a
+    /// destination outside the fabric.
+    pub fn resolve_addr(
+        &mut self,
+        st: &mut State,
+        p: usize,
+        src: Option<SocketAddrV4>,
+        dst: SocketAddrV4,
+    ) -> Result<(), i32> {
+        let (phase, bound) = {
+            let i = self.ids.get(&p).ok_or(libc::EINVAL)?;
+            (i.phase, i.nic)
+        };
+        if !matches!(phase, Phase::Idle | Phase::Bound) {
+            return Err(libc::EINVAL);
+        }
+        if let Some(s) = src {
+            if phase == Phase::Idle && (!s.ip().is_unspecified() || s.port() != 0) {
+                self.bind(st, p, s)?;
+            }
+        }
+        let Some(&first) = Self::local_nics(st).first() else {
+            return Err(libc::ENODEV);
+        };
+        let nic = match self.ids.get(&p).and_then(|i| i.nic).or(bound) {
+            Some(n) => n,
+            None => Self::nic_with(st, *dst.ip()).unwrap_or(first),
+        };
+        self.place(st, p, nic)?;
+        let reachable = AhAttr::on_fabric(dst.ip().octets()).is_some();
+        let i = self.ids.get_mut(&p).ok_or(libc::EINVAL)?;
+        i.dst = dst;
+        i.id.id.route.addr.dst_storage = sockaddr_of(dst);
+        i.id.id.route.addr.addr.dgid = gid_of(*dst.ip());
+        i.id.id.route.addr.addr.pkey = 0xFFFF;
+        if reachable {
+            i.phase = Phase::AddrResolved;
+            self.queue(
+                p,
+                std::ptr::null_mut(),
+                RDMA_CM_EVENT_ADDR_RESOLVED,
+                0,
+                None,
+            );
+        } else {
+            self.queue(
+                p,
+                std::ptr::null_mut(),
+                RDMA_CM_EVENT_ADDR_ERROR,
+                -libc::EHOSTUNREACH,
+                None,
+            );
+        }
+        Ok(())
+    }
+
+    /// `rdma_resolve_route`: queues `ROUTE_RESOLVED` (one hop on the fabric).
+    pub fn resolve_route(&mut self, p: usize) -> Result<(), i32> {
+        let i = self.ids.get_mut(&p).ok_or(libc::EINVAL)?;
+        if i.phase != Phase::AddrResolved {
+            return Err(libc::EINVAL);
+        }
+        i.phase = Phase::RouteResolved;
+        self.queue(
+            p,
+            std::ptr::null_mut(),
+            RDMA_CM_EVENT_ROUTE_RESOLVED,
+            0,
+            None,
+        );
+        Ok(())
+    }
+
+    /// `rdma_listen`: connection requests to the id's port (on its NIC, or on every NIC of
+    /// this process) come to it.
+    pub fn listen(&mut self, st: &mut State, p: usize) -> Result<(), i32> {
+        let (phase, nic, port, ps) = {
+            let i = self.ids.get(&p).ok_or(libc::EINVAL)?;
+            (i.phase, i.nic, i.src.port(), i.id.id.ps)
+        };
+        let port = match phase {
+            Phase::Bound => port,
+            Phase::Idle => {
+                self.bind(st, p, SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, 0))?;
+                self.ids[&p].src.port()
+            }
+            // A second listen on a listening id only changes its backlog.
+            Phase::Listening => return Ok(()),
+            _ => return Err(libc::EINVAL),
+        };
+        if self.listeners.contains_key(&(nic, port)) {
+            return Err(libc::EADDRINUSE);
+        }
+        let nics: Vec<usize> = match nic {
+            Some(n) => vec![n],
+            None => Self::local_nics(st),
+        };
+        for n in nics {
+            self.cm(st, n)?
+                .listen(service_id(ps, port))
+                .map_err(|e| crate::errno_of(&e))?;
+        }
+        self.listeners.insert((nic, port), p);
+        if let Some(i) = self.ids.get_mut(&p) {
+            i.phase = Phase::Listening;
+        }
+        Ok(())
+    }
+
+    /// `rdma_create_qp` (`attr` copied): the QP is made on the id's NIC (with the NIC's
+    /// shared PD when `pd` is null, and CQs of its own when the attributes name none) and
+    /// moved to INIT, as librdmacm does.
+    pub fn create_qp(
+        &mut self,
+        st: &mut State,
+        p: usize,
+        pd: *mut abi::ibv_pd,
+        attr: &mut abi::ibv_qp_init_attr,
+    ) -> Result<(), i32> {
+        let (nic, has_qp) = {
+            let i = self.ids.get(&p).ok_or(libc::EINVAL)?;
+            (i.nic, !i.id.id.qp.is_null())
+        };
+        let nic = nic.ok_or(libc::EINVAL)?;
+        if has_qp {
+            return Err(libc::EINVAL);
+        }
+        if attr.qp_type != abi::ibv_qp_type_IBV_QPT_RC
+            && attr.qp_type != abi::ibv_qp_type_IBV_QPT_UC
+        {
+            return Err(libc::EOPNOTSUPP);
+        }
+        let ctx = self.ctx(st, nic)?;
+        let pd = match pd.is_null() {
+            true => self.shared_pd(st, nic)?,
+            false => {
+                // A PD of another device is refused, as librdmacm refuses it.
+                let same = with_held(st, pd as *mut crate::pd::RbPd, Kind::Pd, |_, d| {
+                    std::ptr::eq(d.pd.context, ctx)
+                });
+                if same != Some(true) {
+                    return Err(libc::EINVAL);
+                }
+                pd
+            }
+        };
+        let mut made = Vec::new();
+        if attr.send_cq.is_null() || attr.recv_cq.is_null() {
+            let depth = attr.cap.max_send_wr.max(attr.cap.max_recv_wr).max(1) as i32;
+            for which in 0..2 {
+                let cq_slot = if which == 0 {
+                    &mut attr.send_cq
+                } else {
+                    &mut attr.recv_cq
+                };
+                if !cq_slot.is_null() {
+                    continue;
+                }
+                let (cq, ch) = with_ctx_held(st, ctx, |st, c| {
+                    let ch = crate::cq::create_channel(st, c)?;
+                    let cq = crate::cq::create(
+                        st,
+                        c,
+                        depth,
+                        ch as *mut crate::cq::RbChannel,
+                        std::ptr::null_mut(),
+                        std::ptr::null_mut(),
+                    )?;
+                    Ok::<_, i32>((cq, ch))
+                })
+                .ok_or(libc::EINVAL)??;
+                *cq_slot = cq as *mut abi::ibv_cq;
+                made.push((cq as *mut abi::ibv_cq, ch));
+            }
+        }
+        let mut ex = abi::ibv_qp_init_attr_ex {
+            qp_context: attr.qp_context,
+            send_cq: attr.send_cq,
+            recv_cq: attr.recv_cq,
+            srq: attr.srq,
+            cap: attr.cap,
+            qp_type: attr.qp_type,
+            sq_sig_all: attr.sq_sig_all,
+            comp_mask: abi::ibv_qp_init_attr_mask_IBV_QP_INIT_ATTR_PD,
+            pd,
+            ..Default::default()
+        };
+        let qp = crate::entry::create_qp_checked(st, pd, &mut ex)? as *mut abi::ibv_qp;
+        attr.cap = ex.cap;
+        let init = abi::ibv_qp_attr {
+            qp_state: abi::ibv_qp_state_IBV_QPS_INIT,
+            pkey_index: 0,
+            port_num: 1,
+            qp_access_flags: abi::ibv_access_flags_IBV_ACCESS_REMOTE_WRITE
+                | abi::ibv_access_flags_IBV_ACCESS_REMOTE_READ
+                | abi::ibv_access_flags_IBV_ACCESS_REMOTE_ATOMIC,
+            ..Default::default()
+        };
+        let mask = abi::ibv_qp_attr_mask_IBV_QP_STATE
+            | abi::ibv_qp_attr_mask_IBV_QP_PKEY_INDEX
+            | abi::ibv_qp_attr_mask_IBV_QP_PORT
+            | abi::ibv_qp_attr_mask_IBV_QP_ACCESS_FLAGS;
+        if let Err(e) = move_qp(st, qp, &init, mask) {
+            with_held(st, qp as *mut RbQp, Kind::Qp, crate::qp::destroy);
+            return Err(e);
+        }
+        let i = self.ids.get_mut(&p).ok_or(libc::EINVAL)?;
+        i.id.id.qp = qp;
+        i.id.id.pd = pd;
+        i.id.id.qp_type = attr.qp_type;
+        i.id.id.send_cq = attr.send_cq;
+        i.id.id.recv_cq = attr.recv_cq;
+        i.id.id.srq = attr.srq;
+        for &(cq, ch) in &made {
+            if std::ptr::eq(attr.send_cq, cq) {
+                i.id.id.send_cq_channel = ch;
+            }
+            if std::ptr::eq(attr.recv_cq, cq) {
+                i.id.id.recv_cq_channel = ch;
+            }
+        }
+        i.made.extend(made);
+        Ok(())
+    }
+
+    /// The PD the library shares among its ids on NIC `nic` (made at first use).
+    fn shared_pd(&mut self, st: &mut State, nic: usize) -> Result<*mut abi::ibv_pd, i32> {
+        if let Some(&pd) = self.pds.get(&nic) {
+            return Ok(pd);
+        }
+        let ctx = self.ctx(st, nic)?;
+        let pd = with_ctx_held(st, ctx, crate::pd::alloc).ok_or(libc::EINVAL)??;
+        self.pds.insert(nic, pd);
+        Ok(pd)
+    }
+
+    /// `rdma_destroy_qp`; with `made`, also the CQs and channels the library made for it
+    /// (`rdma_destroy_ep`).
+    pub fn destroy_qp(&mut self, st: &mut State, p: usize, made: bool) {
+        let Some(i) = self.ids.get_mut(&p) else {
+            return;
+        };
+        let qp = std::mem::replace(&mut i.id.id.qp, std::ptr::null_mut());
+        if !qp.is_null() {
+            with_held(st, qp as *mut RbQp, Kind::Qp, crate::qp::destroy);
+        }
+        if made {
+            for (cq, ch) in std::mem::take(&mut i.made) {
+                with_held(st, cq as *mut crate::cq::RbCq, Kind::Cq, crate::cq::destroy);
+                with_held(
+                    st,
+                    ch as *mut crate::cq::RbChannel,
+                    Kind::Channel,
+                    crate::cq::destroy_channel,
+                );
+            }
+            i.id.id.send_cq = std::ptr::null_mut();
+            i.id.id.recv_cq = std::ptr::null_mut();
+            i.id.id.send_cq_channel = std::ptr::null_mut();
+            i.id.id.recv_cq_channel = std::ptr::null_mut();
+        }
+    }
+
+    /// `rdma_connect` (`param` copied; `None`: the defaults).
+    pub fn connect(
+        &mut self,
+        st: &mut State,
+        p: usize,
+        param: Option<ConnParam>,
+    ) -> Result<(), i32> {
+        let (phase, nic, qp, dst, src, ps) = {
+            let i = self.ids.get(&p).ok_or(libc::EINVAL)?;
+            (i.phase, i.nic, i.id.id.qp, i.dst, i.src, i.id.id.ps)
+        };
+        if phase != Phase::RouteResolved {
+            return Err(libc::EINVAL);
+        }
+        let nic = nic.ok_or(libc::EINVAL)?;
+        let param = param.unwrap_or(ConnParam {
+            responder_resources: MAX_DEPTH,
+            initiator_depth: MAX_DEPTH,
+            retry_count: 7,
+            rnr_retry_count: 7,
+            ..Default::default()
+        });
+        if param.private.len() > MAX_CONNECT_PRIVATE {
+            return Err(libc::EINVAL);
+        }
+        let qpn = match qp.is_null() {
+            false => {
+                with_held(st, qp as *mut RbQp, Kind::Qp, |_, q| q.drv.qpn()).ok_or(libc::EINVAL)?
+            }
+            true => param.qp_num & 0x00FF_FFFF,
+        };
+        let peer = AhAttr::on_fabric(dst.ip().octets()).ok_or(libc::EHOSTUNREACH)?;
+        let opts = conn_options(&param);
+        let mut private = vec![0u8; REQ_HEADER];
+        private[0] = 1;
+        private[2..4].copy_from_slice(&src.port().to_be_bytes());
+        private[4..8].copy_from_slice(&src.ip().octets());
+        private[8..12].copy_from_slice(&dst.ip().octets());
+        private.extend_from_slice(&param.private);
+        let cid = self
+            .cm(st, nic)?
+            .connect_external(peer, service_id(ps, dst.port()), qpn, &opts, &private)
+            .map_err(|e| crate::errno_of(&e))?;
+        self.conns.insert((nic, cid), p);
+        if let Some(i) = self.ids.get_mut(&p) {
+            i.phase = Phase::Connecting(cid);
+        }
+        Ok(())
+    }
+
+    /// `rdma_accept` (`param` copied; `None`: the request's depths): the id's QP moves to
+    /// RTR and RTS, then the REP goes out.
+    pub fn accept(
+        &mut self,
+        st: &mut State,
+        p: usize,
+        param: Option<ConnParam>,
+    ) -> Result<(), i32> {
+        let (phase, nic, qp, depths) = {
+            let i = self.ids.get(&p).ok_or(libc::EINVAL)?;
+            (i.phase, i.nic, i.id.id.qp, i.depths)
+        };
+        let Phase::Requested(cid) = phase else {
+            return Err(libc::EINVAL);
+        };
+        let nic = nic.ok_or(libc::EINVAL)?;
+        if qp.is_null() {
+            // Without a QP the program would move its own: not offered.
+            return Err(libc::EINVAL);
+        }
+        let param = param.unwrap_or(ConnParam {
+            responder_resources: depths.0,
+            initiator_depth: depths.1,
+            retry_count: 7,
+            rnr_retry_count: 7,
+            ..Default::default()
+        });
+        if param.private.len() > MAX_ACCEPT_PRIVATE {
+            return Err(libc::EINVAL);
+        }
+        let qpn =
+            with_held(st, qp as *mut RbQp, Kind::Qp, |_, q| q.drv.qpn()).ok_or(libc::EINVAL)?;
+        let opts = conn_options(&param);
+        let (remote, mine) = self.cm(st, nic)?.request(cid, &opts).ok_or(libc::EINVAL)?;
+        qp_up(st, qp, &remote, &mine, first_psn(cid, qpn))?;
+        self.cm(st, nic)?
+            .accept_external(cid, qpn, &opts, &param.private)
+            .map_err(|e| crate::errno_of(&e))?;
+        if let Some(i) = self.ids.get_mut(&p) {
+            i.phase = Phase::Accepting(cid);
+        }
+        Ok(())
+    }
+
+    /// `rdma_reject`.
+    pub fn reject(&mut self, st: &mut State, p: usize, private: &[u8]) -> Result<(), i32> {
+        let (phase, nic) = {
+            let i = self.ids.get(&p).ok_or(libc::EINVAL)?;
+            (i.phase, i.nic)
+        };
+        let Phase::Requested(cid) = phase else {
+            return Err(libc::EINVAL);
+        };
+        if private.len() > MAX_REJECT_PRIVATE {
+            return Err(libc::EINVAL);
+        }
+        let nic = nic.ok_or(libc::EINVAL)?;
+        self.cm(st, nic)?
+            .reject(cid, REJ_CONSUMER, private)
+            .map_err(|e| crate::errno_of(&e))?;
+        self.conns.remove(&(nic, cid));
+        if let Some(i) = self.ids.get_mut(&p) {
+            i.phase = Phase::Done;
+        }
+        Ok(())
+    }
+
+    /// `rdma_establish`: the active side without a QP has moved its own.
+    pub fn establish(&mut self, st: &mut State, p: usize) -> Result<(), i32> {
+        let (phase, nic) = {
+            let i = self.ids.get(&p).ok_or(libc::EINVAL)?;
+            (i.phase, i.nic)
+        };
+        let Phase::Replied(cid) = phase else {
+            return Err(libc::EINVAL);
+        };
+        let nic = nic.ok_or(libc::EINVAL)?;
+        self.cm(st, nic)?
+            .establish(cid)
+            .map_err(|e| crate::errno_of(&e))?;
+        if let Some(i) = self.ids.get_mut(&p) {
+            i.phase = Phase::Connected(cid);
+        }
+        Ok(())
+    }
+
+    /// `rdma_disconnect`: the QP moves to ERR (its work requests flush) and the DREQ goes
+    /// out; `DISCONNECTED` follows the peer's DREP.
+    pub fn disconnect(&mut self, st: &mut State, p: usize) -> Result<(), i32> {
+        let (phase, nic, qp) = {
+            let i = self.ids.get(&p).ok_or(libc::EINVAL)?;
+            (i.phase, i.nic, i.id.id.qp)
+        };
+        let cid = match phase {
+            Phase::Connected(c) | Phase::Accepting(c) => c,
+            _ => return Err(libc::EINVAL),
+        };
+        let nic = nic.ok_or(libc::EINVAL)?;
+        qp_err(st, qp);
+        self.cm(st, nic)?
+            .disconnect(cid)
+            .map_err(|e| crate::errno_of(&e))?;
+        Ok(())
+    }
+
+    /// `rdma_destroy_id`: a connection it holds is closed (a DREQ, or a REJ to a request
+    /// not answered), its listening stops, and its events not handed out yet go.
+    pub fn destroy_id(&mut self, st: &mut State, p: usize) -> Result<(), i32> {
+        let Some(i) = self.ids.get(&p) else {
+            return Err(libc::EINVAL);
+        };
+        let (phase, nic) = (i.phase, i.nic);
+        let event = i.id.id.event;
+        if let Some(n) = nic {
+            match phase {
+                Phase::Connected(c) | Phase::Accepting(c) => {
+                    if let Some(cm) = self.cms.get_mut(&n) {
+                        let _ = cm.disconnect(c);
+                    }
+                    self.conns.remove(&(n, c));
+                }
+                Phase::Requested(c) => {
+                    if let Some(cm) = self.cms.get_mut(&n) {
+                        let _ = cm.reject(c, REJ_CONSUMER, &[]);
+                    }
+                    self.conns.remove(&(n, c));
+                }
+                Phase::Connecting(c) | Phase::Replied(c) => {
+                    if let Some(cm) = self.cms.get_mut(&n) {
+                        cm.forget(c);
+                    }
+                    self.conns.remove(&(n, c));
+                }
+                _ => {}
+            }
+        }
+        if phase == Phase::Listening {
+            let port = self.ids[&p].src.port();
+            let ps = self.ids[&p].id.id.ps;
+            self.listeners.remove(&(nic, port));
+            let nics: Vec<usize> = match nic {
+                Some(n) => vec![n],
+                None => self.cms.keys().copied().collect(),
+            };
+            for n in nics {
+                // Another listener on the same port (of one NIC, or of all) keeps it.
+                let still = self
+                    .listeners
+                    .keys()
+                    .any(|&(ln, lp)| lp == port && (ln.is_none() || ln == Some(n)));
+                if !still {
+                    if let Some(cm) = self.cms.get_mut(&n) {
+                        cm.unlisten(service_id(ps, port));
+                    }
+                }
+            }
+        }
+        if !event.is_null() {
+            self.delivered.remove(&(event as usize));
+        }
+        self.destroy_qp(st, p, true);
+        let i = self.ids.remove(&p).expect("checked above");
+        for c in self.chans.values_mut() {
+            c.events
+                .retain(|e| e.ev.id as usize != p && e.ev.listen_id as usize != p);
+        }
+        // A synchronous id's own channel goes with it.
+        if self.chans.get(&i.chan).is_some_and(|c| c.ch.ch.fd < 0)
+            && !self.ids.values().any(|o| o.chan == i.chan)
+        {
+            self.chans.remove(&i.chan);
+        }
+        Ok(())
+    }
+
+    /// `rdma_migrate_id`: the id's events go to channel `chan` from now on, those queued
+    /// with them.
+    pub fn migrate(&mut self, p: usize, chan: usize) -> Result<(), i32> {
+        if !self.chans.contains_key(&chan) {
+            return Err(libc::EINVAL);
+        }
+        let old = self.ids.get(&p).ok_or(libc::EINVAL)?.chan;
+        let moved: Vec<Box<RbCmEvent>> = match self.chans.get_mut(&old) {
+            Some(c) => {
+                let (m, keep): (Vec<_>, Vec<_>) =
+                    c.events.drain(..).partition(|e| e.ev.id as usize == p);
+                c.events = keep.into();
+                m
+            }
+            None => Vec::new(),
+        };
+        let c = self.chans.get_mut(&chan).expect("checked above");
+        c.events.extend(moved);
+        let chp: *mut rdma_event_channel = &mut c.ch.ch;
+        let i = self.ids.get_mut(&p).expect("checked above");
+        i.chan = chan;
+        i.id.id.channel = chp;
+        Ok(())
+    }
+
+    /// Saves the QP attributes `rdma_get_request` gives the ids of listening id `p`.
+    pub fn set_ep_qp(&mut self, p: usize, attr: abi::ibv_qp_init_attr) {
+        if let Some(i) = self.ids.get_mut(&p) {
+            i.ep_qp = Some(attr);
+        }
+    }
+
+    /// The QP attributes saved for listening id `p`.
+    pub fn ep_qp(&self, p: usize) -> Option<abi::ibv_qp_init_attr> {
+        self.ids.get(&p)?.ep_qp
+    }
+
+    /// The next event of channel `chan`, handed out (after driving every NIC's CM).
+    pub fn next_event(
+        &mut self,
+        st: &mut State,
+        chan: usize,
+    ) -> Result<Option<*mut rdma_cm_event>, i32> {
+        if !self.chans.contains_key(&chan) {
+            return Err(libc::EINVAL);
+        }
+        self.progress(st);
+        let Some(e) = self.chans.get_mut(&chan).and_then(|c| c.events.pop_front()) else {
+            return Ok(None);
+        };
+        Ok(Some(self.hand_out(e)))
+    }
+
+    /// The next event of id `p` (a synchronous id's wait), handed out.
+    pub fn next_event_of(
+        &mut self,
+        st: &mut State,
+        p: usize,
+    ) -> Result<Option<*mut rdma_cm_event>, i32> {
+        let chan = self.ids.get(&p).ok_or(libc::EINVAL)?.chan;
+        self.progress(st);
+        let Some(c) = self.chans.get_mut(&chan) else {
+            return Err(libc::EINVAL);
+        };
+        let Some(k) = c
+            .events
+            .iter()
+            .position(|e| e.ev.id as usize == p || e.ev.listen_id as usize == p)
+        else {
+            return Ok(None);
+        };
+        let e = c.events.remove(k).expect("found above");
+        Ok(Some(self.hand_out(e)))
+    }
+
+    fn hand_out(&mut self, mut e: Box<RbCmEvent>) -> *mut rdma_cm_event {
+        let p: *mut rdma_cm_event = &mut e.ev;
+        self.delivered.insert(p as usize, e);
+        p
+    }
+
+    /// The (event, status, id) of a handed-out event.
+    pub fn event_info(&self, ev: usize) -> Option<(u32, i32, usize)> {
+        self.delivered
+            .get(&ev)
+            .map(|e| (e.ev.event, e.ev.status, e.ev.id as usize))
+    }
+
+    /// Sets `rdma_cm_id.event` of id `p` (a synchronous id's current event).
+    pub fn set_current_event(&mut self, p: usize, ev: *mut rdma_cm_event) {
+        if let Some(i) = self.ids.get_mut(&p) {
+            i.id.id.event = ev;
+        }
+    }
+
+    /// `rdma_ack_cm_event`.
+    pub fn ack(&mut self, ev: usize) -> Result<(), i32> {
+        let e = self.delivered.remove(&ev).ok_or(libc::EINVAL)?;
+        let id = e.ev.id as usize;
+        if let Some(i) = self.ids.get_mut(&id) {
+            if i.id.id.event as usize == ev {
+                i.id.id.event = std::ptr::null_mut();
+            }
+        }
+        Ok(())
+    }
+
+    /// The contexts of every NIC (`rdma_get_devices`), opening them.
+    pub fn devices(&mut self, st: &mut State) -> Vec<*mut abi::ibv_context> {
+        Self::local_nics(st)
+            .into_iter()
+            .filter_map(|i| self.ctx(st, i).ok())
+            .collect()
+    }
+
+    /// The (source, destination) addresses of id `p`.
+    pub fn addrs(&self, p: usize) -> Option<(SocketAddrV4, SocketAddrV4)> {
+        self.ids.get(&p).map(|i| (i.src, i.dst))
+    }
+
+    /// Queues event `kind` of id `p` on its channel.
+    fn queue(
+        &mut self,
+        p: usize,
+        listen: *mut rdma_cm_id,
+        kind: u32,
+        status: i32,
+        conn: Option<(Vec<u8>, u8, u8)>,
+    ) {
+        let Some(i) = self.ids.get_mut(&p) else {
+            return;
+        };
+        let idp: *mut rdma_cm_id = &mut i.id.id;
+        let chan = i.chan;
+        let (private, resp, init) = conn.unwrap_or_default();
+        let mut e = Box::new(RbCmEvent {
+            ev: rdma_cm_event {
+                id: idp,
+                listen_id: listen,
+                event: kind,
+                status,
+                param: rdma_cm_event_param {
+                    conn: rdma_conn_param {
+                        private_data: std::ptr::null(),
+                        private_data_len: 0,
+                        responder_resources: resp,
+                        initiator_depth: init,
+                        flow_control: 0,
+                        retry_count: 0,
+                        rnr_retry_count: 0,
+                        srq: 0,
+                        qp_num: 0,
+                    },
+                },
+            },
+            private,
+        });
+        if !e.private.is_empty() {
+            let len = e.private.len().min(255) as u8;
+            e.ev.param.conn = rdma_conn_param {
+                private_data: e.private.as_ptr().cast(),
+                private_data_len: len,
+                responder_resources: resp,
+                initiator_depth: init,
+                flow_control: 0,
+                retry_count: 0,
+                rnr_retry_count: 0,
+                srq: 0,
+                qp_num: 0,
+            };
+        }
+        if let Some(c) = self.chans.get_mut(&chan) {
+            c.events.push_back(e);
+        }
+    }
+
+    /// Drives every NIC's CM and turns what happened into events.
+    fn progress(&mut self, st: &mut State) {
+        let mut got = Vec::new();
+        for (&nic, cm) in self.cms.iter_mut() {
+            while let Some(e) = cm.poll() {
+                got.push((nic, e));
+            }
+        }
+        for (nic, e) in got {
+            self.on_cm_event(st, nic, e);
+        }
+    }
+
+    fn on_cm_event(&mut self, st: &mut State, nic: usize, e: CmEvent) {
+        match e {
+            CmEvent::ConnectRequest {
+                id,
+                service_id,
+                from,
+                private,
+            } => self.on_request(st, nic, id, service_id, from, private),
+            CmEvent::Replied {
+                id,
+                remote,
+                local_psn,
+                opts,
+                private,
+            } => {
+                let Some(&p) = self.conns.get(&(nic, id)) else {
+                    if let Some(cm) = self.cms.get_mut(&nic) {
+                        let _ = cm.refuse(id);
+                    }
+                    return;
+                };
+                let qp = self.ids[&p].id.id.qp;
+                let conn = Some((
+                    padded(&private, MAX_ACCEPT_PRIVATE),
+                    opts.max_dest_rd_atomic,
+                    opts.max_rd_atomic,
+                ));
+                if qp.is_null() {
+                    if let Some(i) = self.ids.get_mut(&p) {
+                        i.phase = Phase::Replied(id);
+                    }
+                    self.queue(
+                        p,
+                        std::ptr::null_mut(),
+                        RDMA_CM_EVENT_CONNECT_RESPONSE,
+                        0,
+                        conn,
+                    );
+                    return;
+                }
+                let cm = self.cms.get_mut(&nic).expect("the event came from it");
+                match qp_up(st, qp, &remote, &opts, local_psn)
+                    .and_then(|()| cm.establish(id).map_err(|e| crate::errno_of(&e)))
+                {
+                    Ok(()) => {
+                        if let Some(i) = self.ids.get_mut(&p) {
+                            i.phase = Phase::Connected(id);
+                        }
+                        self.queue(p, std::ptr::null_mut(), RDMA_CM_EVENT_ESTABLISHED, 0, conn);
+                    }
+                    Err(err) => {
+                        let _ = cm.refuse(id);
+                        self.conns.remove(&(nic, id));
+                        if let Some(i) = self.ids.get_mut(&p) {
+                            i.phase = Phase::Done;
+                        }
+                        self.queue(
+                            p,
+                            std::ptr::null_mut(),
+                            RDMA_CM_EVENT_CONNECT_ERROR,
+                            -err,
+                            None,
+                        );
+                    }
+                }
+            }
+            CmEvent::Ready { id, .. } => {
+                let Some(&p) = self.conns.get(&(nic, id)) else {
+                    return;
+                };
+                if let Some(i) = self.ids.get_mut(&p) {
+                    i.phase = Phase::Connected(id);
+                }
+                self.queue(p, std::ptr::null_mut(), RDMA_CM_EVENT_ESTABLISHED, 0, None);
+            }
+            CmEvent::Rejected {
+                id,
+                reason,
+                private,
+                ..
+            } => {
+                let Some(p) = self.conns.remove(&(nic, id)) else {
+                    return;
+                };
+                if let Some(i) = self.ids.get_mut(&p) {
+                    i.phase = Phase::Done;
+                }
+                let conn = Some((padded(&private, MAX_REJECT_PRIVATE), 0, 0));
+                self.queue(
+                    p,
+                    std::ptr::null_mut(),
+                    RDMA_CM_EVENT_REJECTED,
+                    i32::from(reason),
+                    conn,
+                );
+            }
+            CmEvent::TimedOut { id, .. } => {
+                let Some(p) = self.conns.remove(&(nic, id)) else {
+                    return;
+                };
+                if let Some(i) = self.ids.get_mut(&p) {
+                    i.phase = Phase::Done;
+                }
+                self.queue(
+                    p,
+                    std::ptr::null_mut(),
+                    RDMA_CM_EVENT_UNREACHABLE,
+                    -libc::ETIMEDOUT,
+                    None,
+                );
+            }
+            CmEvent::Disconnected { id } => {
+                let Some(p) = self.conns.remove(&(nic, id)) else {
+                    return;
+                };
+                let qp = self
+                    .ids
+                    .get(&p)
+                    .map_or(std::ptr::null_mut(), |i| i.id.id.qp);
+                qp_err(st, qp);
+                if let Some(i) = self.ids.get_mut(&p) {
+                    i.phase = Phase::Done;
+                }
+                self.queue(p, std::ptr::null_mut(), RDMA_CM_EVENT_DISCONNECTED, 0, None);
+            }
+            // Connections whose QP the CM holds are the driver's own API's, not made here.
+            CmEvent::Established { .. } => {}
+        }
+    }
+
+    fn on_request(
+        &mut self,
+        st: &mut State,
+        nic: usize,
+        cid: ConnId,
+        sid: u64,
+        from: AhAttr,
+        private: Vec<u8>,
+    ) {
+        let port = (sid & 0xFFFF) as u16;
+        let ps = ((sid >> 16) & 0xFFFF) as u32;
+        let listener = self
+            .listeners
+            .get(&(Some(nic), port))
+            .or_else(|| self.listeners.get(&(None, port)))
+            .copied()
+            .filter(|l| self.ids.get(l).is_some_and(|i| i.id.id.ps == ps));
+        let header_ok = private.len() >= REQ_HEADER && private[0] == 1;
+        let (Some(l), true) = (listener, header_ok) else {
+            if let Some(cm) = self.cms.get_mut(&nic) {
+                let _ = cm.reject(cid, REJ_INVALID_SERVICE_ID, &[]);
+            }
+            return;
+        };
+        let (chan, context) = {
+            let li = &self.ids[&l];
+            (li.chan, li.id.id.context)
+        };
+        let child = self.new_id(chan, context, ps) as usize;
+        let src_port = u16::from_be_bytes([private[2], private[3]]);
+        let dst = SocketAddrV4::new(Ipv4Addr::from(from.ip), src_port);
+        let depths = self
+            .cms
+            .get(&nic)
+            .and_then(|cm| cm.request_depths(cid))
+            .unwrap_or((0, 0));
+        if let Some(i) = self.ids.get_mut(&child) {
+            i.src = SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, port);
+        }
+        if self.place(st, child, nic).is_err() {
+            self.ids.remove(&child);
+            if let Some(cm) = self.cms.get_mut(&nic) {
+                let _ = cm.reject(cid, REJ_CONSUMER, &[]);
+            }
+            return;
+        }
+        let lp: *mut rdma_cm_id = match self.ids.get_mut(&l) {
+            Some(li) => &mut li.id.id,
+            None => std::ptr::null_mut(),
+        };
+        let i = self.ids.get_mut(&child).expect("made above");
+        i.dst = dst;
+        i.id.id.route.addr.dst_storage = sockaddr_of(dst);
+        i.id.id.route.addr.addr.dgid = gid_of(*dst.ip());
+        i.id.id.route.addr.addr.pkey = 0xFFFF;
+        // The requester's initiator depth is this side's responder resources, and the
+        // other way round (librdmacm's view of the request).
+        i.depths = (depths.0.min(MAX_DEPTH), depths.1.min(MAX_DEPTH));
+        i.phase = Phase::Requested(cid);
+        self.conns.insert((nic, cid), child);
+        let conn = Some((
+            padded(&private[REQ_HEADER..], MAX_CONNECT_PRIVATE),
+            depths.0,
+            depths.1,
+        ));
+        self.queue(child, lp, RDMA_CM_EVENT_CONNECT_REQUEST, 0, conn);
+    }
+}
+
+/// The connection options of `param` (depths capped at the NIC's).
+fn conn_options(param: &ConnParam) -> ConnectOptions {
+    ConnectOptions {
+        max_rd_atomic: param.initiator_depth.min(MAX_DEPTH),
+        max_dest_rd_atomic: param.responder_resources.min(MAX_DEPTH),
+        retry_cnt: param.retry_count.min(7),
+        rnr_retry: param.rnr_retry_count.min(7),
+        ..ConnectOptions::default()
+    }
+}
+
+/// Moves QP `qp` (a ringbell `ibv_qp`) with `attr` under `mask`.
+fn move_qp(
+    st: &mut State,
+    qp: *mut abi::ibv_qp,
+    attr: &abi::ibv_qp_attr,
+    mask: u32,
+) -> Result<(), i32> {
+    match with_held(st, qp as *mut RbQp, Kind::Qp, |_, q| {
+        crate::qp::modify(q, attr, mask)
+    }) {
+        Some(0) => Ok(()),
+        Some(e) => Err(e),
+        None => Err(libc::EINVAL),
+    }
+}
+
+/// INIT → RTR towards `remote` → RTS sending from `psn`, as librdmacm moves a connected QP.
+fn qp_up(
+    st: &mut State,
+    qp: *mut abi::ibv_qp,
+    remote: &Endpoint,
+    o: &ConnectOptions,
+    psn: u32,
+) -> Result<(), i32> {
+    let mut rtr = abi::ibv_qp_attr {
+        qp_state: abi::ibv_qp_state_IBV_QPS_RTR,
+        path_mtu: u32::from(o.path_mtu),
+        dest_qp_num: remote.qpn,
+        rq_psn: remote.psn,
+        max_dest_rd_atomic: o.max_dest_rd_atomic,
+        min_rnr_timer: o.min_rnr_timer,
+        ..Default::default()
+    };
+    rtr.ah_attr.is_global = 1;
+    rtr.ah_attr.port_num = 1;
+    rtr.ah_attr.grh.dgid = gid_of(Ipv4Addr::from(remote.ip));
+    rtr.ah_attr.grh.hop_limit = 64;
+    let m = |v: u32| v;
+    move_qp(
+        st,
+        qp,
+        &rtr,
+        m(abi::ibv_qp_attr_mask_IBV_QP_STATE
+            | abi::ibv_qp_attr_mask_IBV_QP_AV
+            | abi::ibv_qp_attr_mask_IBV_QP_PATH_MTU
+            | abi::ibv_qp_attr_mask_IBV_QP_DEST_QPN
+            | abi::ibv_qp_attr_mask_IBV_QP_RQ_PSN
+            | abi::ibv_qp_attr_mask_IBV_QP_MAX_DEST_RD_ATOMIC
+            | abi::ibv_qp_attr_mask_IBV_QP_MIN_RNR_TIMER),
+    )?;
+    let rts = abi::ibv_qp_attr {
+        qp_state: abi::ibv_qp_state_IBV_QPS_RTS,
+        sq_psn: psn & 0x00FF_FFFF,
+        timeout: o.timeout,
+        retry_cnt: o.retry_cnt,
+        rnr_retry: o.rnr_retry,
+        max_rd_atomic: o.max_rd_atomic,
+        ..Default::default()
+    };
+    move_qp(
+        st,
+        qp,
+        &rts,
+        abi::ibv_qp_attr_mask_IBV_QP_STATE
+            | abi::ibv_qp_attr_mask_IBV_QP_SQ_PSN
+            | abi::ibv_qp_attr_mask_IBV_QP_TIMEOUT
+            | abi::ibv_qp_attr_mask_IBV_QP_RETRY_CNT
+            | abi::ibv_qp_attr_mask_IBV_QP_RNR_RETRY
+            | abi::ibv_qp_attr_mask_IBV_QP_MAX_QP_RD_ATOMIC,
+    )
+}
+
+/// Moves QP `qp` (if any) to ERR: its outstanding work requests flush.
+fn qp_err(st: &mut State, qp: *mut abi::ibv_qp) {
+    if qp.is_null() {
+        return;
+    }
+    let err = abi::ibv_qp_attr {
+        qp_state: abi::ibv_qp_state_IBV_QPS_ERR,
+        ..Default::default()
+    };
+    let _ = move_qp(st, qp, &err, abi::ibv_qp_attr_mask_IBV_QP_STATE);
+}
+
+/// `rdma_event_str`.
+pub fn event_str(e: u32) -> &'static std::ffi::CStr {
+    match e {
+        RDMA_CM_EVENT_ADDR_RESOLVED => c"RDMA_CM_EVENT_ADDR_RESOLVED",
+        RDMA_CM_EVENT_ADDR_ERROR => c"RDMA_CM_EVENT_ADDR_ERROR",
+        RDMA_CM_EVENT_ROUTE_RESOLVED => c"RDMA_CM_EVENT_ROUTE_RESOLVED",
+        RDMA_CM_EVENT_ROUTE_ERROR => c"RDMA_CM_EVENT_ROUTE_ERROR",
+        RDMA_CM_EVENT_CONNECT_REQUEST => c"RDMA_CM_EVENT_CONNECT_REQUEST",
+        RDMA_CM_EVENT_CONNECT_RESPONSE => c"RDMA_CM_EVENT_CONNECT_RESPONSE",
+        RDMA_CM_EVENT_CONNECT_ERROR => c"RDMA_CM_EVENT_CONNECT_ERROR",
+        RDMA_CM_EVENT_UNREACHABLE => c"RDMA_CM_EVENT_UNREACHABLE",
+        RDMA_CM_EVENT_REJECTED => c"RDMA_CM_EVENT_REJECTED",
+        RDMA_CM_EVENT_ESTABLISHED => c"RDMA_CM_EVENT_ESTABLISHED",
+        RDMA_CM_EVENT_DISCONNECTED => c"RDMA_CM_EVENT_DISCONNECTED",
+        RDMA_CM_EVENT_DEVICE_REMOVAL => c"RDMA_CM_EVENT_DEVICE_REMOVAL",
+        RDMA_CM_EVENT_MULTICAST_JOIN => c"RDMA_CM_EVENT_MULTICAST_JOIN",
+        RDMA_CM_EVENT_MULTICAST_ERROR => c"RDMA_CM_EVENT_MULTICAST_ERROR",
+        RDMA_CM_EVENT_ADDR_CHANGE => c"RDMA_CM_EVENT_ADDR_CHANGE",
+        RDMA_CM_EVENT_TIMEWAIT_EXIT => c"RDMA_CM_EVENT_TIMEWAIT_EXIT",
+        _ => c"UNKNOWN EVENT",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn storage_bytes(s: &[u64; 16]) -> Vec<u8> {
+        s.iter().flat_map(|w| w.to_ne_bytes()).collect()
+    }
+
+    #[test]
+    fn service_ids_are_the_kernels() {
+        assert_eq!(service_id(RDMA_PS_TCP, 7174), 0x0000_0000_0106_1C06);
+        assert_eq!(service_id(RDMA_PS_IB, 1), 0x0000_0000_013F_0001);
+    }
+
+    #[test]
+    fn socket_addresses_are_laid_out_as_sockaddr_in() {
+        let s = sockaddr_of(SocketAddrV4::new(Ipv4Addr::new(10, 0, 0, 2), 7174));
+        let b = storage_bytes(&s);
+        assert_eq!(&b[0..2], &(libc::AF_INET as u16).to_ne_bytes());
+        assert_eq!(&b[2..4], &7174u16.to_be_bytes());
+        assert_eq!(&b[4..8], &[10, 0, 0, 2]);
+        assert!(b[8..].iter().all(|&x| x == 0));
+    }
+
+    #[test]
+    fn private_areas_are_zero_filled_to_the_message() {
+        assert_eq!(padded(&[1, 2], 4), vec![1, 2, 0, 0]);
+        assert_eq!(padded(&[1, 2, 3], 2), vec![1, 2, 3]);
+    }
+}

@@ -1,0 +1,785 @@
+//! The C boundary of RDMA-CM ([`crate::cma`]): librdmacm's exported `rdma_*` functions.
+//! Pointer checks, socket addresses and private data copied in, results copied out; the
+//! logic is safe Rust in `cma`, under the library's lock.
+
+use crate::abi;
+use crate::cma::{self, Cma, ConnParam};
+use crate::cma_abi::*;
+use crate::state::{lock, State};
+use crate::{guard, set_errno};
+use std::ffi::{c_char, c_int, c_void, CStr};
+use std::net::{Ipv4Addr, SocketAddrV4};
+use std::time::Duration;
+
+/// Runs `f` on the RDMA-CM state and the library's state, under the lock.
+fn call<R>(fail: R, f: impl FnOnce(&mut Cma, &mut State) -> R) -> R {
+    guard(fail, || {
+        let mut st = lock();
+        let mut c = std::mem::take(&mut st.cma);
+        let r = f(&mut c, &mut st);
+        st.cma = c;
+        r
+    })
+}
+
+/// 0, or -1 with `errno`.
+fn rc(r: Result<(), i32>) -> c_int {
+    match r {
+        Ok(()) => 0,
+        Err(e) => {
+            set_errno(e);
+            -1
+        }
+    }
+}
+
+/// How long a waiting call sleeps between two polls of the NICs.
+const POLL_GAP: Duration = Duration::from_micros(100);
+
+/// An IPv4 socket address from `p` (null: none). IPv4-mapped IPv6 addresses and the
+/// unspecified IPv6 address are taken as their IPv4 forms; anything else is
+/// EAFNOSUPPORT.
+///
+/// # Safety
+/// `p` is null or points to a socket address of its family's size.
+unsafe fn sockaddr_in(p: *const libc::sockaddr) -> Result<Option<SocketAddrV4>, i32> {
+    if p.is_null() {
+        return Ok(None);
+    }
+    // SAFETY: per the contract, at least the family is readable.
+    let family = unsafe { (*p).sa_family } as c_int;
+    match family {
+        libc::AF_INET => {
+            // SAFETY: an AF_INET address is a `sockaddr_in`.
+            let s = unsafe { std::ptr::read_unaligned(p as *const libc::sockaddr_in) };
+            Ok(Some(SocketAddrV4::new(
+                Ipv4Addr::from(s.sin_addr.s_addr.to_ne_bytes()),
+                u16::from_be(s.sin_port),
+            )))
+        }
+        libc::AF_INET6 => {
+            // SAFETY: an AF_INET6 address is a `sockaddr_in6`.
+            let s = unsafe { std::ptr::read_unaligned(p as *const libc::sockaddr_in6) };
+            let ip6 = std::net::Ipv6Addr::from(s.sin6_addr.s6_addr);
+            let ip = match ip6.to_ipv4_mapped() {
+                Some(v4) => v4,
+                None if ip6.is_unspecified() => Ipv4Addr::UNSPECIFIED,
+                None => return Err(libc::EAFNOSUPPORT),
+            };
+            Ok(Some(SocketAddrV4::new(ip, u16::from_be(s.sin6_port))))
+        }
+        _ => Err(libc::EAFNOSUPPORT),
+    }
+}
+
+/// A copy of `*p` (null: none), its private data included.
+///
+/// # Safety
+/// `p` is null or points to a `struct rdma_conn_param` whose `private_data` holds
+/// `private_data_len` bytes when it is not null.
+unsafe fn conn_param(p: *const rdma_conn_param) -> Option<ConnParam> {
+    if p.is_null() {
+        return None;
+    }
+    // SAFETY: per the contract.
+    let c = unsafe { &*p };
+    let private = match c.private_data.is_null() {
+        true => Vec::new(),
+        // SAFETY: per the contract, `private_data_len` bytes.
+        false => unsafe {
+            std::slice::from_raw_parts(c.private_data as *const u8, c.private_data_len as usize)
+        }
+        .to_vec(),
+    };
+    Some(ConnParam {
+        private,
+        responder_resources: c.responder_resources,
+        initiator_depth: c.initiator_depth,
+        retry_count: c.retry_count,
+        rnr_retry_count: c.rnr_retry_count,
+        qp_num: c.qp_num,
+    })
+}
+
+/// Waits for the next event of synchronous id `id`; returns it handed out, with its kind
+/// and status.
+fn wait_of(id: usize) -> Result<(*mut rdma_cm_event, u32, i32), i32> {
+    loop {
+        let r = call(Err(libc::EIO), |c, st| {
+            let e = c.next_event_of(st, id)?;
+            Ok(e.and_then(|e| c.event_info(e as usize).map(|(k, s, _)| (e, k, s))))
+        })?;
+        if let Some(x) = r {
+            return Ok(x);
+        }
+        std::thread::sleep(POLL_GAP);
+    }
+}
+
+/// For a synchronous id: waits for the event a call queued and acknowledges it; `want` is
+/// the kind that means success, anything else an error (its status, or `fail`).
+fn complete_sync(id: usize, want: u32, fail: i32) -> Result<(), i32> {
+    if !call(false, |c, _| c.is_sync(id)) {
+        return Ok(());
+    }
+    let (e, kind, status) = wait_of(id)?;
+    call((), |c, _| {
+        let _ = c.ack(e as usize);
+    });
+    match kind {
+        k if k == want => Ok(()),
+        RDMA_CM_EVENT_REJECTED => Err(libc::ECONNREFUSED),
+        RDMA_CM_EVENT_UNREACHABLE => Err(libc::ETIMEDOUT),
+        _ if status < 0 => Err(-status),
+        _ => Err(fail),
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn rdma_create_event_channel() -> *mut rdma_event_channel {
+    // The descriptor reads as always ready (see `cma`): an eventfd holding 1, never read.
+    // SAFETY: creating a descriptor.
+    let fd = unsafe { libc::eventfd(1, libc::EFD_CLOEXEC) };
+    if fd < 0 {
+        return std::ptr::null_mut();
+    }
+    call(std::ptr::null_mut(), |c, _| c.create_channel(fd))
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn rdma_destroy_event_channel(ch: *mut rdma_event_channel) {
+    if let Ok(fd) = call(Err(libc::EINVAL), |c, _| c.destroy_channel(ch as usize)) {
+        if fd >= 0 {
+            // SAFETY: the channel's own descriptor, closed once with it.
+            unsafe { libc::close(fd) };
+        }
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn rdma_create_id(
+    ch: *mut rdma_event_channel,
+    id: *mut *mut rdma_cm_id,
+    context: *mut c_void,
+    ps: u32,
+) -> c_int {
+    if id.is_null() {
+        return rc(Err(libc::EINVAL));
+    }
+    let r = call(Err(libc::EIO), |c, _| {
+        // Without a channel the id is synchronous: its calls wait for their events on a
+        // channel of its own.
+        let chan = match ch.is_null() {
+            true => c.create_channel(-1) as usize,
+            false => ch as usize,
+        };
+        let r = c.create_id(chan, context, ps);
+        if r.is_err() && ch.is_null() {
+            let _ = c.destroy_channel(chan);
+        }
+        r
+    });
+    match r {
+        Ok(p) => {
+            // SAFETY: checked non-null; the caller's out-parameter.
+            unsafe { *id = p };
+            0
+        }
+        Err(e) => rc(Err(e)),
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn rdma_destroy_id(id: *mut rdma_cm_id) -> c_int {
+    rc(call(Err(libc::EIO), |c, st| c.destroy_id(st, id as usize)))
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn rdma_bind_addr(id: *mut rdma_cm_id, addr: *mut libc::sockaddr) -> c_int {
+    // SAFETY: the caller's address.
+    let a = match unsafe { sockaddr_in(addr) } {
+        Ok(Some(a)) => a,
+        Ok(None) => return rc(Err(libc::EINVAL)),
+        Err(e) => return rc(Err(e)),
+    };
+    rc(call(Err(libc::EIO), |c, st| c.bind(st, id as usize, a)))
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn rdma_resolve_addr(
+    id: *mut rdma_cm_id,
+    src: *mut libc::sockaddr,
+    dst: *mut libc::sockaddr,
+    _timeout_ms: c_int,
+) -> c_int {
+    // SAFETY: the caller's addresses.
+    let (s, d) = match unsafe { (sockaddr_in(src), sockaddr_in(dst)) } {
+        (Ok(s), Ok(Some(d))) => (s, d),
+        (Err(e), _) | (_, Err(e)) => return rc(Err(e)),
+        _ => return rc(Err(libc::EINVAL)),
+    };
+    let r = call(Err(libc::EIO), |c, st| {
+        c.resolve_addr(st, id as usize, s, d)
+    });
+    rc(
+        r.and_then(|()| {
+            complete_sync(id as usize, RDMA_CM_EVENT_ADDR_RESOLVED, libc::EHOSTUNREACH)
+        }),
+    )
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn rdma_resolve_route(id: *mut rdma_cm_id, _timeout_ms: c_int) -> c_int {
+    let r = call(Err(libc::EIO), |c, _| c.resolve_route(id as usize));
+    rc(r.and_then(|()| {
+        complete_sync(
+            id as usize,
+            RDMA_CM_EVENT_ROUTE_RESOLVED,
+            libc::EHOSTUNREACH,
+        )
+    }))
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn rdma_listen(id: *mut rdma_cm_id, _backlog: c_int) -> c_int {
+    rc(call(Err(libc::EIO), |c, st| c.listen(st, id as usize)))
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn rdma_create_qp(
+    id: *mut rdma_cm_id,
+    pd: *mut abi::ibv_pd,
+    attr: *mut abi::ibv_qp_init_attr,
+) -> c_int {
+    if attr.is_null() {
+        return rc(Err(libc::EINVAL));
+    }
+    // SAFETY: the caller's attributes, checked non-null; copied in, written back.
+    let mut a = unsafe { std::ptr::read(attr) };
+    let r = call(Err(libc::EIO), |c, st| {
+        c.create_qp(st, id as usize, pd, &mut a)
+    });
+    if r.is_ok() {
+        // SAFETY: as above.
+        unsafe { std::ptr::write(attr, a) };
+    }
+    rc(r)
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn rdma_create_qp_ex(
+    id: *mut rdma_cm_id,
+    attr: *mut abi::ibv_qp_init_attr_ex,
+) -> c_int {
+    if attr.is_null() {
+        return rc(Err(libc::EINVAL));
+    }
+    // SAFETY: the caller's attributes, checked non-null.
+    let x = unsafe { &mut *attr };
+    // What a connected QP of ringbell takes beyond `ibv_qp_init_attr`: nothing.
+    if x.comp_mask & !abi::ibv_qp_init_attr_mask_IBV_QP_INIT_ATTR_PD != 0 {
+        return rc(Err(libc::EOPNOTSUPP));
+    }
+    let mut a = abi::ibv_qp_init_attr {
+        qp_context: x.qp_context,
+        send_cq: x.send_cq,
+        recv_cq: x.recv_cq,
+        srq: x.srq,
+        cap: x.cap,
+        qp_type: x.qp_type,
+        sq_sig_all: x.sq_sig_all,
+    };
+    let pd = match x.comp_mask & abi::ibv_qp_init_attr_mask_IBV_QP_INIT_ATTR_PD {
+        0 => std::ptr::null_mut(),
+        _ => x.pd,
+    };
+    let r = call(Err(libc::EIO), |c, st| {
+        c.create_qp(st, id as usize, pd, &mut a)
+    });
+    if r.is_ok() {
+        x.send_cq = a.send_cq;
+        x.recv_cq = a.recv_cq;
+        x.cap = a.cap;
+    }
+    rc(r)
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn rdma_destroy_qp(id: *mut rdma_cm_id) {
+    call((), |c, st| c.destroy_qp(st, id as usize, false));
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn rdma_connect(id: *mut rdma_cm_id, param: *mut rdma_conn_param) -> c_int {
+    // SAFETY: the caller's parameters.
+    let p = unsafe { conn_param(param) };
+    let r = call(Err(libc::EIO), |c, st| c.connect(st, id as usize, p));
+    rc(r.and_then(|()| complete_sync(id as usize, RDMA_CM_EVENT_ESTABLISHED, libc::ECONNREFUSED)))
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn rdma_establish(id: *mut rdma_cm_id) -> c_int {
+    rc(call(Err(libc::EIO), |c, st| c.establish(st, id as usize)))
+}
+
+/// Acknowledges the request event a synchronous id still holds (`rdma_get_request`).
+fn drop_current_event(id: *mut rdma_cm_id) {
+    call((), |c, _| {
+        if c.is_id(id as usize) {
+            // SAFETY: a live id of this library, under the lock.
+            let ev = unsafe { (*id).event };
+            if !ev.is_null() {
+                let _ = c.ack(ev as usize);
+            }
+        }
+    });
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn rdma_accept(id: *mut rdma_cm_id, param: *mut rdma_conn_param) -> c_int {
+    // SAFETY: the caller's parameters.
+    let p = unsafe { conn_param(param) };
+    let r = call(Err(libc::EIO), |c, st| c.accept(st, id as usize, p));
+    if r.is_ok() {
+        drop_current_event(id);
+    }
+    rc(r.and_then(|()| complete_sync(id as usize, RDMA_CM_EVENT_ESTABLISHED, libc::ECONNRESET)))
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn rdma_reject(id: *mut rdma_cm_id, data: *const c_void, len: u8) -> c_int {
+    let private = match data.is_null() {
+        true => Vec::new(),
+        // SAFETY: the caller's `len` bytes.
+        false => unsafe { std::slice::from_raw_parts(data as *const u8, len as usize) }.to_vec(),
+    };
+    let r = call(Err(libc::EIO), |c, st| c.reject(st, id as usize, &private));
+    if r.is_ok() {
+        drop_current_event(id);
+    }
+    rc(r)
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn rdma_reject_ece(
+    id: *mut rdma_cm_id,
+    data: *const c_void,
+    len: u8,
+) -> c_int {
+    // SAFETY: as `rdma_reject`.
+    unsafe { rdma_reject(id, data, len) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn rdma_disconnect(id: *mut rdma_cm_id) -> c_int {
+    rc(call(Err(libc::EIO), |c, st| c.disconnect(st, id as usize)))
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn rdma_notify(id: *mut rdma_cm_id, _event: c_int) -> c_int {
+    // Connections are established by the RTU alone: nothing to notify.
+    match call(false, |c, _| c.is_id(id as usize)) {
+        true => 0,
+        false => rc(Err(libc::EINVAL)),
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn rdma_get_cm_event(
+    ch: *mut rdma_event_channel,
+    event: *mut *mut rdma_cm_event,
+) -> c_int {
+    if event.is_null() || ch.is_null() {
+        return rc(Err(libc::EINVAL));
+    }
+    loop {
+        match call(Err(libc::EIO), |c, st| c.next_event(st, ch as usize)) {
+            Ok(Some(e)) => {
+                // SAFETY: checked non-null; the caller's out-parameter.
+                unsafe { *event = e };
+                return 0;
+            }
+            Ok(None) => {}
+            Err(e) => return rc(Err(e)),
+        }
+        // SAFETY: a live channel's descriptor (checked by `next_event` above).
+        let fl = unsafe { libc::fcntl((*ch).fd, libc::F_GETFL) };
+        if fl >= 0 && fl & libc::O_NONBLOCK != 0 {
+            return rc(Err(libc::EAGAIN));
+        }
+        std::thread::sleep(POLL_GAP);
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn rdma_ack_cm_event(event: *mut rdma_cm_event) -> c_int {
+    rc(call(Err(libc::EIO), |c, _| c.ack(event as usize)))
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn rdma_migrate_id(
+    id: *mut rdma_cm_id,
+    ch: *mut rdma_event_channel,
+) -> c_int {
+    rc(call(Err(libc::EIO), |c, _| {
+        c.migrate(id as usize, ch as usize)
+    }))
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn rdma_set_option(
+    id: *mut rdma_cm_id,
+    level: c_int,
+    optname: c_int,
+    optval: *mut c_void,
+    _optlen: usize,
+) -> c_int {
+    if !call(false, |c, _| c.is_id(id as usize)) || optval.is_null() {
+        return rc(Err(libc::EINVAL));
+    }
+    // The options change nothing on the fabric (one traffic class, addresses per NIC,
+    // the CM's own timeouts): accepted as the kernel accepts them.
+    match (level, optname) {
+        (RDMA_OPTION_ID, RDMA_OPTION_ID_TOS)
+        | (RDMA_OPTION_ID, RDMA_OPTION_ID_REUSEADDR)
+        | (RDMA_OPTION_ID, RDMA_OPTION_ID_AFONLY)
+        | (RDMA_OPTION_ID, RDMA_OPTION_ID_ACK_TIMEOUT)
+        | (RDMA_OPTION_IB, RDMA_OPTION_IB_PATH) => 0,
+        _ => rc(Err(libc::ENOSYS)),
+    }
+}
+
+/// The port of an id's address (network order).
+fn port_of(id: *mut rdma_cm_id, src: bool) -> u16 {
+    call(None, |c, _| c.addrs(id as usize))
+        .map_or(0, |(s, d)| if src { s.port() } else { d.port() })
+        .to_be()
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn rdma_get_src_port(id: *mut rdma_cm_id) -> u16 {
+    port_of(id, true)
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn rdma_get_dst_port(id: *mut rdma_cm_id) -> u16 {
+    port_of(id, false)
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn rdma_get_devices(num: *mut c_int) -> *mut *mut abi::ibv_context {
+    let mut v = call(Vec::new(), |c, st| c.devices(st));
+    if !num.is_null() {
+        // SAFETY: the caller's out-parameter, checked non-null.
+        unsafe { *num = v.len() as c_int };
+    }
+    v.push(std::ptr::null_mut());
+    Box::into_raw(v.into_boxed_slice()) as *mut *mut abi::ibv_context
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn rdma_free_devices(list: *mut *mut abi::ibv_context) {
+    if list.is_null() {
+        return;
+    }
+    let mut n = 0;
+    // SAFETY: a list from `rdma_get_devices`, ended by a null entry.
+    while !unsafe { *list.add(n) }.is_null() {
+        n += 1;
+    }
+    // SAFETY: the boxed slice `rdma_get_devices` leaked, `n + 1` entries long.
+    drop(unsafe { Box::from_raw(std::ptr::slice_from_raw_parts_mut(list, n + 1)) });
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn rdma_event_str(event: u32) -> *const c_char {
+    cma::event_str(event).as_ptr()
+}
+
+/// An `rdma_addrinfo` with the addresses it points to.
+#[repr(C)]
+struct AddrInfo {
+    ai: rdma_addrinfo,
+    src: [u64; 16],
+    dst: [u64; 16],
+}
+
+/// An IPv4 address named by `node` (numeric, or a host name the resolver knows).
+fn lookup(node: &str) -> Option<Ipv4Addr> {
+    if let Ok(ip) = node.parse::<Ipv4Addr>() {
+        return Some(ip);
+    }
+    use std::net::ToSocketAddrs;
+    (node, 0)
+        .to_socket_addrs()
+        .ok()?
+        .find_map(|a| match a.ip() {
+            std::net::IpAddr::V4(v4) => Some(v4),
+            std::net::IpAddr::V6(v6) => v6.to_ipv4_mapped(),
+        })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn rdma_getaddrinfo(
+    node: *const c_char,
+    service: *const c_char,
+    hints: *const rdma_addrinfo,
+    res: *mut *mut rdma_addrinfo,
+) -> c_int {
+    if res.is_null() || (node.is_null() && service.is_null()) {
+        return rc(Err(libc::EINVAL));
+    }
+    // SAFETY: C strings of the caller, when not null.
+    let text = |p: *const c_char| (!p.is_null()).then(|| unsafe { CStr::from_ptr(p) });
+    let node = text(node).map(|s| s.to_string_lossy().into_owned());
+    let port = match text(service).map(|s| s.to_string_lossy().into_owned()) {
+        None => 0,
+        Some(s) => match s.parse::<u16>() {
+            Ok(p) => p,
+            Err(_) => return rc(Err(libc::EINVAL)),
+        },
+    };
+    // SAFETY: the caller's hints, when not null.
+    let h = (!hints.is_null()).then(|| unsafe { &*hints });
+    let flags = h.map_or(0, |h| h.ai_flags);
+    let passive = flags & RAI_PASSIVE != 0;
+    let ip = match &node {
+        Some(n) => match lookup(n) {
+            Some(ip) => ip,
+            None => return rc(Err(libc::EADDRNOTAVAIL)),
+        },
+        None => Ipv4Addr::UNSPECIFIED,
+    };
+    let addr = SocketAddrV4::new(ip, port);
+    let mut b = Box::new(AddrInfo {
+        ai: rdma_addrinfo {
+            ai_flags: flags,
+            ai_family: libc::AF_INET,
+            ai_qp_type: h
+                .map(|h| h.ai_qp_type)
+                .filter(|&t| t != 0)
+                .unwrap_or(abi::ibv_qp_type_IBV_QPT_RC as c_int),
+            ai_port_space: h
+                .map(|h| h.ai_port_space)
+                .filter(|&t| t != 0)
+                .unwrap_or(RDMA_PS_TCP as c_int),
+            ai_src_len: 0,
+            ai_dst_len: 0,
+            ai_src_addr: std::ptr::null_mut(),
+            ai_dst_addr: std::ptr::null_mut(),
+            ai_src_canonname: std::ptr::null_mut(),
+            ai_dst_canonname: std::ptr::null_mut(),
+            ai_route_len: 0,
+            ai_route: std::ptr::null_mut(),
+            ai_connect_len: 0,
+            ai_connect: std::ptr::null_mut(),
+            ai_next: std::ptr::null_mut(),
+        },
+        src: cma::sockaddr_of(addr),
+        dst: cma::sockaddr_of(addr),
+    });
+    let len = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
+    if passive {
+        b.ai.ai_src_addr = b.src.as_mut_ptr() as *mut libc::sockaddr;
+        b.ai.ai_src_len = len;
+    } else {
+        b.ai.ai_dst_addr = b.dst.as_mut_ptr() as *mut libc::sockaddr;
+        b.ai.ai_dst_len = len;
+    }
+    // SAFETY: checked non-null; the caller's out-parameter.
+    unsafe { *res = Box::into_raw(b) as *mut rdma_addrinfo };
+    0
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn rdma_freeaddrinfo(res: *mut rdma_addrinfo) {
+    let mut p = res;
+    while !p.is_null() {
+        // SAFETY: every entry came from `rdma_getaddrinfo`'s `Box<AddrInfo>` (its first
+        // member), freed once here.
+        let b = unsafe { Box::from_raw(p as *mut AddrInfo) };
+        p = b.ai.ai_next;
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn rdma_create_ep(
+    id: *mut *mut rdma_cm_id,
+    res: *mut rdma_addrinfo,
+    pd: *mut abi::ibv_pd,
+    qp_init_attr: *mut abi::ibv_qp_init_attr,
+) -> c_int {
+    if id.is_null() || res.is_null() {
+        return rc(Err(libc::EINVAL));
+    }
+    // SAFETY: the caller's address information, checked non-null.
+    let r = unsafe { &*res };
+    // SAFETY: its addresses, when not null.
+    let (src, dst) = match unsafe { (sockaddr_in(r.ai_src_addr), sockaddr_in(r.ai_dst_addr)) } {
+        (Ok(s), Ok(d)) => (s, d),
+        (Err(e), _) | (_, Err(e)) => return rc(Err(e)),
+    };
+    let ps = match r.ai_port_space {
+        0 => RDMA_PS_TCP,
+        p => p as u32,
+    };
+    let mut p: *mut rdma_cm_id = std::ptr::null_mut();
+    // SAFETY: a synchronous id into a local.
+    if unsafe { rdma_create_id(std::ptr::null_mut(), &mut p, std::ptr::null_mut(), ps) } != 0 {
+        return -1;
+    }
+    let attr = (!qp_init_attr.is_null()).then(|| {
+        // SAFETY: the caller's attributes, checked non-null.
+        unsafe { std::ptr::read(qp_init_attr) }
+    });
+    let made = if r.ai_flags & RAI_PASSIVE != 0 {
+        let bind = src.unwrap_or(SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, 0));
+        call(Err(libc::EIO), |c, st| {
+            c.bind(st, p as usize, bind)?;
+            if let Some(a) = attr {
+                c.set_ep_qp(p as usize, a);
+            }
+            Ok(())
+        })
+        .map(|()| {
+            // SAFETY: the id just made, under no other thread's eyes yet.
+            unsafe { (*p).pd = pd };
+        })
+    } else {
+        match dst {
+            None => Err(libc::EINVAL),
+            Some(d) => call(Err(libc::EIO), |c, st| {
+                c.resolve_addr(st, p as usize, src, d)
+            })
+            .and_then(|()| {
+                complete_sync(p as usize, RDMA_CM_EVENT_ADDR_RESOLVED, libc::EHOSTUNREACH)
+            })
+            .and_then(|()| call(Err(libc::EIO), |c, _| c.resolve_route(p as usize)))
+            .and_then(|()| {
+                complete_sync(p as usize, RDMA_CM_EVENT_ROUTE_RESOLVED, libc::EHOSTUNREACH)
+            })
+            .and_then(|()| match attr {
+                None => Ok(()),
+                Some(mut a) => {
+                    let r = call(Err(libc::EIO), |c, st| {
+                        c.create_qp(st, p as usize, pd, &mut a)
+                    });
+                    if r.is_ok() {
+                        // SAFETY: the caller's attributes, written back.
+                        unsafe { std::ptr::write(qp_init_attr, a) };
+                    }
+                    r
+                }
+            }),
+        }
+    };
+    match made {
+        Ok(()) => {
+            // SAFETY: checked non-null; the caller's out-parameter.
+            unsafe { *id = p };
+            0
+        }
+        Err(e) => {
+            call((), |c, st| {
+                let _ = c.destroy_id(st, p as usize);
+            });
+            rc(Err(e))
+        }
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn rdma_destroy_ep(id: *mut rdma_cm_id) {
+    call((), |c, st| {
+        let _ = c.destroy_id(st, id as usize);
+    });
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn rdma_get_request(
+    listen: *mut rdma_cm_id,
+    id: *mut *mut rdma_cm_id,
+) -> c_int {
+    if id.is_null() || !call(false, |c, _| c.is_sync(listen as usize)) {
+        return rc(Err(libc::EINVAL));
+    }
+    let (e, kind, status) = match wait_of(listen as usize) {
+        Ok(x) => x,
+        Err(err) => return rc(Err(err)),
+    };
+    if kind != RDMA_CM_EVENT_CONNECT_REQUEST {
+        call((), |c, _| {
+            let _ = c.ack(e as usize);
+        });
+        return rc(Err(if status < 0 {
+            -status
+        } else {
+            libc::ECONNABORTED
+        }));
+    }
+    // SAFETY: an event just handed out (alive until acknowledged).
+    let child = unsafe { (*e).id };
+    let r = call(Err(libc::EIO), |c, st| {
+        c.set_current_event(child as usize, e);
+        match c.ep_qp(listen as usize) {
+            None => Ok(()),
+            Some(mut a) => {
+                // SAFETY: a live listening id of this library, under the lock.
+                let pd = unsafe { (*listen).pd };
+                c.create_qp(st, child as usize, pd, &mut a)
+            }
+        }
+    });
+    match r {
+        Ok(()) => {
+            // SAFETY: checked non-null; the caller's out-parameter.
+            unsafe { *id = child };
+            0
+        }
+        Err(err) => {
+            // SAFETY: the request's id, refused and destroyed.
+            unsafe {
+                rdma_reject(child, std::ptr::null(), 0);
+                rdma_destroy_id(child);
+            }
+            rc(Err(err))
+        }
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn rdma_init_qp_attr(
+    _id: *mut rdma_cm_id,
+    _attr: *mut abi::ibv_qp_attr,
+    _mask: *mut c_int,
+) -> c_int {
+    // The library moves the QPs of its connections itself.
+    rc(Err(libc::EOPNOTSUPP))
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn rdma_join_multicast(
+    _id: *mut rdma_cm_id,
+    _addr: *mut libc::sockaddr,
+    _context: *mut c_void,
+) -> c_int {
+    // Datagram ids (RDMA_PS_UDP) are not offered, nor their groups.
+    rc(Err(libc::EOPNOTSUPP))
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn rdma_join_multicast_ex(
+    _id: *mut rdma_cm_id,
+    _attr: *mut c_void,
+    _context: *mut c_void,
+) -> c_int {
+    rc(Err(libc::EOPNOTSUPP))
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn rdma_leave_multicast(
+    _id: *mut rdma_cm_id,
+    _addr: *mut libc::sockaddr,
+) -> c_int {
+    rc(Err(libc::EOPNOTSUPP))
+}
