@@ -346,6 +346,8 @@ impl Cma {
     /// Sets id `p` on NIC `nic` (its context, port and source address).
     fn place(&mut self, st: &mut State, p: usize, nic: usize) -> Result<(), i32> {
         let ctx = self.ctx(st, nic)?;
+        // An id on a device has the library's PD of that device, as librdmacm gives it.
+        let pd = self.shared_pd(st, nic)?;
         let ip = Self::nic_ip(st, nic).ok_or(libc::ENODEV)?;
         let port = match self.ids.get(&p).map(|i| i.src.port()) {
             Some(0) | None => self.fresh_port(),
@@ -355,6 +357,9 @@ impl Cma {
         i.nic = Some(nic);
         i.src = SocketAddrV4::new(ip, port);
         i.id.id.verbs = ctx;
+        if i.id.id.pd.is_null() {
+            i.id.id.pd = pd;
+        }
         i.id.id.port_num = 1;
         i.id.id.route.addr.src_storage = sockaddr_of(i.src);
         i.id.id.route.addr.addr.sgid = gid_of(ip);

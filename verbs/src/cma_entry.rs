@@ -630,7 +630,12 @@ pub unsafe extern "C" fn rdma_create_ep(
     }
     let attr = (!qp_init_attr.is_null()).then(|| {
         // SAFETY: the caller's attributes, checked non-null.
-        unsafe { std::ptr::read(qp_init_attr) }
+        let mut a = unsafe { std::ptr::read(qp_init_attr) };
+        // The QP's type is the address information's, as librdmacm sets it.
+        if r.ai_qp_type != 0 {
+            a.qp_type = r.ai_qp_type as u32;
+        }
+        a
     });
     let made = if r.ai_flags & RAI_PASSIVE != 0 {
         let bind = src.unwrap_or(SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, 0));
@@ -642,8 +647,10 @@ pub unsafe extern "C" fn rdma_create_ep(
             Ok(())
         })
         .map(|()| {
-            // SAFETY: the id just made, under no other thread's eyes yet.
-            unsafe { (*p).pd = pd };
+            if !pd.is_null() {
+                // SAFETY: the id just made, under no other thread's eyes yet.
+                unsafe { (*p).pd = pd };
+            }
         })
     } else {
         match dst {
