@@ -583,3 +583,166 @@ fn connection_management_is_deterministic_under_loss() {
     assert_eq!(a, lossy_run(21, 8), "same seed, same run");
     assert_ne!(a.0, lossy_run(22, 8).0, "another seed, another run");
 }
+
+/// Connections whose QPs the caller moves (`connect_external`, `accept_external`, as the
+/// verbs library's RDMA-CM moves them): 16 clients under 10 % loss, every one announced
+/// once on each side (`Replied` once at the client however often the REP comes, `Ready`
+/// once at the server), then traffic over each; and a REP the client refuses reaches the
+/// server as a consumer reject.
+#[test]
+fn connections_the_caller_moves_its_qps_for() {
+    const CLIENTS: usize = 16;
+    let mut cfg = FabricConfig::new(CLIENTS + 1, 9);
+    cfg.faults = FaultPlan {
+        links: LinkFaults::loss(0.1),
+        ..Default::default()
+    };
+    let f = Fabric::new(cfg);
+    let mut nodes: Vec<Node> = (0..=CLIENTS).map(|n| node(&f, n)).collect();
+    nodes[0].cm.listen(0x0106_1C06).unwrap();
+    let server = nodes[0].cm.address();
+    let mut client_qps: Vec<Option<(ConnId, QueuePair)>> = vec![None];
+    for nd in nodes.iter_mut().skip(1) {
+        let q = rc_qp(nd);
+        let id = nd
+            .cm
+            .connect_external(server, 0x0106_1C06, q.qpn(), &opts(), b"moved by me")
+            .unwrap();
+        // Nothing to establish before the REP.
+        assert!(nd.cm.establish(id).is_err());
+        client_qps.push(Some((id, q)));
+    }
+    let mut server_qps: Vec<(ConnId, QueuePair)> = Vec::new();
+    let (mut replied, mut ready) = (0usize, 0usize);
+    for _ in 0..2_000_000 {
+        if replied == CLIENTS && ready == CLIENTS {
+            break;
+        }
+        for i in 0..nodes.len() {
+            while let Some(e) = nodes[i].cm.poll() {
+                match e {
+                    CmEvent::ConnectRequest { id, private, .. } => {
+                        assert_eq!(i, 0);
+                        assert_eq!(private, b"moved by me");
+                        let mut q = rc_qp(&nodes[0]);
+                        let (remote, mine) = nodes[0].cm.request(id, &opts()).unwrap();
+                        q.to_rtr(&remote, &mine).unwrap();
+                        q.to_rts(first_psn(id, q.qpn()), &mine).unwrap();
+                        let qpn = q.qpn();
+                        nodes[0]
+                            .cm
+                            .accept_external(id, qpn, &opts(), b"rep")
+                            .unwrap();
+                        server_qps.push((id, q));
+                    }
+                    CmEvent::Replied {
+                        id,
+                        remote,
+                        local_psn,
+                        opts: o,
+                        private,
+                    } => {
+                        assert_eq!(&private, b"rep");
+                        let (cid, q) = client_qps[i].as_mut().expect("a client");
+                        assert_eq!(*cid, id);
+                        q.to_rtr(&remote, &o).unwrap();
+                        q.to_rts(local_psn, &o).unwrap();
+                        nodes[i].cm.establish(id).unwrap();
+                        replied += 1;
+                    }
+                    CmEvent::Ready { id, .. } => {
+                        assert_eq!(i, 0);
+                        assert!(server_qps.iter().any(|(s, _)| *s == id));
+                        ready += 1;
+                    }
+                    e => panic!("node {i}: {e:?}"),
+                }
+            }
+        }
+        let _ = f.step();
+    }
+    assert_eq!((replied, ready), (CLIENTS, CLIENTS));
+    assert!(f.fault_stats().dropped > 0, "the fabric dropped frames");
+    // Every client WRITEs its number into the server's buffer at its own offset.
+    for (n, c) in client_qps.iter_mut().enumerate().skip(1) {
+        let (_, qp) = c.as_mut().unwrap();
+        let remote = RemoteAddr {
+            addr: nodes[0].mr.addr() + n as u64 * 8,
+            rkey: nodes[0].mr.rkey(),
+        };
+        qp.post_send(&[SendWr::inline(
+            n as u64,
+            WrOp::Write(remote),
+            &(n as u64).to_le_bytes(),
+        )])
+        .unwrap();
+    }
+    let mut done = 0;
+    let mut wc = [WorkCompletion::default(); 16];
+    for _ in 0..10_000_000 {
+        for nd in nodes.iter_mut().skip(1) {
+            let k = nd.cq.poll_ready(&mut wc);
+            for w in &wc[..k] {
+                assert_eq!(w.status, WcStatus::Success, "{w:?}");
+                done += 1;
+            }
+        }
+        if done == CLIENTS || !f.step() {
+            break;
+        }
+    }
+    assert_eq!(done, CLIENTS);
+    for n in 1..=CLIENTS {
+        let mut v = [0u8; 8];
+        nodes[0].buf.read(n * 8, &mut v).unwrap();
+        assert_eq!(u64::from_le_bytes(v), n as u64);
+    }
+
+    // A REP the client cannot take: refused, and the server hears a consumer reject.
+    let q = rc_qp(&nodes[1]);
+    let id = nodes[1]
+        .cm
+        .connect_external(server, 0x0106_1C06, q.qpn(), &opts(), b"again")
+        .unwrap();
+    let mut rejected = None;
+    for _ in 0..2_000_000 {
+        if rejected.is_some() {
+            break;
+        }
+        while let Some(e) = nodes[0].cm.poll() {
+            match e {
+                CmEvent::ConnectRequest { id: sid, .. } => {
+                    let mut sq = rc_qp(&nodes[0]);
+                    let (remote, mine) = nodes[0].cm.request(sid, &opts()).unwrap();
+                    assert_eq!(
+                        nodes[0].cm.request_depths(sid),
+                        Some((opts().max_rd_atomic, opts().max_dest_rd_atomic))
+                    );
+                    sq.to_rtr(&remote, &mine).unwrap();
+                    sq.to_rts(first_psn(sid, sq.qpn()), &mine).unwrap();
+                    let qpn = sq.qpn();
+                    nodes[0].cm.accept_external(sid, qpn, &opts(), &[]).unwrap();
+                    server_qps.push((sid, sq));
+                }
+                CmEvent::Rejected { reason, qp, .. } => {
+                    assert!(qp.is_none(), "the caller's QP is not the CM's to give back");
+                    rejected = Some(reason);
+                }
+                e => panic!("server: {e:?}"),
+            }
+        }
+        while let Some(e) = nodes[1].cm.poll() {
+            match e {
+                CmEvent::Replied { id: rid, .. } => {
+                    assert_eq!(rid, id);
+                    nodes[1].cm.refuse(rid).unwrap();
+                    assert!(nodes[1].cm.establish(rid).is_err(), "refused");
+                }
+                e => panic!("client: {e:?}"),
+            }
+        }
+        let _ = f.step();
+    }
+    assert_eq!(rejected, Some(REJ_CONSUMER));
+    drop(q);
+}

@@ -556,6 +556,7 @@ impl Cma {
             }
         };
         let mut made = Vec::new();
+        let idp = p;
         if attr.send_cq.is_null() || attr.recv_cq.is_null() {
             let depth = attr.cap.max_send_wr.max(attr.cap.max_recv_wr).max(1) as i32;
             for which in 0..2 {
@@ -574,7 +575,9 @@ impl Cma {
                         c,
                         depth,
                         ch as *mut crate::cq::RbChannel,
-                        std::ptr::null_mut(),
+                        // The id is the CQ's context, as librdmacm makes an id's CQs
+                        // (`rdma_get_send_comp` checks it).
+                        idp as *mut std::ffi::c_void,
                         std::ptr::null_mut(),
                     )?;
                     Ok::<_, i32>((cq, ch))

@@ -120,6 +120,7 @@ fn compile(name: &str) -> PathBuf {
         .arg(&exe)
         .arg(&src)
         .arg("-libverbs")
+        .args(extra_libs(name))
         .output()
         .expect("running the C compiler");
     assert!(
@@ -130,6 +131,15 @@ fn compile(name: &str) -> PathBuf {
         String::from_utf8_lossy(&o.stderr)
     );
     exe
+}
+
+/// Libraries a program links beyond libibverbs: the RDMA-CM program links librdmacm
+/// (Debian's `librdmacm-dev`), whose `rdma_*` calls the preloaded library answers.
+fn extra_libs(name: &str) -> &'static [&'static str] {
+    match name {
+        "cma" => &["-lrdmacm", "-lpthread"],
+        _ => &[],
+    }
 }
 
 /// Reads a child's pipe to the end on a thread of its own.
@@ -223,6 +233,7 @@ const PROGRAMS: &[&str] = &[
     "import",
     "xrc",
     "raw",
+    "cma",
 ];
 
 macro_rules! c_program {
@@ -254,6 +265,7 @@ c_program!(
     import,
     xrc,
     raw,
+    cma,
 );
 
 /// Every `tests/c/*.c` has its test above (a new program is not silently left out).

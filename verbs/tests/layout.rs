@@ -1,9 +1,10 @@
 //! The C layouts the library fills in, checked against the installed
-//! `<infiniband/verbs.h>`: a C program compiled against the header prints each struct's size
+//! `<infiniband/verbs.h>` and `<rdma/rdma_cma.h>`: a C program compiled against the header prints each struct's size
 //! and the offset of each field the library or the header's inline functions touch, and the
 //! Rust types must agree.
 
 use ringbell_verbs::abi::*;
+use ringbell_verbs::cma_abi::*;
 use std::collections::BTreeMap;
 use std::mem::{offset_of, size_of};
 use std::process::Command;
@@ -314,6 +315,77 @@ fn entries() -> Vec<Entry> {
             flags,
             tm
         }),
+        entry!(rdma_ib_addr { sgid, dgid, pkey }),
+        entry!(rdma_addr {
+            src_storage,
+            dst_storage,
+            addr
+        }),
+        entry!(rdma_route {
+            addr,
+            path_rec,
+            num_paths
+        }),
+        entry!(rdma_event_channel { fd }),
+        entry!(rdma_cm_id {
+            verbs,
+            channel,
+            context,
+            qp,
+            route,
+            ps,
+            port_num,
+            event,
+            send_cq_channel,
+            send_cq,
+            recv_cq_channel,
+            recv_cq,
+            srq,
+            pd,
+            qp_type
+        }),
+        entry!(rdma_conn_param {
+            private_data,
+            private_data_len,
+            responder_resources,
+            initiator_depth,
+            flow_control,
+            retry_count,
+            rnr_retry_count,
+            srq,
+            qp_num
+        }),
+        entry!(rdma_ud_param {
+            private_data,
+            private_data_len,
+            ah_attr,
+            qp_num,
+            qkey
+        }),
+        entry!(rdma_cm_event {
+            id,
+            listen_id,
+            event,
+            status,
+            param
+        }),
+        entry!(rdma_addrinfo {
+            ai_flags,
+            ai_family,
+            ai_qp_type,
+            ai_port_space,
+            ai_src_len,
+            ai_dst_len,
+            ai_src_addr,
+            ai_dst_addr,
+            ai_src_canonname,
+            ai_dst_canonname,
+            ai_route_len,
+            ai_route,
+            ai_connect_len,
+            ai_connect,
+            ai_next
+        }),
         entry!(ibv_async_event {
             element,
             event_type
@@ -330,7 +402,8 @@ fn c_field(f: &str) -> &str {
 fn layouts_match_the_installed_header() {
     let entries = entries();
     let mut src = String::from(
-        "#include <stdio.h>\n#include <stddef.h>\n#include <infiniband/verbs.h>\nint main(void) {\n",
+        "#include <stdio.h>\n#include <stddef.h>\n#include <infiniband/verbs.h>\n\
+         #include <rdma/rdma_cma.h>\nint main(void) {\n",
     );
     for (name, _, fields) in &entries {
         src += &format!("printf(\"{name} %zu\\n\", sizeof(struct {name}));\n");
@@ -353,7 +426,8 @@ fn layouts_match_the_installed_header() {
         .expect("a C compiler (cc) is needed: install gcc");
     assert!(
         out.status.success(),
-        "compiling against <infiniband/verbs.h> failed (install libibverbs-dev):\n{}",
+        "compiling against <infiniband/verbs.h> and <rdma/rdma_cma.h> failed (install \
+         libibverbs-dev and librdmacm-dev):\n{}",
         String::from_utf8_lossy(&out.stderr)
     );
     let out = Command::new(&exe).output().unwrap();

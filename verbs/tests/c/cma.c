@@ -1,0 +1,488 @@
+/* RDMA-CM (librdmacm's rdma_* calls) on ringbell NICs, in one process over the in-process
+ * fabric's two NICs (rb0 10.0.0.1, rb1 10.0.0.2): address and route resolution, listen,
+ * connect with private data, accept, data over the connected QPs, disconnect, reject, a
+ * port nobody listens on, a connection within one NIC, the synchronous calls
+ * (rdma_create_ep, rdma_get_request) with a server thread, and the refusals. Linked with
+ * -lrdmacm; the library answers every rdma_* call. */
+#include "common.h"
+#include <pthread.h>
+#include <rdma/rdma_cma.h>
+#include <rdma/rdma_verbs.h>
+
+static struct sockaddr_in sin_of(const char *ip, int port)
+{
+	struct sockaddr_in s;
+	memset(&s, 0, sizeof s);
+	s.sin_family = AF_INET;
+	s.sin_port = htons(port);
+	CHECK_EQ(inet_pton(AF_INET, ip, &s.sin_addr), 1);
+	return s;
+}
+
+/* The next event of `ch`, which must be of kind `want`. */
+static struct rdma_cm_event *expect_event(struct rdma_event_channel *ch,
+					  enum rdma_cm_event_type want)
+{
+	struct rdma_cm_event *e = NULL;
+	CHECK_OK(rdma_get_cm_event(ch, &e));
+	CHECK(e != NULL);
+	if (e->event != want)
+		FAIL("event %s (status %d), want %s", rdma_event_str(e->event), e->status,
+		     rdma_event_str(want));
+	return e;
+}
+
+static enum ibv_qp_state qp_state(struct ibv_qp *qp)
+{
+	struct ibv_qp_attr a;
+	struct ibv_qp_init_attr ia;
+	CHECK_OK(ibv_query_qp(qp, &a, IBV_QP_STATE, &ia));
+	return a.qp_state;
+}
+
+static struct ibv_qp_init_attr rc_attr(void)
+{
+	struct ibv_qp_init_attr a;
+	memset(&a, 0, sizeof a);
+	a.qp_type = IBV_QPT_RC;
+	a.cap.max_send_wr = a.cap.max_recv_wr = 8;
+	a.cap.max_send_sge = a.cap.max_recv_sge = 1;
+	a.cap.max_inline_data = 32;
+	return a;
+}
+
+static uint16_t port_of(struct sockaddr *sa)
+{
+	return ntohs(((struct sockaddr_in *)sa)->sin_port);
+}
+
+static uint32_t ip_of(struct sockaddr *sa)
+{
+	return ntohl(((struct sockaddr_in *)sa)->sin_addr.s_addr);
+}
+
+/* A connection from `src_ip` to the listener `lid` (on channel `sch`, port `port`):
+ * both ids established, with QPs in RTS. */
+struct conn {
+	struct rdma_cm_id *cli, *srv;
+};
+
+static struct conn connect_pair(struct rdma_event_channel *cch, struct rdma_event_channel *sch,
+				struct rdma_cm_id *lid, const char *src_ip, const char *dst_ip,
+				int port)
+{
+	struct conn c;
+	struct rdma_cm_event *e;
+	CHECK_OK(rdma_create_id(cch, &c.cli, NULL, RDMA_PS_TCP));
+	struct sockaddr_in src = sin_of(src_ip, 0), dst = sin_of(dst_ip, port);
+	CHECK_OK(rdma_resolve_addr(c.cli, (struct sockaddr *)&src, (struct sockaddr *)&dst, 1000));
+	CHECK_OK(rdma_ack_cm_event(expect_event(cch, RDMA_CM_EVENT_ADDR_RESOLVED)));
+	CHECK_OK(rdma_resolve_route(c.cli, 1000));
+	CHECK_OK(rdma_ack_cm_event(expect_event(cch, RDMA_CM_EVENT_ROUTE_RESOLVED)));
+	struct ibv_qp_init_attr a = rc_attr();
+	CHECK_OK(rdma_create_qp(c.cli, NULL, &a));
+	CHECK_OK(rdma_connect(c.cli, NULL));
+	e = expect_event(sch, RDMA_CM_EVENT_CONNECT_REQUEST);
+	CHECK(e->listen_id == lid);
+	c.srv = e->id;
+	CHECK_OK(rdma_ack_cm_event(e));
+	a = rc_attr();
+	CHECK_OK(rdma_create_qp(c.srv, NULL, &a));
+	CHECK_OK(rdma_accept(c.srv, NULL));
+	CHECK_OK(rdma_ack_cm_event(expect_event(cch, RDMA_CM_EVENT_ESTABLISHED)));
+	CHECK_OK(rdma_ack_cm_event(expect_event(sch, RDMA_CM_EVENT_ESTABLISHED)));
+	CHECK_EQ(qp_state(c.cli->qp), IBV_QPS_RTS);
+	CHECK_EQ(qp_state(c.srv->qp), IBV_QPS_RTS);
+	return c;
+}
+
+/* Disconnects from the client's side: both ids see DISCONNECTED, both QPs are in ERR. */
+static void close_pair(struct rdma_event_channel *cch, struct rdma_event_channel *sch,
+		       struct conn *c)
+{
+	CHECK_OK(rdma_disconnect(c->cli));
+	CHECK_EQ(qp_state(c->cli->qp), IBV_QPS_ERR);
+	CHECK_OK(rdma_ack_cm_event(expect_event(sch, RDMA_CM_EVENT_DISCONNECTED)));
+	CHECK_OK(rdma_ack_cm_event(expect_event(cch, RDMA_CM_EVENT_DISCONNECTED)));
+	CHECK_EQ(qp_state(c->srv->qp), IBV_QPS_ERR);
+	/* A second disconnect finds no connection. */
+	errno = 0;
+	CHECK_EQ(rdma_disconnect(c->cli), -1);
+	CHECK_EQ(errno, EINVAL);
+	rdma_destroy_qp(c->cli);
+	rdma_destroy_qp(c->srv);
+	CHECK(c->cli->qp == NULL);
+	CHECK_OK(rdma_destroy_id(c->cli));
+	CHECK_OK(rdma_destroy_id(c->srv));
+}
+
+/* ---- the synchronous calls, as rdma_server and rdma_client use them ---- */
+
+static void *sync_server(void *arg)
+{
+	(void)arg;
+	struct rdma_addrinfo hints, *res;
+	memset(&hints, 0, sizeof hints);
+	hints.ai_flags = RAI_PASSIVE;
+	hints.ai_port_space = RDMA_PS_TCP;
+	CHECK_OK(rdma_getaddrinfo("10.0.0.1", "7472", &hints, &res));
+	struct ibv_qp_init_attr a = rc_attr();
+	a.sq_sig_all = 1;
+	struct rdma_cm_id *lid, *id;
+	CHECK_OK(rdma_create_ep(&lid, res, NULL, &a));
+	rdma_freeaddrinfo(res);
+	CHECK_OK(rdma_listen(lid, 1));
+	CHECK_OK(rdma_get_request(lid, &id));
+	/* The request's QP was made from the listening endpoint's attributes. */
+	CHECK(id->qp != NULL && id->pd != NULL && id->recv_cq != NULL);
+	CHECK(id->event != NULL && id->event->event == RDMA_CM_EVENT_CONNECT_REQUEST);
+	char buf[16];
+	struct ibv_mr *mr = rdma_reg_msgs(id, buf, sizeof buf);
+	CHECK(mr != NULL);
+	CHECK_OK(rdma_post_recv(id, NULL, buf, sizeof buf, mr));
+	CHECK_OK(rdma_accept(id, NULL));
+	struct ibv_wc wc;
+	CHECK_EQ(rdma_get_recv_comp(id, &wc), 1);
+	CHECK_EQ(wc.status, IBV_WC_SUCCESS);
+	CHECK_MEM(buf, "sync-request!!!", 16);
+	memcpy(buf, "sync-reply!!!!!", 16);
+	CHECK_OK(rdma_post_send(id, NULL, buf, sizeof buf, mr, 0));
+	CHECK_EQ(rdma_get_send_comp(id, &wc), 1);
+	CHECK_EQ(wc.status, IBV_WC_SUCCESS);
+	/* The client disconnects; its DREQ is answered whether or not this side waits. */
+	rdma_disconnect(id);
+	CHECK_OK(rdma_dereg_mr(mr));
+	rdma_destroy_ep(id);
+	rdma_destroy_ep(lid);
+	return NULL;
+}
+
+static void sync_client(void)
+{
+	pthread_t t;
+	CHECK_OK(pthread_create(&t, NULL, sync_server, NULL));
+	struct rdma_addrinfo hints, *res;
+	memset(&hints, 0, sizeof hints);
+	hints.ai_port_space = RDMA_PS_TCP;
+	CHECK_OK(rdma_getaddrinfo("10.0.0.1", "7472", &hints, &res));
+	CHECK(res->ai_dst_addr != NULL && res->ai_src_addr == NULL);
+	CHECK_EQ(port_of(res->ai_dst_addr), 7472);
+	struct ibv_qp_init_attr a = rc_attr();
+	a.sq_sig_all = 1;
+	a.qp_type = 0; /* rdma_create_ep takes the address information's (RC) */
+	struct rdma_cm_id *id = NULL;
+	/* The server thread may not listen yet: a refused request is tried again. */
+	double end = now_s() + WAIT_S;
+	for (;;) {
+		CHECK_OK(rdma_create_ep(&id, res, NULL, &a));
+		CHECK(id->qp != NULL && id->send_cq != NULL && id->send_cq_channel != NULL);
+		char buf[16];
+		struct ibv_mr *mr = rdma_reg_msgs(id, buf, sizeof buf);
+		CHECK(mr != NULL);
+		CHECK_OK(rdma_post_recv(id, NULL, buf, sizeof buf, mr));
+		errno = 0;
+		int r = rdma_connect(id, NULL);
+		if (r != 0) {
+			CHECK_EQ(errno, ECONNREFUSED);
+			CHECK(now_s() < end);
+			CHECK_OK(rdma_dereg_mr(mr));
+			rdma_destroy_ep(id);
+			usleep(10000);
+			continue;
+		}
+		memcpy(buf, "sync-request!!!", 16);
+		struct ibv_wc wc;
+		CHECK_OK(rdma_post_send(id, NULL, buf, sizeof buf, mr, 0));
+		CHECK_EQ(rdma_get_send_comp(id, &wc), 1);
+		CHECK_EQ(wc.status, IBV_WC_SUCCESS);
+		/* The receive posted before the connect now holds the reply. */
+		CHECK_EQ(rdma_get_recv_comp(id, &wc), 1);
+		CHECK_EQ(wc.status, IBV_WC_SUCCESS);
+		CHECK_MEM(buf, "sync-reply!!!!!", 16);
+		CHECK_OK(rdma_disconnect(id));
+		CHECK_OK(rdma_dereg_mr(mr));
+		rdma_destroy_ep(id);
+		break;
+	}
+	rdma_freeaddrinfo(res);
+	CHECK_OK(pthread_join(t, NULL));
+}
+
+int main(void)
+{
+	struct rdma_event_channel *sch = rdma_create_event_channel();
+	struct rdma_event_channel *cch = rdma_create_event_channel();
+	CHECK(sch && cch && sch->fd >= 0 && cch->fd >= 0);
+	struct rdma_cm_event *e;
+
+	/* ---- refusals ---- */
+	struct rdma_cm_id *x;
+	errno = 0;
+	CHECK_EQ(rdma_create_id(sch, &x, NULL, RDMA_PS_UDP), -1);
+	CHECK_EQ(errno, EPROTONOSUPPORT);
+	CHECK_OK(rdma_create_id(sch, &x, NULL, RDMA_PS_TCP));
+	struct sockaddr_in other = sin_of("10.9.9.9", 7471);
+	errno = 0;
+	CHECK_EQ(rdma_bind_addr(x, (struct sockaddr *)&other), -1);
+	CHECK_EQ(errno, EADDRNOTAVAIL);
+	errno = 0;
+	CHECK_EQ(rdma_resolve_route(x, 100), -1);
+	CHECK_EQ(errno, EINVAL);
+	errno = 0;
+	CHECK_EQ(rdma_connect(x, NULL), -1);
+	CHECK_EQ(errno, EINVAL);
+	errno = 0;
+	CHECK_EQ(rdma_accept(x, NULL), -1);
+	CHECK_EQ(errno, EINVAL);
+	CHECK_OK(rdma_destroy_id(x));
+	errno = 0;
+	CHECK_EQ(rdma_destroy_id(x), -1); /* destroyed once */
+	CHECK_EQ(errno, EINVAL);
+	/* Nothing queued on a non-blocking channel: EAGAIN. */
+	int fl = fcntl(cch->fd, F_GETFL);
+	CHECK_OK(fcntl(cch->fd, F_SETFL, fl | O_NONBLOCK));
+	errno = 0;
+	CHECK_EQ(rdma_get_cm_event(cch, &e), -1);
+	CHECK_EQ(errno, EAGAIN);
+	CHECK_OK(fcntl(cch->fd, F_SETFL, fl));
+	CHECK(strcmp(rdma_event_str(RDMA_CM_EVENT_ESTABLISHED), "RDMA_CM_EVENT_ESTABLISHED") == 0);
+
+	/* ---- a listener on rb0 ---- */
+	struct rdma_cm_id *lid;
+	CHECK_OK(rdma_create_id(sch, &lid, (void *)0x5e7, RDMA_PS_TCP));
+	struct sockaddr_in laddr = sin_of("10.0.0.1", 7471);
+	CHECK_OK(rdma_bind_addr(lid, (struct sockaddr *)&laddr));
+	CHECK(lid->verbs != NULL);
+	CHECK(strcmp(ibv_get_device_name(lid->verbs->device), "rb0") == 0);
+	CHECK_EQ(ntohs(rdma_get_src_port(lid)), 7471);
+	CHECK_OK(rdma_listen(lid, 4));
+	struct rdma_cm_id *dup;
+	CHECK_OK(rdma_create_id(sch, &dup, NULL, RDMA_PS_TCP));
+	errno = 0;
+	CHECK_EQ(rdma_bind_addr(dup, (struct sockaddr *)&laddr), -1);
+	CHECK_EQ(errno, EADDRINUSE);
+	CHECK_OK(rdma_destroy_id(dup));
+
+	/* ---- a connection from rb1, step by step ---- */
+	struct rdma_cm_id *cli;
+	CHECK_OK(rdma_create_id(cch, &cli, (void *)0xc11, RDMA_PS_TCP));
+	struct sockaddr_in src = sin_of("10.0.0.2", 0), dst = sin_of("10.0.0.1", 7471);
+	CHECK_OK(rdma_resolve_addr(cli, (struct sockaddr *)&src, (struct sockaddr *)&dst, 1000));
+	e = expect_event(cch, RDMA_CM_EVENT_ADDR_RESOLVED);
+	CHECK(e->id == cli && e->status == 0 && e->id->context == (void *)0xc11);
+	CHECK_OK(rdma_ack_cm_event(e));
+	errno = 0;
+	CHECK_EQ(rdma_ack_cm_event(e), -1); /* acknowledged once */
+	CHECK_EQ(errno, EINVAL);
+	CHECK(strcmp(ibv_get_device_name(cli->verbs->device), "rb1") == 0);
+	CHECK_EQ(ip_of(rdma_get_local_addr(cli)), 0x0a000002);
+	CHECK_EQ(ip_of(rdma_get_peer_addr(cli)), 0x0a000001);
+	CHECK_EQ(ntohs(rdma_get_dst_port(cli)), 7471);
+	uint16_t cport = ntohs(rdma_get_src_port(cli));
+	CHECK(cport != 0);
+	errno = 0;
+	CHECK_EQ(rdma_connect(cli, NULL), -1); /* the route first */
+	CHECK_EQ(errno, EINVAL);
+	CHECK_OK(rdma_resolve_route(cli, 1000));
+	CHECK_OK(rdma_ack_cm_event(expect_event(cch, RDMA_CM_EVENT_ROUTE_RESOLVED)));
+
+	/* The QP: the id's device, the library's PD and CQs of its own; in INIT. */
+	struct ibv_qp_init_attr a = rc_attr();
+	CHECK_OK(rdma_create_qp(cli, NULL, &a));
+	CHECK(cli->qp != NULL && cli->pd != NULL && cli->send_cq != NULL && cli->recv_cq != NULL);
+	CHECK(cli->send_cq_channel != NULL && a.send_cq == cli->send_cq);
+	CHECK(cli->qp->context == cli->verbs);
+	CHECK_EQ(qp_state(cli->qp), IBV_QPS_INIT);
+	errno = 0;
+	CHECK_EQ(rdma_create_qp(cli, NULL, &a), -1); /* one QP per id */
+	CHECK_EQ(errno, EINVAL);
+	uint8_t *cbuf = calloc(1, 4096);
+	struct ibv_mr *cmr = ibv_reg_mr(cli->pd, cbuf, 4096, ACC_ALL);
+	CHECK(cmr != NULL);
+	/* A receive posted in INIT waits for the connection. */
+	CHECK_OK(rdma_post_recv(cli, (void *)1, cbuf, 64, cmr));
+
+	struct rdma_conn_param p;
+	memset(&p, 0, sizeof p);
+	char big[64];
+	memset(big, 'x', sizeof big);
+	p.private_data = big;
+	p.private_data_len = 57; /* a request carries 56 */
+	errno = 0;
+	CHECK_EQ(rdma_connect(cli, &p), -1);
+	CHECK_EQ(errno, EINVAL);
+	char req[16];
+	snprintf(req, sizeof req, "rkey %08x", cmr->rkey);
+	p.private_data = req;
+	p.private_data_len = sizeof req;
+	p.initiator_depth = 2;
+	p.responder_resources = 3;
+	p.retry_count = 7;
+	p.rnr_retry_count = 7;
+	CHECK_OK(rdma_connect(cli, &p));
+
+	e = expect_event(sch, RDMA_CM_EVENT_CONNECT_REQUEST);
+	CHECK(e->listen_id == lid && e->id != lid && e->id != NULL);
+	struct rdma_cm_id *srv = e->id;
+	CHECK(srv->context == (void *)0x5e7);
+	CHECK_EQ(e->param.conn.private_data_len, 56);
+	CHECK_MEM(e->param.conn.private_data, req, sizeof req);
+	for (int i = sizeof req; i < 56; i++)
+		CHECK_EQ(((const uint8_t *)e->param.conn.private_data)[i], 0);
+	/* The requester's initiator depth is this side's responder resources. */
+	CHECK_EQ(e->param.conn.responder_resources, 2);
+	CHECK_EQ(e->param.conn.initiator_depth, 3);
+	CHECK(strcmp(ibv_get_device_name(srv->verbs->device), "rb0") == 0);
+	CHECK_EQ(ip_of(rdma_get_peer_addr(srv)), 0x0a000002);
+	CHECK_EQ(ntohs(rdma_get_dst_port(srv)), cport);
+	CHECK_EQ(ntohs(rdma_get_src_port(srv)), 7471);
+	CHECK_OK(rdma_ack_cm_event(e));
+	a = rc_attr();
+	CHECK_OK(rdma_create_qp(srv, NULL, &a));
+	uint8_t *sbuf = calloc(1, 4096);
+	struct ibv_mr *smr = ibv_reg_mr(srv->pd, sbuf, 4096, ACC_ALL);
+	CHECK(smr != NULL);
+	CHECK_OK(rdma_post_recv(srv, (void *)2, sbuf, 64, smr));
+	memset(&p, 0, sizeof p);
+	p.private_data = big;
+	p.private_data_len = 197; /* an accept carries 196 */
+	errno = 0;
+	CHECK_EQ(rdma_accept(srv, &p), -1);
+	CHECK_EQ(errno, EINVAL);
+	p.private_data = "accepted";
+	p.private_data_len = 9;
+	p.responder_resources = 2;
+	p.initiator_depth = 2;
+	CHECK_OK(rdma_accept(srv, &p));
+	CHECK_EQ(qp_state(srv->qp), IBV_QPS_RTS);
+
+	e = expect_event(cch, RDMA_CM_EVENT_ESTABLISHED);
+	CHECK(e->id == cli);
+	CHECK_EQ(e->param.conn.private_data_len, 196);
+	CHECK_MEM(e->param.conn.private_data, "accepted", 9);
+	CHECK_OK(rdma_ack_cm_event(e));
+	e = expect_event(sch, RDMA_CM_EVENT_ESTABLISHED);
+	CHECK(e->id == srv);
+	CHECK_OK(rdma_ack_cm_event(e));
+	CHECK_EQ(qp_state(cli->qp), IBV_QPS_RTS);
+
+	/* Data: a SEND each way, then an RDMA WRITE with the key the request carried. */
+	struct ibv_wc wc;
+	memcpy(cbuf + 1024, "from the client", 16);
+	CHECK_OK(rdma_post_send(cli, (void *)3, cbuf + 1024, 16, cmr, IBV_SEND_SIGNALED));
+	EXPECT_WC(cli->send_cq, &wc, IBV_WC_SUCCESS, IBV_WC_SEND);
+	EXPECT_WC(srv->recv_cq, &wc, IBV_WC_SUCCESS, IBV_WC_RECV);
+	CHECK_EQ(wc.wr_id, 2);
+	CHECK_MEM(sbuf, "from the client", 16);
+	uint32_t rkey = 0;
+	CHECK_EQ(sscanf(req, "rkey %x", &rkey), 1);
+	memcpy(sbuf + 512, "written by the server", 22);
+	CHECK_OK(rdma_post_write(srv, (void *)4, sbuf + 512, 22, smr, IBV_SEND_SIGNALED,
+				 (uint64_t)(uintptr_t)(cbuf + 2048), rkey));
+	EXPECT_WC(srv->send_cq, &wc, IBV_WC_SUCCESS, IBV_WC_RDMA_WRITE);
+	CHECK_MEM(cbuf + 2048, "written by the server", 22);
+	CHECK_OK(rdma_post_send(srv, (void *)5, sbuf + 512, 22, smr, IBV_SEND_SIGNALED));
+	EXPECT_WC(srv->send_cq, &wc, IBV_WC_SUCCESS, IBV_WC_SEND);
+	EXPECT_WC(cli->recv_cq, &wc, IBV_WC_SUCCESS, IBV_WC_RECV);
+	CHECK_EQ(wc.wr_id, 1);
+
+	/* Disconnect: QPs in ERR, a receive still posted flushes. */
+	CHECK_OK(rdma_post_recv(srv, (void *)6, sbuf, 64, smr));
+	struct conn c = {cli, srv};
+	CHECK_OK(rdma_disconnect(cli));
+	CHECK_EQ(qp_state(cli->qp), IBV_QPS_ERR);
+	CHECK_OK(rdma_ack_cm_event(expect_event(sch, RDMA_CM_EVENT_DISCONNECTED)));
+	CHECK_OK(rdma_ack_cm_event(expect_event(cch, RDMA_CM_EVENT_DISCONNECTED)));
+	CHECK_EQ(qp_state(srv->qp), IBV_QPS_ERR);
+	EXPECT_WC(srv->recv_cq, &wc, IBV_WC_WR_FLUSH_ERR, -1);
+	CHECK_EQ(wc.wr_id, 6);
+	CHECK_OK(ibv_dereg_mr(cmr));
+	CHECK_OK(ibv_dereg_mr(smr));
+	free(cbuf);
+	free(sbuf);
+	rdma_destroy_qp(c.cli);
+	rdma_destroy_qp(c.srv);
+	CHECK_OK(rdma_destroy_id(c.cli));
+	CHECK_OK(rdma_destroy_id(c.srv));
+
+	/* ---- a reject, with private data ---- */
+	struct rdma_cm_id *r;
+	CHECK_OK(rdma_create_id(cch, &r, NULL, RDMA_PS_TCP));
+	CHECK_OK(rdma_resolve_addr(r, (struct sockaddr *)&src, (struct sockaddr *)&dst, 1000));
+	CHECK_OK(rdma_ack_cm_event(expect_event(cch, RDMA_CM_EVENT_ADDR_RESOLVED)));
+	CHECK_OK(rdma_resolve_route(r, 1000));
+	CHECK_OK(rdma_ack_cm_event(expect_event(cch, RDMA_CM_EVENT_ROUTE_RESOLVED)));
+	a = rc_attr();
+	CHECK_OK(rdma_create_qp(r, NULL, &a));
+	CHECK_OK(rdma_connect(r, NULL));
+	e = expect_event(sch, RDMA_CM_EVENT_CONNECT_REQUEST);
+	struct rdma_cm_id *rs = e->id;
+	CHECK_OK(rdma_ack_cm_event(e));
+	errno = 0;
+	CHECK_EQ(rdma_reject(rs, big, 149), -1); /* a reject carries 148 */
+	CHECK_EQ(errno, EINVAL);
+	CHECK_OK(rdma_reject(rs, "go away", 8));
+	e = expect_event(cch, RDMA_CM_EVENT_REJECTED);
+	CHECK(e->id == r);
+	CHECK_EQ(e->status, 28); /* IB_CM_REJ_CONSUMER_DEFINED */
+	CHECK_EQ(e->param.conn.private_data_len, 148);
+	CHECK_MEM(e->param.conn.private_data, "go away", 8);
+	CHECK_OK(rdma_ack_cm_event(e));
+	CHECK_OK(rdma_destroy_id(rs));
+	rdma_destroy_qp(r);
+	CHECK_OK(rdma_destroy_id(r));
+
+	/* ---- a port nobody listens on: rejected, invalid service id ---- */
+	CHECK_OK(rdma_create_id(cch, &r, NULL, RDMA_PS_TCP));
+	struct sockaddr_in nobody = sin_of("10.0.0.1", 7999);
+	CHECK_OK(rdma_resolve_addr(r, NULL, (struct sockaddr *)&nobody, 1000));
+	CHECK_OK(rdma_ack_cm_event(expect_event(cch, RDMA_CM_EVENT_ADDR_RESOLVED)));
+	CHECK_OK(rdma_resolve_route(r, 1000));
+	CHECK_OK(rdma_ack_cm_event(expect_event(cch, RDMA_CM_EVENT_ROUTE_RESOLVED)));
+	a = rc_attr();
+	CHECK_OK(rdma_create_qp(r, NULL, &a));
+	CHECK_OK(rdma_connect(r, NULL));
+	e = expect_event(cch, RDMA_CM_EVENT_REJECTED);
+	CHECK_EQ(e->status, 8); /* IB_CM_REJ_INVALID_SERVICE_ID */
+	CHECK_OK(rdma_ack_cm_event(e));
+	rdma_destroy_qp(r);
+	CHECK_OK(rdma_destroy_id(r));
+
+	/* ---- an address off the fabric ---- */
+	CHECK_OK(rdma_create_id(cch, &r, NULL, RDMA_PS_TCP));
+	struct sockaddr_in off = sin_of("192.168.1.1", 7471);
+	CHECK_OK(rdma_resolve_addr(r, NULL, (struct sockaddr *)&off, 1000));
+	e = expect_event(cch, RDMA_CM_EVENT_ADDR_ERROR);
+	CHECK(e->status < 0);
+	CHECK_OK(rdma_ack_cm_event(e));
+	CHECK_OK(rdma_destroy_id(r));
+
+	/* ---- within one NIC (rb0 to its own address), then a second connection from rb1:
+	 * one listener takes several ---- */
+	struct conn loop = connect_pair(cch, sch, lid, "0.0.0.0", "10.0.0.1", 7471);
+	CHECK(strcmp(ibv_get_device_name(loop.cli->verbs->device), "rb0") == 0);
+	struct conn two = connect_pair(cch, sch, lid, "10.0.0.2", "10.0.0.1", 7471);
+	close_pair(cch, sch, &loop);
+	close_pair(cch, sch, &two);
+
+	/* ---- an id moved to another channel takes its events along ---- */
+	CHECK_OK(rdma_create_id(cch, &r, NULL, RDMA_PS_TCP));
+	CHECK_OK(rdma_resolve_addr(r, NULL, (struct sockaddr *)&dst, 1000));
+	struct rdma_event_channel *moved = rdma_create_event_channel();
+	CHECK(moved != NULL);
+	CHECK_OK(rdma_migrate_id(r, moved));
+	CHECK(r->channel == moved);
+	CHECK_OK(rdma_ack_cm_event(expect_event(moved, RDMA_CM_EVENT_ADDR_RESOLVED)));
+	CHECK_OK(rdma_destroy_id(r));
+	rdma_destroy_event_channel(moved);
+
+	CHECK_OK(rdma_destroy_id(lid));
+
+	/* ---- the synchronous calls ---- */
+	sync_client();
+
+	rdma_destroy_event_channel(sch);
+	rdma_destroy_event_channel(cch);
+	printf("cma: ok\n");
+	return 0;
+}
