@@ -53,6 +53,16 @@ pub const MAX_REQ_PRIVATE: usize = 92;
 pub const MAX_REP_PRIVATE: usize = 196;
 /// Largest private data of a REJ (as the IBTA's REJ).
 pub const MAX_REJ_PRIVATE: usize = 148;
+/// Largest private data of a SIDR REQ (as the IBTA's).
+pub const MAX_SIDR_REQ_PRIVATE: usize = 216;
+/// Largest private data of a SIDR REP (as the IBTA's).
+pub const MAX_SIDR_REP_PRIVATE: usize = 136;
+/// SIDR REP status: the QP and Q_Key are valid (IBTA "valid").
+pub const SIDR_OK: u16 = 0;
+/// SIDR REP status: no listener on the service id (IBTA "service ID not supported").
+pub const SIDR_NO_SERVICE: u16 = 1;
+/// SIDR REP status: the application refused (IBTA "rejected by the service provider").
+pub const SIDR_REJECTED: u16 = 2;
 /// Largest private data of RTU, DREQ and DREP.
 pub const MAX_OTHER_PRIVATE: usize = 220;
 /// Largest CM message.
@@ -84,6 +94,10 @@ pub enum CmKind {
     Dreq = 5,
     /// Disconnect reply.
     Drep = 6,
+    /// Service id resolution request (a datagram peer asks for a UD QP).
+    SidrReq = 7,
+    /// Service id resolution reply: a status, and the UD QP and Q_Key.
+    SidrRep = 8,
 }
 
 impl CmKind {
@@ -95,6 +109,8 @@ impl CmKind {
             4 => CmKind::Rej,
             5 => CmKind::Dreq,
             6 => CmKind::Drep,
+            7 => CmKind::SidrReq,
+            8 => CmKind::SidrRep,
             _ => return None,
         })
     }
@@ -104,6 +120,8 @@ impl CmKind {
             CmKind::Req => MAX_REQ_PRIVATE,
             CmKind::Rep => MAX_REP_PRIVATE,
             CmKind::Rej => MAX_REJ_PRIVATE,
+            CmKind::SidrReq => MAX_SIDR_REQ_PRIVATE,
+            CmKind::SidrRep => MAX_SIDR_REP_PRIVATE,
             _ => MAX_OTHER_PRIVATE,
         }
     }
@@ -117,8 +135,8 @@ impl CmKind {
 /// 0x08  remote_comm_id (u32)    the receiver's id (0 in a REQ)
 /// 0x0C  reason (u16) | path_mtu (u8) | rsvd (u8)
 /// 0x10  service_id (u64)
-/// 0x18  qpn (u32, 24 bits)      the sender's RC QP (REQ, REP)
-/// 0x1C  psn (u32, 24 bits)      the first PSN it sends
+/// 0x18  qpn (u32, 24 bits)      the sender's RC QP (REQ, REP), UD QP (SIDR REP)
+/// 0x1C  psn (u32, 24 bits)      the first PSN it sends; in a SIDR REP the Q_Key (u32)
 /// 0x20  responder_resources (u8) | initiator_depth (u8) | retry_cnt (u8) | rnr_retry (u8)
 /// 0x24  timeout (u8) | min_rnr_timer (u8) | rsvd (u16)
 /// 0x28  private data (private_len bytes)
@@ -131,7 +149,7 @@ pub struct CmMsg {
     pub local_comm_id: u32,
     /// The receiver's connection id (0 in a REQ).
     pub remote_comm_id: u32,
-    /// REJ: why.
+    /// REJ: why; SIDR REP: the status.
     pub reason: u16,
     /// REQ: the path MTU code the active side wants (1..=5).
     pub path_mtu: u8,
@@ -141,6 +159,8 @@ pub struct CmMsg {
     pub qpn: u32,
     /// REQ, REP: the PSN the sender starts with.
     pub psn: u32,
+    /// SIDR REP: the Q_Key of the UD QP (in the PSN's place).
+    pub qkey: u32,
     /// READs/atomics the sender serves at once as responder.
     pub responder_resources: u8,
     /// READs/atomics the sender issues at once as requester.
@@ -215,7 +235,14 @@ impl CmMsg {
             path_mtu: b[0x0E],
             service_id: u64::from_be_bytes(sid),
             qpn: be32(b, 0x18) & 0x00FF_FFFF,
-            psn: be32(b, 0x1C) & 0x00FF_FFFF,
+            psn: match kind {
+                CmKind::SidrRep => 0,
+                _ => be32(b, 0x1C) & 0x00FF_FFFF,
+            },
+            qkey: match kind {
+                CmKind::SidrRep => be32(b, 0x1C),
+                _ => 0,
+            },
             responder_resources: b[0x20],
             initiator_depth: b[0x21],
             retry_cnt: b[0x22],
@@ -242,7 +269,11 @@ impl CmMsg {
         out[0x0E] = self.path_mtu;
         out[0x10..0x18].copy_from_slice(&self.service_id.to_be_bytes());
         out[0x18..0x1C].copy_from_slice(&(self.qpn & 0x00FF_FFFF).to_be_bytes());
-        out[0x1C..0x20].copy_from_slice(&(self.psn & 0x00FF_FFFF).to_be_bytes());
+        let word = match kind {
+            CmKind::SidrRep => self.qkey,
+            _ => self.psn & 0x00FF_FFFF,
+        };
+        out[0x1C..0x20].copy_from_slice(&word.to_be_bytes());
         out[0x20] = self.responder_resources;
         out[0x21] = self.initiator_depth;
         out[0x22] = self.retry_cnt;
@@ -350,6 +381,34 @@ pub enum CmEvent {
         /// The peer's private data.
         private: Vec<u8>,
     },
+    /// A SIDR REQ for a service id this CM listens on: answer with
+    /// [`ConnectionManager::sidr_answer`].
+    SidrRequest {
+        /// The request.
+        id: ConnId,
+        /// The service id.
+        service_id: u64,
+        /// The requester's address.
+        from: AhAttr,
+        /// The requester's private data.
+        private: Vec<u8>,
+    },
+    /// The answer to [`ConnectionManager::sidr_request`]: with status [`SIDR_OK`], the
+    /// peer's UD QP and Q_Key.
+    SidrReply {
+        /// The request.
+        id: ConnId,
+        /// [`SIDR_OK`], [`SIDR_NO_SERVICE`], [`SIDR_REJECTED`], ...
+        status: u16,
+        /// The peer's address.
+        from: AhAttr,
+        /// Its UD QP.
+        qpn: u32,
+        /// Its Q_Key.
+        qkey: u32,
+        /// Its private data.
+        private: Vec<u8>,
+    },
     /// The connection is closed (the peer's DREQ, or the DREP to ours). The application
     /// moves its QP to ERR (or RESET) itself.
     Disconnected {
@@ -406,6 +465,10 @@ enum State {
     ReqRcvd { req: CmMsg },
     /// Passive: REP sent, QP in RTR (or RTS, the caller's), waiting for RTU.
     RepSent { qp: Held, opts: ConnectOptions },
+    /// Active: SIDR REQ sent, waiting for the SIDR REP.
+    SidrSent,
+    /// Passive: SIDR REQ received, waiting for the application.
+    SidrRcvd,
     /// Connected (both sides): repeats of REP are answered with RTU.
     Established,
     /// DREQ sent, waiting for DREP.
@@ -796,6 +859,77 @@ impl ConnectionManager {
         r
     }
 
+    /// Asks the CM at `peer` for the UD QP behind `service_id` (service id resolution):
+    /// [`CmEvent::SidrReply`] answers, or [`CmEvent::TimedOut`] when nothing does.
+    pub fn sidr_request(
+        &mut self,
+        peer: AhAttr,
+        service_id: u64,
+        private: &[u8],
+    ) -> Result<ConnId, Error> {
+        if private.len() > MAX_SIDR_REQ_PRIVATE {
+            return Err(Error::InvalidArgument(
+                "SIDR REQ private data is at most 216 bytes",
+            ));
+        }
+        self.ah(peer)?;
+        let id = self.fresh_id();
+        let req = CmMsg {
+            service_id,
+            private: private.to_vec(),
+            ..CmMsg::about(CmKind::SidrReq, id, 0)
+        };
+        let mut conn = Conn {
+            state: State::SidrSent,
+            peer,
+            remote_comm_id: 0,
+            last: Vec::new(),
+            deadline: None,
+            repeats: 0,
+            forget_at: 0,
+        };
+        req.emit(&mut conn.last);
+        self.send_and_arm(&mut conn)?;
+        self.conns.insert(id, conn);
+        Ok(ConnId(id))
+    }
+
+    /// Answers the SIDR request `id` ([`CmEvent::SidrRequest`]) with `status` and, for
+    /// [`SIDR_OK`], UD QP `qpn` and its `qkey`. A repeat of the request gets the same answer.
+    pub fn sidr_answer(
+        &mut self,
+        id: ConnId,
+        status: u16,
+        qpn: u32,
+        qkey: u32,
+        private: &[u8],
+    ) -> Result<(), Error> {
+        let Some(conn) = self.conns.get(&id.0) else {
+            return Err(Error::InvalidArgument("no such SIDR request"));
+        };
+        if !matches!(conn.state, State::SidrRcvd) {
+            return Err(Error::InvalidArgument("the request awaits no answer"));
+        }
+        if private.len() > MAX_SIDR_REP_PRIVATE {
+            return Err(Error::InvalidArgument(
+                "SIDR REP private data is at most 136 bytes",
+            ));
+        }
+        let mut conn = self.conns.remove(&id.0).expect("checked above");
+        let rep = CmMsg {
+            reason: status,
+            qpn,
+            qkey,
+            private: private.to_vec(),
+            ..CmMsg::about(CmKind::SidrRep, id.0, conn.remote_comm_id)
+        };
+        rep.emit(&mut conn.last);
+        let r = self.send(conn.peer, &conn.last);
+        self.time_wait(&mut conn);
+        self.conns.insert(id.0, conn);
+        r
+    }
+
     /// Completes [`ConnectionManager::connect_external`] once the caller has moved its QP
     /// as [`CmEvent::Replied`] said: the RTU goes out and the connection is up.
     pub fn establish(&mut self, id: ConnId) -> Result<(), Error> {
@@ -882,11 +1016,19 @@ impl ConnectionManager {
         if n == 0 && self.events.is_empty() && !self.dev.progress() {
             // Idle: nothing will arrive before the next timer. A request waiting for the
             // application's answer is not waiting for a timer: its end is never run to,
-            // or an application that polls before it answers would find it dropped.
+            // or an application that polls before it answers would find it dropped. Nor
+            // is the end of a time-wait, which only forgets: run to, it would end the
+            // time-wait before the peers whose repeats it is there to answer (other CMs
+            // of the same fabric, whose timers the clock does not know) have sent them.
             let timers = self
                 .conns
                 .values()
-                .filter(|c| !matches!(c.state, State::ReqRcvd { .. }))
+                .filter(|c| {
+                    !matches!(
+                        c.state,
+                        State::ReqRcvd { .. } | State::SidrRcvd | State::TimeWait
+                    )
+                })
                 .filter_map(Conn::wakeup);
             if let Some(t) = timers.min() {
                 if t > now {
@@ -1031,6 +1173,8 @@ impl ConnectionManager {
             Some(CmKind::Rej) => self.on_rej(from, m),
             Some(CmKind::Dreq) => self.on_dreq(from, m),
             Some(CmKind::Drep) => self.on_drep(from, m),
+            Some(CmKind::SidrReq) => self.on_sidr_req(from, m),
+            Some(CmKind::SidrRep) => self.on_sidr_rep(from, m),
             None => self.stats.malformed += 1,
         }
     }
@@ -1085,6 +1229,72 @@ impl ConnectionManager {
         conn.state = State::ReqRcvd { req: m };
         // The application has a while to answer; then the request is dropped.
         conn.forget_at = self.dev.clock_ps() + self.cfg.time_wait_ps;
+        self.conns.insert(id, conn);
+    }
+
+    fn on_sidr_req(&mut self, from: AhAttr, m: CmMsg) {
+        if let Some(&id) = self.by_remote.get(&(from, m.local_comm_id)) {
+            // A repeat: the answer again, once there is one.
+            self.stats.duplicates += 1;
+            if let Some(c) = self.conns.get(&id) {
+                if !matches!(c.state, State::SidrRcvd) && !c.last.is_empty() {
+                    let (peer, last) = (c.peer, c.last.clone());
+                    let _ = self.send(peer, &last);
+                }
+            }
+            return;
+        }
+        let id = self.fresh_id();
+        self.by_remote.insert((from, m.local_comm_id), id);
+        let mut conn = Conn {
+            state: State::SidrRcvd,
+            peer: from,
+            remote_comm_id: m.local_comm_id,
+            last: Vec::new(),
+            deadline: None,
+            repeats: 0,
+            forget_at: self.dev.clock_ps() + self.cfg.time_wait_ps,
+        };
+        if !self.listening.contains(&m.service_id) {
+            let rep = CmMsg {
+                reason: SIDR_NO_SERVICE,
+                ..CmMsg::about(CmKind::SidrRep, id, m.local_comm_id)
+            };
+            rep.emit(&mut conn.last);
+            let _ = self.send(from, &conn.last);
+            self.time_wait(&mut conn);
+        } else {
+            self.events.push_back(CmEvent::SidrRequest {
+                id: ConnId(id),
+                service_id: m.service_id,
+                from,
+                private: m.private,
+            });
+        }
+        self.conns.insert(id, conn);
+    }
+
+    fn on_sidr_rep(&mut self, from: AhAttr, m: CmMsg) {
+        let Some(id) = self.conn_of(from, &m) else {
+            self.stats.ignored += 1;
+            return;
+        };
+        let mut conn = self.conns.remove(&id).expect("conn_of found it");
+        if matches!(conn.state, State::SidrSent) {
+            conn.last.clear();
+            conn.remote_comm_id = m.local_comm_id;
+            self.time_wait(&mut conn);
+            self.events.push_back(CmEvent::SidrReply {
+                id: ConnId(id),
+                status: m.reason,
+                from,
+                qpn: m.qpn,
+                qkey: m.qkey,
+                private: m.private,
+            });
+        } else {
+            self.stats.duplicates += 1;
+        }
         self.conns.insert(id, conn);
     }
 
@@ -1333,7 +1543,10 @@ impl ConnectionManager {
             let Some(mut conn) = self.conns.remove(&id) else {
                 continue;
             };
-            if matches!(conn.state, State::TimeWait | State::ReqRcvd { .. }) {
+            if matches!(
+                conn.state,
+                State::TimeWait | State::ReqRcvd { .. } | State::SidrRcvd
+            ) {
                 // Forgotten (an unanswered request is dropped with it).
                 self.by_remote.remove(&(conn.peer, conn.remote_comm_id));
                 continue;
@@ -1343,6 +1556,10 @@ impl ConnectionManager {
                     State::ReqSent { qp, .. } | State::RepSent { qp, .. } => CmEvent::TimedOut {
                         id: ConnId(id),
                         qp: qp.into_qp(),
+                    },
+                    State::SidrSent => CmEvent::TimedOut {
+                        id: ConnId(id),
+                        qp: None,
                     },
                     _ => CmEvent::Disconnected { id: ConnId(id) },
                 };
@@ -1369,6 +1586,8 @@ impl CmEvent {
             | CmEvent::TimedOut { id, .. }
             | CmEvent::Replied { id, .. }
             | CmEvent::Ready { id, .. }
+            | CmEvent::SidrRequest { id, .. }
+            | CmEvent::SidrReply { id, .. }
             | CmEvent::Disconnected { id } => *id,
         }
     }
@@ -1378,7 +1597,7 @@ impl Conn {
     /// When this connection needs attention: its retry timer, or the end of its time-wait.
     fn wakeup(&self) -> Option<u64> {
         match self.state {
-            State::TimeWait | State::ReqRcvd { .. } => Some(self.forget_at),
+            State::TimeWait | State::ReqRcvd { .. } | State::SidrRcvd => Some(self.forget_at),
             _ => self.deadline,
         }
     }
@@ -1404,14 +1623,18 @@ mod tests {
     proptest! {
         #[test]
         fn emit_parse_round_trip(
-            kind in 1u8..=6,
+            kind in 1u8..=8,
             ids in (any::<u32>(), any::<u32>()),
             reason in any::<u16>(),
             sid in any::<u64>(),
             (qpn, psn) in (0u32..1 << 24, 0u32..1 << 24),
             bytes in any::<[u8; 7]>(),
+            qkey in any::<u32>(),
             private in proptest::collection::vec(any::<u8>(), 0..=92),
         ) {
+            // A SIDR REP carries a Q_Key where the others carry a PSN.
+            let sidr_rep = CmKind::from_u8(kind) == Some(CmKind::SidrRep);
+            let (psn, qkey) = if sidr_rep { (0, qkey) } else { (psn, 0) };
             let m = CmMsg {
                 kind: CmKind::from_u8(kind),
                 local_comm_id: ids.0,
@@ -1421,6 +1644,7 @@ mod tests {
                 service_id: sid,
                 qpn,
                 psn,
+                qkey,
                 responder_resources: bytes[1],
                 initiator_depth: bytes[2],
                 retry_cnt: bytes[3],

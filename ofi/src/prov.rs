@@ -2139,9 +2139,13 @@ impl State {
                     }
                 }
             }
-            // Only connections made with the caller moving its QP end so; the provider
-            // hands its QPs to the CM.
-            CmEvent::Replied { .. } | CmEvent::Ready { .. } => {}
+            // Only connections made with the caller moving its QP, and service id
+            // resolution, end so; the provider hands its QPs to the CM and asks for no
+            // SIDR.
+            CmEvent::Replied { .. }
+            | CmEvent::Ready { .. }
+            | CmEvent::SidrRequest { .. }
+            | CmEvent::SidrReply { .. } => {}
         }
     }
 

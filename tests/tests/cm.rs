@@ -746,3 +746,89 @@ fn connections_the_caller_moves_its_qps_for() {
     assert_eq!(rejected, Some(REJ_CONSUMER));
     drop(q);
 }
+
+/// Service id resolution (SIDR) under loss: each of eight clients learns the server's UD
+/// QP and Q_Key once, however often its request or the reply is lost or repeated; a
+/// refused request and a service id nobody listens on come back with their statuses.
+#[test]
+fn service_id_resolution_under_loss() {
+    const CLIENTS: usize = 8;
+    let mut cfg = FabricConfig::new(CLIENTS + 1, 5);
+    cfg.faults = FaultPlan {
+        links: LinkFaults::loss(0.2),
+        ..Default::default()
+    };
+    let f = Fabric::new(cfg);
+    let mut nodes: Vec<Node> = (0..=CLIENTS).map(|n| node(&f, n)).collect();
+    nodes[0].cm.listen(0x0111_0007).unwrap();
+    let server = nodes[0].cm.address();
+    let mut asked = vec![None];
+    for (n, nd) in nodes.iter_mut().enumerate().skip(1) {
+        // Client 1 asks for a service nobody offers; client 2 is refused.
+        let sid = if n == 1 { 0x0111_0008 } else { 0x0111_0007 };
+        let private = [n as u8; 4];
+        asked.push(Some(nd.cm.sidr_request(server, sid, &private).unwrap()));
+    }
+    let mut replies: Vec<Vec<(u16, u32, u32, Vec<u8>)>> = vec![Vec::new(); CLIENTS + 1];
+    let mut requests = 0;
+    for _ in 0..2_000_000 {
+        if replies.iter().skip(1).all(|r| !r.is_empty()) {
+            break;
+        }
+        for i in 0..nodes.len() {
+            while let Some(e) = nodes[i].cm.poll() {
+                match e {
+                    CmEvent::SidrRequest {
+                        id,
+                        service_id,
+                        private,
+                        ..
+                    } => {
+                        assert_eq!((i, service_id), (0, 0x0111_0007));
+                        requests += 1;
+                        let n = private[0];
+                        let status = if n == 2 { SIDR_REJECTED } else { SIDR_OK };
+                        nodes[0]
+                            .cm
+                            .sidr_answer(id, status, 0x100 + u32::from(n), 0x0123_4567, &[n])
+                            .unwrap();
+                        assert!(
+                            nodes[0].cm.sidr_answer(id, SIDR_OK, 1, 1, &[]).is_err(),
+                            "answered once"
+                        );
+                    }
+                    CmEvent::SidrReply {
+                        id,
+                        status,
+                        from,
+                        qpn,
+                        qkey,
+                        private,
+                    } => {
+                        assert_eq!(Some(id), asked[i]);
+                        assert_eq!(from, server);
+                        replies[i].push((status, qpn, qkey, private));
+                    }
+                    e => panic!("node {i}: {e:?}"),
+                }
+            }
+        }
+        let _ = f.step();
+    }
+    assert!(f.fault_stats().dropped > 0, "the fabric dropped frames");
+    // Every request reached the application once (repeats are answered from the state
+    // kept), and every client heard once.
+    assert_eq!(requests, CLIENTS - 1);
+    for (n, r) in replies.iter().enumerate().skip(1) {
+        assert_eq!(r.len(), 1, "client {n}: {r:?}");
+        let (status, qpn, qkey, private) = &r[0];
+        match n {
+            1 => assert_eq!(*status, SIDR_NO_SERVICE),
+            2 => assert_eq!((*status, private.as_slice()), (SIDR_REJECTED, &[2u8][..])),
+            _ => assert_eq!(
+                (*status, *qpn, *qkey, private.as_slice()),
+                (SIDR_OK, 0x100 + n as u32, 0x0123_4567, &[n as u8][..])
+            ),
+        }
+    }
+}

@@ -30,6 +30,7 @@ use crate::qp::RbQp;
 use crate::state::{Kind, State};
 use ringbell::cm::{
     first_psn, CmEvent, ConnId, ConnectionManager, REJ_CONSUMER, REJ_INVALID_SERVICE_ID,
+    SIDR_NO_SERVICE, SIDR_OK, SIDR_REJECTED,
 };
 use ringbell::{AhAttr, ConnectOptions, Endpoint};
 use std::collections::{BTreeMap, VecDeque};
@@ -39,6 +40,12 @@ use std::net::{Ipv4Addr, SocketAddrV4};
 pub const REQ_HEADER: usize = 36;
 /// Private data of a request the application may give (the REQ's 92 less the header).
 pub const MAX_CONNECT_PRIVATE: usize = ringbell::cm::MAX_REQ_PRIVATE - REQ_HEADER;
+/// Private data of a datagram id's request (a SIDR REQ's 216 less the header).
+pub const MAX_SIDR_PRIVATE: usize = ringbell::cm::MAX_SIDR_REQ_PRIVATE - REQ_HEADER;
+/// Private data of a datagram id's accept or reject (a SIDR REP's).
+pub const MAX_SIDR_REPLY_PRIVATE: usize = ringbell::cm::MAX_SIDR_REP_PRIVATE;
+/// The Q_Key of datagram ids (librdmacm's `RDMA_UDP_QKEY`).
+pub const RDMA_UDP_QKEY: u32 = 0x0123_4567;
 /// Private data of an accept.
 pub const MAX_ACCEPT_PRIVATE: usize = ringbell::cm::MAX_REP_PRIVATE;
 /// Private data of a reject.
@@ -230,9 +237,9 @@ impl Cma {
             return Err(libc::EINVAL);
         }
         match ps {
-            RDMA_PS_TCP | RDMA_PS_IB => {}
-            // Datagram connections (SIDR) and IPoIB's space are not offered.
-            RDMA_PS_UDP | RDMA_PS_IPOIB => return Err(libc::EPROTONOSUPPORT),
+            RDMA_PS_TCP | RDMA_PS_IB | RDMA_PS_UDP => {}
+            // IPoIB's space is not offered.
+            RDMA_PS_IPOIB => return Err(libc::EPROTONOSUPPORT),
             _ => return Err(libc::EINVAL),
         }
         let p = self.new_id(chan, context, ps);
@@ -271,7 +278,10 @@ impl Cma {
                 recv_cq: std::ptr::null_mut(),
                 srq: std::ptr::null_mut(),
                 pd: std::ptr::null_mut(),
-                qp_type: abi::ibv_qp_type_IBV_QPT_RC,
+                qp_type: match ps {
+                    RDMA_PS_UDP => abi::ibv_qp_type_IBV_QPT_UD,
+                    _ => abi::ibv_qp_type_IBV_QPT_RC,
+                },
             },
         });
         let p: *mut rdma_cm_id = &mut id.id;
@@ -528,18 +538,23 @@ impl Cma {
         pd: *mut abi::ibv_pd,
         attr: &mut abi::ibv_qp_init_attr,
     ) -> Result<(), i32> {
-        let (nic, has_qp) = {
+        let (nic, has_qp, ps) = {
             let i = self.ids.get(&p).ok_or(libc::EINVAL)?;
-            (i.nic, !i.id.id.qp.is_null())
+            (i.nic, !i.id.id.qp.is_null(), i.id.id.ps)
         };
         let nic = nic.ok_or(libc::EINVAL)?;
         if has_qp {
             return Err(libc::EINVAL);
         }
-        if attr.qp_type != abi::ibv_qp_type_IBV_QPT_RC
-            && attr.qp_type != abi::ibv_qp_type_IBV_QPT_UC
-        {
-            return Err(libc::EOPNOTSUPP);
+        // A datagram id takes a UD QP, a connected one an RC or UC QP.
+        let ud = ps == RDMA_PS_UDP;
+        let fits = match attr.qp_type {
+            abi::ibv_qp_type_IBV_QPT_UD => ud,
+            abi::ibv_qp_type_IBV_QPT_RC | abi::ibv_qp_type_IBV_QPT_UC => !ud,
+            _ => false,
+        };
+        if !fits {
+            return Err(libc::EINVAL);
         }
         let ctx = self.ctx(st, nic)?;
         let pd = match pd.is_null() {
@@ -601,20 +616,26 @@ impl Cma {
         };
         let qp = crate::entry::create_qp_checked(st, pd, &mut ex)? as *mut abi::ibv_qp;
         attr.cap = ex.cap;
-        let init = abi::ibv_qp_attr {
-            qp_state: abi::ibv_qp_state_IBV_QPS_INIT,
-            pkey_index: 0,
-            port_num: 1,
-            qp_access_flags: abi::ibv_access_flags_IBV_ACCESS_REMOTE_WRITE
-                | abi::ibv_access_flags_IBV_ACCESS_REMOTE_READ
-                | abi::ibv_access_flags_IBV_ACCESS_REMOTE_ATOMIC,
-            ..Default::default()
+        let moved = match ud {
+            true => ud_up(st, qp),
+            false => {
+                let init = abi::ibv_qp_attr {
+                    qp_state: abi::ibv_qp_state_IBV_QPS_INIT,
+                    pkey_index: 0,
+                    port_num: 1,
+                    qp_access_flags: abi::ibv_access_flags_IBV_ACCESS_REMOTE_WRITE
+                        | abi::ibv_access_flags_IBV_ACCESS_REMOTE_READ
+                        | abi::ibv_access_flags_IBV_ACCESS_REMOTE_ATOMIC,
+                    ..Default::default()
+                };
+                let mask = abi::ibv_qp_attr_mask_IBV_QP_STATE
+                    | abi::ibv_qp_attr_mask_IBV_QP_PKEY_INDEX
+                    | abi::ibv_qp_attr_mask_IBV_QP_PORT
+                    | abi::ibv_qp_attr_mask_IBV_QP_ACCESS_FLAGS;
+                move_qp(st, qp, &init, mask)
+            }
         };
-        let mask = abi::ibv_qp_attr_mask_IBV_QP_STATE
-            | abi::ibv_qp_attr_mask_IBV_QP_PKEY_INDEX
-            | abi::ibv_qp_attr_mask_IBV_QP_PORT
-            | abi::ibv_qp_attr_mask_IBV_QP_ACCESS_FLAGS;
-        if let Err(e) = move_qp(st, qp, &init, mask) {
+        if let Err(e) = moved {
             with_held(st, qp as *mut RbQp, Kind::Qp, crate::qp::destroy);
             return Err(e);
         }
@@ -697,8 +718,27 @@ impl Cma {
             rnr_retry_count: 7,
             ..Default::default()
         });
-        if param.private.len() > MAX_CONNECT_PRIVATE {
+        let ud = ps == RDMA_PS_UDP;
+        let limit = match ud {
+            true => MAX_SIDR_PRIVATE,
+            false => MAX_CONNECT_PRIVATE,
+        };
+        if param.private.len() > limit {
             return Err(libc::EINVAL);
+        }
+        let peer = AhAttr::on_fabric(dst.ip().octets()).ok_or(libc::EHOSTUNREACH)?;
+        let private = req_private(src, dst, &param.private);
+        if ud {
+            // Service id resolution: the peer's UD QP and Q_Key come back.
+            let cid = self
+                .cm(st, nic)?
+                .sidr_request(peer, service_id(ps, dst.port()), &private)
+                .map_err(|e| crate::errno_of(&e))?;
+            self.conns.insert((nic, cid), p);
+            if let Some(i) = self.ids.get_mut(&p) {
+                i.phase = Phase::Connecting(cid);
+            }
+            return Ok(());
         }
         let qpn = match qp.is_null() {
             false => {
@@ -706,14 +746,7 @@ impl Cma {
             }
             true => param.qp_num & 0x00FF_FFFF,
         };
-        let peer = AhAttr::on_fabric(dst.ip().octets()).ok_or(libc::EHOSTUNREACH)?;
         let opts = conn_options(&param);
-        let mut private = vec![0u8; REQ_HEADER];
-        private[0] = 1;
-        private[2..4].copy_from_slice(&src.port().to_be_bytes());
-        private[4..8].copy_from_slice(&src.ip().octets());
-        private[8..12].copy_from_slice(&dst.ip().octets());
-        private.extend_from_slice(&param.private);
         let cid = self
             .cm(st, nic)?
             .connect_external(peer, service_id(ps, dst.port()), qpn, &opts, &private)
@@ -744,6 +777,24 @@ impl Cma {
         if qp.is_null() {
             // Without a QP the program would move its own: not offered.
             return Err(libc::EINVAL);
+        }
+        if self.ids[&p].id.id.ps == RDMA_PS_UDP {
+            // A datagram request is answered with the id's UD QP and Q_Key (no event
+            // follows on this side).
+            let private = param.map(|p| p.private).unwrap_or_default();
+            if private.len() > MAX_SIDR_REPLY_PRIVATE {
+                return Err(libc::EINVAL);
+            }
+            let qpn =
+                with_held(st, qp as *mut RbQp, Kind::Qp, |_, q| q.drv.qpn()).ok_or(libc::EINVAL)?;
+            self.cm(st, nic)?
+                .sidr_answer(cid, SIDR_OK, qpn, RDMA_UDP_QKEY, &private)
+                .map_err(|e| crate::errno_of(&e))?;
+            self.conns.remove(&(nic, cid));
+            if let Some(i) = self.ids.get_mut(&p) {
+                i.phase = Phase::Done;
+            }
+            return Ok(());
         }
         let param = param.unwrap_or(ConnParam {
             responder_resources: depths.0,
@@ -778,13 +829,21 @@ impl Cma {
         let Phase::Requested(cid) = phase else {
             return Err(libc::EINVAL);
         };
-        if private.len() > MAX_REJECT_PRIVATE {
+        let ud = self.ids[&p].id.id.ps == RDMA_PS_UDP;
+        let limit = match ud {
+            true => MAX_SIDR_REPLY_PRIVATE,
+            false => MAX_REJECT_PRIVATE,
+        };
+        if private.len() > limit {
             return Err(libc::EINVAL);
         }
         let nic = nic.ok_or(libc::EINVAL)?;
-        self.cm(st, nic)?
-            .reject(cid, REJ_CONSUMER, private)
-            .map_err(|e| crate::errno_of(&e))?;
+        let cm = self.cm(st, nic)?;
+        match ud {
+            true => cm.sidr_answer(cid, SIDR_REJECTED, 0, 0, private),
+            false => cm.reject(cid, REJ_CONSUMER, private),
+        }
+        .map_err(|e| crate::errno_of(&e))?;
         self.conns.remove(&(nic, cid));
         if let Some(i) = self.ids.get_mut(&p) {
             i.phase = Phase::Done;
@@ -848,7 +907,14 @@ impl Cma {
                 }
                 Phase::Requested(c) => {
                     if let Some(cm) = self.cms.get_mut(&n) {
-                        let _ = cm.reject(c, REJ_CONSUMER, &[]);
+                        match i.id.id.ps {
+                            RDMA_PS_UDP => {
+                                let _ = cm.sidr_answer(c, SIDR_REJECTED, 0, 0, &[]);
+                            }
+                            _ => {
+                                let _ = cm.reject(c, REJ_CONSUMER, &[]);
+                            }
+                        }
                     }
                     self.conns.remove(&(n, c));
                 }
@@ -1076,6 +1142,27 @@ impl Cma {
         }
     }
 
+    /// Queues `ESTABLISHED` of datagram id `p`: the peer's UD QP, Q_Key and address.
+    fn queue_ud(&mut self, p: usize, private: Vec<u8>, ah: abi::ibv_ah_attr, qpn: u32, qkey: u32) {
+        self.queue(p, std::ptr::null_mut(), RDMA_CM_EVENT_ESTABLISHED, 0, None);
+        let Some(chan) = self.ids.get(&p).map(|i| i.chan) else {
+            return;
+        };
+        let Some(e) = self.chans.get_mut(&chan).and_then(|c| c.events.back_mut()) else {
+            return;
+        };
+        e.private = private;
+        e.ev.param = rdma_cm_event_param {
+            ud: rdma_ud_param {
+                private_data: e.private.as_ptr().cast(),
+                private_data_len: e.private.len().min(255) as u8,
+                ah_attr: ah,
+                qp_num: qpn,
+                qkey,
+            },
+        };
+    }
+
     /// Drives every NIC's CM and turns what happened into events.
     fn progress(&mut self, st: &mut State) {
         let mut got = Vec::new();
@@ -1096,7 +1183,7 @@ impl Cma {
                 service_id,
                 from,
                 private,
-            } => self.on_request(st, nic, id, service_id, from, private),
+            } => self.on_request(st, nic, id, service_id, from, private, false),
             CmEvent::Replied {
                 id,
                 remote,
@@ -1214,6 +1301,45 @@ impl Cma {
                 }
                 self.queue(p, std::ptr::null_mut(), RDMA_CM_EVENT_DISCONNECTED, 0, None);
             }
+            CmEvent::SidrRequest {
+                id,
+                service_id,
+                from,
+                private,
+            } => self.on_request(st, nic, id, service_id, from, private, true),
+            CmEvent::SidrReply {
+                id,
+                status,
+                from,
+                qpn,
+                qkey,
+                private,
+            } => {
+                let Some(p) = self.conns.remove(&(nic, id)) else {
+                    return;
+                };
+                if let Some(i) = self.ids.get_mut(&p) {
+                    i.phase = Phase::Done;
+                }
+                if status != SIDR_OK {
+                    self.queue(
+                        p,
+                        std::ptr::null_mut(),
+                        RDMA_CM_EVENT_UNREACHABLE,
+                        i32::from(status),
+                        None,
+                    );
+                    return;
+                }
+                let mut ah = abi::ibv_ah_attr {
+                    is_global: 1,
+                    port_num: 1,
+                    ..Default::default()
+                };
+                ah.grh.dgid = gid_of(Ipv4Addr::from(from.ip));
+                ah.grh.hop_limit = 64;
+                self.queue_ud(p, padded(&private, MAX_SIDR_REPLY_PRIVATE), ah, qpn, qkey);
+            }
             // Connections whose QP the CM holds are the driver's own API's, not made here.
             CmEvent::Established { .. } => {}
         }
@@ -1227,6 +1353,7 @@ impl Cma {
         sid: u64,
         from: AhAttr,
         private: Vec<u8>,
+        sidr: bool,
     ) {
         let port = (sid & 0xFFFF) as u16;
         let ps = ((sid >> 16) & 0xFFFF) as u32;
@@ -1235,12 +1362,12 @@ impl Cma {
             .get(&(Some(nic), port))
             .or_else(|| self.listeners.get(&(None, port)))
             .copied()
-            .filter(|l| self.ids.get(l).is_some_and(|i| i.id.id.ps == ps));
+            .filter(|l| self.ids.get(l).is_some_and(|i| i.id.id.ps == ps))
+            // A datagram request comes to a datagram id, a connection to a connected one.
+            .filter(|_| sidr == (ps == RDMA_PS_UDP));
         let header_ok = private.len() >= REQ_HEADER && private[0] == 1;
         let (Some(l), true) = (listener, header_ok) else {
-            if let Some(cm) = self.cms.get_mut(&nic) {
-                let _ = cm.reject(cid, REJ_INVALID_SERVICE_ID, &[]);
-            }
+            self.refuse_request(nic, cid, sidr, true);
             return;
         };
         let (chan, context) = {
@@ -1260,9 +1387,7 @@ impl Cma {
         }
         if self.place(st, child, nic).is_err() {
             self.ids.remove(&child);
-            if let Some(cm) = self.cms.get_mut(&nic) {
-                let _ = cm.reject(cid, REJ_CONSUMER, &[]);
-            }
+            self.refuse_request(nic, cid, sidr, false);
             return;
         }
         let lp: *mut rdma_cm_id = match self.ids.get_mut(&l) {
@@ -1279,12 +1404,77 @@ impl Cma {
         i.depths = (depths.0.min(MAX_DEPTH), depths.1.min(MAX_DEPTH));
         i.phase = Phase::Requested(cid);
         self.conns.insert((nic, cid), child);
-        let conn = Some((
-            padded(&private[REQ_HEADER..], MAX_CONNECT_PRIVATE),
-            depths.0,
-            depths.1,
-        ));
+        let whole = match ps {
+            RDMA_PS_UDP => MAX_SIDR_PRIVATE,
+            _ => MAX_CONNECT_PRIVATE,
+        };
+        let conn = Some((padded(&private[REQ_HEADER..], whole), depths.0, depths.1));
         self.queue(child, lp, RDMA_CM_EVENT_CONNECT_REQUEST, 0, conn);
+    }
+}
+
+/// A request's private data: the header (source port and addresses) and the
+/// application's.
+fn req_private(src: SocketAddrV4, dst: SocketAddrV4, app: &[u8]) -> Vec<u8> {
+    let mut private = vec![0u8; REQ_HEADER];
+    private[0] = 1;
+    private[2..4].copy_from_slice(&src.port().to_be_bytes());
+    private[4..8].copy_from_slice(&src.ip().octets());
+    private[8..12].copy_from_slice(&dst.ip().octets());
+    private.extend_from_slice(app);
+    private
+}
+
+/// RESET → INIT (Q_Key [`RDMA_UDP_QKEY`]) → RTR → RTS: a datagram id's UD QP is ready at
+/// once, as librdmacm moves it.
+fn ud_up(st: &mut State, qp: *mut abi::ibv_qp) -> Result<(), i32> {
+    let init = abi::ibv_qp_attr {
+        qp_state: abi::ibv_qp_state_IBV_QPS_INIT,
+        pkey_index: 0,
+        port_num: 1,
+        qkey: RDMA_UDP_QKEY,
+        ..Default::default()
+    };
+    move_qp(
+        st,
+        qp,
+        &init,
+        abi::ibv_qp_attr_mask_IBV_QP_STATE
+            | abi::ibv_qp_attr_mask_IBV_QP_PKEY_INDEX
+            | abi::ibv_qp_attr_mask_IBV_QP_PORT
+            | abi::ibv_qp_attr_mask_IBV_QP_QKEY,
+    )?;
+    let rtr = abi::ibv_qp_attr {
+        qp_state: abi::ibv_qp_state_IBV_QPS_RTR,
+        ..Default::default()
+    };
+    move_qp(st, qp, &rtr, abi::ibv_qp_attr_mask_IBV_QP_STATE)?;
+    let rts = abi::ibv_qp_attr {
+        qp_state: abi::ibv_qp_state_IBV_QPS_RTS,
+        sq_psn: 0,
+        ..Default::default()
+    };
+    move_qp(
+        st,
+        qp,
+        &rts,
+        abi::ibv_qp_attr_mask_IBV_QP_STATE | abi::ibv_qp_attr_mask_IBV_QP_SQ_PSN,
+    )
+}
+
+impl Cma {
+    /// Refuses request `cid` of NIC `nic`'s CM: nobody listens (`unknown`), or the
+    /// library could not take it.
+    fn refuse_request(&mut self, nic: usize, cid: ConnId, sidr: bool, unknown: bool) {
+        let Some(cm) = self.cms.get_mut(&nic) else {
+            return;
+        };
+        let _ = match (sidr, unknown) {
+            (true, true) => cm.sidr_answer(cid, SIDR_NO_SERVICE, 0, 0, &[]),
+            (true, false) => cm.sidr_answer(cid, SIDR_REJECTED, 0, 0, &[]),
+            (false, true) => cm.reject(cid, REJ_INVALID_SERVICE_ID, &[]),
+            (false, false) => cm.reject(cid, REJ_CONSUMER, &[]),
+        };
     }
 }
 

@@ -343,6 +343,10 @@ fn perftest_ib_write_lat_over_rdma_cm() {
     perftest_cm("ib_write_lat", 18621, LAT, &[]);
 }
 #[test]
+fn perftest_ib_send_bw_ud_over_rdma_cm() {
+    perftest_cm("ib_send_bw", 18623, BW, &["-c", "UD"]);
+}
+#[test]
 fn perftest_ib_read_bw_over_rdma_cm_on_four_qps() {
     perftest_cm("ib_read_bw", 18622, BW, &["-q", "4"]);
 }
@@ -383,6 +387,18 @@ fn ucmatose_connects_four_times() {
         "ucmatose",
         ("ucmatose", &["-b", SERVER_IP, "-c", "4", "-C", "20"]),
         ("ucmatose", &["-s", SERVER_IP, "-c", "4", "-C", "20"]),
+        ("return status 0", "return status 0"),
+    );
+}
+
+/// udaddy: datagram ids (`RDMA_PS_UDP`), whose connect resolves the server's UD QP
+/// (SIDR), four of them, messages both ways.
+#[test]
+fn udaddy_resolves_four_datagram_peers() {
+    cm_pair(
+        "udaddy",
+        ("udaddy", &["-b", SERVER_IP, "-c", "4", "-C", "20"]),
+        ("udaddy", &["-s", SERVER_IP, "-c", "4", "-C", "20"]),
         ("return status 0", "return status 0"),
     );
 }

@@ -2,8 +2,9 @@
  * fabric's two NICs (rb0 10.0.0.1, rb1 10.0.0.2): address and route resolution, listen,
  * connect with private data, accept, data over the connected QPs, disconnect, reject, a
  * port nobody listens on, a connection within one NIC, the synchronous calls
- * (rdma_create_ep, rdma_get_request) with a server thread, and the refusals. Linked with
- * -lrdmacm; the library answers every rdma_* call. */
+ * (rdma_create_ep, rdma_get_request) with a server thread, datagram ids (service id
+ * resolution), and the refusals. Linked with -lrdmacm; the library answers every rdma_*
+ * call. */
 #include "common.h"
 #include <pthread.h>
 #include <rdma/rdma_cma.h>
@@ -116,6 +117,138 @@ static void close_pair(struct rdma_event_channel *cch, struct rdma_event_channel
 	CHECK_OK(rdma_destroy_id(c->srv));
 }
 
+/* ---- datagram ids (RDMA_PS_UDP): service id resolution ---- */
+
+/* A datagram id on `ch` from rb1 to 10.0.0.1:`port`, resolved, with a UD QP. */
+static struct rdma_cm_id *ud_client(struct rdma_event_channel *ch, int port)
+{
+	struct rdma_cm_id *id;
+	CHECK_OK(rdma_create_id(ch, &id, NULL, RDMA_PS_UDP));
+	CHECK_EQ(id->qp_type, IBV_QPT_UD);
+	struct sockaddr_in src = sin_of("10.0.0.2", 0), dst = sin_of("10.0.0.1", port);
+	CHECK_OK(rdma_resolve_addr(id, (struct sockaddr *)&src, (struct sockaddr *)&dst, 1000));
+	CHECK_OK(rdma_ack_cm_event(expect_event(ch, RDMA_CM_EVENT_ADDR_RESOLVED)));
+	CHECK_OK(rdma_resolve_route(id, 1000));
+	CHECK_OK(rdma_ack_cm_event(expect_event(ch, RDMA_CM_EVENT_ROUTE_RESOLVED)));
+	struct ibv_qp_init_attr a = rc_attr();
+	errno = 0;
+	CHECK_EQ(rdma_create_qp(id, NULL, &a), -1); /* an RC QP on a datagram id */
+	CHECK_EQ(errno, EINVAL);
+	a.qp_type = IBV_QPT_UD;
+	CHECK_OK(rdma_create_qp(id, NULL, &a));
+	/* Ready at once, with librdmacm's Q_Key. */
+	struct ibv_qp_attr qa;
+	struct ibv_qp_init_attr qia;
+	CHECK_OK(ibv_query_qp(id->qp, &qa, IBV_QP_STATE | IBV_QP_QKEY, &qia));
+	CHECK_EQ(qa.qp_state, IBV_QPS_RTS);
+	CHECK_EQ(qa.qkey, RDMA_UDP_QKEY);
+	return id;
+}
+
+static void datagrams(struct rdma_event_channel *sch, struct rdma_event_channel *cch)
+{
+	struct rdma_cm_event *e;
+	struct rdma_cm_id *lid;
+	CHECK_OK(rdma_create_id(sch, &lid, NULL, RDMA_PS_UDP));
+	struct sockaddr_in laddr = sin_of("10.0.0.1", 7473);
+	CHECK_OK(rdma_bind_addr(lid, (struct sockaddr *)&laddr));
+	CHECK_OK(rdma_listen(lid, 4));
+
+	struct rdma_cm_id *cli = ud_client(cch, 7473);
+	struct rdma_conn_param p;
+	memset(&p, 0, sizeof p);
+	char big[200];
+	memset(big, 'y', sizeof big);
+	p.private_data = big;
+	p.private_data_len = 181; /* a datagram request carries 180 */
+	errno = 0;
+	CHECK_EQ(rdma_connect(cli, &p), -1);
+	CHECK_EQ(errno, EINVAL);
+	p.private_data = "which qp?";
+	p.private_data_len = 10;
+	CHECK_OK(rdma_connect(cli, &p));
+	e = expect_event(sch, RDMA_CM_EVENT_CONNECT_REQUEST);
+	CHECK(e->listen_id == lid);
+	struct rdma_cm_id *srv = e->id;
+	CHECK_EQ(srv->ps, RDMA_PS_UDP);
+	CHECK_EQ(e->param.ud.private_data_len, 180);
+	CHECK_MEM(e->param.ud.private_data, "which qp?", 10);
+	CHECK_OK(rdma_ack_cm_event(e));
+	struct ibv_qp_init_attr a = rc_attr();
+	a.qp_type = IBV_QPT_UD;
+	CHECK_OK(rdma_create_qp(srv, NULL, &a));
+	uint8_t *sbuf = calloc(1, 4096);
+	struct ibv_mr *smr = ibv_reg_mr(srv->pd, sbuf, 4096, IBV_ACCESS_LOCAL_WRITE);
+	CHECK(smr != NULL);
+	CHECK_OK(rdma_post_recv(srv, (void *)7, sbuf, 40 + 64, smr));
+	memset(&p, 0, sizeof p);
+	p.private_data = "this one";
+	p.private_data_len = 9;
+	CHECK_OK(rdma_accept(srv, &p));
+
+	e = expect_event(cch, RDMA_CM_EVENT_ESTABLISHED);
+	CHECK(e->id == cli);
+	CHECK_EQ(e->param.ud.qp_num, srv->qp->qp_num);
+	CHECK_EQ(e->param.ud.qkey, RDMA_UDP_QKEY);
+	CHECK_EQ(e->param.ud.private_data_len, 136);
+	CHECK_MEM(e->param.ud.private_data, "this one", 9);
+	CHECK(e->param.ud.ah_attr.is_global);
+	union ibv_gid want = gid_of(srv->verbs);
+	CHECK_MEM(&e->param.ud.ah_attr.grh.dgid, &want, 16);
+	struct ibv_ah *ah = ibv_create_ah(cli->pd, &e->param.ud.ah_attr);
+	CHECK(ah != NULL);
+	uint32_t rqpn = e->param.ud.qp_num, rqkey = e->param.ud.qkey;
+	CHECK_OK(rdma_ack_cm_event(e));
+
+	/* A datagram to the QP the reply named. */
+	uint8_t *cbuf = calloc(1, 4096);
+	struct ibv_mr *cmr = ibv_reg_mr(cli->pd, cbuf, 4096, IBV_ACCESS_LOCAL_WRITE);
+	CHECK(cmr != NULL);
+	memcpy(cbuf, "a datagram", 11);
+	CHECK_OK(rdma_post_ud_send(cli, (void *)8, cbuf, 11, cmr, IBV_SEND_SIGNALED, ah, rqpn));
+	(void)rqkey;
+	struct ibv_wc wc;
+	EXPECT_WC(cli->send_cq, &wc, IBV_WC_SUCCESS, IBV_WC_SEND);
+	EXPECT_WC(srv->recv_cq, &wc, IBV_WC_SUCCESS, IBV_WC_RECV);
+	CHECK_EQ(wc.byte_len, 40 + 11);
+	CHECK_EQ(wc.src_qp, cli->qp->qp_num);
+	CHECK_MEM(sbuf + 40, "a datagram", 11);
+	CHECK_OK(ibv_destroy_ah(ah));
+
+	/* A refused request: unreachable, status 2 (rejected by the service provider). */
+	struct rdma_cm_id *r = ud_client(cch, 7473);
+	CHECK_OK(rdma_connect(r, NULL));
+	e = expect_event(sch, RDMA_CM_EVENT_CONNECT_REQUEST);
+	struct rdma_cm_id *rs = e->id;
+	CHECK_OK(rdma_ack_cm_event(e));
+	CHECK_OK(rdma_reject(rs, "no", 3));
+	e = expect_event(cch, RDMA_CM_EVENT_UNREACHABLE);
+	CHECK_EQ(e->status, 2);
+	CHECK_OK(rdma_ack_cm_event(e));
+	CHECK_OK(rdma_destroy_id(rs));
+	rdma_destroy_qp(r);
+	CHECK_OK(rdma_destroy_id(r));
+
+	/* Nobody on the port: unreachable, status 1 (service id not supported). */
+	r = ud_client(cch, 7998);
+	CHECK_OK(rdma_connect(r, NULL));
+	e = expect_event(cch, RDMA_CM_EVENT_UNREACHABLE);
+	CHECK_EQ(e->status, 1);
+	CHECK_OK(rdma_ack_cm_event(e));
+	rdma_destroy_qp(r);
+	CHECK_OK(rdma_destroy_id(r));
+
+	CHECK_OK(ibv_dereg_mr(cmr));
+	CHECK_OK(ibv_dereg_mr(smr));
+	free(cbuf);
+	free(sbuf);
+	rdma_destroy_qp(cli);
+	rdma_destroy_qp(srv);
+	CHECK_OK(rdma_destroy_id(cli));
+	CHECK_OK(rdma_destroy_id(srv));
+	CHECK_OK(rdma_destroy_id(lid));
+}
+
 /* ---- the synchronous calls, as rdma_server and rdma_client use them ---- */
 
 static void *sync_server(void *arg)
@@ -218,7 +351,7 @@ int main(void)
 	/* ---- refusals ---- */
 	struct rdma_cm_id *x;
 	errno = 0;
-	CHECK_EQ(rdma_create_id(sch, &x, NULL, RDMA_PS_UDP), -1);
+	CHECK_EQ(rdma_create_id(sch, &x, NULL, RDMA_PS_IPOIB), -1);
 	CHECK_EQ(errno, EPROTONOSUPPORT);
 	CHECK_OK(rdma_create_id(sch, &x, NULL, RDMA_PS_TCP));
 	struct sockaddr_in other = sin_of("10.9.9.9", 7471);
@@ -477,6 +610,8 @@ int main(void)
 	rdma_destroy_event_channel(moved);
 
 	CHECK_OK(rdma_destroy_id(lid));
+
+	datagrams(sch, cch);
 
 	/* ---- the synchronous calls ---- */
 	sync_client();
