@@ -137,6 +137,15 @@ pub(crate) struct Cma {
     next_port: u16,
 }
 
+/// A connection request (REQ) or a datagram peer's (SIDR REQ), as a NIC's CM gave it.
+struct Request {
+    cid: ConnId,
+    sid: u64,
+    from: AhAttr,
+    private: Vec<u8>,
+    sidr: bool,
+}
+
 /// What a connect or accept asks for (`struct rdma_conn_param`, copied).
 #[derive(Clone, Debug, Default)]
 pub(crate) struct ConnParam {
@@ -1183,7 +1192,17 @@ impl Cma {
                 service_id,
                 from,
                 private,
-            } => self.on_request(st, nic, id, service_id, from, private, false),
+            } => self.on_request(
+                st,
+                nic,
+                Request {
+                    cid: id,
+                    sid: service_id,
+                    from,
+                    private,
+                    sidr: false,
+                },
+            ),
             CmEvent::Replied {
                 id,
                 remote,
@@ -1306,7 +1325,17 @@ impl Cma {
                 service_id,
                 from,
                 private,
-            } => self.on_request(st, nic, id, service_id, from, private, true),
+            } => self.on_request(
+                st,
+                nic,
+                Request {
+                    cid: id,
+                    sid: service_id,
+                    from,
+                    private,
+                    sidr: true,
+                },
+            ),
             CmEvent::SidrReply {
                 id,
                 status,
@@ -1345,16 +1374,14 @@ impl Cma {
         }
     }
 
-    fn on_request(
-        &mut self,
-        st: &mut State,
-        nic: usize,
-        cid: ConnId,
-        sid: u64,
-        from: AhAttr,
-        private: Vec<u8>,
-        sidr: bool,
-    ) {
+    fn on_request(&mut self, st: &mut State, nic: usize, r: Request) {
+        let Request {
+            cid,
+            sid,
+            from,
+            private,
+            sidr,
+        } = r;
         let port = (sid & 0xFFFF) as u16;
         let ps = ((sid >> 16) & 0xFFFF) as u32;
         let listener = self
