@@ -769,7 +769,9 @@ fn service_id_resolution_under_loss() {
         let private = [n as u8; 4];
         asked.push(Some(nd.cm.sidr_request(server, sid, &private).unwrap()));
     }
-    let mut replies: Vec<Vec<(u16, u32, u32, Vec<u8>)>> = vec![Vec::new(); CLIENTS + 1];
+    // (status, QPN, Q_Key, private data) of each client's replies.
+    type Reply = (u16, u32, u32, Vec<u8>);
+    let mut replies: Vec<Vec<Reply>> = vec![Vec::new(); CLIENTS + 1];
     let mut requests = 0;
     for _ in 0..2_000_000 {
         if replies.iter().skip(1).all(|r| !r.is_empty()) {
