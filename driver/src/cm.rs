@@ -677,20 +677,17 @@ impl ConnectionManager {
             private: private.to_vec(),
             ..Default::default()
         };
-        let mut conn = Conn {
-            state: State::ReqSent {
-                qp,
-                qpn,
-                opts: *opts,
-            },
-            peer,
-            remote_comm_id: 0,
-            last: Vec::new(),
-            deadline: None,
-            repeats: 0,
-            forget_at: 0,
+        let state = State::ReqSent {
+            qp,
+            qpn,
+            opts: *opts,
         };
-        req.emit(&mut conn.last);
+        self.open(id, Conn::new(state, peer, 0), &req)
+    }
+
+    /// Opens connection `id` (`conn`) with its first message `m`, repeated until answered.
+    fn open(&mut self, id: u32, mut conn: Conn, m: &CmMsg) -> Result<ConnId, Error> {
+        m.emit(&mut conn.last);
         self.send_and_arm(&mut conn)?;
         self.conns.insert(id, conn);
         Ok(ConnId(id))
@@ -879,19 +876,7 @@ impl ConnectionManager {
             private: private.to_vec(),
             ..CmMsg::about(CmKind::SidrReq, id, 0)
         };
-        let mut conn = Conn {
-            state: State::SidrSent,
-            peer,
-            remote_comm_id: 0,
-            last: Vec::new(),
-            deadline: None,
-            repeats: 0,
-            forget_at: 0,
-        };
-        req.emit(&mut conn.last);
-        self.send_and_arm(&mut conn)?;
-        self.conns.insert(id, conn);
-        Ok(ConnId(id))
+        self.open(id, Conn::new(State::SidrSent, peer, 0), &req)
     }
 
     /// Answers the SIDR request `id` ([`CmEvent::SidrRequest`]) with `status` and, for
@@ -1186,29 +1171,30 @@ impl ConnectionManager {
             .then_some(m.remote_comm_id)
     }
 
-    fn on_req(&mut self, from: AhAttr, m: CmMsg) {
-        if let Some(&id) = self.by_remote.get(&(from, m.local_comm_id)) {
-            // A repeat: answer with what we said, if we said anything yet.
-            self.stats.duplicates += 1;
-            if let Some(c) = self.conns.get(&id) {
-                if !matches!(c.state, State::ReqRcvd { .. }) && !c.last.is_empty() {
-                    let (peer, last) = (c.peer, c.last.clone());
-                    let _ = self.send(peer, &last);
-                }
+    /// Whether a request (REQ or SIDR REQ) is a repeat of one already known; if so it is
+    /// answered with what was said, if anything was said yet.
+    fn repeated_request(&mut self, from: AhAttr, m: &CmMsg) -> bool {
+        let Some(&id) = self.by_remote.get(&(from, m.local_comm_id)) else {
+            return false;
+        };
+        self.stats.duplicates += 1;
+        if let Some(c) = self.conns.get(&id) {
+            let waiting = matches!(c.state, State::ReqRcvd { .. } | State::SidrRcvd);
+            if !waiting && !c.last.is_empty() {
+                let (peer, last) = (c.peer, c.last.clone());
+                let _ = self.send(peer, &last);
             }
+        }
+        true
+    }
+
+    fn on_req(&mut self, from: AhAttr, m: CmMsg) {
+        if self.repeated_request(from, &m) {
             return;
         }
         let id = self.fresh_id();
         self.by_remote.insert((from, m.local_comm_id), id);
-        let mut conn = Conn {
-            state: State::TimeWait,
-            peer: from,
-            remote_comm_id: m.local_comm_id,
-            last: Vec::new(),
-            deadline: None,
-            repeats: 0,
-            forget_at: 0,
-        };
+        let mut conn = Conn::new(State::TimeWait, from, m.local_comm_id);
         if !self.listening.contains(&m.service_id) || !(1..=5).contains(&m.path_mtu) {
             let rej = CmMsg {
                 reason: REJ_INVALID_SERVICE_ID,
@@ -1233,28 +1219,13 @@ impl ConnectionManager {
     }
 
     fn on_sidr_req(&mut self, from: AhAttr, m: CmMsg) {
-        if let Some(&id) = self.by_remote.get(&(from, m.local_comm_id)) {
-            // A repeat: the answer again, once there is one.
-            self.stats.duplicates += 1;
-            if let Some(c) = self.conns.get(&id) {
-                if !matches!(c.state, State::SidrRcvd) && !c.last.is_empty() {
-                    let (peer, last) = (c.peer, c.last.clone());
-                    let _ = self.send(peer, &last);
-                }
-            }
+        if self.repeated_request(from, &m) {
             return;
         }
         let id = self.fresh_id();
         self.by_remote.insert((from, m.local_comm_id), id);
-        let mut conn = Conn {
-            state: State::SidrRcvd,
-            peer: from,
-            remote_comm_id: m.local_comm_id,
-            last: Vec::new(),
-            deadline: None,
-            repeats: 0,
-            forget_at: self.dev.clock_ps() + self.cfg.time_wait_ps,
-        };
+        let mut conn = Conn::new(State::SidrRcvd, from, m.local_comm_id);
+        conn.forget_at = self.dev.clock_ps() + self.cfg.time_wait_ps;
         if !self.listening.contains(&m.service_id) {
             let rep = CmMsg {
                 reason: SIDR_NO_SERVICE,
@@ -1594,6 +1565,20 @@ impl CmEvent {
 }
 
 impl Conn {
+    /// A connection in `state` with `peer` (whose id for it is `remote_comm_id`, 0 until
+    /// known), no message and no timer yet.
+    fn new(state: State, peer: AhAttr, remote_comm_id: u32) -> Conn {
+        Conn {
+            state,
+            peer,
+            remote_comm_id,
+            last: Vec::new(),
+            deadline: None,
+            repeats: 0,
+            forget_at: 0,
+        }
+    }
+
     /// When this connection needs attention: its retry timer, or the end of its time-wait.
     fn wakeup(&self) -> Option<u64> {
         match self.state {

@@ -111,6 +111,45 @@ fn traffic(from: &mut Node, qp: &mut QueuePair, to: &mut Node, rq: &mut QueuePai
     let _ = from;
 }
 
+/// Client `n` (node `n`, QP the `n`-th of `qps`) WRITEs its number into node 0's buffer
+/// at offset `8 n`; every WRITE completes and lands.
+fn writes_land<'a>(f: &Fabric, nodes: &mut [Node], qps: impl Iterator<Item = &'a mut QueuePair>) {
+    let clients = nodes.len() - 1;
+    for (i, qp) in qps.enumerate() {
+        let n = i + 1;
+        let remote = RemoteAddr {
+            addr: nodes[0].mr.addr() + n as u64 * 8,
+            rkey: nodes[0].mr.rkey(),
+        };
+        qp.post_send(&[SendWr::inline(
+            n as u64,
+            WrOp::Write(remote),
+            &(n as u64).to_le_bytes(),
+        )])
+        .unwrap();
+    }
+    let mut done = 0;
+    let mut wc = [WorkCompletion::default(); 16];
+    for _ in 0..10_000_000 {
+        for nd in nodes.iter_mut().skip(1) {
+            let k = nd.cq.poll_ready(&mut wc);
+            for w in &wc[..k] {
+                assert_eq!(w.status, WcStatus::Success, "{w:?}");
+                done += 1;
+            }
+        }
+        if done == clients || !f.step() {
+            break;
+        }
+    }
+    assert_eq!(done, clients);
+    for n in 1..=clients {
+        let mut v = [0u8; 8];
+        nodes[0].buf.read(n * 8, &mut v).unwrap();
+        assert_eq!(u64::from_le_bytes(v), n as u64);
+    }
+}
+
 #[test]
 fn connect_accept_traffic_disconnect() {
     let f = Fabric::new(FabricConfig::new(2, 1));
@@ -447,39 +486,7 @@ fn sixty_four_clients_under_loss_connect_talk_and_disconnect() {
     );
     // Every client's QP is connected to a distinct server QP: a WRITE from each lands
     // in the server's buffer at the client's own offset.
-    for (n, conns) in qps.iter_mut().enumerate().skip(1) {
-        let (_, qp) = &mut conns[0];
-        let remote = RemoteAddr {
-            addr: nodes[0].mr.addr() + n as u64 * 8,
-            rkey: nodes[0].mr.rkey(),
-        };
-        qp.post_send(&[SendWr::inline(
-            n as u64,
-            WrOp::Write(remote),
-            &(n as u64).to_le_bytes(),
-        )])
-        .unwrap();
-    }
-    let mut done = 0;
-    let mut wc = [WorkCompletion::default(); 16];
-    for _ in 0..10_000_000 {
-        for nd in nodes.iter_mut().skip(1) {
-            let k = nd.cq.poll_ready(&mut wc);
-            for w in &wc[..k] {
-                assert_eq!(w.status, WcStatus::Success, "{w:?}");
-                done += 1;
-            }
-        }
-        if done == CLIENTS || !f.step() {
-            break;
-        }
-    }
-    assert_eq!(done, CLIENTS);
-    for n in 1..=CLIENTS {
-        let mut v = [0u8; 8];
-        nodes[0].buf.read(n * 8, &mut v).unwrap();
-        assert_eq!(u64::from_le_bytes(v), n as u64);
-    }
+    writes_land(&f, &mut nodes, qps.iter_mut().skip(1).map(|c| &mut c[0].1));
     // Every client disconnects.
     for n in 1..=CLIENTS {
         let id = qps[n][0].0;
@@ -664,39 +671,14 @@ fn connections_the_caller_moves_its_qps_for() {
     assert_eq!((replied, ready), (CLIENTS, CLIENTS));
     assert!(f.fault_stats().dropped > 0, "the fabric dropped frames");
     // Every client WRITEs its number into the server's buffer at its own offset.
-    for (n, c) in client_qps.iter_mut().enumerate().skip(1) {
-        let (_, qp) = c.as_mut().unwrap();
-        let remote = RemoteAddr {
-            addr: nodes[0].mr.addr() + n as u64 * 8,
-            rkey: nodes[0].mr.rkey(),
-        };
-        qp.post_send(&[SendWr::inline(
-            n as u64,
-            WrOp::Write(remote),
-            &(n as u64).to_le_bytes(),
-        )])
-        .unwrap();
-    }
-    let mut done = 0;
-    let mut wc = [WorkCompletion::default(); 16];
-    for _ in 0..10_000_000 {
-        for nd in nodes.iter_mut().skip(1) {
-            let k = nd.cq.poll_ready(&mut wc);
-            for w in &wc[..k] {
-                assert_eq!(w.status, WcStatus::Success, "{w:?}");
-                done += 1;
-            }
-        }
-        if done == CLIENTS || !f.step() {
-            break;
-        }
-    }
-    assert_eq!(done, CLIENTS);
-    for n in 1..=CLIENTS {
-        let mut v = [0u8; 8];
-        nodes[0].buf.read(n * 8, &mut v).unwrap();
-        assert_eq!(u64::from_le_bytes(v), n as u64);
-    }
+    writes_land(
+        &f,
+        &mut nodes,
+        client_qps
+            .iter_mut()
+            .skip(1)
+            .map(|c| &mut c.as_mut().unwrap().1),
+    );
 
     // A REP the client cannot take: refused, and the server hears a consumer reject.
     let q = rc_qp(&nodes[1]);

@@ -799,10 +799,7 @@ impl Cma {
             self.cm(st, nic)?
                 .sidr_answer(cid, SIDR_OK, qpn, RDMA_UDP_QKEY, &private)
                 .map_err(|e| crate::errno_of(&e))?;
-            self.conns.remove(&(nic, cid));
-            if let Some(i) = self.ids.get_mut(&p) {
-                i.phase = Phase::Done;
-            }
+            self.finish(nic, cid);
             return Ok(());
         }
         let param = param.unwrap_or(ConnParam {
@@ -853,10 +850,7 @@ impl Cma {
             false => cm.reject(cid, REJ_CONSUMER, private),
         }
         .map_err(|e| crate::errno_of(&e))?;
-        self.conns.remove(&(nic, cid));
-        if let Some(i) = self.ids.get_mut(&p) {
-            i.phase = Phase::Done;
-        }
+        self.finish(nic, cid);
         Ok(())
     }
 
@@ -1185,9 +1179,25 @@ impl Cma {
         }
     }
 
+    /// Ends connection `id` of NIC `nic`'s CM: its id is done. The id, if it still lives.
+    fn finish(&mut self, nic: usize, id: ConnId) -> Option<usize> {
+        let p = self.conns.remove(&(nic, id))?;
+        if let Some(i) = self.ids.get_mut(&p) {
+            i.phase = Phase::Done;
+        }
+        Some(p)
+    }
+
     fn on_cm_event(&mut self, st: &mut State, nic: usize, e: CmEvent) {
+        let sidr = matches!(e, CmEvent::SidrRequest { .. });
         match e {
             CmEvent::ConnectRequest {
+                id,
+                service_id,
+                from,
+                private,
+            }
+            | CmEvent::SidrRequest {
                 id,
                 service_id,
                 from,
@@ -1200,7 +1210,7 @@ impl Cma {
                     sid: service_id,
                     from,
                     private,
-                    sidr: false,
+                    sidr,
                 },
             ),
             CmEvent::Replied {
@@ -1247,10 +1257,7 @@ impl Cma {
                     }
                     Err(err) => {
                         let _ = cm.refuse(id);
-                        self.conns.remove(&(nic, id));
-                        if let Some(i) = self.ids.get_mut(&p) {
-                            i.phase = Phase::Done;
-                        }
+                        self.finish(nic, id);
                         self.queue(
                             p,
                             std::ptr::null_mut(),
@@ -1276,12 +1283,9 @@ impl Cma {
                 private,
                 ..
             } => {
-                let Some(p) = self.conns.remove(&(nic, id)) else {
+                let Some(p) = self.finish(nic, id) else {
                     return;
                 };
-                if let Some(i) = self.ids.get_mut(&p) {
-                    i.phase = Phase::Done;
-                }
                 let conn = Some((padded(&private, MAX_REJECT_PRIVATE), 0, 0));
                 self.queue(
                     p,
@@ -1292,12 +1296,9 @@ impl Cma {
                 );
             }
             CmEvent::TimedOut { id, .. } => {
-                let Some(p) = self.conns.remove(&(nic, id)) else {
+                let Some(p) = self.finish(nic, id) else {
                     return;
                 };
-                if let Some(i) = self.ids.get_mut(&p) {
-                    i.phase = Phase::Done;
-                }
                 self.queue(
                     p,
                     std::ptr::null_mut(),
@@ -1307,7 +1308,7 @@ impl Cma {
                 );
             }
             CmEvent::Disconnected { id } => {
-                let Some(p) = self.conns.remove(&(nic, id)) else {
+                let Some(p) = self.finish(nic, id) else {
                     return;
                 };
                 let qp = self
@@ -1315,27 +1316,8 @@ impl Cma {
                     .get(&p)
                     .map_or(std::ptr::null_mut(), |i| i.id.id.qp);
                 qp_err(st, qp);
-                if let Some(i) = self.ids.get_mut(&p) {
-                    i.phase = Phase::Done;
-                }
                 self.queue(p, std::ptr::null_mut(), RDMA_CM_EVENT_DISCONNECTED, 0, None);
             }
-            CmEvent::SidrRequest {
-                id,
-                service_id,
-                from,
-                private,
-            } => self.on_request(
-                st,
-                nic,
-                Request {
-                    cid: id,
-                    sid: service_id,
-                    from,
-                    private,
-                    sidr: true,
-                },
-            ),
             CmEvent::SidrReply {
                 id,
                 status,
@@ -1344,12 +1326,9 @@ impl Cma {
                 qkey,
                 private,
             } => {
-                let Some(p) = self.conns.remove(&(nic, id)) else {
+                let Some(p) = self.finish(nic, id) else {
                     return;
                 };
-                if let Some(i) = self.ids.get_mut(&p) {
-                    i.phase = Phase::Done;
-                }
                 if status != SIDR_OK {
                     self.queue(
                         p,

@@ -62,6 +62,25 @@ static uint32_t ip_of(struct sockaddr *sa)
 	return ntohl(((struct sockaddr_in *)sa)->sin_addr.s_addr);
 }
 
+/* An id on `ch` of port space `ps` resolved from `src_ip` (any NIC when "0.0.0.0") to
+ * `dst_ip`:`port`, with a QP of `qp_type` (in INIT for RC, ready for UD). */
+static struct rdma_cm_id *resolved(struct rdma_event_channel *ch, enum rdma_port_space ps,
+				   const char *src_ip, const char *dst_ip, int port,
+				   enum ibv_qp_type qp_type)
+{
+	struct rdma_cm_id *id;
+	CHECK_OK(rdma_create_id(ch, &id, NULL, ps));
+	struct sockaddr_in src = sin_of(src_ip, 0), dst = sin_of(dst_ip, port);
+	CHECK_OK(rdma_resolve_addr(id, (struct sockaddr *)&src, (struct sockaddr *)&dst, 1000));
+	CHECK_OK(rdma_ack_cm_event(expect_event(ch, RDMA_CM_EVENT_ADDR_RESOLVED)));
+	CHECK_OK(rdma_resolve_route(id, 1000));
+	CHECK_OK(rdma_ack_cm_event(expect_event(ch, RDMA_CM_EVENT_ROUTE_RESOLVED)));
+	struct ibv_qp_init_attr a = rc_attr();
+	a.qp_type = qp_type;
+	CHECK_OK(rdma_create_qp(id, NULL, &a));
+	return id;
+}
+
 /* A connection from `src_ip` to the listener `lid` (on channel `sch`, port `port`):
  * both ids established, with QPs in RTS. */
 struct conn {
@@ -74,20 +93,13 @@ static struct conn connect_pair(struct rdma_event_channel *cch, struct rdma_even
 {
 	struct conn c;
 	struct rdma_cm_event *e;
-	CHECK_OK(rdma_create_id(cch, &c.cli, NULL, RDMA_PS_TCP));
-	struct sockaddr_in src = sin_of(src_ip, 0), dst = sin_of(dst_ip, port);
-	CHECK_OK(rdma_resolve_addr(c.cli, (struct sockaddr *)&src, (struct sockaddr *)&dst, 1000));
-	CHECK_OK(rdma_ack_cm_event(expect_event(cch, RDMA_CM_EVENT_ADDR_RESOLVED)));
-	CHECK_OK(rdma_resolve_route(c.cli, 1000));
-	CHECK_OK(rdma_ack_cm_event(expect_event(cch, RDMA_CM_EVENT_ROUTE_RESOLVED)));
-	struct ibv_qp_init_attr a = rc_attr();
-	CHECK_OK(rdma_create_qp(c.cli, NULL, &a));
+	c.cli = resolved(cch, RDMA_PS_TCP, src_ip, dst_ip, port, IBV_QPT_RC);
 	CHECK_OK(rdma_connect(c.cli, NULL));
 	e = expect_event(sch, RDMA_CM_EVENT_CONNECT_REQUEST);
 	CHECK(e->listen_id == lid);
 	c.srv = e->id;
 	CHECK_OK(rdma_ack_cm_event(e));
-	a = rc_attr();
+	struct ibv_qp_init_attr a = rc_attr();
 	CHECK_OK(rdma_create_qp(c.srv, NULL, &a));
 	CHECK_OK(rdma_accept(c.srv, NULL));
 	CHECK_OK(rdma_ack_cm_event(expect_event(cch, RDMA_CM_EVENT_ESTABLISHED)));
@@ -122,20 +134,8 @@ static void close_pair(struct rdma_event_channel *cch, struct rdma_event_channel
 /* A datagram id on `ch` from rb1 to 10.0.0.1:`port`, resolved, with a UD QP. */
 static struct rdma_cm_id *ud_client(struct rdma_event_channel *ch, int port)
 {
-	struct rdma_cm_id *id;
-	CHECK_OK(rdma_create_id(ch, &id, NULL, RDMA_PS_UDP));
+	struct rdma_cm_id *id = resolved(ch, RDMA_PS_UDP, "10.0.0.2", "10.0.0.1", port, IBV_QPT_UD);
 	CHECK_EQ(id->qp_type, IBV_QPT_UD);
-	struct sockaddr_in src = sin_of("10.0.0.2", 0), dst = sin_of("10.0.0.1", port);
-	CHECK_OK(rdma_resolve_addr(id, (struct sockaddr *)&src, (struct sockaddr *)&dst, 1000));
-	CHECK_OK(rdma_ack_cm_event(expect_event(ch, RDMA_CM_EVENT_ADDR_RESOLVED)));
-	CHECK_OK(rdma_resolve_route(id, 1000));
-	CHECK_OK(rdma_ack_cm_event(expect_event(ch, RDMA_CM_EVENT_ROUTE_RESOLVED)));
-	struct ibv_qp_init_attr a = rc_attr();
-	errno = 0;
-	CHECK_EQ(rdma_create_qp(id, NULL, &a), -1); /* an RC QP on a datagram id */
-	CHECK_EQ(errno, EINVAL);
-	a.qp_type = IBV_QPT_UD;
-	CHECK_OK(rdma_create_qp(id, NULL, &a));
 	/* Ready at once, with librdmacm's Q_Key. */
 	struct ibv_qp_attr qa;
 	struct ibv_qp_init_attr qia;
@@ -155,6 +155,17 @@ static void datagrams(struct rdma_event_channel *sch, struct rdma_event_channel 
 	CHECK_OK(rdma_listen(lid, 4));
 
 	struct rdma_cm_id *cli = ud_client(cch, 7473);
+	{
+		struct rdma_cm_id *u;
+		CHECK_OK(rdma_create_id(cch, &u, NULL, RDMA_PS_UDP));
+		CHECK_OK(rdma_resolve_addr(u, NULL, (struct sockaddr *)&laddr, 1000));
+		CHECK_OK(rdma_ack_cm_event(expect_event(cch, RDMA_CM_EVENT_ADDR_RESOLVED)));
+		struct ibv_qp_init_attr ra = rc_attr();
+		errno = 0;
+		CHECK_EQ(rdma_create_qp(u, NULL, &ra), -1); /* an RC QP on a datagram id */
+		CHECK_EQ(errno, EINVAL);
+		CHECK_OK(rdma_destroy_id(u));
+	}
 	struct rdma_conn_param p;
 	memset(&p, 0, sizeof p);
 	char big[200];
@@ -300,14 +311,16 @@ static void sync_client(void)
 	CHECK_OK(rdma_getaddrinfo("10.0.0.1", "7472", &hints, &res));
 	CHECK(res->ai_dst_addr != NULL && res->ai_src_addr == NULL);
 	CHECK_EQ(port_of(res->ai_dst_addr), 7472);
-	struct ibv_qp_init_attr a = rc_attr();
-	a.sq_sig_all = 1;
-	a.qp_type = 0; /* rdma_create_ep takes the address information's (RC) */
 	struct rdma_cm_id *id = NULL;
 	/* The server thread may not listen yet: a refused request is tried again. */
 	double end = now_s() + WAIT_S;
 	for (;;) {
+		/* (rdma_create_ep writes the CQs it made into the attributes.) */
+		struct ibv_qp_init_attr a = rc_attr();
+		a.sq_sig_all = 1;
+		a.qp_type = 0; /* rdma_create_ep takes the address information's (RC) */
 		CHECK_OK(rdma_create_ep(&id, res, NULL, &a));
+		CHECK(a.send_cq == id->send_cq && a.qp_type == IBV_QPT_RC);
 		CHECK(id->qp != NULL && id->send_cq != NULL && id->send_cq_channel != NULL);
 		char buf[16];
 		struct ibv_mr *mr = rdma_reg_msgs(id, buf, sizeof buf);
@@ -539,14 +552,7 @@ int main(void)
 	CHECK_OK(rdma_destroy_id(c.srv));
 
 	/* ---- a reject, with private data ---- */
-	struct rdma_cm_id *r;
-	CHECK_OK(rdma_create_id(cch, &r, NULL, RDMA_PS_TCP));
-	CHECK_OK(rdma_resolve_addr(r, (struct sockaddr *)&src, (struct sockaddr *)&dst, 1000));
-	CHECK_OK(rdma_ack_cm_event(expect_event(cch, RDMA_CM_EVENT_ADDR_RESOLVED)));
-	CHECK_OK(rdma_resolve_route(r, 1000));
-	CHECK_OK(rdma_ack_cm_event(expect_event(cch, RDMA_CM_EVENT_ROUTE_RESOLVED)));
-	a = rc_attr();
-	CHECK_OK(rdma_create_qp(r, NULL, &a));
+	struct rdma_cm_id *r = resolved(cch, RDMA_PS_TCP, "10.0.0.2", "10.0.0.1", 7471, IBV_QPT_RC);
 	CHECK_OK(rdma_connect(r, NULL));
 	e = expect_event(sch, RDMA_CM_EVENT_CONNECT_REQUEST);
 	struct rdma_cm_id *rs = e->id;
@@ -566,14 +572,7 @@ int main(void)
 	CHECK_OK(rdma_destroy_id(r));
 
 	/* ---- a port nobody listens on: rejected, invalid service id ---- */
-	CHECK_OK(rdma_create_id(cch, &r, NULL, RDMA_PS_TCP));
-	struct sockaddr_in nobody = sin_of("10.0.0.1", 7999);
-	CHECK_OK(rdma_resolve_addr(r, NULL, (struct sockaddr *)&nobody, 1000));
-	CHECK_OK(rdma_ack_cm_event(expect_event(cch, RDMA_CM_EVENT_ADDR_RESOLVED)));
-	CHECK_OK(rdma_resolve_route(r, 1000));
-	CHECK_OK(rdma_ack_cm_event(expect_event(cch, RDMA_CM_EVENT_ROUTE_RESOLVED)));
-	a = rc_attr();
-	CHECK_OK(rdma_create_qp(r, NULL, &a));
+	r = resolved(cch, RDMA_PS_TCP, "0.0.0.0", "10.0.0.1", 7999, IBV_QPT_RC);
 	CHECK_OK(rdma_connect(r, NULL));
 	e = expect_event(cch, RDMA_CM_EVENT_REJECTED);
 	CHECK_EQ(e->status, 8); /* IB_CM_REJ_INVALID_SERVICE_ID */
