@@ -112,6 +112,8 @@ struct Id {
     /// CQs and channels the library made for the id's QP (destroyed with the id's QP at
     /// `rdma_destroy_ep`).
     made: Vec<(*mut abi::ibv_cq, *mut abi::ibv_comp_channel)>,
+    /// Multicast groups joined (a datagram id's), with the context each join gave.
+    groups: Vec<(Ipv4Addr, *mut std::ffi::c_void)>,
 }
 
 /// An event channel's queue. A synchronous id (made without a channel) has one of its own.
@@ -170,13 +172,14 @@ pub(crate) fn sockaddr_of(a: SocketAddrV4) -> [u64; 16] {
     out
 }
 
-/// The RoCEv2 GID of an IPv4 address.
+/// The RoCEv2 GID of an IPv4 address (`::ffff:a.b.c.d`).
+fn gid_bytes(ip: Ipv4Addr) -> [u8; 16] {
+    ip.to_ipv6_mapped().octets()
+}
+
+/// [`gid_bytes`] as libibverbs' union.
 fn gid_of(ip: Ipv4Addr) -> abi::ibv_gid {
-    let mut raw = [0u8; 16];
-    raw[10] = 0xff;
-    raw[11] = 0xff;
-    raw[12..].copy_from_slice(&ip.octets());
-    abi::ibv_gid { raw }
+    abi::ibv_gid { raw: gid_bytes(ip) }
 }
 
 /// The service id of `port` in port space `ps`.
@@ -306,6 +309,7 @@ impl Cma {
                 depths: (0, 0),
                 ep_qp: None,
                 made: Vec::new(),
+                groups: Vec::new(),
             },
         );
         p
@@ -457,7 +461,8 @@ impl Cma {
             None => Self::nic_with(st, *dst.ip()).unwrap_or(first),
         };
         self.place(st, p, nic)?;
-        let reachable = AhAttr::on_fabric(dst.ip().octets()).is_some();
+        // A NIC of the fabric, or a multicast group (which a datagram id joins).
+        let reachable = AhAttr::on_fabric(dst.ip().octets()).is_some() || dst.ip().is_multicast();
         let i = self.ids.get_mut(&p).ok_or(libc::EINVAL)?;
         i.dst = dst;
         i.id.id.route.addr.dst_storage = sockaddr_of(dst);
@@ -648,6 +653,12 @@ impl Cma {
             with_held(st, qp as *mut RbQp, Kind::Qp, crate::qp::destroy);
             return Err(e);
         }
+        let groups: Vec<Ipv4Addr> = self.ids[&p].groups.iter().map(|g| g.0).collect();
+        for g in groups {
+            with_held(st, qp as *mut RbQp, Kind::Qp, |_, q| {
+                crate::flow::attach_mcast(q, gid_bytes(g))
+            });
+        }
         let i = self.ids.get_mut(&p).ok_or(libc::EINVAL)?;
         i.id.id.qp = qp;
         i.id.id.pd = pd;
@@ -686,6 +697,12 @@ impl Cma {
         };
         let qp = std::mem::replace(&mut i.id.id.qp, std::ptr::null_mut());
         if !qp.is_null() {
+            // The QP leaves its groups first (a QP in a group is not destroyed).
+            for (g, _) in &i.groups {
+                with_held(st, qp as *mut RbQp, Kind::Qp, |_, q| {
+                    crate::flow::detach_mcast(q, gid_bytes(*g))
+                });
+            }
             with_held(st, qp as *mut RbQp, Kind::Qp, crate::qp::destroy);
         }
         if made {
@@ -1146,24 +1163,110 @@ impl Cma {
     }
 
     /// Queues `ESTABLISHED` of datagram id `p`: the peer's UD QP, Q_Key and address.
-    fn queue_ud(&mut self, p: usize, private: Vec<u8>, ah: abi::ibv_ah_attr, qpn: u32, qkey: u32) {
-        self.queue(p, std::ptr::null_mut(), RDMA_CM_EVENT_ESTABLISHED, 0, None);
+    /// Queues event `kind` of datagram id `p` with its `param.ud`: the peer (or group) to
+    /// reach and, in `private_data`, the private data (`Some`) or the id's join context.
+    fn queue_ud(
+        &mut self,
+        p: usize,
+        kind: u32,
+        private: Option<Vec<u8>>,
+        ah: abi::ibv_ah_attr,
+        qpn: u32,
+        qkey: u32,
+    ) {
+        let context = match &private {
+            Some(_) => std::ptr::null_mut(),
+            None => self.ids.get(&p).map_or(std::ptr::null_mut(), |i| {
+                i.groups.last().map_or(std::ptr::null_mut(), |g| g.1)
+            }),
+        };
+        self.queue(p, std::ptr::null_mut(), kind, 0, None);
         let Some(chan) = self.ids.get(&p).map(|i| i.chan) else {
             return;
         };
         let Some(e) = self.chans.get_mut(&chan).and_then(|c| c.events.back_mut()) else {
             return;
         };
-        e.private = private;
+        e.private = private.unwrap_or_default();
+        let (data, len) = match e.private.is_empty() {
+            true => (context as *const std::ffi::c_void, 0),
+            false => (e.private.as_ptr().cast(), e.private.len().min(255) as u8),
+        };
         e.ev.param = rdma_cm_event_param {
             ud: rdma_ud_param {
-                private_data: e.private.as_ptr().cast(),
-                private_data_len: e.private.len().min(255) as u8,
+                private_data: data,
+                private_data_len: len,
                 ah_attr: ah,
                 qp_num: qpn,
                 qkey,
             },
         };
+    }
+
+    /// `rdma_join_multicast`: a datagram id on a NIC joins IPv4 group `group`; its QP (now,
+    /// or when made) receives the group's datagrams. `MULTICAST_JOIN` follows at once,
+    /// with the group's address, QPN `0xFFFFFF` and the Q_Key, and `context` in
+    /// `private_data`, as librdmacm gives it.
+    pub fn join(
+        &mut self,
+        st: &mut State,
+        p: usize,
+        group: Ipv4Addr,
+        context: *mut std::ffi::c_void,
+    ) -> Result<(), i32> {
+        let i = self.ids.get(&p).ok_or(libc::EINVAL)?;
+        if i.id.id.ps != RDMA_PS_UDP || !group.is_multicast() {
+            return Err(libc::EINVAL);
+        }
+        if i.nic.is_none() {
+            return Err(libc::ENODEV);
+        }
+        if i.groups.iter().any(|g| g.0 == group) {
+            return Err(libc::EADDRINUSE);
+        }
+        let qp = i.id.id.qp;
+        if !qp.is_null() {
+            let r = with_held(st, qp as *mut RbQp, Kind::Qp, |_, q| {
+                crate::flow::attach_mcast(q, gid_bytes(group))
+            })
+            .ok_or(libc::EINVAL)?;
+            if r != 0 {
+                return Err(r);
+            }
+        }
+        self.ids
+            .get_mut(&p)
+            .expect("checked above")
+            .groups
+            .push((group, context));
+        let ah = ah_to(group);
+        self.queue_ud(
+            p,
+            RDMA_CM_EVENT_MULTICAST_JOIN,
+            None,
+            ah,
+            ringbell_specs::cmd::MCAST_QPN,
+            RDMA_UDP_QKEY,
+        );
+        Ok(())
+    }
+
+    /// `rdma_leave_multicast`: EADDRNOTAVAIL for a group the id has not joined.
+    pub fn leave(&mut self, st: &mut State, p: usize, group: Ipv4Addr) -> Result<(), i32> {
+        let i = self.ids.get_mut(&p).ok_or(libc::EINVAL)?;
+        let k = i
+            .groups
+            .iter()
+            .position(|g| g.0 == group)
+            .ok_or(libc::EADDRNOTAVAIL)?;
+        i.groups.remove(k);
+        let qp = i.id.id.qp;
+        if !qp.is_null() {
+            with_held(st, qp as *mut RbQp, Kind::Qp, |_, q| {
+                crate::flow::detach_mcast(q, gid_bytes(group))
+            });
+        }
+        Ok(())
     }
 
     /// Drives every NIC's CM and turns what happened into events.
@@ -1339,14 +1442,9 @@ impl Cma {
                     );
                     return;
                 }
-                let mut ah = abi::ibv_ah_attr {
-                    is_global: 1,
-                    port_num: 1,
-                    ..Default::default()
-                };
-                ah.grh.dgid = gid_of(Ipv4Addr::from(from.ip));
-                ah.grh.hop_limit = 64;
-                self.queue_ud(p, padded(&private, MAX_SIDR_REPLY_PRIVATE), ah, qpn, qkey);
+                let private = padded(&private, MAX_SIDR_REPLY_PRIVATE);
+                let ah = ah_to(Ipv4Addr::from(from.ip));
+                self.queue_ud(p, RDMA_CM_EVENT_ESTABLISHED, Some(private), ah, qpn, qkey);
             }
             // Connections whose QP the CM holds are the driver's own API's, not made here.
             CmEvent::Established { .. } => {}
@@ -1482,6 +1580,19 @@ impl Cma {
             (false, false) => cm.reject(cid, REJ_CONSUMER, &[]),
         };
     }
+}
+
+/// Address handle attributes that reach `ip` (a NIC, or a multicast group) over the
+/// fabric.
+fn ah_to(ip: Ipv4Addr) -> abi::ibv_ah_attr {
+    let mut ah = abi::ibv_ah_attr {
+        is_global: 1,
+        port_num: 1,
+        ..Default::default()
+    };
+    ah.grh.dgid = gid_of(ip);
+    ah.grh.hop_limit = 64;
+    ah
 }
 
 /// The connection options of `param` (depths capped at the NIC's).

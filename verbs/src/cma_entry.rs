@@ -764,29 +764,75 @@ pub unsafe extern "C" fn rdma_init_qp_attr(
     rc(Err(libc::EOPNOTSUPP))
 }
 
+/// The IPv4 group a join or leave names.
+///
+/// # Safety
+/// As [`sockaddr_in`].
+unsafe fn group_of(addr: *const libc::sockaddr) -> Result<Ipv4Addr, i32> {
+    // SAFETY: per the contract.
+    match unsafe { sockaddr_in(addr) }? {
+        Some(a) => Ok(*a.ip()),
+        None => Err(libc::EINVAL),
+    }
+}
+
 #[no_mangle]
 pub unsafe extern "C" fn rdma_join_multicast(
-    _id: *mut rdma_cm_id,
-    _addr: *mut libc::sockaddr,
-    _context: *mut c_void,
+    id: *mut rdma_cm_id,
+    addr: *mut libc::sockaddr,
+    context: *mut c_void,
 ) -> c_int {
-    // Datagram ids (RDMA_PS_UDP) are not offered, nor their groups.
-    rc(Err(libc::EOPNOTSUPP))
+    // SAFETY: the caller's address.
+    let g = match unsafe { group_of(addr) } {
+        Ok(g) => g,
+        Err(e) => return rc(Err(e)),
+    };
+    rc(call(Err(libc::EIO), |c, st| {
+        c.join(st, id as usize, g, context)
+    }))
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn rdma_join_multicast_ex(
-    _id: *mut rdma_cm_id,
-    _attr: *mut c_void,
-    _context: *mut c_void,
+    id: *mut rdma_cm_id,
+    attr: *mut c_void,
+    context: *mut c_void,
 ) -> c_int {
-    rc(Err(libc::EOPNOTSUPP))
+    // struct rdma_cm_join_mc_attr_ex: comp_mask (u32), join_flags (u32), addr (pointer).
+    #[repr(C)]
+    struct JoinEx {
+        comp_mask: u32,
+        join_flags: u32,
+        addr: *mut libc::sockaddr,
+    }
+    if attr.is_null() {
+        return rc(Err(libc::EINVAL));
+    }
+    // SAFETY: the caller's attributes, checked non-null.
+    let a = unsafe { std::ptr::read(attr as *const JoinEx) };
+    const ADDRESS: u32 = 1;
+    const JOIN_FLAGS: u32 = 2;
+    if a.comp_mask & !(ADDRESS | JOIN_FLAGS) != 0 || a.comp_mask & ADDRESS == 0 {
+        return rc(Err(libc::EINVAL));
+    }
+    // Full members only (RDMA_MC_JOIN_FLAG_FULLMEMBER): a send-only join would still
+    // receive here.
+    if a.comp_mask & JOIN_FLAGS != 0 && a.join_flags != 0 {
+        return rc(Err(libc::EOPNOTSUPP));
+    }
+    // SAFETY: as `rdma_join_multicast`.
+    unsafe { rdma_join_multicast(id, a.addr, context) }
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn rdma_leave_multicast(
-    _id: *mut rdma_cm_id,
-    _addr: *mut libc::sockaddr,
+    id: *mut rdma_cm_id,
+    addr: *mut libc::sockaddr,
 ) -> c_int {
-    rc(Err(libc::EOPNOTSUPP))
+    // SAFETY: the caller's address.
+    let g = match unsafe { group_of(addr) } {
+        Ok(g) => g,
+        Err(e) => return rc(Err(e)),
+    };
+    rc(call(Err(libc::EIO), |c, st| c.leave(st, id as usize, g)))
 }

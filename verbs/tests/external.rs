@@ -403,6 +403,21 @@ fn udaddy_resolves_four_datagram_peers() {
     );
 }
 
+/// mckey: both processes join a multicast group on their own NIC; the client sends 20
+/// datagrams to the group, which the server receives.
+#[test]
+fn mckey_sends_to_a_multicast_group() {
+    cm_pair(
+        "mckey",
+        ("mckey", &["-m", "224.0.0.9", "-b", SERVER_IP, "-C", "20"]),
+        (
+            "mckey",
+            &["-m", "224.0.0.9", "-b", "10.0.0.2", "-s", "-C", "20"],
+        ),
+        ("return status 0", "return status 0"),
+    );
+}
+
 /// rdma_server and rdma_client: the synchronous calls (`rdma_getaddrinfo`,
 /// `rdma_create_ep`, `rdma_get_request`) and `<rdma/rdma_verbs.h>`'s helpers.
 #[test]

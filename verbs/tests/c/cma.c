@@ -3,7 +3,7 @@
  * connect with private data, accept, data over the connected QPs, disconnect, reject, a
  * port nobody listens on, a connection within one NIC, the synchronous calls
  * (rdma_create_ep, rdma_get_request) with a server thread, datagram ids (service id
- * resolution), and the refusals. Linked with -lrdmacm; the library answers every rdma_*
+ * resolution) and their multicast groups, and the refusals. Linked with -lrdmacm; the library answers every rdma_*
  * call. */
 #include "common.h"
 #include <pthread.h>
@@ -258,6 +258,95 @@ static void datagrams(struct rdma_event_channel *sch, struct rdma_event_channel 
 	CHECK_OK(rdma_destroy_id(cli));
 	CHECK_OK(rdma_destroy_id(srv));
 	CHECK_OK(rdma_destroy_id(lid));
+}
+
+/* A datagram id on `ch` bound to `ip` that joined `group` (its MULTICAST_JOIN checked). */
+static struct rdma_cm_id *member(struct rdma_event_channel *ch, const char *ip, const char *group,
+				 struct ibv_ah_attr *ah, uint32_t *qpn, uint32_t *qkey)
+{
+	struct rdma_cm_id *id;
+	CHECK_OK(rdma_create_id(ch, &id, NULL, RDMA_PS_UDP));
+	struct sockaddr_in src = sin_of(ip, 0), g = sin_of(group, 0);
+	CHECK_OK(rdma_resolve_addr(id, (struct sockaddr *)&src, (struct sockaddr *)&g, 1000));
+	CHECK_OK(rdma_ack_cm_event(expect_event(ch, RDMA_CM_EVENT_ADDR_RESOLVED)));
+	struct ibv_qp_init_attr a = rc_attr();
+	a.qp_type = IBV_QPT_UD;
+	CHECK_OK(rdma_create_qp(id, NULL, &a));
+	CHECK_OK(rdma_join_multicast(id, (struct sockaddr *)&g, (void *)0x901));
+	struct rdma_cm_event *e = expect_event(ch, RDMA_CM_EVENT_MULTICAST_JOIN);
+	CHECK(e->id == id);
+	/* The join's context comes back in private_data, as librdmacm gives it. */
+	CHECK(e->param.ud.private_data == (void *)0x901);
+	CHECK_EQ(e->param.ud.qp_num, 0xFFFFFF);
+	CHECK_EQ(e->param.ud.qkey, RDMA_UDP_QKEY);
+	CHECK_EQ(e->param.ud.ah_attr.grh.dgid.raw[12], 224);
+	*ah = e->param.ud.ah_attr;
+	*qpn = e->param.ud.qp_num;
+	*qkey = e->param.ud.qkey;
+	CHECK_OK(rdma_ack_cm_event(e));
+	errno = 0;
+	CHECK_EQ(rdma_join_multicast(id, (struct sockaddr *)&g, NULL), -1); /* joined once */
+	CHECK_EQ(errno, EADDRINUSE);
+	return id;
+}
+
+static void multicast(struct rdma_event_channel *ch)
+{
+	struct ibv_ah_attr ah;
+	uint32_t qpn, qkey;
+	struct rdma_cm_id *rx = member(ch, "10.0.0.1", "224.0.0.7", &ah, &qpn, &qkey);
+	struct rdma_cm_id *tx = member(ch, "10.0.0.2", "224.0.0.7", &ah, &qpn, &qkey);
+	uint8_t *rbuf = calloc(1, 4096), *tbuf = calloc(1, 4096);
+	struct ibv_mr *rmr = ibv_reg_mr(rx->pd, rbuf, 4096, IBV_ACCESS_LOCAL_WRITE);
+	struct ibv_mr *tmr = ibv_reg_mr(tx->pd, tbuf, 4096, IBV_ACCESS_LOCAL_WRITE);
+	CHECK(rmr && tmr);
+	CHECK_OK(rdma_post_recv(rx, (void *)1, rbuf, 40 + 64, rmr));
+	struct ibv_ah *gah = ibv_create_ah(tx->pd, &ah);
+	CHECK(gah != NULL);
+	memcpy(tbuf, "to the group", 13);
+	CHECK_OK(rdma_post_ud_send(tx, (void *)2, tbuf, 13, tmr, IBV_SEND_SIGNALED, gah, qpn));
+	struct ibv_wc wc;
+	EXPECT_WC(tx->send_cq, &wc, IBV_WC_SUCCESS, IBV_WC_SEND);
+	EXPECT_WC(rx->recv_cq, &wc, IBV_WC_SUCCESS, IBV_WC_RECV);
+	CHECK_MEM(rbuf + 40, "to the group", 13);
+	/* Refusals: a group on a connected id, a unicast address, a send-only join. */
+	struct rdma_cm_id *tcp;
+	CHECK_OK(rdma_create_id(ch, &tcp, NULL, RDMA_PS_TCP));
+	struct sockaddr_in g = sin_of("224.0.0.7", 0), uni = sin_of("10.0.0.1", 0);
+	errno = 0;
+	CHECK_EQ(rdma_join_multicast(tcp, (struct sockaddr *)&g, NULL), -1);
+	CHECK_EQ(errno, EINVAL);
+	CHECK_OK(rdma_destroy_id(tcp));
+	struct sockaddr_in g2 = sin_of("224.0.0.8", 0);
+	errno = 0;
+	CHECK_EQ(rdma_join_multicast(rx, (struct sockaddr *)&uni, NULL), -1);
+	CHECK_EQ(errno, EINVAL);
+	struct rdma_cm_join_mc_attr_ex x = {
+		.comp_mask = RDMA_CM_JOIN_MC_ATTR_ADDRESS | RDMA_CM_JOIN_MC_ATTR_JOIN_FLAGS,
+		.join_flags = RDMA_MC_JOIN_FLAG_SENDONLY_FULLMEMBER,
+		.addr = (struct sockaddr *)&g2,
+	};
+	errno = 0;
+	CHECK_EQ(rdma_join_multicast_ex(rx, &x, NULL), -1);
+	CHECK_EQ(errno, EOPNOTSUPP);
+	/* Left, the group no longer reaches the QP. */
+	CHECK_OK(rdma_leave_multicast(rx, (struct sockaddr *)&g));
+	errno = 0;
+	CHECK_EQ(rdma_leave_multicast(rx, (struct sockaddr *)&g), -1);
+	CHECK_EQ(errno, EADDRNOTAVAIL);
+	CHECK_OK(rdma_post_ud_send(tx, (void *)3, tbuf, 13, tmr, IBV_SEND_SIGNALED, gah, qpn));
+	EXPECT_WC(tx->send_cq, &wc, IBV_WC_SUCCESS, IBV_WC_SEND);
+	EXPECT_NO_WC(rx->recv_cq, 2000);
+	CHECK_OK(ibv_destroy_ah(gah));
+	CHECK_OK(ibv_dereg_mr(rmr));
+	CHECK_OK(ibv_dereg_mr(tmr));
+	free(rbuf);
+	free(tbuf);
+	/* An id destroyed in its group leaves it with its QP. */
+	rdma_destroy_qp(rx);
+	rdma_destroy_qp(tx);
+	CHECK_OK(rdma_destroy_id(rx));
+	CHECK_OK(rdma_destroy_id(tx));
 }
 
 /* ---- the synchronous calls, as rdma_server and rdma_client use them ---- */
@@ -611,6 +700,7 @@ int main(void)
 	CHECK_OK(rdma_destroy_id(lid));
 
 	datagrams(sch, cch);
+	multicast(cch);
 
 	/* ---- the synchronous calls ---- */
 	sync_client();
