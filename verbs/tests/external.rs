@@ -404,18 +404,70 @@ fn udaddy_resolves_four_datagram_peers() {
 }
 
 /// mckey: both processes join a multicast group on their own NIC; the client sends 20
-/// datagrams to the group, which the server receives.
+/// datagrams to the group, which the server receives. Datagrams sent before the server
+/// joined would be lost, so the client starts once the server says it joined.
 #[test]
 fn mckey_sends_to_a_multicast_group() {
-    cm_pair(
-        "mckey",
-        ("mckey", &["-m", "224.0.0.9", "-b", SERVER_IP, "-C", "20"]),
-        (
+    use std::io::{BufRead, BufReader, Read};
+    need("mckey", "rdmacm-utils");
+    let srv = Served::start("mckey");
+    let mut s = srv
+        .command("stdbuf")
+        .args([
+            "-oL",
             "mckey",
-            &["-m", "224.0.0.9", "-b", "10.0.0.2", "-s", "-C", "20"],
-        ),
-        ("return status 0", "return status 0"),
+            "-m",
+            "224.0.0.9",
+            "-b",
+            SERVER_IP,
+            "-C",
+            "20",
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(s.stdout.take().unwrap()).lines();
+    let mut server_out = String::new();
+    for l in lines.by_ref() {
+        let l = l.unwrap();
+        server_out += &l;
+        server_out.push('\n');
+        if l.contains("joined") {
+            break;
+        }
+    }
+    assert!(server_out.contains("joined"), "mckey server:\n{server_out}");
+    let rest = std::thread::spawn(move || lines.map(|l| l.unwrap() + "\n").collect::<String>());
+    let mut cmd = srv.command("mckey");
+    cmd.args(["-m", "224.0.0.9", "-b", "10.0.0.2", "-s", "-C", "20"]);
+    let c = run(cmd, Duration::from_secs(60));
+    let status = wait_status(&mut s, Duration::from_secs(60));
+    let mut err = String::new();
+    let _ = s.stderr.take().unwrap().read_to_string(&mut err);
+    server_out += &rest.join().unwrap();
+    assert!(c.status.success(), "mckey client failed:\n{}", text(&c));
+    assert!(status.success(), "mckey server failed:\n{server_out}{err}");
+    assert!(
+        server_out.contains("return status 0"),
+        "mckey server:\n{server_out}"
     );
+    println!("mckey:\n{server_out}");
+}
+
+/// The exit status of `child` once it ends; panics after `limit`.
+fn wait_status(child: &mut Child, limit: Duration) -> std::process::ExitStatus {
+    let t0 = Instant::now();
+    loop {
+        if let Some(st) = child.try_wait().unwrap() {
+            return st;
+        }
+        if t0.elapsed() > limit {
+            let _ = child.kill();
+            panic!("still running after {limit:?}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
 }
 
 /// rdma_server and rdma_client: the synchronous calls (`rdma_getaddrinfo`,
