@@ -16,7 +16,8 @@
 //! ```
 //!
 //! or a REJ with a reason (no listener on the service id, or the application's
-//! [`ConnectionManager::reject`]). [`ConnectionManager::disconnect`] sends a DREQ that the
+//! [`ConnectionManager::reject`]). While the passive application decides, an MRA (message
+//! receipt acknowledgement) tells the active side to stop repeating its REQ and wait. [`ConnectionManager::disconnect`] sends a DREQ that the
 //! peer answers with a DREP; both sides see [`CmEvent::Disconnected`]. REQ, REP and DREQ are
 //! repeated after a timeout that doubles each time, up to [`CmConfig::retries`] times, so
 //! the protocol survives datagram loss: a lost REQ is sent again; a repeated REQ is answered
@@ -98,6 +99,9 @@ pub enum CmKind {
     SidrReq = 7,
     /// Service id resolution reply: a status, and the UD QP and Q_Key.
     SidrRep = 8,
+    /// Message receipt acknowledgement: the passive side has the REQ and its application
+    /// is deciding; the active side stops repeating the REQ for a long while.
+    Mra = 9,
 }
 
 impl CmKind {
@@ -111,6 +115,7 @@ impl CmKind {
             6 => CmKind::Drep,
             7 => CmKind::SidrReq,
             8 => CmKind::SidrRep,
+            9 => CmKind::Mra,
             _ => return None,
         })
     }
@@ -489,6 +494,9 @@ struct Conn {
     repeats: u32,
     /// For TimeWait: when to forget the connection.
     forget_at: u64,
+    /// Active, REQ sent: the peer's MRA came. The repeat timer is then the long wait for
+    /// the application at the other end, which an idle clock is not run to.
+    acked: bool,
 }
 
 const RECV_SLOTS: usize = 128;
@@ -1009,10 +1017,11 @@ impl ConnectionManager {
                 .conns
                 .values()
                 .filter(|c| {
-                    !matches!(
-                        c.state,
-                        State::ReqRcvd { .. } | State::SidrRcvd | State::TimeWait
-                    )
+                    !c.acked
+                        && !matches!(
+                            c.state,
+                            State::ReqRcvd { .. } | State::SidrRcvd | State::TimeWait
+                        )
                 })
                 .filter_map(Conn::wakeup);
             if let Some(t) = timers.min() {
@@ -1160,6 +1169,7 @@ impl ConnectionManager {
             Some(CmKind::Drep) => self.on_drep(from, m),
             Some(CmKind::SidrReq) => self.on_sidr_req(from, m),
             Some(CmKind::SidrRep) => self.on_sidr_rep(from, m),
+            Some(CmKind::Mra) => self.on_mra(from, m),
             None => self.stats.malformed += 1,
         }
     }
@@ -1179,8 +1189,7 @@ impl ConnectionManager {
         };
         self.stats.duplicates += 1;
         if let Some(c) = self.conns.get(&id) {
-            let waiting = matches!(c.state, State::ReqRcvd { .. } | State::SidrRcvd);
-            if !waiting && !c.last.is_empty() {
+            if !c.last.is_empty() {
                 let (peer, last) = (c.peer, c.last.clone());
                 let _ = self.send(peer, &last);
             }
@@ -1212,6 +1221,10 @@ impl ConnectionManager {
             from,
             private: m.private.clone(),
         });
+        // The application answers when it will: an MRA tells the requester to wait (a
+        // repeat of the REQ gets it again).
+        CmMsg::about(CmKind::Mra, id, m.local_comm_id).emit(&mut conn.last);
+        let _ = self.send(from, &conn.last);
         conn.state = State::ReqRcvd { req: m };
         // The application has a while to answer; then the request is dropped.
         conn.forget_at = self.dev.clock_ps() + self.cfg.time_wait_ps;
@@ -1243,6 +1256,24 @@ impl ConnectionManager {
             });
         }
         self.conns.insert(id, conn);
+    }
+
+    fn on_mra(&mut self, from: AhAttr, m: CmMsg) {
+        let Some(id) = self.conn_of(from, &m) else {
+            self.stats.ignored += 1;
+            return;
+        };
+        let now = self.dev.clock_ps();
+        let wait = self.cfg.time_wait_ps;
+        let conn = self.conns.get_mut(&id).expect("conn_of found it");
+        if matches!(conn.state, State::ReqSent { .. }) {
+            conn.remote_comm_id = m.local_comm_id;
+            conn.acked = true;
+            conn.repeats = 0;
+            conn.deadline = Some(now + wait);
+        } else {
+            self.stats.duplicates += 1;
+        }
     }
 
     fn on_sidr_rep(&mut self, from: AhAttr, m: CmMsg) {
@@ -1539,6 +1570,8 @@ impl ConnectionManager {
                 self.conns.insert(id, conn);
                 continue;
             }
+            // (An MRA's long wait is over: repeats as before, until another MRA.)
+            conn.acked = false;
             conn.repeats += 1;
             self.stats.repeated += 1;
             let _ = self.send_and_arm(&mut conn);
@@ -1576,6 +1609,7 @@ impl Conn {
             deadline: None,
             repeats: 0,
             forget_at: 0,
+            acked: false,
         }
     }
 
@@ -1608,7 +1642,7 @@ mod tests {
     proptest! {
         #[test]
         fn emit_parse_round_trip(
-            kind in 1u8..=8,
+            kind in 1u8..=9,
             ids in (any::<u32>(), any::<u32>()),
             reason in any::<u16>(),
             sid in any::<u64>(),
@@ -1668,8 +1702,8 @@ mod tests {
             Err(CmParseError::Truncated)
         );
         let mut k = b.clone();
-        k[0] = 9;
-        assert_eq!(CmMsg::parse(&k), Err(CmParseError::UnknownKind(9)));
+        k[0] = 10;
+        assert_eq!(CmMsg::parse(&k), Err(CmParseError::UnknownKind(10)));
         let mut v = b.clone();
         v[1] = 2;
         assert_eq!(CmMsg::parse(&v), Err(CmParseError::BadVersion(2)));

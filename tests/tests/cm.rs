@@ -816,3 +816,49 @@ fn service_id_resolution_under_loss() {
         }
     }
 }
+
+/// While the listener's application decides, the requester polls on and on (an idle
+/// in-process clock would run to every repeat of its REQ): the listener's MRA makes it
+/// wait instead of giving up, and the answer, when it comes, connects both.
+#[test]
+fn an_mra_keeps_the_requester_waiting_for_a_slow_answer() {
+    let f = Fabric::new(FabricConfig::new(2, 1));
+    let mut nodes = vec![node(&f, 0), node(&f, 1)];
+    nodes[1].cm.listen(0x78).unwrap();
+    let peer = nodes[1].cm.address();
+    let qp = rc_qp(&nodes[0]);
+    let id = nodes[0]
+        .cm
+        .connect(peer, 0x78, qp, &opts(), b"req")
+        .unwrap();
+    let req = nodes[1]
+        .cm
+        .poll_until(100_000, |e| matches!(e, CmEvent::ConnectRequest { .. }));
+    let Some(CmEvent::ConnectRequest { id: rid, .. }) = req else {
+        panic!("no request: {req:?}");
+    };
+    // The requester polls far longer than its 15 repeats would take: no event (before
+    // MRAs it timed out here).
+    for _ in 0..5_000 {
+        if let Some(e) = nodes[0].cm.poll() {
+            panic!("the requester gave up: {e:?}");
+        }
+    }
+    let before = nodes[0].cm.stats().repeated;
+    let sqp = rc_qp(&nodes[1]);
+    nodes[1].cm.accept(rid, sqp, &opts(), b"rep").unwrap();
+    let mut up = Vec::new();
+    let cell = std::cell::RefCell::new(&mut up);
+    run(
+        &mut nodes,
+        100_000,
+        |i, e, _| match e {
+            CmEvent::Established { id: got, .. } => cell.borrow_mut().push((i, got)),
+            e => panic!("unexpected {e:?}"),
+        },
+        || cell.borrow().len() == 2,
+    );
+    up.sort_by_key(|u| u.0);
+    assert_eq!(up, [(0, id), (1, rid)]);
+    assert_eq!(before, 0, "the MRA stopped the REQ's repeats");
+}

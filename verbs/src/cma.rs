@@ -973,9 +973,20 @@ impl Cma {
         }
         self.destroy_qp(st, p, true);
         let i = self.ids.remove(&p).expect("checked above");
+        // Requests to a listener that goes before it reported them are refused, and their
+        // ids go with them, as the kernel refuses a listener's pending requests.
+        let mut orphans = Vec::new();
         for c in self.chans.values_mut() {
-            c.events
-                .retain(|e| e.ev.id as usize != p && e.ev.listen_id as usize != p);
+            c.events.retain(|e| {
+                let orphan = e.ev.listen_id as usize == p && e.ev.id as usize != p;
+                if orphan {
+                    orphans.push(e.ev.id as usize);
+                }
+                e.ev.id as usize != p && e.ev.listen_id as usize != p
+            });
+        }
+        for o in orphans {
+            let _ = self.destroy_id(st, o);
         }
         // A synchronous id's own channel goes with it.
         if self.chans.get(&i.chan).is_some_and(|c| c.ch.ch.fd < 0)

@@ -669,6 +669,31 @@ int main(void)
 	rdma_destroy_qp(r);
 	CHECK_OK(rdma_destroy_id(r));
 
+	/* ---- a listener destroyed with a request it has not reported: refused ---- */
+	struct rdma_cm_id *l2;
+	CHECK_OK(rdma_create_id(sch, &l2, NULL, RDMA_PS_TCP));
+	struct sockaddr_in l2addr = sin_of("10.0.0.1", 7475);
+	CHECK_OK(rdma_bind_addr(l2, (struct sockaddr *)&l2addr));
+	CHECK_OK(rdma_listen(l2, 1));
+	r = resolved(cch, RDMA_PS_TCP, "10.0.0.2", "10.0.0.1", 7475, IBV_QPT_RC);
+	CHECK_OK(rdma_connect(r, NULL));
+	/* The request reaches the listener's NIC while the client's channel is polled. */
+	fl = fcntl(cch->fd, F_GETFL);
+	CHECK_OK(fcntl(cch->fd, F_SETFL, fl | O_NONBLOCK));
+	for (int i = 0; i < 200; i++) {
+		errno = 0;
+		if (rdma_get_cm_event(cch, &e) == 0)
+			FAIL("event %s (status %d) on the client", rdma_event_str(e->event), e->status);
+		CHECK_EQ(errno, EAGAIN);
+	}
+	CHECK_OK(fcntl(cch->fd, F_SETFL, fl));
+	CHECK_OK(rdma_destroy_id(l2));
+	e = expect_event(cch, RDMA_CM_EVENT_REJECTED);
+	CHECK_EQ(e->status, 28);
+	CHECK_OK(rdma_ack_cm_event(e));
+	rdma_destroy_qp(r);
+	CHECK_OK(rdma_destroy_id(r));
+
 	/* ---- an address off the fabric ---- */
 	CHECK_OK(rdma_create_id(cch, &r, NULL, RDMA_PS_TCP));
 	struct sockaddr_in off = sin_of("192.168.1.1", 7471);
