@@ -16,9 +16,11 @@ fn call<R>(fail: R, f: impl FnOnce(&mut Cma, &mut State) -> R) -> R {
     guard(fail, || {
         let mut st = lock();
         let mut c = std::mem::take(&mut st.cma);
-        let r = f(&mut c, &mut st);
+        // The state goes back even if `f` panics (a bug), so that one failed call does not
+        // forget every id and channel.
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(&mut c, &mut st)));
         st.cma = c;
-        r
+        r.unwrap_or_else(|p| std::panic::resume_unwind(p))
     })
 }
 
@@ -392,6 +394,7 @@ pub unsafe extern "C" fn rdma_get_cm_event(
     if event.is_null() || ch.is_null() {
         return rc(Err(libc::EINVAL));
     }
+    let mut waited = false;
     loop {
         match call(Err(libc::EIO), |c, st| c.next_event(st, ch as usize)) {
             Ok(Some(e)) => {
@@ -400,8 +403,16 @@ pub unsafe extern "C" fn rdma_get_cm_event(
                 return 0;
             }
             Ok(None) => {}
+            // The channel was destroyed while this call waited on it (another thread's
+            // rdma_destroy_event_channel): the call stays blocked, as a read(2) blocked on
+            // a descriptor another thread closes does (rping's event thread is left so
+            // while its main thread returns).
+            Err(libc::EINVAL) if waited => loop {
+                std::thread::sleep(Duration::from_secs(3600));
+            },
             Err(e) => return rc(Err(e)),
         }
+        waited = true;
         // SAFETY: a live channel's descriptor (checked by `next_event` above).
         let fl = unsafe { libc::fcntl((*ch).fd, libc::F_GETFL) };
         if fl >= 0 && fl & libc::O_NONBLOCK != 0 {

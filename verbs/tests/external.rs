@@ -229,8 +229,15 @@ fn perftest_to(prog: &str, port: u16, header: &str, extra: &[&str], to: &str) {
         .collect();
     let (s, c) = srv.pair(prog, &server, &client);
     let wall = t0.elapsed();
-    assert!(s.status.success(), "{prog} server failed:\n{}", text(&s));
-    assert!(c.status.success(), "{prog} client failed:\n{}", text(&c));
+    // Either side's failure shows both sides' output.
+    assert!(
+        s.status.success() && c.status.success(),
+        "{prog} failed: server {}, client {}\n--- server ---\n{}\n--- client ---\n{}",
+        s.status,
+        c.status,
+        text(&s),
+        text(&c)
+    );
     let row = result_row(prog, &text(&c), header);
     println!("{prog} ({wall:.2?} wall):\n{header}\n{row}");
 }
