@@ -201,6 +201,41 @@ fn connect_accept_traffic_disconnect() {
     assert!(nodes[0].cm.disconnect(c.1).is_err(), "already closed");
 }
 
+/// Node 0 connects to node 1, which listens on `sid`; returns the connection's ids at
+/// node 0 and, once the request has reached it, at node 1 (not answered yet).
+fn requested(nodes: &mut [Node], sid: u64) -> (ConnId, ConnId) {
+    nodes[1].cm.listen(sid).unwrap();
+    let peer = nodes[1].cm.address();
+    let qp = rc_qp(&nodes[0]);
+    let id = nodes[0].cm.connect(peer, sid, qp, &opts(), b"req").unwrap();
+    let req = nodes[1]
+        .cm
+        .poll_until(100_000, |e| matches!(e, CmEvent::ConnectRequest { .. }));
+    let Some(CmEvent::ConnectRequest { id: rid, .. }) = req else {
+        panic!("no request: {req:?}");
+    };
+    (id, rid)
+}
+
+/// Node 1 accepts request `rid` (node 0's `id`); both sides come up.
+fn accept_until_up(nodes: &mut Vec<Node>, id: ConnId, rid: ConnId) {
+    let sqp = rc_qp(&nodes[1]);
+    nodes[1].cm.accept(rid, sqp, &opts(), b"rep").unwrap();
+    let mut up = Vec::new();
+    let cell = std::cell::RefCell::new(&mut up);
+    run(
+        nodes,
+        100_000,
+        |i, e, _| match e {
+            CmEvent::Established { id: got, .. } => cell.borrow_mut().push((i, got)),
+            e => panic!("unexpected {e:?}"),
+        },
+        || cell.borrow().len() == 2,
+    );
+    up.sort_by_key(|u| u.0);
+    assert_eq!(up, [(0, id), (1, rid)]);
+}
+
 /// A request the application has not answered yet is not a timer the idle clock runs to:
 /// the listener's CM polled many times (nothing else to do) keeps it, and the answer given
 /// after makes the connection.
@@ -208,19 +243,7 @@ fn connect_accept_traffic_disconnect() {
 fn a_request_waits_for_its_answer_while_the_listener_polls() {
     let f = Fabric::new(FabricConfig::new(2, 1));
     let mut nodes = vec![node(&f, 0), node(&f, 1)];
-    nodes[1].cm.listen(0x77).unwrap();
-    let peer = nodes[1].cm.address();
-    let qp = rc_qp(&nodes[0]);
-    let id = nodes[0]
-        .cm
-        .connect(peer, 0x77, qp, &opts(), b"req")
-        .unwrap();
-    let req = nodes[1]
-        .cm
-        .poll_until(100_000, |e| matches!(e, CmEvent::ConnectRequest { .. }));
-    let Some(CmEvent::ConnectRequest { id: rid, .. }) = req else {
-        panic!("no request: {req:?}");
-    };
+    let (id, rid) = requested(&mut nodes, 0x77);
     // The listener polls with nothing to do (the client does not poll meanwhile).
     let t0 = f.now();
     for _ in 0..50 {
@@ -232,21 +255,7 @@ fn a_request_waits_for_its_answer_while_the_listener_polls() {
         t0,
         f.now()
     );
-    let sqp = rc_qp(&nodes[1]);
-    nodes[1].cm.accept(rid, sqp, &opts(), b"rep").unwrap();
-    let mut up = Vec::new();
-    let cell = std::cell::RefCell::new(&mut up);
-    run(
-        &mut nodes,
-        100_000,
-        |i, e, _| match e {
-            CmEvent::Established { id: got, .. } => cell.borrow_mut().push((i, got)),
-            e => panic!("unexpected {e:?}"),
-        },
-        || cell.borrow().len() == 2,
-    );
-    up.sort_by_key(|u| u.0);
-    assert_eq!(up, [(0, id), (1, rid)]);
+    accept_until_up(&mut nodes, id, rid);
 }
 
 #[test]
@@ -824,19 +833,7 @@ fn service_id_resolution_under_loss() {
 fn an_mra_keeps_the_requester_waiting_for_a_slow_answer() {
     let f = Fabric::new(FabricConfig::new(2, 1));
     let mut nodes = vec![node(&f, 0), node(&f, 1)];
-    nodes[1].cm.listen(0x78).unwrap();
-    let peer = nodes[1].cm.address();
-    let qp = rc_qp(&nodes[0]);
-    let id = nodes[0]
-        .cm
-        .connect(peer, 0x78, qp, &opts(), b"req")
-        .unwrap();
-    let req = nodes[1]
-        .cm
-        .poll_until(100_000, |e| matches!(e, CmEvent::ConnectRequest { .. }));
-    let Some(CmEvent::ConnectRequest { id: rid, .. }) = req else {
-        panic!("no request: {req:?}");
-    };
+    let (id, rid) = requested(&mut nodes, 0x78);
     // The requester polls far longer than its 15 repeats would take: no event (before
     // MRAs it timed out here).
     for _ in 0..5_000 {
@@ -845,20 +842,6 @@ fn an_mra_keeps_the_requester_waiting_for_a_slow_answer() {
         }
     }
     let before = nodes[0].cm.stats().repeated;
-    let sqp = rc_qp(&nodes[1]);
-    nodes[1].cm.accept(rid, sqp, &opts(), b"rep").unwrap();
-    let mut up = Vec::new();
-    let cell = std::cell::RefCell::new(&mut up);
-    run(
-        &mut nodes,
-        100_000,
-        |i, e, _| match e {
-            CmEvent::Established { id: got, .. } => cell.borrow_mut().push((i, got)),
-            e => panic!("unexpected {e:?}"),
-        },
-        || cell.borrow().len() == 2,
-    );
-    up.sort_by_key(|u| u.0);
-    assert_eq!(up, [(0, id), (1, rid)]);
+    accept_until_up(&mut nodes, id, rid);
     assert_eq!(before, 0, "the MRA stopped the REQ's repeats");
 }

@@ -1154,19 +1154,12 @@ impl Cma {
             },
             private,
         });
+        // The private data lives in the event (its heap block does not move with it).
         if !e.private.is_empty() {
-            let len = e.private.len().min(255) as u8;
-            e.ev.param.conn = rdma_conn_param {
-                private_data: e.private.as_ptr().cast(),
-                private_data_len: len,
-                responder_resources: resp,
-                initiator_depth: init,
-                flow_control: 0,
-                retry_count: 0,
-                rnr_retry_count: 0,
-                srq: 0,
-                qp_num: 0,
-            };
+            let (data, len) = (e.private.as_ptr().cast(), e.private.len().min(255) as u8);
+            // (Writing a union's field is safe; `conn` is the member these events use.)
+            e.ev.param.conn.private_data = data;
+            e.ev.param.conn.private_data_len = len;
         }
         if let Some(c) = self.chans.get_mut(&chan) {
             c.events.push_back(e);

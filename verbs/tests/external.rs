@@ -386,28 +386,28 @@ fn rping_verifies_fifty_pings() {
     );
 }
 
-/// ucmatose: four connections from one process to another, messages both ways, then
-/// disconnects.
-#[test]
-fn ucmatose_connects_four_times() {
+/// One of librdmacm's connection tests (`ucmatose`, `udaddy`): four connections from one
+/// process to another, 20 messages each way on each, then disconnects.
+fn four_connections(prog: &str) {
+    let args = |side: &'static str| [side, SERVER_IP, "-c", "4", "-C", "20"];
     cm_pair(
-        "ucmatose",
-        ("ucmatose", &["-b", SERVER_IP, "-c", "4", "-C", "20"]),
-        ("ucmatose", &["-s", SERVER_IP, "-c", "4", "-C", "20"]),
+        prog,
+        (prog, &args("-b")),
+        (prog, &args("-s")),
         ("return status 0", "return status 0"),
     );
 }
 
-/// udaddy: datagram ids (`RDMA_PS_UDP`), whose connect resolves the server's UD QP
-/// (SIDR), four of them, messages both ways.
+/// ucmatose: RC connections.
+#[test]
+fn ucmatose_connects_four_times() {
+    four_connections("ucmatose");
+}
+
+/// udaddy: datagram ids (`RDMA_PS_UDP`), whose connect resolves the server's UD QP (SIDR).
 #[test]
 fn udaddy_resolves_four_datagram_peers() {
-    cm_pair(
-        "udaddy",
-        ("udaddy", &["-b", SERVER_IP, "-c", "4", "-C", "20"]),
-        ("udaddy", &["-s", SERVER_IP, "-c", "4", "-C", "20"]),
-        ("return status 0", "return status 0"),
-    );
+    four_connections("udaddy");
 }
 
 /// mckey: both processes join a multicast group on their own NIC; the client sends 20
