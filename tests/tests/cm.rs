@@ -218,7 +218,7 @@ fn requested(nodes: &mut [Node], sid: u64) -> (ConnId, ConnId) {
 }
 
 /// Node 1 accepts request `rid` (node 0's `id`); both sides come up.
-fn accept_until_up(nodes: &mut Vec<Node>, id: ConnId, rid: ConnId) {
+fn accept_until_up(nodes: &mut [Node], id: ConnId, rid: ConnId) {
     let sqp = rc_qp(&nodes[1]);
     nodes[1].cm.accept(rid, sqp, &opts(), b"rep").unwrap();
     let mut up = Vec::new();
