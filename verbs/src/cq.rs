@@ -20,6 +20,8 @@ pub(crate) struct RbCq {
     pub pd: *mut crate::pd::RbPd,
     /// Extended polling: the entry `start_poll`/`next_poll` made current.
     pub cur: WorkCompletion,
+    /// Its context's [`RbContext::wall_offset_ns`].
+    pub wall_offset_ns: u64,
 }
 
 /// A ringbell completion channel.
@@ -107,6 +109,7 @@ pub(crate) fn create(
         users: 0,
         pd,
         cur: WorkCompletion::default(),
+        wall_offset_ns: c.wall_offset_ns,
     }));
     if !pd.is_null() {
         // SAFETY: as above.

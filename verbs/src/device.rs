@@ -99,6 +99,10 @@ pub(crate) struct RbContext {
     pub dev: Device,
     /// Async events waiting for `ibv_get_async_event`.
     pub events: VecDeque<abi::ibv_async_event>,
+    /// Real time (ns since the Unix epoch) at the device's time zero, taken when the
+    /// context opened: a completion's wall-clock time is this plus its device time
+    /// (`IBV_WC_EX_WITH_COMPLETION_TIMESTAMP_WALLCLOCK`).
+    pub wall_offset_ns: u64,
 }
 
 impl RbContext {
@@ -176,11 +180,16 @@ fn open_with(
     vctx.context.async_fd = async_fd;
     vctx.context.num_comp_vectors = 1;
     vctx.context.abi_compat = usize::MAX as *mut _;
+    let now_ns = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64);
+    let wall_offset_ns = now_ns.saturating_sub(dev.clock_ps() / 1000);
     let ctx = Box::into_raw(Box::new(RbContext {
         vctx,
         nic,
         dev,
         events: VecDeque::new(),
+        wall_offset_ns,
     }));
     // SAFETY: `ctx` was just allocated; its mutex is initialised in place, where it stays.
     unsafe {

@@ -666,6 +666,7 @@ unsafe extern "C" fn create_cq_ex(
             | abi::ibv_create_cq_wc_flags_IBV_WC_EX_WITH_SL
             | abi::ibv_create_cq_wc_flags_IBV_WC_EX_WITH_DLID_PATH_BITS
             | abi::ibv_create_cq_wc_flags_IBV_WC_EX_WITH_COMPLETION_TIMESTAMP
+            | abi::ibv_create_cq_wc_flags_IBV_WC_EX_WITH_COMPLETION_TIMESTAMP_WALLCLOCK
             | abi::ibv_create_cq_wc_flags_IBV_WC_EX_WITH_TM_INFO;
         if a.comp_mask & !known_mask != 0 || a.wc_flags & !u64::from(known_flags) != 0 {
             return Err(libc::EOPNOTSUPP);
@@ -847,7 +848,7 @@ pub(crate) fn fill_cq_ex(cq: &mut abi::ibv_cq_ex) {
     cq.read_sl = Some(read_sl);
     cq.read_dlid_path_bits = Some(read_dlid_path_bits);
     cq.read_completion_ts = Some(read_completion_ts);
-    cq.read_completion_wallclock_ns = Some(read_completion_ts);
+    cq.read_completion_wallclock_ns = Some(read_completion_wallclock_ns);
     cq.read_cvlan = Some(read_cvlan);
     cq.read_flow_tag = Some(read_flow_tag);
     cq.read_tm_info = Some(read_tm_info);
@@ -937,6 +938,11 @@ unsafe extern "C" fn read_dlid_path_bits(_cq: *mut abi::ibv_cq_ex) -> u8 {
 }
 unsafe extern "C" fn read_completion_ts(cq: *mut abi::ibv_cq_ex) -> u64 {
     read(cq, |c| c.cur.timestamp_ps)
+}
+/// The completion's device time as real time: the context's offset plus the device
+/// picoseconds in nanoseconds.
+unsafe extern "C" fn read_completion_wallclock_ns(cq: *mut abi::ibv_cq_ex) -> u64 {
+    read(cq, |c| c.wall_offset_ns + c.cur.timestamp_ps / 1000)
 }
 unsafe extern "C" fn read_cvlan(_cq: *mut abi::ibv_cq_ex) -> u16 {
     0

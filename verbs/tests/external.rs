@@ -810,7 +810,8 @@ fn rdma_core_test_suite_passes_on_rb0() {
     // test_qp_ex_rc_atomic_write; imported objects: test_shared_pd, and test_import_dm in
     // test_device; XRC: two of test_atomic, test_qpex, test_relaxed_ordering and
     // test_cqex, and test_odp_xrc_traffic; raw packet QPs: test_qp's raw tests, test_flow's
-    // five, and RSS: test_rss_traffic).
+    // five, and RSS: test_rss_traffic; completion timestamps in real time: the two
+    // real-time tests of test_mlx5_timestamp, which need no mlx5 device).
     for (file, at_least) in [
         ("test_device", 10),
         ("test_pd", 4),
@@ -823,6 +824,7 @@ fn rdma_core_test_suite_passes_on_rb0() {
         ("test_qp", 26),
         ("test_flow", 5),
         ("test_rss_traffic", 1),
+        ("test_mlx5_timestamp", 2),
         ("test_qpex", 20),
         ("test_atomic", 9),
         ("test_tag_matching", 4),

@@ -293,7 +293,8 @@ static void extended(void)
 	struct ibv_cq_init_attr_ex ca = {
 		.cqe = 32,
 		.cq_context = &ca,
-		.wc_flags = IBV_WC_STANDARD_FLAGS | IBV_WC_EX_WITH_COMPLETION_TIMESTAMP,
+		.wc_flags = IBV_WC_STANDARD_FLAGS | IBV_WC_EX_WITH_COMPLETION_TIMESTAMP |
+			    IBV_WC_EX_WITH_COMPLETION_TIMESTAMP_WALLCLOCK,
 	};
 	struct ibv_cq_ex *cqx = ibv_create_cq_ex(b.ctx, &ca);
 	CHECK(cqx != NULL);
@@ -345,6 +346,12 @@ static void extended(void)
 	CHECK_EQ(ibv_wc_read_qp_num(cqx), bq->qp_num);
 	CHECK_EQ(ibv_wc_read_wc_flags(cqx) & IBV_WC_WITH_IMM, 0);
 	uint64_t ts1 = ibv_wc_read_completion_ts(cqx);
+	/* Real time: the device's time from the context's opening, in ns since the epoch. */
+	uint64_t wall1 = ibv_wc_read_completion_wallclock_ns(cqx);
+	struct timespec rt;
+	clock_gettime(CLOCK_REALTIME, &rt);
+	uint64_t now_ns = (uint64_t)rt.tv_sec * 1000000000ull + (uint64_t)rt.tv_nsec;
+	CHECK(wall1 <= now_ns + 60000000000ull && wall1 + 3600000000000ull >= now_ns);
 	next(cqx);
 	CHECK_EQ(cqx->status, IBV_WC_SUCCESS);
 	CHECK_EQ(cqx->wr_id, 22);
@@ -355,6 +362,7 @@ static void extended(void)
 	CHECK_EQ(ibv_wc_read_imm_data(cqx), htonl(0xdeadbeef));
 	uint64_t ts2 = ibv_wc_read_completion_ts(cqx);
 	CHECK(ts2 >= ts1);
+	CHECK_EQ(ibv_wc_read_completion_wallclock_ns(cqx) - wall1, ts2 / 1000 - ts1 / 1000);
 	next(cqx);
 	CHECK_EQ(cqx->wr_id, 23);
 	CHECK_EQ(ibv_wc_read_byte_len(cqx), 5);
