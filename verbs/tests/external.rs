@@ -477,6 +477,51 @@ fn wait_status(child: &mut Child, limit: Duration) -> std::process::ExitStatus {
     }
 }
 
+// ---- libfabric's own verbs provider, over the verbs library ----
+
+/// Debian's `fi_pingpong` through libfabric's verbs provider `prov` (`-e ep`) on ringbell
+/// NICs: 100 round trips of 4 KiB, every message checked (`-c`). The verbs provider finds
+/// the NICs through libibverbs and librdmacm, both answered by this library.
+fn libfabric_verbs_pingpong(prov: &str, ep: &str, port: u16) {
+    need("fi_pingpong", "libfabric-bin");
+    let srv = Served::start(&format!("fi-verbs-{ep}"));
+    let p = port.to_string();
+    let common = ["-p", prov, "-e", ep, "-I", "100", "-S", "4096", "-c"];
+    let server: Vec<&str> = common.iter().copied().chain(["-B", &p]).collect();
+    let client: Vec<&str> = common
+        .iter()
+        .copied()
+        .chain(["-P", &p, "127.0.0.1"])
+        .collect();
+    let (s, c) = srv.pair("fi_pingpong", &server, &client);
+    for (side, o) in [("server", &s), ("client", &c)] {
+        let t = text(o);
+        assert!(
+            o.status.success(),
+            "fi_pingpong -p {prov} {side} failed:\n{t}"
+        );
+        // The result row: 4k, 100 sent, all 100 acknowledged.
+        assert!(
+            t.lines()
+                .any(|l| l.split_whitespace().take(3).eq(["4k", "100", "=100"])),
+            "fi_pingpong -p {prov} {side}: no result row:\n{t}"
+        );
+    }
+    println!("fi_pingpong -p {prov} -e {ep}:\n{}", text(&c));
+}
+
+#[test]
+fn libfabric_verbs_provider_datagrams() {
+    libfabric_verbs_pingpong("verbs", "dgram", 18640);
+}
+
+/// RDM over the verbs provider's datagrams (`verbs;ofi_rxd`: libfabric's reliable
+/// datagram layer).
+#[test]
+fn libfabric_verbs_provider_reliable_datagrams() {
+    libfabric_verbs_pingpong("verbs;ofi_rxd", "rdm", 18641);
+}
+
 /// rdma_server and rdma_client: the synchronous calls (`rdma_getaddrinfo`,
 /// `rdma_create_ep`, `rdma_get_request`) and `<rdma/rdma_verbs.h>`'s helpers.
 #[test]
