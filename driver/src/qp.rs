@@ -900,6 +900,19 @@ impl ProtectionDomain {
                 .max(2 + (4 + init.max_inline as usize).div_ceil(SEG))
         };
         let nbb = wqe::wqebbs(ds.min(wqe::MAX_DS)) as u32;
+        // The inline data a WQE of that size holds, at least what was asked (as mlx5 gives
+        // back the room its WQEs really have): the segments after the control and address
+        // ones, less the inline header.
+        let head = if ud { 1 + wqe::UD_ADDR_SEGS } else { 2 };
+        let room = (nbb as usize * wqe::WQEBB).saturating_sub(head * SEG + 4);
+        let room = if ud {
+            room.min(wqe::MAX_INLINE_UD)
+        } else {
+            room
+        };
+        let max_inline = init
+            .max_inline
+            .max(room.min(caps.max_inline as usize) as u32);
         // The device takes rings of 2 entries or more (a one-request queue gets two).
         let sq_entries = (init.max_send_wr * nbb)
             .next_power_of_two()
@@ -967,7 +980,7 @@ impl ProtectionDomain {
             rq_pi: 0,
             max_send_sge: init.max_send_sge,
             max_recv_sge: init.max_recv_sge,
-            max_inline: init.max_inline,
+            max_inline,
             state: QpState::Reset,
             bf: caps.caps.contains(regs::Caps::BLUEFLAME) && (qpn as u64) < regs::BF_MAX_QP,
             ud,
@@ -1223,6 +1236,12 @@ impl QueuePair {
             _ => M::TIMEOUT | M::RETRY_CNT | M::RNR_RETRY | M::MAX_QP_RD_ATOMIC,
         };
         self.modify(M::STATE | M::SQ_PSN | rc_only, &rts)
+    }
+
+    /// Inline bytes a request may carry: at least `QpInit::max_inline`, and whatever more
+    /// the QP's WQE size holds.
+    pub fn max_inline(&self) -> u32 {
+        self.max_inline
     }
 
     /// Receive requests the QP's own receive queue holds (its ring, rounded up from

@@ -616,6 +616,10 @@ impl Cma {
                 made.push((cq as *mut abi::ibv_cq, ch));
             }
         }
+        // The id's SRQ serves a QP made without one (`rdma_create_srq`).
+        if attr.srq.is_null() {
+            attr.srq = self.ids[&p].id.id.srq;
+        }
         let mut ex = abi::ibv_qp_init_attr_ex {
             qp_context: attr.qp_context,
             send_cq: attr.send_cq,

@@ -708,6 +708,9 @@ pub unsafe extern "C" fn rdma_create_ep(
 
 #[no_mangle]
 pub unsafe extern "C" fn rdma_destroy_ep(id: *mut rdma_cm_id) {
+    // Its QP, CQs and SRQ go with it, as librdmacm's rdma_destroy_ep takes them.
+    // SAFETY: the caller's id (checked inside).
+    unsafe { rdma_destroy_srq(id) };
     call((), |c, st| {
         let _ = c.destroy_id(st, id as usize);
     });
@@ -846,4 +849,127 @@ pub unsafe extern "C" fn rdma_leave_multicast(
         Err(e) => return rc(Err(e)),
     };
     rc(call(Err(libc::EIO), |c, st| c.leave(st, id as usize, g)))
+}
+
+/// The (context, PD) an id's SRQ is made on: the id's NIC and `pd`, or the id's PD.
+fn srq_place(
+    id: *mut rdma_cm_id,
+    pd: *mut abi::ibv_pd,
+) -> Result<(*mut abi::ibv_context, *mut abi::ibv_pd), i32> {
+    call(Err(libc::EIO), |c, _| {
+        if !c.is_id(id as usize) {
+            return Err(libc::EINVAL);
+        }
+        // SAFETY: a live id of this library, under the lock.
+        let i = unsafe { &*id };
+        if i.verbs.is_null() || !i.srq.is_null() {
+            return Err(libc::EINVAL);
+        }
+        Ok((i.verbs, if pd.is_null() { i.pd } else { pd }))
+    })
+}
+
+/// Records `srq` as id `id`'s (and its PD, if the id had none), as librdmacm does.
+fn set_srq(id: *mut rdma_cm_id, srq: *mut abi::ibv_srq, pd: *mut abi::ibv_pd) {
+    call((), |c, _| {
+        if c.is_id(id as usize) {
+            // SAFETY: a live id of this library, under the lock.
+            let i = unsafe { &mut *id };
+            i.srq = srq;
+            if i.pd.is_null() {
+                i.pd = pd;
+            }
+        }
+    });
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn rdma_create_srq(
+    id: *mut rdma_cm_id,
+    pd: *mut abi::ibv_pd,
+    attr: *mut abi::ibv_srq_init_attr,
+) -> c_int {
+    if attr.is_null() {
+        return rc(Err(libc::EINVAL));
+    }
+    let (_, pd) = match srq_place(id, pd) {
+        Ok(x) => x,
+        Err(e) => return rc(Err(e)),
+    };
+    // SAFETY: the id's PD (or the caller's) and the caller's attributes, checked non-null.
+    let srq = unsafe { crate::entry::ibv_create_srq(pd, attr) };
+    if srq.is_null() {
+        return -1;
+    }
+    set_srq(id, srq, pd);
+    0
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn rdma_create_srq_ex(
+    id: *mut rdma_cm_id,
+    attr: *mut abi::ibv_srq_init_attr_ex,
+) -> c_int {
+    if attr.is_null() {
+        return rc(Err(libc::EINVAL));
+    }
+    // SAFETY: the caller's attributes, checked non-null.
+    let a = unsafe { &mut *attr };
+    // librdmacm asks for the type.
+    if a.comp_mask & abi::ibv_srq_init_attr_mask_IBV_SRQ_INIT_ATTR_TYPE == 0 {
+        return rc(Err(libc::EINVAL));
+    }
+    // An XRC SRQ would need the library's XRC domain per device: not offered.
+    if a.srq_type == abi::ibv_srq_type_IBV_SRQT_XRC {
+        return rc(Err(libc::EOPNOTSUPP));
+    }
+    let given = match a.comp_mask & abi::ibv_srq_init_attr_mask_IBV_SRQ_INIT_ATTR_PD {
+        0 => std::ptr::null_mut(),
+        _ => a.pd,
+    };
+    let (ctx, pd) = match srq_place(id, given) {
+        Ok(x) => x,
+        Err(e) => return rc(Err(e)),
+    };
+    a.pd = pd;
+    a.comp_mask |= abi::ibv_srq_init_attr_mask_IBV_SRQ_INIT_ATTR_PD;
+    // SAFETY: the id's context and the caller's attributes.
+    let srq = unsafe { crate::ops::create_srq_ex(ctx, attr) };
+    if srq.is_null() {
+        return -1;
+    }
+    set_srq(id, srq, pd);
+    0
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn rdma_destroy_srq(id: *mut rdma_cm_id) {
+    let srq = call(std::ptr::null_mut(), |c, _| {
+        if !c.is_id(id as usize) {
+            return std::ptr::null_mut();
+        }
+        // SAFETY: a live id of this library, under the lock.
+        std::mem::replace(unsafe { &mut (*id).srq }, std::ptr::null_mut())
+    });
+    if !srq.is_null() {
+        // SAFETY: the SRQ the id held.
+        unsafe { crate::entry::ibv_destroy_srq(srq) };
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn rdma_set_local_ece(
+    _id: *mut rdma_cm_id,
+    _ece: *mut abi::ibv_ece,
+) -> c_int {
+    // Enhanced connection establishment: the NICs offer no options to negotiate.
+    rc(Err(libc::EOPNOTSUPP))
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn rdma_get_remote_ece(
+    _id: *mut rdma_cm_id,
+    _ece: *mut abi::ibv_ece,
+) -> c_int {
+    rc(Err(libc::EOPNOTSUPP))
 }

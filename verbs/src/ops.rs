@@ -763,7 +763,7 @@ unsafe extern "C" fn create_qp_ex(
     }
 }
 
-unsafe extern "C" fn create_srq_ex(
+pub(crate) unsafe extern "C" fn create_srq_ex(
     ctx: *mut abi::ibv_context,
     attr: *mut abi::ibv_srq_init_attr_ex,
 ) -> *mut abi::ibv_srq {

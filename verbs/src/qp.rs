@@ -210,6 +210,8 @@ pub(crate) fn create(
     // rounded-up ring too).
     c.max_recv_wr = drv.recv_queue_depth();
     c.max_send_sge = init.max_send_sge;
+    // The inline room the WQE size gives (mlx5 reports and honours it too).
+    c.max_inline_data = drv.max_inline();
     c.max_recv_sge = if srq.is_some() || ini {
         0
     } else {

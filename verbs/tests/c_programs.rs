@@ -289,3 +289,41 @@ fn every_program_has_a_test() {
         "tests/c/*.c and the tests of c_programs.rs differ"
     );
 }
+
+/// Every `rdma_*` function librdmacm exports is defined by the library too: a program's
+/// call never reaches librdmacm's own code, which would take the library's ids for its
+/// own (larger) structures.
+#[test]
+fn every_librdmacm_call_is_answered_here() {
+    let defined = |lib: &Path| -> std::collections::BTreeSet<String> {
+        let o = Command::new("nm")
+            .args(["-D", "--defined-only"])
+            .arg(lib)
+            .output()
+            .expect("nm (Debian's binutils) is needed");
+        assert!(o.status.success(), "nm {}", lib.display());
+        String::from_utf8_lossy(&o.stdout)
+            .lines()
+            .filter_map(|l| l.split_whitespace().nth(2))
+            .map(|s| s.split('@').next().unwrap_or(s).to_string())
+            .filter(|s| s.starts_with("rdma_"))
+            .collect()
+    };
+    let o = Command::new(cc())
+        .arg("-print-file-name=librdmacm.so.1")
+        .output()
+        .expect("running the C compiler");
+    let rdmacm = PathBuf::from(String::from_utf8_lossy(&o.stdout).trim());
+    assert!(
+        rdmacm.is_absolute() && rdmacm.exists(),
+        "librdmacm.so.1 not found: install Debian's librdmacm1"
+    );
+    let theirs = defined(&rdmacm);
+    let ours = defined(&preload_lib());
+    assert!(theirs.len() > 30, "librdmacm exports {theirs:?}");
+    let missing: Vec<&String> = theirs.difference(&ours).collect();
+    assert!(
+        missing.is_empty(),
+        "not answered by the library: {missing:?}"
+    );
+}

@@ -522,6 +522,18 @@ fn libfabric_verbs_provider_reliable_datagrams() {
     libfabric_verbs_pingpong("verbs;ofi_rxd", "rdm", 18641);
 }
 
+/// rdma_xserver and rdma_xclient in their RC mode (`-c r`): the client sends inline data
+/// on a QP that asked for no inline room, as mlx5's WQE room allows.
+#[test]
+fn rdma_xserver_and_rdma_xclient_over_rc() {
+    cm_pair(
+        "rdma-xclient",
+        ("rdma_xserver", &["-c", "r"]),
+        ("rdma_xclient", &["-s", SERVER_IP, "-c", "r"]),
+        ("rdma_xserver: end 0", "rdma_xclient: end 0"),
+    );
+}
+
 /// rdma_server and rdma_client: the synchronous calls (`rdma_getaddrinfo`,
 /// `rdma_create_ep`, `rdma_get_request`) and `<rdma/rdma_verbs.h>`'s helpers.
 #[test]

@@ -694,6 +694,32 @@ int main(void)
 	rdma_destroy_qp(r);
 	CHECK_OK(rdma_destroy_id(r));
 
+	/* ---- an id's SRQ (rdma_create_srq): its QP takes receives from it ---- */
+	CHECK_OK(rdma_create_id(cch, &r, NULL, RDMA_PS_TCP));
+	CHECK_OK(rdma_resolve_addr(r, NULL, (struct sockaddr *)&dst, 1000));
+	CHECK_OK(rdma_ack_cm_event(expect_event(cch, RDMA_CM_EVENT_ADDR_RESOLVED)));
+	struct ibv_srq_init_attr sa = {.attr = {.max_wr = 16, .max_sge = 1}};
+	CHECK_OK(rdma_create_srq(r, NULL, &sa));
+	CHECK(r->srq != NULL && r->srq->pd == r->pd);
+	errno = 0;
+	CHECK_EQ(rdma_create_srq(r, NULL, &sa), -1); /* one SRQ per id */
+	CHECK_EQ(errno, EINVAL);
+	struct ibv_srq_init_attr_ex sx = {.attr = {.max_wr = 16, .max_sge = 1}};
+	errno = 0;
+	CHECK_EQ(rdma_create_srq_ex(r, &sx), -1); /* librdmacm asks for the type */
+	CHECK_EQ(errno, EINVAL);
+	a = rc_attr();
+	CHECK_OK(rdma_create_qp(r, NULL, &a));
+	CHECK(r->qp->srq == r->srq);
+	struct ibv_ece ece = {0};
+	errno = 0;
+	CHECK_EQ(rdma_set_local_ece(r, &ece), -1);
+	CHECK_EQ(errno, EOPNOTSUPP);
+	rdma_destroy_qp(r);
+	rdma_destroy_srq(r);
+	CHECK(r->srq == NULL);
+	CHECK_OK(rdma_destroy_id(r));
+
 	/* ---- an address off the fabric ---- */
 	CHECK_OK(rdma_create_id(cch, &r, NULL, RDMA_PS_TCP));
 	struct sockaddr_in off = sin_of("192.168.1.1", 7471);

@@ -57,6 +57,18 @@ static void create_and_transitions(void)
 	CHECK_EQ(qp->state, IBV_QPS_RESET);
 	/* A classic QP has no builder. */
 	CHECK(ibv_qp_to_qp_ex(qp) == NULL);
+	{
+		/* No inline data asked for: the room one 64-byte WQE leaves after its control and
+		 * address segments and the inline header (28 bytes, as mlx5 reports it), which
+		 * programs that send small messages inline without asking rely on. */
+		struct ibv_qp_init_attr z = ia;
+		z.cap.max_send_sge = 1;
+		z.cap.max_inline_data = 0;
+		struct ibv_qp *zq = ibv_create_qp(a.pd, &z);
+		CHECK(zq != NULL);
+		CHECK_EQ(z.cap.max_inline_data, 28);
+		CHECK_RET(ibv_destroy_qp(zq), 0);
+	}
 
 	struct ibv_qp_attr at;
 	struct ibv_qp_init_attr qi;
