@@ -127,6 +127,8 @@ struct Chan {
 pub(crate) struct Cma {
     cms: BTreeMap<usize, ConnectionManager>,
     ctxs: BTreeMap<usize, *mut abi::ibv_context>,
+    /// The library's XRC domain of each NIC (made at the first XRC target or SRQ).
+    xrcds: BTreeMap<usize, *mut abi::ibv_xrcd>,
     pds: BTreeMap<usize, *mut abi::ibv_pd>,
     ids: BTreeMap<usize, Id>,
     chans: BTreeMap<usize, Chan>,
@@ -560,11 +562,14 @@ impl Cma {
         if has_qp {
             return Err(libc::EINVAL);
         }
-        // A datagram id takes a UD QP, a connected one an RC or UC QP.
+        // A datagram id takes a UD QP, a connected one an RC, UC or XRC initiator QP (an
+        // XRC target has no PD or CQs: `adopt_qp`).
         let ud = ps == RDMA_PS_UDP;
         let fits = match attr.qp_type {
             abi::ibv_qp_type_IBV_QPT_UD => ud,
-            abi::ibv_qp_type_IBV_QPT_RC | abi::ibv_qp_type_IBV_QPT_UC => !ud,
+            abi::ibv_qp_type_IBV_QPT_RC
+            | abi::ibv_qp_type_IBV_QPT_UC
+            | abi::ibv_qp_type_IBV_QPT_XRC_SEND => !ud,
             _ => false,
         };
         if !fits {
@@ -586,9 +591,14 @@ impl Cma {
         };
         let mut made = Vec::new();
         let idp = p;
-        if attr.send_cq.is_null() || attr.recv_cq.is_null() {
+        // An XRC initiator has no receive side (its send CQ stands for the receive CQ).
+        let sides = match attr.qp_type {
+            abi::ibv_qp_type_IBV_QPT_XRC_SEND => 1,
+            _ => 2,
+        };
+        if attr.send_cq.is_null() || (sides == 2 && attr.recv_cq.is_null()) {
             let depth = attr.cap.max_send_wr.max(attr.cap.max_recv_wr).max(1) as i32;
-            for which in 0..2 {
+            for which in 0..sides {
                 let cq_slot = if which == 0 {
                     &mut attr.send_cq
                 } else {
@@ -634,6 +644,23 @@ impl Cma {
         };
         let qp = crate::entry::create_qp_checked(st, pd, &mut ex)? as *mut abi::ibv_qp;
         attr.cap = ex.cap;
+        attr.recv_cq = ex.recv_cq;
+        self.adopt_qp(st, p, qp, attr, pd, made)
+    }
+
+    /// A QP just made for id `p` (by `create_qp`, or an XRC target the C boundary made in
+    /// the library's XRC domain): moved to INIT (ready, for UD) and recorded as the id's,
+    /// with the CQs and channels `made` for it. It is destroyed if it cannot move.
+    pub fn adopt_qp(
+        &mut self,
+        st: &mut State,
+        p: usize,
+        qp: *mut abi::ibv_qp,
+        attr: &abi::ibv_qp_init_attr,
+        pd: *mut abi::ibv_pd,
+        made: Vec<(*mut abi::ibv_cq, *mut abi::ibv_comp_channel)>,
+    ) -> Result<(), i32> {
+        let ud = self.ids.get(&p).ok_or(libc::EINVAL)?.id.id.ps == RDMA_PS_UDP;
         let moved = match ud {
             true => ud_up(st, qp),
             false => {
@@ -665,7 +692,9 @@ impl Cma {
         }
         let i = self.ids.get_mut(&p).ok_or(libc::EINVAL)?;
         i.id.id.qp = qp;
-        i.id.id.pd = pd;
+        if !pd.is_null() {
+            i.id.id.pd = pd;
+        }
         i.id.id.qp_type = attr.qp_type;
         i.id.id.send_cq = attr.send_cq;
         i.id.id.recv_cq = attr.recv_cq;
@@ -680,6 +709,61 @@ impl Cma {
         }
         i.made.extend(made);
         Ok(())
+    }
+
+    /// The QP type an id's QPs take (`rdma_create_ep`: the address information's): UD for a
+    /// datagram id; RC, UC or an XRC side for a connected one.
+    pub fn set_qp_type(&mut self, p: usize, t: u32) -> Result<(), i32> {
+        let i = self.ids.get_mut(&p).ok_or(libc::EINVAL)?;
+        let ud = i.id.id.ps == RDMA_PS_UDP;
+        let fits = match t {
+            abi::ibv_qp_type_IBV_QPT_UD => ud,
+            abi::ibv_qp_type_IBV_QPT_RC
+            | abi::ibv_qp_type_IBV_QPT_UC
+            | abi::ibv_qp_type_IBV_QPT_XRC_SEND
+            | abi::ibv_qp_type_IBV_QPT_XRC_RECV => !ud,
+            _ => false,
+        };
+        if !fits {
+            return Err(libc::EINVAL);
+        }
+        i.id.id.qp_type = t;
+        Ok(())
+    }
+
+    /// Id `p`'s context and QP type, and the library's XRC domain of its NIC if it has one
+    /// yet (`None` for an id on no NIC).
+    pub fn xrc_place(
+        &mut self,
+        st: &mut State,
+        p: usize,
+    ) -> Option<(*mut abi::ibv_context, u32, *mut abi::ibv_xrcd)> {
+        let i = self.ids.get(&p)?;
+        let (nic, t) = (i.nic?, i.id.id.qp_type);
+        let ctx = self.ctx(st, nic).ok()?;
+        let x = self
+            .xrcds
+            .get(&nic)
+            .copied()
+            .unwrap_or(std::ptr::null_mut());
+        Some((ctx, t, x))
+    }
+
+    /// Records `x` as the library's XRC domain of id `p`'s NIC (one per NIC, kept).
+    pub fn set_xrcd(&mut self, p: usize, x: *mut abi::ibv_xrcd) {
+        if let Some(nic) = self.ids.get(&p).and_then(|i| i.nic) {
+            self.xrcds.entry(nic).or_insert(x);
+        }
+    }
+
+    /// Records CQs and channels made for id `p` by the C boundary (an XRC SRQ's CQ): they
+    /// go with the id's QP at `rdma_destroy_ep`.
+    pub fn add_made(&mut self, p: usize, cq: *mut abi::ibv_cq, ch: *mut abi::ibv_comp_channel) {
+        if let Some(i) = self.ids.get_mut(&p) {
+            i.made.push((cq, ch));
+            i.id.id.recv_cq = cq;
+            i.id.id.recv_cq_channel = ch;
+        }
     }
 
     /// The PD the library shares among its ids on NIC `nic` (made at first use).
@@ -1482,11 +1566,15 @@ impl Cma {
             self.refuse_request(nic, cid, sidr, true);
             return;
         };
-        let (chan, context) = {
+        let (chan, context, qp_type) = {
             let li = &self.ids[&l];
-            (li.chan, li.id.id.context)
+            (li.chan, li.id.id.context, li.id.id.qp_type)
         };
         let child = self.new_id(chan, context, ps) as usize;
+        // The new id is of its listener's QP type, as librdmacm makes it.
+        if let Some(i) = self.ids.get_mut(&child) {
+            i.id.id.qp_type = qp_type;
+        }
         let src_port = u16::from_be_bytes([private[2], private[3]]);
         let dst = SocketAddrV4::new(Ipv4Addr::from(from.ip), src_port);
         let depths = self

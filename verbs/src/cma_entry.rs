@@ -118,22 +118,31 @@ fn wait_of(id: usize) -> Result<(*mut rdma_cm_event, u32, i32), i32> {
     }
 }
 
-/// For a synchronous id: waits for the event a call queued and acknowledges it; `want` is
-/// the kind that means success, anything else an error (its status, or `fail`).
-fn complete_sync(id: usize, want: u32, fail: i32) -> Result<(), i32> {
+/// For a synchronous id: waits for the event a call queued and keeps it as the id's
+/// `event` (acknowledging the one before), as librdmacm does, so that the program may read
+/// it (`rdma_xclient` reads the accept's private data there). The call fails as the event's
+/// status says: a reject is ECONNREFUSED, a negative status its errno, a positive one
+/// itself.
+fn complete_sync(id: usize) -> Result<(), i32> {
     if !call(false, |c, _| c.is_sync(id)) {
         return Ok(());
     }
     let (e, kind, status) = wait_of(id)?;
     call((), |c, _| {
-        let _ = c.ack(e as usize);
+        if c.is_id(id) {
+            // SAFETY: a live id of this library, under the lock.
+            let before = unsafe { (*(id as *mut rdma_cm_id)).event };
+            if !before.is_null() {
+                let _ = c.ack(before as usize);
+            }
+            c.set_current_event(id, e);
+        }
     });
-    match kind {
-        k if k == want => Ok(()),
-        RDMA_CM_EVENT_REJECTED => Err(libc::ECONNREFUSED),
-        RDMA_CM_EVENT_UNREACHABLE => Err(libc::ETIMEDOUT),
-        _ if status < 0 => Err(-status),
-        _ => Err(fail),
+    match (kind, status) {
+        (_, 0) => Ok(()),
+        (RDMA_CM_EVENT_REJECTED, _) => Err(libc::ECONNREFUSED),
+        (_, s) if s < 0 => Err(-s),
+        (_, s) => Err(s),
     }
 }
 
@@ -223,28 +232,77 @@ pub unsafe extern "C" fn rdma_resolve_addr(
     let r = call(Err(libc::EIO), |c, st| {
         c.resolve_addr(st, id as usize, s, d)
     });
-    rc(
-        r.and_then(|()| {
-            complete_sync(id as usize, RDMA_CM_EVENT_ADDR_RESOLVED, libc::EHOSTUNREACH)
-        }),
-    )
+    rc(r.and_then(|()| complete_sync(id as usize)))
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn rdma_resolve_route(id: *mut rdma_cm_id, _timeout_ms: c_int) -> c_int {
     let r = call(Err(libc::EIO), |c, _| c.resolve_route(id as usize));
-    rc(r.and_then(|()| {
-        complete_sync(
-            id as usize,
-            RDMA_CM_EVENT_ROUTE_RESOLVED,
-            libc::EHOSTUNREACH,
-        )
-    }))
+    rc(r.and_then(|()| complete_sync(id as usize)))
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn rdma_listen(id: *mut rdma_cm_id, _backlog: c_int) -> c_int {
     rc(call(Err(libc::EIO), |c, st| c.listen(st, id as usize)))
+}
+
+/// The library's XRC domain of id `id`'s NIC (opened at the first need, kept) and the id's
+/// context and QP type.
+fn lib_xrcd(id: *mut rdma_cm_id) -> Result<(*mut abi::ibv_context, u32, *mut abi::ibv_xrcd), i32> {
+    let (ctx, t, x) = call(None, |c, st| c.xrc_place(st, id as usize)).ok_or(libc::EINVAL)?;
+    if !x.is_null() {
+        return Ok((ctx, t, x));
+    }
+    let mut attr = abi::ibv_xrcd_init_attr {
+        comp_mask: abi::ibv_xrcd_init_attr_mask_IBV_XRCD_INIT_ATTR_FD
+            | abi::ibv_xrcd_init_attr_mask_IBV_XRCD_INIT_ATTR_OFLAGS,
+        fd: -1,
+        oflags: libc::O_CREAT,
+    };
+    // SAFETY: the id's context (a live ringbell context) and a local attribute block.
+    let x = unsafe { crate::ops::open_xrcd(ctx, &mut attr) };
+    if x.is_null() {
+        return Err(libc::ENOMEM);
+    }
+    call((), |c, _| c.set_xrcd(id as usize, x));
+    Ok((ctx, t, x))
+}
+
+/// `rdma_create_qp` with attributes `a` (copied): an XRC target is made in the library's
+/// XRC domain (it has no PD or CQs) and adopted; any other QP is made by `Cma::create_qp`.
+fn create_qp_any(
+    id: *mut rdma_cm_id,
+    pd: *mut abi::ibv_pd,
+    a: &mut abi::ibv_qp_init_attr,
+) -> Result<(), i32> {
+    if a.qp_type != abi::ibv_qp_type_IBV_QPT_XRC_RECV {
+        return call(Err(libc::EIO), |c, st| c.create_qp(st, id as usize, pd, a));
+    }
+    let has_qp = call(Err(libc::EINVAL), |c, _| match c.is_id(id as usize) {
+        // SAFETY: a live id of this library, under the lock.
+        true => Ok(!unsafe { (*id).qp }.is_null()),
+        false => Err(libc::EINVAL),
+    })?;
+    let (ctx, t, xrcd) = lib_xrcd(id)?;
+    if has_qp || t == abi::ibv_qp_type_IBV_QPT_UD {
+        return Err(libc::EINVAL);
+    }
+    let mut ex = abi::ibv_qp_init_attr_ex {
+        qp_context: a.qp_context,
+        qp_type: abi::ibv_qp_type_IBV_QPT_XRC_RECV,
+        comp_mask: abi::ibv_qp_init_attr_mask_IBV_QP_INIT_ATTR_XRCD,
+        xrcd,
+        ..Default::default()
+    };
+    // SAFETY: the id's context and a local attribute block.
+    let qp = unsafe { crate::ops::create_qp_ex(ctx, &mut ex) };
+    if qp.is_null() {
+        return Err(crate::errno());
+    }
+    a.cap = ex.cap;
+    call(Err(libc::EIO), |c, st| {
+        c.adopt_qp(st, id as usize, qp, a, std::ptr::null_mut(), Vec::new())
+    })
 }
 
 #[no_mangle]
@@ -258,9 +316,7 @@ pub unsafe extern "C" fn rdma_create_qp(
     }
     // SAFETY: the caller's attributes, checked non-null; copied in, written back.
     let mut a = unsafe { std::ptr::read(attr) };
-    let r = call(Err(libc::EIO), |c, st| {
-        c.create_qp(st, id as usize, pd, &mut a)
-    });
+    let r = create_qp_any(id, pd, &mut a);
     if r.is_ok() {
         // SAFETY: as above.
         unsafe { std::ptr::write(attr, a) };
@@ -295,9 +351,7 @@ pub unsafe extern "C" fn rdma_create_qp_ex(
         0 => std::ptr::null_mut(),
         _ => x.pd,
     };
-    let r = call(Err(libc::EIO), |c, st| {
-        c.create_qp(st, id as usize, pd, &mut a)
-    });
+    let r = create_qp_any(id, pd, &mut a);
     if r.is_ok() {
         x.send_cq = a.send_cq;
         x.recv_cq = a.recv_cq;
@@ -316,7 +370,7 @@ pub unsafe extern "C" fn rdma_connect(id: *mut rdma_cm_id, param: *mut rdma_conn
     // SAFETY: the caller's parameters.
     let p = unsafe { conn_param(param) };
     let r = call(Err(libc::EIO), |c, st| c.connect(st, id as usize, p));
-    rc(r.and_then(|()| complete_sync(id as usize, RDMA_CM_EVENT_ESTABLISHED, libc::ECONNREFUSED)))
+    rc(r.and_then(|()| complete_sync(id as usize)))
 }
 
 #[no_mangle]
@@ -345,7 +399,7 @@ pub unsafe extern "C" fn rdma_accept(id: *mut rdma_cm_id, param: *mut rdma_conn_
     if r.is_ok() {
         drop_current_event(id);
     }
-    rc(r.and_then(|()| complete_sync(id as usize, RDMA_CM_EVENT_ESTABLISHED, libc::ECONNRESET)))
+    rc(r.and_then(|()| complete_sync(id as usize)))
 }
 
 #[no_mangle]
@@ -639,6 +693,17 @@ pub unsafe extern "C" fn rdma_create_ep(
     if unsafe { rdma_create_id(std::ptr::null_mut(), &mut p, std::ptr::null_mut(), ps) } != 0 {
         return -1;
     }
+    // The id's QP type is the address information's (librdmacm's rdma_create_id2).
+    if r.ai_qp_type != 0 {
+        if let Err(e) = call(Err(libc::EIO), |c, _| {
+            c.set_qp_type(p as usize, r.ai_qp_type as u32)
+        }) {
+            call((), |c, st| {
+                let _ = c.destroy_id(st, p as usize);
+            });
+            return rc(Err(e));
+        }
+    }
     let attr = (!qp_init_attr.is_null()).then(|| {
         // SAFETY: the caller's attributes, checked non-null.
         let mut a = unsafe { std::ptr::read(qp_init_attr) };
@@ -669,19 +734,13 @@ pub unsafe extern "C" fn rdma_create_ep(
             Some(d) => call(Err(libc::EIO), |c, st| {
                 c.resolve_addr(st, p as usize, src, d)
             })
-            .and_then(|()| {
-                complete_sync(p as usize, RDMA_CM_EVENT_ADDR_RESOLVED, libc::EHOSTUNREACH)
-            })
+            .and_then(|()| complete_sync(p as usize))
             .and_then(|()| call(Err(libc::EIO), |c, _| c.resolve_route(p as usize)))
-            .and_then(|()| {
-                complete_sync(p as usize, RDMA_CM_EVENT_ROUTE_RESOLVED, libc::EHOSTUNREACH)
-            })
+            .and_then(|()| complete_sync(p as usize))
             .and_then(|()| match attr {
                 None => Ok(()),
                 Some(mut a) => {
-                    let r = call(Err(libc::EIO), |c, st| {
-                        c.create_qp(st, p as usize, pd, &mut a)
-                    });
+                    let r = create_qp_any(p, pd, &mut a);
                     if r.is_ok() {
                         // SAFETY: the caller's attributes, written back.
                         unsafe { std::ptr::write(qp_init_attr, a) };
@@ -740,17 +799,22 @@ pub unsafe extern "C" fn rdma_get_request(
     }
     // SAFETY: an event just handed out (alive until acknowledged).
     let child = unsafe { (*e).id };
-    let r = call(Err(libc::EIO), |c, st| {
+    let saved = call(None, |c, _| {
         c.set_current_event(child as usize, e);
-        match c.ep_qp(listen as usize) {
-            None => Ok(()),
-            Some(mut a) => {
-                // SAFETY: a live listening id of this library, under the lock.
-                let pd = unsafe { (*listen).pd };
-                c.create_qp(st, child as usize, pd, &mut a)
-            }
-        }
+        // SAFETY: a live listening id of this library (it is synchronous), under the lock.
+        c.ep_qp(listen as usize)
+            .map(|a| (a, unsafe { (*listen).pd }))
     });
+    let r = match saved {
+        None => Ok(()),
+        Some((mut a, pd)) => {
+            // The listening endpoint's type (an XRC target included) goes to the new id.
+            let _ = call(Err(libc::EIO), |c, _| {
+                c.set_qp_type(child as usize, a.qp_type)
+            });
+            create_qp_any(child, pd, &mut a)
+        }
+    };
     match r {
         Ok(()) => {
             // SAFETY: checked non-null; the caller's out-parameter.
@@ -892,17 +956,64 @@ pub unsafe extern "C" fn rdma_create_srq(
     if attr.is_null() {
         return rc(Err(libc::EINVAL));
     }
-    let (_, pd) = match srq_place(id, pd) {
-        Ok(x) => x,
-        Err(e) => return rc(Err(e)),
+    // SAFETY: the caller's attributes, checked non-null.
+    let a = unsafe { &*attr };
+    // An XRC target's id gets an XRC SRQ, any other a basic one (librdmacm's choice).
+    let xrc = call(false, |c, _| {
+        // SAFETY: a live id of this library, under the lock.
+        c.is_id(id as usize) && unsafe { (*id).qp_type } == abi::ibv_qp_type_IBV_QPT_XRC_RECV
+    });
+    let mut ex = abi::ibv_srq_init_attr_ex {
+        srq_context: a.srq_context,
+        attr: a.attr,
+        comp_mask: abi::ibv_srq_init_attr_mask_IBV_SRQ_INIT_ATTR_TYPE
+            | abi::ibv_srq_init_attr_mask_IBV_SRQ_INIT_ATTR_PD,
+        srq_type: if xrc {
+            abi::ibv_srq_type_IBV_SRQT_XRC
+        } else {
+            abi::ibv_srq_type_IBV_SRQT_BASIC
+        },
+        pd,
+        ..Default::default()
     };
-    // SAFETY: the id's PD (or the caller's) and the caller's attributes, checked non-null.
-    let srq = unsafe { crate::entry::ibv_create_srq(pd, attr) };
-    if srq.is_null() {
-        return -1;
+    // SAFETY: a local attribute block.
+    let r = unsafe { rdma_create_srq_ex(id, &mut ex) };
+    if r == 0 {
+        // SAFETY: the caller's attributes: the limits the SRQ has.
+        unsafe { (*attr).attr = ex.attr };
     }
-    set_srq(id, srq, pd);
-    0
+    r
+}
+
+/// An XRC SRQ's domain and CQ for id `id` (the library's XRC domain; the id's receive CQ,
+/// or one made for it with a completion channel, as librdmacm makes it).
+fn xrc_srq_parts(
+    id: *mut rdma_cm_id,
+    depth: u32,
+) -> Result<(*mut abi::ibv_xrcd, *mut abi::ibv_cq), i32> {
+    let (ctx, _, xrcd) = lib_xrcd(id)?;
+    // SAFETY: a live id of this library (lib_xrcd checked), read under the lock.
+    let cq = call(std::ptr::null_mut(), |_, _| unsafe { (*id).recv_cq });
+    if !cq.is_null() {
+        return Ok((xrcd, cq));
+    }
+    // SAFETY: the id's context.
+    let ch = unsafe { crate::entry::ibv_create_comp_channel(ctx) };
+    if ch.is_null() {
+        return Err(crate::errno());
+    }
+    // SAFETY: as above; the id is the CQ's context, as for the id's other CQs.
+    let cq = unsafe {
+        crate::entry::ibv_create_cq(ctx, depth.max(1) as c_int, id as *mut c_void, ch, 0)
+    };
+    if cq.is_null() {
+        let e = crate::errno();
+        // SAFETY: the channel just made.
+        unsafe { crate::entry::ibv_destroy_comp_channel(ch) };
+        return Err(e);
+    }
+    call((), |c, _| c.add_made(id as usize, cq, ch));
+    Ok((xrcd, cq))
 }
 
 #[no_mangle]
@@ -919,10 +1030,6 @@ pub unsafe extern "C" fn rdma_create_srq_ex(
     if a.comp_mask & abi::ibv_srq_init_attr_mask_IBV_SRQ_INIT_ATTR_TYPE == 0 {
         return rc(Err(libc::EINVAL));
     }
-    // An XRC SRQ would need the library's XRC domain per device: not offered.
-    if a.srq_type == abi::ibv_srq_type_IBV_SRQT_XRC {
-        return rc(Err(libc::EOPNOTSUPP));
-    }
     let given = match a.comp_mask & abi::ibv_srq_init_attr_mask_IBV_SRQ_INIT_ATTR_PD {
         0 => std::ptr::null_mut(),
         _ => a.pd,
@@ -933,6 +1040,28 @@ pub unsafe extern "C" fn rdma_create_srq_ex(
     };
     a.pd = pd;
     a.comp_mask |= abi::ibv_srq_init_attr_mask_IBV_SRQ_INIT_ATTR_PD;
+    if a.srq_type == abi::ibv_srq_type_IBV_SRQT_XRC {
+        // The library's XRC domain and a CQ, unless the caller gave them.
+        let need_x = a.comp_mask & abi::ibv_srq_init_attr_mask_IBV_SRQ_INIT_ATTR_XRCD == 0
+            || a.xrcd.is_null();
+        let need_cq =
+            a.comp_mask & abi::ibv_srq_init_attr_mask_IBV_SRQ_INIT_ATTR_CQ == 0 || a.cq.is_null();
+        if need_x || need_cq {
+            match xrc_srq_parts(id, a.attr.max_wr) {
+                Ok((x, cq)) => {
+                    if need_x {
+                        a.xrcd = x;
+                    }
+                    if need_cq {
+                        a.cq = cq;
+                    }
+                }
+                Err(e) => return rc(Err(e)),
+            }
+        }
+        a.comp_mask |= abi::ibv_srq_init_attr_mask_IBV_SRQ_INIT_ATTR_XRCD
+            | abi::ibv_srq_init_attr_mask_IBV_SRQ_INIT_ATTR_CQ;
+    }
     // SAFETY: the id's context and the caller's attributes.
     let srq = unsafe { crate::ops::create_srq_ex(ctx, attr) };
     if srq.is_null() {

@@ -79,6 +79,12 @@ pub(crate) fn debug() -> bool {
     *ON.get_or_init(|| std::env::var_os("RINGBELL_VERBS_DEBUG").is_some_and(|v| v != "0"))
 }
 
+/// The calling thread's `errno`.
+pub(crate) fn errno() -> i32 {
+    // SAFETY: `__errno_location` returns the calling thread's errno slot.
+    unsafe { *libc::__errno_location() }
+}
+
 /// Sets the calling thread's `errno`.
 pub(crate) fn set_errno(e: i32) {
     // SAFETY: `__errno_location` returns the calling thread's errno slot.

@@ -470,7 +470,7 @@ unsafe extern "C" fn destroy_rwq_ind_table(t: *mut abi::ibv_rwq_ind_table) -> c_
     )
 }
 
-unsafe extern "C" fn open_xrcd(
+pub(crate) unsafe extern "C" fn open_xrcd(
     ctx: *mut abi::ibv_context,
     attr: *mut abi::ibv_xrcd_init_attr,
 ) -> *mut abi::ibv_xrcd {
@@ -713,7 +713,7 @@ unsafe extern "C" fn create_cq_ex(
     }
 }
 
-unsafe extern "C" fn create_qp_ex(
+pub(crate) unsafe extern "C" fn create_qp_ex(
     ctx: *mut abi::ibv_context,
     attr: *mut abi::ibv_qp_init_attr_ex,
 ) -> *mut abi::ibv_qp {

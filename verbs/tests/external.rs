@@ -522,16 +522,27 @@ fn libfabric_verbs_provider_reliable_datagrams() {
     libfabric_verbs_pingpong("verbs;ofi_rxd", "rdm", 18641);
 }
 
-/// rdma_xserver and rdma_xclient in their RC mode (`-c r`): the client sends inline data
-/// on a QP that asked for no inline room, as mlx5's WQE room allows.
-#[test]
-fn rdma_xserver_and_rdma_xclient_over_rc() {
+/// rdma_xserver and rdma_xclient in mode `mode`: `r`, RC, where the client sends inline
+/// data on a QP that asked for no inline room, as mlx5's WQE room allows; `x`, XRC, where
+/// the server's target QP and XRC SRQ are made in the library's XRC domain and the client
+/// reads the SRQ number from the accept's private data in its id's `event`.
+fn rdma_x(mode: &'static str) {
     cm_pair(
-        "rdma-xclient",
-        ("rdma_xserver", &["-c", "r"]),
-        ("rdma_xclient", &["-s", SERVER_IP, "-c", "r"]),
+        &format!("rdma-x{mode}"),
+        ("rdma_xserver", &["-c", mode]),
+        ("rdma_xclient", &["-s", SERVER_IP, "-c", mode]),
         ("rdma_xserver: end 0", "rdma_xclient: end 0"),
     );
+}
+
+#[test]
+fn rdma_xserver_and_rdma_xclient_over_rc() {
+    rdma_x("r");
+}
+
+#[test]
+fn rdma_xserver_and_rdma_xclient_over_xrc() {
+    rdma_x("x");
 }
 
 /// rdma_server and rdma_client: the synchronous calls (`rdma_getaddrinfo`,

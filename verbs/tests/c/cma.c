@@ -720,6 +720,68 @@ int main(void)
 	CHECK(r->srq == NULL);
 	CHECK_OK(rdma_destroy_id(r));
 
+	/* ---- XRC: an initiator QP connected to a target QP, a send to its XRC SRQ ---- */
+	{
+		struct rdma_cm_id *lx;
+		CHECK_OK(rdma_create_id(sch, &lx, NULL, RDMA_PS_TCP));
+		struct sockaddr_in lxa = sin_of("10.0.0.1", 7476);
+		CHECK_OK(rdma_bind_addr(lx, (struct sockaddr *)&lxa));
+		CHECK_OK(rdma_listen(lx, 1));
+		struct rdma_cm_id *ini;
+		CHECK_OK(rdma_create_id(cch, &ini, NULL, RDMA_PS_TCP));
+		CHECK_OK(rdma_resolve_addr(ini, NULL, (struct sockaddr *)&lxa, 1000));
+		CHECK_OK(rdma_ack_cm_event(expect_event(cch, RDMA_CM_EVENT_ADDR_RESOLVED)));
+		CHECK_OK(rdma_resolve_route(ini, 1000));
+		CHECK_OK(rdma_ack_cm_event(expect_event(cch, RDMA_CM_EVENT_ROUTE_RESOLVED)));
+		struct ibv_qp_init_attr xa = {.qp_type = IBV_QPT_XRC_SEND,
+					      .cap = {.max_send_wr = 4, .max_send_sge = 1}};
+		CHECK_OK(rdma_create_qp(ini, NULL, &xa));
+		CHECK(ini->qp != NULL && ini->send_cq != NULL);
+		CHECK_OK(rdma_connect(ini, NULL));
+		e = expect_event(sch, RDMA_CM_EVENT_CONNECT_REQUEST);
+		struct rdma_cm_id *tgt = e->id;
+		CHECK_OK(rdma_ack_cm_event(e));
+		struct ibv_qp_init_attr ta = {.qp_type = IBV_QPT_XRC_RECV};
+		CHECK_OK(rdma_create_qp(tgt, NULL, &ta));
+		CHECK(tgt->qp != NULL && tgt->qp->qp_type == IBV_QPT_XRC_RECV);
+		struct ibv_srq_init_attr xs = {.attr = {.max_wr = 4, .max_sge = 1}};
+		CHECK_OK(rdma_create_srq(tgt, NULL, &xs));
+		CHECK(tgt->srq != NULL && tgt->recv_cq != NULL);
+		uint32_t srqn = 0;
+		CHECK_OK(ibv_get_srq_num(tgt->srq, &srqn));
+		uint8_t *xb = calloc(1, 4096);
+		struct ibv_mr *xmr = ibv_reg_mr(tgt->pd, xb, 4096, IBV_ACCESS_LOCAL_WRITE);
+		CHECK(xmr != NULL);
+		CHECK_OK(rdma_post_recv(tgt, (void *)9, xb, 64, xmr));
+		uint32_t be = htonl(srqn);
+		struct rdma_conn_param xp = {.private_data = &be, .private_data_len = 4};
+		CHECK_OK(rdma_accept(tgt, &xp));
+		e = expect_event(cch, RDMA_CM_EVENT_ESTABLISHED);
+		uint32_t got = ntohl(*(const uint32_t *)e->param.conn.private_data);
+		CHECK_EQ(got, srqn);
+		CHECK_OK(rdma_ack_cm_event(e));
+		CHECK_OK(rdma_ack_cm_event(expect_event(sch, RDMA_CM_EVENT_ESTABLISHED)));
+		char msg[] = "to an XRC SRQ";
+		struct ibv_sge sg = {.addr = (uintptr_t)msg, .length = sizeof msg};
+		struct ibv_send_wr sw = {.wr_id = 10, .sg_list = &sg, .num_sge = 1,
+					 .opcode = IBV_WR_SEND,
+					 .send_flags = IBV_SEND_SIGNALED | IBV_SEND_INLINE};
+		sw.qp_type.xrc.remote_srqn = got;
+		struct ibv_send_wr *bad = NULL;
+		CHECK_RET(ibv_post_send(ini->qp, &sw, &bad), 0);
+		struct ibv_wc wc;
+		EXPECT_WC(ini->send_cq, &wc, IBV_WC_SUCCESS, IBV_WC_SEND);
+		EXPECT_WC(tgt->recv_cq, &wc, IBV_WC_SUCCESS, IBV_WC_RECV);
+		CHECK_EQ(wc.wr_id, 9);
+		CHECK_MEM(xb, msg, sizeof msg);
+		struct conn xc = {ini, tgt};
+		CHECK_OK(ibv_dereg_mr(xmr));
+		free(xb);
+		rdma_destroy_srq(tgt);
+		close_pair(cch, sch, &xc);
+		CHECK_OK(rdma_destroy_id(lx));
+	}
+
 	/* ---- an address off the fabric ---- */
 	CHECK_OK(rdma_create_id(cch, &r, NULL, RDMA_PS_TCP));
 	struct sockaddr_in off = sin_of("192.168.1.1", 7471);
