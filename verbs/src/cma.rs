@@ -889,8 +889,24 @@ impl Cma {
         };
         let nic = nic.ok_or(libc::EINVAL)?;
         if qp.is_null() {
-            // Without a QP the program would move its own: not offered.
-            return Err(libc::EINVAL);
+            // No QP on the id: the REP names the parameter's QP, which the program moves
+            // itself (`ESTABLISHED` follows the RTU), as librdmacm lets it.
+            let param = param.ok_or(libc::EINVAL)?;
+            let qpn = param.qp_num & 0x00FF_FFFF;
+            if qpn == 0
+                || param.private.len() > MAX_ACCEPT_PRIVATE
+                || self.ids[&p].id.id.ps == RDMA_PS_UDP
+            {
+                return Err(libc::EINVAL);
+            }
+            let opts = conn_options(&param);
+            self.cm(st, nic)?
+                .accept_external(cid, qpn, &opts, &param.private)
+                .map_err(|e| crate::errno_of(&e))?;
+            if let Some(i) = self.ids.get_mut(&p) {
+                i.phase = Phase::Accepting(cid);
+            }
+            return Ok(());
         }
         if self.ids[&p].id.id.ps == RDMA_PS_UDP {
             // A datagram request is answered with the id's UD QP and Q_Key (no event

@@ -782,6 +782,42 @@ int main(void)
 		CHECK_OK(rdma_destroy_id(lx));
 	}
 
+	/* ---- ids without QPs: the QP numbers in the parameters, CONNECT_RESPONSE, then
+	 * rdma_establish (the programs move their own QPs, as UCX's connection manager does
+	 * with placeholder QPs) ---- */
+	{
+		struct rdma_cm_id *act;
+		CHECK_OK(rdma_create_id(cch, &act, NULL, RDMA_PS_TCP));
+		CHECK_OK(rdma_resolve_addr(act, NULL, (struct sockaddr *)&dst, 1000));
+		CHECK_OK(rdma_ack_cm_event(expect_event(cch, RDMA_CM_EVENT_ADDR_RESOLVED)));
+		CHECK_OK(rdma_resolve_route(act, 1000));
+		CHECK_OK(rdma_ack_cm_event(expect_event(cch, RDMA_CM_EVENT_ROUTE_RESOLVED)));
+		errno = 0;
+		CHECK_EQ(rdma_establish(act), -1); /* nothing to establish yet */
+		CHECK_EQ(errno, EINVAL);
+		struct rdma_conn_param np = {.qp_num = 0x1234, .private_data = "own qp",
+					     .private_data_len = 7};
+		CHECK_OK(rdma_connect(act, &np));
+		e = expect_event(sch, RDMA_CM_EVENT_CONNECT_REQUEST);
+		struct rdma_cm_id *pas = e->id;
+		CHECK_OK(rdma_ack_cm_event(e));
+		errno = 0;
+		CHECK_EQ(rdma_accept(pas, NULL), -1); /* no QP and no QP number */
+		CHECK_EQ(errno, EINVAL);
+		struct rdma_conn_param ap = {.qp_num = 0x4321};
+		CHECK_OK(rdma_accept(pas, &ap));
+		e = expect_event(cch, RDMA_CM_EVENT_CONNECT_RESPONSE);
+		CHECK(e->id == act);
+		CHECK_OK(rdma_ack_cm_event(e));
+		CHECK_OK(rdma_establish(act));
+		CHECK_OK(rdma_ack_cm_event(expect_event(sch, RDMA_CM_EVENT_ESTABLISHED)));
+		CHECK_OK(rdma_disconnect(act));
+		CHECK_OK(rdma_ack_cm_event(expect_event(sch, RDMA_CM_EVENT_DISCONNECTED)));
+		CHECK_OK(rdma_ack_cm_event(expect_event(cch, RDMA_CM_EVENT_DISCONNECTED)));
+		CHECK_OK(rdma_destroy_id(act));
+		CHECK_OK(rdma_destroy_id(pas));
+	}
+
 	/* ---- an address off the fabric ---- */
 	CHECK_OK(rdma_create_id(cch, &r, NULL, RDMA_PS_TCP));
 	struct sockaddr_in off = sin_of("192.168.1.1", 7471);
