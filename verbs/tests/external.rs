@@ -141,6 +141,35 @@ impl Served {
         c
     }
 
+    /// Starts `prog` with `args`, line-buffered (coreutils' `stdbuf`, which keeps the
+    /// library's `LD_PRELOAD`), and reads its output until a line containing `marker`:
+    /// the running program, what it printed so far, and a reader of the rest.
+    fn start_until(&self, prog: &str, args: &[&str], marker: &str) -> Watched {
+        use std::io::{BufRead, BufReader};
+        let mut child = self
+            .command("stdbuf")
+            .arg("-oL")
+            .arg(prog)
+            .args(args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+        let mut head = String::new();
+        for l in lines.by_ref() {
+            let l = l.unwrap();
+            head += &l;
+            head.push('\n');
+            if l.contains(marker) {
+                break;
+            }
+        }
+        assert!(head.contains(marker), "{prog}:\n{head}");
+        let rest = std::thread::spawn(move || lines.map(|l| l.unwrap() + "\n").collect());
+        Watched { child, head, rest }
+    }
+
     /// Runs a server and a client program (the client retries its connect until the
     /// server listens) and returns both outputs.
     fn pair(&self, prog: &str, server: &[&str], client: &[&str]) -> (Output, Output) {
@@ -181,6 +210,25 @@ impl Served {
         };
         let s = wait(s, limit);
         (s, c)
+    }
+}
+
+/// A program started by [`Served::start_until`].
+struct Watched {
+    child: Child,
+    head: String,
+    rest: std::thread::JoinHandle<String>,
+}
+
+impl Watched {
+    /// Its exit status (waited for up to `limit`), and its whole output, stderr last.
+    fn finish(mut self, limit: Duration) -> (std::process::ExitStatus, String) {
+        use std::io::Read;
+        let status = wait_status(&mut self.child, limit);
+        let mut err = String::new();
+        let _ = self.child.stderr.take().unwrap().read_to_string(&mut err);
+        let out = self.head + &self.rest.join().unwrap() + &err;
+        (status, out)
     }
 }
 
@@ -415,46 +463,19 @@ fn udaddy_resolves_four_datagram_peers() {
 /// joined would be lost, so the client starts once the server says it joined.
 #[test]
 fn mckey_sends_to_a_multicast_group() {
-    use std::io::{BufRead, BufReader, Read};
     need("mckey", "rdmacm-utils");
     let srv = Served::start("mckey");
-    let mut s = srv
-        .command("stdbuf")
-        .args([
-            "-oL",
-            "mckey",
-            "-m",
-            "224.0.0.9",
-            "-b",
-            SERVER_IP,
-            "-C",
-            "20",
-        ])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut lines = BufReader::new(s.stdout.take().unwrap()).lines();
-    let mut server_out = String::new();
-    for l in lines.by_ref() {
-        let l = l.unwrap();
-        server_out += &l;
-        server_out.push('\n');
-        if l.contains("joined") {
-            break;
-        }
-    }
-    assert!(server_out.contains("joined"), "mckey server:\n{server_out}");
-    let rest = std::thread::spawn(move || lines.map(|l| l.unwrap() + "\n").collect::<String>());
+    let server = srv.start_until(
+        "mckey",
+        &["-m", "224.0.0.9", "-b", SERVER_IP, "-C", "20"],
+        "joined",
+    );
     let mut cmd = srv.command("mckey");
     cmd.args(["-m", "224.0.0.9", "-b", "10.0.0.2", "-s", "-C", "20"]);
     let c = run(cmd, Duration::from_secs(60));
-    let status = wait_status(&mut s, Duration::from_secs(60));
-    let mut err = String::new();
-    let _ = s.stderr.take().unwrap().read_to_string(&mut err);
-    server_out += &rest.join().unwrap();
+    let (status, server_out) = server.finish(Duration::from_secs(60));
     assert!(c.status.success(), "mckey client failed:\n{}", text(&c));
-    assert!(status.success(), "mckey server failed:\n{server_out}{err}");
+    assert!(status.success(), "mckey server failed:\n{server_out}");
     assert!(
         server_out.contains("return status 0"),
         "mckey server:\n{server_out}"
@@ -563,41 +584,15 @@ fn rdma_server_and_rdma_client_exchange_a_message() {
 /// whose frames still came too early (the server has not finished 20 s after it) runs
 /// again, up to three times.
 fn raw_perftest(prog: &str, header: &str) {
-    use std::io::{BufRead, BufReader, Read};
     need(prog, "perftest");
     let srv = Served::start(&format!("{prog}-raw"));
     let (m0, m1) = ("02:00:00:00:00:01", "02:00:00:00:00:02");
-    // Line-buffered (coreutils' stdbuf keeps the library's LD_PRELOAD), so that the header
-    // shows when it is printed.
-    let mut s = srv
-        .command("stdbuf")
-        .args([
-            "-oL", prog, "-d", "rb0", "-B", m0, "-E", m1, "--server", "-n", "200",
-        ])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut lines = BufReader::new(s.stdout.take().unwrap()).lines();
-    let mut server_out = String::new();
-    for l in lines.by_ref() {
-        let l = l.unwrap();
-        server_out += &l;
-        server_out.push('\n');
-        if l.contains(header) {
-            break;
-        }
-    }
-    assert!(server_out.contains(header), "{prog} server:\n{server_out}");
-    // The rest of the server's output, read as it comes.
-    let rest = std::thread::spawn(move || {
-        let mut t = String::new();
-        for l in lines {
-            t += &l.unwrap();
-            t.push('\n');
-        }
-        t
-    });
+    // Line-buffered, so that the header shows when it is printed.
+    let mut server = srv.start_until(
+        prog,
+        &["-d", "rb0", "-B", m0, "-E", m1, "--server", "-n", "200"],
+        header,
+    );
     std::thread::sleep(Duration::from_millis(300));
     let mut client = None;
     for _ in 0..3 {
@@ -605,25 +600,21 @@ fn raw_perftest(prog: &str, header: &str) {
         cmd.args(["-d", "rb1", "-B", m1, "-E", m0, "--client", "-n", "200"]);
         client = Some(run(cmd, Duration::from_secs(60)));
         let t0 = Instant::now();
-        while t0.elapsed() < Duration::from_secs(20) && s.try_wait().unwrap().is_none() {
+        while t0.elapsed() < Duration::from_secs(20) && server.child.try_wait().unwrap().is_none() {
             std::thread::sleep(Duration::from_millis(50));
         }
-        if s.try_wait().unwrap().is_some() {
+        if server.child.try_wait().unwrap().is_some() {
             break;
         }
     }
     let c = client.unwrap();
-    let status = match s.try_wait().unwrap() {
-        Some(st) => st,
-        None => {
-            let _ = s.kill();
-            panic!("{prog} server never finished:\n{server_out}");
-        }
-    };
-    let mut err = String::new();
-    let _ = s.stderr.take().unwrap().read_to_string(&mut err);
-    server_out += &rest.join().unwrap();
-    assert!(status.success(), "{prog} server failed:\n{server_out}{err}");
+    assert!(
+        server.child.try_wait().unwrap().is_some(),
+        "{prog} server never finished:\n{}",
+        server.head
+    );
+    let (status, server_out) = server.finish(Duration::from_secs(5));
+    assert!(status.success(), "{prog} server failed:\n{server_out}");
     assert!(c.status.success(), "{prog} client failed:\n{}", text(&c));
     for (side, out) in [("server", server_out.clone()), ("client", text(&c))] {
         println!("{prog} {side}: {}", result_row(prog, &out, header));
