@@ -106,6 +106,11 @@ struct Id {
     dst: SocketAddrV4,
     /// READ/atomic depths of a request not answered yet (the requester's view swapped).
     depths: (u8, u8),
+    /// The peer's QP and the options the connection's QPs move with, once known (the
+    /// request on the passive side, the reply on the active side): `rdma_init_qp_attr`.
+    remote: Option<(Endpoint, ConnectOptions)>,
+    /// The first PSN this side sends, once known.
+    local_psn: Option<u32>,
     /// QP attributes `rdma_get_request` creates the new id's QP with (`rdma_create_ep`
     /// on a passive id).
     ep_qp: Option<abi::ibv_qp_init_attr>,
@@ -309,6 +314,8 @@ impl Cma {
                 src: SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, 0),
                 dst: SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, 0),
                 depths: (0, 0),
+                remote: None,
+                local_psn: None,
                 ep_qp: None,
                 made: Vec::new(),
                 groups: Vec::new(),
@@ -900,11 +907,14 @@ impl Cma {
                 return Err(libc::EINVAL);
             }
             let opts = conn_options(&param);
-            self.cm(st, nic)?
-                .accept_external(cid, qpn, &opts, &param.private)
+            let cm = self.cm(st, nic)?;
+            let remote = cm.request(cid, &opts);
+            cm.accept_external(cid, qpn, &opts, &param.private)
                 .map_err(|e| crate::errno_of(&e))?;
             if let Some(i) = self.ids.get_mut(&p) {
                 i.phase = Phase::Accepting(cid);
+                i.remote = remote;
+                i.local_psn = Some(first_psn(cid, qpn));
             }
             return Ok(());
         }
@@ -938,6 +948,10 @@ impl Cma {
         let opts = conn_options(&param);
         let (remote, mine) = self.cm(st, nic)?.request(cid, &opts).ok_or(libc::EINVAL)?;
         qp_up(st, qp, &remote, &mine, first_psn(cid, qpn))?;
+        if let Some(i) = self.ids.get_mut(&p) {
+            i.remote = Some((remote, mine));
+            i.local_psn = Some(first_psn(cid, qpn));
+        }
         self.cm(st, nic)?
             .accept_external(cid, qpn, &opts, &param.private)
             .map_err(|e| crate::errno_of(&e))?;
@@ -1438,6 +1452,10 @@ impl Cma {
                     return;
                 };
                 let qp = self.ids[&p].id.id.qp;
+                if let Some(i) = self.ids.get_mut(&p) {
+                    i.remote = Some((remote, opts));
+                    i.local_psn = Some(local_psn);
+                }
                 let conn = Some((
                     padded(&private, MAX_ACCEPT_PRIVATE),
                     opts.max_dest_rd_atomic,
@@ -1618,6 +1636,18 @@ impl Cma {
         // The requester's initiator depth is this side's responder resources, and the
         // other way round (librdmacm's view of the request).
         i.depths = (depths.0.min(MAX_DEPTH), depths.1.min(MAX_DEPTH));
+        // What `rdma_init_qp_attr` gives for RTR: the requester's QP, the request's depths.
+        let asked = ConnParam {
+            responder_resources: i.depths.0,
+            initiator_depth: i.depths.1,
+            retry_count: 7,
+            rnr_retry_count: 7,
+            ..Default::default()
+        };
+        i.remote = self
+            .cms
+            .get(&nic)
+            .and_then(|cm| cm.request(cid, &conn_options(&asked)));
         i.phase = Phase::Requested(cid);
         self.conns.insert((nic, cid), child);
         let whole = match ps {
@@ -1718,6 +1748,108 @@ fn conn_options(param: &ConnParam) -> ConnectOptions {
     }
 }
 
+impl Cma {
+    /// `rdma_init_qp_attr`: the attributes (and mask) that move a QP of id `p` to `state`
+    /// as the library moves its own: INIT once the id is on a NIC, RTR once the peer's QP
+    /// is known (the request, or the reply), RTS once this side's first PSN is (the
+    /// accept, or the reply). EINVAL before that, or for another state.
+    pub fn init_qp_attr(&self, p: usize, state: u32) -> Result<(abi::ibv_qp_attr, u32), i32> {
+        let i = self.ids.get(&p).ok_or(libc::EINVAL)?;
+        i.nic.ok_or(libc::EINVAL)?;
+        let ud = i.id.id.ps == RDMA_PS_UDP;
+        match state {
+            abi::ibv_qp_state_IBV_QPS_INIT => {
+                let mut a = abi::ibv_qp_attr {
+                    qp_state: state,
+                    pkey_index: 0,
+                    port_num: 1,
+                    ..Default::default()
+                };
+                let mut mask = abi::ibv_qp_attr_mask_IBV_QP_STATE
+                    | abi::ibv_qp_attr_mask_IBV_QP_PKEY_INDEX
+                    | abi::ibv_qp_attr_mask_IBV_QP_PORT;
+                if ud {
+                    a.qkey = RDMA_UDP_QKEY;
+                    mask |= abi::ibv_qp_attr_mask_IBV_QP_QKEY;
+                } else {
+                    a.qp_access_flags = abi::ibv_access_flags_IBV_ACCESS_REMOTE_WRITE
+                        | abi::ibv_access_flags_IBV_ACCESS_REMOTE_READ
+                        | abi::ibv_access_flags_IBV_ACCESS_REMOTE_ATOMIC;
+                    mask |= abi::ibv_qp_attr_mask_IBV_QP_ACCESS_FLAGS;
+                }
+                Ok((a, mask))
+            }
+            abi::ibv_qp_state_IBV_QPS_RTR if ud => Ok((
+                abi::ibv_qp_attr {
+                    qp_state: state,
+                    ..Default::default()
+                },
+                abi::ibv_qp_attr_mask_IBV_QP_STATE,
+            )),
+            abi::ibv_qp_state_IBV_QPS_RTS if ud => Ok((
+                abi::ibv_qp_attr {
+                    qp_state: state,
+                    ..Default::default()
+                },
+                abi::ibv_qp_attr_mask_IBV_QP_STATE | abi::ibv_qp_attr_mask_IBV_QP_SQ_PSN,
+            )),
+            abi::ibv_qp_state_IBV_QPS_RTR => {
+                let (remote, o) = i.remote.as_ref().ok_or(libc::EINVAL)?;
+                Ok(rtr_attr(remote, o))
+            }
+            abi::ibv_qp_state_IBV_QPS_RTS => {
+                let (_, o) = i.remote.as_ref().ok_or(libc::EINVAL)?;
+                let psn = i.local_psn.ok_or(libc::EINVAL)?;
+                Ok(rts_attr(o, psn))
+            }
+            _ => Err(libc::EINVAL),
+        }
+    }
+}
+
+/// The RTR attributes towards `remote` under `o`, and their mask.
+fn rtr_attr(remote: &Endpoint, o: &ConnectOptions) -> (abi::ibv_qp_attr, u32) {
+    let mut rtr = abi::ibv_qp_attr {
+        qp_state: abi::ibv_qp_state_IBV_QPS_RTR,
+        path_mtu: u32::from(o.path_mtu),
+        dest_qp_num: remote.qpn,
+        rq_psn: remote.psn,
+        max_dest_rd_atomic: o.max_dest_rd_atomic,
+        min_rnr_timer: o.min_rnr_timer,
+        ah_attr: ah_to(Ipv4Addr::from(remote.ip)),
+        ..Default::default()
+    };
+    rtr.ah_attr.port_num = 1;
+    let mask = abi::ibv_qp_attr_mask_IBV_QP_STATE
+        | abi::ibv_qp_attr_mask_IBV_QP_AV
+        | abi::ibv_qp_attr_mask_IBV_QP_PATH_MTU
+        | abi::ibv_qp_attr_mask_IBV_QP_DEST_QPN
+        | abi::ibv_qp_attr_mask_IBV_QP_RQ_PSN
+        | abi::ibv_qp_attr_mask_IBV_QP_MAX_DEST_RD_ATOMIC
+        | abi::ibv_qp_attr_mask_IBV_QP_MIN_RNR_TIMER;
+    (rtr, mask)
+}
+
+/// The RTS attributes under `o`, sending from `psn`, and their mask.
+fn rts_attr(o: &ConnectOptions, psn: u32) -> (abi::ibv_qp_attr, u32) {
+    let rts = abi::ibv_qp_attr {
+        qp_state: abi::ibv_qp_state_IBV_QPS_RTS,
+        sq_psn: psn & 0x00FF_FFFF,
+        timeout: o.timeout,
+        retry_cnt: o.retry_cnt,
+        rnr_retry: o.rnr_retry,
+        max_rd_atomic: o.max_rd_atomic,
+        ..Default::default()
+    };
+    let mask = abi::ibv_qp_attr_mask_IBV_QP_STATE
+        | abi::ibv_qp_attr_mask_IBV_QP_SQ_PSN
+        | abi::ibv_qp_attr_mask_IBV_QP_TIMEOUT
+        | abi::ibv_qp_attr_mask_IBV_QP_RETRY_CNT
+        | abi::ibv_qp_attr_mask_IBV_QP_RNR_RETRY
+        | abi::ibv_qp_attr_mask_IBV_QP_MAX_QP_RD_ATOMIC;
+    (rts, mask)
+}
+
 /// Moves QP `qp` (a ringbell `ibv_qp`) with `attr` under `mask`.
 fn move_qp(
     st: &mut State,
@@ -1742,52 +1874,10 @@ fn qp_up(
     o: &ConnectOptions,
     psn: u32,
 ) -> Result<(), i32> {
-    let mut rtr = abi::ibv_qp_attr {
-        qp_state: abi::ibv_qp_state_IBV_QPS_RTR,
-        path_mtu: u32::from(o.path_mtu),
-        dest_qp_num: remote.qpn,
-        rq_psn: remote.psn,
-        max_dest_rd_atomic: o.max_dest_rd_atomic,
-        min_rnr_timer: o.min_rnr_timer,
-        ..Default::default()
-    };
-    rtr.ah_attr.is_global = 1;
-    rtr.ah_attr.port_num = 1;
-    rtr.ah_attr.grh.dgid = gid_of(Ipv4Addr::from(remote.ip));
-    rtr.ah_attr.grh.hop_limit = 64;
-    let m = |v: u32| v;
-    move_qp(
-        st,
-        qp,
-        &rtr,
-        m(abi::ibv_qp_attr_mask_IBV_QP_STATE
-            | abi::ibv_qp_attr_mask_IBV_QP_AV
-            | abi::ibv_qp_attr_mask_IBV_QP_PATH_MTU
-            | abi::ibv_qp_attr_mask_IBV_QP_DEST_QPN
-            | abi::ibv_qp_attr_mask_IBV_QP_RQ_PSN
-            | abi::ibv_qp_attr_mask_IBV_QP_MAX_DEST_RD_ATOMIC
-            | abi::ibv_qp_attr_mask_IBV_QP_MIN_RNR_TIMER),
-    )?;
-    let rts = abi::ibv_qp_attr {
-        qp_state: abi::ibv_qp_state_IBV_QPS_RTS,
-        sq_psn: psn & 0x00FF_FFFF,
-        timeout: o.timeout,
-        retry_cnt: o.retry_cnt,
-        rnr_retry: o.rnr_retry,
-        max_rd_atomic: o.max_rd_atomic,
-        ..Default::default()
-    };
-    move_qp(
-        st,
-        qp,
-        &rts,
-        abi::ibv_qp_attr_mask_IBV_QP_STATE
-            | abi::ibv_qp_attr_mask_IBV_QP_SQ_PSN
-            | abi::ibv_qp_attr_mask_IBV_QP_TIMEOUT
-            | abi::ibv_qp_attr_mask_IBV_QP_RETRY_CNT
-            | abi::ibv_qp_attr_mask_IBV_QP_RNR_RETRY
-            | abi::ibv_qp_attr_mask_IBV_QP_MAX_QP_RD_ATOMIC,
-    )
+    let (rtr, m) = rtr_attr(remote, o);
+    move_qp(st, qp, &rtr, m)?;
+    let (rts, m) = rts_attr(o, psn);
+    move_qp(st, qp, &rts, m)
 }
 
 /// Moves QP `qp` (if any) to ERR: its outstanding work requests flush.

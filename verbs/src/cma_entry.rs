@@ -834,12 +834,26 @@ pub unsafe extern "C" fn rdma_get_request(
 
 #[no_mangle]
 pub unsafe extern "C" fn rdma_init_qp_attr(
-    _id: *mut rdma_cm_id,
-    _attr: *mut abi::ibv_qp_attr,
-    _mask: *mut c_int,
+    id: *mut rdma_cm_id,
+    attr: *mut abi::ibv_qp_attr,
+    mask: *mut c_int,
 ) -> c_int {
-    // The library moves the QPs of its connections itself.
-    rc(Err(libc::EOPNOTSUPP))
+    if attr.is_null() || mask.is_null() {
+        return rc(Err(libc::EINVAL));
+    }
+    // SAFETY: the caller's attributes, checked non-null: the state asked for is read.
+    let state = unsafe { (*attr).qp_state };
+    match call(Err(libc::EIO), |c, _| c.init_qp_attr(id as usize, state)) {
+        Ok((a, m)) => {
+            // SAFETY: as above; the attributes and mask are written.
+            unsafe {
+                *attr = a;
+                *mask = m as c_int;
+            }
+            0
+        }
+        Err(e) => rc(Err(e)),
+    }
 }
 
 /// The IPv4 group a join or leave names.

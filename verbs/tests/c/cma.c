@@ -811,6 +811,38 @@ int main(void)
 		CHECK_OK(rdma_ack_cm_event(e));
 		CHECK_OK(rdma_establish(act));
 		CHECK_OK(rdma_ack_cm_event(expect_event(sch, RDMA_CM_EVENT_ESTABLISHED)));
+		/* rdma_init_qp_attr: what each side's own QP moves with. */
+		struct ibv_qp_attr qa;
+		int qm = 0;
+		memset(&qa, 0, sizeof qa);
+		qa.qp_state = IBV_QPS_RTR;
+		CHECK_OK(rdma_init_qp_attr(act, &qa, &qm));
+		CHECK_EQ(qa.dest_qp_num, 0x4321); /* the accept's QP */
+		uint32_t act_rq = qa.rq_psn;
+		CHECK(qm & IBV_QP_AV && qm & IBV_QP_DEST_QPN && qm & IBV_QP_RQ_PSN);
+		CHECK_EQ(qa.ah_attr.grh.dgid.raw[15], 1); /* 10.0.0.1 */
+		memset(&qa, 0, sizeof qa);
+		qa.qp_state = IBV_QPS_RTR;
+		CHECK_OK(rdma_init_qp_attr(pas, &qa, &qm));
+		CHECK_EQ(qa.dest_qp_num, 0x1234); /* the request's QP */
+		uint32_t pas_rq = qa.rq_psn;
+		memset(&qa, 0, sizeof qa);
+		qa.qp_state = IBV_QPS_RTS;
+		CHECK_OK(rdma_init_qp_attr(act, &qa, &qm));
+		CHECK(qm & IBV_QP_SQ_PSN);
+		CHECK_EQ(qa.sq_psn, pas_rq); /* what the passive side expects first */
+		memset(&qa, 0, sizeof qa);
+		qa.qp_state = IBV_QPS_RTS;
+		CHECK_OK(rdma_init_qp_attr(pas, &qa, &qm));
+		CHECK_EQ(qa.sq_psn, act_rq);
+		memset(&qa, 0, sizeof qa);
+		qa.qp_state = IBV_QPS_INIT;
+		CHECK_OK(rdma_init_qp_attr(pas, &qa, &qm));
+		CHECK_EQ(qm, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_ACCESS_FLAGS);
+		qa.qp_state = IBV_QPS_SQD;
+		errno = 0;
+		CHECK_EQ(rdma_init_qp_attr(pas, &qa, &qm), -1);
+		CHECK_EQ(errno, EINVAL);
 		CHECK_OK(rdma_disconnect(act));
 		CHECK_OK(rdma_ack_cm_event(expect_event(sch, RDMA_CM_EVENT_DISCONNECTED)));
 		CHECK_OK(rdma_ack_cm_event(expect_event(cch, RDMA_CM_EVENT_DISCONNECTED)));
