@@ -717,14 +717,7 @@ impl ConnectionManager {
             ));
         }
         let qpn = qp.qpn();
-        let mut held = Some(qp);
-        self.answer(id, qpn, opts, private, |remote, mine, _| {
-            let qp = held.as_mut().expect("moved once");
-            qp.to_rtr(remote, mine)
-        })?;
-        let qp = held.take().expect("moved once");
-        self.hold(id, Held::Qp(Box::new(qp)));
-        Ok(())
+        self.answer(id, Held::Qp(Box::new(qp)), qpn, opts, private)
     }
 
     /// [`ConnectionManager::accept`] for a QP the caller has moved itself (QP number
@@ -738,9 +731,7 @@ impl ConnectionManager {
         opts: &ConnectOptions,
         private: &[u8],
     ) -> Result<(), Error> {
-        self.answer(id, qpn, opts, private, |_, _, _| Ok(()))?;
-        self.hold(id, Held::Caller);
-        Ok(())
+        self.answer(id, Held::Caller, qpn, opts, private)
     }
 
     /// The READ/atomic depths of the connection request `id` (a
@@ -775,21 +766,15 @@ impl ConnectionManager {
         ))
     }
 
-    fn hold(&mut self, id: ConnId, qp: Held) {
-        if let Some(State::RepSent { qp: h, .. }) = self.conns.get_mut(&id.0).map(|c| &mut c.state)
-        {
-            *h = qp;
-        }
-    }
-
-    /// Checks the request `id`, lets `up` move the QP, and sends the REP.
+    /// Checks the request `id`, moves `qp` to RTR if the CM holds it (the caller has moved
+    /// its own), and sends the REP naming QP `qpn`.
     fn answer(
         &mut self,
         id: ConnId,
+        mut qp: Held,
         qpn: u32,
         opts: &ConnectOptions,
         private: &[u8],
-        up: impl FnOnce(&Endpoint, &ConnectOptions, u32) -> Result<(), Error>,
     ) -> Result<(), Error> {
         let Some(conn) = self.conns.get(&id.0) else {
             return Err(Error::InvalidArgument("no such connection request"));
@@ -806,7 +791,9 @@ impl ConnectionManager {
         }
         let req = req.clone();
         let (remote, mine) = self.request(id, opts).expect("checked above");
-        up(&remote, &mine, start_psn(id.0, qpn))?;
+        if let Held::Qp(q) = &mut qp {
+            q.to_rtr(&remote, &mine)?;
+        }
         let rep = CmMsg {
             kind: Some(CmKind::Rep),
             local_comm_id: id.0,
@@ -823,10 +810,7 @@ impl ConnectionManager {
         };
         let mut conn = self.conns.remove(&id.0).expect("checked above");
         rep.emit(&mut conn.last);
-        conn.state = State::RepSent {
-            qp: Held::Caller,
-            opts: mine,
-        };
+        conn.state = State::RepSent { qp, opts: mine };
         conn.repeats = 0;
         let r = self.send_and_arm(&mut conn);
         self.conns.insert(id.0, conn);
@@ -1174,11 +1158,16 @@ impl ConnectionManager {
         }
     }
 
-    /// The connection `m` names, if it came from that connection's peer.
+    /// The connection `m` names, if it came from that connection's peer; otherwise the
+    /// message is counted as ignored.
     fn conn_of(&mut self, from: AhAttr, m: &CmMsg) -> Option<u32> {
-        let c = self.conns.get(&m.remote_comm_id)?;
-        (c.peer == from && (c.remote_comm_id == 0 || c.remote_comm_id == m.local_comm_id))
-            .then_some(m.remote_comm_id)
+        let known = self.conns.get(&m.remote_comm_id).is_some_and(|c| {
+            c.peer == from && (c.remote_comm_id == 0 || c.remote_comm_id == m.local_comm_id)
+        });
+        if !known {
+            self.stats.ignored += 1;
+        }
+        known.then_some(m.remote_comm_id)
     }
 
     /// Whether a request (REQ or SIDR REQ) is a repeat of one already known; if so it is
@@ -1260,7 +1249,6 @@ impl ConnectionManager {
 
     fn on_mra(&mut self, from: AhAttr, m: CmMsg) {
         let Some(id) = self.conn_of(from, &m) else {
-            self.stats.ignored += 1;
             return;
         };
         let now = self.dev.clock_ps();
@@ -1278,7 +1266,6 @@ impl ConnectionManager {
 
     fn on_sidr_rep(&mut self, from: AhAttr, m: CmMsg) {
         let Some(id) = self.conn_of(from, &m) else {
-            self.stats.ignored += 1;
             return;
         };
         let mut conn = self.conns.remove(&id).expect("conn_of found it");
@@ -1302,7 +1289,6 @@ impl ConnectionManager {
 
     fn on_rep(&mut self, from: AhAttr, m: CmMsg) {
         let Some(id) = self.conn_of(from, &m) else {
-            self.stats.ignored += 1;
             return;
         };
         let mut conn = self.conns.remove(&id).expect("conn_of found it");
@@ -1406,7 +1392,6 @@ impl ConnectionManager {
 
     fn on_rtu(&mut self, from: AhAttr, m: CmMsg) {
         let Some(id) = self.conn_of(from, &m) else {
-            self.stats.ignored += 1;
             return;
         };
         let mut conn = self.conns.remove(&id).expect("conn_of found it");
@@ -1453,7 +1438,6 @@ impl ConnectionManager {
 
     fn on_rej(&mut self, from: AhAttr, m: CmMsg) {
         let Some(id) = self.conn_of(from, &m) else {
-            self.stats.ignored += 1;
             return;
         };
         let mut conn = self.conns.remove(&id).expect("conn_of found it");
@@ -1489,7 +1473,6 @@ impl ConnectionManager {
     fn on_dreq(&mut self, from: AhAttr, m: CmMsg) {
         let Some(id) = self.conn_of(from, &m) else {
             // Already forgotten, or never known: a DREP closes the peer's side anyway.
-            self.stats.ignored += 1;
             let drep = CmMsg::about(CmKind::Drep, m.remote_comm_id, m.local_comm_id);
             let mut b = Vec::new();
             drep.emit(&mut b);
@@ -1519,7 +1502,6 @@ impl ConnectionManager {
 
     fn on_drep(&mut self, from: AhAttr, m: CmMsg) {
         let Some(id) = self.conn_of(from, &m) else {
-            self.stats.ignored += 1;
             return;
         };
         let mut conn = self.conns.remove(&id).expect("conn_of found it");

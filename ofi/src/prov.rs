@@ -1792,6 +1792,8 @@ impl State {
         // device would have them, not endpoint by endpoint.
         let mut shared_dgrams: Vec<(usize, WorkCompletion)> = Vec::new();
         for key in keys {
+            // A datagram endpoint's shared receive context, looked up once per endpoint.
+            let shared = self.shared_dgram_context(key);
             loop {
                 let mut wc = [WorkCompletion::default(); 16];
                 let k = match self.ep_mut(key) {
@@ -1799,9 +1801,9 @@ impl State {
                     _ => 0,
                 };
                 for w in &wc[..k] {
-                    match self.shared_dgram_context(key, w) {
-                        Some(s) => shared_dgrams.push((s, *w)),
-                        None => self.on_wc(key, w),
+                    match shared {
+                        Some(s) if w.wr_id & SRX_WR != 0 => shared_dgrams.push((s, *w)),
+                        _ => self.on_wc(key, w),
                     }
                 }
                 if k < wc.len() {
@@ -1830,11 +1832,11 @@ impl State {
         }
     }
 
-    /// The shared receive context of datagram endpoints whose receive completion `w`, read
-    /// from endpoint `ep`'s CQ, is; `None` for any other completion.
-    fn shared_dgram_context(&self, ep: usize, w: &WorkCompletion) -> Option<usize> {
+    /// The shared receive context datagram endpoint `ep` takes its receives from (its
+    /// completions of them carry [`SRX_WR`]); `None` for any other endpoint.
+    fn shared_dgram_context(&self, ep: usize) -> Option<usize> {
         let e = self.objs_ep(ep).ok()?;
-        if w.wr_id & SRX_WR == 0 || e.srx || e.dgram.is_none() {
+        if e.srx || e.dgram.is_none() {
             return None;
         }
         e.rx_shared

@@ -21,10 +21,16 @@ fn raw_side(f: &Fabric, node: usize) -> Side {
 /// A fabric of two nodes with a raw packet QP in RTS on each, and node 1's MAC address.
 fn two_raw(seed: u64) -> (Fabric, Side, Side, [u8; 6]) {
     let f = Fabric::new(FabricConfig::new(2, seed));
-    let a = raw_side(&f, 0);
-    let b = raw_side(&f, 1);
-    let b_mac = b.dev.ah_attr().mac;
+    let (a, b, b_mac) = raw_pair(&f);
     (f, a, b, b_mac)
+}
+
+/// A raw packet QP in RTS on nodes 0 and 1 of `f`, and node 1's MAC address.
+fn raw_pair(f: &Fabric) -> (Side, Side, [u8; 6]) {
+    let a = raw_side(f, 0);
+    let b = raw_side(f, 1);
+    let b_mac = b.dev.ah_attr().mac;
+    (a, b, b_mac)
 }
 
 /// Another raw packet QP on `s`'s device, completing on `s`'s CQ, in RTS.
@@ -522,9 +528,7 @@ fn a_corrupted_frame_is_dropped_never_delivered() {
     let mut cfg = FabricConfig::new(2, 8);
     cfg.faults.links = lossy_links(0, 0, 0, 500_000);
     let f = Fabric::new(cfg);
-    let mut a = raw_side(&f, 0);
-    let mut b = raw_side(&f, 1);
-    let b_mac = b.dev.ah_attr().mac;
+    let (mut a, mut b, b_mac) = raw_pair(&f);
     let _fl =
         b.qp.create_flow(&FlowRule::default().dst_mac(b_mac))
             .unwrap();
@@ -580,9 +584,7 @@ fn raw_frames_in_a_capture_and_a_timeline_arrive_unchanged() {
     let f = Fabric::new(FabricConfig::new(2, 10));
     f.start_capture(std::io::sink()).unwrap();
     f.start_timeline(10_000).unwrap();
-    let mut a = raw_side(&f, 0);
-    let mut b = raw_side(&f, 1);
-    let b_mac = b.dev.ah_attr().mac;
+    let (mut a, mut b, b_mac) = raw_pair(&f);
     let _fl =
         b.qp.create_flow(&FlowRule::default().dst_mac(b_mac))
             .unwrap();

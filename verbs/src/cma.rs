@@ -52,6 +52,8 @@ pub const MAX_ACCEPT_PRIVATE: usize = ringbell::cm::MAX_REP_PRIVATE;
 pub const MAX_REJECT_PRIVATE: usize = ringbell::cm::MAX_REJ_PRIVATE;
 /// The READ/atomic depth a NIC offers (the device's `max_qp_rd_atom`).
 const MAX_DEPTH: u8 = 16;
+/// The largest backlog of a listener (the kernel's `max_backlog` default).
+pub const MAX_BACKLOG: usize = 1024;
 /// First ephemeral port.
 const EPHEMERAL: u16 = 32768;
 
@@ -117,8 +119,11 @@ struct Id {
     /// CQs and channels the library made for the id's QP (destroyed with the id's QP at
     /// `rdma_destroy_ep`).
     made: Vec<(*mut abi::ibv_cq, *mut abi::ibv_comp_channel)>,
-    /// Multicast groups joined (a datagram id's), with the context each join gave.
-    groups: Vec<(Ipv4Addr, *mut std::ffi::c_void)>,
+    /// Multicast groups joined (a datagram id's).
+    groups: Vec<Ipv4Addr>,
+    /// A listener's backlog: requests it may have queued and not handed out yet (more are
+    /// refused, as the kernel's rdma_cm refuses them).
+    backlog: usize,
 }
 
 /// An event channel's queue. A synchronous id (made without a channel) has one of its own.
@@ -153,6 +158,13 @@ struct Request {
     from: AhAttr,
     private: Vec<u8>,
     sidr: bool,
+}
+
+/// What a datagram event's `param.ud.private_data` points to: the message's private data,
+/// or (`MULTICAST_JOIN`) the join's context, as librdmacm gives it.
+enum UdData {
+    Private(Vec<u8>),
+    Context(*mut std::ffi::c_void),
 }
 
 /// What a connect or accept asks for (`struct rdma_conn_param`, copied).
@@ -319,6 +331,7 @@ impl Cma {
                 ep_qp: None,
                 made: Vec::new(),
                 groups: Vec::new(),
+                backlog: 0,
             },
         );
         p
@@ -516,10 +529,15 @@ impl Cma {
     }
 
     /// `rdma_listen`: connection requests to the id's port (on its NIC, or on every NIC of
-    /// this process) come to it.
-    pub fn listen(&mut self, st: &mut State, p: usize) -> Result<(), i32> {
+    /// this process) come to it, up to `backlog` of them waiting to be handed out (0 or
+    /// less, or more than [`MAX_BACKLOG`]: [`MAX_BACKLOG`], as the kernel takes it).
+    pub fn listen(&mut self, st: &mut State, p: usize, backlog: i32) -> Result<(), i32> {
         let (phase, nic, port, ps) = {
-            let i = self.ids.get(&p).ok_or(libc::EINVAL)?;
+            let i = self.ids.get_mut(&p).ok_or(libc::EINVAL)?;
+            i.backlog = match usize::try_from(backlog) {
+                Ok(b) if (1..=MAX_BACKLOG).contains(&b) => b,
+                _ => MAX_BACKLOG,
+            };
             (i.phase, i.nic, i.src.port(), i.id.id.ps)
         };
         let port = match phase {
@@ -691,7 +709,7 @@ impl Cma {
             with_held(st, qp as *mut RbQp, Kind::Qp, crate::qp::destroy);
             return Err(e);
         }
-        let groups: Vec<Ipv4Addr> = self.ids[&p].groups.iter().map(|g| g.0).collect();
+        let groups = self.ids[&p].groups.clone();
         for g in groups {
             with_held(st, qp as *mut RbQp, Kind::Qp, |_, q| {
                 crate::flow::attach_mcast(q, gid_bytes(g))
@@ -793,7 +811,7 @@ impl Cma {
         let qp = std::mem::replace(&mut i.id.id.qp, std::ptr::null_mut());
         if !qp.is_null() {
             // The QP leaves its groups first (a QP in a group is not destroyed).
-            for (g, _) in &i.groups {
+            for g in &i.groups {
                 with_held(st, qp as *mut RbQp, Kind::Qp, |_, q| {
                     crate::flow::detach_mcast(q, gid_bytes(*g))
                 });
@@ -1291,16 +1309,14 @@ impl Cma {
         &mut self,
         p: usize,
         kind: u32,
-        private: Option<Vec<u8>>,
+        private: UdData,
         ah: abi::ibv_ah_attr,
         qpn: u32,
         qkey: u32,
     ) {
-        let context = match &private {
-            Some(_) => std::ptr::null_mut(),
-            None => self.ids.get(&p).map_or(std::ptr::null_mut(), |i| {
-                i.groups.last().map_or(std::ptr::null_mut(), |g| g.1)
-            }),
+        let (private, context) = match private {
+            UdData::Private(v) => (v, std::ptr::null_mut()),
+            UdData::Context(c) => (Vec::new(), c),
         };
         self.queue(p, std::ptr::null_mut(), kind, 0, None);
         let Some(chan) = self.ids.get(&p).map(|i| i.chan) else {
@@ -1309,7 +1325,7 @@ impl Cma {
         let Some(e) = self.chans.get_mut(&chan).and_then(|c| c.events.back_mut()) else {
             return;
         };
-        e.private = private.unwrap_or_default();
+        e.private = private;
         let (data, len) = match e.private.is_empty() {
             true => (context as *const std::ffi::c_void, 0),
             false => (e.private.as_ptr().cast(), e.private.len().min(255) as u8),
@@ -1343,7 +1359,7 @@ impl Cma {
         if i.nic.is_none() {
             return Err(libc::ENODEV);
         }
-        if i.groups.iter().any(|g| g.0 == group) {
+        if i.groups.contains(&group) {
             return Err(libc::EADDRINUSE);
         }
         let qp = i.id.id.qp;
@@ -1360,12 +1376,12 @@ impl Cma {
             .get_mut(&p)
             .expect("checked above")
             .groups
-            .push((group, context));
+            .push(group);
         let ah = ah_to(group);
         self.queue_ud(
             p,
             RDMA_CM_EVENT_MULTICAST_JOIN,
-            None,
+            UdData::Context(context),
             ah,
             ringbell_specs::cmd::MCAST_QPN,
             RDMA_UDP_QKEY,
@@ -1379,7 +1395,7 @@ impl Cma {
         let k = i
             .groups
             .iter()
-            .position(|g| g.0 == group)
+            .position(|g| *g == group)
             .ok_or(libc::EADDRNOTAVAIL)?;
         i.groups.remove(k);
         let qp = i.id.id.qp;
@@ -1570,7 +1586,8 @@ impl Cma {
                 }
                 let private = padded(&private, MAX_SIDR_REPLY_PRIVATE);
                 let ah = ah_to(Ipv4Addr::from(from.ip));
-                self.queue_ud(p, RDMA_CM_EVENT_ESTABLISHED, Some(private), ah, qpn, qkey);
+                let private = UdData::Private(private);
+                self.queue_ud(p, RDMA_CM_EVENT_ESTABLISHED, private, ah, qpn, qkey);
             }
             // Connections whose QP the CM holds are the driver's own API's, not made here.
             CmEvent::Established { .. } => {}
@@ -1600,6 +1617,20 @@ impl Cma {
             self.refuse_request(nic, cid, sidr, true);
             return;
         };
+        // A listener whose backlog is full (requests from the fabric the program has not
+        // taken yet) refuses more: the queue stays bounded whatever the peers send.
+        let waiting = self.ids.get(&l).map_or(0, |li| {
+            self.chans.get(&li.chan).map_or(0, |c| {
+                c.events
+                    .iter()
+                    .filter(|e| e.ev.listen_id as usize == l)
+                    .count()
+            })
+        });
+        if waiting >= self.ids[&l].backlog {
+            self.refuse_request(nic, cid, sidr, false);
+            return;
+        }
         let (chan, context, qp_type) = {
             let li = &self.ids[&l];
             (li.chan, li.id.id.context, li.id.id.qp_type)

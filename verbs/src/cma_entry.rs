@@ -242,8 +242,10 @@ pub unsafe extern "C" fn rdma_resolve_route(id: *mut rdma_cm_id, _timeout_ms: c_
 }
 
 #[no_mangle]
-pub unsafe extern "C" fn rdma_listen(id: *mut rdma_cm_id, _backlog: c_int) -> c_int {
-    rc(call(Err(libc::EIO), |c, st| c.listen(st, id as usize)))
+pub unsafe extern "C" fn rdma_listen(id: *mut rdma_cm_id, backlog: c_int) -> c_int {
+    rc(call(Err(libc::EIO), |c, st| {
+        c.listen(st, id as usize, backlog)
+    }))
 }
 
 /// The library's XRC domain of id `id`'s NIC (opened at the first need, kept) and the id's

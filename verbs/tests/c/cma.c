@@ -694,6 +694,37 @@ int main(void)
 	rdma_destroy_qp(r);
 	CHECK_OK(rdma_destroy_id(r));
 
+	/* ---- a listener's backlog: requests it has not handed out beyond it are refused ---- */
+	{
+		struct rdma_cm_id *l3;
+		CHECK_OK(rdma_create_id(sch, &l3, NULL, RDMA_PS_TCP));
+		struct sockaddr_in l3a = sin_of("10.0.0.1", 7477);
+		CHECK_OK(rdma_bind_addr(l3, (struct sockaddr *)&l3a));
+		CHECK_OK(rdma_listen(l3, 1));
+		struct rdma_cm_id *first = resolved(cch, RDMA_PS_TCP, "10.0.0.2", "10.0.0.1", 7477,
+						    IBV_QPT_RC);
+		struct rdma_cm_id *second = resolved(cch, RDMA_PS_TCP, "10.0.0.2", "10.0.0.1", 7477,
+						     IBV_QPT_RC);
+		CHECK_OK(rdma_connect(first, NULL));
+		CHECK_OK(rdma_connect(second, NULL));
+		e = expect_event(cch, RDMA_CM_EVENT_REJECTED);
+		CHECK(e->id == second);
+		CHECK_EQ(e->status, 28);
+		CHECK_OK(rdma_ack_cm_event(e));
+		e = expect_event(sch, RDMA_CM_EVENT_CONNECT_REQUEST);
+		CHECK(e->listen_id == l3);
+		struct rdma_cm_id *req3 = e->id;
+		CHECK_OK(rdma_ack_cm_event(e));
+		CHECK_OK(rdma_reject(req3, NULL, 0));
+		CHECK_OK(rdma_ack_cm_event(expect_event(cch, RDMA_CM_EVENT_REJECTED)));
+		CHECK_OK(rdma_destroy_id(req3));
+		rdma_destroy_qp(first);
+		rdma_destroy_qp(second);
+		CHECK_OK(rdma_destroy_id(first));
+		CHECK_OK(rdma_destroy_id(second));
+		CHECK_OK(rdma_destroy_id(l3));
+	}
+
 	/* ---- an id's SRQ (rdma_create_srq): its QP takes receives from it ---- */
 	CHECK_OK(rdma_create_id(cch, &r, NULL, RDMA_PS_TCP));
 	CHECK_OK(rdma_resolve_addr(r, NULL, (struct sockaddr *)&dst, 1000));
