@@ -142,6 +142,9 @@ pub(crate) struct Cma {
     pds: BTreeMap<usize, *mut abi::ibv_pd>,
     ids: BTreeMap<usize, Id>,
     chans: BTreeMap<usize, Chan>,
+    /// Channels destroyed (their addresses until reused): a late `rdma_get_cm_event` on one
+    /// blocks instead of failing.
+    gone_chans: std::collections::BTreeSet<usize>,
     /// Events handed out and not acknowledged yet.
     delivered: BTreeMap<usize, Box<RbCmEvent>>,
     /// Listening ids by (NIC, or every NIC; port).
@@ -220,6 +223,7 @@ impl Cma {
             ch: rdma_event_channel { fd },
         });
         let p: *mut rdma_event_channel = &mut ch.ch;
+        self.gone_chans.remove(&(p as usize));
         self.chans.insert(
             p as usize,
             Chan {
@@ -241,7 +245,19 @@ impl Cma {
         }
         let fd = c.ch.ch.fd;
         self.chans.remove(&p);
+        self.gone_chans.insert(p);
         Ok(fd)
+    }
+
+    /// The descriptor of channel `p` (-1 for a synchronous id's own, or none).
+    pub fn channel_fd(&self, p: usize) -> i32 {
+        self.chans.get(&p).map_or(-1, |c| c.ch.ch.fd)
+    }
+
+    /// Whether `p` was a channel of this library, destroyed since (and its address not
+    /// taken by another).
+    pub fn was_channel(&self, p: usize) -> bool {
+        self.gone_chans.contains(&p)
     }
 
     /// Whether `p` is an id of this library.

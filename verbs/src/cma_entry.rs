@@ -452,25 +452,31 @@ pub unsafe extern "C" fn rdma_get_cm_event(
     }
     let mut waited = false;
     loop {
-        match call(Err(libc::EIO), |c, st| c.next_event(st, ch as usize)) {
-            Ok(Some(e)) => {
+        // (The descriptor is read under the lock: another thread may destroy the channel
+        // as soon as it is released.)
+        let got = call(Err(libc::EIO), |c, st| {
+            let e = c.next_event(st, ch as usize)?;
+            Ok((e, c.channel_fd(ch as usize)))
+        });
+        let fd = match got {
+            Ok((Some(e), _)) => {
                 // SAFETY: checked non-null; the caller's out-parameter.
                 unsafe { *event = e };
                 return 0;
             }
-            Ok(None) => {}
-            // The channel was destroyed while this call waited on it (another thread's
-            // rdma_destroy_event_channel): the call stays blocked, as a read(2) blocked on
-            // a descriptor another thread closes does (rping's event thread is left so
-            // while its main thread returns).
-            Err(libc::EINVAL) if waited => loop {
+            Ok((None, fd)) => fd,
+            // The channel was destroyed while this call waited on it, or before it, by
+            // another thread (rping's main thread destroys it while its event thread goes
+            // on): the call blocks, as a read(2) on a descriptor another thread closes
+            // does, instead of failing the thread that did nothing wrong.
+            Err(libc::EINVAL) if waited || call(false, |c, _| c.was_channel(ch as usize)) => loop {
                 std::thread::sleep(Duration::from_secs(3600));
             },
             Err(e) => return rc(Err(e)),
-        }
+        };
         waited = true;
-        // SAFETY: a live channel's descriptor (checked by `next_event` above).
-        let fl = unsafe { libc::fcntl((*ch).fd, libc::F_GETFL) };
+        // SAFETY: querying a descriptor's flags (one closed meanwhile only fails).
+        let fl = unsafe { libc::fcntl(fd, libc::F_GETFL) };
         if fl >= 0 && fl & libc::O_NONBLOCK != 0 {
             return rc(Err(libc::EAGAIN));
         }
@@ -1008,8 +1014,11 @@ fn xrc_srq_parts(
     depth: u32,
 ) -> Result<(*mut abi::ibv_xrcd, *mut abi::ibv_cq), i32> {
     let (ctx, _, xrcd) = lib_xrcd(id)?;
-    // SAFETY: a live id of this library (lib_xrcd checked), read under the lock.
-    let cq = call(std::ptr::null_mut(), |_, _| unsafe { (*id).recv_cq });
+    let cq = call(std::ptr::null_mut(), |c, _| match c.is_id(id as usize) {
+        // SAFETY: a live id of this library, read under the lock.
+        true => unsafe { (*id).recv_cq },
+        false => std::ptr::null_mut(),
+    });
     if !cq.is_null() {
         return Ok((xrcd, cq));
     }
