@@ -1186,12 +1186,21 @@ impl ConnectionManager {
         true
     }
 
-    fn on_req(&mut self, from: AhAttr, m: CmMsg) {
-        if self.repeated_request(from, &m) {
-            return;
+    /// A fresh id for request `m` from `from` (registered to recognise its repeats), or
+    /// `None` for a repeat (answered already).
+    fn new_request(&mut self, from: AhAttr, m: &CmMsg) -> Option<u32> {
+        if self.repeated_request(from, m) {
+            return None;
         }
         let id = self.fresh_id();
         self.by_remote.insert((from, m.local_comm_id), id);
+        Some(id)
+    }
+
+    fn on_req(&mut self, from: AhAttr, m: CmMsg) {
+        let Some(id) = self.new_request(from, &m) else {
+            return;
+        };
         let mut conn = Conn::new(State::TimeWait, from, m.local_comm_id);
         if !self.listening.contains(&m.service_id) || !(1..=5).contains(&m.path_mtu) {
             let rej = CmMsg {
@@ -1221,11 +1230,9 @@ impl ConnectionManager {
     }
 
     fn on_sidr_req(&mut self, from: AhAttr, m: CmMsg) {
-        if self.repeated_request(from, &m) {
+        let Some(id) = self.new_request(from, &m) else {
             return;
-        }
-        let id = self.fresh_id();
-        self.by_remote.insert((from, m.local_comm_id), id);
+        };
         let mut conn = Conn::new(State::SidrRcvd, from, m.local_comm_id);
         conn.forget_at = self.dev.clock_ps() + self.cfg.time_wait_ps;
         if !self.listening.contains(&m.service_id) {
