@@ -11,9 +11,16 @@
 //!   (all in the first-level cache), in nanoseconds: the core's speed on the emulator's kind
 //!   of work, branchy integer code over data the caches hold, with no memory system in it.
 //!
-//! Each is the best of a few repetitions (the least disturbed by other load).
+//! Each is the best of a few repetitions (the least disturbed by other load). The chase's
+//! table is an anonymous mapping of its own, unmapped when done: 8 MiB taken from the heap
+//! and freed would stay with the allocator, already faulted in, and a benchmark run after
+//! the yardstick would find that much heap for free (the first size `coll` ran did: its
+//! 64-rank group was built in memory the chase had faulted in, the 1024-rank group mostly
+//! in fresh pages).
 
+use memmap2::MmapMut;
 use std::time::Instant;
+use zerocopy::FromBytes;
 
 /// Yardsticks measured now.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -67,6 +74,8 @@ fn best(f: impl Fn() -> f64) -> f64 {
 
 /// Nanoseconds for one copy of `COPY_BYTES`.
 fn memcpy_once() -> f64 {
+    // 64 MiB is above the most glibc's allocator ever serves from its heap: these buffers
+    // are mappings of their own already, returned to the system when dropped.
     let src = vec![0x5Au8; COPY_BYTES];
     // Touched first: the copy is timed, not the page faults of fresh memory.
     let mut dst = vec![0xA5u8; COPY_BYTES];
@@ -75,6 +84,11 @@ fn memcpy_once() -> f64 {
     let ns = t.elapsed().as_nanos() as f64;
     std::hint::black_box(&dst);
     ns
+}
+
+/// `bytes` of fresh anonymous memory outside the heap (None if the system refuses it).
+fn anon(bytes: usize) -> Option<MmapMut> {
+    MmapMut::map_anon(bytes).ok()
 }
 
 /// Nanoseconds per 100 steps of a dependent chain: each step loads a word of a 4 KiB
@@ -98,10 +112,13 @@ fn loop_once() -> f64 {
     ns * 100.0 / LOOP_STEPS as f64
 }
 
-/// A successor table forming one cycle through all `n` entries (Sattolo's shuffle), from
-/// a fixed xorshift stream.
-fn cycle(n: usize) -> Vec<u32> {
-    let mut next: Vec<u32> = (0..n as u32).collect();
+/// Makes `next` a successor table forming one cycle through all its entries (Sattolo's
+/// shuffle), from a fixed xorshift stream.
+fn cycle(next: &mut [u32]) {
+    let n = next.len();
+    for (i, v) in next.iter_mut().enumerate() {
+        *v = i as u32;
+    }
     let mut x = 0x9E37_79B9_7F4A_7C15u64;
     for i in (1..n).rev() {
         x ^= x << 13;
@@ -110,12 +127,18 @@ fn cycle(n: usize) -> Vec<u32> {
         let j = (x % i as u64) as usize;
         next.swap(i, j);
     }
-    next
 }
 
 /// Nanoseconds per step of a dependent walk through one random cycle.
 fn chase_once() -> f64 {
-    let next = cycle(CHASE_ENTRIES);
+    let Some(mut map) = anon(CHASE_ENTRIES * 4) else {
+        return f64::NAN;
+    };
+    // A mapping is page-aligned and its length a multiple of 4: the view always exists.
+    let Ok(next) = <[u32]>::mut_from_bytes(&mut map[..]) else {
+        return f64::NAN;
+    };
+    cycle(next);
     let mut at = 0u32;
     let t = Instant::now();
     for _ in 0..CHASE_STEPS {
@@ -133,7 +156,8 @@ mod tests {
     #[test]
     fn the_chase_visits_every_entry_once() {
         let n = 1000usize;
-        let next = cycle(n);
+        let mut next = vec![0u32; n];
+        cycle(&mut next);
         let mut seen = vec![false; n];
         let mut at = 0usize;
         for _ in 0..n {
