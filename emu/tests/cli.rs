@@ -166,6 +166,7 @@ fn bench_reads_a_scenario_file() {
     let out = run(&["bench", "--scenario", bad.to_str().unwrap()]);
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("not a probability"));
+    std::fs::remove_dir_all(&dir).ok();
 }
 
 #[test]

@@ -43,9 +43,10 @@ fn preload_lib() -> PathBuf {
         .expect("libringbell_verbs.so is missing: cargo builds it as the cdylib of ringbell-verbs")
 }
 
-/// Where the compiled programs go (one directory per test process).
+/// Where the compiled programs go (one directory per test process, under cargo's temporary
+/// directory for tests).
 fn out_dir() -> PathBuf {
-    let d = std::env::temp_dir().join(format!("ringbell-verbs-c-{}", std::process::id()));
+    let d = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("ringbell-verbs-c-{}", std::process::id()));
     std::fs::create_dir_all(&d).expect("creating the output directory");
     d
 }

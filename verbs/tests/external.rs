@@ -986,7 +986,7 @@ fn open_mpi_over_ucx_on_four_ranks() {
     need("mpirun", "openmpi-bin");
     need("mpicc", "libopenmpi-dev");
     let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("../ofi/tests/mpi");
-    let out = std::env::temp_dir().join(format!("ringbell-ucx-mpi-{}", std::process::id()));
+    let out = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("ringbell-ucx-mpi-{}", std::process::id()));
     std::fs::create_dir_all(&out).unwrap();
     let srv = Served::start_nodes("ucx-mpi", 4);
     for prog in ["ring", "wildcard", "collectives", "large", "probe"] {
