@@ -152,6 +152,8 @@ pub(crate) struct Cma {
     /// Ids by the connection their NIC's CM numbers.
     conns: BTreeMap<(usize, ConnId), usize>,
     next_port: u16,
+    /// rsockets (`crate::rsocket`), whose ids are this module's.
+    pub(crate) rs: crate::rsocket::Rsockets,
 }
 
 /// A connection request (REQ) or a datagram peer's (SIDR REQ), as a NIC's CM gave it.
@@ -1235,6 +1237,43 @@ impl Cma {
         self.delivered
             .get(&ev)
             .map(|e| (e.ev.event, e.ev.status, e.ev.id as usize))
+    }
+
+    /// A handed-out event's private data (what its `param.conn.private_data` points to).
+    pub fn event_private(&self, ev: usize) -> Option<&[u8]> {
+        self.delivered.get(&ev).map(|e| &e.private[..])
+    }
+
+    /// The NIC id `p` is on.
+    pub fn id_nic(&self, p: usize) -> Option<usize> {
+        self.ids.get(&p)?.nic
+    }
+
+    /// The peer's QP, the options to move a QP with and this side's first PSN, once all
+    /// three are known (on the active side, the reply's): what `rdma_init_qp_attr` gives.
+    pub fn peer_of(&self, p: usize) -> Option<(Endpoint, ConnectOptions, u32)> {
+        let i = self.ids.get(&p)?;
+        let (remote, opts) = i.remote?;
+        Some((remote, opts, i.local_psn?))
+    }
+
+    /// A request on id `p` not answered yet: the requester's QP, the options both sides
+    /// agree on under `param`, and the first PSN QP `qpn` sends from once the request is
+    /// accepted with it (so that the QP is ready before the REP goes out).
+    pub fn request_peer(
+        &mut self,
+        st: &mut State,
+        p: usize,
+        qpn: u32,
+        param: &ConnParam,
+    ) -> Result<(Endpoint, ConnectOptions, u32), i32> {
+        let i = self.ids.get(&p).ok_or(libc::EINVAL)?;
+        let (Phase::Requested(cid), Some(nic)) = (i.phase, i.nic) else {
+            return Err(libc::EINVAL);
+        };
+        let opts = conn_options(param);
+        let (remote, mine) = self.cm(st, nic)?.request(cid, &opts).ok_or(libc::EINVAL)?;
+        Ok((remote, mine, first_psn(cid, qpn)))
     }
 
     /// Sets `rdma_cm_id.event` of id `p` (a synchronous id's current event).

@@ -12,7 +12,7 @@ use std::net::{Ipv4Addr, SocketAddrV4};
 use std::time::Duration;
 
 /// Runs `f` on the RDMA-CM state and the library's state, under the lock.
-fn call<R>(fail: R, f: impl FnOnce(&mut Cma, &mut State) -> R) -> R {
+pub(crate) fn call<R>(fail: R, f: impl FnOnce(&mut Cma, &mut State) -> R) -> R {
     guard(fail, || {
         let mut st = lock();
         let mut c = std::mem::take(&mut st.cma);
@@ -25,7 +25,7 @@ fn call<R>(fail: R, f: impl FnOnce(&mut Cma, &mut State) -> R) -> R {
 }
 
 /// 0, or -1 with `errno`.
-fn rc(r: Result<(), i32>) -> c_int {
+pub(crate) fn rc(r: Result<(), i32>) -> c_int {
     match r {
         Ok(()) => 0,
         Err(e) => {
@@ -36,7 +36,7 @@ fn rc(r: Result<(), i32>) -> c_int {
 }
 
 /// How long a waiting call sleeps between two polls of the NICs.
-const POLL_GAP: Duration = Duration::from_micros(100);
+pub(crate) const POLL_GAP: Duration = Duration::from_micros(100);
 
 /// An IPv4 socket address from `p` (null: none). IPv4-mapped IPv6 addresses and the
 /// unspecified IPv6 address are taken as their IPv4 forms; anything else is

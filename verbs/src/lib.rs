@@ -41,6 +41,8 @@ mod ops;
 mod pd;
 mod qp;
 mod real;
+mod rsocket;
+mod rsocket_entry;
 mod srq;
 pub mod state;
 mod wq;

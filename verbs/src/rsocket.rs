@@ -1,0 +1,1270 @@
+//! rsockets (librdmacm's `r*` socket calls): byte streams over RC connections between
+//! ringbell NICs, for programs written to `<rdma/rsocket.h>` (`rstream`, `rcopy`,
+//! `riostream`, `librspreload`).
+//!
+//! A socket is an RDMA-CM id of the TCP port space on a channel of its own ([`Cma`]): its
+//! address, port, listening and connection management are RDMA-CM's, so an rsocket's port
+//! and an `rdma_cm` listener's exclude each other, as they would under librdmacm. The id
+//! has no QP of the library's: the socket owns a driver QP, CQ and two registered buffers
+//! and moves its QP itself (`CONNECT_RESPONSE` on the active side, before the accept on the
+//! passive side).
+//!
+//! The stream (this library's own protocol: both ends must be rsockets of this library, as
+//! both ends of an rsocket must be rsockets under librdmacm):
+//! - Each side's receive buffer is cut into slots; every slot is a posted receive. The
+//!   connection's private data tells the peer how many slots it may fill (its credits).
+//! - Data goes as SENDs with immediate data of at most one slot each, one credit each. The
+//!   immediate data carries the kind of message and the credits the sender returns: slots
+//!   it has emptied since it last said so.
+//! - A receiver that empties half its slots with nothing to send returns the credits in a
+//!   message of its own. Such messages and the end of stream (a FIN, at `rshutdown` for
+//!   writing or `rclose`) land in a few slots posted beyond the credits and are reposted at
+//!   once.
+//! - `rclose` waits (at most [`LINGER`]) until the peer has acknowledged every byte it
+//!   sent, then sends the FIN and disconnects: nothing written before a close is lost.
+//! - `riowrite` is an RDMA WRITE into a buffer the peer mapped with `riomap`; the peer
+//!   tells its mappings (offset, address, key, length) in a message of its own, sent in the
+//!   stream's order, so a write the peer's mapping covers arrives before anything sent
+//!   after it.
+//!
+//! Progress is by polling, as for RDMA-CM: every call drives the socket's CQ and the NICs'
+//! CMs; blocking calls poll until they can go on. The C boundary (descriptors, socket
+//! addresses, buffers, `pollfd` and `fd_set`) is `rsocket_entry`.
+
+use crate::cma::{Cma, ConnParam};
+use crate::cma_abi::*;
+use crate::state::State;
+use ringbell::{
+    Access, CompletionQueue, DmaBuffer, MemoryRegion, ProtectionDomain, QpInit, QpState, QueuePair,
+    RecvWr, RemoteAddr, SendFlags, SendWr, WcOpcode, WcStatus, WorkCompletion, WrOp,
+};
+use ringbell_specs::cmd::{QpAttr, QpAttrMask};
+use std::collections::{BTreeMap, VecDeque};
+use std::net::{Ipv4Addr, SocketAddrV4};
+use std::time::Duration;
+
+/// Bytes of one slot (the most one message carries).
+pub const SLOT: usize = 16 << 10;
+/// Slots each way unless `SO_SNDBUF`/`SO_RCVBUF` (or `RDMA_SQSIZE`/`RDMA_RQSIZE`) say.
+const DEFAULT_SLOTS: u32 = 32;
+/// Fewest and most slots a socket takes.
+const MIN_SLOTS: u32 = 4;
+const MAX_SLOTS: u32 = 256;
+/// Receives posted beyond the credits, for credit returns, FINs and mapping notices.
+const RESERVE: u32 = 8;
+/// How long `rclose` waits for the peer to acknowledge what was sent.
+pub const LINGER: Duration = Duration::from_secs(10);
+/// Remote IO mappings a side may announce (`RDMA_IOMAPSIZE` is capped to it).
+const MAX_IOMAPS: i32 = 64;
+
+/// The kinds of message (the immediate data's top four bits).
+const K_DATA: u32 = 0;
+const K_CREDIT: u32 = 1;
+const K_FIN: u32 = 2;
+const K_IOMAP: u32 = 3;
+/// The version byte of the connection's private data.
+const VERSION: u8 = 1;
+
+/// `SOL_RDMA` and its options (`<rdma/rsocket.h>`).
+pub const SOL_RDMA: i32 = 0x10000;
+pub const RDMA_SQSIZE: i32 = 0;
+pub const RDMA_RQSIZE: i32 = 1;
+pub const RDMA_INLINE: i32 = 2;
+pub const RDMA_IOMAPSIZE: i32 = 3;
+pub const RDMA_ROUTE: i32 = 4;
+
+fn imm(kind: u32, credits: u32) -> u32 {
+    kind << 28 | (credits & 0xFFFF)
+}
+
+/// Every rsocket of the process, by descriptor.
+#[derive(Default)]
+pub(crate) struct Rsockets {
+    socks: BTreeMap<i32, Rsock>,
+}
+
+/// Where a socket stands.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Phase {
+    Idle,
+    Bound,
+    Listening,
+    /// Active: the request is out.
+    Connecting,
+    /// Passive: accepted, the peer's RTU not seen yet (the QP receives already).
+    Accepting,
+    Connected,
+    /// A connect that failed (its error in `err`).
+    Failed,
+}
+
+/// Options, as set.
+#[derive(Clone, Copy, Debug)]
+struct Opts {
+    reuseaddr: i32,
+    keepalive: i32,
+    keepidle: i32,
+    oobinline: i32,
+    linger: (i32, i32),
+    nodelay: i32,
+    maxseg: i32,
+    sndbuf: i32,
+    rcvbuf: i32,
+    sqsize: i32,
+    rqsize: i32,
+    inline: i32,
+    iomapsize: i32,
+    v6only: i32,
+}
+
+impl Default for Opts {
+    fn default() -> Self {
+        let buf = (DEFAULT_SLOTS as usize * SLOT) as i32;
+        Opts {
+            reuseaddr: 0,
+            keepalive: 0,
+            keepidle: 7200,
+            oobinline: 0,
+            linger: (0, 0),
+            nodelay: 0,
+            maxseg: SLOT as i32,
+            sndbuf: buf,
+            rcvbuf: buf,
+            sqsize: 0,
+            rqsize: 0,
+            inline: 0,
+            iomapsize: 0,
+            v6only: 0,
+        }
+    }
+}
+
+/// One rsocket.
+struct Rsock {
+    /// `AF_INET` or `AF_INET6` (addresses are shown in it).
+    family: i32,
+    nonblock: bool,
+    chan: usize,
+    id: usize,
+    phase: Phase,
+    /// `SO_ERROR`: the error of a connect that failed, until read.
+    err: i32,
+    opts: Opts,
+    /// A listener's requests, not accepted yet: (id, the requester's credits).
+    pending: VecDeque<(usize, u32)>,
+    conn: Option<Conn>,
+}
+
+/// A mapping the peer announced (`riomap`): offset, address, key, length.
+#[derive(Clone, Copy, Debug)]
+struct PeerMap {
+    offset: u64,
+    addr: u64,
+    rkey: u32,
+    len: u64,
+}
+
+/// A connection's resources and stream state. (Fields drop in order: the QP before its
+/// CQ, the regions before their buffers, the PD last.)
+struct Conn {
+    qp: QueuePair,
+    cq: CompletionQueue,
+    smr: MemoryRegion,
+    rmr: MemoryRegion,
+    /// This side's mappings for the peer's `riowrite`s: (offset, region, user address).
+    maps: Vec<(u64, MemoryRegion, u64)>,
+    sbuf: DmaBuffer,
+    rbuf: DmaBuffer,
+    _pd: ProtectionDomain,
+    nsend: u32,
+    nrecv: u32,
+    /// Free send slots.
+    free: Vec<u32>,
+    /// Sends posted and not completed (slots or not).
+    inflight: u32,
+    sq_depth: u32,
+    /// Peer slots this side may fill.
+    credits: u32,
+    /// Own slots emptied since the peer was last told.
+    owed: u32,
+    /// Received data: (slot, length, bytes already read).
+    rx: VecDeque<(u32, u32, u32)>,
+    peer_maps: Vec<PeerMap>,
+    fin_rcvd: bool,
+    fin_sent: bool,
+    shut_rd: bool,
+    shut_wr: bool,
+    /// The connection is closed (`DISCONNECTED`).
+    gone: bool,
+    /// A transfer failed: the connection is reset.
+    broken: bool,
+}
+
+/// What a socket is ready for (`rpoll`'s bits).
+pub const POLLIN: i16 = libc::POLLIN;
+pub const POLLOUT: i16 = libc::POLLOUT;
+
+impl Conn {
+    fn can_send(&self) -> bool {
+        !self.shut_wr
+            && !self.gone
+            && !self.broken
+            && self.credits > 0
+            && !self.free.is_empty()
+            && self.inflight < self.sq_depth
+    }
+
+    fn repost(&mut self, slot: u32) -> Result<(), i32> {
+        let sge = [self.rmr.sge(u64::from(slot) * SLOT as u64, SLOT as u32)];
+        self.qp
+            .post_recv(&[RecvWr {
+                wr_id: u64::from(slot),
+                sgl: &sge,
+            }])
+            .map_err(|e| crate::errno_of(&e))
+    }
+
+    /// Posts a message without data (`kind`, with the credits owed).
+    fn control(&mut self, kind: u32) -> Result<(), i32> {
+        let owed = std::mem::take(&mut self.owed);
+        let wr =
+            SendWr::new(u64::MAX, WrOp::SendImm(imm(kind, owed)), &[]).flags(SendFlags::SIGNALED);
+        self.qp.post_send(&[wr]).map_err(|e| {
+            self.owed += owed;
+            crate::errno_of(&e)
+        })?;
+        self.inflight += 1;
+        Ok(())
+    }
+
+    /// Takes the completions the CQ holds.
+    fn poll(&mut self) {
+        let mut wc = [WorkCompletion::default(); 32];
+        loop {
+            let n = self.cq.poll(&mut wc);
+            for w in &wc[..n] {
+                self.completed(w);
+            }
+            if n < wc.len() {
+                break;
+            }
+        }
+    }
+
+    fn completed(&mut self, w: &WorkCompletion) {
+        let ok = w.status == WcStatus::Success;
+        match w.opcode {
+            WcOpcode::Send | WcOpcode::RdmaWrite => {
+                self.inflight = self.inflight.saturating_sub(1);
+                if w.wr_id < u64::from(self.nsend) {
+                    self.free.push(w.wr_id as u32);
+                }
+                if !ok && !self.gone {
+                    self.broken = true;
+                }
+            }
+            _ if !ok => {
+                // A flushed receive: the QP is in error.
+                if !self.gone {
+                    self.broken = true;
+                }
+            }
+            _ => {
+                let slot = w.wr_id as u32;
+                let v = w.imm.unwrap_or(0);
+                self.credits += v & 0xFFFF;
+                match v >> 28 {
+                    K_DATA if w.byte_len > 0 => self.rx.push_back((slot, w.byte_len, 0)),
+                    K_FIN => {
+                        self.fin_rcvd = true;
+                        let _ = self.repost(slot);
+                    }
+                    K_IOMAP => {
+                        let mut b = [0u8; 28];
+                        let n = (w.byte_len as usize).min(b.len());
+                        let at = slot as usize * SLOT;
+                        if n == b.len() && self.rbuf.read(at, &mut b).is_ok() {
+                            let u64_at = |i: usize| {
+                                u64::from_le_bytes(b[i..i + 8].try_into().unwrap_or_default())
+                            };
+                            let m = PeerMap {
+                                offset: u64_at(0),
+                                addr: u64_at(8),
+                                len: u64_at(16),
+                                rkey: u32::from_le_bytes(b[24..28].try_into().unwrap_or_default()),
+                            };
+                            self.peer_maps.retain(|p| p.offset != m.offset);
+                            if m.len > 0 {
+                                self.peer_maps.push(m);
+                            }
+                        }
+                        let _ = self.repost(slot);
+                    }
+                    _ => {
+                        let _ = self.repost(slot);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Sends as much of `data` as credits and slots allow now.
+    fn send_some(&mut self, data: &[u8]) -> Result<usize, i32> {
+        let mut sent = 0;
+        while sent < data.len() && self.can_send() {
+            let Some(slot) = self.free.pop() else { break };
+            let n = (data.len() - sent).min(SLOT);
+            let at = slot as usize * SLOT;
+            let owed = self.owed;
+            let r = self
+                .sbuf
+                .write(at, &data[sent..sent + n])
+                .map_err(|e| crate::errno_of(&e))
+                .and_then(|()| {
+                    let sge = [self.smr.sge(at as u64, n as u32)];
+                    let wr = SendWr::new(u64::from(slot), WrOp::SendImm(imm(K_DATA, owed)), &sge)
+                        .flags(SendFlags::SIGNALED);
+                    self.qp.post_send(&[wr]).map_err(|e| crate::errno_of(&e))
+                });
+            if let Err(e) = r {
+                self.free.push(slot);
+                return match sent {
+                    0 => Err(e),
+                    _ => Ok(sent),
+                };
+            }
+            self.owed = 0;
+            self.credits -= 1;
+            self.inflight += 1;
+            sent += n;
+        }
+        Ok(sent)
+    }
+
+    /// Copies received bytes into `out` (consumed unless `peek`); returns how many.
+    fn recv_some(&mut self, out: &mut [u8], peek: bool) -> usize {
+        let mut got = 0;
+        let mut k = 0;
+        while got < out.len() {
+            let Some(&(slot, len, off)) = self.rx.get(k) else {
+                break;
+            };
+            let n = ((len - off) as usize).min(out.len() - got);
+            let at = slot as usize * SLOT + off as usize;
+            if self.rbuf.read(at, &mut out[got..got + n]).is_err() {
+                break;
+            }
+            got += n;
+            if peek {
+                k += 1;
+                continue;
+            }
+            if off as usize + n == len as usize {
+                self.rx.pop_front();
+                if self.repost(slot).is_ok() {
+                    self.owed += 1;
+                }
+            } else if let Some(f) = self.rx.front_mut() {
+                f.2 += n as u32;
+            }
+        }
+        // Half the slots emptied and nothing going the other way: say so.
+        if self.owed >= (self.nrecv / 2).max(1) && !self.gone && self.inflight < self.sq_depth {
+            let _ = self.control(K_CREDIT);
+        }
+        got
+    }
+}
+
+/// The connection's private data: version, then the slots the sender offers.
+fn conn_private(credits: u32) -> Vec<u8> {
+    let mut v = vec![VERSION, 0, 0, 0];
+    v.extend_from_slice(&credits.to_be_bytes());
+    v
+}
+
+/// The credits a peer's private data offers (None: not an rsocket of this library).
+fn peer_credits(private: &[u8]) -> Option<u32> {
+    match private {
+        [VERSION, _, _, _, a, b, c, d, ..] => Some(u32::from_be_bytes([*a, *b, *c, *d])),
+        _ => None,
+    }
+}
+
+fn slots(bytes: i32, entries: i32) -> u32 {
+    let n = match entries {
+        e if e > 0 => e as u32,
+        _ => (bytes.max(0) as usize / SLOT) as u32,
+    };
+    n.clamp(MIN_SLOTS, MAX_SLOTS)
+}
+
+/// Whether (`level`, `name`) is an `int` option of an rsocket.
+pub fn int_option(level: i32, name: i32) -> bool {
+    matches!(
+        (level, name),
+        (
+            libc::SOL_SOCKET,
+            libc::SO_REUSEADDR
+                | libc::SO_KEEPALIVE
+                | libc::SO_OOBINLINE
+                | libc::SO_SNDBUF
+                | libc::SO_RCVBUF
+                | libc::SO_ERROR
+                | libc::SO_TYPE
+        ) | (
+            libc::IPPROTO_TCP,
+            libc::TCP_NODELAY | libc::TCP_MAXSEG | libc::TCP_KEEPIDLE
+        ) | (libc::IPPROTO_IPV6, libc::IPV6_V6ONLY)
+            | (
+                SOL_RDMA,
+                RDMA_SQSIZE | RDMA_RQSIZE | RDMA_INLINE | RDMA_IOMAPSIZE
+            )
+    )
+}
+
+impl Cma {
+    fn sock(&mut self, fd: i32) -> Result<&mut Rsock, i32> {
+        self.rs.socks.get_mut(&fd).ok_or(libc::EBADF)
+    }
+
+    /// Whether `fd` is an rsocket.
+    pub fn rs_is(&self, fd: i32) -> bool {
+        self.rs.socks.contains_key(&fd)
+    }
+
+    /// `rsocket`: a stream socket of `family` on descriptor `fd` (the caller's).
+    pub fn rs_socket(&mut self, fd: i32, family: i32, nonblock: bool) -> Result<(), i32> {
+        let chan = self.create_channel(fd) as usize;
+        let id = match self.create_id(chan, std::ptr::null_mut(), RDMA_PS_TCP) {
+            Ok(p) => p as usize,
+            Err(e) => {
+                let _ = self.destroy_channel(chan);
+                return Err(e);
+            }
+        };
+        self.rs.socks.insert(
+            fd,
+            Rsock {
+                family,
+                nonblock,
+                chan,
+                id,
+                phase: Phase::Idle,
+                err: 0,
+                opts: Opts::default(),
+                pending: VecDeque::new(),
+                conn: None,
+            },
+        );
+        Ok(())
+    }
+
+    /// The socket's address family.
+    pub fn rs_family(&self, fd: i32) -> Result<i32, i32> {
+        self.rs.socks.get(&fd).map(|s| s.family).ok_or(libc::EBADF)
+    }
+
+    /// `rbind`.
+    pub fn rs_bind(&mut self, st: &mut State, fd: i32, addr: SocketAddrV4) -> Result<(), i32> {
+        let (phase, id) = {
+            let s = self.sock(fd)?;
+            (s.phase, s.id)
+        };
+        if phase != Phase::Idle {
+            return Err(libc::EINVAL);
+        }
+        self.bind(st, id, addr)?;
+        self.sock(fd)?.phase = Phase::Bound;
+        Ok(())
+    }
+
+    /// `rlisten` (an unbound socket takes an ephemeral port on every NIC first).
+    pub fn rs_listen(&mut self, st: &mut State, fd: i32, backlog: i32) -> Result<(), i32> {
+        let (phase, id) = {
+            let s = self.sock(fd)?;
+            (s.phase, s.id)
+        };
+        match phase {
+            Phase::Idle => self.bind(st, id, SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, 0))?,
+            Phase::Bound => {}
+            Phase::Listening => return Ok(()),
+            _ => return Err(libc::EINVAL),
+        }
+        self.listen(st, id, backlog)?;
+        self.sock(fd)?.phase = Phase::Listening;
+        Ok(())
+    }
+
+    /// Drives socket `fd`: its CQ, then the CM's events on its channel.
+    pub fn rs_pump(&mut self, st: &mut State, fd: i32) -> Result<(), i32> {
+        let mut s = self.rs.socks.remove(&fd).ok_or(libc::EBADF)?;
+        if let Some(c) = s.conn.as_mut() {
+            c.poll();
+        }
+        let r = self.events(st, &mut s);
+        self.rs.socks.insert(fd, s);
+        r
+    }
+
+    fn events(&mut self, st: &mut State, s: &mut Rsock) -> Result<(), i32> {
+        while let Some(ev) = self.next_event(st, s.chan)? {
+            let ev = ev as usize;
+            let (kind, status, id) = self.event_info(ev).unwrap_or_default();
+            let private = self
+                .event_private(ev)
+                .map(<[u8]>::to_vec)
+                .unwrap_or_default();
+            let _ = self.ack(ev);
+            self.on_event(st, s, kind, status, id, &private);
+        }
+        Ok(())
+    }
+
+    fn on_event(
+        &mut self,
+        st: &mut State,
+        s: &mut Rsock,
+        kind: u32,
+        status: i32,
+        id: usize,
+        private: &[u8],
+    ) {
+        if s.phase == Phase::Listening && id != s.id {
+            // A request, or news of one not accepted yet.
+            match kind {
+                RDMA_CM_EVENT_CONNECT_REQUEST => match peer_credits(private) {
+                    Some(c) if c > 0 => s.pending.push_back((id, c)),
+                    _ => {
+                        let _ = self.reject(st, id, &[]);
+                        let _ = self.destroy_id(st, id);
+                    }
+                },
+                RDMA_CM_EVENT_DISCONNECTED | RDMA_CM_EVENT_REJECTED => {
+                    if let Some(k) = s.pending.iter().position(|&(p, _)| p == id) {
+                        s.pending.remove(k);
+                        let _ = self.destroy_id(st, id);
+                    }
+                }
+                _ => {}
+            }
+            return;
+        }
+        let fail = |s: &mut Rsock, e: i32| {
+            if s.phase == Phase::Connecting {
+                s.phase = Phase::Failed;
+                s.err = e;
+            }
+        };
+        match kind {
+            RDMA_CM_EVENT_CONNECT_RESPONSE => {
+                let up = (|| {
+                    let credits = peer_credits(private)
+                        .filter(|&c| c > 0)
+                        .ok_or(libc::EPROTO)?;
+                    let (remote, opts, psn) = self.peer_of(s.id).ok_or(libc::EINVAL)?;
+                    let c = s.conn.as_mut().ok_or(libc::EINVAL)?;
+                    c.qp.connect(&remote, psn, &opts)
+                        .map_err(|e| crate::errno_of(&e))?;
+                    c.credits = credits;
+                    self.establish(st, s.id)
+                })();
+                match up {
+                    Ok(()) => s.phase = Phase::Connected,
+                    Err(e) => {
+                        let _ = self.disconnect(st, s.id);
+                        fail(s, e);
+                    }
+                }
+            }
+            RDMA_CM_EVENT_ESTABLISHED => {
+                if matches!(s.phase, Phase::Accepting | Phase::Connecting) {
+                    s.phase = Phase::Connected;
+                }
+            }
+            RDMA_CM_EVENT_REJECTED => fail(s, libc::ECONNREFUSED),
+            RDMA_CM_EVENT_UNREACHABLE => fail(s, libc::ETIMEDOUT),
+            RDMA_CM_EVENT_ADDR_ERROR | RDMA_CM_EVENT_ROUTE_ERROR => fail(s, libc::EHOSTUNREACH),
+            RDMA_CM_EVENT_CONNECT_ERROR => fail(s, (-status).max(libc::ECONNREFUSED)),
+            RDMA_CM_EVENT_DISCONNECTED => {
+                if let Some(c) = s.conn.as_mut() {
+                    // What arrived before the peer closed stays readable.
+                    c.poll();
+                    c.gone = true;
+                    let _ = c.qp.to_error();
+                }
+                fail(s, libc::ECONNRESET);
+            }
+            _ => {}
+        }
+    }
+
+    /// Makes the connection's resources on NIC `nic` (its receives posted).
+    fn new_conn(&mut self, st: &mut State, nic: usize, o: &Opts) -> Result<Conn, i32> {
+        let e = |e: ringbell::Error| crate::errno_of(&e);
+        let dev = st.device(nic)?;
+        let nsend = slots(o.sndbuf, o.sqsize);
+        let nrecv = slots(o.rcvbuf, o.rqsize);
+        let pd = dev.alloc_pd().map_err(e)?;
+        let sbuf = dev.alloc_dma(nsend as usize * SLOT).map_err(e)?;
+        let rbuf = dev
+            .alloc_dma((nrecv + RESERVE) as usize * SLOT)
+            .map_err(e)?;
+        let smr = pd.reg_mr(&sbuf, Access::LOCAL_WRITE).map_err(e)?;
+        let rmr = pd.reg_mr(&rbuf, Access::LOCAL_WRITE).map_err(e)?;
+        let sq_depth = nsend + RESERVE;
+        let cq = dev.create_cq(sq_depth + nrecv + RESERVE).map_err(e)?;
+        let mut init = QpInit::new(&cq, &cq);
+        init.max_send_wr = sq_depth;
+        init.max_recv_wr = nrecv + RESERVE;
+        init.max_send_sge = 1;
+        init.max_recv_sge = 1;
+        init.max_inline = o.inline.clamp(0, 256) as u32;
+        let mut qp = pd.create_qp(&init).map_err(e)?;
+        // INIT, so that the receives can be posted before the connection is up.
+        let init = QpAttr {
+            state: QpState::Init as u8,
+            access: Access::REMOTE_WRITE.bits().into(),
+            ..Default::default()
+        };
+        use QpAttrMask as M;
+        qp.modify(M::STATE | M::PKEY_INDEX | M::PORT | M::ACCESS_FLAGS, &init)
+            .map_err(e)?;
+        let mut c = Conn {
+            qp,
+            cq,
+            smr,
+            rmr,
+            maps: Vec::new(),
+            sbuf,
+            rbuf,
+            _pd: pd,
+            nsend,
+            nrecv,
+            free: (0..nsend).rev().collect(),
+            inflight: 0,
+            sq_depth,
+            credits: 0,
+            owed: 0,
+            rx: VecDeque::new(),
+            peer_maps: Vec::new(),
+            fin_rcvd: false,
+            fin_sent: false,
+            shut_rd: false,
+            shut_wr: false,
+            gone: false,
+            broken: false,
+        };
+        for slot in 0..nrecv + RESERVE {
+            c.repost(slot)?;
+        }
+        Ok(c)
+    }
+
+    fn conn_param(credits: u32, qpn: u32) -> ConnParam {
+        ConnParam {
+            private: conn_private(credits),
+            responder_resources: 0,
+            initiator_depth: 0,
+            retry_count: 7,
+            rnr_retry_count: 7,
+            qp_num: qpn,
+        }
+    }
+
+    /// `rconnect`: starts connecting (the caller waits for [`Cma::rs_connected`] unless
+    /// the socket is non-blocking).
+    pub fn rs_connect(&mut self, st: &mut State, fd: i32, dst: SocketAddrV4) -> Result<(), i32> {
+        let (phase, id, opts, chan) = {
+            let s = self.sock(fd)?;
+            (s.phase, s.id, s.opts, s.chan)
+        };
+        match phase {
+            Phase::Idle | Phase::Bound => {}
+            Phase::Connecting => return Err(libc::EALREADY),
+            Phase::Connected | Phase::Accepting => return Err(libc::EISCONN),
+            Phase::Listening | Phase::Failed => return Err(libc::EINVAL),
+        }
+        if dst.ip().is_unspecified() || dst.port() == 0 {
+            return Err(libc::EINVAL);
+        }
+        self.resolve_addr(st, id, None, dst)?;
+        // Address and route resolution complete in the calls; an address off the fabric
+        // leaves its error event.
+        let mut resolved = false;
+        while let Some(ev) = self.next_event(st, chan)? {
+            let (kind, _, _) = self.event_info(ev as usize).unwrap_or_default();
+            let _ = self.ack(ev as usize);
+            match kind {
+                RDMA_CM_EVENT_ADDR_RESOLVED => resolved = true,
+                RDMA_CM_EVENT_ADDR_ERROR => return Err(libc::EHOSTUNREACH),
+                _ => {}
+            }
+        }
+        if !resolved {
+            return Err(libc::EHOSTUNREACH);
+        }
+        self.resolve_route(id)?;
+        while let Some(ev) = self.next_event(st, chan)? {
+            let _ = self.ack(ev as usize);
+        }
+        let nic = self.id_nic(id).ok_or(libc::ENODEV)?;
+        let conn = self.new_conn(st, nic, &opts)?;
+        let param = Self::conn_param(conn.nrecv, conn.qp.qpn());
+        let s = self.sock(fd)?;
+        s.conn = Some(conn);
+        s.phase = Phase::Connecting;
+        if let Err(e) = self.connect(st, id, Some(param)) {
+            let s = self.sock(fd)?;
+            s.conn = None;
+            s.phase = Phase::Failed;
+            return Err(e);
+        }
+        Ok(())
+    }
+
+    /// Where a connect stands: Ok(true) connected, Ok(false) still going, Err its error
+    /// (taken: `SO_ERROR` reads 0 after it).
+    pub fn rs_connected(&mut self, st: &mut State, fd: i32) -> Result<bool, i32> {
+        self.rs_pump(st, fd)?;
+        let s = self.sock(fd)?;
+        match s.phase {
+            Phase::Connected | Phase::Accepting => Ok(true),
+            Phase::Connecting => Ok(false),
+            Phase::Failed => Err(std::mem::take(&mut s.err).max(libc::ECONNREFUSED)),
+            _ => Err(libc::ENOTCONN),
+        }
+    }
+
+    /// `raccept`: the next request, accepted on a new socket on descriptor `newfd`
+    /// (the caller's); Ok(None) when none is waiting. Gives the peer's address.
+    pub fn rs_accept(
+        &mut self,
+        st: &mut State,
+        fd: i32,
+        newfd: i32,
+    ) -> Result<Option<SocketAddrV4>, i32> {
+        self.rs_pump(st, fd)?;
+        let s = self.sock(fd)?;
+        if s.phase != Phase::Listening {
+            return Err(libc::EINVAL);
+        }
+        let Some((child, credits)) = s.pending.pop_front() else {
+            return Ok(None);
+        };
+        let (family, opts) = (s.family, s.opts);
+        let r = self.accept_child(st, child, credits, newfd, family, opts);
+        if r.is_err() {
+            let _ = self.reject(st, child, &[]);
+            let _ = self.destroy_id(st, child);
+        }
+        r.map(Some)
+    }
+
+    fn accept_child(
+        &mut self,
+        st: &mut State,
+        child: usize,
+        credits: u32,
+        newfd: i32,
+        family: i32,
+        opts: Opts,
+    ) -> Result<SocketAddrV4, i32> {
+        let nic = self.id_nic(child).ok_or(libc::EINVAL)?;
+        let mut conn = self.new_conn(st, nic, &opts)?;
+        let param = Self::conn_param(conn.nrecv, conn.qp.qpn());
+        // The QP is ready before the REP goes out: the peer may send as soon as it has it.
+        let (remote, o, psn) = self.request_peer(st, child, conn.qp.qpn(), &param)?;
+        conn.qp
+            .connect(&remote, psn, &o)
+            .map_err(|e| crate::errno_of(&e))?;
+        conn.credits = credits;
+        let chan = self.create_channel(newfd) as usize;
+        self.migrate(child, chan)?;
+        if let Err(e) = self.accept(st, child, Some(param)) {
+            let _ = self.destroy_channel(chan);
+            return Err(e);
+        }
+        let peer = self.addrs(child).map(|a| a.1).ok_or(libc::EINVAL)?;
+        self.rs.socks.insert(
+            newfd,
+            Rsock {
+                family,
+                nonblock: false,
+                chan,
+                id: child,
+                phase: Phase::Accepting,
+                err: 0,
+                opts,
+                pending: VecDeque::new(),
+                conn: Some(conn),
+            },
+        );
+        Ok(peer)
+    }
+
+    /// `rsend` and friends: bytes of `data` sent now (Ok(0) with `data` not empty: none
+    /// could go yet).
+    pub fn rs_send(&mut self, st: &mut State, fd: i32, data: &[u8]) -> Result<usize, i32> {
+        self.rs_pump(st, fd)?;
+        let s = self.sock(fd)?;
+        let c = match (s.phase, s.conn.as_mut()) {
+            (Phase::Connected | Phase::Accepting, Some(c)) => c,
+            (Phase::Connecting, _) => return Ok(0),
+            _ => return Err(libc::ENOTCONN),
+        };
+        if c.shut_wr || c.gone || c.fin_sent {
+            return Err(libc::EPIPE);
+        }
+        if c.broken {
+            return Err(libc::ECONNRESET);
+        }
+        if s.phase == Phase::Accepting {
+            // The peer's QP is ready once its RTU is out: wait for it.
+            return Ok(0);
+        }
+        c.send_some(data)
+    }
+
+    /// `rrecv` and friends: Ok(Some(n)) bytes copied (0: end of stream), Ok(None) nothing
+    /// yet.
+    pub fn rs_recv(
+        &mut self,
+        st: &mut State,
+        fd: i32,
+        out: &mut [u8],
+        peek: bool,
+    ) -> Result<Option<usize>, i32> {
+        self.rs_pump(st, fd)?;
+        let s = self.sock(fd)?;
+        let c = match (s.phase, s.conn.as_mut()) {
+            (Phase::Connected | Phase::Accepting, Some(c)) => c,
+            (Phase::Connecting, _) => return Ok(None),
+            (Phase::Failed, Some(c)) if c.gone => c,
+            _ => return Err(libc::ENOTCONN),
+        };
+        if out.is_empty() {
+            return Ok(Some(0));
+        }
+        if c.shut_rd {
+            return Ok(Some(0));
+        }
+        let n = c.recv_some(out, peek);
+        if n > 0 {
+            return Ok(Some(n));
+        }
+        if c.fin_rcvd || c.gone {
+            return Ok(Some(0));
+        }
+        if c.broken {
+            return Err(libc::ECONNRESET);
+        }
+        Ok(None)
+    }
+
+    /// Whether the socket is non-blocking (`O_NONBLOCK`).
+    pub fn rs_nonblock(&self, fd: i32) -> Result<bool, i32> {
+        self.rs
+            .socks
+            .get(&fd)
+            .map(|s| s.nonblock)
+            .ok_or(libc::EBADF)
+    }
+
+    /// `rfcntl(F_SETFL)`.
+    pub fn rs_set_nonblock(&mut self, fd: i32, on: bool) -> Result<(), i32> {
+        self.sock(fd)?.nonblock = on;
+        Ok(())
+    }
+
+    /// `rshutdown`.
+    pub fn rs_shutdown(&mut self, st: &mut State, fd: i32, how: i32) -> Result<(), i32> {
+        self.rs_pump(st, fd)?;
+        let s = self.sock(fd)?;
+        let (rd, wr) = match how {
+            libc::SHUT_RD => (true, false),
+            libc::SHUT_WR => (false, true),
+            libc::SHUT_RDWR => (true, true),
+            _ => return Err(libc::EINVAL),
+        };
+        let c = match (s.phase, s.conn.as_mut()) {
+            (Phase::Connected | Phase::Accepting, Some(c)) => c,
+            (Phase::Failed, Some(c)) if c.gone => c,
+            _ => return Err(libc::ENOTCONN),
+        };
+        c.shut_rd |= rd;
+        if wr {
+            c.shut_wr = true;
+            if !c.fin_sent && !c.gone && !c.broken {
+                c.control(K_FIN)?;
+                c.fin_sent = true;
+            }
+        }
+        Ok(())
+    }
+
+    /// `rclose`, first part: the FIN goes out after what was sent. Ok(true) when the
+    /// socket has nothing left in flight (the caller then calls [`Cma::rs_close`]).
+    pub fn rs_drain(&mut self, st: &mut State, fd: i32) -> Result<bool, i32> {
+        self.rs_pump(st, fd)?;
+        let s = self.sock(fd)?;
+        let Some(c) = s.conn.as_mut() else {
+            return Ok(true);
+        };
+        if c.gone || c.broken || !matches!(s.phase, Phase::Connected | Phase::Accepting) {
+            return Ok(true);
+        }
+        if !c.fin_sent {
+            if c.inflight >= c.sq_depth {
+                return Ok(false);
+            }
+            c.shut_wr = true;
+            c.control(K_FIN)?;
+            c.fin_sent = true;
+        }
+        Ok(c.inflight == 0)
+    }
+
+    /// `rclose`, last part: the connection closed, the socket gone; its descriptor is
+    /// the caller's to close.
+    pub fn rs_close(&mut self, st: &mut State, fd: i32) -> Result<(), i32> {
+        let s = self.rs.socks.remove(&fd).ok_or(libc::EBADF)?;
+        for (id, _) in &s.pending {
+            let _ = self.reject(st, *id, &[]);
+            let _ = self.destroy_id(st, *id);
+        }
+        if matches!(s.phase, Phase::Connected | Phase::Accepting) {
+            let _ = self.disconnect(st, s.id);
+        }
+        let _ = self.destroy_id(st, s.id);
+        let _ = self.destroy_channel(s.chan);
+        drop(s);
+        Ok(())
+    }
+
+    /// `rpoll`'s view of socket `fd`: which of `events` (and POLLERR, POLLHUP) hold.
+    pub fn rs_ready(&mut self, st: &mut State, fd: i32, events: i16) -> Result<i16, i32> {
+        self.rs_pump(st, fd)?;
+        let s = self.sock(fd)?;
+        let mut r = 0i16;
+        match (s.phase, s.conn.as_ref()) {
+            (Phase::Listening, _) if !s.pending.is_empty() => r |= POLLIN,
+            (Phase::Failed, c) => {
+                if c.is_some_and(|c| c.gone) {
+                    r |= POLLIN | libc::POLLHUP;
+                } else {
+                    r |= POLLOUT | libc::POLLERR;
+                }
+            }
+            (Phase::Connected | Phase::Accepting, Some(c)) => {
+                if !c.rx.is_empty() || c.fin_rcvd || c.gone || c.shut_rd || c.broken {
+                    r |= POLLIN;
+                }
+                if s.phase == Phase::Connected && (c.can_send() || c.shut_wr || c.gone) {
+                    r |= POLLOUT;
+                }
+                if c.gone {
+                    r |= libc::POLLHUP;
+                }
+                if c.broken {
+                    r |= libc::POLLERR;
+                }
+            }
+            _ => {}
+        }
+        Ok(r & (events | libc::POLLERR | libc::POLLHUP))
+    }
+
+    /// `rgetsockname`.
+    pub fn rs_sockname(&self, fd: i32) -> Result<SocketAddrV4, i32> {
+        let s = self.rs.socks.get(&fd).ok_or(libc::EBADF)?;
+        Ok(self
+            .addrs(s.id)
+            .map(|a| a.0)
+            .unwrap_or(SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, 0)))
+    }
+
+    /// `rgetpeername`.
+    pub fn rs_peername(&self, fd: i32) -> Result<SocketAddrV4, i32> {
+        let s = self.rs.socks.get(&fd).ok_or(libc::EBADF)?;
+        match s.phase {
+            Phase::Connected | Phase::Accepting => {
+                self.addrs(s.id).map(|a| a.1).ok_or(libc::ENOTCONN)
+            }
+            _ => Err(libc::ENOTCONN),
+        }
+    }
+
+    /// `rsetsockopt` of an `int` option (sizes apply to the socket's next connection).
+    pub fn rs_setopt(&mut self, fd: i32, level: i32, name: i32, v: i32) -> Result<(), i32> {
+        let s = self.sock(fd)?;
+        let o = &mut s.opts;
+        let flag = matches!(
+            (level, name),
+            (
+                libc::SOL_SOCKET,
+                libc::SO_REUSEADDR | libc::SO_KEEPALIVE | libc::SO_OOBINLINE
+            ) | (libc::IPPROTO_TCP, libc::TCP_NODELAY)
+                | (libc::IPPROTO_IPV6, libc::IPV6_V6ONLY)
+        );
+        // A negative size or count is refused, as the kernel refuses it.
+        if v < 0 && !flag {
+            return Err(libc::EINVAL);
+        }
+        let slot = match (level, name) {
+            (libc::SOL_SOCKET, libc::SO_REUSEADDR) => &mut o.reuseaddr,
+            (libc::SOL_SOCKET, libc::SO_KEEPALIVE) => &mut o.keepalive,
+            (libc::SOL_SOCKET, libc::SO_OOBINLINE) => &mut o.oobinline,
+            (libc::SOL_SOCKET, libc::SO_SNDBUF) => &mut o.sndbuf,
+            (libc::SOL_SOCKET, libc::SO_RCVBUF) => &mut o.rcvbuf,
+            (libc::IPPROTO_TCP, libc::TCP_NODELAY) => &mut o.nodelay,
+            (libc::IPPROTO_TCP, libc::TCP_MAXSEG) => &mut o.maxseg,
+            (libc::IPPROTO_TCP, libc::TCP_KEEPIDLE) => &mut o.keepidle,
+            (libc::IPPROTO_IPV6, libc::IPV6_V6ONLY) => &mut o.v6only,
+            (SOL_RDMA, RDMA_SQSIZE) => &mut o.sqsize,
+            (SOL_RDMA, RDMA_RQSIZE) => &mut o.rqsize,
+            (SOL_RDMA, RDMA_INLINE) => &mut o.inline,
+            (SOL_RDMA, RDMA_IOMAPSIZE) => &mut o.iomapsize,
+            _ => return Err(libc::ENOPROTOOPT),
+        };
+        *slot = match (level, name) {
+            (SOL_RDMA, RDMA_IOMAPSIZE) => v.min(MAX_IOMAPS),
+            _ => v,
+        };
+        Ok(())
+    }
+
+    /// `rsetsockopt(SO_LINGER)`.
+    pub fn rs_set_linger(&mut self, fd: i32, on: i32, secs: i32) -> Result<(), i32> {
+        self.sock(fd)?.opts.linger = (on, secs);
+        Ok(())
+    }
+
+    /// `rgetsockopt` of an `int` option (`SO_ERROR` is taken).
+    pub fn rs_getopt(&mut self, fd: i32, level: i32, name: i32) -> Result<i32, i32> {
+        let s = self.sock(fd)?;
+        let o = &s.opts;
+        let (nsend, nrecv) = match &s.conn {
+            Some(c) => (c.nsend, c.nrecv),
+            None => (slots(o.sndbuf, o.sqsize), slots(o.rcvbuf, o.rqsize)),
+        };
+        Ok(match (level, name) {
+            (libc::SOL_SOCKET, libc::SO_ERROR) => std::mem::take(&mut s.err),
+            (libc::SOL_SOCKET, libc::SO_TYPE) => libc::SOCK_STREAM,
+            (libc::SOL_SOCKET, libc::SO_REUSEADDR) => o.reuseaddr,
+            (libc::SOL_SOCKET, libc::SO_KEEPALIVE) => o.keepalive,
+            (libc::SOL_SOCKET, libc::SO_OOBINLINE) => o.oobinline,
+            (libc::SOL_SOCKET, libc::SO_SNDBUF) => (nsend as usize * SLOT) as i32,
+            (libc::SOL_SOCKET, libc::SO_RCVBUF) => (nrecv as usize * SLOT) as i32,
+            (libc::IPPROTO_TCP, libc::TCP_NODELAY) => o.nodelay,
+            (libc::IPPROTO_TCP, libc::TCP_MAXSEG) => o.maxseg,
+            (libc::IPPROTO_TCP, libc::TCP_KEEPIDLE) => o.keepidle,
+            (libc::IPPROTO_IPV6, libc::IPV6_V6ONLY) => o.v6only,
+            (SOL_RDMA, RDMA_SQSIZE) => nsend as i32,
+            (SOL_RDMA, RDMA_RQSIZE) => nrecv as i32,
+            (SOL_RDMA, RDMA_INLINE) => o.inline,
+            (SOL_RDMA, RDMA_IOMAPSIZE) => o.iomapsize,
+            _ => return Err(libc::ENOPROTOOPT),
+        })
+    }
+
+    /// `rgetsockopt(SO_LINGER)`.
+    pub fn rs_linger(&self, fd: i32) -> Result<(i32, i32), i32> {
+        self.rs
+            .socks
+            .get(&fd)
+            .map(|s| s.opts.linger)
+            .ok_or(libc::EBADF)
+    }
+
+    /// `riomap` with a region the caller registered on the socket's NIC: announces it to
+    /// the peer at `offset` (-1: the next free one). Gives the offset.
+    pub fn rs_iomap(
+        &mut self,
+        st: &mut State,
+        fd: i32,
+        offset: i64,
+        mr: MemoryRegion,
+        len: u64,
+        user: u64,
+    ) -> Result<u64, i32> {
+        self.rs_pump(st, fd)?;
+        let s = self.sock(fd)?;
+        let limit = s.opts.iomapsize;
+        let c = match (s.phase, s.conn.as_mut()) {
+            (Phase::Connected | Phase::Accepting, Some(c)) if !c.gone && !c.broken => c,
+            _ => return Err(libc::ENOTCONN),
+        };
+        if c.maps.len() >= limit.max(0) as usize {
+            return Err(libc::ENOMEM);
+        }
+        let off = match offset {
+            -1 => c
+                .maps
+                .iter()
+                .map(|(o, m, _)| o + m.len())
+                .max()
+                .unwrap_or(0),
+            o if o >= 0 => o as u64,
+            _ => return Err(libc::EINVAL),
+        };
+        if c.maps
+            .iter()
+            .any(|(o, m, _)| off < o + m.len() && *o < off + len)
+        {
+            return Err(libc::EINVAL);
+        }
+        // The notice goes in the stream's order, into one of the peer's reserved slots.
+        if c.free.is_empty() || c.inflight >= c.sq_depth {
+            return Err(libc::EAGAIN);
+        }
+        let mut b = Vec::with_capacity(28);
+        b.extend_from_slice(&off.to_le_bytes());
+        b.extend_from_slice(&mr.addr().to_le_bytes());
+        b.extend_from_slice(&len.to_le_bytes());
+        b.extend_from_slice(&mr.rkey().to_le_bytes());
+        c.notice(&b)?;
+        c.maps.push((off, mr, user));
+        Ok(off)
+    }
+
+    /// `riounmap`: the mapping of the caller's `[user, user + len)` goes (the peer is
+    /// told); the region is handed back to be dropped.
+    pub fn rs_iounmap(&mut self, st: &mut State, fd: i32, user: u64) -> Result<(), i32> {
+        self.rs_pump(st, fd)?;
+        let s = self.sock(fd)?;
+        let c = s.conn.as_mut().ok_or(libc::EINVAL)?;
+        let k = c
+            .maps
+            .iter()
+            .position(|m| m.2 == user)
+            .ok_or(libc::EINVAL)?;
+        let (off, _mr, _) = c.maps.remove(k);
+        if !c.gone && !c.broken && !c.free.is_empty() && c.inflight < c.sq_depth {
+            let mut b = Vec::with_capacity(28);
+            b.extend_from_slice(&off.to_le_bytes());
+            b.extend_from_slice(&[0u8; 20]);
+            let _ = c.notice(&b);
+        }
+        Ok(())
+    }
+
+    /// The PD a `riomap` region must be registered with.
+    pub fn rs_pd(&self, fd: i32) -> Result<ProtectionDomain, i32> {
+        let s = self.rs.socks.get(&fd).ok_or(libc::EBADF)?;
+        s.conn.as_ref().map(|c| c._pd.clone()).ok_or(libc::ENOTCONN)
+    }
+
+    /// `riowrite`: Ok(n) bytes of `data` written into the peer's mapping at `offset`
+    /// now (0: no room yet).
+    pub fn rs_iowrite(
+        &mut self,
+        st: &mut State,
+        fd: i32,
+        data: &[u8],
+        offset: u64,
+    ) -> Result<usize, i32> {
+        self.rs_pump(st, fd)?;
+        let s = self.sock(fd)?;
+        let c = match (s.phase, s.conn.as_mut()) {
+            (Phase::Connected, Some(c)) => c,
+            (Phase::Accepting | Phase::Connecting, Some(_)) => return Ok(0),
+            _ => return Err(libc::ENOTCONN),
+        };
+        if c.shut_wr || c.gone {
+            return Err(libc::EPIPE);
+        }
+        let len = data.len() as u64;
+        let m = c
+            .peer_maps
+            .iter()
+            .find(|m| offset >= m.offset && offset + len <= m.offset + m.len)
+            .copied()
+            .ok_or(libc::EINVAL)?;
+        let mut sent = 0usize;
+        while sent < data.len() && !c.free.is_empty() && c.inflight < c.sq_depth {
+            let Some(slot) = c.free.pop() else { break };
+            let n = (data.len() - sent).min(SLOT);
+            let at = slot as usize * SLOT;
+            let remote = RemoteAddr {
+                addr: m.addr + (offset - m.offset) + sent as u64,
+                rkey: m.rkey,
+            };
+            let r = c
+                .sbuf
+                .write(at, &data[sent..sent + n])
+                .map_err(|e| crate::errno_of(&e))
+                .and_then(|()| {
+                    let sge = [c.smr.sge(at as u64, n as u32)];
+                    let wr = SendWr::new(u64::from(slot), WrOp::Write(remote), &sge)
+                        .flags(SendFlags::SIGNALED);
+                    c.qp.post_send(&[wr]).map_err(|e| crate::errno_of(&e))
+                });
+            if let Err(e) = r {
+                c.free.push(slot);
+                return match sent {
+                    0 => Err(e),
+                    _ => Ok(sent),
+                };
+            }
+            c.inflight += 1;
+            sent += n;
+        }
+        Ok(sent)
+    }
+}
+
+impl Conn {
+    /// Sends a mapping notice (`K_IOMAP`) of `b` from a slot (into one of the peer's
+    /// reserved receives, which it reposts at once: no credit).
+    fn notice(&mut self, b: &[u8]) -> Result<(), i32> {
+        let slot = self.free.pop().ok_or(libc::EAGAIN)?;
+        let at = slot as usize * SLOT;
+        let owed = self.owed;
+        let r = self
+            .sbuf
+            .write(at, b)
+            .map_err(|e| crate::errno_of(&e))
+            .and_then(|()| {
+                let sge = [self.smr.sge(at as u64, b.len() as u32)];
+                let wr = SendWr::new(u64::from(slot), WrOp::SendImm(imm(K_IOMAP, owed)), &sge)
+                    .flags(SendFlags::SIGNALED);
+                self.qp.post_send(&[wr]).map_err(|e| crate::errno_of(&e))
+            });
+        if let Err(e) = r {
+            self.free.push(slot);
+            return Err(e);
+        }
+        self.owed = 0;
+        self.inflight += 1;
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn private_data_round_trips_and_foreign_data_is_refused() {
+        assert_eq!(peer_credits(&conn_private(32)), Some(32));
+        assert_eq!(peer_credits(&[0u8; 56]), None);
+        assert_eq!(peer_credits(&[VERSION, 0, 0]), None);
+    }
+
+    #[test]
+    fn slot_counts_follow_the_buffer_sizes_within_bounds() {
+        assert_eq!(slots(65536, 0), 4);
+        assert_eq!(slots(1 << 20, 0), 64);
+        assert_eq!(slots(0, 0), MIN_SLOTS);
+        assert_eq!(slots(i32::MAX, 0), MAX_SLOTS);
+        assert_eq!(slots(1 << 20, 8), 8);
+    }
+
+    #[test]
+    fn immediate_data_keeps_kind_and_credits_apart() {
+        let v = imm(K_FIN, 0x1_0005);
+        assert_eq!(v >> 28, K_FIN);
+        assert_eq!(v & 0xFFFF, 5);
+    }
+}
