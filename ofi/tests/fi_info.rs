@@ -24,7 +24,8 @@ fn make_provider_dir() -> PathBuf {
         .map(|d| d.join("libringbell_fi.so"))
         .find(|p| p.exists())
         .expect("libringbell_fi.so was not built");
-    let out = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("ringbell-fi-{}", std::process::id()));
+    let out =
+        Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("ringbell-fi-{}", std::process::id()));
     std::fs::create_dir_all(&out).unwrap();
     let link = out.join("libringbell-fi.so");
     let _ = std::fs::remove_file(&link);

@@ -35,7 +35,8 @@ fn compile() -> PathBuf {
         "mpicc is missing: install Debian's libopenmpi-dev and openmpi-bin (.ci/run does)"
     );
     let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/mpi");
-    let out = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("ringbell-mpi-{}", std::process::id()));
+    let out =
+        Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("ringbell-mpi-{}", std::process::id()));
     std::fs::create_dir_all(&out).unwrap();
     for p in PROGRAMS {
         let o = Command::new("mpicc")

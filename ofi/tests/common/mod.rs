@@ -25,7 +25,8 @@ pub fn library() -> PathBuf {
 /// A directory holding only the provider (libfabric loads every `*fi.so` of a directory in
 /// `FI_PROVIDER_PATH`), kept with the build under cargo's temporary directory for tests.
 pub fn provider_dir(tag: &str) -> PathBuf {
-    let out = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("ringbell-fi-{tag}-{}", std::process::id()));
+    let out = Path::new(env!("CARGO_TARGET_TMPDIR"))
+        .join(format!("ringbell-fi-{tag}-{}", std::process::id()));
     std::fs::create_dir_all(&out).unwrap();
     let link = out.join("libringbell-fi.so");
     let _ = std::fs::remove_file(&link);
