@@ -272,7 +272,7 @@ impl Conn {
             _ => {
                 let slot = w.wr_id as u32;
                 let v = w.imm.unwrap_or(0);
-                self.credits += v & 0xFFFF;
+                self.credits = self.credits.saturating_add(v & 0xFFFF);
                 match v >> 28 {
                     K_DATA if w.byte_len > 0 => self.rx.push_back((slot, w.byte_len, 0)),
                     K_FIN => {
@@ -585,7 +585,13 @@ impl Cma {
             RDMA_CM_EVENT_REJECTED => fail(s, libc::ECONNREFUSED),
             RDMA_CM_EVENT_UNREACHABLE => fail(s, libc::ETIMEDOUT),
             RDMA_CM_EVENT_ADDR_ERROR | RDMA_CM_EVENT_ROUTE_ERROR => fail(s, libc::EHOSTUNREACH),
-            RDMA_CM_EVENT_CONNECT_ERROR => fail(s, (-status).max(libc::ECONNREFUSED)),
+            RDMA_CM_EVENT_CONNECT_ERROR => fail(
+                s,
+                match -status {
+                    e if e > 0 => e,
+                    _ => libc::ECONNREFUSED,
+                },
+            ),
             RDMA_CM_EVENT_DISCONNECTED => {
                 if let Some(c) = s.conn.as_mut() {
                     // What arrived before the peer closed stays readable.
@@ -731,7 +737,10 @@ impl Cma {
         match s.phase {
             Phase::Connected | Phase::Accepting => Ok(true),
             Phase::Connecting => Ok(false),
-            Phase::Failed => Err(std::mem::take(&mut s.err).max(libc::ECONNREFUSED)),
+            Phase::Failed => Err(match std::mem::take(&mut s.err) {
+                0 => libc::ECONNREFUSED,
+                e => e,
+            }),
             _ => Err(libc::ENOTCONN),
         }
     }
@@ -963,7 +972,9 @@ impl Cma {
                 if s.phase == Phase::Connected && (c.can_send() || c.shut_wr || c.gone) {
                     r |= POLLOUT;
                 }
-                if c.gone {
+                // Hung up once everything the peer sent before closing is read (rpoll's
+                // callers stop at POLLHUP).
+                if c.gone && c.rx.is_empty() {
                     r |= libc::POLLHUP;
                 }
                 if c.broken {

@@ -46,7 +46,8 @@ fn preload_lib() -> PathBuf {
 /// Where the compiled programs go (one directory per test process, under cargo's temporary
 /// directory for tests).
 fn out_dir() -> PathBuf {
-    let d = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("ringbell-verbs-c-{}", std::process::id()));
+    let d = Path::new(env!("CARGO_TARGET_TMPDIR"))
+        .join(format!("ringbell-verbs-c-{}", std::process::id()));
     std::fs::create_dir_all(&d).expect("creating the output directory");
     d
 }
@@ -134,11 +135,12 @@ fn compile(name: &str) -> PathBuf {
     exe
 }
 
-/// Libraries a program links beyond libibverbs: the RDMA-CM program links librdmacm
-/// (Debian's `librdmacm-dev`), whose `rdma_*` calls the preloaded library answers.
+/// Libraries a program links beyond libibverbs: the RDMA-CM and rsocket programs link
+/// librdmacm (Debian's `librdmacm-dev`), whose `rdma_*` and `r*` socket calls the preloaded
+/// library answers.
 fn extra_libs(name: &str) -> &'static [&'static str] {
     match name {
-        "cma" => &["-lrdmacm", "-lpthread"],
+        "cma" | "rsocket" => &["-lrdmacm", "-lpthread"],
         _ => &[],
     }
 }
@@ -235,6 +237,7 @@ const PROGRAMS: &[&str] = &[
     "xrc",
     "raw",
     "cma",
+    "rsocket",
 ];
 
 macro_rules! c_program {
@@ -269,6 +272,15 @@ c_program!(
     cma,
 );
 
+/// rsockets (`tests/c/rsocket.c`): descriptors, binding, blocking and non-blocking connects
+/// and accepts, data of 1 byte to 1 MiB each way through every send and receive call,
+/// `MSG_PEEK`, `O_NONBLOCK`, `rpoll` and `rselect`, end of stream, options and `riowrite`
+/// into a peer's `riomap`, in one process between rb0 and rb1.
+#[test]
+fn rsockets_stream_connections_data_and_polling() {
+    run("rsocket");
+}
+
 /// Every `tests/c/*.c` has its test above (a new program is not silently left out).
 #[test]
 fn every_program_has_a_test() {
@@ -293,7 +305,9 @@ fn every_program_has_a_test() {
 
 /// Every `rdma_*` function librdmacm exports is defined by the library too: a program's
 /// call never reaches librdmacm's own code, which would take the library's ids for its
-/// own (larger) structures.
+/// own (larger) structures. So is every rsocket call (the other functions it exports whose
+/// names begin with `r`: `rsocket`, `rpoll`, `riowrite`, ...), which under librdmacm would
+/// run its own rsockets over the library's ids.
 #[test]
 fn every_librdmacm_call_is_answered_here() {
     let defined = |lib: &Path| -> std::collections::BTreeSet<String> {
@@ -307,7 +321,7 @@ fn every_librdmacm_call_is_answered_here() {
             .lines()
             .filter_map(|l| l.split_whitespace().nth(2))
             .map(|s| s.split('@').next().unwrap_or(s).to_string())
-            .filter(|s| s.starts_with("rdma_"))
+            .filter(|s| s.starts_with('r'))
             .collect()
     };
     let o = Command::new(cc())
@@ -321,7 +335,14 @@ fn every_librdmacm_call_is_answered_here() {
     );
     let theirs = defined(&rdmacm);
     let ours = defined(&preload_lib());
-    assert!(theirs.len() > 30, "librdmacm exports {theirs:?}");
+    let (cm, rsockets): (Vec<&String>, Vec<&String>) =
+        theirs.iter().partition(|s| s.starts_with("rdma_"));
+    assert!(cm.len() > 30, "librdmacm exports {theirs:?}");
+    // rsocket, rbind, ..., riowrite: 27 in librdmacm 44.
+    assert!(
+        rsockets.len() >= 27,
+        "librdmacm's rsocket calls: {rsockets:?}"
+    );
     let missing: Vec<&String> = theirs.difference(&ours).collect();
     assert!(
         missing.is_empty(),

@@ -185,9 +185,17 @@ impl Served {
             .stderr(Stdio::piped())
             .spawn()
             .unwrap();
+        let c = self.client(client);
+        let s = wait(s, Duration::from_secs(120));
+        (s, c)
+    }
+
+    /// Runs a client program against a server just started, again while its output says
+    /// the server does not listen yet (for up to 20 s); its last run's output.
+    fn client(&self, client: (&str, &[&str])) -> Output {
         let limit = Duration::from_secs(120);
         let start = Instant::now();
-        let c = loop {
+        loop {
             std::thread::sleep(Duration::from_millis(300));
             let mut cmd = self.command(client.0);
             cmd.args(client.1);
@@ -207,9 +215,7 @@ impl Served {
             if !refused || start.elapsed() > Duration::from_secs(20) {
                 break out;
             }
-        };
-        let s = wait(s, limit);
-        (s, c)
+        }
     }
 }
 
@@ -576,6 +582,182 @@ fn rdma_server_and_rdma_client_exchange_a_message() {
         ("rdma_client", &["-s", SERVER_IP]),
         ("rdma_server: end 0", "rdma_client: end 0"),
     );
+}
+
+// ---- rsockets: librdmacm's rsocket programs (rdmacm-utils), their `r*` calls answered by
+// the library, between two processes; the server on the first NIC (10.0.0.1), the client
+// on the second. ----
+
+/// The result row `prog` prints under its header ("name bytes xfers iters total time
+/// Gb/sec usec/xfer"): a custom test's (`-I`, `-C` or `-S` given) is named "custom".
+fn stream_row(prog: &str, side: &str, out: &str) -> String {
+    let row = out
+        .lines()
+        .skip_while(|l| !l.contains("usec/xfer"))
+        .nth(1)
+        .unwrap_or_default()
+        .to_string();
+    let cols: Vec<&str> = row.split_whitespace().collect();
+    assert!(
+        cols.len() == 8 && cols[0] == "custom" && cols[7].parse::<f64>().is_ok(),
+        "{prog} {side}: no result row:\n{out}"
+    );
+    row
+}
+
+/// `prog` (`rstream` or `riostream`) between two processes: the server (bound to the
+/// first NIC's address) listens before the client starts (it prints its result header
+/// once it does), both run the custom test `args` (`-T` options among them) to the end
+/// and print its row.
+fn rsocket_stream(prog: &str, port: u16, args: &[&str]) {
+    need(prog, "rdmacm-utils");
+    let srv = Served::start(&format!("{prog}-{port}"));
+    let p = port.to_string();
+    let server: Vec<&str> = ["-b", SERVER_IP, "-p", &p]
+        .into_iter()
+        .chain(args.iter().copied())
+        .collect();
+    let client: Vec<&str> = ["-s", SERVER_IP, "-p", &p]
+        .into_iter()
+        .chain(args.iter().copied())
+        .collect();
+    let t0 = Instant::now();
+    let mut server = srv.start_until(prog, &server, "usec/xfer");
+    let mut cmd = srv.command(prog);
+    cmd.args(&client);
+    let c = run(cmd, Duration::from_secs(120));
+    if !c.status.success() {
+        // A server left without its client would wait for it forever: it has 5 s to end
+        // on its own, so that both outputs are shown.
+        let t = Instant::now();
+        while server.child.try_wait().unwrap().is_none() && t.elapsed() < Duration::from_secs(5) {
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let _ = server.child.kill();
+    }
+    let (status, server_out) = server.finish(Duration::from_secs(60));
+    let wall = t0.elapsed();
+    let client_out = text(&c);
+    assert!(
+        c.status.success() && status.success(),
+        "{prog} {args:?} failed: server {status}, client {}\n--- server ---\n{server_out}\n\
+         --- client ---\n{client_out}",
+        c.status
+    );
+    let row = stream_row(prog, "client", &client_out);
+    stream_row(prog, "server", &server_out);
+    println!("{prog} {args:?} ({wall:.2?} wall):\n{row}");
+}
+
+/// rstream's default: non-blocking calls (`O_NONBLOCK`, `MSG_DONTWAIT`, retried on
+/// EAGAIN); 100 messages of 64 KiB each way, every one checked (`-T v`).
+#[test]
+fn rstream_streams_verified_data_without_blocking() {
+    rsocket_stream(
+        "rstream",
+        18650,
+        &["-I", "1", "-C", "100", "-S", "65536", "-T", "v"],
+    );
+}
+
+/// `-T b`: blocking calls (with `MSG_WAITALL`).
+#[test]
+fn rstream_streams_verified_data_blocking() {
+    rsocket_stream(
+        "rstream",
+        18651,
+        &["-I", "1", "-C", "100", "-S", "65536", "-T", "b", "-T", "v"],
+    );
+}
+
+/// `-T a`: asynchronous, every call after an `rpoll` for it (the listener's accept, the
+/// non-blocking connect's completion, each send and receive).
+#[test]
+fn rstream_streams_verified_data_driven_by_rpoll() {
+    rsocket_stream(
+        "rstream",
+        18652,
+        &["-I", "1", "-C", "100", "-S", "4096", "-T", "a", "-T", "v"],
+    );
+}
+
+/// riostream: both sides `riomap` a buffer, the messages are `riowrite`s into the peer's
+/// (the last byte of each round's last one a marker the peer spins on), 10 rounds of 100
+/// messages of 4 KiB each way, checked (`-T v`).
+#[test]
+fn riostream_writes_into_the_peers_mapping() {
+    rsocket_stream(
+        "riostream",
+        18654,
+        &["-I", "10", "-C", "100", "-S", "4096", "-T", "v"],
+    );
+}
+
+/// rcopy: the client sends a file of 1 MiB of random bytes (one `rsend` of the whole
+/// mapped file) to the server, which receives it into a mapping of the destination file
+/// in its own directory; the copy is compared byte for byte. The server runs until it is
+/// killed.
+#[test]
+fn rcopy_copies_a_mebibyte_file() {
+    need("rcopy", "rdmacm-utils");
+    let srv = Served::start("rcopy");
+    let base = Path::new(env!("CARGO_TARGET_TMPDIR"))
+        .join(format!("ringbell-rcopy-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&base);
+    let (from, to) = (base.join("from"), base.join("to"));
+    std::fs::create_dir_all(&from).unwrap();
+    std::fs::create_dir_all(&to).unwrap();
+    // xorshift64*, seeded from the clock: different bytes every run.
+    let mut x = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos() as u64
+        | 1;
+    let data: Vec<u8> = (0..1 << 20)
+        .map(|_| {
+            x ^= x >> 12;
+            x ^= x << 25;
+            x ^= x >> 27;
+            (x.wrapping_mul(0x2545_f491_4f6c_dd1d) >> 56) as u8
+        })
+        .collect();
+    let source = from.join("source.bin");
+    std::fs::write(&source, &data).unwrap();
+    let port = "18653";
+    let mut server = srv
+        .command("rcopy")
+        .args(["-p", port])
+        .current_dir(&to)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let dest = format!("{SERVER_IP}:copy.bin");
+    let src = source.to_str().unwrap();
+    let c = srv.client(("rcopy", &[src, &dest, "-p", port]));
+    let _ = server.kill();
+    let server_out = text(&server.wait_with_output().unwrap());
+    let client_out = text(&c);
+    assert!(
+        c.status.success() && client_out.contains("1048576 bytes in"),
+        "rcopy client failed ({}):\n{client_out}\n--- server ---\n{server_out}",
+        c.status
+    );
+    let copy = std::fs::read(to.join("copy.bin")).unwrap_or_default();
+    let _ = std::fs::remove_dir_all(&base);
+    assert!(
+        copy == data,
+        "rcopy: the copy has {} bytes, {} of them as sent:\n{client_out}\n--- server ---\n\
+         {server_out}",
+        copy.len(),
+        copy.iter().zip(&data).filter(|(a, b)| a == b).count()
+    );
+    // The server names the client by the address raccept gave: the second NIC's.
+    assert!(
+        server_out.contains("client: 10.0.0.2"),
+        "rcopy server:\n{server_out}"
+    );
+    println!("rcopy:\n{client_out}\n--- server ---\n{server_out}");
 }
 
 /// perftest's raw Ethernet programs between the two NICs' MAC addresses (no socket: the
@@ -986,7 +1168,8 @@ fn open_mpi_over_ucx_on_four_ranks() {
     need("mpirun", "openmpi-bin");
     need("mpicc", "libopenmpi-dev");
     let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("../ofi/tests/mpi");
-    let out = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("ringbell-ucx-mpi-{}", std::process::id()));
+    let out = Path::new(env!("CARGO_TARGET_TMPDIR"))
+        .join(format!("ringbell-ucx-mpi-{}", std::process::id()));
     std::fs::create_dir_all(&out).unwrap();
     let srv = Served::start_nodes("ucx-mpi", 4);
     for prog in ["ring", "wildcard", "collectives", "large", "probe"] {
