@@ -68,6 +68,8 @@ pub struct RbCmId {
 pub struct RbCmEvent {
     pub ev: rdma_cm_event,
     private: Vec<u8>,
+    /// A datagram peer's QPN and Q_Key (what `param.ud` carries), kept readable.
+    ud: Option<(u32, u32)>,
 }
 
 /// An event channel, as programs hold it.
@@ -356,19 +358,19 @@ impl Cma {
     }
 
     /// The IPv4 address of NIC `i` (opening it).
-    fn nic_ip(st: &mut State, i: usize) -> Option<Ipv4Addr> {
+    pub(crate) fn nic_ip(st: &mut State, i: usize) -> Option<Ipv4Addr> {
         st.device(i).ok().map(|d| Ipv4Addr::from(d.caps().ip))
     }
 
     /// The NICs this process uses (on a served fabric, the one it claims or
     /// `RINGBELL_NIC` names), as `ibv_get_device_list` lists them.
-    fn local_nics(st: &State) -> Vec<usize> {
+    pub(crate) fn local_nics(st: &State) -> Vec<usize> {
         let choice = st.plan.choice();
         (0..st.nics.len()).filter(|&i| choice.includes(i)).collect()
     }
 
     /// The NIC of this process with address `ip`.
-    fn nic_with(st: &mut State, ip: Ipv4Addr) -> Option<usize> {
+    pub(crate) fn nic_with(st: &mut State, ip: Ipv4Addr) -> Option<usize> {
         Self::local_nics(st)
             .into_iter()
             .find(|&i| Self::nic_ip(st, i) == Some(ip))
@@ -936,6 +938,17 @@ impl Cma {
             // itself (`ESTABLISHED` follows the RTU), as librdmacm lets it.
             let param = param.ok_or(libc::EINVAL)?;
             let qpn = param.qp_num & 0x00FF_FFFF;
+            if qpn != 0 && self.ids[&p].id.id.ps == RDMA_PS_UDP {
+                // A datagram request answered with the parameter's UD QP.
+                if param.private.len() > MAX_SIDR_REPLY_PRIVATE {
+                    return Err(libc::EINVAL);
+                }
+                self.cm(st, nic)?
+                    .sidr_answer(cid, SIDR_OK, qpn, RDMA_UDP_QKEY, &param.private)
+                    .map_err(|e| crate::errno_of(&e))?;
+                self.finish(nic, cid);
+                return Ok(());
+            }
             if qpn == 0
                 || param.private.len() > MAX_ACCEPT_PRIVATE
                 || self.ids[&p].id.id.ps == RDMA_PS_UDP
@@ -1244,6 +1257,11 @@ impl Cma {
         self.delivered.get(&ev).map(|e| &e.private[..])
     }
 
+    /// The QPN and Q_Key a handed-out datagram event carries (`param.ud`).
+    pub fn event_ud(&self, ev: usize) -> Option<(u32, u32)> {
+        self.delivered.get(&ev)?.ud
+    }
+
     /// The NIC id `p` is on.
     pub fn id_nic(&self, p: usize) -> Option<usize> {
         self.ids.get(&p)?.nic
@@ -1344,6 +1362,7 @@ impl Cma {
                 },
             },
             private,
+            ud: None,
         });
         // The private data lives in the event (its heap block does not move with it).
         if !e.private.is_empty() {
@@ -1381,6 +1400,7 @@ impl Cma {
             return;
         };
         e.private = private;
+        e.ud = Some((qpn, qkey));
         let (data, len) = match e.private.is_empty() {
             true => (context as *const std::ffi::c_void, 0),
             false => (e.private.as_ptr().cast(), e.private.len().min(255) as u8),
@@ -1672,6 +1692,14 @@ impl Cma {
             self.refuse_request(nic, cid, sidr, true);
             return;
         };
+        // A datagram rsocket's port is answered at once with its UD QP, whichever call
+        // drives the CM, as a kernel answers for a bound UDP socket.
+        if let Some(qpn) = self.rs.datagram_qpn(l).filter(|_| sidr) {
+            if let Some(cm) = self.cms.get_mut(&nic) {
+                let _ = cm.sidr_answer(cid, SIDR_OK, qpn, RDMA_UDP_QKEY, &[]);
+            }
+            return;
+        }
         // A listener whose backlog is full (requests from the fabric the program has not
         // taken yet) refuses more: the queue stays bounded whatever the peers send.
         let waiting = self.ids.get(&l).map_or(0, |li| {

@@ -43,6 +43,8 @@ mod qp;
 mod real;
 mod rsocket;
 mod rsocket_entry;
+#[doc(hidden)]
+pub mod rsocket_wire;
 mod srq;
 pub mod state;
 mod wq;

@@ -33,10 +33,15 @@
 
 use crate::cma::{Cma, ConnParam};
 use crate::cma_abi::*;
+use crate::rsocket_wire::{
+    dgram_header, imm, parse_dgram_header, parse_imm, parse_private, private as conn_private, Kind,
+    Notice, DGRAM_HEADER,
+};
 use crate::state::State;
 use ringbell::{
-    Access, CompletionQueue, DmaBuffer, MemoryRegion, ProtectionDomain, QpInit, QpState, QueuePair,
-    RecvWr, RemoteAddr, SendFlags, SendWr, WcOpcode, WcStatus, WorkCompletion, WrOp,
+    Access, AddressHandle, CompletionQueue, DmaBuffer, MemoryRegion, ProtectionDomain, QpInit,
+    QpState, QpType, QueuePair, RecvWr, RemoteAddr, SendFlags, SendWr, UdDest, WcOpcode, WcStatus,
+    WorkCompletion, WrOp,
 };
 use ringbell_specs::cmd::{QpAttr, QpAttrMask};
 use std::collections::{BTreeMap, VecDeque};
@@ -57,14 +62,6 @@ pub const LINGER: Duration = Duration::from_secs(10);
 /// Remote IO mappings a side may announce (`RDMA_IOMAPSIZE` is capped to it).
 const MAX_IOMAPS: i32 = 64;
 
-/// The kinds of message (the immediate data's top four bits).
-const K_DATA: u32 = 0;
-const K_CREDIT: u32 = 1;
-const K_FIN: u32 = 2;
-const K_IOMAP: u32 = 3;
-/// The version byte of the connection's private data.
-const VERSION: u8 = 1;
-
 /// `SOL_RDMA` and its options (`<rdma/rsocket.h>`).
 pub const SOL_RDMA: i32 = 0x10000;
 pub const RDMA_SQSIZE: i32 = 0;
@@ -73,14 +70,19 @@ pub const RDMA_INLINE: i32 = 2;
 pub const RDMA_IOMAPSIZE: i32 = 3;
 pub const RDMA_ROUTE: i32 = 4;
 
-fn imm(kind: u32, credits: u32) -> u32 {
-    kind << 28 | (credits & 0xFFFF)
-}
-
 /// Every rsocket of the process, by descriptor.
 #[derive(Default)]
 pub(crate) struct Rsockets {
     socks: BTreeMap<i32, Rsock>,
+    /// Bound datagram sockets: their RDMA-CM id (listening on the port) → their UD QP.
+    dg_ports: BTreeMap<usize, u32>,
+}
+
+impl Rsockets {
+    /// The UD QP of the datagram socket whose port RDMA-CM id `id` holds.
+    pub fn datagram_qpn(&self, id: usize) -> Option<u32> {
+        self.dg_ports.get(&id).copied()
+    }
 }
 
 /// Where a socket stands.
@@ -153,15 +155,8 @@ struct Rsock {
     /// A listener's requests, not accepted yet: (id, the requester's credits).
     pending: VecDeque<(usize, u32)>,
     conn: Option<Conn>,
-}
-
-/// A mapping the peer announced (`riomap`): offset, address, key, length.
-#[derive(Clone, Copy, Debug)]
-struct PeerMap {
-    offset: u64,
-    addr: u64,
-    rkey: u32,
-    len: u64,
+    /// A datagram socket's state (`SOCK_DGRAM`; `id` is then of the UDP port space).
+    dgram: Option<Box<Dgram>>,
 }
 
 /// A connection's resources and stream state. (Fields drop in order: the QP before its
@@ -189,7 +184,7 @@ struct Conn {
     owed: u32,
     /// Received data: (slot, length, bytes already read).
     rx: VecDeque<(u32, u32, u32)>,
-    peer_maps: Vec<PeerMap>,
+    peer_maps: Vec<Notice>,
     fin_rcvd: bool,
     fin_sent: bool,
     shut_rd: bool,
@@ -203,6 +198,43 @@ struct Conn {
 /// What a socket is ready for (`rpoll`'s bits).
 pub const POLLIN: i16 = libc::POLLIN;
 pub const POLLOUT: i16 = libc::POLLOUT;
+
+/// The send side both kinds of socket share: a QP, a registered buffer cut into slots,
+/// the free slots.
+struct SendSlots<'a> {
+    qp: &'a mut QueuePair,
+    sbuf: &'a DmaBuffer,
+    smr: &'a MemoryRegion,
+    free: &'a mut Vec<u32>,
+}
+
+impl SendSlots<'_> {
+    /// Copies `parts` one after the other into a free slot and posts one signaled request
+    /// `op` of them (to `dest` on a UD QP); the slot goes back if that fails.
+    fn post(&mut self, parts: &[&[u8]], op: WrOp, dest: Option<UdDest<'_>>) -> Result<(), i32> {
+        let slot = self.free.pop().ok_or(libc::EAGAIN)?;
+        let at = slot as usize * SLOT;
+        let mut len = 0;
+        let r = (|| {
+            for p in parts {
+                self.sbuf
+                    .write(at + len, p)
+                    .map_err(|e| crate::errno_of(&e))?;
+                len += p.len();
+            }
+            let sge = [self.smr.sge(at as u64, len as u32)];
+            let mut wr = SendWr::new(u64::from(slot), op, &sge).flags(SendFlags::SIGNALED);
+            if let Some(d) = dest {
+                wr = wr.to(d);
+            }
+            self.qp.post_send(&[wr]).map_err(|e| crate::errno_of(&e))
+        })();
+        if r.is_err() {
+            self.free.push(slot);
+        }
+        r
+    }
+}
 
 impl Conn {
     fn can_send(&self) -> bool {
@@ -225,7 +257,7 @@ impl Conn {
     }
 
     /// Posts a message without data (`kind`, with the credits owed).
-    fn control(&mut self, kind: u32) -> Result<(), i32> {
+    fn control(&mut self, kind: Kind) -> Result<(), i32> {
         let owed = std::mem::take(&mut self.owed);
         let wr =
             SendWr::new(u64::MAX, WrOp::SendImm(imm(kind, owed)), &[]).flags(SendFlags::SIGNALED);
@@ -271,28 +303,19 @@ impl Conn {
             }
             _ => {
                 let slot = w.wr_id as u32;
-                let v = w.imm.unwrap_or(0);
-                self.credits = self.credits.saturating_add(v & 0xFFFF);
-                match v >> 28 {
-                    K_DATA if w.byte_len > 0 => self.rx.push_back((slot, w.byte_len, 0)),
-                    K_FIN => {
+                let (kind, credits) = parse_imm(w.imm.unwrap_or(0));
+                self.credits = self.credits.saturating_add(credits);
+                match kind {
+                    Kind::Data if w.byte_len > 0 => self.rx.push_back((slot, w.byte_len, 0)),
+                    Kind::Fin => {
                         self.fin_rcvd = true;
                         let _ = self.repost(slot);
                     }
-                    K_IOMAP => {
-                        let mut b = [0u8; 28];
-                        let n = (w.byte_len as usize).min(b.len());
-                        let at = slot as usize * SLOT;
-                        if n == b.len() && self.rbuf.read(at, &mut b).is_ok() {
-                            let u64_at = |i: usize| {
-                                u64::from_le_bytes(b[i..i + 8].try_into().unwrap_or_default())
-                            };
-                            let m = PeerMap {
-                                offset: u64_at(0),
-                                addr: u64_at(8),
-                                len: u64_at(16),
-                                rkey: u32::from_le_bytes(b[24..28].try_into().unwrap_or_default()),
-                            };
+                    Kind::Iomap => {
+                        let mut b = [0u8; crate::rsocket_wire::NOTICE_LEN];
+                        let got = w.byte_len as usize == b.len()
+                            && self.rbuf.read(slot as usize * SLOT, &mut b).is_ok();
+                        if let Some(m) = Notice::parse(&b).filter(|_| got) {
                             self.peer_maps.retain(|p| p.offset != m.offset);
                             if m.len > 0 {
                                 self.peer_maps.push(m);
@@ -312,22 +335,9 @@ impl Conn {
     fn send_some(&mut self, data: &[u8]) -> Result<usize, i32> {
         let mut sent = 0;
         while sent < data.len() && self.can_send() {
-            let Some(slot) = self.free.pop() else { break };
             let n = (data.len() - sent).min(SLOT);
-            let at = slot as usize * SLOT;
-            let owed = self.owed;
-            let r = self
-                .sbuf
-                .write(at, &data[sent..sent + n])
-                .map_err(|e| crate::errno_of(&e))
-                .and_then(|()| {
-                    let sge = [self.smr.sge(at as u64, n as u32)];
-                    let wr = SendWr::new(u64::from(slot), WrOp::SendImm(imm(K_DATA, owed)), &sge)
-                        .flags(SendFlags::SIGNALED);
-                    self.qp.post_send(&[wr]).map_err(|e| crate::errno_of(&e))
-                });
-            if let Err(e) = r {
-                self.free.push(slot);
+            let op = WrOp::SendImm(imm(Kind::Data, self.owed));
+            if let Err(e) = self.slots().post(&[&data[sent..sent + n]], op, None) {
                 return match sent {
                     0 => Err(e),
                     _ => Ok(sent),
@@ -339,6 +349,15 @@ impl Conn {
             sent += n;
         }
         Ok(sent)
+    }
+
+    fn slots(&mut self) -> SendSlots<'_> {
+        SendSlots {
+            qp: &mut self.qp,
+            sbuf: &self.sbuf,
+            smr: &self.smr,
+            free: &mut self.free,
+        }
     }
 
     /// Copies received bytes into `out` (consumed unless `peek`); returns how many.
@@ -370,24 +389,9 @@ impl Conn {
         }
         // Half the slots emptied and nothing going the other way: say so.
         if self.owed >= (self.nrecv / 2).max(1) && !self.gone && self.inflight < self.sq_depth {
-            let _ = self.control(K_CREDIT);
+            let _ = self.control(Kind::Credit);
         }
         got
-    }
-}
-
-/// The connection's private data: version, then the slots the sender offers.
-fn conn_private(credits: u32) -> Vec<u8> {
-    let mut v = vec![VERSION, 0, 0, 0];
-    v.extend_from_slice(&credits.to_be_bytes());
-    v
-}
-
-/// The credits a peer's private data offers (None: not an rsocket of this library).
-fn peer_credits(private: &[u8]) -> Option<u32> {
-    match private {
-        [VERSION, _, _, _, a, b, c, d, ..] => Some(u32::from_be_bytes([*a, *b, *c, *d])),
-        _ => None,
     }
 }
 
@@ -397,6 +401,55 @@ fn slots(bytes: i32, entries: i32) -> u32 {
         _ => (bytes.max(0) as usize / SLOT) as u32,
     };
     n.clamp(MIN_SLOTS, MAX_SLOTS)
+}
+
+/// A socket's QP (of type `ty`, in RESET), CQ, PD and registered send and receive buffers
+/// on its NIC, cut into slots as its options ask (`extra` more of each for the QP's
+/// queues and the receive buffer).
+struct Bufs {
+    qp: QueuePair,
+    cq: CompletionQueue,
+    pd: ProtectionDomain,
+    nsend: u32,
+    nrecv: u32,
+    sbuf: DmaBuffer,
+    rbuf: DmaBuffer,
+    smr: MemoryRegion,
+    rmr: MemoryRegion,
+}
+
+impl Bufs {
+    fn new(st: &mut State, nic: usize, o: &Opts, extra: u32, ty: QpType) -> Result<Bufs, i32> {
+        let e = |e: ringbell::Error| crate::errno_of(&e);
+        let dev = st.device(nic)?;
+        let nsend = slots(o.sndbuf, o.sqsize);
+        let nrecv = slots(o.rcvbuf, o.rqsize);
+        let pd = dev.alloc_pd().map_err(e)?;
+        let sbuf = dev.alloc_dma(nsend as usize * SLOT).map_err(e)?;
+        let rbuf = dev.alloc_dma((nrecv + extra) as usize * SLOT).map_err(e)?;
+        let smr = pd.reg_mr(&sbuf, Access::LOCAL_WRITE).map_err(e)?;
+        let rmr = pd.reg_mr(&rbuf, Access::LOCAL_WRITE).map_err(e)?;
+        let cq = dev.create_cq(nsend + nrecv + 2 * extra).map_err(e)?;
+        let mut init = QpInit::new(&cq, &cq);
+        init.qp_type = ty;
+        init.max_send_wr = nsend + extra;
+        init.max_recv_wr = nrecv + extra;
+        init.max_send_sge = 1;
+        init.max_recv_sge = 1;
+        init.max_inline = o.inline.clamp(0, 256) as u32;
+        let qp = pd.create_qp(&init).map_err(e)?;
+        Ok(Bufs {
+            qp,
+            cq,
+            pd,
+            nsend,
+            nrecv,
+            sbuf,
+            rbuf,
+            smr,
+            rmr,
+        })
+    }
 }
 
 /// Whether (`level`, `name`) is an `int` option of an rsocket.
@@ -434,9 +487,16 @@ impl Cma {
     }
 
     /// `rsocket`: a stream socket of `family` on descriptor `fd` (the caller's).
-    pub fn rs_socket(&mut self, fd: i32, family: i32, nonblock: bool) -> Result<(), i32> {
+    pub fn rs_socket(
+        &mut self,
+        fd: i32,
+        family: i32,
+        nonblock: bool,
+        dgram: bool,
+    ) -> Result<(), i32> {
         let chan = self.create_channel(fd) as usize;
-        let id = match self.create_id(chan, std::ptr::null_mut(), RDMA_PS_TCP) {
+        let ps = if dgram { RDMA_PS_UDP } else { RDMA_PS_TCP };
+        let id = match self.create_id(chan, std::ptr::null_mut(), ps) {
             Ok(p) => p as usize,
             Err(e) => {
                 let _ = self.destroy_channel(chan);
@@ -455,6 +515,7 @@ impl Cma {
                 opts: Opts::default(),
                 pending: VecDeque::new(),
                 conn: None,
+                dgram: dgram.then(Box::default),
             },
         );
         Ok(())
@@ -467,6 +528,9 @@ impl Cma {
 
     /// `rbind`.
     pub fn rs_bind(&mut self, st: &mut State, fd: i32, addr: SocketAddrV4) -> Result<(), i32> {
+        if self.sock(fd)?.dgram.is_some() {
+            return self.with_sock(st, fd, |c, st, s| c.dg_bind(st, s, addr));
+        }
         let (phase, id) = {
             let s = self.sock(fd)?;
             (s.phase, s.id)
@@ -481,6 +545,9 @@ impl Cma {
 
     /// `rlisten` (an unbound socket takes an ephemeral port on every NIC first).
     pub fn rs_listen(&mut self, st: &mut State, fd: i32, backlog: i32) -> Result<(), i32> {
+        if self.sock(fd)?.dgram.is_some() {
+            return Err(libc::EOPNOTSUPP);
+        }
         let (phase, id) = {
             let s = self.sock(fd)?;
             (s.phase, s.id)
@@ -498,11 +565,30 @@ impl Cma {
 
     /// Drives socket `fd`: its CQ, then the CM's events on its channel.
     pub fn rs_pump(&mut self, st: &mut State, fd: i32) -> Result<(), i32> {
+        self.with_sock(st, fd, |c, st, s| {
+            if let Some(k) = s.conn.as_mut() {
+                k.poll();
+            }
+            if let Some(d) = s.dgram.as_mut() {
+                d.poll();
+            }
+            let r = c.events(st, s);
+            if let Some(d) = s.dgram.as_mut() {
+                d.flush();
+            }
+            r
+        })
+    }
+
+    /// Runs `f` on socket `fd`, taken out of the table meanwhile.
+    fn with_sock<R>(
+        &mut self,
+        st: &mut State,
+        fd: i32,
+        f: impl FnOnce(&mut Cma, &mut State, &mut Rsock) -> Result<R, i32>,
+    ) -> Result<R, i32> {
         let mut s = self.rs.socks.remove(&fd).ok_or(libc::EBADF)?;
-        if let Some(c) = s.conn.as_mut() {
-            c.poll();
-        }
-        let r = self.events(st, &mut s);
+        let r = f(self, st, &mut s);
         self.rs.socks.insert(fd, s);
         r
     }
@@ -515,8 +601,12 @@ impl Cma {
                 .event_private(ev)
                 .map(<[u8]>::to_vec)
                 .unwrap_or_default();
+            let ud = self.event_ud(ev);
             let _ = self.ack(ev);
-            self.on_event(st, s, kind, status, id, &private);
+            match s.dgram.is_some() {
+                true => self.dg_event(st, s, kind, id, ud),
+                false => self.on_event(st, s, kind, status, id, &private),
+            }
         }
         Ok(())
     }
@@ -533,8 +623,8 @@ impl Cma {
         if s.phase == Phase::Listening && id != s.id {
             // A request, or news of one not accepted yet.
             match kind {
-                RDMA_CM_EVENT_CONNECT_REQUEST => match peer_credits(private) {
-                    Some(c) if c > 0 => s.pending.push_back((id, c)),
+                RDMA_CM_EVENT_CONNECT_REQUEST => match parse_private(private) {
+                    Some(c) => s.pending.push_back((id, c)),
                     _ => {
                         let _ = self.reject(st, id, &[]);
                         let _ = self.destroy_id(st, id);
@@ -559,9 +649,7 @@ impl Cma {
         match kind {
             RDMA_CM_EVENT_CONNECT_RESPONSE => {
                 let up = (|| {
-                    let credits = peer_credits(private)
-                        .filter(|&c| c > 0)
-                        .ok_or(libc::EPROTO)?;
+                    let credits = parse_private(private).ok_or(libc::EPROTO)?;
                     let (remote, opts, psn) = self.peer_of(s.id).ok_or(libc::EINVAL)?;
                     let c = s.conn.as_mut().ok_or(libc::EINVAL)?;
                     c.qp.connect(&remote, psn, &opts)
@@ -608,25 +696,18 @@ impl Cma {
     /// Makes the connection's resources on NIC `nic` (its receives posted).
     fn new_conn(&mut self, st: &mut State, nic: usize, o: &Opts) -> Result<Conn, i32> {
         let e = |e: ringbell::Error| crate::errno_of(&e);
-        let dev = st.device(nic)?;
-        let nsend = slots(o.sndbuf, o.sqsize);
-        let nrecv = slots(o.rcvbuf, o.rqsize);
-        let pd = dev.alloc_pd().map_err(e)?;
-        let sbuf = dev.alloc_dma(nsend as usize * SLOT).map_err(e)?;
-        let rbuf = dev
-            .alloc_dma((nrecv + RESERVE) as usize * SLOT)
-            .map_err(e)?;
-        let smr = pd.reg_mr(&sbuf, Access::LOCAL_WRITE).map_err(e)?;
-        let rmr = pd.reg_mr(&rbuf, Access::LOCAL_WRITE).map_err(e)?;
+        let Bufs {
+            mut qp,
+            cq,
+            pd,
+            nsend,
+            nrecv,
+            sbuf,
+            rbuf,
+            smr,
+            rmr,
+        } = Bufs::new(st, nic, o, RESERVE, QpType::Rc)?;
         let sq_depth = nsend + RESERVE;
-        let cq = dev.create_cq(sq_depth + nrecv + RESERVE).map_err(e)?;
-        let mut init = QpInit::new(&cq, &cq);
-        init.max_send_wr = sq_depth;
-        init.max_recv_wr = nrecv + RESERVE;
-        init.max_send_sge = 1;
-        init.max_recv_sge = 1;
-        init.max_inline = o.inline.clamp(0, 256) as u32;
-        let mut qp = pd.create_qp(&init).map_err(e)?;
         // INIT, so that the receives can be posted before the connection is up.
         let init = QpAttr {
             state: QpState::Init as u8,
@@ -679,8 +760,13 @@ impl Cma {
     }
 
     /// `rconnect`: starts connecting (the caller waits for [`Cma::rs_connected`] unless
-    /// the socket is non-blocking).
-    pub fn rs_connect(&mut self, st: &mut State, fd: i32, dst: SocketAddrV4) -> Result<(), i32> {
+    /// the socket is non-blocking); true when done at once (a datagram socket's).
+    pub fn rs_connect(&mut self, st: &mut State, fd: i32, dst: SocketAddrV4) -> Result<bool, i32> {
+        if self.sock(fd)?.dgram.is_some() {
+            return self
+                .with_sock(st, fd, |c, st, s| c.dg_connect(st, s, dst))
+                .map(|()| true);
+        }
         let (phase, id, opts, chan) = {
             let s = self.sock(fd)?;
             (s.phase, s.id, s.opts, s.chan)
@@ -726,7 +812,7 @@ impl Cma {
             s.phase = Phase::Failed;
             return Err(e);
         }
-        Ok(())
+        Ok(false)
     }
 
     /// Where a connect stands: Ok(true) connected, Ok(false) still going, Err its error
@@ -753,6 +839,9 @@ impl Cma {
         fd: i32,
         newfd: i32,
     ) -> Result<Option<SocketAddrV4>, i32> {
+        if self.sock(fd)?.dgram.is_some() {
+            return Err(libc::EOPNOTSUPP);
+        }
         self.rs_pump(st, fd)?;
         let s = self.sock(fd)?;
         if s.phase != Phase::Listening {
@@ -807,6 +896,7 @@ impl Cma {
                 opts,
                 pending: VecDeque::new(),
                 conn: Some(conn),
+                dgram: None,
             },
         );
         Ok(peer)
@@ -815,6 +905,9 @@ impl Cma {
     /// `rsend` and friends: bytes of `data` sent now (Ok(0) with `data` not empty: none
     /// could go yet).
     pub fn rs_send(&mut self, st: &mut State, fd: i32, data: &[u8]) -> Result<usize, i32> {
+        if self.sock(fd)?.dgram.is_some() {
+            return self.rs_sendto(st, fd, data, None);
+        }
         self.rs_pump(st, fd)?;
         let s = self.sock(fd)?;
         let c = match (s.phase, s.conn.as_mut()) {
@@ -843,27 +936,27 @@ impl Cma {
         fd: i32,
         out: &mut [u8],
         peek: bool,
-    ) -> Result<Option<usize>, i32> {
+    ) -> Result<Option<(usize, Option<SocketAddrV4>)>, i32> {
         self.rs_pump(st, fd)?;
         let s = self.sock(fd)?;
+        if let Some(d) = s.dgram.as_mut() {
+            return Ok(d.recv(out, peek).map(|(n, from)| (n, Some(from))));
+        }
         let c = match (s.phase, s.conn.as_mut()) {
             (Phase::Connected | Phase::Accepting, Some(c)) => c,
             (Phase::Connecting, _) => return Ok(None),
             (Phase::Failed, Some(c)) if c.gone => c,
             _ => return Err(libc::ENOTCONN),
         };
-        if out.is_empty() {
-            return Ok(Some(0));
-        }
-        if c.shut_rd {
-            return Ok(Some(0));
+        if out.is_empty() || c.shut_rd {
+            return Ok(Some((0, None)));
         }
         let n = c.recv_some(out, peek);
         if n > 0 {
-            return Ok(Some(n));
+            return Ok(Some((n, None)));
         }
         if c.fin_rcvd || c.gone {
-            return Ok(Some(0));
+            return Ok(Some((0, None)));
         }
         if c.broken {
             return Err(libc::ECONNRESET);
@@ -888,6 +981,13 @@ impl Cma {
 
     /// `rshutdown`.
     pub fn rs_shutdown(&mut self, st: &mut State, fd: i32, how: i32) -> Result<(), i32> {
+        if let Some(d) = self.sock(fd)?.dgram.as_ref() {
+            return match (how, d.peer) {
+                (libc::SHUT_RD | libc::SHUT_WR | libc::SHUT_RDWR, Some(_)) => Ok(()),
+                (libc::SHUT_RD | libc::SHUT_WR | libc::SHUT_RDWR, None) => Err(libc::ENOTCONN),
+                _ => Err(libc::EINVAL),
+            };
+        }
         self.rs_pump(st, fd)?;
         let s = self.sock(fd)?;
         let (rd, wr) = match how {
@@ -905,7 +1005,7 @@ impl Cma {
         if wr {
             c.shut_wr = true;
             if !c.fin_sent && !c.gone && !c.broken {
-                c.control(K_FIN)?;
+                c.control(Kind::Fin)?;
                 c.fin_sent = true;
             }
         }
@@ -915,6 +1015,9 @@ impl Cma {
     /// `rclose`, first part: the FIN goes out after what was sent. Ok(true) when the
     /// socket has nothing left in flight (the caller then calls [`Cma::rs_close`]).
     pub fn rs_drain(&mut self, st: &mut State, fd: i32) -> Result<bool, i32> {
+        if self.sock(fd)?.dgram.is_some() {
+            return self.rs_waiting(st, fd).map(|w| !w);
+        }
         self.rs_pump(st, fd)?;
         let s = self.sock(fd)?;
         let Some(c) = s.conn.as_mut() else {
@@ -928,7 +1031,7 @@ impl Cma {
                 return Ok(false);
             }
             c.shut_wr = true;
-            c.control(K_FIN)?;
+            c.control(Kind::Fin)?;
             c.fin_sent = true;
         }
         Ok(c.inflight == 0)
@@ -937,6 +1040,14 @@ impl Cma {
     /// `rclose`, last part: the connection closed, the socket gone; its descriptor is
     /// the caller's to close.
     pub fn rs_close(&mut self, st: &mut State, fd: i32) -> Result<(), i32> {
+        let id = self.sock(fd)?.id;
+        self.rs.dg_ports.remove(&id);
+        if let Some(d) = self.sock(fd)?.dgram.as_ref() {
+            let ids: Vec<usize> = d.resolving.keys().copied().collect();
+            for id in ids {
+                let _ = self.destroy_id(st, id);
+            }
+        }
         let s = self.rs.socks.remove(&fd).ok_or(libc::EBADF)?;
         for (id, _) in &s.pending {
             let _ = self.reject(st, *id, &[]);
@@ -954,6 +1065,9 @@ impl Cma {
     /// `rpoll`'s view of socket `fd`: which of `events` (and POLLERR, POLLHUP) hold.
     pub fn rs_ready(&mut self, st: &mut State, fd: i32, events: i16) -> Result<i16, i32> {
         self.rs_pump(st, fd)?;
+        if let Some(d) = self.sock(fd)?.dgram.as_ref() {
+            return Ok(d.ready() & (events | libc::POLLERR | libc::POLLHUP));
+        }
         let s = self.sock(fd)?;
         let mut r = 0i16;
         match (s.phase, s.conn.as_ref()) {
@@ -988,6 +1102,11 @@ impl Cma {
 
     /// `rgetsockname`.
     pub fn rs_sockname(&self, fd: i32) -> Result<SocketAddrV4, i32> {
+        if let Some(d) = self.rs.socks.get(&fd).and_then(|s| s.dgram.as_ref()) {
+            return Ok(d
+                .bound
+                .unwrap_or(SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, 0)));
+        }
         let s = self.rs.socks.get(&fd).ok_or(libc::EBADF)?;
         Ok(self
             .addrs(s.id)
@@ -997,6 +1116,9 @@ impl Cma {
 
     /// `rgetpeername`.
     pub fn rs_peername(&self, fd: i32) -> Result<SocketAddrV4, i32> {
+        if let Some(d) = self.rs.socks.get(&fd).and_then(|s| s.dgram.as_ref()) {
+            return d.peer.ok_or(libc::ENOTCONN);
+        }
         let s = self.rs.socks.get(&fd).ok_or(libc::EBADF)?;
         match s.phase {
             Phase::Connected | Phase::Accepting => {
@@ -1061,7 +1183,10 @@ impl Cma {
         };
         Ok(match (level, name) {
             (libc::SOL_SOCKET, libc::SO_ERROR) => std::mem::take(&mut s.err),
-            (libc::SOL_SOCKET, libc::SO_TYPE) => libc::SOCK_STREAM,
+            (libc::SOL_SOCKET, libc::SO_TYPE) => match s.dgram {
+                Some(_) => libc::SOCK_DGRAM,
+                None => libc::SOCK_STREAM,
+            },
             (libc::SOL_SOCKET, libc::SO_REUSEADDR) => o.reuseaddr,
             (libc::SOL_SOCKET, libc::SO_KEEPALIVE) => o.keepalive,
             (libc::SOL_SOCKET, libc::SO_OOBINLINE) => o.oobinline,
@@ -1129,12 +1254,13 @@ impl Cma {
         if c.free.is_empty() || c.inflight >= c.sq_depth {
             return Err(libc::EAGAIN);
         }
-        let mut b = Vec::with_capacity(28);
-        b.extend_from_slice(&off.to_le_bytes());
-        b.extend_from_slice(&mr.addr().to_le_bytes());
-        b.extend_from_slice(&len.to_le_bytes());
-        b.extend_from_slice(&mr.rkey().to_le_bytes());
-        c.notice(&b)?;
+        let n = Notice {
+            offset: off,
+            addr: mr.addr(),
+            len,
+            rkey: mr.rkey(),
+        };
+        c.notice(&n.emit())?;
         c.maps.push((off, mr, user));
         Ok(off)
     }
@@ -1152,10 +1278,13 @@ impl Cma {
             .ok_or(libc::EINVAL)?;
         let (off, _mr, _) = c.maps.remove(k);
         if !c.gone && !c.broken && !c.free.is_empty() && c.inflight < c.sq_depth {
-            let mut b = Vec::with_capacity(28);
-            b.extend_from_slice(&off.to_le_bytes());
-            b.extend_from_slice(&[0u8; 20]);
-            let _ = c.notice(&b);
+            let end = Notice {
+                offset: off,
+                addr: 0,
+                len: 0,
+                rkey: 0,
+            };
+            let _ = c.notice(&end.emit());
         }
         Ok(())
     }
@@ -1189,30 +1318,20 @@ impl Cma {
         let m = c
             .peer_maps
             .iter()
-            .find(|m| offset >= m.offset && offset + len <= m.offset + m.len)
+            .find(|m| m.covers(offset, len))
             .copied()
             .ok_or(libc::EINVAL)?;
         let mut sent = 0usize;
         while sent < data.len() && !c.free.is_empty() && c.inflight < c.sq_depth {
-            let Some(slot) = c.free.pop() else { break };
             let n = (data.len() - sent).min(SLOT);
-            let at = slot as usize * SLOT;
             let remote = RemoteAddr {
                 addr: m.addr + (offset - m.offset) + sent as u64,
                 rkey: m.rkey,
             };
-            let r = c
-                .sbuf
-                .write(at, &data[sent..sent + n])
-                .map_err(|e| crate::errno_of(&e))
-                .and_then(|()| {
-                    let sge = [c.smr.sge(at as u64, n as u32)];
-                    let wr = SendWr::new(u64::from(slot), WrOp::Write(remote), &sge)
-                        .flags(SendFlags::SIGNALED);
-                    c.qp.post_send(&[wr]).map_err(|e| crate::errno_of(&e))
-                });
-            if let Err(e) = r {
-                c.free.push(slot);
+            if let Err(e) = c
+                .slots()
+                .post(&[&data[sent..sent + n]], WrOp::Write(remote), None)
+            {
                 return match sent {
                     0 => Err(e),
                     _ => Ok(sent),
@@ -1229,26 +1348,372 @@ impl Conn {
     /// Sends a mapping notice (`K_IOMAP`) of `b` from a slot (into one of the peer's
     /// reserved receives, which it reposts at once: no credit).
     fn notice(&mut self, b: &[u8]) -> Result<(), i32> {
-        let slot = self.free.pop().ok_or(libc::EAGAIN)?;
-        let at = slot as usize * SLOT;
-        let owed = self.owed;
-        let r = self
-            .sbuf
-            .write(at, b)
-            .map_err(|e| crate::errno_of(&e))
-            .and_then(|()| {
-                let sge = [self.smr.sge(at as u64, b.len() as u32)];
-                let wr = SendWr::new(u64::from(slot), WrOp::SendImm(imm(K_IOMAP, owed)), &sge)
-                    .flags(SendFlags::SIGNALED);
-                self.qp.post_send(&[wr]).map_err(|e| crate::errno_of(&e))
-            });
-        if let Err(e) = r {
-            self.free.push(slot);
-            return Err(e);
-        }
+        let op = WrOp::SendImm(imm(Kind::Iomap, self.owed));
+        self.slots().post(&[b], op, None)?;
         self.owed = 0;
         self.inflight += 1;
         Ok(())
+    }
+}
+
+/// Datagrams waiting for their destination's QP to be resolved, at most.
+const MAX_WAITING: usize = 64;
+/// A received datagram's bytes before its header (the GRH area of a UD receive).
+const DG_SKIP: usize = ringbell::GRH_LEN + DGRAM_HEADER;
+/// The largest datagram payload.
+pub const MAX_DATAGRAM: usize = ringbell::UD_MAX_PAYLOAD as usize - DGRAM_HEADER;
+
+/// A datagram socket (`SOCK_DGRAM`): a UD QP on one NIC, its port listening in RDMA-CM's
+/// UDP port space, so that a sender resolves (port → QPN) by service id resolution.
+#[derive(Default)]
+struct Dgram {
+    /// The address as bound (the program's view), once bound.
+    bound: Option<SocketAddrV4>,
+    /// The connected peer (`rconnect`): the default destination and the only source.
+    peer: Option<SocketAddrV4>,
+    res: Option<DgRes>,
+    /// Resolutions under way: RDMA-CM id → destination.
+    resolving: BTreeMap<usize, SocketAddrV4>,
+    /// Datagrams for destinations being resolved, in order.
+    waiting: VecDeque<(SocketAddrV4, Vec<u8>)>,
+    /// Received: (slot, payload length, source).
+    rx: VecDeque<(u32, u32, SocketAddrV4)>,
+}
+
+/// A datagram socket's resources (fields drop in order: the QP before its CQ, the address
+/// handles and regions before the PD).
+struct DgRes {
+    qp: QueuePair,
+    cq: CompletionQueue,
+    /// Resolved destinations: address handle, QPN, Q_Key.
+    peers: BTreeMap<SocketAddrV4, (AddressHandle, u32, u32)>,
+    smr: MemoryRegion,
+    rmr: MemoryRegion,
+    sbuf: DmaBuffer,
+    rbuf: DmaBuffer,
+    pd: ProtectionDomain,
+    port: u16,
+    nsend: u32,
+    free: Vec<u32>,
+    inflight: u32,
+    sq_depth: u32,
+}
+
+impl DgRes {
+    fn repost(&mut self, slot: u32) {
+        let sge = [self.rmr.sge(u64::from(slot) * SLOT as u64, SLOT as u32)];
+        let _ = self.qp.post_recv(&[RecvWr {
+            wr_id: u64::from(slot),
+            sgl: &sge,
+        }]);
+    }
+
+    fn can_post(&self) -> bool {
+        !self.free.is_empty() && self.inflight < self.sq_depth
+    }
+
+    /// Sends `data` to resolved `dst` (false: no slot free now).
+    fn post(&mut self, dst: SocketAddrV4, data: &[u8]) -> Result<bool, i32> {
+        let Some((ah, qpn, qkey)) = self.peers.get(&dst) else {
+            return Err(libc::EHOSTUNREACH);
+        };
+        if !self.can_post() {
+            return Ok(false);
+        }
+        let dest = UdDest {
+            ah,
+            qpn: *qpn,
+            qkey: *qkey,
+        };
+        let head = dgram_header(self.port);
+        let mut slots = SendSlots {
+            qp: &mut self.qp,
+            sbuf: &self.sbuf,
+            smr: &self.smr,
+            free: &mut self.free,
+        };
+        slots.post(&[&head, data], WrOp::Send, Some(dest))?;
+        self.inflight += 1;
+        Ok(true)
+    }
+}
+
+impl Dgram {
+    /// Takes the completions the CQ holds: sends free their slots, received datagrams
+    /// of this library from the peer (if connected) queue.
+    fn poll(&mut self) {
+        let Some(r) = self.res.as_mut() else { return };
+        let mut wc = [WorkCompletion::default(); 32];
+        loop {
+            let n = r.cq.poll(&mut wc);
+            for w in &wc[..n] {
+                let slot = w.wr_id as u32;
+                if w.opcode == WcOpcode::Send {
+                    r.inflight = r.inflight.saturating_sub(1);
+                    if slot < r.nsend {
+                        r.free.push(slot);
+                    }
+                    continue;
+                }
+                if w.status != WcStatus::Success {
+                    continue;
+                }
+                let mut head = [0u8; DGRAM_HEADER];
+                let at = slot as usize * SLOT + ringbell::GRH_LEN;
+                let from = (w.byte_len as usize >= DG_SKIP)
+                    .then(|| r.rbuf.read(at, &mut head).ok())
+                    .flatten()
+                    .and_then(|()| parse_dgram_header(&head))
+                    .zip(w.source)
+                    .map(|(port, src)| SocketAddrV4::new(Ipv4Addr::from(src.ip), port));
+                match from {
+                    Some(f) if self.peer.is_none_or(|p| p == f) => {
+                        self.rx.push_back((slot, w.byte_len - DG_SKIP as u32, f))
+                    }
+                    _ => r.repost(slot),
+                }
+            }
+            if n < wc.len() {
+                break;
+            }
+        }
+    }
+
+    /// Sends what waits for destinations now resolved, in order, while slots allow.
+    fn flush(&mut self) {
+        let Some(r) = self.res.as_mut() else { return };
+        while let Some((dst, _)) = self.waiting.front() {
+            if !r.peers.contains_key(dst) || !r.can_post() {
+                break;
+            }
+            let (dst, data) = self.waiting.pop_front().expect("looked at above");
+            let _ = r.post(dst, &data);
+        }
+    }
+
+    /// Copies the next datagram into `out` (the rest of a longer one is dropped, as a
+    /// datagram socket drops it): its length copied and its source.
+    fn recv(&mut self, out: &mut [u8], peek: bool) -> Option<(usize, SocketAddrV4)> {
+        let r = self.res.as_mut()?;
+        let &(slot, len, from) = self.rx.front()?;
+        let n = (len as usize).min(out.len());
+        let _ = r.rbuf.read(slot as usize * SLOT + DG_SKIP, &mut out[..n]);
+        if !peek {
+            self.rx.pop_front();
+            r.repost(slot);
+        }
+        Some((n, from))
+    }
+
+    fn ready(&self) -> i16 {
+        let mut r = 0;
+        if !self.rx.is_empty() {
+            r |= POLLIN;
+        }
+        if self.res.as_ref().is_none_or(DgRes::can_post) && self.waiting.len() < MAX_WAITING {
+            r |= POLLOUT;
+        }
+        r
+    }
+}
+
+impl Cma {
+    /// Binds datagram socket `s`: its port listens in the UDP port space of its NIC (the
+    /// address's; the unspecified or a loopback address: the process's first NIC), and its
+    /// UD QP is made.
+    fn dg_bind(&mut self, st: &mut State, s: &mut Rsock, addr: SocketAddrV4) -> Result<(), i32> {
+        if s.dgram.as_ref().is_some_and(|d| d.bound.is_some()) {
+            return Err(libc::EINVAL);
+        }
+        // The unspecified and loopback addresses take the first NIC, as the kernel's
+        // rdma_cm binds a loopback address to its first device.
+        let nic = match addr.ip().is_unspecified() || addr.ip().is_loopback() {
+            true => *Self::local_nics(st).first().ok_or(libc::ENODEV)?,
+            false => Self::nic_with(st, *addr.ip()).ok_or(libc::EADDRNOTAVAIL)?,
+        };
+        let ip = Self::nic_ip(st, nic).ok_or(libc::ENODEV)?;
+        self.bind(st, s.id, SocketAddrV4::new(ip, addr.port()))?;
+        let port = self.addrs(s.id).map(|a| a.0.port()).ok_or(libc::EINVAL)?;
+        self.listen(st, s.id, 0)?;
+        let res = self.dg_res(st, nic, &s.opts, port)?;
+        self.rs.dg_ports.insert(s.id, res.qp.qpn());
+        let d = s.dgram.as_mut().ok_or(libc::EINVAL)?;
+        d.res = Some(res);
+        d.bound = Some(SocketAddrV4::new(*addr.ip(), port));
+        s.phase = Phase::Bound;
+        Ok(())
+    }
+
+    fn dg_res(&mut self, st: &mut State, nic: usize, o: &Opts, port: u16) -> Result<DgRes, i32> {
+        let e = |e: ringbell::Error| crate::errno_of(&e);
+        let Bufs {
+            mut qp,
+            cq,
+            pd,
+            nsend,
+            nrecv,
+            sbuf,
+            rbuf,
+            smr,
+            rmr,
+        } = Bufs::new(st, nic, o, 0, QpType::Ud)?;
+        qp.ud_ready(crate::cma::RDMA_UDP_QKEY, 0).map_err(e)?;
+        let mut r = DgRes {
+            qp,
+            cq,
+            peers: BTreeMap::new(),
+            smr,
+            rmr,
+            sbuf,
+            rbuf,
+            pd,
+            port,
+            nsend,
+            free: (0..nsend).rev().collect(),
+            inflight: 0,
+            sq_depth: nsend,
+        };
+        for slot in 0..nrecv {
+            r.repost(slot);
+        }
+        Ok(r)
+    }
+
+    /// `rconnect` on a datagram socket: the default destination and only source.
+    fn dg_connect(&mut self, st: &mut State, s: &mut Rsock, dst: SocketAddrV4) -> Result<(), i32> {
+        if dst.ip().is_unspecified() || dst.port() == 0 {
+            return Err(libc::EINVAL);
+        }
+        if s.dgram.as_ref().is_some_and(|d| d.bound.is_none()) {
+            self.dg_bind(st, s, SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, 0))?;
+        }
+        let d = s.dgram.as_mut().ok_or(libc::EINVAL)?;
+        d.peer = Some(dst);
+        // Datagrams from others, queued already, go.
+        if let Some(r) = d.res.as_mut() {
+            d.rx.retain(|&(slot, _, from)| {
+                let keep = from == dst;
+                if !keep {
+                    r.repost(slot);
+                }
+                keep
+            });
+        }
+        Ok(())
+    }
+
+    /// Whether datagrams of socket `fd` wait for their destination's resolution (after
+    /// driving it).
+    pub fn rs_waiting(&mut self, st: &mut State, fd: i32) -> Result<bool, i32> {
+        self.rs_pump(st, fd)?;
+        Ok(self
+            .sock(fd)?
+            .dgram
+            .as_ref()
+            .is_some_and(|d| !d.waiting.is_empty()))
+    }
+
+    /// `rsendto` (`dst` None: the connected peer): Ok(the length) once the datagram is
+    /// sent or waits for its destination's resolution, Ok(0) when no slot is free now.
+    pub fn rs_sendto(
+        &mut self,
+        st: &mut State,
+        fd: i32,
+        data: &[u8],
+        dst: Option<SocketAddrV4>,
+    ) -> Result<usize, i32> {
+        self.rs_pump(st, fd)?;
+        self.with_sock(st, fd, |c, st, s| {
+            let Some(d) = s.dgram.as_ref() else {
+                // A stream's destination is its peer.
+                return Err(libc::EISCONN);
+            };
+            let dst = dst.or(d.peer).ok_or(libc::EDESTADDRREQ)?;
+            if data.len() > MAX_DATAGRAM {
+                return Err(libc::EMSGSIZE);
+            }
+            if dst.ip().is_unspecified() || dst.port() == 0 {
+                return Err(libc::EINVAL);
+            }
+            if d.bound.is_none() {
+                c.dg_bind(st, s, SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, 0))?;
+            }
+            let d = s.dgram.as_mut().ok_or(libc::EINVAL)?;
+            let r = d.res.as_mut().ok_or(libc::EINVAL)?;
+            if r.peers.contains_key(&dst) && !d.waiting.iter().any(|w| w.0 == dst) {
+                return Ok(match r.post(dst, data)? {
+                    true => data.len(),
+                    false => 0,
+                });
+            }
+            if d.waiting.len() >= MAX_WAITING {
+                return Ok(0);
+            }
+            if !r.peers.contains_key(&dst) && !d.resolving.values().any(|&v| v == dst) {
+                // Which QP serves the port: service id resolution from a CM id of the
+                // socket's channel (its answer comes as an event).
+                let id = c.create_id(s.chan, std::ptr::null_mut(), RDMA_PS_UDP)? as usize;
+                let started = c
+                    .resolve_addr(st, id, None, dst)
+                    .and_then(|()| c.resolve_route(id))
+                    .and_then(|()| c.connect(st, id, None));
+                if let Err(e) = started {
+                    let _ = c.destroy_id(st, id);
+                    return Err(match e {
+                        libc::EINVAL => libc::EHOSTUNREACH,
+                        e => e,
+                    });
+                }
+                let d = s.dgram.as_mut().ok_or(libc::EINVAL)?;
+                d.resolving.insert(id, dst);
+            }
+            let d = s.dgram.as_mut().ok_or(libc::EINVAL)?;
+            d.waiting.push_back((dst, data.to_vec()));
+            Ok(data.len())
+        })
+    }
+
+    /// An RDMA-CM event on a datagram socket's channel: the answer to one of its own
+    /// resolutions.
+    fn dg_event(
+        &mut self,
+        st: &mut State,
+        s: &mut Rsock,
+        kind: u32,
+        id: usize,
+        ud: Option<(u32, u32)>,
+    ) {
+        let Some(d) = s.dgram.as_mut() else { return };
+        if kind == RDMA_CM_EVENT_CONNECT_REQUEST {
+            // (A bound socket's port is answered by RDMA-CM itself with its QP; this is a
+            // socket whose QP could not be made.)
+            let _ = self.reject(st, id, &[]);
+            let _ = self.destroy_id(st, id);
+            return;
+        }
+        let Some(dst) = d.resolving.get(&id).copied() else {
+            return;
+        };
+        match kind {
+            RDMA_CM_EVENT_ESTABLISHED => {
+                if let (Some(r), Some((qpn, qkey))) = (d.res.as_mut(), ud) {
+                    let ah = ringbell::AhAttr::on_fabric(dst.ip().octets())
+                        .and_then(|a| r.pd.create_ah(&a).ok());
+                    if let Some(ah) = ah {
+                        r.peers.insert(dst, (ah, qpn, qkey));
+                    }
+                }
+            }
+            RDMA_CM_EVENT_ADDR_RESOLVED | RDMA_CM_EVENT_ROUTE_RESOLVED => return,
+            // Refused, unreachable, no such port: what waited for it is lost, as a
+            // datagram to nobody is.
+            _ => {}
+        }
+        d.resolving.remove(&id);
+        if d.res.as_ref().is_none_or(|r| !r.peers.contains_key(&dst)) {
+            d.waiting.retain(|w| w.0 != dst);
+        }
+        let _ = self.destroy_id(st, id);
     }
 }
 
@@ -1257,25 +1722,11 @@ mod tests {
     use super::*;
 
     #[test]
-    fn private_data_round_trips_and_foreign_data_is_refused() {
-        assert_eq!(peer_credits(&conn_private(32)), Some(32));
-        assert_eq!(peer_credits(&[0u8; 56]), None);
-        assert_eq!(peer_credits(&[VERSION, 0, 0]), None);
-    }
-
-    #[test]
     fn slot_counts_follow_the_buffer_sizes_within_bounds() {
         assert_eq!(slots(65536, 0), 4);
         assert_eq!(slots(1 << 20, 0), 64);
         assert_eq!(slots(0, 0), MIN_SLOTS);
         assert_eq!(slots(i32::MAX, 0), MAX_SLOTS);
         assert_eq!(slots(1 << 20, 8), 8);
-    }
-
-    #[test]
-    fn immediate_data_keeps_kind_and_credits_apart() {
-        let v = imm(K_FIN, 0x1_0005);
-        assert_eq!(v >> 28, K_FIN);
-        assert_eq!(v & 0xFFFF, 5);
     }
 }

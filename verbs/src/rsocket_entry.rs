@@ -41,8 +41,9 @@ fn close_fd(fd: i32) {
     unsafe { libc::close(fd) };
 }
 
-/// Reads a socket address: IPv4, or IPv6's unspecified and IPv4-mapped addresses (ringbell
-/// NICs have IPv4 addresses). `v6_other` is the error for any other IPv6 address.
+/// Reads a socket address: IPv4, or IPv6's unspecified, loopback (as IPv4's) and
+/// IPv4-mapped addresses (ringbell NICs have IPv4 addresses). `v6_other` is the error for
+/// any other IPv6 address.
 ///
 /// # Safety
 /// `addr` is null or points to `len` readable bytes.
@@ -74,9 +75,10 @@ unsafe fn read_addr(
             let a = unsafe { std::ptr::read_unaligned(addr.cast::<libc::sockaddr_in6>()) };
             let ip = Ipv6Addr::from(a.sin6_addr.s6_addr);
             let port = u16::from_be(a.sin6_port);
-            match (ip.is_unspecified(), ip.to_ipv4_mapped()) {
-                (true, _) => Ok(SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, port)),
-                (_, Some(v4)) => Ok(SocketAddrV4::new(v4, port)),
+            match (ip.is_unspecified(), ip.is_loopback(), ip.to_ipv4_mapped()) {
+                (true, _, _) => Ok(SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, port)),
+                (_, true, _) => Ok(SocketAddrV4::new(Ipv4Addr::LOCALHOST, port)),
+                (_, _, Some(v4)) => Ok(SocketAddrV4::new(v4, port)),
                 _ => Err(v6_other),
             }
         }
@@ -192,20 +194,30 @@ fn blocking(fd: i32, flags: c_int) -> Result<bool, i32> {
     Ok(!nb && flags & libc::MSG_DONTWAIT == 0)
 }
 
-/// Sends all of `data` (what fits now when not blocking).
-fn send_all(fd: i32, data: &[u8], flags: c_int) -> Result<usize, i32> {
+/// Sends all of `data` (what fits now when not blocking), to `dst` if given (a datagram
+/// socket's destination; a stream's is EISCONN).
+fn send_all(fd: i32, data: &[u8], flags: c_int, dst: Option<SocketAddrV4>) -> Result<usize, i32> {
     if flags & libc::MSG_OOB != 0 {
         return Err(libc::EOPNOTSUPP);
     }
     let block = blocking(fd, flags)?;
     let mut sent = 0;
     loop {
-        match call(Err(libc::EIO), |c, st| c.rs_send(st, fd, &data[sent..])) {
+        match call(Err(libc::EIO), |c, st| match dst {
+            Some(d) => c.rs_sendto(st, fd, &data[sent..], Some(d)),
+            None => c.rs_send(st, fd, &data[sent..]),
+        }) {
             Ok(n) => sent += n,
             Err(e) if sent == 0 => return Err(e),
             Err(_) => return Ok(sent),
         }
         if sent == data.len() {
+            // A datagram to a destination being resolved waits in the library: a blocking
+            // send returns once it is out (or lost), as nothing sends it otherwise until
+            // the socket is used again.
+            while block && call(Err(libc::EIO), |c, st| c.rs_waiting(st, fd))? {
+                std::thread::sleep(POLL_GAP);
+            }
             return Ok(sent);
         }
         if !block {
@@ -218,9 +230,9 @@ fn send_all(fd: i32, data: &[u8], flags: c_int) -> Result<usize, i32> {
     }
 }
 
-/// Receives into `out`: at least one byte (all of `out` with `MSG_WAITALL`), 0 at the end
-/// of the stream.
-fn recv_into(fd: i32, out: &mut [u8], flags: c_int) -> Result<usize, i32> {
+/// Receives into `out`: at least one byte (all of `out` with `MSG_WAITALL` on a stream), 0
+/// at the end of the stream; one datagram on a datagram socket. With the datagram's source.
+fn recv_into(fd: i32, out: &mut [u8], flags: c_int) -> Result<(usize, Option<SocketAddrV4>), i32> {
     if flags & libc::MSG_OOB != 0 {
         return Err(libc::EINVAL);
     }
@@ -232,22 +244,23 @@ fn recv_into(fd: i32, out: &mut [u8], flags: c_int) -> Result<usize, i32> {
         match call(Err(libc::EIO), |c, st| {
             c.rs_recv(st, fd, &mut out[got..], peek)
         }) {
-            Ok(Some(0)) => return Ok(got),
-            Ok(Some(n)) => {
+            Ok(Some((n, Some(from)))) => return Ok((n, Some(from))),
+            Ok(Some((0, None))) => return Ok((got, None)),
+            Ok(Some((n, None))) => {
                 got += n;
                 if !all || got == out.len() {
-                    return Ok(got);
+                    return Ok((got, None));
                 }
             }
             Ok(None) if !block => {
                 return match got {
                     0 => Err(libc::EAGAIN),
-                    n => Ok(n),
+                    n => Ok((n, None)),
                 }
             }
             Ok(None) => {}
             Err(e) if got == 0 => return Err(e),
-            Err(_) => return Ok(got),
+            Err(_) => return Ok((got, None)),
         }
         std::thread::sleep(POLL_GAP);
     }
@@ -262,12 +275,16 @@ pub extern "C" fn rsocket(domain: c_int, kind: c_int, protocol: c_int) -> c_int 
             if domain != libc::AF_INET && domain != libc::AF_INET6 {
                 return Err(libc::EAFNOSUPPORT);
             }
-            // Datagram rsockets are not offered; nor is any other protocol than TCP's.
-            if ty != libc::SOCK_STREAM || (protocol != 0 && protocol != libc::IPPROTO_TCP) {
-                return Err(libc::EPROTONOSUPPORT);
-            }
+            let dgram = match (ty, protocol) {
+                (libc::SOCK_STREAM, 0 | libc::IPPROTO_TCP) => false,
+                (libc::SOCK_DGRAM, 0 | libc::IPPROTO_UDP) => true,
+                (libc::SOCK_STREAM | libc::SOCK_DGRAM, _) => return Err(libc::EPROTONOSUPPORT),
+                _ => return Err(libc::ESOCKTNOSUPPORT),
+            };
             let fd = new_fd()?;
-            if let Err(e) = call(Err(libc::EIO), |c, _| c.rs_socket(fd, domain, nonblock)) {
+            if let Err(e) = call(Err(libc::EIO), |c, _| {
+                c.rs_socket(fd, domain, nonblock, dgram)
+            }) {
                 close_fd(fd);
                 return Err(e);
             }
@@ -360,7 +377,9 @@ pub unsafe extern "C" fn rconnect(
             // SAFETY: the caller's address of `len` bytes.
             let dst = unsafe { read_addr(addr, len, libc::ENETUNREACH) }?;
             let block = blocking(socket, 0)?;
-            call(Err(libc::EIO), |c, st| c.rs_connect(st, socket, dst))?;
+            if call(Err(libc::EIO), |c, st| c.rs_connect(st, socket, dst))? {
+                return Ok(());
+            }
             if !block {
                 return Err(libc::EINPROGRESS);
             }
@@ -411,7 +430,10 @@ pub extern "C" fn rclose(socket: c_int) -> c_int {
 pub unsafe extern "C" fn rrecv(socket: c_int, buf: *mut c_void, len: usize, flags: c_int) -> isize {
     guard(-1, || {
         // SAFETY: the caller's buffer.
-        len_or(unsafe { bytes_mut(buf, len) }.and_then(|out| recv_into(socket, out, flags)))
+        len_or(
+            unsafe { bytes_mut(buf, len) }
+                .and_then(|out| recv_into(socket, out, flags).map(|r| r.0)),
+        )
     })
 }
 
@@ -429,31 +451,42 @@ pub unsafe extern "C" fn rrecvfrom(
     guard(-1, || {
         // SAFETY: the caller's buffer.
         let r = unsafe { bytes_mut(buf, len) }.and_then(|out| recv_into(socket, out, flags));
-        if r.is_ok() && !addr.is_null() {
-            let peer = call(Err(libc::EIO), |c, _| {
-                Ok::<_, i32>((c.rs_peername(socket)?, c.rs_family(socket)?))
-            });
-            if let Ok((p, family)) = peer {
+        if let Ok((_, from)) = r {
+            // A datagram's source, or a stream's peer.
+            if let Ok((p, family)) = source(socket, from) {
                 // SAFETY: the caller's address buffer and length, as documented.
                 unsafe { write_addr(addr, addrlen, p, family) };
             }
         }
-        len_or(r)
+        len_or(r.map(|r| r.0))
+    })
+}
+
+/// Where received bytes came from: a datagram's source, or a stream's peer; with the
+/// socket's family.
+fn source(socket: c_int, from: Option<SocketAddrV4>) -> Result<(SocketAddrV4, i32), i32> {
+    call(Err(libc::EIO), |c, _| {
+        let family = c.rs_family(socket)?;
+        Ok((from.map_or_else(|| c.rs_peername(socket), Ok)?, family))
     })
 }
 
 /// Receives into the caller's `iovec`s.
-fn recv_vec(socket: c_int, mut bufs: Vec<&mut [u8]>, flags: c_int) -> Result<usize, i32> {
+fn recv_vec(
+    socket: c_int,
+    mut bufs: Vec<&mut [u8]>,
+    flags: c_int,
+) -> Result<(usize, Option<SocketAddrV4>), i32> {
     let total: usize = bufs.iter().map(|b| b.len()).sum();
     let mut tmp = vec![0u8; total];
-    let n = recv_into(socket, &mut tmp, flags)?;
+    let (n, from) = recv_into(socket, &mut tmp, flags)?;
     let mut off = 0;
     for b in bufs.iter_mut() {
         let k = b.len().min(n - off);
         b[..k].copy_from_slice(&tmp[off..off + k]);
         off += k;
     }
-    Ok(n)
+    Ok((n, from))
 }
 
 /// # Safety
@@ -469,20 +502,17 @@ pub unsafe extern "C" fn rrecvmsg(socket: c_int, msg: *mut libc::msghdr, flags: 
         // SAFETY: the header's iovecs.
         let r = unsafe { iovecs(m.msg_iov, m.msg_iovlen as c_int) }
             .and_then(|bufs| recv_vec(socket, bufs, flags));
-        if r.is_ok() {
+        if let Ok((_, from)) = r {
             m.msg_flags = 0;
             m.msg_controllen = 0;
             if !m.msg_name.is_null() {
-                let peer = call(Err(libc::EIO), |c, _| {
-                    Ok::<_, i32>((c.rs_peername(socket)?, c.rs_family(socket)?))
-                });
-                if let Ok((p, family)) = peer {
+                if let Ok((p, family)) = source(socket, from) {
                     // SAFETY: the header's name buffer and its length.
                     unsafe { write_addr(m.msg_name.cast(), &mut m.msg_namelen, p, family) };
                 }
             }
         }
-        len_or(r)
+        len_or(r.map(|r| r.0))
     })
 }
 
@@ -500,7 +530,7 @@ pub unsafe extern "C" fn rread(socket: c_int, buf: *mut c_void, count: usize) ->
 pub unsafe extern "C" fn rreadv(socket: c_int, iov: *const libc::iovec, iovcnt: c_int) -> isize {
     guard(-1, || {
         // SAFETY: the caller's iovecs.
-        len_or(unsafe { iovecs(iov, iovcnt) }.and_then(|b| recv_vec(socket, b, 0)))
+        len_or(unsafe { iovecs(iov, iovcnt) }.and_then(|b| recv_vec(socket, b, 0).map(|r| r.0)))
     })
 }
 
@@ -515,29 +545,45 @@ pub unsafe extern "C" fn rsend(
 ) -> isize {
     guard(-1, || {
         // SAFETY: the caller's buffer.
-        len_or(unsafe { bytes(buf, len) }.and_then(|d| send_all(socket, d, flags)))
+        len_or(unsafe { bytes(buf, len) }.and_then(|d| send_all(socket, d, flags, None)))
     })
 }
 
 /// # Safety
-/// As `rsend` (the destination of a connected stream is ignored).
+/// As `rsend`; `addr` is null or points to `addrlen` readable bytes.
 #[no_mangle]
 pub unsafe extern "C" fn rsendto(
     socket: c_int,
     buf: *const c_void,
     len: usize,
     flags: c_int,
-    _addr: *const libc::sockaddr,
-    _addrlen: libc::socklen_t,
+    addr: *const libc::sockaddr,
+    addrlen: libc::socklen_t,
 ) -> isize {
-    // SAFETY: as documented.
-    unsafe { rsend(socket, buf, len, flags) }
+    guard(-1, || {
+        let r = (|| {
+            let dst = match addr.is_null() {
+                true => None,
+                // SAFETY: the caller's address of `addrlen` bytes.
+                false => Some(unsafe { read_addr(addr, addrlen, libc::ENETUNREACH) }?),
+            };
+            // SAFETY: the caller's buffer.
+            let data = unsafe { bytes(buf, len) }?;
+            send_all(socket, data, flags, dst)
+        })();
+        len_or(r)
+    })
 }
 
 /// Sends the caller's `iovec`s, in order.
-fn send_vec(socket: c_int, bufs: Vec<&mut [u8]>, flags: c_int) -> Result<usize, i32> {
+fn send_vec(
+    socket: c_int,
+    bufs: Vec<&mut [u8]>,
+    flags: c_int,
+    dst: Option<SocketAddrV4>,
+) -> Result<usize, i32> {
     let data: Vec<u8> = bufs.iter().flat_map(|b| b.iter().copied()).collect();
-    send_all(socket, &data, flags)
+    send_all(socket, &data, flags, dst)
 }
 
 /// # Safety
@@ -550,11 +596,21 @@ pub unsafe extern "C" fn rsendmsg(socket: c_int, msg: *const libc::msghdr, flags
         }
         // SAFETY: the caller's header, checked non-null.
         let m = unsafe { &*msg };
-        // SAFETY: the header's iovecs.
-        len_or(
-            unsafe { iovecs(m.msg_iov, m.msg_iovlen as c_int) }
-                .and_then(|b| send_vec(socket, b, flags)),
-        )
+        let r = (|| {
+            let dst = match m.msg_name.is_null() {
+                true => None,
+                false => {
+                    // SAFETY: the header's name of `msg_namelen` bytes.
+                    let a =
+                        unsafe { read_addr(m.msg_name.cast(), m.msg_namelen, libc::ENETUNREACH) };
+                    Some(a?)
+                }
+            };
+            // SAFETY: the header's iovecs.
+            let bufs = unsafe { iovecs(m.msg_iov, m.msg_iovlen as c_int) }?;
+            send_vec(socket, bufs, flags, dst)
+        })();
+        len_or(r)
     })
 }
 
@@ -572,7 +628,7 @@ pub unsafe extern "C" fn rwrite(socket: c_int, buf: *const c_void, count: usize)
 pub unsafe extern "C" fn rwritev(socket: c_int, iov: *const libc::iovec, iovcnt: c_int) -> isize {
     guard(-1, || {
         // SAFETY: the caller's iovecs.
-        len_or(unsafe { iovecs(iov, iovcnt) }.and_then(|b| send_vec(socket, b, 0)))
+        len_or(unsafe { iovecs(iov, iovcnt) }.and_then(|b| send_vec(socket, b, 0, None)))
     })
 }
 
@@ -741,6 +797,28 @@ pub unsafe extern "C" fn rselect(
     })
 }
 
+/// Writes the socket's address `which` gives into the caller's `addr`.
+///
+/// # Safety
+/// `addr` and `len` are null (EFAULT) or valid; `*len` bytes of `addr` writable.
+unsafe fn name_of(
+    socket: c_int,
+    addr: *mut libc::sockaddr,
+    len: *mut libc::socklen_t,
+    which: fn(&crate::cma::Cma, i32) -> Result<SocketAddrV4, i32>,
+) -> c_int {
+    if addr.is_null() || len.is_null() {
+        return rc(Err(libc::EFAULT));
+    }
+    let r = call(Err(libc::EIO), |c, _| {
+        Ok::<_, i32>((which(c, socket)?, c.rs_family(socket)?))
+    });
+    rc(r.map(|(a, family)| {
+        // SAFETY: the caller's buffer and length, checked non-null.
+        unsafe { write_addr(addr, len, a, family) }
+    }))
+}
+
 /// # Safety
 /// `addr` and `len` are valid; `*len` bytes of `addr` writable.
 #[no_mangle]
@@ -749,17 +827,9 @@ pub unsafe extern "C" fn rgetpeername(
     addr: *mut libc::sockaddr,
     len: *mut libc::socklen_t,
 ) -> c_int {
-    guard(-1, || {
-        if addr.is_null() || len.is_null() {
-            return rc(Err(libc::EFAULT));
-        }
-        let r = call(Err(libc::EIO), |c, _| {
-            Ok::<_, i32>((c.rs_peername(socket)?, c.rs_family(socket)?))
-        });
-        rc(r.map(|(p, family)| {
-            // SAFETY: the caller's buffer and length, checked non-null.
-            unsafe { write_addr(addr, len, p, family) }
-        }))
+    // SAFETY: as documented.
+    guard(-1, || unsafe {
+        name_of(socket, addr, len, crate::cma::Cma::rs_peername)
     })
 }
 
@@ -771,17 +841,9 @@ pub unsafe extern "C" fn rgetsockname(
     addr: *mut libc::sockaddr,
     len: *mut libc::socklen_t,
 ) -> c_int {
-    guard(-1, || {
-        if addr.is_null() || len.is_null() {
-            return rc(Err(libc::EFAULT));
-        }
-        let r = call(Err(libc::EIO), |c, _| {
-            Ok::<_, i32>((c.rs_sockname(socket)?, c.rs_family(socket)?))
-        });
-        rc(r.map(|(a, family)| {
-            // SAFETY: the caller's buffer and length, checked non-null.
-            unsafe { write_addr(addr, len, a, family) }
-        }))
+    // SAFETY: as documented.
+    guard(-1, || unsafe {
+        name_of(socket, addr, len, crate::cma::Cma::rs_sockname)
     })
 }
 

@@ -275,7 +275,10 @@ c_program!(
 /// rsockets (`tests/c/rsocket.c`): descriptors, binding, blocking and non-blocking connects
 /// and accepts, data of 1 byte to 1 MiB each way through every send and receive call,
 /// `MSG_PEEK`, `O_NONBLOCK`, `rpoll` and `rselect`, end of stream, options and `riowrite`
-/// into a peer's `riomap`, in one process between rb0 and rb1.
+/// into a peer's `riomap`; then datagram sockets (`SOCK_DGRAM`): datagrams of 1 to 4088
+/// bytes each way with their sources, 100 in a row in order, `EMSGSIZE`, truncation,
+/// `MSG_PEEK`, `EAGAIN`, `rpoll`, datagrams lost to an unbound port, and `rconnect`'s
+/// filter; in one process between rb0 and rb1.
 #[test]
 fn rsockets_stream_connections_data_and_polling() {
     run("rsocket");

@@ -760,6 +760,97 @@ fn rcopy_copies_a_mebibyte_file() {
     println!("rcopy:\n{client_out}\n--- server ---\n{server_out}");
 }
 
+/// udpong: datagram rsockets (`SOCK_DGRAM`, UDP's port space) between two processes. The
+/// server, bound to the first NIC's address, answers each client's login, start and end
+/// messages (and echoes its echo messages); it never exits, and is killed once the client
+/// ends. The client `rconnect`s to the server, logs in (again every second until the
+/// server answers: it may start before the server's socket is bound), sends 100 messages
+/// of 1 KiB (with `-T e` each echoed and waited for) and prints its row: the messages the
+/// server counted (datagrams may be dropped), or 200 with `-T e`.
+fn udpong(port: u16, extra: &[&str]) {
+    need("udpong", "rdmacm-utils");
+    let srv = Served::start(&format!("udpong-{port}"));
+    let p = port.to_string();
+    // Line-buffered, so that what it printed survives its kill.
+    let mut server = srv
+        .command("stdbuf")
+        .args(["-oL", "udpong", "-b", SERVER_IP, "-p", &p])
+        .args(extra)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let client: Vec<&str> = ["-s", SERVER_IP, "-p", &p, "-C", "100", "-S", "1024"]
+        .into_iter()
+        .chain(extra.iter().copied())
+        .collect();
+    let t0 = Instant::now();
+    // The client runs 300 ms after the server starts, and once more if it fails.
+    let c = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        let c = srv.client(("udpong", &client));
+        if c.status.success() || server.try_wait().unwrap().is_some() {
+            return c;
+        }
+        eprintln!(
+            "udpong {extra:?}: the client failed ({}), again:\n{}",
+            c.status,
+            text(&c)
+        );
+        srv.client(("udpong", &client))
+    }));
+    let wall = t0.elapsed();
+    let _ = server.kill();
+    let server_out = text(&server.wait_with_output().unwrap());
+    let c = c.unwrap_or_else(|p| {
+        eprintln!("udpong {extra:?} server:\n{server_out}");
+        std::panic::resume_unwind(p)
+    });
+    let client_out = text(&c);
+    assert!(
+        c.status.success(),
+        "udpong {extra:?} client failed ({}):\n{client_out}\n--- server ---\n{server_out}",
+        c.status
+    );
+    // "name bytes xfers total time Gb/sec usec/xfer", then the custom test's row.
+    let row = client_out
+        .lines()
+        .skip_while(|l| !l.contains("usec/xfer"))
+        .nth(1)
+        .unwrap_or_default()
+        .to_string();
+    let cols: Vec<&str> = row.split_whitespace().collect();
+    let xfers = cols.get(2).and_then(|x| x.parse::<u32>().ok()).unwrap_or(0);
+    let echo = extra.contains(&"e");
+    assert!(
+        cols.len() == 7
+            && cols[0] == "custom"
+            && cols[1] == "1k"
+            && cols[6].parse::<f64>().is_ok()
+            && match echo {
+                true => xfers == 200,
+                false => (1..=100).contains(&xfers),
+            },
+        "udpong {extra:?}: no result row of 1 KiB messages, {} of them:\n{client_out}\n\
+         --- server ---\n{server_out}",
+        if echo { "200" } else { "1 to 100" }
+    );
+    // The server names the client by the source of its login: a NIC's address.
+    assert!(
+        server_out.contains("client login from 10.0.0."),
+        "udpong {extra:?} server:\n{server_out}"
+    );
+    println!("udpong {extra:?} ({wall:.2?} wall):\n{row}\n--- server ---\n{server_out}");
+}
+
+/// udpong's custom test, plain (100 messages one way, the server's count returned) and
+/// with `-T e` (each echoed): non-blocking calls (`O_NONBLOCK`), `rsend` on the client's
+/// connected socket, `rrecvfrom` and `rsendto` on the server's.
+#[test]
+fn udpong_exchanges_datagrams() {
+    udpong(18660, &[]);
+    udpong(18661, &["-T", "e"]);
+}
+
 /// perftest's raw Ethernet programs between the two NICs' MAC addresses (no socket: the
 /// server's flow rule catches the client's frames). The client starts once the server has
 /// printed its result header (its rule is in place; its receives follow at once); a client

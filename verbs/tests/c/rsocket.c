@@ -7,8 +7,12 @@
  * MSG_PEEK and MSG_DONTWAIT, O_NONBLOCK, rpoll (with an ordinary descriptor among the
  * rsockets) and rselect, refused and unreachable connects, end of stream (rshutdown,
  * rclose), socket and RDMA options, and remote I/O mappings (riomap, riowrite,
- * riounmap). Linked with -lrdmacm; the library answers every r* call. A step that hangs
- * fails through alarm(2), naming the step. */
+ * riounmap). Then datagram sockets (SOCK_DGRAM): kinds and refusals, binding (0.0.0.0 and
+ * 127.0.0.1 take rb0), datagrams of 1 to 4088 bytes each way with their sources, 100 in a
+ * row in order, EMSGSIZE, truncation, MSG_PEEK, EAGAIN, rpoll, datagrams to a port nobody
+ * bound (lost), an implicitly bound sender, and rconnect's filter. Linked with -lrdmacm;
+ * the library answers every r* call. A step that hangs fails through alarm(2), naming the
+ * step. */
 #include "common.h"
 #include <netinet/in.h>
 #include <netinet/tcp.h>
@@ -387,7 +391,10 @@ static void descriptors(void)
 	CHECK(t >= 0 && t != a && t != b);
 	CHECK_OK(rclose(t));
 	CHECK_ERR(rsocket(AF_UNIX, SOCK_STREAM, 0), EAFNOSUPPORT);
-	CHECK_ERR(rsocket(AF_INET, SOCK_DGRAM, 0), EPROTONOSUPPORT);
+	/* Datagram sockets too (see datagrams()). */
+	t = rsocket(AF_INET, SOCK_DGRAM, 0);
+	CHECK(t >= 0 && t != a && t != b);
+	CHECK_OK(rclose(t));
 	const int bad = 987654;
 	char c = 0;
 	struct sockaddr_in addr = sin_of("10.0.0.1", 0);
@@ -903,6 +910,577 @@ static void iomap(void)
 	printf("rsocket: iomap ok\n");
 }
 
+/* ---- datagrams (SOCK_DGRAM) ---- */
+
+/* Ports of the fabric's datagram sockets. */
+#define PORT_DG_A 7701	    /* a, on 10.0.0.1 */
+#define PORT_DG_B 7702	    /* b, on 10.0.0.2 */
+#define PORT_DG_LO 7703	    /* bound to 127.0.0.1: the first NIC's */
+#define PORT_DG_NOBODY 7799 /* no datagram socket binds it */
+#define PORT_DG_UNREACH 7798
+#define DG_MAX 4088	    /* the largest datagram */
+#define DG_ROW 100	    /* datagrams sent in a row before any is read */
+
+/* Checks that do not stop the program: a failure is printed and counted, the rest runs,
+ * and the program exits 1 at the end. */
+static int soft_failures;
+
+/* A call that must return -1 with errno `want`; a failure is counted (soft_failures) and
+ * the program goes on (nothing after depends on it). */
+#define SOFT_ERR(expr, want)                                                             \
+	do {                                                                             \
+		errno = 0;                                                               \
+		long long r_ = (long long)(expr);                                        \
+		int e_ = errno;                                                          \
+		if (r_ != -1 || e_ != (want)) {                                          \
+			fprintf(stderr,                                                  \
+				"%s:%d: rsocket: FAILED: %s returned %lld, errno %d (%s); "  \
+				"want -1 with errno %d (%s)\n",                              \
+				__FILE__, __LINE__, #expr, r_, e_, strerror(e_), (int)(want), \
+				strerror(want));                                         \
+			soft_failures++;                                                 \
+		}                                                                        \
+	} while (0)
+
+/* A datagram rsocket. */
+static int dg_new(void)
+{
+	errno = 0;
+	int fd = rsocket(AF_INET, SOCK_DGRAM, 0);
+	if (fd < 0)
+		FAIL("rsocket(AF_INET, SOCK_DGRAM, 0) returned %d: errno %d (%s)", fd, errno,
+		     strerror(errno));
+	return fd;
+}
+
+static void dg_bind(int fd, const char *ip, int port)
+{
+	struct sockaddr_in at = sin_of(ip, port);
+	CHECK_OK(rbind(fd, (struct sockaddr *)&at, sizeof at));
+}
+
+/* One datagram of `n` bytes to `ip`:`port`: rsendto must return `n`. */
+#define DG_SEND(fd, buf, n, ip, port) dg_send_at(__FILE__, __LINE__, (fd), (buf), (n), (ip), (port))
+static void dg_send_at(const char *file, int line, int fd, const void *buf, size_t n,
+		       const char *ip, int port)
+{
+	struct sockaddr_in to = sin_of(ip, port);
+	errno = 0;
+	ssize_t r = rsendto(fd, buf, n, 0, (struct sockaddr *)&to, sizeof to);
+	if (r != (ssize_t)n) {
+		int e = errno;
+		fprintf(stderr, "%s:%d: rsendto(%d, %zu bytes, %s:%d) returned %zd: errno %d (%s)\n",
+			file, line, fd, n, ip, port, r, e, strerror(e));
+		exit(1);
+	}
+}
+
+/* One datagram received by rrecvfrom(`fd`, `buf`, `cap`, `flags`): it must return `n`,
+ * with the source `ip`:`port` (`port` -1: any nonzero port). */
+#define DG_RECV(fd, buf, cap, flags, n, ip, port)                                        \
+	dg_recv_at(__FILE__, __LINE__, (fd), (buf), (cap), (flags), (n), (ip), (port))
+static void dg_recv_at(const char *file, int line, int fd, void *buf, size_t cap, int flags,
+		       size_t n, const char *ip, int port)
+{
+	struct sockaddr_storage ss;
+	memset(&ss, 0xa5, sizeof ss);
+	socklen_t len = sizeof ss;
+	errno = 0;
+	ssize_t r = rrecvfrom(fd, buf, cap, flags, (struct sockaddr *)&ss, &len);
+	if (r != (ssize_t)n || len != sizeof(struct sockaddr_in)) {
+		int e = errno;
+		fprintf(stderr, "%s:%d: rrecvfrom(%d, %zu bytes, flags 0x%x) returned %zd (errno %d: "
+				"%s) with an address of %u bytes; want %zu bytes and %zu\n",
+			file, line, fd, cap, flags, r, e, strerror(e), (unsigned)len, n,
+			sizeof(struct sockaddr_in));
+		exit(1);
+	}
+	struct sockaddr_in s;
+	memcpy(&s, &ss, sizeof s);
+	check_sin_at(file, line, "the source rrecvfrom gave", &s, ip, port);
+}
+
+/* The port of datagram socket `fd` (rgetsockname). */
+static int dg_port(int fd)
+{
+	struct sockaddr_in s = NAME_OF(rgetsockname, fd);
+	return ntohs(s.sin_port);
+}
+
+/* Waits (up to WAIT_S) until a datagram is queued at `rx`, polling `tx` too (with no
+ * events: rpoll drives it), so that a datagram `tx` sent before its destination was
+ * resolved goes whether or not the library sends it on its own. */
+static void await_dgram(int rx, int tx)
+{
+	double end = now_s() + WAIT_S;
+	for (;;) {
+		struct pollfd f[2] = {{.fd = rx, .events = POLLIN}, {.fd = tx, .events = 0}};
+		errno = 0;
+		int r = rpoll(f, 2, 100);
+		if (r < 0)
+			FAIL("rpoll: errno %d (%s)", errno, strerror(errno));
+		CHECK_EQ(f[1].revents & ~POLLOUT, 0);
+		if (f[0].revents & POLLIN)
+			return;
+		CHECK_EQ(f[0].revents, 0);
+		if (now_s() > end)
+			FAIL("no datagram at %d within %.0f s", rx, WAIT_S);
+	}
+}
+
+/* The first datagram `tx` sends to `rx`'s address: rsendto returned its length at once,
+ * and the library sends it once the destination's QP is known, with nothing more asked of
+ * the sender, so it arrives while only `rx` is polled. If it does not (within WAIT_S), the
+ * failure is counted and `tx` is polled too, so that the rest goes on. */
+static void await_first(int rx, int tx, const char *what)
+{
+	STAGE("datagrams: the first datagram to a new destination");
+	if (poll_one(rx, POLLIN, (int)(WAIT_S * 1000)) & POLLIN)
+		return;
+	fprintf(stderr, "rsocket: FAILED: %s: the first datagram to a new destination has not "
+			"arrived %.0f s after rsendto returned, while only the receiver was "
+			"polled\n",
+		what, WAIT_S);
+	soft_failures++;
+	double t0 = now_s();
+	await_dgram(rx, tx);
+	fprintf(stderr, "rsocket: (%s: it arrived %.3f s after the sender was polled too)\n", what,
+		now_s() - t0);
+}
+
+/* Kinds and protocols, options, and the calls a datagram socket refuses. */
+static void dgram_sockets(void)
+{
+	STAGE("datagrams: sockets");
+	int d = dg_new();
+	errno = 0;
+	int u = rsocket(AF_INET, SOCK_DGRAM, IPPROTO_UDP);
+	if (u < 0)
+		FAIL("rsocket(AF_INET, SOCK_DGRAM, IPPROTO_UDP): errno %d (%s)", errno,
+		     strerror(errno));
+	CHECK(u != d);
+	SOFT_ERR(rsocket(AF_INET, SOCK_DGRAM, IPPROTO_TCP), EPROTONOSUPPORT);
+	SOFT_ERR(rsocket(AF_INET, SOCK_RAW, 0), ESOCKTNOSUPPORT);
+	CHECK_EQ(get_int(d, SOL_SOCKET, SO_TYPE), SOCK_DGRAM);
+	CHECK_EQ(get_int(u, SOL_SOCKET, SO_TYPE), SOCK_DGRAM);
+	int s = rs_new();
+	CHECK_EQ(get_int(s, SOL_SOCKET, SO_TYPE), SOCK_STREAM);
+	CHECK_OK(rclose(s));
+
+	STAGE("datagrams: refusals");
+	SOFT_ERR(rlisten(d, 4), EOPNOTSUPP);
+	struct sockaddr_in peer;
+	socklen_t len = sizeof peer;
+	SOFT_ERR(raccept(d, (struct sockaddr *)&peer, &len), EOPNOTSUPP);
+	len = sizeof peer;
+	SOFT_ERR(rgetpeername(d, (struct sockaddr *)&peer, &len), ENOTCONN);
+	/* No destination: neither given nor connected. */
+	SOFT_ERR(rsend(d, "x", 1, 0), EDESTADDRREQ);
+	/* One byte too many. */
+	static char big[DG_MAX + 1];
+	struct sockaddr_in to = sin_of("10.0.0.2", PORT_DG_B);
+	SOFT_ERR(rsendto(d, big, DG_MAX + 1, 0, (struct sockaddr *)&to, sizeof to), EMSGSIZE);
+	/* An address of the fabric's plan that no NIC has: lost, as a UDP datagram to a
+	 * host that does not answer is (the send returns once its resolution has failed). */
+	struct sockaddr_in none = sin_of("10.0.0.77", PORT_DG_UNREACH);
+	CHECK(rsendto(u, "x", 1, 0, (struct sockaddr *)&none, sizeof none) == 1);
+	/* An address outside the fabric: no route. */
+	struct sockaddr_in off = sin_of("192.168.77.1", PORT_DG_UNREACH);
+	SOFT_ERR(rsendto(u, "x", 1, 0, (struct sockaddr *)&off, sizeof off), EHOSTUNREACH);
+	CHECK_OK(rclose(d));
+	CHECK_OK(rclose(u));
+}
+
+/* a on 10.0.0.1 and b on 10.0.0.2 (returned), with the addresses they report; a port
+ * another socket holds; the unspecified and loopback addresses (*any and *lo: the first
+ * NIC's). */
+static void dgram_binding(int *a, int *b, int *any, int *lo)
+{
+	STAGE("datagrams: binding");
+	*a = dg_new();
+	dg_bind(*a, "10.0.0.1", PORT_DG_A);
+	struct sockaddr_in n = NAME_OF(rgetsockname, *a);
+	CHECK_SIN(&n, "10.0.0.1", PORT_DG_A);
+	*b = dg_new();
+	/* Room for DG_ROW datagrams sent before any is read (a full receive queue drops what
+	 * comes, as UDP's does). */
+	set_int(*b, SOL_SOCKET, SO_RCVBUF, 4 << 20);
+	dg_bind(*b, "10.0.0.2", PORT_DG_B);
+	n = NAME_OF(rgetsockname, *b);
+	CHECK_SIN(&n, "10.0.0.2", PORT_DG_B);
+
+	STAGE("datagrams: a port another socket holds");
+	int x = dg_new();
+	struct sockaddr_in at = sin_of("10.0.0.1", PORT_DG_A);
+	CHECK_ERR(rbind(x, (struct sockaddr *)&at, sizeof at), EADDRINUSE);
+	at = sin_of("10.0.0.2", PORT_DG_B);
+	CHECK_ERR(rbind(x, (struct sockaddr *)&at, sizeof at), EADDRINUSE);
+	CHECK_OK(rclose(x));
+
+	STAGE("datagrams: the unspecified and loopback addresses");
+	*any = dg_new();
+	dg_bind(*any, "0.0.0.0", 0);
+	n = NAME_OF(rgetsockname, *any);
+	CHECK_SIN(&n, "0.0.0.0", -1);
+	*lo = dg_new();
+	dg_bind(*lo, "127.0.0.1", PORT_DG_LO);
+	n = NAME_OF(rgetsockname, *lo);
+	CHECK_SIN(&n, "127.0.0.1", PORT_DG_LO);
+	printf("rsocket: datagram binding ok (0.0.0.0 took port %d)\n", dg_port(*any));
+}
+
+/* Datagrams of every size each way between a (10.0.0.1) and b (10.0.0.2), received whole
+ * by blocking rrecvfrom into a larger buffer, with their sources. */
+static void dgram_pingpong(int a, int b)
+{
+	static const size_t sizes[] = {1, 100, 1000, DG_MAX};
+	static uint8_t out[DG_MAX], in[DG_MAX + 100];
+	for (size_t i = 0; i < sizeof sizes / sizeof sizes[0]; i++) {
+		size_t n = sizes[i];
+		STAGE("datagrams: ping (a to b)");
+		fill(out, n, 200 + 2 * i);
+		memset(in, 0, sizeof in);
+		DG_SEND(a, out, n, "10.0.0.2", PORT_DG_B);
+		if (i == 0)
+			await_first(b, a, "10.0.0.1 to 10.0.0.2");
+		DG_RECV(b, in, sizeof in, 0, n, "10.0.0.1", PORT_DG_A);
+		CHECK_MEM(in, out, n);
+		STAGE("datagrams: pong (b to a)");
+		fill(out, n, 201 + 2 * i);
+		memset(in, 0, sizeof in);
+		DG_SEND(b, out, n, "10.0.0.1", PORT_DG_A);
+		if (i == 0)
+			await_first(a, b, "10.0.0.2 to 10.0.0.1");
+		DG_RECV(a, in, sizeof in, 0, n, "10.0.0.2", PORT_DG_B);
+		CHECK_MEM(in, out, n);
+	}
+	printf("rsocket: datagram ping-pong ok\n");
+}
+
+/* DG_ROW datagrams of different sizes from a to b before b reads any: all of them, in
+ * order (each begins with its sequence number). */
+static void dgram_in_a_row(int a, int b)
+{
+	STAGE("datagrams: in a row");
+	static uint8_t out[DG_MAX], in[DG_MAX];
+	for (uint32_t i = 0; i < DG_ROW; i++) {
+		size_t n = 4 + (i * 397) % (DG_MAX - 3);
+		uint32_t seq = htonl(i);
+		memcpy(out, &seq, 4);
+		fill(out + 4, n - 4, 300 + i);
+		DG_SEND(a, out, n, "10.0.0.2", PORT_DG_B);
+	}
+	STAGE("datagrams: in a row, received");
+	for (uint32_t i = 0; i < DG_ROW; i++) {
+		size_t n = 4 + (i * 397) % (DG_MAX - 3);
+		memset(in, 0, sizeof in);
+		struct sockaddr_in from;
+		socklen_t len = sizeof from;
+		errno = 0;
+		ssize_t r = rrecvfrom(b, in, sizeof in, 0, (struct sockaddr *)&from, &len);
+		uint32_t seq;
+		memcpy(&seq, in, 4);
+		if (r < 4 || ntohl(seq) != i)
+			FAIL("datagram %u of %d: rrecvfrom returned %zd (errno %d: %s), sequence "
+			     "number %u",
+			     i, DG_ROW, r, errno, strerror(errno), r < 4 ? 0 : ntohl(seq));
+		CHECK_EQ(r, n);
+		CHECK_SIN(&from, "10.0.0.1", PORT_DG_A);
+		fill(out + 4, n - 4, 300 + i);
+		CHECK_MEM(in + 4, out + 4, n - 4);
+	}
+	/* No more. */
+	CHECK_EQ(poll_one(b, POLLIN, 0), 0);
+	char c;
+	CHECK_ERR(rrecv(b, &c, 1, MSG_DONTWAIT), EAGAIN);
+	printf("rsocket: %d datagrams in a row ok\n", DG_ROW);
+}
+
+/* EMSGSIZE, a buffer shorter than the datagram, MSG_PEEK. */
+static void dgram_sizes_and_peek(int a, int b)
+{
+	STAGE("datagrams: EMSGSIZE");
+	static uint8_t out[DG_MAX + 1], in[DG_MAX];
+	struct sockaddr_in to = sin_of("10.0.0.2", PORT_DG_B);
+	CHECK_ERR(rsendto(a, out, DG_MAX + 1, 0, (struct sockaddr *)&to, sizeof to), EMSGSIZE);
+	CHECK_EQ(poll_one(b, POLLIN, 100), 0);
+
+	STAGE("datagrams: truncated by a short buffer");
+	fill(out, 100, 401);
+	DG_SEND(a, out, 100, "10.0.0.2", PORT_DG_B);
+	memset(in, 0, sizeof in);
+	DG_RECV(b, in, 10, 0, 10, "10.0.0.1", PORT_DG_A);
+	CHECK_MEM(in, out, 10);
+	/* The rest of it went with it. */
+	CHECK_ERR(rrecv(b, in, sizeof in, MSG_DONTWAIT), EAGAIN);
+	/* The next one is whole. */
+	fill(out, 50, 402);
+	DG_SEND(a, out, 50, "10.0.0.2", PORT_DG_B);
+	memset(in, 0, sizeof in);
+	DG_RECV(b, in, sizeof in, 0, 50, "10.0.0.1", PORT_DG_A);
+	CHECK_MEM(in, out, 50);
+
+	STAGE("datagrams: MSG_PEEK");
+	DG_SEND(a, "peek at me", 10, "10.0.0.2", PORT_DG_B);
+	CHECK_EQ(poll_one(b, POLLIN, 2000), POLLIN);
+	memset(in, 0, sizeof in);
+	DG_RECV(b, in, sizeof in, MSG_PEEK, 10, "10.0.0.1", PORT_DG_A);
+	CHECK_MEM(in, "peek at me", 10);
+	/* Peeked again, part of it: still queued, still whole. */
+	memset(in, 0, sizeof in);
+	DG_RECV(b, in, 4, MSG_PEEK | MSG_DONTWAIT, 4, "10.0.0.1", PORT_DG_A);
+	CHECK_MEM(in, "peek", 4);
+	CHECK_EQ(poll_one(b, POLLIN, 0), POLLIN);
+	memset(in, 0, sizeof in);
+	DG_RECV(b, in, sizeof in, 0, 10, "10.0.0.1", PORT_DG_A);
+	CHECK_MEM(in, "peek at me", 10);
+	CHECK_ERR(rrecv(b, in, sizeof in, MSG_DONTWAIT), EAGAIN);
+	printf("rsocket: datagram sizes and MSG_PEEK ok\n");
+}
+
+/* A sender that waits a while first (a blocking receive must wait for it). */
+struct late {
+	pthread_t t;
+	int fd;
+};
+
+static void *late_main(void *arg)
+{
+	struct late *l = arg;
+	usleep(200 * 1000);
+	DG_SEND(l->fd, "late", 4, "10.0.0.2", PORT_DG_B);
+	return NULL;
+}
+
+/* EAGAIN (MSG_DONTWAIT, O_NONBLOCK), rpoll, and a blocking receive that waits. */
+static void dgram_nonblocking_and_polling(int a, int b)
+{
+	STAGE("datagrams: EAGAIN");
+	char buf[64];
+	CHECK_ERR(rrecv(b, buf, sizeof buf, MSG_DONTWAIT), EAGAIN);
+	CHECK_ERR(rrecvfrom(b, buf, sizeof buf, MSG_DONTWAIT, NULL, NULL), EAGAIN);
+	set_nonblocking(b, 1);
+	CHECK_ERR(rrecv(b, buf, sizeof buf, 0), EAGAIN);
+	struct sockaddr_in from;
+	socklen_t len = sizeof from;
+	CHECK_ERR(rrecvfrom(b, buf, sizeof buf, 0, (struct sockaddr *)&from, &len), EAGAIN);
+	/* A non-blocking socket sends. */
+	DG_SEND(b, "nb", 2, "10.0.0.1", PORT_DG_A);
+	DG_RECV(a, buf, sizeof buf, 0, 2, "10.0.0.2", PORT_DG_B);
+	CHECK_MEM(buf, "nb", 2);
+
+	STAGE("datagrams: rpoll");
+	CHECK_EQ(poll_one(b, POLLIN, 0), 0);
+	CHECK_EQ(poll_one(b, POLLIN | POLLOUT, 0), POLLOUT);
+	CHECK_EQ(poll_one(a, POLLOUT, 0), POLLOUT);
+	double t0 = now_s();
+	CHECK_EQ(poll_one(b, POLLIN, 200), 0);
+	double waited = now_s() - t0;
+	if (waited < 0.15)
+		FAIL("rpoll(POLLIN, 200 ms) with nothing queued returned after %.3f s", waited);
+	DG_SEND(a, "poll", 4, "10.0.0.2", PORT_DG_B);
+	CHECK_EQ(poll_one(b, POLLIN, 2000), POLLIN);
+	CHECK_EQ(poll_one(b, POLLIN | POLLOUT, 0), POLLIN | POLLOUT);
+	DG_RECV(b, buf, sizeof buf, 0, 4, "10.0.0.1", PORT_DG_A);
+	CHECK_MEM(buf, "poll", 4);
+	CHECK_EQ(poll_one(b, POLLIN, 0), 0);
+	CHECK_ERR(rrecv(b, buf, sizeof buf, 0), EAGAIN);
+	set_nonblocking(b, 0);
+
+	STAGE("datagrams: a blocking receive waits");
+	struct late l = {.fd = a};
+	t0 = now_s();
+	CHECK_OK(pthread_create(&l.t, NULL, late_main, &l));
+	DG_RECV(b, buf, sizeof buf, 0, 4, "10.0.0.1", PORT_DG_A);
+	waited = now_s() - t0;
+	CHECK_MEM(buf, "late", 4);
+	CHECK_OK(pthread_join(l.t, NULL));
+	if (waited < 0.15)
+		FAIL("the blocking rrecvfrom returned after %.3f s, before the datagram was sent",
+		     waited);
+	printf("rsocket: datagram EAGAIN and rpoll ok\n");
+}
+
+/* Datagrams to a port nobody has bound: each rsendto returns the length, nothing comes
+ * back, and the sockets go on as before. */
+static void dgram_to_nobody(int a, int b)
+{
+	STAGE("datagrams: to a port nobody has bound");
+	char buf[64];
+	for (int i = 0; i < DG_ROW; i++)
+		DG_SEND(a, "lost", 4, "10.0.0.2", PORT_DG_NOBODY);
+	DG_SEND(b, "lost too", 8, "10.0.0.1", PORT_DG_NOBODY);
+	CHECK_EQ(poll_one(a, POLLIN, 200), 0);
+	CHECK_EQ(poll_one(b, POLLIN, 0), 0);
+	CHECK_ERR(rrecv(a, buf, sizeof buf, MSG_DONTWAIT), EAGAIN);
+	CHECK_ERR(rrecv(b, buf, sizeof buf, MSG_DONTWAIT), EAGAIN);
+	CHECK_EQ(get_int(a, SOL_SOCKET, SO_ERROR), 0);
+
+	STAGE("datagrams: after the lost ones");
+	DG_SEND(a, "still here", 10, "10.0.0.2", PORT_DG_B);
+	DG_RECV(b, buf, sizeof buf, 0, 10, "10.0.0.1", PORT_DG_A);
+	CHECK_MEM(buf, "still here", 10);
+	DG_SEND(b, "me too", 6, "10.0.0.1", PORT_DG_A);
+	DG_RECV(a, buf, sizeof buf, 0, 6, "10.0.0.2", PORT_DG_B);
+	CHECK_MEM(buf, "me too", 6);
+	/* And more to nobody, between datagrams to b: only b's arrive, in order. */
+	DG_SEND(a, "one", 3, "10.0.0.2", PORT_DG_B);
+	DG_SEND(a, "lost", 4, "10.0.0.2", PORT_DG_NOBODY);
+	DG_SEND(a, "two", 3, "10.0.0.2", PORT_DG_B);
+	DG_RECV(b, buf, sizeof buf, 0, 3, "10.0.0.1", PORT_DG_A);
+	CHECK_MEM(buf, "one", 3);
+	DG_RECV(b, buf, sizeof buf, 0, 3, "10.0.0.1", PORT_DG_A);
+	CHECK_MEM(buf, "two", 3);
+	CHECK_EQ(poll_one(b, POLLIN, 200), 0);
+	printf("rsocket: datagrams to nobody ok\n");
+}
+
+/* An unbound sender (bound by its first rsendto), the sockets bound to 0.0.0.0 and
+ * 127.0.0.1, and datagrams between two sockets of one NIC: the sources they give. */
+static void dgram_addresses(int a, int b, int any, int lo)
+{
+	STAGE("datagrams: an unbound sender");
+	char buf[64];
+	int u = dg_new();
+	DG_SEND(u, "implicit", 8, "10.0.0.2", PORT_DG_B);
+	struct sockaddr_in n = NAME_OF(rgetsockname, u);
+	CHECK_SIN(&n, "0.0.0.0", -1);
+	int up = ntohs(n.sin_port);
+	await_dgram(b, u);
+	DG_RECV(b, buf, sizeof buf, 0, 8, "10.0.0.1", up);
+	CHECK_MEM(buf, "implicit", 8);
+	/* The answer, to the source rrecvfrom gave. */
+	DG_SEND(b, "answer", 6, "10.0.0.1", up);
+	await_dgram(u, b);
+	DG_RECV(u, buf, sizeof buf, 0, 6, "10.0.0.2", PORT_DG_B);
+	CHECK_MEM(buf, "answer", 6);
+
+	STAGE("datagrams: to a new destination, in order");
+	/* Three to a destination u has not resolved: they wait, then go in order. */
+	DG_SEND(u, "first", 5, "10.0.0.1", PORT_DG_A);
+	DG_SEND(u, "second", 6, "10.0.0.1", PORT_DG_A);
+	DG_SEND(u, "third", 5, "10.0.0.1", PORT_DG_A);
+	await_dgram(a, u);
+	DG_RECV(a, buf, sizeof buf, 0, 5, "10.0.0.1", up);
+	CHECK_MEM(buf, "first", 5);
+	await_dgram(a, u);
+	DG_RECV(a, buf, sizeof buf, 0, 6, "10.0.0.1", up);
+	CHECK_MEM(buf, "second", 6);
+	await_dgram(a, u);
+	DG_RECV(a, buf, sizeof buf, 0, 5, "10.0.0.1", up);
+	CHECK_MEM(buf, "third", 5);
+	CHECK_OK(rclose(u));
+
+	STAGE("datagrams: a socket bound to 0.0.0.0");
+	int ap = dg_port(any);
+	DG_SEND(b, "to any", 6, "10.0.0.1", ap);
+	await_dgram(any, b);
+	DG_RECV(any, buf, sizeof buf, 0, 6, "10.0.0.2", PORT_DG_B);
+	CHECK_MEM(buf, "to any", 6);
+	DG_SEND(any, "from any", 8, "10.0.0.2", PORT_DG_B);
+	await_dgram(b, any);
+	DG_RECV(b, buf, sizeof buf, 0, 8, "10.0.0.1", ap);
+	CHECK_MEM(buf, "from any", 8);
+
+	STAGE("datagrams: between two sockets of one NIC");
+	DG_SEND(a, "same nic", 8, "10.0.0.1", ap);
+	await_dgram(any, a);
+	DG_RECV(any, buf, sizeof buf, 0, 8, "10.0.0.1", PORT_DG_A);
+	CHECK_MEM(buf, "same nic", 8);
+	DG_SEND(any, "back", 4, "10.0.0.1", PORT_DG_A);
+	await_dgram(a, any);
+	DG_RECV(a, buf, sizeof buf, 0, 4, "10.0.0.1", ap);
+	CHECK_MEM(buf, "back", 4);
+
+	STAGE("datagrams: a socket bound to 127.0.0.1");
+	DG_SEND(b, "to lo", 5, "10.0.0.1", PORT_DG_LO);
+	await_dgram(lo, b);
+	DG_RECV(lo, buf, sizeof buf, 0, 5, "10.0.0.2", PORT_DG_B);
+	CHECK_MEM(buf, "to lo", 5);
+	DG_SEND(lo, "from lo", 7, "10.0.0.2", PORT_DG_B);
+	await_dgram(b, lo);
+	DG_RECV(b, buf, sizeof buf, 0, 7, "10.0.0.1", PORT_DG_LO);
+	CHECK_MEM(buf, "from lo", 7);
+	printf("rsocket: datagram addresses ok (an unbound sender took port %d)\n", up);
+}
+
+/* rconnect: b's default destination and only source becomes a (a third socket's datagram
+ * to b is dropped); rsend, rwrite and rread on b. */
+static void dgram_connected(int a, int b)
+{
+	STAGE("datagrams: a third sender, before b connects");
+	char buf[64];
+	int c = dg_new();
+	dg_bind(c, "10.0.0.1", 0);
+	int cp = dg_port(c);
+	DG_SEND(c, "from c", 6, "10.0.0.2", PORT_DG_B);
+	await_dgram(b, c);
+	DG_RECV(b, buf, sizeof buf, 0, 6, "10.0.0.1", cp);
+	CHECK_MEM(buf, "from c", 6);
+
+	STAGE("datagrams: rconnect");
+	/* At once, even non-blocking. */
+	set_nonblocking(b, 1);
+	struct sockaddr_in pa = sin_of("10.0.0.1", PORT_DG_A);
+	CHECK_OK(rconnect(b, (struct sockaddr *)&pa, sizeof pa));
+	struct sockaddr_in n = NAME_OF(rgetpeername, b);
+	CHECK_SIN(&n, "10.0.0.1", PORT_DG_A);
+	n = NAME_OF(rgetsockname, b);
+	CHECK_SIN(&n, "10.0.0.2", PORT_DG_B);
+
+	STAGE("datagrams: only the peer's are received");
+	DG_SEND(c, "dropped", 7, "10.0.0.2", PORT_DG_B);
+	DG_SEND(a, "from a", 6, "10.0.0.2", PORT_DG_B);
+	CHECK_EQ(poll_one(b, POLLIN, 2000), POLLIN);
+	memset(buf, 0, sizeof buf);
+	DG_RECV(b, buf, sizeof buf, 0, 6, "10.0.0.1", PORT_DG_A);
+	CHECK_MEM(buf, "from a", 6);
+	CHECK_EQ(poll_one(b, POLLIN, 200), 0);
+	CHECK_ERR(rrecv(b, buf, sizeof buf, 0), EAGAIN);
+
+	STAGE("datagrams: rsend, rwrite, rread on the connected socket");
+	CHECK_EQ(rsend(b, "rsend", 5, 0), 5);
+	DG_RECV(a, buf, sizeof buf, 0, 5, "10.0.0.2", PORT_DG_B);
+	CHECK_MEM(buf, "rsend", 5);
+	CHECK_EQ(rwrite(b, "rwrite", 6), 6);
+	DG_RECV(a, buf, sizeof buf, 0, 6, "10.0.0.2", PORT_DG_B);
+	CHECK_MEM(buf, "rwrite", 6);
+	DG_SEND(a, "rread", 5, "10.0.0.2", PORT_DG_B);
+	CHECK_EQ(poll_one(b, POLLIN, 2000), POLLIN);
+	memset(buf, 0, sizeof buf);
+	CHECK_EQ(rread(b, buf, sizeof buf), 5);
+	CHECK_MEM(buf, "rread", 5);
+	/* c's, once more, is dropped too. */
+	DG_SEND(c, "dropped", 7, "10.0.0.2", PORT_DG_B);
+	CHECK_EQ(poll_one(b, POLLIN, 200), 0);
+	CHECK_ERR(rrecvfrom(b, buf, sizeof buf, 0, NULL, NULL), EAGAIN);
+	set_nonblocking(b, 0);
+	CHECK_OK(rclose(c));
+	printf("rsocket: connected datagram socket ok\n");
+}
+
+static void datagrams(void)
+{
+	dgram_sockets();
+	int a, b, any, lo;
+	dgram_binding(&a, &b, &any, &lo);
+	dgram_pingpong(a, b);
+	dgram_in_a_row(a, b);
+	dgram_sizes_and_peek(a, b);
+	dgram_nonblocking_and_polling(a, b);
+	dgram_to_nobody(a, b);
+	dgram_addresses(a, b, any, lo);
+	dgram_connected(a, b);
+	STAGE("datagrams: closing");
+	int fds[] = {a, b, any, lo};
+	for (size_t i = 0; i < sizeof fds / sizeof fds[0]; i++)
+		CHECK_OK(rclose(fds[i]));
+	for (size_t i = 0; i < sizeof fds / sizeof fds[0]; i++)
+		CHECK_ERR(rclose(fds[i]), EBADF);
+	printf("rsocket: datagrams %s\n",
+	       soft_failures ? "done, with failed checks (on stderr)" : "ok");
+}
+
 int main(void)
 {
 	signal(SIGPIPE, SIG_IGN);
@@ -930,6 +1508,10 @@ int main(void)
 		CHECK_OK(rclose(fds[i]));
 	for (size_t i = 0; i < sizeof fds / sizeof fds[0]; i++)
 		CHECK_ERR(rclose(fds[i]), EBADF);
+
+	datagrams();
+	if (soft_failures)
+		FAIL("%d check(s) failed (above)", soft_failures);
 	printf("rsocket: ok\n");
 	return 0;
 }
