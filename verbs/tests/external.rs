@@ -610,8 +610,16 @@ fn stream_row(prog: &str, side: &str, out: &str) -> String {
 /// once it does), both run the custom test `args` (`-T` options among them) to the end
 /// and print its row.
 fn rsocket_stream(prog: &str, port: u16, args: &[&str]) {
+    rsocket_stream_with(prog, port, args, None);
+}
+
+/// As [`rsocket_stream`], with `preload` (if given) as both programs' `LD_PRELOAD`.
+fn rsocket_stream_with(prog: &str, port: u16, args: &[&str], preload: Option<String>) {
     need(prog, "rdmacm-utils");
-    let srv = Served::start(&format!("{prog}-{port}"));
+    let mut srv = Served::start(&format!("{prog}-{port}"));
+    if let Some(p) = preload {
+        srv.env.push(("LD_PRELOAD", p));
+    }
     let p = port.to_string();
     let server: Vec<&str> = ["-b", SERVER_IP, "-p", &p]
         .into_iter()
@@ -657,6 +665,27 @@ fn rstream_streams_verified_data_without_blocking() {
         "rstream",
         18650,
         &["-I", "1", "-C", "100", "-S", "65536", "-T", "v"],
+    );
+}
+
+/// librdmacm's preload library, which turns a program's socket calls into rsocket calls.
+const RSPRELOAD: &str = "/usr/lib/x86_64-linux-gnu/rsocket/librspreload.so";
+
+/// `-T s`: rstream on plain sockets, made rsockets by `librspreload` preloaded after the
+/// library (its `rsocket`, `rconnect`, ... are then the library's): the server's address
+/// is a ringbell NIC's, which no interface of the host has, so only rsockets reach it.
+#[test]
+fn rstream_over_sockets_made_rsockets_by_librspreload() {
+    assert!(
+        Path::new(RSPRELOAD).exists(),
+        "{RSPRELOAD} is missing: install Debian's librdmacm1 (.ci/run does)"
+    );
+    let preload = format!("{} {RSPRELOAD}", library().display());
+    rsocket_stream_with(
+        "rstream",
+        18655,
+        &["-I", "1", "-C", "100", "-S", "4096", "-T", "s", "-T", "v"],
+        Some(preload),
     );
 }
 
