@@ -1733,6 +1733,212 @@ impl Cma {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::cma_entry::call;
+    use proptest::prelude::*;
+
+    /// What a test does next on a connected pair (a: the connecting side, b: the
+    /// accepted one).
+    #[derive(Clone, Debug)]
+    enum Op {
+        /// a sends this many bytes (what fits now).
+        SendA(usize),
+        /// b sends this many bytes.
+        SendB(usize),
+        /// b receives at most this many (peeking first when the flag is set).
+        RecvB(usize, bool),
+        /// a receives at most this many.
+        RecvA(usize, bool),
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        prop_oneof![
+            (1usize..40_000).prop_map(Op::SendA),
+            (1usize..40_000).prop_map(Op::SendB),
+            (1usize..40_000, any::<bool>()).prop_map(|(n, p)| Op::RecvB(n, p)),
+            (1usize..40_000, any::<bool>()).prop_map(|(n, p)| Op::RecvA(n, p)),
+        ]
+    }
+
+    /// The stream's byte `i` one way (`dir` 0 or 1).
+    fn byte(dir: u8, i: usize) -> u8 {
+        (i as u8)
+            .wrapping_mul(31)
+            .wrapping_add(dir)
+            .wrapping_add((i >> 8) as u8)
+    }
+
+    /// The reference model of one direction: bytes sent and bytes received so far.
+    #[derive(Default)]
+    struct Way {
+        sent: usize,
+        got: usize,
+    }
+
+    fn run<R>(f: impl FnOnce(&mut Cma, &mut State) -> Result<R, i32>) -> Result<R, i32> {
+        call(Err(libc::EIO), f)
+    }
+
+    /// Descriptors for the test's sockets (keys only: the logic never reads them).
+    static NEXT: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32::new(1 << 20);
+    fn fd() -> i32 {
+        NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// A connected, non-blocking pair on the in-process fabric's two NICs, with four
+    /// slots each way (so that credits run out): (a, b, listener).
+    fn pair(port: u16) -> (i32, i32, i32) {
+        let (l, a, b) = (fd(), fd(), fd());
+        let small = 4 * SLOT as i32;
+        run(|c, st| {
+            for s in [l, a] {
+                c.rs_socket(s, libc::AF_INET, true, false)?;
+                c.rs_setopt(s, libc::SOL_SOCKET, libc::SO_SNDBUF, small)?;
+                c.rs_setopt(s, libc::SOL_SOCKET, libc::SO_RCVBUF, small)?;
+            }
+            c.rs_bind(st, l, SocketAddrV4::new(Ipv4Addr::new(10, 0, 0, 1), port))?;
+            c.rs_listen(st, l, 4)?;
+            c.rs_connect(st, a, SocketAddrV4::new(Ipv4Addr::new(10, 0, 0, 1), port))
+        })
+        .expect("set-up");
+        let mut accepted = false;
+        for _ in 0..10_000 {
+            if !accepted {
+                accepted = run(|c, st| c.rs_accept(st, l, b))
+                    .expect("accept")
+                    .is_some();
+            }
+            if accepted && run(|c, st| c.rs_connected(st, a)).expect("connect") {
+                // b's side is up once its ESTABLISHED is seen: sending waits for it.
+                return (a, b, l);
+            }
+        }
+        panic!("no connection");
+    }
+
+    /// Receives into a fresh buffer: the bytes, or None (nothing yet).
+    fn recv(s: i32, max: usize, peek: bool) -> Option<Vec<u8>> {
+        let mut buf = vec![0u8; max];
+        match run(|c, st| c.rs_recv(st, s, &mut buf, peek)).expect("recv") {
+            Some((n, _)) => {
+                buf.truncate(n);
+                Some(buf)
+            }
+            None => None,
+        }
+    }
+
+    fn check(dir: u8, w: &mut Way, got: &[u8], consume: bool) -> Result<(), TestCaseError> {
+        prop_assert!(w.got + got.len() <= w.sent, "more received than sent");
+        for (k, &v) in got.iter().enumerate() {
+            prop_assert_eq!(
+                v,
+                byte(dir, w.got + k),
+                "byte {} one way {}",
+                w.got + k,
+                dir
+            );
+        }
+        if consume {
+            w.got += got.len();
+        }
+        Ok(())
+    }
+
+    static PORT: std::sync::atomic::AtomicU16 = std::sync::atomic::AtomicU16::new(40_000);
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(48))]
+
+        /// Whatever the sizes and order of sends, receives and peeks, each way delivers every
+        /// byte sent exactly once, in order (a peek shows what the next receive takes), and
+        /// after both ends shut down writing each reads the rest, then the end of stream.
+        #[test]
+        fn a_stream_delivers_every_byte_once_in_order(ops in prop::collection::vec(op(), 1..40)) {
+            let port = PORT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let (a, b, l) = pair(port);
+            let (mut ab, mut ba) = (Way::default(), Way::default());
+            let send = |s: i32, dir: u8, w: &mut Way, n: usize| {
+                let data: Vec<u8> = (w.sent..w.sent + n).map(|i| byte(dir, i)).collect();
+                let k = run(|c, st| c.rs_send(st, s, &data)).expect("send");
+                assert!(k <= n);
+                w.sent += k;
+            };
+            for o in ops {
+                match o {
+                    Op::SendA(n) => send(a, 0, &mut ab, n),
+                    Op::SendB(n) => send(b, 1, &mut ba, n),
+                    Op::RecvB(n, peek) | Op::RecvA(n, peek) => {
+                        let (s, dir, w) = match o {
+                            Op::RecvB(..) => (b, 0, &mut ab),
+                            _ => (a, 1, &mut ba),
+                        };
+                        if peek {
+                            if let Some(p) = recv(s, n, true) {
+                                check(dir, w, &p, false)?;
+                                // The receive that follows starts with what the peek showed.
+                                let got = recv(s, p.len(), false).unwrap_or_default();
+                                prop_assert_eq!(&got, &p);
+                                check(dir, w, &got, true)?;
+                            }
+                        } else if let Some(got) = recv(s, n, false) {
+                            prop_assert!(!got.is_empty() || w.got == w.sent);
+                            check(dir, w, &got, true)?;
+                        }
+                    }
+                }
+            }
+            // Each way then carries 200,000 bytes more, ten times its buffers, with its
+            // receiver reading as they come: every credit must come back.
+            for (tx, rx, dir, w) in [(a, b, 0u8, &mut ab), (b, a, 1, &mut ba)] {
+                let goal = w.sent + 200_000;
+                let mut passes = 0;
+                while w.got < goal {
+                    passes += 1;
+                    prop_assert!(
+                        passes < 20_000,
+                        "stuck one way {} at {} of {}",
+                        dir,
+                        w.got,
+                        goal
+                    );
+                    if w.sent < goal {
+                        send(tx, dir, w, (goal - w.sent).min(30_000));
+                    }
+                    if let Some(got) = recv(rx, 50_000, false) {
+                        check(dir, w, &got, true)?;
+                    }
+                }
+            }
+            // Both ends finish writing, then read everything left, then the end.
+            run(|c, st| {
+                c.rs_shutdown(st, a, libc::SHUT_WR)?;
+                c.rs_shutdown(st, b, libc::SHUT_WR)
+            })
+            .expect("shutdown");
+            for (s, dir, w) in [(b, 0u8, &mut ab), (a, 1, &mut ba)] {
+                let mut ended = false;
+                for _ in 0..100_000 {
+                    match recv(s, 50_000, false) {
+                        Some(got) if got.is_empty() => {
+                            ended = true;
+                            break;
+                        }
+                        Some(got) => check(dir, w, &got, true)?,
+                        None => {}
+                    }
+                }
+                prop_assert!(ended, "no end of stream one way {}", dir);
+                prop_assert_eq!(w.got, w.sent, "bytes lost one way {}", dir);
+            }
+            run(|c, st| {
+                for s in [a, b, l] {
+                    c.rs_close(st, s)?;
+                }
+                Ok(())
+            })
+            .expect("close");
+        }
+    }
 
     #[test]
     fn slot_counts_follow_the_buffer_sizes_within_bounds() {
