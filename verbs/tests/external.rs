@@ -588,15 +588,20 @@ fn rdma_server_and_rdma_client_exchange_a_message() {
 // the library, between two processes; the server on the first NIC (10.0.0.1), the client
 // on the second. ----
 
-/// The result row `prog` prints under its header ("name bytes xfers iters total time
-/// Gb/sec usec/xfer"): a custom test's (`-I`, `-C` or `-S` given) is named "custom".
-fn stream_row(prog: &str, side: &str, out: &str) -> String {
-    let row = out
-        .lines()
+/// The line after the header (the one naming "usec/xfer") that librdmacm's example
+/// programs print before their results (empty if none).
+fn row_under_header(out: &str) -> String {
+    out.lines()
         .skip_while(|l| !l.contains("usec/xfer"))
         .nth(1)
         .unwrap_or_default()
-        .to_string();
+        .to_string()
+}
+
+/// The result row `prog` prints under its header ("name bytes xfers iters total time
+/// Gb/sec usec/xfer"): a custom test's (`-I`, `-C` or `-S` given) is named "custom".
+fn stream_row(prog: &str, side: &str, out: &str) -> String {
+    let row = row_under_header(out);
     let cols: Vec<&str> = row.split_whitespace().collect();
     assert!(
         cols.len() == 8 && cols[0] == "custom" && cols[7].parse::<f64>().is_ok(),
@@ -841,12 +846,7 @@ fn udpong(port: u16, extra: &[&str]) {
         c.status
     );
     // "name bytes xfers total time Gb/sec usec/xfer", then the custom test's row.
-    let row = client_out
-        .lines()
-        .skip_while(|l| !l.contains("usec/xfer"))
-        .nth(1)
-        .unwrap_or_default()
-        .to_string();
+    let row = row_under_header(&client_out);
     let cols: Vec<&str> = row.split_whitespace().collect();
     let xfers = cols.get(2).and_then(|x| x.parse::<u32>().ok()).unwrap_or(0);
     let echo = extra.contains(&"e");
