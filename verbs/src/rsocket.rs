@@ -1257,10 +1257,9 @@ impl Cma {
             o if o >= 0 => o as u64,
             _ => return Err(libc::EINVAL),
         };
-        if c.maps
-            .iter()
-            .any(|(o, m, _)| off < o + m.len() && *o < off + len)
-        {
+        // The offset range fits 64 bits (as every mapping's does) and overlaps no other.
+        let end = off.checked_add(len).ok_or(libc::EINVAL)?;
+        if c.maps.iter().any(|(o, m, _)| off < o + m.len() && *o < end) {
             return Err(libc::EINVAL);
         }
         // The notice goes in the stream's order, into one of the peer's reserved slots.
