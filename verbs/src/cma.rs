@@ -16,9 +16,11 @@
 //!   header does, so an application has 56 bytes in a request, 196 in an accept and 148 in
 //!   a reject; events hand over the whole private area of the message, zero-filled.
 //!
-//! Progress is by polling: every call that waits drives the NICs' CMs. An event channel's
-//! descriptor reads as always ready; `rdma_get_cm_event` on a descriptor made non-blocking
-//! returns `EAGAIN` when nothing is queued.
+//! Progress: every call drives the NICs' CMs, and while a program has an event channel
+//! the library's progress thread (`cma_entry`) does so every millisecond. A channel's
+//! descriptor reads as ready exactly while events are queued on it ([`Cma::readiness`]);
+//! `rdma_get_cm_event` on a descriptor made non-blocking returns `EAGAIN` when nothing is
+//! queued.
 //!
 //! The C boundary (pointers, socket addresses, allocation) is `cma_entry`; this module is
 //! the logic, under the library's lock.
@@ -95,6 +97,9 @@ enum Phase {
     /// Passive: REP sent.
     Accepting(ConnId),
     Connected(ConnId),
+    /// The connection was up and is closed (`DISCONNECTED`): `rdma_disconnect` still
+    /// answers 0, as the kernel's answers a disconnect the peer began.
+    Disconnected,
     /// Closed, refused, or unreachable.
     Done,
 }
@@ -132,6 +137,9 @@ struct Id {
 struct Chan {
     ch: Box<RbEventChannel>,
     events: VecDeque<Box<RbCmEvent>>,
+    /// Whether the channel's descriptor was last made readable (it is while events are
+    /// queued).
+    ready: bool,
 }
 
 /// Everything RDMA-CM keeps, behind the library's lock.
@@ -233,6 +241,7 @@ impl Cma {
             Chan {
                 ch,
                 events: VecDeque::new(),
+                ready: false,
             },
         );
         p
@@ -1066,6 +1075,11 @@ impl Cma {
         };
         let cid = match phase {
             Phase::Connected(c) | Phase::Accepting(c) => c,
+            // The peer closed first: this side's QP still moves to ERR.
+            Phase::Disconnected => {
+                qp_err(st, qp);
+                return Ok(());
+            }
             _ => return Err(libc::EINVAL),
         };
         let nic = nic.ok_or(libc::EINVAL)?;
@@ -1482,8 +1496,23 @@ impl Cma {
         Ok(())
     }
 
+    /// The channel descriptors whose readiness must change: (descriptor, readable). A
+    /// channel's descriptor is readable while it has events queued (the caller writes or
+    /// drains the eventfd); recorded as done.
+    pub fn readiness(&mut self) -> Vec<(i32, bool)> {
+        let mut out = Vec::new();
+        for c in self.chans.values_mut() {
+            let want = !c.events.is_empty();
+            if c.ch.ch.fd >= 0 && c.ready != want {
+                c.ready = want;
+                out.push((c.ch.ch.fd, want));
+            }
+        }
+        out
+    }
+
     /// Drives every NIC's CM and turns what happened into events.
-    fn progress(&mut self, st: &mut State) {
+    pub(crate) fn progress(&mut self, st: &mut State) {
         let mut got = Vec::new();
         for (&nic, cm) in self.cms.iter_mut() {
             while let Some(e) = cm.poll() {
@@ -1631,6 +1660,9 @@ impl Cma {
                 let Some(p) = self.finish(nic, id) else {
                     return;
                 };
+                if let Some(i) = self.ids.get_mut(&p) {
+                    i.phase = Phase::Disconnected;
+                }
                 let qp = self
                     .ids
                     .get(&p)

@@ -19,9 +19,57 @@ pub(crate) fn call<R>(fail: R, f: impl FnOnce(&mut Cma, &mut State) -> R) -> R {
         // The state goes back even if `f` panics (a bug), so that one failed call does not
         // forget every id and channel.
         let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(&mut c, &mut st)));
+        // A channel's descriptor reads as ready exactly while it has events queued.
+        for (fd, ready) in c.readiness() {
+            set_ready(fd, ready);
+        }
         st.cma = c;
         r.unwrap_or_else(|p| std::panic::resume_unwind(p))
     })
+}
+
+/// Makes channel descriptor `fd` (an eventfd the library made, holding 0 or 1) readable
+/// or not.
+fn set_ready(fd: i32, ready: bool) {
+    let mut v = 1u64;
+    // SAFETY: a channel's own eventfd (open while the channel lives, under the lock), and
+    // eight bytes of a local: a write of 1 when it holds 0, a read when it holds 1, so
+    // neither blocks.
+    unsafe {
+        match ready {
+            true => libc::write(fd, (&v as *const u64).cast(), 8),
+            false => libc::read(fd, (&mut v as *mut u64).cast(), 8),
+        }
+    };
+}
+
+/// Event channels programs made and have not destroyed.
+static CHANNELS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// How often the library's progress thread drives the NICs' CMs while a channel exists.
+const PROGRESS_GAP: Duration = Duration::from_millis(1);
+
+/// Starts, once, the thread that drives the NICs' CMs while any event channel exists, as
+/// the kernel's rdma_cm does for librdmacm: events arrive, and channel descriptors become
+/// readable, whether or not the program calls into the library (a program that sleeps in
+/// `poll` or `epoll` on the descriptor is woken).
+fn start_progress() {
+    static STARTED: std::sync::Once = std::sync::Once::new();
+    STARTED.call_once(|| {
+        let spawned = std::thread::Builder::new()
+            .name("ringbell-cm".into())
+            .spawn(|| loop {
+                match CHANNELS.load(std::sync::atomic::Ordering::Relaxed) {
+                    0 => std::thread::sleep(PROGRESS_GAP * 10),
+                    _ => {
+                        call((), |c, st| c.progress(st));
+                        std::thread::sleep(PROGRESS_GAP);
+                    }
+                }
+            });
+        // Without the thread, events still arrive in the program's own calls.
+        drop(spawned);
+    });
 }
 
 /// 0, or -1 with `errno`.
@@ -148,18 +196,25 @@ fn complete_sync(id: usize) -> Result<(), i32> {
 
 #[no_mangle]
 pub unsafe extern "C" fn rdma_create_event_channel() -> *mut rdma_event_channel {
-    // The descriptor reads as always ready (see `cma`): an eventfd holding 1, never read.
+    // The descriptor reads as ready while events are queued: an eventfd holding 1 then, 0
+    // otherwise (see `call`), in blocking mode unless the program sets O_NONBLOCK.
     // SAFETY: creating a descriptor.
-    let fd = unsafe { libc::eventfd(1, libc::EFD_CLOEXEC) };
+    let fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC) };
     if fd < 0 {
         return std::ptr::null_mut();
     }
-    call(std::ptr::null_mut(), |c, _| c.create_channel(fd))
+    let ch = call(std::ptr::null_mut(), |c, _| c.create_channel(fd));
+    if !ch.is_null() {
+        CHANNELS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        start_progress();
+    }
+    ch
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn rdma_destroy_event_channel(ch: *mut rdma_event_channel) {
     if let Ok(fd) = call(Err(libc::EINVAL), |c, _| c.destroy_channel(ch as usize)) {
+        CHANNELS.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
         if fd >= 0 {
             // SAFETY: the channel's own descriptor, closed once with it.
             unsafe { libc::close(fd) };

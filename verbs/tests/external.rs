@@ -1368,6 +1368,55 @@ fn openshmem_over_ucx_on_four_pes() {
     println!("{}", line.unwrap_or_default());
 }
 
+/// UCX's connection managers: a UCP client and server (`tests/ucx/sockaddr.c`, built here
+/// against Debian's libucx-dev) meet at the server NIC's socket address through UCX's
+/// rdmacm connection manager, over the library's RDMA-CM (its event channel's descriptor
+/// woken by the library's progress thread), then exchange 100 checked messages each way
+/// over the transports UCX picked. (UCX_SOCKADDR_TLS_PRIORITY=rdmacm: UCX's TCP manager
+/// would try to listen on the NIC's address, which no interface of the host has.)
+#[test]
+fn ucx_client_and_server_meet_through_rdma_cm() {
+    need("cc", "gcc");
+    assert!(
+        Path::new("/usr/include/ucp/api/ucp.h").exists(),
+        "UCX's headers are missing: install Debian's libucx-dev (.ci/run does)"
+    );
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/ucx/sockaddr.c");
+    let exe = Path::new(env!("CARGO_TARGET_TMPDIR"))
+        .join(format!("ringbell-ucx-sockaddr-{}", std::process::id()));
+    let mut cc = Command::new("cc");
+    cc.args(["-O1", "-Wall", "-Werror", "-o"])
+        .arg(&exe)
+        .arg(&src)
+        .args(["-lucp", "-lucs"]);
+    let o = run(cc, Duration::from_secs(120));
+    assert!(o.status.success(), "cc sockaddr.c:\n{}", text(&o));
+    let mut srv = Served::start("ucx-sockaddr");
+    srv.env
+        .push(("UCX_SOCKADDR_TLS_PRIORITY", "rdmacm".to_string()));
+    let exe_s = exe.to_str().unwrap_or_default();
+    let server = srv.start_until(exe_s, &["-s", SERVER_IP], "listening");
+    let mut cmd = srv.command(exe_s);
+    cmd.args(["-c", SERVER_IP]);
+    let c = run(cmd, Duration::from_secs(120));
+    let (status, server_out) = server.finish(Duration::from_secs(60));
+    let client_out = text(&c);
+    let _ = std::fs::remove_file(&exe);
+    assert!(
+        c.status.success() && status.success(),
+        "client {}, server {status}\n--- client ---\n{client_out}\n--- server ---\n{server_out}",
+        c.status
+    );
+    assert!(
+        client_out.contains("client: 100 exchanges of 4096 bytes ok"),
+        "{client_out}"
+    );
+    assert!(
+        server_out.contains("server: 100 exchanges of 4096 bytes ok"),
+        "{server_out}"
+    );
+}
+
 /// What NetPIPE's integrity run (`NPopenmpi -i`) printed: every size it sent checked, at
 /// least `min` of them, none failed. Panics with the output otherwise.
 fn netpipe_checked(out: &str, min: usize) -> usize {
