@@ -6,6 +6,7 @@
  * resolution) and their multicast groups, and the refusals. Linked with -lrdmacm; the library answers every rdma_*
  * call. */
 #include "common.h"
+#include <poll.h>
 #include <pthread.h>
 #include <rdma/rdma_cma.h>
 #include <rdma/rdma_verbs.h>
@@ -444,6 +445,44 @@ static void sync_client(void)
 	CHECK_OK(pthread_join(t, NULL));
 }
 
+/* A channel's descriptor reads as ready exactly while an event is queued on it, and an
+ * event the fabric brings wakes a program asleep in poll(2) on it (the library's progress
+ * thread drives the NICs' connection managers meanwhile). */
+static void channel_descriptor(void)
+{
+	struct rdma_event_channel *ch = rdma_create_event_channel();
+	CHECK(ch != NULL);
+	struct pollfd p = {.fd = ch->fd, .events = POLLIN};
+	CHECK_EQ(poll(&p, 1, 50), 0);
+	struct rdma_cm_id *id;
+	CHECK_OK(rdma_create_id(ch, &id, NULL, RDMA_PS_TCP));
+	struct sockaddr_in src = sin_of("10.0.0.2", 0), dst = sin_of("10.0.0.1", 7999);
+	CHECK_OK(rdma_resolve_addr(id, (struct sockaddr *)&src, (struct sockaddr *)&dst, 1000));
+	/* ADDR_RESOLVED is queued by the call: readable, then drained by taking it. */
+	CHECK_EQ(poll(&p, 1, 1000), 1);
+	CHECK(p.revents & POLLIN);
+	CHECK_OK(rdma_ack_cm_event(expect_event(ch, RDMA_CM_EVENT_ADDR_RESOLVED)));
+	CHECK_EQ(poll(&p, 1, 0), 0);
+	CHECK_OK(rdma_resolve_route(id, 1000));
+	CHECK_OK(rdma_ack_cm_event(expect_event(ch, RDMA_CM_EVENT_ROUTE_RESOLVED)));
+	/* A listener on another port of rb0 (its connection manager answers from then on). */
+	struct rdma_cm_id *other;
+	CHECK_OK(rdma_create_id(ch, &other, NULL, RDMA_PS_TCP));
+	struct sockaddr_in on0 = sin_of("10.0.0.1", 7998);
+	CHECK_OK(rdma_bind_addr(other, (struct sockaddr *)&on0));
+	CHECK_OK(rdma_listen(other, 1));
+	/* A request to a port nobody listens on (the QP named only: none is needed to be
+	 * refused); its rejection comes back through the fabric while this thread sleeps. */
+	struct rdma_conn_param cp = {.qp_num = 77, .retry_count = 7, .rnr_retry_count = 7};
+	CHECK_OK(rdma_connect(id, &cp));
+	CHECK_EQ(poll(&p, 1, 5000), 1);
+	CHECK_OK(rdma_ack_cm_event(expect_event(ch, RDMA_CM_EVENT_REJECTED)));
+	CHECK_EQ(poll(&p, 1, 0), 0);
+	CHECK_OK(rdma_destroy_id(id));
+	CHECK_OK(rdma_destroy_id(other));
+	rdma_destroy_event_channel(ch);
+}
+
 int main(void)
 {
 	struct rdma_event_channel *sch = rdma_create_event_channel();
@@ -482,6 +521,7 @@ int main(void)
 	CHECK_EQ(errno, EAGAIN);
 	CHECK_OK(fcntl(cch->fd, F_SETFL, fl));
 	CHECK(strcmp(rdma_event_str(RDMA_CM_EVENT_ESTABLISHED), "RDMA_CM_EVENT_ESTABLISHED") == 0);
+	channel_descriptor();
 
 	/* ---- a listener on rb0 ---- */
 	struct rdma_cm_id *lid;
