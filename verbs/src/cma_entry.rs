@@ -56,20 +56,52 @@ const PROGRESS_GAP: Duration = Duration::from_millis(1);
 fn start_progress() {
     static STARTED: std::sync::Once = std::sync::Once::new();
     STARTED.call_once(|| {
+        // SAFETY: registers plain functions that only touch atomics as the fork handlers.
+        unsafe { libc::pthread_atfork(Some(fork_prepare), Some(fork_done), Some(fork_done)) };
         let spawned = std::thread::Builder::new()
             .name("ringbell-cm".into())
             .spawn(|| loop {
-                match CHANNELS.load(std::sync::atomic::Ordering::Relaxed) {
-                    0 => std::thread::sleep(PROGRESS_GAP * 10),
-                    _ => {
-                        call((), |c, st| c.progress(st));
-                        std::thread::sleep(PROGRESS_GAP);
-                    }
+                if CHANNELS.load(Relaxed) == 0 || !enter_pass() {
+                    std::thread::sleep(PROGRESS_GAP * 10);
+                    continue;
                 }
+                call((), |c, st| c.progress(st));
+                IN_PASS.store(false, SeqCst);
+                std::thread::sleep(PROGRESS_GAP);
             });
         // Without the thread, events still arrive in the program's own calls.
         drop(spawned);
     });
+}
+
+use std::sync::atomic::AtomicBool;
+use std::sync::atomic::Ordering::{Relaxed, SeqCst};
+
+/// A fork is under way: the progress thread takes no pass (so that it never holds the
+/// library's lock in the parent at the fork, which would leave the child's copy locked).
+static FORKING: AtomicBool = AtomicBool::new(false);
+/// The progress thread is in a pass (or about to be).
+static IN_PASS: AtomicBool = AtomicBool::new(false);
+
+/// Whether the progress thread may take a pass now (then it is marked in one).
+fn enter_pass() -> bool {
+    IN_PASS.store(true, SeqCst);
+    if FORKING.load(SeqCst) {
+        IN_PASS.store(false, SeqCst);
+        return false;
+    }
+    true
+}
+
+extern "C" fn fork_prepare() {
+    FORKING.store(true, SeqCst);
+    while IN_PASS.load(SeqCst) {
+        std::thread::yield_now();
+    }
+}
+
+extern "C" fn fork_done() {
+    FORKING.store(false, SeqCst);
 }
 
 /// 0, or -1 with `errno`.
@@ -205,7 +237,7 @@ pub unsafe extern "C" fn rdma_create_event_channel() -> *mut rdma_event_channel 
     }
     let ch = call(std::ptr::null_mut(), |c, _| c.create_channel(fd));
     if !ch.is_null() {
-        CHANNELS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        CHANNELS.fetch_add(1, Relaxed);
         start_progress();
     }
     ch
@@ -214,7 +246,7 @@ pub unsafe extern "C" fn rdma_create_event_channel() -> *mut rdma_event_channel 
 #[no_mangle]
 pub unsafe extern "C" fn rdma_destroy_event_channel(ch: *mut rdma_event_channel) {
     if let Ok(fd) = call(Err(libc::EINVAL), |c, _| c.destroy_channel(ch as usize)) {
-        CHANNELS.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+        CHANNELS.fetch_sub(1, Relaxed);
         if fd >= 0 {
             // SAFETY: the channel's own descriptor, closed once with it.
             unsafe { libc::close(fd) };
