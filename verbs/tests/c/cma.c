@@ -11,16 +11,6 @@
 #include <rdma/rdma_cma.h>
 #include <rdma/rdma_verbs.h>
 
-static struct sockaddr_in sin_of(const char *ip, int port)
-{
-	struct sockaddr_in s;
-	memset(&s, 0, sizeof s);
-	s.sin_family = AF_INET;
-	s.sin_port = htons(port);
-	CHECK_EQ(inet_pton(AF_INET, ip, &s.sin_addr), 1);
-	return s;
-}
-
 /* The next event of `ch`, which must be of kind `want`. */
 static struct rdma_cm_event *expect_event(struct rdma_event_channel *ch,
 					  enum rdma_cm_event_type want)

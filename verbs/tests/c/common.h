@@ -543,6 +543,17 @@ static inline int wait_async(struct ibv_context *ctx, struct ibv_cq *tick,
 	return wait_async_for(ctx, tick, want, ev, WAIT_S);
 }
 
+/* An IPv4 socket address (the programs of the RDMA-CM and rsocket tests). */
+static inline struct sockaddr_in sin_of(const char *ip, int port)
+{
+	struct sockaddr_in s;
+	memset(&s, 0, sizeof s);
+	s.sin_family = AF_INET;
+	s.sin_port = htons(port);
+	CHECK_EQ(inet_pton(AF_INET, ip, &s.sin_addr), 1);
+	return s;
+}
+
 static inline void set_nonblock(int fd)
 {
 	int fl = fcntl(fd, F_GETFL);

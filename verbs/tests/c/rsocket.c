@@ -63,16 +63,6 @@ static void on_alarm(int sig)
 			     #expr, r_, e_, strerror(e_), (int)(want), strerror(want));  \
 	} while (0)
 
-static struct sockaddr_in sin_of(const char *ip, int port)
-{
-	struct sockaddr_in s;
-	memset(&s, 0, sizeof s);
-	s.sin_family = AF_INET;
-	s.sin_port = htons(port);
-	CHECK_EQ(inet_pton(AF_INET, ip, &s.sin_addr), 1);
-	return s;
-}
-
 static const char *ip_str(const struct sockaddr_in *s, char *buf)
 {
 	return inet_ntop(AF_INET, &s->sin_addr, buf, INET_ADDRSTRLEN) ? buf : "?";
