@@ -108,14 +108,8 @@ fn route(st: &mut State, nic: usize, e: &AsyncEvent) {
                 };
                 ev.element.qp = qp as *mut RbQp as *mut abi::ibv_qp;
                 post(qp.ctx, ev);
-                if kind != EventType::SqDrained && !qp.srq.is_null() {
-                    // A QP on an SRQ that leaves for ERR reports its last WQE reached.
-                    let mut last = abi::ibv_async_event {
-                        event_type: abi::ibv_event_type_IBV_EVENT_QP_LAST_WQE_REACHED,
-                        ..Default::default()
-                    };
-                    last.element.qp = qp as *mut RbQp as *mut abi::ibv_qp;
-                    post(qp.ctx, last);
+                if kind != EventType::SqDrained {
+                    last_wqe_reached(qp);
                 }
             }
         }
@@ -136,6 +130,20 @@ fn route(st: &mut State, nic: usize, e: &AsyncEvent) {
         // show as the error completion or QP event they cause.
         _ => {}
     }
+}
+
+/// A QP on an SRQ that enters ERR (a fatal error, or `ibv_modify_qp`) reports its last WQE
+/// reached: it takes no more receives from the SRQ (IBTA's Last WQE Reached event).
+pub(crate) fn last_wqe_reached(qp: &mut RbQp) {
+    if qp.srq.is_null() {
+        return;
+    }
+    let mut last = abi::ibv_async_event {
+        event_type: abi::ibv_event_type_IBV_EVENT_QP_LAST_WQE_REACHED,
+        ..Default::default()
+    };
+    last.element.qp = qp as *mut RbQp as *mut abi::ibv_qp;
+    post(qp.ctx, last);
 }
 
 /// Queues an async event on a context and makes its `async_fd` readable.

@@ -435,6 +435,7 @@ pub(crate) fn modify(qp: &mut RbQp, attr: &abi::ibv_qp_attr, mask: u32) -> i32 {
     a.sq_psn = attr.sq_psn.into();
     a.pkey_index = attr.pkey_index.into();
     a.qkey = attr.qkey.into();
+    let was = qp.drv.state();
     if let Err(e) = qp.drv.modify(QpAttrMask::from_bits_retain(mask), &a) {
         return crate::errno_of(&e);
     }
@@ -443,6 +444,9 @@ pub(crate) fn modify(qp: &mut RbQp, attr: &abi::ibv_qp_attr, mask: u32) -> i32 {
     }
     if mask & abi::ibv_qp_attr_mask_IBV_QP_STATE != 0 {
         qp.qpx.qp_base.state = attr.qp_state;
+        if attr.qp_state == abi::ibv_qp_state_IBV_QPS_ERR && was != QpState::Err {
+            crate::events::last_wqe_reached(qp);
+        }
     }
     0
 }
