@@ -32,13 +32,25 @@ pub(crate) fn call<R>(fail: R, f: impl FnOnce(&mut Cma, &mut State) -> R) -> R {
 /// or not.
 fn set_ready(fd: i32, ready: bool) {
     let mut v = 1u64;
-    // SAFETY: a channel's own eventfd (open while the channel lives, under the lock), and
-    // eight bytes of a local: a write of 1 when it holds 0, a read when it holds 1, so
-    // neither blocks.
+    let mut p = libc::pollfd {
+        fd,
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    // SAFETY: a channel's own eventfd (open while the channel lives, under the lock), a
+    // local pollfd and eight bytes of a local. A write of 1 never blocks; the read is made
+    // only when the descriptor is readable (a program that drained it itself would
+    // otherwise block this call under the lock).
     unsafe {
         match ready {
-            true => libc::write(fd, (&v as *const u64).cast(), 8),
-            false => libc::read(fd, (&mut v as *mut u64).cast(), 8),
+            true => {
+                libc::write(fd, (&v as *const u64).cast(), 8);
+            }
+            false => {
+                if libc::poll(&mut p, 1, 0) == 1 {
+                    libc::read(fd, (&mut v as *mut u64).cast(), 8);
+                }
+            }
         }
     };
 }
