@@ -841,9 +841,8 @@ impl ConnectionManager {
             ..Default::default()
         };
         let mut conn = self.conns.remove(&id.0).expect("checked above");
-        rej.emit(&mut conn.last);
-        let r = self.send(conn.peer, &conn.last);
-        self.time_wait(&mut conn);
+        let to = conn.peer;
+        let r = self.last_word(&mut conn, to, &rej);
         self.conns.insert(id.0, conn);
         r
     }
@@ -900,9 +899,8 @@ impl ConnectionManager {
             private: private.to_vec(),
             ..CmMsg::about(CmKind::SidrRep, id.0, conn.remote_comm_id)
         };
-        rep.emit(&mut conn.last);
-        let r = self.send(conn.peer, &conn.last);
-        self.time_wait(&mut conn);
+        let to = conn.peer;
+        let r = self.last_word(&mut conn, to, &rep);
         self.conns.insert(id.0, conn);
         r
     }
@@ -917,7 +915,6 @@ impl ConnectionManager {
             return Err(Error::InvalidArgument("the connection awaits no RTU"));
         }
         let rtu = CmMsg::about(CmKind::Rtu, id.0, conn.remote_comm_id);
-        conn.last.clear();
         rtu.emit(&mut conn.last);
         conn.state = State::Established;
         conn.deadline = None;
@@ -939,10 +936,8 @@ impl ConnectionManager {
             reason: REJ_CONSUMER,
             ..CmMsg::about(CmKind::Rej, id.0, conn.remote_comm_id)
         };
-        conn.last.clear();
-        rej.emit(&mut conn.last);
-        let r = self.send(conn.peer, &conn.last);
-        self.time_wait(&mut conn);
+        let to = conn.peer;
+        let r = self.last_word(&mut conn, to, &rej);
         self.conns.insert(id.0, conn);
         r
     }
@@ -1103,6 +1098,15 @@ impl ConnectionManager {
         self.cfg.timeout_ps << repeats.min(6)
     }
 
+    /// Sends `m` to `to` as the connection's last word (kept to answer repeats) and lets
+    /// the connection wait out its time-wait.
+    fn last_word(&mut self, conn: &mut Conn, to: AhAttr, m: &CmMsg) -> Result<(), Error> {
+        m.emit(&mut conn.last);
+        let r = self.send(to, &conn.last);
+        self.time_wait(conn);
+        r
+    }
+
     fn time_wait(&self, conn: &mut Conn) {
         conn.state = State::TimeWait;
         conn.deadline = None;
@@ -1207,9 +1211,7 @@ impl ConnectionManager {
                 reason: REJ_INVALID_SERVICE_ID,
                 ..CmMsg::about(CmKind::Rej, id, m.local_comm_id)
             };
-            rej.emit(&mut conn.last);
-            let _ = self.send(from, &conn.last);
-            self.time_wait(&mut conn);
+            let _ = self.last_word(&mut conn, from, &rej);
             self.conns.insert(id, conn);
             return;
         }
@@ -1240,9 +1242,7 @@ impl ConnectionManager {
                 reason: SIDR_NO_SERVICE,
                 ..CmMsg::about(CmKind::SidrRep, id, m.local_comm_id)
             };
-            rep.emit(&mut conn.last);
-            let _ = self.send(from, &conn.last);
-            self.time_wait(&mut conn);
+            let _ = self.last_word(&mut conn, from, &rep);
         } else {
             self.events.push_back(CmEvent::SidrRequest {
                 id: ConnId(id),
@@ -1352,9 +1352,7 @@ impl ConnectionManager {
                         reason: REJ_CONSUMER,
                         ..CmMsg::about(CmKind::Rej, id, m.local_comm_id)
                     };
-                    rej.emit(&mut conn.last);
-                    let _ = self.send(from, &conn.last);
-                    self.time_wait(&mut conn);
+                    let _ = self.last_word(&mut conn, from, &rej);
                     self.events.push_back(CmEvent::Rejected {
                         id: ConnId(id),
                         reason: REJ_CONSUMER,
@@ -1501,9 +1499,7 @@ impl ConnectionManager {
                 return;
             }
         }
-        drep.emit(&mut conn.last);
-        let _ = self.send(from, &conn.last);
-        self.time_wait(&mut conn);
+        let _ = self.last_word(&mut conn, from, &drep);
         self.conns.insert(id, conn);
     }
 
