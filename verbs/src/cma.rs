@@ -131,6 +131,9 @@ struct Id {
     /// A listener's backlog: requests it may have queued and not handed out yet (more are
     /// refused, as the kernel's rdma_cm refuses them).
     backlog: usize,
+    /// A datagram listener answered at once with this UD QP, whichever call drives the CM
+    /// (a bound datagram rsocket's port), instead of through an event.
+    answer_with: Option<u32>,
 }
 
 /// An event channel's queue. A synchronous id (made without a channel) has one of its own.
@@ -361,6 +364,7 @@ impl Cma {
                 made: Vec::new(),
                 groups: Vec::new(),
                 backlog: 0,
+                answer_with: None,
             },
         );
         p
@@ -1276,6 +1280,14 @@ impl Cma {
         self.delivered.get(&ev)?.ud
     }
 
+    /// Makes datagram listener `p` answer every request at once with UD QP `qpn` (as a
+    /// kernel answers for a bound UDP socket), without an event.
+    pub fn answer_with(&mut self, p: usize, qpn: u32) {
+        if let Some(i) = self.ids.get_mut(&p) {
+            i.answer_with = Some(qpn);
+        }
+    }
+
     /// The NIC id `p` is on.
     pub fn id_nic(&self, p: usize) -> Option<usize> {
         self.ids.get(&p)?.nic
@@ -1726,7 +1738,12 @@ impl Cma {
         };
         // A datagram rsocket's port is answered at once with its UD QP, whichever call
         // drives the CM, as a kernel answers for a bound UDP socket.
-        if let Some(qpn) = self.rs.datagram_qpn(l).filter(|_| sidr) {
+        if let Some(qpn) = self
+            .ids
+            .get(&l)
+            .and_then(|i| i.answer_with)
+            .filter(|_| sidr)
+        {
             if let Some(cm) = self.cms.get_mut(&nic) {
                 let _ = cm.sidr_answer(cid, SIDR_OK, qpn, RDMA_UDP_QKEY, &[]);
             }

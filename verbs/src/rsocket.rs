@@ -76,15 +76,6 @@ pub const RDMA_ROUTE: i32 = 4;
 #[derive(Default)]
 pub(crate) struct Rsockets {
     socks: BTreeMap<i32, Rsock>,
-    /// Bound datagram sockets: their RDMA-CM id (listening on the port) → their UD QP.
-    dg_ports: BTreeMap<usize, u32>,
-}
-
-impl Rsockets {
-    /// The UD QP of the datagram socket whose port RDMA-CM id `id` holds.
-    pub fn datagram_qpn(&self, id: usize) -> Option<u32> {
-        self.dg_ports.get(&id).copied()
-    }
 }
 
 /// Where a socket stands.
@@ -1053,8 +1044,6 @@ impl Cma {
     /// `rclose`, last part: the connection closed, the socket gone; its descriptor is
     /// the caller's to close.
     pub fn rs_close(&mut self, st: &mut State, fd: i32) -> Result<(), i32> {
-        let id = self.sock(fd)?.id;
-        self.rs.dg_ports.remove(&id);
         if let Some(d) = self.sock(fd)?.dgram.as_ref() {
             let ids: Vec<usize> = d.resolving.keys().copied().collect();
             for id in ids {
@@ -1548,7 +1537,7 @@ impl Cma {
         let port = self.addrs(s.id).map(|a| a.0.port()).ok_or(libc::EINVAL)?;
         self.listen(st, s.id, 0)?;
         let res = self.dg_res(st, nic, &s.opts, port)?;
-        self.rs.dg_ports.insert(s.id, res.qp.qpn());
+        self.answer_with(s.id, res.qp.qpn());
         let d = s.dgram.as_mut().ok_or(libc::EINVAL)?;
         d.res = Some(res);
         d.bound = Some(SocketAddrV4::new(*addr.ip(), port));
