@@ -10,6 +10,9 @@ use ringbell_specs::regs::{self, Caps, GuestError};
 use ringbell_specs::SimTime;
 use zerocopy::IntoBytes;
 
+/// CQE boxes kept for reuse at most (as many as a deep queue of completions in flight).
+const CQE_POOL_MAX: usize = 256;
+
 /// Static configuration of one NIC.
 #[derive(Clone, Debug)]
 pub struct NicConfig {
@@ -232,6 +235,10 @@ pub struct Nic {
     pub(crate) fm_wqe: Option<Box<crate::qp::SendWqe>>,
     /// Decoded WQEs of completed work, kept so that starting a WQE reuses their buffers.
     pub(crate) wqe_pool: Vec<crate::qp::SendWqe>,
+    /// Boxes of CQEs already written ([`NicEvent::CqeWrite`]), reused for the next ones
+    /// (the boxes themselves are what is kept: an event carries one, not a CQE).
+    #[allow(clippy::vec_box)]
+    pub(crate) cqe_pool: Vec<Box<ringbell_specs::cqe::Cqe>>,
     /// The device's own memory (ABI 1.8).
     pub(crate) dm: crate::mem::DevMem,
     /// Flow-steering rules (ABI 1.12), how many are live, and the last rule's creation
@@ -298,6 +305,7 @@ impl Nic {
             fm_dst: Vec::new(),
             fm_wqe: None,
             wqe_pool: Vec::new(),
+            cqe_pool: Vec::new(),
             dm: crate::mem::DevMem::new(max_dm_size.into()),
             flows: Table::new(crate::raw::MAX_FLOWS),
             flows_live: 0,
@@ -634,6 +642,9 @@ impl Nic {
                 let counted = crate::counter::counts_as_recv(&cqe);
                 let (qpn, ok) = (cqe.qpn.get(), cqe.status == 0);
                 self.write_cqe(env, cqn, *cqe);
+                if self.cqe_pool.len() < CQE_POOL_MAX {
+                    self.cqe_pool.push(cqe);
+                }
                 if counted {
                     if let Some(c) = self.qps.get(qpn).map(|q| q.cntrs) {
                         let now = env.now();

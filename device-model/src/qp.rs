@@ -1080,13 +1080,21 @@ impl Nic {
             env.trace(ev(Stage::CqeOrder, vis, t));
         }
         let gen = self.cqs.get(cqn).map_or(0, |c| c.gen);
+        // A box of a CQE already written, if any (one allocation per CQE otherwise).
+        let cqe = match self.cqe_pool.pop() {
+            Some(mut b) => {
+                *b = cqe;
+                b
+            }
+            None => Box::new(cqe),
+        };
         env.schedule(
             t,
             NicEvent::CqeWrite {
                 cqn,
                 gen,
                 qp_gen,
-                cqe: Box::new(cqe),
+                cqe,
             },
         );
     }
