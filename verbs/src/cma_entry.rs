@@ -5,6 +5,7 @@
 use crate::abi;
 use crate::cma::{self, Cma, ConnParam};
 use crate::cma_abi::*;
+use crate::events::{OnSignal, SignalWindow};
 use crate::state::{lock, State};
 use crate::{guard, set_errno};
 use std::ffi::{c_char, c_int, c_void, CStr};
@@ -72,14 +73,20 @@ fn start_progress() {
         unsafe { libc::pthread_atfork(Some(fork_prepare), Some(fork_done), Some(fork_done)) };
         let spawned = std::thread::Builder::new()
             .name("ringbell-cm".into())
-            .spawn(|| loop {
-                if CHANNELS.load(Relaxed) == 0 || !enter_pass() {
-                    std::thread::sleep(PROGRESS_GAP * 10);
-                    continue;
+            .spawn(|| {
+                // The program's signals are not for this thread: a process-directed one
+                // (`alarm`) goes to a thread of the program, where it ends the blocking
+                // call it was meant to end.
+                let _blocked = SignalWindow::open();
+                loop {
+                    if CHANNELS.load(Relaxed) == 0 || !enter_pass() {
+                        std::thread::sleep(PROGRESS_GAP * 10);
+                        continue;
+                    }
+                    call((), |c, st| c.progress(st));
+                    IN_PASS.store(false, SeqCst);
+                    std::thread::sleep(PROGRESS_GAP);
                 }
-                call((), |c, st| c.progress(st));
-                IN_PASS.store(false, SeqCst);
-                std::thread::sleep(PROGRESS_GAP);
             });
         // Without the thread, events still arrive in the program's own calls.
         drop(spawned);
@@ -198,6 +205,7 @@ unsafe fn conn_param(p: *const rdma_conn_param) -> Option<ConnParam> {
 /// Waits for the next event of synchronous id `id`; returns it handed out, with its kind
 /// and status.
 fn wait_of(id: usize) -> Result<(*mut rdma_cm_event, u32, i32), i32> {
+    let win = SignalWindow::open();
     loop {
         let r = call(Err(libc::EIO), |c, st| {
             let e = c.next_event_of(st, id)?;
@@ -206,7 +214,7 @@ fn wait_of(id: usize) -> Result<(*mut rdma_cm_event, u32, i32), i32> {
         if let Some(x) = r {
             return Ok(x);
         }
-        std::thread::sleep(POLL_GAP);
+        win.nap(POLL_GAP, OnSignal::Restart)?;
     }
 }
 
@@ -550,6 +558,7 @@ pub unsafe extern "C" fn rdma_get_cm_event(
         return rc(Err(libc::EINVAL));
     }
     let mut waited = false;
+    let win = SignalWindow::open();
     loop {
         // (The descriptor is read under the lock: another thread may destroy the channel
         // as soon as it is released.)
@@ -579,7 +588,10 @@ pub unsafe extern "C" fn rdma_get_cm_event(
         if fl >= 0 && fl & libc::O_NONBLOCK != 0 {
             return rc(Err(libc::EAGAIN));
         }
-        std::thread::sleep(POLL_GAP);
+        // As a read(2) of the channel's descriptor: EINTR for a handler without SA_RESTART.
+        if let Err(e) = win.nap(POLL_GAP, OnSignal::Restart) {
+            return rc(Err(e));
+        }
     }
 }
 

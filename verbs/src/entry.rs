@@ -34,8 +34,10 @@ fn nothing_yet(st: &mut State, nic: usize, fd: c_int) -> Wait2 {
 }
 
 /// Repeats `attempt` (which takes the lock) until it yields an event, waiting outside the
-/// lock in between; `None` with errno EAGAIN when the descriptor is non-blocking.
+/// lock in between; `None` with errno EAGAIN when the descriptor is non-blocking, EINTR
+/// when a signal handler interrupted the wait as it interrupts a `read(2)`.
 fn wait_event<T>(mut attempt: impl FnMut() -> Result<T, Wait2>) -> Option<T> {
+    let win = crate::events::SignalWindow::open();
     loop {
         match attempt() {
             Ok(v) => return Some(v),
@@ -43,7 +45,12 @@ fn wait_event<T>(mut attempt: impl FnMut() -> Result<T, Wait2>) -> Option<T> {
                 set_errno(libc::EAGAIN);
                 return None;
             }
-            Err(Wait2::Wait(w)) => crate::events::idle(w),
+            Err(Wait2::Wait(w)) => {
+                if let Err(e) = crate::events::idle(w, &win) {
+                    set_errno(e);
+                    return None;
+                }
+            }
         }
     }
 }

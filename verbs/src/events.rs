@@ -181,26 +181,158 @@ pub(crate) fn wait_step(st: &mut State, nic: usize) -> Wait {
     }
 }
 
-/// Waits outside the lock as `w` says: up to 10 ms for an interrupt (cleared when it
-/// fired), a millisecond when idle.
-pub(crate) fn idle(w: Wait) {
+/// Waits outside the lock as `w` says, in the window `win` of the blocking call: up to
+/// 10 ms for an interrupt (cleared when it fired), a millisecond when idle. `Err(EINTR)`
+/// when a signal handler ended the wait and the call fails for it, as a `read(2)` of a
+/// uverbs descriptor does ([`OnSignal::Restart`]).
+pub(crate) fn idle(w: Wait, win: &SignalWindow) -> Result<(), i32> {
+    let ms = std::time::Duration::from_millis;
     match w {
-        Wait::Moved => {}
-        Wait::Idle => std::thread::sleep(std::time::Duration::from_millis(1)),
+        Wait::Moved => Ok(()),
+        Wait::Idle => win.nap(ms(1), OnSignal::Restart),
         Wait::Interrupt(fd) => {
-            let mut pfd = libc::pollfd {
-                fd,
-                events: libc::POLLIN,
-                revents: 0,
-            };
-            // SAFETY: one live pollfd; `fd` is the device's interrupt eventfd, which lives
-            // as long as the device, i.e. the process.
-            let n = unsafe { libc::poll(&mut pfd, 1, 10) };
-            if n > 0 {
+            if win.wait_fd(fd, ms(10), OnSignal::Restart)? {
                 let mut v = [0u8; 8];
-                // SAFETY: clears the eventfd's counter (non-blocking: it is readable).
+                // SAFETY: clears the eventfd's counter (non-blocking: it is readable); `fd`
+                // is the device's interrupt eventfd, which lives as long as the process.
                 unsafe { libc::read(fd, v.as_mut_ptr() as *mut _, 8) };
+            }
+            Ok(())
+        }
+    }
+}
+
+/// How a blocking call of the library answers a signal handler that ran while it waited:
+/// as the kernel answers for the system call it stands for (signal(7)).
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(crate) enum OnSignal {
+    /// `read(2)` of a uverbs or rdma_cm descriptor (`ibv_get_cq_event`,
+    /// `rdma_get_cm_event`) and the socket calls (`rrecv`, `rsend`, `raccept`,
+    /// `rconnect`): restarted when the handler was installed with `SA_RESTART`, `EINTR`
+    /// otherwise.
+    Restart,
+    /// `poll(2)` and `select(2)` (`rpoll`, `rselect`): `EINTR` whatever the handler's flags.
+    Fail,
+}
+
+/// Signals a fault raises: never blocked (a fault while one is blocked kills the process),
+/// and never what ends a sleep.
+const SYNCHRONOUS: [i32; 7] = [
+    libc::SIGSEGV,
+    libc::SIGBUS,
+    libc::SIGILL,
+    libc::SIGFPE,
+    libc::SIGTRAP,
+    libc::SIGABRT,
+    libc::SIGSYS,
+];
+
+/// The signals of a blocking call of the library. While it is open, the thread's
+/// asynchronous signals are blocked except inside the call's sleeps, which take them
+/// atomically (`ppoll(2)` with the thread's own mask). A signal that comes while the call
+/// looks for its event (under the library's lock) is so taken in the next sleep and ends
+/// it, as it would end the system call the library stands for, instead of running between
+/// a look and a sleep, unseen. Closing the window restores the mask.
+pub(crate) struct SignalWindow {
+    /// The thread's mask before the call.
+    own: libc::sigset_t,
+}
+
+impl SignalWindow {
+    pub(crate) fn open() -> SignalWindow {
+        let mut block = std::mem::MaybeUninit::<libc::sigset_t>::uninit();
+        let mut own = std::mem::MaybeUninit::<libc::sigset_t>::uninit();
+        // SAFETY: sigfillset initialises `block` (sigdelset only edits it); pthread_sigmask
+        // reads it and writes the thread's previous mask into `own`, which it cannot fail to
+        // do with SIG_BLOCK and valid pointers.
+        unsafe {
+            libc::sigfillset(block.as_mut_ptr());
+            for s in SYNCHRONOUS {
+                libc::sigdelset(block.as_mut_ptr(), s);
+            }
+            libc::pthread_sigmask(libc::SIG_BLOCK, block.as_ptr(), own.as_mut_ptr());
+            SignalWindow {
+                own: own.assume_init(),
             }
         }
     }
+
+    /// Sleeps `d`, taking signals; `Err(EINTR)` when a handler ran and a call of kind `k`
+    /// fails for it. Otherwise (the time passed, or the call restarts) the caller looks
+    /// again.
+    pub(crate) fn nap(&self, d: std::time::Duration, k: OnSignal) -> Result<(), i32> {
+        self.ppoll(&mut [], d, k).map(|_| ())
+    }
+
+    /// Waits up to `d` for `fd` to be readable, taking signals: whether it is, or
+    /// `Err(EINTR)` as [`SignalWindow::nap`].
+    pub(crate) fn wait_fd(
+        &self,
+        fd: i32,
+        d: std::time::Duration,
+        k: OnSignal,
+    ) -> Result<bool, i32> {
+        let mut p = [libc::pollfd {
+            fd,
+            events: libc::POLLIN,
+            revents: 0,
+        }];
+        self.ppoll(&mut p, d, k)
+    }
+
+    fn ppoll(
+        &self,
+        fds: &mut [libc::pollfd],
+        d: std::time::Duration,
+        k: OnSignal,
+    ) -> Result<bool, i32> {
+        let ts = libc::timespec {
+            tv_sec: d.as_secs() as libc::time_t,
+            tv_nsec: d.subsec_nanos() as libc::c_long,
+        };
+        // SAFETY: `fds` is a live array of `fds.len()` pollfds (none: a plain sleep), `ts`
+        // and the thread's own mask are locals.
+        let n = unsafe { libc::ppoll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, &ts, &self.own) };
+        if n < 0 && crate::errno() == libc::EINTR {
+            return match k {
+                OnSignal::Restart if handlers_restart(&self.own) => Ok(false),
+                _ => Err(libc::EINTR),
+            };
+        }
+        Ok(n > 0)
+    }
+}
+
+impl Drop for SignalWindow {
+    fn drop(&mut self) {
+        // SAFETY: restores the mask saved in `open`.
+        unsafe { libc::pthread_sigmask(libc::SIG_SETMASK, &self.own, std::ptr::null_mut()) };
+    }
+}
+
+/// Whether every handler that could have run on a thread whose mask is `own` was installed
+/// with `SA_RESTART`. The signal that ran is not known; the kernel restarts a `read(2)` only
+/// for a handler with the flag, so one without it among those that could have run is taken
+/// to be the one (a program that sets `SIGALRM` without `SA_RESTART` to end a blocking
+/// wait, as qperf does, gets its `EINTR`). Signals a fault raises and those the thread
+/// blocks are left out.
+fn handlers_restart(own: &libc::sigset_t) -> bool {
+    (1..=libc::SIGRTMAX())
+        .filter(|s| !SYNCHRONOUS.contains(s) && *s != libc::SIGKILL && *s != libc::SIGSTOP)
+        .all(|s| {
+            // SAFETY: reads the caller's set.
+            if unsafe { libc::sigismember(own, s) } == 1 {
+                return true;
+            }
+            // SAFETY: a zeroed sigaction is valid for the kernel to overwrite.
+            let mut old: libc::sigaction = unsafe { std::mem::zeroed() };
+            // SAFETY: only reads the disposition of signal `s` into `old` (the new action is
+            // null); glibc's own signals answer EINVAL and are passed over.
+            if unsafe { libc::sigaction(s, std::ptr::null(), &mut old) } != 0 {
+                return true;
+            }
+            old.sa_sigaction == libc::SIG_DFL
+                || old.sa_sigaction == libc::SIG_IGN
+                || old.sa_flags & libc::SA_RESTART != 0
+        })
 }

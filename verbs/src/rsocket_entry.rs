@@ -4,6 +4,7 @@
 //! library's lock. A call that must wait polls with the lock released between passes.
 
 use crate::cma_entry::{call, rc, POLL_GAP};
+use crate::events::{OnSignal, SignalWindow};
 use crate::rsocket::{LINGER, RDMA_ROUTE, SOL_RDMA};
 use crate::{guard, set_errno};
 use ringbell::Access;
@@ -202,6 +203,7 @@ fn send_all(fd: i32, data: &[u8], flags: c_int, dst: Option<SocketAddrV4>) -> Re
     }
     let block = blocking(fd, flags)?;
     let mut sent = 0;
+    let win = SignalWindow::open();
     loop {
         match call(Err(libc::EIO), |c, st| match dst {
             Some(d) => c.rs_sendto(st, fd, &data[sent..], Some(d)),
@@ -216,7 +218,10 @@ fn send_all(fd: i32, data: &[u8], flags: c_int, dst: Option<SocketAddrV4>) -> Re
             // send returns once it is out (or lost), as nothing sends it otherwise until
             // the socket is used again.
             while block && call(Err(libc::EIO), |c, st| c.rs_waiting(st, fd))? {
-                std::thread::sleep(POLL_GAP);
+                // The datagram is the library's now: a signal ends the wait, not the send.
+                if win.nap(POLL_GAP, OnSignal::Restart).is_err() {
+                    break;
+                }
             }
             return Ok(sent);
         }
@@ -226,7 +231,10 @@ fn send_all(fd: i32, data: &[u8], flags: c_int, dst: Option<SocketAddrV4>) -> Re
                 n => Ok(n),
             };
         }
-        std::thread::sleep(POLL_GAP);
+        // Interrupted after some bytes went: their count, as send(2) gives.
+        if let Err(e) = win.nap(POLL_GAP, OnSignal::Restart) {
+            return if sent == 0 { Err(e) } else { Ok(sent) };
+        }
     }
 }
 
@@ -240,6 +248,7 @@ fn recv_into(fd: i32, out: &mut [u8], flags: c_int) -> Result<(usize, Option<Soc
     let peek = flags & libc::MSG_PEEK != 0;
     let all = flags & libc::MSG_WAITALL != 0 && !peek;
     let mut got = 0;
+    let win = SignalWindow::open();
     loop {
         match call(Err(libc::EIO), |c, st| {
             c.rs_recv(st, fd, &mut out[got..], peek)
@@ -262,7 +271,9 @@ fn recv_into(fd: i32, out: &mut [u8], flags: c_int) -> Result<(usize, Option<Soc
             Err(e) if got == 0 => return Err(e),
             Err(_) => return Ok((got, None)),
         }
-        std::thread::sleep(POLL_GAP);
+        if let Err(e) = win.nap(POLL_GAP, OnSignal::Restart) {
+            return if got == 0 { Err(e) } else { Ok((got, None)) };
+        }
     }
 }
 
@@ -337,6 +348,7 @@ pub unsafe extern "C" fn raccept(
             let family = call(Err(libc::EIO), |c, _| c.rs_family(socket))?;
             let block = blocking(socket, 0)?;
             let newfd = new_fd()?;
+            let win = SignalWindow::open();
             loop {
                 match call(Err(libc::EIO), |c, st| c.rs_accept(st, socket, newfd)) {
                     Ok(Some(peer)) => {
@@ -344,7 +356,12 @@ pub unsafe extern "C" fn raccept(
                         unsafe { write_addr(addr, len, peer, family) };
                         return Ok(newfd);
                     }
-                    Ok(None) if block => std::thread::sleep(POLL_GAP),
+                    Ok(None) if block => {
+                        if let Err(e) = win.nap(POLL_GAP, OnSignal::Restart) {
+                            close_fd(newfd);
+                            return Err(e);
+                        }
+                    }
                     Ok(None) => {
                         close_fd(newfd);
                         return Err(libc::EAGAIN);
@@ -383,11 +400,13 @@ pub unsafe extern "C" fn rconnect(
             if !block {
                 return Err(libc::EINPROGRESS);
             }
+            let win = SignalWindow::open();
             loop {
                 if call(Err(libc::EIO), |c, st| c.rs_connected(st, socket))? {
                     return Ok(());
                 }
-                std::thread::sleep(POLL_GAP);
+                // An interrupted connect goes on without the caller, as connect(2)'s does.
+                win.nap(POLL_GAP, OnSignal::Restart)?;
             }
         })();
         rc(r)
@@ -636,6 +655,7 @@ pub unsafe extern "C" fn rwritev(socket: c_int, iov: *const libc::iovec, iovcnt:
 /// (None: for ever). Returns how many are ready.
 fn poll_all(fds: &mut [libc::pollfd], timeout: Option<Duration>) -> Result<usize, i32> {
     let start = Instant::now();
+    let win = SignalWindow::open();
     loop {
         let mut others: Vec<usize> = Vec::new();
         call(Err(libc::EIO), |c, st| {
@@ -668,7 +688,7 @@ fn poll_all(fds: &mut [libc::pollfd], timeout: Option<Duration>) -> Result<usize
         if ready > 0 || timeout.is_some_and(|t| start.elapsed() >= t) {
             return Ok(ready);
         }
-        std::thread::sleep(POLL_GAP);
+        win.nap(POLL_GAP, OnSignal::Fail)?;
     }
 }
 
@@ -986,6 +1006,7 @@ pub unsafe extern "C" fn riomap(
                 _ => return Err(libc::EINVAL),
             }
             let block = blocking(socket, 0)?;
+            let win = SignalWindow::open();
             loop {
                 let r = call(Err(libc::EIO), |c, st| {
                     let pd = c.rs_pd(socket)?;
@@ -997,7 +1018,7 @@ pub unsafe extern "C" fn riomap(
                     c.rs_iomap(st, socket, offset, mr, len as u64, buf as u64)
                 });
                 match r {
-                    Err(libc::EAGAIN) if block => std::thread::sleep(POLL_GAP),
+                    Err(libc::EAGAIN) if block => win.nap(POLL_GAP, OnSignal::Restart)?,
                     r => return r,
                 }
             }
@@ -1040,6 +1061,7 @@ pub unsafe extern "C" fn riowrite(
             let offset = u64::try_from(offset).map_err(|_| libc::EINVAL)?;
             let block = blocking(socket, flags)?;
             let mut sent = 0;
+            let win = SignalWindow::open();
             loop {
                 match call(Err(libc::EIO), |c, st| {
                     c.rs_iowrite(st, socket, &data[sent..], offset + sent as u64)
@@ -1057,7 +1079,9 @@ pub unsafe extern "C" fn riowrite(
                         n => Ok(n),
                     };
                 }
-                std::thread::sleep(POLL_GAP);
+                if let Err(e) = win.nap(POLL_GAP, OnSignal::Restart) {
+                    return if sent == 0 { Err(e) } else { Ok(sent) };
+                }
             }
         })();
         r.unwrap_or_else(|e| {

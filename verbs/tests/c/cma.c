@@ -6,6 +6,7 @@
  * resolution) and their multicast groups, and the refusals. Linked with -lrdmacm; the library answers every rdma_*
  * call. */
 #include "common.h"
+#include <signal.h>
 #include <poll.h>
 #include <pthread.h>
 #include <rdma/rdma_cma.h>
@@ -438,6 +439,22 @@ static void sync_client(void)
 /* A channel's descriptor reads as ready exactly while an event is queued on it, and an
  * event the fabric brings wakes a program asleep in poll(2) on it (the library's progress
  * thread drives the NICs' connection managers meanwhile). */
+static volatile sig_atomic_t signals;
+static void on_signal(int sig)
+{
+	(void)sig;
+	signals++;
+}
+
+/* SIGUSR1 to the thread `arg` points to, 50 ms from now. */
+static void *signal_later(void *arg)
+{
+	struct timespec ts = {.tv_nsec = 50 * 1000 * 1000};
+	nanosleep(&ts, NULL);
+	pthread_kill(*(pthread_t *)arg, SIGUSR1);
+	return NULL;
+}
+
 static void channel_descriptor(void)
 {
 	struct rdma_event_channel *ch = rdma_create_event_channel();
@@ -468,6 +485,21 @@ static void channel_descriptor(void)
 	CHECK_EQ(poll(&p, 1, 5000), 1);
 	CHECK_OK(rdma_ack_cm_event(expect_event(ch, RDMA_CM_EVENT_REJECTED)));
 	CHECK_EQ(poll(&p, 1, 0), 0);
+	/* Nothing queued: a blocking rdma_get_cm_event that a signal handler without
+	 * SA_RESTART interrupts fails with EINTR, as its read(2) of the descriptor does. */
+	struct sigaction sa = {.sa_handler = on_signal};
+	sigemptyset(&sa.sa_mask);
+	CHECK_EQ(sigaction(SIGUSR1, &sa, NULL), 0);
+	pthread_t t;
+	pthread_t self = pthread_self();
+	CHECK_EQ(pthread_create(&t, NULL, signal_later, &self), 0);
+	struct rdma_cm_event *none;
+	errno = 0;
+	CHECK_EQ(rdma_get_cm_event(ch, &none), -1);
+	CHECK_EQ(errno, EINTR);
+	CHECK_EQ(pthread_join(t, NULL), 0);
+	CHECK_EQ(signals, 1);
+	signal(SIGUSR1, SIG_DFL);
 	CHECK_OK(rdma_destroy_id(id));
 	CHECK_OK(rdma_destroy_id(other));
 	rdma_destroy_event_channel(ch);

@@ -1,10 +1,12 @@
 /* Completion queues: sizes (1, max_cqe, beyond), comp_vector; completion channels (blocking
- * and non-blocking ibv_get_cq_event, a pollable fd, solicited-only arming, EBUSY while a CQ
+ * and non-blocking ibv_get_cq_event, a pollable fd, solicited-only arming, a signal handler
+ * interrupting a blocking wait with or without SA_RESTART, EBUSY while a CQ
  * uses the channel); EBUSY for a CQ a QP uses; a CQ overflow reported as IBV_EVENT_CQ_ERR;
  * the extended CQ (ibv_create_cq_ex, ibv_start_poll/next_poll/end_poll and the readers);
  * ibv_resize_cq (completions waiting move with the CQ, a size below them is EINVAL). */
 #include "common.h"
 #include <pthread.h>
+#include <signal.h>
 
 static struct side a, b;
 static struct qp_opts o;
@@ -62,6 +64,42 @@ struct waiter {
 	void *ctx;
 	int rc;
 };
+
+/* SIGUSR1's handler counts its runs. */
+static volatile sig_atomic_t handled;
+static void on_usr1(int sig)
+{
+	(void)sig;
+	handled++;
+}
+
+static void set_handler(int flags)
+{
+	struct sigaction sa = {.sa_handler = on_usr1, .sa_flags = flags};
+	sigemptyset(&sa.sa_mask);
+	CHECK_EQ(sigaction(SIGUSR1, &sa, NULL), 0);
+}
+
+/* Sends SIGUSR1 to `target` once it has had 50 ms to block; then, if asked, a SEND from a
+ * to b 50 ms later. */
+struct nudge {
+	pthread_t target;
+	int then_send;
+	uint64_t wr_id;
+};
+
+static void *nudge_later(void *arg)
+{
+	struct nudge *n = arg;
+	struct timespec ts = {.tv_nsec = 50 * 1000 * 1000};
+	nanosleep(&ts, NULL);
+	pthread_kill(n->target, SIGUSR1);
+	if (n->then_send) {
+		nanosleep(&ts, NULL);
+		send_a_to_b(n->wr_id, 64, 0);
+	}
+	return NULL;
+}
 
 static void *wait_event(void *arg)
 {
@@ -205,6 +243,39 @@ static void channel(void)
 		CHECK_EQ(wc.wr_id, 6);
 	}
 
+	/* A signal handler that runs while ibv_get_cq_event blocks: without SA_RESTART the call
+	 * fails with EINTR, as a read(2) of the uverbs descriptor does (qperf ends its tests
+	 * with SIGALRM so); with SA_RESTART it goes on and returns the event that comes
+	 * later. */
+	{
+		struct nudge n = {.target = pthread_self()};
+		set_handler(0);
+		CHECK_OK(ibv_req_notify_cq(cq, 0));
+		pthread_t t;
+		CHECK_EQ(pthread_create(&t, NULL, nudge_later, &n), 0);
+		errno = 0;
+		CHECK_EQ(ibv_get_cq_event(ch, &ev_cq, &ev_ctx), -1);
+		CHECK_EQ(errno, EINTR);
+		CHECK_EQ(pthread_join(t, NULL), 0);
+		CHECK_EQ(handled, 1);
+
+		/* SA_RESTART: the handler runs, the call waits on for the SEND posted after it. */
+		set_handler(SA_RESTART);
+		n.then_send = 1;
+		n.wr_id = 17;
+		post_recv(bq, 7, b.buf, 64, b.mr->lkey);
+		CHECK_EQ(pthread_create(&t, NULL, nudge_later, &n), 0);
+		CHECK_OK(ibv_get_cq_event(ch, &ev_cq, &ev_ctx));
+		CHECK(ev_cq == cq);
+		CHECK_EQ(handled, 2);
+		CHECK_EQ(pthread_join(t, NULL), 0);
+		ibv_ack_cq_events(cq, 1);
+		EXPECT_WC(cq, &wc, IBV_WC_SUCCESS, IBV_WC_RECV);
+		CHECK_EQ(wc.wr_id, 7);
+		EXPECT_WC(a.cq, &wc, IBV_WC_SUCCESS, IBV_WC_SEND);
+		signal(SIGUSR1, SIG_DFL);
+	}
+
 	/* Teardown order: QP, then CQ, then channel. */
 	CHECK_RET(ibv_destroy_qp(bq), 0);
 	CHECK_RET(ibv_destroy_qp(aq), 0);
@@ -214,7 +285,7 @@ static void channel(void)
 	CHECK_RET(ibv_destroy_comp_channel(ch), 0);
 	CHECK_RET(ibv_destroy_comp_channel(ch), EINVAL);
 	CHECK_RET(ibv_destroy_cq(tick), 0);
-	printf("  channel: blocking, non-blocking, poll(), solicited-only, another thread, EBUSY\n");
+	printf("  channel: blocking, non-blocking, poll(), solicited-only, another thread, EINTR and SA_RESTART, EBUSY\n");
 }
 
 /* A send CQ of 2 entries and 8 signaled SENDs never polled: the CQ overflows, which the

@@ -577,6 +577,57 @@ static void peek(int c, int s)
 	CHECK_MEM(b, "peekaboo", 8);
 }
 
+/* Signal handlers installed with SA_RESTART, running while a call blocks: rpoll fails with
+ * EINTR all the same, as poll(2) does; a blocking rrecv goes on, as recv(2) does, and
+ * returns the bytes sent after the handler ran. */
+static volatile sig_atomic_t usr1_runs;
+static void on_usr1(int sig)
+{
+	(void)sig;
+	usr1_runs++;
+}
+
+struct later {
+	pthread_t target;
+	int tx; /* -1: no bytes after the signal */
+};
+
+static void *signal_then_send(void *arg)
+{
+	struct later *l = arg;
+	struct timespec ts = {.tv_nsec = 50 * 1000 * 1000};
+	nanosleep(&ts, NULL);
+	pthread_kill(l->target, SIGUSR1);
+	if (l->tx >= 0) {
+		nanosleep(&ts, NULL);
+		SEND_ALL(l->tx, "late", 4);
+	}
+	return NULL;
+}
+
+static void interrupted(int c, int s)
+{
+	STAGE("signals while blocked");
+	struct sigaction sa = {.sa_handler = on_usr1, .sa_flags = SA_RESTART};
+	sigemptyset(&sa.sa_mask);
+	CHECK_EQ(sigaction(SIGUSR1, &sa, NULL), 0);
+	struct later l = {.target = pthread_self(), .tx = -1};
+	pthread_t t;
+	CHECK_EQ(pthread_create(&t, NULL, signal_then_send, &l), 0);
+	struct pollfd p = {.fd = s, .events = POLLIN};
+	CHECK_ERR(rpoll(&p, 1, -1), EINTR);
+	CHECK_EQ(pthread_join(t, NULL), 0);
+	CHECK_EQ(usr1_runs, 1);
+	l.tx = c;
+	CHECK_EQ(pthread_create(&t, NULL, signal_then_send, &l), 0);
+	char buf[4];
+	CHECK_EQ(rrecv(s, buf, sizeof buf, MSG_WAITALL), 4);
+	CHECK_MEM(buf, "late", 4);
+	CHECK_EQ(usr1_runs, 2);
+	CHECK_EQ(pthread_join(t, NULL), 0);
+	signal(SIGUSR1, SIG_DFL);
+}
+
 /* O_NONBLOCK, MSG_DONTWAIT and rpoll on a connected pair with nothing in flight; then a
  * non-blocking listener (returned) with nothing to accept. */
 static int nonblocking_and_polling(int c, int s)
@@ -1485,6 +1536,7 @@ int main(void)
 	data(c1, s1);
 	data(c2, s2); /* between the NICs */
 	peek(c2, s2);
+	interrupted(c2, s2);
 	int lnb = nonblocking_and_polling(c2, s2);
 	nonblocking_connect(lnb);
 	refusals();
