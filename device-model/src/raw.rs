@@ -23,7 +23,7 @@ use zerocopy::FromBytes;
 /// Flow-steering rules per NIC.
 pub const MAX_FLOWS: u32 = 1024;
 /// Multicast attachments (group, QP) per NIC.
-pub const MAX_MCAST: u32 = 1024;
+pub const MAX_MCAST: u32 = ringbell_specs::cmd::MAX_MCAST_ATTACH;
 
 /// One flow-steering rule.
 #[derive(Debug)]

@@ -527,6 +527,10 @@ abi_struct!(
 /// The destination QPN of a multicast datagram (IBTA 10.5.2.3): every QP attached to the
 /// group of its destination address receives it.
 pub const MCAST_QPN: u32 = 0xFF_FFFF;
+/// The (group, QP) attachments a device with `CAPS.UD_MCAST` keeps at most (ABI 24.6):
+/// ATTACH_MCAST past them is `EXHAUSTED`. Groups and the QPs of one group are bounded only by
+/// this total.
+pub const MAX_MCAST_ATTACH: u32 = 1024;
 /// The IPv4 group address of a multicast GID (an IPv4-mapped address of 224.0.0.0/4).
 pub fn mcast_group(gid: &[u8; 16]) -> Option<[u8; 4]> {
     let mapped = gid[..10] == [0; 10] && gid[10..12] == [0xFF, 0xFF];

@@ -405,6 +405,15 @@ pub(crate) fn query_device(caps: &DeviceCaps, a: &mut abi::ibv_device_attr) {
     a.max_srq = i(caps.max_srq);
     a.max_srq_wr = i(caps.max_qp_wr);
     a.max_srq_sge = i(caps.max_sge.min(32));
+    // Multicast attachments (ABI 24.6): one total bounds the groups and each group's QPs.
+    if caps.caps.contains(ringbell_specs::regs::Caps::UD_MCAST) {
+        let m = i(ringbell_specs::cmd::MAX_MCAST_ATTACH);
+        (
+            a.max_mcast_grp,
+            a.max_mcast_qp_attach,
+            a.max_total_mcast_qp_attach,
+        ) = (m, m, m);
+    }
     a.max_pkeys = 1;
     a.local_ca_ack_delay = 16;
     a.phys_port_cnt = 1;

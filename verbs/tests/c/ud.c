@@ -627,7 +627,7 @@ static void too_long(void)
 /* Multicast (ibv_attach_mcast(3)): a datagram to a group (an AH to ::ffff:239.1.2.3, QPN
  * 0xFFFFFF) reaches every attached QP once, the sender's own NIC's included; a detached or
  * unattached QP gets nothing; a QP attached to a group cannot be destroyed (EBUSY); what
- * is refused. */
+ * is refused; the limits ibv_query_device gives hold. */
 static void multicast(void)
 {
 	struct ud a, b;
@@ -689,6 +689,26 @@ static void multicast(void)
 	EXPECT_NO_WC(b.cq, 200);
 	CHECK_RET(ibv_detach_mcast(a.qp, &grp, 0), 0);
 	CHECK_RET(ibv_detach_mcast(b.qp, &grp, 0), 0);
+	/* The device's limits: attachments past max_total_mcast_qp_attach are ENOMEM, and
+	 * ibv_query_device says how many groups and attachments there may be. */
+	struct ibv_device_attr da;
+	CHECK_OK(ibv_query_device(b.ctx, &da));
+	CHECK(da.max_mcast_grp > 0);
+	CHECK(da.max_mcast_qp_attach > 0);
+	CHECK(da.max_total_mcast_qp_attach >= da.max_mcast_qp_attach);
+	int total = da.max_total_mcast_qp_attach;
+	CHECK(total <= da.max_mcast_grp); /* one QP per group below reaches the total */
+	union ibv_gid g = grp;
+	for (int i = 0; i < total; i++) {
+		g.raw[14] = (uint8_t)(i >> 8), g.raw[15] = (uint8_t)i;
+		CHECK_RET(ibv_attach_mcast(b2, &g, 0), 0);
+	}
+	g.raw[14] = 0xff, g.raw[15] = 0xff;
+	CHECK_RET(ibv_attach_mcast(b2, &g, 0), ENOMEM);
+	for (int i = 0; i < total; i++) {
+		g.raw[14] = (uint8_t)(i >> 8), g.raw[15] = (uint8_t)i;
+		CHECK_RET(ibv_detach_mcast(b2, &g, 0), 0);
+	}
 	CHECK_RET(ibv_destroy_qp(b2), 0);
 	CHECK_RET(ibv_destroy_qp(idle), 0);
 	CHECK_RET(ibv_destroy_ah(ah), 0);
