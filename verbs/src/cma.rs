@@ -1523,11 +1523,13 @@ impl Cma {
         out
     }
 
-    /// Drives every NIC's CM and turns what happened into events.
+    /// Drives every NIC's CM and turns what happened into events. Never waits for a served
+    /// NIC (`poll_nowait`): the callers pace themselves, and a non-blocking call (`rpoll`
+    /// with no timeout) should cost no sleep.
     pub(crate) fn progress(&mut self, st: &mut State) {
         let mut got = Vec::new();
         for (&nic, cm) in self.cms.iter_mut() {
-            while let Some(e) = cm.poll() {
+            while let Some(e) = cm.poll_nowait() {
                 got.push((nic, e));
             }
         }
