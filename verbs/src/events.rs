@@ -192,14 +192,21 @@ pub(crate) fn idle(w: Wait, win: &SignalWindow) -> Result<(), i32> {
         Wait::Idle => win.nap(ms(1), OnSignal::Restart),
         Wait::Interrupt(fd) => {
             if win.wait_fd(fd, ms(10), OnSignal::Restart)? {
-                let mut v = [0u8; 8];
-                // SAFETY: clears the eventfd's counter (non-blocking: it is readable); `fd`
-                // is the device's interrupt eventfd, which lives as long as the process.
-                unsafe { libc::read(fd, v.as_mut_ptr() as *mut _, 8) };
+                take_interrupt(fd);
             }
             Ok(())
         }
     }
+}
+
+/// Clears a device's interrupt eventfd `fd` that a wait found readable.
+pub(crate) fn take_interrupt(fd: i32) {
+    let mut v = [0u8; 8];
+    // SAFETY: reads 8 bytes into the local buffer; the eventfd is readable, so this does not
+    // block (another waiter may have cleared it meanwhile: then it fails with EAGAIN if the
+    // descriptor is non-blocking, and a device's interrupt eventfd lives as long as the
+    // process).
+    unsafe { libc::read(fd, v.as_mut_ptr() as *mut _, 8) };
 }
 
 /// How a blocking call of the library answers a signal handler that ran while it waited:

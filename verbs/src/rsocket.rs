@@ -46,6 +46,7 @@ use ringbell::{
 use ringbell_specs::cmd::{QpAttr, QpAttrMask};
 use std::collections::{BTreeMap, VecDeque};
 use std::net::{Ipv4Addr, SocketAddrV4};
+use std::os::fd::AsRawFd;
 use std::time::Duration;
 
 /// Bytes of one slot (the most one message carries).
@@ -1605,6 +1606,41 @@ impl Cma {
 
     /// Whether datagrams of socket `fd` wait for their destination's resolution (after
     /// driving it).
+    /// Readies sockets `fds` for a sleep until something happens to them, and gives the
+    /// descriptor to sleep on: the interrupt of the one served NIC they are all on, with
+    /// their CQs and that NIC's CM armed (an arm with completions waiting fires at once, so
+    /// nothing that came since the sockets were last looked at is slept through) and the
+    /// NIC's event queue drained first (its events routed, as every verbs call routes
+    /// them). None (the caller naps instead) on the in-process fabric, which moves only
+    /// when called, and for sockets on no NIC yet or on several.
+    pub fn rs_arm(&mut self, st: &mut State, fds: &[i32]) -> Option<i32> {
+        let mut nic = None;
+        for fd in fds {
+            let n = self.id_nic(self.rs.socks.get(fd)?.id)?;
+            if nic.is_some_and(|m| m != n) {
+                return None;
+            }
+            nic = Some(n);
+        }
+        let nic = nic?;
+        let dev = st.nics.get(nic)?.dev.clone()?;
+        let irq = dev.port().interrupt_fd(0)?.as_raw_fd();
+        crate::events::pump(st, nic);
+        for fd in fds {
+            let Some(s) = self.rs.socks.get(fd) else {
+                continue;
+            };
+            if let Some(k) = &s.conn {
+                k.cq.arm(false);
+            }
+            if let Some(r) = s.dgram.as_ref().and_then(|d| d.res.as_ref()) {
+                r.cq.arm(false);
+            }
+        }
+        // Connection requests and replies, SIDR answers and disconnects come to the CM.
+        self.arm_cm(nic).then_some(irq)
+    }
+
     pub fn rs_waiting(&mut self, st: &mut State, fd: i32) -> Result<bool, i32> {
         self.rs_pump(st, fd)?;
         Ok(self

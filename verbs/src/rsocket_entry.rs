@@ -219,7 +219,7 @@ fn send_all(fd: i32, data: &[u8], flags: c_int, dst: Option<SocketAddrV4>) -> Re
             // the socket is used again.
             while block && call(Err(libc::EIO), |c, st| c.rs_waiting(st, fd))? {
                 // The datagram is the library's now: a signal ends the wait, not the send.
-                if win.nap(POLL_GAP, OnSignal::Restart).is_err() {
+                if rest(&win, &[fd], WAKE_GAP, OnSignal::Restart).is_err() {
                     break;
                 }
             }
@@ -232,7 +232,7 @@ fn send_all(fd: i32, data: &[u8], flags: c_int, dst: Option<SocketAddrV4>) -> Re
             };
         }
         // Interrupted after some bytes went: their count, as send(2) gives.
-        if let Err(e) = win.nap(POLL_GAP, OnSignal::Restart) {
+        if let Err(e) = rest(&win, &[fd], WAKE_GAP, OnSignal::Restart) {
             return if sent == 0 { Err(e) } else { Ok(sent) };
         }
     }
@@ -271,7 +271,7 @@ fn recv_into(fd: i32, out: &mut [u8], flags: c_int) -> Result<(usize, Option<Soc
             Err(e) if got == 0 => return Err(e),
             Err(_) => return Ok((got, None)),
         }
-        if let Err(e) = win.nap(POLL_GAP, OnSignal::Restart) {
+        if let Err(e) = rest(&win, &[fd], WAKE_GAP, OnSignal::Restart) {
             return if got == 0 { Err(e) } else { Ok((got, None)) };
         }
     }
@@ -357,7 +357,7 @@ pub unsafe extern "C" fn raccept(
                         return Ok(newfd);
                     }
                     Ok(None) if block => {
-                        if let Err(e) = win.nap(POLL_GAP, OnSignal::Restart) {
+                        if let Err(e) = rest(&win, &[socket], WAKE_GAP, OnSignal::Restart) {
                             close_fd(newfd);
                             return Err(e);
                         }
@@ -406,7 +406,7 @@ pub unsafe extern "C" fn rconnect(
                     return Ok(());
                 }
                 // An interrupted connect goes on without the caller, as connect(2)'s does.
-                win.nap(POLL_GAP, OnSignal::Restart)?;
+                rest(&win, &[socket], WAKE_GAP, OnSignal::Restart)?;
             }
         })();
         rc(r)
@@ -651,6 +651,25 @@ pub unsafe extern "C" fn rwritev(socket: c_int, iov: *const libc::iovec, iovcnt:
     })
 }
 
+/// The longest a blocking call sleeps on a served NIC's interrupt before it looks again (the
+/// CM's timers, and a wake-up another thread of the process took, are seen by then).
+const WAKE_GAP: Duration = Duration::from_millis(2);
+
+/// Sleeps until something may have happened to rsockets `fds`, at most `most`: on a served
+/// NIC until its interrupt (the sockets' CQs and the NIC's CM armed, see `Cma::rs_arm`),
+/// or `WAKE_GAP`; in-process, where nothing moves until a call, a nap of `POLL_GAP`.
+fn rest(win: &SignalWindow, fds: &[i32], most: Duration, k: OnSignal) -> Result<(), i32> {
+    match call(None, |c, st| c.rs_arm(st, fds)) {
+        Some(irq) => {
+            if win.wait_fd(irq, most.min(WAKE_GAP), k)? {
+                crate::events::take_interrupt(irq);
+            }
+            Ok(())
+        }
+        None => win.nap(most.min(POLL_GAP), k),
+    }
+}
+
 /// Polls `fds` (rsockets and other descriptors) until one is ready or `timeout` passes
 /// (None: for ever). Returns how many are ready.
 fn poll_all(fds: &mut [libc::pollfd], timeout: Option<Duration>) -> Result<usize, i32> {
@@ -688,7 +707,14 @@ fn poll_all(fds: &mut [libc::pollfd], timeout: Option<Duration>) -> Result<usize
         if ready > 0 || timeout.is_some_and(|t| start.elapsed() >= t) {
             return Ok(ready);
         }
-        win.nap(POLL_GAP, OnSignal::Fail)?;
+        let left = timeout.map_or(WAKE_GAP, |t| t.saturating_sub(start.elapsed()));
+        if others.is_empty() {
+            // Only rsockets: asleep until their NIC interrupts.
+            let socks: Vec<i32> = fds.iter().filter(|p| p.fd >= 0).map(|p| p.fd).collect();
+            rest(&win, &socks, left, OnSignal::Fail)?;
+        } else {
+            win.nap(left.min(POLL_GAP), OnSignal::Fail)?;
+        }
     }
 }
 
@@ -1018,7 +1044,9 @@ pub unsafe extern "C" fn riomap(
                     c.rs_iomap(st, socket, offset, mr, len as u64, buf as u64)
                 });
                 match r {
-                    Err(libc::EAGAIN) if block => win.nap(POLL_GAP, OnSignal::Restart)?,
+                    Err(libc::EAGAIN) if block => {
+                        rest(&win, &[socket], WAKE_GAP, OnSignal::Restart)?
+                    }
                     r => return r,
                 }
             }
@@ -1079,7 +1107,7 @@ pub unsafe extern "C" fn riowrite(
                         n => Ok(n),
                     };
                 }
-                if let Err(e) = win.nap(POLL_GAP, OnSignal::Restart) {
+                if let Err(e) = rest(&win, &[socket], WAKE_GAP, OnSignal::Restart) {
                     return if sent == 0 { Err(e) } else { Ok(sent) };
                 }
             }
