@@ -979,6 +979,10 @@ fn send_all(stream: &UnixStream, out: &Outbox, limit: Duration) -> io::Result<()
     Ok(())
 }
 
+/// How long the fabric runs on for a client that went, before its NIC is reset (enough for
+/// the NIC to fetch and send what the client posted last).
+const GONE_DRAIN: SimTime = SimTime(100_000_000);
+
 /// The fabric thread: requests, doorbells, events paced by wall time, interrupts.
 fn fabric_loop(fabric: &Fabric, states: &mut [NodeState], rx: Receiver<Msg>) {
     let start = Instant::now();
@@ -1177,6 +1181,16 @@ fn handle(fabric: &Fabric, states: &mut [NodeState], node: usize, req: Req) -> A
             Ok([0, 0])
         }
         Req::Gone => {
+            // What the client posted before it went still goes out, as a NIC that had its
+            // doorbell sends it whatever becomes of the process: its last doorbell stores
+            // are taken, and the fabric runs on (at most GONE_DRAIN of simulated time, a
+            // little ahead of the wall clock) before its NIC is reset. A datagram sent just
+            // before `exit` reaches its peer.
+            poll_doorbells(fabric, states, node, true);
+            let until = fabric.now() + GONE_DRAIN;
+            while fabric.next_event_at().is_some_and(|t| t <= until) {
+                fabric.step();
+            }
             let n = fabric.reclaim_node(node);
             let st = &mut states[node];
             st.irq = false;

@@ -1169,3 +1169,92 @@ fn a_driver_whose_server_stops_answering_fails_with_a_typed_error() {
     ));
     assert!(dev.lost().is_some());
 }
+
+/// The sender of `what_a_client_posts_just_before_it_exits_still_goes_out`, in a process of
+/// its own (this test binary run again): on the NIC at `socket`, a UD SEND of `LAST_WORDS`
+/// to QP `qpn` of 10.0.0.2, posted, and the process gone at once (no destroy, no completion
+/// awaited, as a program that sends its last datagram and returns from `main`).
+fn send_and_exit(spec: &str) -> ! {
+    use ringbell::{AhAttr, QpInit, QpType, SendWr, UdDest, WrOp};
+    let (socket, qpn) = spec.split_once(' ').expect("socket and QPN");
+    let qpn: u32 = qpn.parse().expect("a QPN");
+    let a = Device::open(Box::new(VfioPort::connect(socket).unwrap())).unwrap();
+    let pd = a.alloc_pd().unwrap();
+    let cq = a.create_cq(16).unwrap();
+    let mut init = QpInit::new(&cq, &cq);
+    init.qp_type = QpType::Ud;
+    init.max_inline = LAST_WORDS.len() as u32;
+    let mut qp = pd.create_qp(&init).unwrap();
+    qp.ud_ready(EXIT_QKEY, 0).unwrap();
+    let ah = pd
+        .create_ah(&AhAttr::on_fabric([10, 0, 0, 2]).unwrap())
+        .unwrap();
+    let to = UdDest {
+        ah: &ah,
+        qpn,
+        qkey: EXIT_QKEY,
+    };
+    qp.post_send(&[SendWr::inline(1, WrOp::Send, LAST_WORDS).to(to)])
+        .unwrap();
+    // Ends the process at once (exit(3): no destructor of this frame runs, nothing is
+    // destroyed or awaited); the connection closes with it.
+    std::process::exit(0)
+}
+
+const LAST_WORDS: &[u8] = b"sent just before exit";
+const EXIT_QKEY: u32 = 0x1234;
+
+#[test]
+fn what_a_client_posts_just_before_it_exits_still_goes_out() {
+    use ringbell::{Access, QpInit, QpType, RecvWr};
+    if let Ok(spec) = std::env::var("RINGBELL_TEST_SEND_AND_EXIT") {
+        send_and_exit(&spec);
+    }
+    let srv = Server::start("exit", 2);
+    for round in 0..10 {
+        let b = Device::open(Box::new(VfioPort::connect(srv.socket(1)).unwrap())).unwrap();
+        let pd = b.alloc_pd().unwrap();
+        let buf = b.alloc_dma(4096).unwrap();
+        let mr = pd.reg_mr(&buf, Access::LOCAL_WRITE).unwrap();
+        let mut cq = b.create_cq(16).unwrap();
+        let mut init = QpInit::new(&cq, &cq);
+        init.qp_type = QpType::Ud;
+        let mut qp = pd.create_qp(&init).unwrap();
+        qp.ud_ready(EXIT_QKEY, 0).unwrap();
+        qp.post_recv(&[RecvWr {
+            wr_id: 7,
+            sgl: &[mr.sge(0, 4096)],
+        }])
+        .unwrap();
+        let status = Command::new(std::env::current_exe().unwrap())
+            .args([
+                "--exact",
+                "what_a_client_posts_just_before_it_exits_still_goes_out",
+                "--nocapture",
+            ])
+            .env(
+                "RINGBELL_TEST_SEND_AND_EXIT",
+                format!("{} {}", srv.socket(0).display(), qp.qpn()),
+            )
+            .status()
+            .unwrap();
+        assert!(
+            status.success(),
+            "round {round}: the sender failed: {status}"
+        );
+        let mut wc = [WorkCompletion::default(); 1];
+        let end = Instant::now() + Duration::from_secs(10);
+        while cq.poll(&mut wc) == 0 {
+            assert!(
+                Instant::now() < end,
+                "round {round}: the datagram posted before the sender's exit never came"
+            );
+        }
+        assert_eq!((wc[0].wr_id, wc[0].status), (7, WcStatus::Success));
+        let n = LAST_WORDS.len();
+        assert_eq!(wc[0].byte_len as usize, ringbell::GRH_LEN + n);
+        let mut got = vec![0u8; n];
+        buf.read(ringbell::GRH_LEN, &mut got).unwrap();
+        assert_eq!(got, LAST_WORDS, "round {round}");
+    }
+}
