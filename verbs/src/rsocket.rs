@@ -269,7 +269,7 @@ impl Conn {
     fn poll(&mut self) {
         let mut wc = [WorkCompletion::default(); 32];
         loop {
-            let n = self.cq.poll_nowait(&mut wc);
+            let n = self.cq.poll(&mut wc);
             for w in &wc[..n] {
                 self.completed(w);
             }
@@ -1447,7 +1447,7 @@ impl Dgram {
         let Some(r) = self.res.as_mut() else { return };
         let mut wc = [WorkCompletion::default(); 32];
         loop {
-            let n = r.cq.poll_nowait(&mut wc);
+            let n = r.cq.poll(&mut wc);
             for w in &wc[..n] {
                 let slot = w.wr_id as u32;
                 if w.opcode == WcOpcode::Send {
