@@ -982,6 +982,8 @@ fn send_all(stream: &UnixStream, out: &Outbox, limit: Duration) -> io::Result<()
 /// How long the fabric runs on for a client that went, before its NIC is reset (enough for
 /// the NIC to fetch and send what the client posted last).
 const GONE_DRAIN: SimTime = SimTime(100_000_000);
+/// The most events that run takes (the fabric thread's other work waits meanwhile).
+const GONE_DRAIN_EVENTS: u32 = 1 << 16;
 
 /// The fabric thread: requests, doorbells, events paced by wall time, interrupts.
 fn fabric_loop(fabric: &Fabric, states: &mut [NodeState], rx: Receiver<Msg>) {
@@ -1188,8 +1190,10 @@ fn handle(fabric: &Fabric, states: &mut [NodeState], node: usize, req: Req) -> A
             // before `exit` reaches its peer.
             poll_doorbells(fabric, states, node, true);
             let until = fabric.now() + GONE_DRAIN;
-            while fabric.next_event_at().is_some_and(|t| t <= until) {
+            let mut ran = 0;
+            while ran < GONE_DRAIN_EVENTS && fabric.next_event_at().is_some_and(|t| t <= until) {
                 fabric.step();
+                ran += 1;
             }
             let n = fabric.reclaim_node(node);
             let st = &mut states[node];

@@ -1604,8 +1604,6 @@ impl Cma {
         Ok(())
     }
 
-    /// Whether datagrams of socket `fd` wait for their destination's resolution (after
-    /// driving it).
     /// Readies sockets `fds` for a sleep until something happens to them, and gives the
     /// descriptor to sleep on: the interrupt of the one served NIC they are all on, with
     /// their CQs and that NIC's CM armed (an arm with completions waiting fires at once, so
@@ -1641,6 +1639,8 @@ impl Cma {
         self.arm_cm(nic).then_some(irq)
     }
 
+    /// Whether datagrams of socket `fd` wait for their destination's resolution (after
+    /// driving it).
     pub fn rs_waiting(&mut self, st: &mut State, fd: i32) -> Result<bool, i32> {
         self.rs_pump(st, fd)?;
         Ok(self
