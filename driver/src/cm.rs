@@ -992,9 +992,10 @@ impl ConnectionManager {
             return Some(e);
         }
         let mut wc = [WorkCompletion::default(); 16];
+        // Not let run: the device runs on its own, and what is in the ring is all there is.
         let n = match let_run {
             true => self.cq.poll(&mut wc),
-            false => self.cq.poll_nowait(&mut wc),
+            false => self.cq.poll_ready(&mut wc),
         };
         for w in &wc[..n] {
             self.completion(w);

@@ -231,18 +231,6 @@ impl CompletionQueue {
         n
     }
 
-    /// As [`CompletionQueue::poll`], for a caller that paces its own calls: on a device that
-    /// runs on its own (a served or VFIO NIC) it reads what is in the ring without giving
-    /// the device its chance (which on a served NIC is a sleep of about 20 µs); on the
-    /// in-process emulator, which moves only when stepped, it is `poll`.
-    pub fn poll_nowait(&mut self, out: &mut [WorkCompletion]) -> usize {
-        if self.obj.dev.inner.port.lockstep() {
-            self.poll(out)
-        } else {
-            self.poll_ready(out)
-        }
-    }
-
     /// Reads completions that are already in the ring, without progressing the device.
     pub fn poll_ready(&mut self, out: &mut [WorkCompletion]) -> usize {
         let mut n = 0;

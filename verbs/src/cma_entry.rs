@@ -576,9 +576,12 @@ pub unsafe extern "C" fn rdma_get_cm_event(
             // The channel was destroyed while this call waited on it, or before it, by
             // another thread (rping's main thread destroys it while its event thread goes
             // on): the call blocks, as a read(2) on a descriptor another thread closes
-            // does, instead of failing the thread that did nothing wrong.
+            // does, instead of failing the thread that did nothing wrong; a signal ends it
+            // as it ends that read (the call's window blocks signals outside its sleeps).
             Err(libc::EINVAL) if waited || call(false, |c, _| c.was_channel(ch as usize)) => loop {
-                std::thread::sleep(Duration::from_secs(3600));
+                if let Err(e) = win.nap(Duration::from_secs(3600), OnSignal::Restart) {
+                    return rc(Err(e));
+                }
             },
             Err(e) => return rc(Err(e)),
         };

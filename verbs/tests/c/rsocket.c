@@ -1090,6 +1090,17 @@ static void await_first(int rx, int tx, const char *what)
 }
 
 /* Kinds and protocols, options, and the calls a datagram socket refuses. */
+/* A datagram `msg` (a string literal) from tx to rx at (dip, dport): rx waits for it and
+ * gets it whole, from (sip, sport). */
+#define DG_HOP(tx, rx, msg, dip, dport, sip, sport)                                      \
+	do {                                                                             \
+		char hop_[64];                                                           \
+		DG_SEND((tx), (msg), sizeof(msg) - 1, (dip), (dport));                   \
+		await_dgram((rx), (tx));                                                 \
+		DG_RECV((rx), hop_, sizeof hop_, 0, sizeof(msg) - 1, (sip), (sport));    \
+		CHECK_MEM(hop_, (msg), sizeof(msg) - 1);                                 \
+	} while (0)
+
 static void dgram_sockets(void)
 {
 	STAGE("datagrams: sockets");
@@ -1391,10 +1402,7 @@ static void dgram_addresses(int a, int b, int any, int lo)
 	DG_RECV(b, buf, sizeof buf, 0, 8, "10.0.0.1", up);
 	CHECK_MEM(buf, "implicit", 8);
 	/* The answer, to the source rrecvfrom gave. */
-	DG_SEND(b, "answer", 6, "10.0.0.1", up);
-	await_dgram(u, b);
-	DG_RECV(u, buf, sizeof buf, 0, 6, "10.0.0.2", PORT_DG_B);
-	CHECK_MEM(buf, "answer", 6);
+	DG_HOP(b, u, "answer", "10.0.0.1", up, "10.0.0.2", PORT_DG_B);
 
 	STAGE("datagrams: to a new destination, in order");
 	/* Three to a destination u has not resolved: they wait, then go in order. */
@@ -1414,34 +1422,16 @@ static void dgram_addresses(int a, int b, int any, int lo)
 
 	STAGE("datagrams: a socket bound to 0.0.0.0");
 	int ap = dg_port(any);
-	DG_SEND(b, "to any", 6, "10.0.0.1", ap);
-	await_dgram(any, b);
-	DG_RECV(any, buf, sizeof buf, 0, 6, "10.0.0.2", PORT_DG_B);
-	CHECK_MEM(buf, "to any", 6);
-	DG_SEND(any, "from any", 8, "10.0.0.2", PORT_DG_B);
-	await_dgram(b, any);
-	DG_RECV(b, buf, sizeof buf, 0, 8, "10.0.0.1", ap);
-	CHECK_MEM(buf, "from any", 8);
+	DG_HOP(b, any, "to any", "10.0.0.1", ap, "10.0.0.2", PORT_DG_B);
+	DG_HOP(any, b, "from any", "10.0.0.2", PORT_DG_B, "10.0.0.1", ap);
 
 	STAGE("datagrams: between two sockets of one NIC");
-	DG_SEND(a, "same nic", 8, "10.0.0.1", ap);
-	await_dgram(any, a);
-	DG_RECV(any, buf, sizeof buf, 0, 8, "10.0.0.1", PORT_DG_A);
-	CHECK_MEM(buf, "same nic", 8);
-	DG_SEND(any, "back", 4, "10.0.0.1", PORT_DG_A);
-	await_dgram(a, any);
-	DG_RECV(a, buf, sizeof buf, 0, 4, "10.0.0.1", ap);
-	CHECK_MEM(buf, "back", 4);
+	DG_HOP(a, any, "same nic", "10.0.0.1", ap, "10.0.0.1", PORT_DG_A);
+	DG_HOP(any, a, "back", "10.0.0.1", PORT_DG_A, "10.0.0.1", ap);
 
 	STAGE("datagrams: a socket bound to 127.0.0.1");
-	DG_SEND(b, "to lo", 5, "10.0.0.1", PORT_DG_LO);
-	await_dgram(lo, b);
-	DG_RECV(lo, buf, sizeof buf, 0, 5, "10.0.0.2", PORT_DG_B);
-	CHECK_MEM(buf, "to lo", 5);
-	DG_SEND(lo, "from lo", 7, "10.0.0.2", PORT_DG_B);
-	await_dgram(b, lo);
-	DG_RECV(b, buf, sizeof buf, 0, 7, "10.0.0.1", PORT_DG_LO);
-	CHECK_MEM(buf, "from lo", 7);
+	DG_HOP(b, lo, "to lo", "10.0.0.1", PORT_DG_LO, "10.0.0.2", PORT_DG_B);
+	DG_HOP(lo, b, "from lo", "10.0.0.2", PORT_DG_B, "10.0.0.1", PORT_DG_LO);
 	printf("rsocket: datagram addresses ok (an unbound sender took port %d)\n", up);
 }
 
@@ -1454,10 +1444,7 @@ static void dgram_connected(int a, int b)
 	int c = dg_new();
 	dg_bind(c, "10.0.0.1", 0);
 	int cp = dg_port(c);
-	DG_SEND(c, "from c", 6, "10.0.0.2", PORT_DG_B);
-	await_dgram(b, c);
-	DG_RECV(b, buf, sizeof buf, 0, 6, "10.0.0.1", cp);
-	CHECK_MEM(buf, "from c", 6);
+	DG_HOP(c, b, "from c", "10.0.0.2", PORT_DG_B, "10.0.0.1", cp);
 
 	STAGE("datagrams: rconnect");
 	/* At once, even non-blocking. */
