@@ -43,6 +43,7 @@ use crate::ud::{AddressHandle, AhAttr, UdDest, GRH_LEN};
 use crate::{Access, QpState, WcStatus, WorkCompletion};
 use ringbell_specs::cmd::{GSI_QKEY, GSI_QPN};
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::time::Instant;
 
 pub use ringbell_specs::cmd::GSI_QKEY as CM_QKEY;
 
@@ -500,6 +501,10 @@ struct Conn {
 }
 
 const RECV_SLOTS: usize = 128;
+/// How far the clock of a device that runs on its own may be ahead of the host's time
+/// since it was read (a served NIC's never runs ahead but for 100 µs while it drains a
+/// departed client's last posts); a margin of ten times that.
+const CLOCK_LEAD_PS: u64 = 1_000_000_000;
 const SEND_SLOTS: usize = 128;
 const SLOT: usize = 512;
 
@@ -523,6 +528,9 @@ pub struct ConnectionManager {
     events: VecDeque<CmEvent>,
     stats: CmStats,
     scratch: Vec<u8>,
+    /// On a device that runs on its own: when (host time) its clock was last read, and
+    /// what it read (see [`ConnectionManager::clock_if_due`]).
+    clock_seen: Option<(Instant, u64)>,
 }
 
 impl ConnectionManager {
@@ -569,6 +577,7 @@ impl ConnectionManager {
             events: VecDeque::new(),
             stats: CmStats::default(),
             scratch: Vec::with_capacity(MAX_CM_MSG),
+            clock_seen: None,
         };
         for slot in 0..RECV_SLOTS {
             cm.post_recv_slot(slot)?;
@@ -1000,13 +1009,14 @@ impl ConnectionManager {
         for w in &wc[..n] {
             self.completion(w);
         }
-        // The clock is read only when a connection waits on a timer: on a served NIC each
-        // read of it is a round trip to the server.
-        let timed = self.conns.values().any(|c| c.wakeup().is_some());
-        let now = if timed { self.dev.clock_ps() } else { 0 };
-        if timed {
+        // The clock is read only when a timer may be due: on a served NIC each read of it is
+        // a round trip to the server.
+        let first = self.conns.values().filter_map(Conn::wakeup).min();
+        let now = first.and_then(|t| self.clock_if_due(t));
+        if let Some(now) = now {
             self.fire_timers(now);
         }
+        let now = now.unwrap_or(0);
         if n == 0 && self.events.is_empty() && let_run && !self.dev.progress() {
             // Idle: nothing will arrive before the next timer. A request waiting for the
             // application's answer is not waiting for a timer: its end is never run to,
@@ -1032,6 +1042,28 @@ impl ConnectionManager {
             }
         }
         self.events.pop_front()
+    }
+
+    /// The device clock, read unless the timer due first (at `first`) cannot be due yet.
+    /// A device that runs on its own (hardware, a served NIC) keeps its clock with the
+    /// host's, never more than [`CLOCK_LEAD_PS`] ahead of it, so from the last reading and
+    /// the host time since, a timer still far off needs no reading; a lockstep device's
+    /// clock moves only when stepped, and is always read.
+    fn clock_if_due(&mut self, first: u64) -> Option<u64> {
+        if !self.dev.port().lockstep() {
+            if let Some((at, ps)) = self.clock_seen {
+                let since = u64::try_from(at.elapsed().as_nanos()).unwrap_or(u64::MAX);
+                let most = ps
+                    .saturating_add(since.saturating_mul(1000))
+                    .saturating_add(CLOCK_LEAD_PS);
+                if most < first {
+                    return None;
+                }
+            }
+        }
+        let now = self.dev.clock_ps();
+        self.clock_seen = Some((Instant::now(), now));
+        Some(now)
     }
 
     /// Requests a completion event (the device's interrupt) for the next CM message this

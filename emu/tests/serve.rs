@@ -1258,3 +1258,48 @@ fn what_a_client_posts_just_before_it_exits_still_goes_out() {
         assert_eq!(got, LAST_WORDS, "round {round}");
     }
 }
+
+#[test]
+fn a_connection_manager_waiting_on_a_timer_does_not_read_the_clock_at_every_poll() {
+    // Each read of a served NIC's clock is two messages to the server. A CM whose only
+    // timer is a second away needs no reading until then, however often it is polled.
+    use ringbell::cm::{CmConfig, ConnectionManager};
+    use ringbell::{AhAttr, ConnectOptions, QpInit};
+    let srv = Server::start("cmclock", 2);
+    let dev = Device::open(Box::new(VfioPort::connect(srv.socket(0)).unwrap())).unwrap();
+    let cfg = CmConfig {
+        timeout_ps: 1_000_000_000_000,
+        ..CmConfig::default()
+    };
+    let mut cm = ConnectionManager::with_config(&dev, cfg).unwrap();
+    let pd = dev.alloc_pd().unwrap();
+    let cq = dev.create_cq(16).unwrap();
+    let qp = pd.create_qp(&QpInit::new(&cq, &cq)).unwrap();
+    // NIC 1 has no CM: the REQ goes unanswered, and its repeat is the only timer.
+    let peer = AhAttr::on_fabric([10, 0, 0, 2]).unwrap();
+    cm.connect(peer, 7, qp, &ConnectOptions::default(), &[])
+        .unwrap();
+    let polls = 5000;
+    let start = Instant::now();
+    for _ in 0..polls {
+        assert!(cm.poll_nowait().is_none());
+    }
+    let took = start.elapsed();
+    drop(cm);
+    drop(pd);
+    drop(cq);
+    drop(dev);
+    let end = srv.expect_end("node 0: client 1");
+    let messages: u64 = end
+        .split("disconnected (")
+        .nth(1)
+        .and_then(|s| s.split(' ').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no message count in {end:?}"));
+    // Set-up and teardown take a few dozen messages; a clock read per poll would be 10,000.
+    // Polls that ran past the timer (a slow machine) read it until it fires again 2 s on.
+    assert!(
+        messages < 1000,
+        "{messages} messages for {polls} polls in {took:?}: {end}"
+    );
+}
