@@ -231,6 +231,12 @@ impl CompletionQueue {
         n
     }
 
+    /// Whether the CQ's device runs in lockstep with its caller ([`crate::Port::lockstep`]):
+    /// a poll that finds nothing must give it its turn, or it never moves.
+    pub fn lockstep(&self) -> bool {
+        self.obj.dev.inner.port.lockstep()
+    }
+
     /// Reads completions that are already in the ring, without progressing the device.
     pub fn poll_ready(&mut self, out: &mut [WorkCompletion]) -> usize {
         let mut n = 0;

@@ -77,6 +77,10 @@ pub const RDMA_ROUTE: i32 = 4;
 #[derive(Default)]
 pub(crate) struct Rsockets {
     socks: BTreeMap<i32, Rsock>,
+    /// The call looking at the sockets sleeps on their NIC's interrupt if nothing has
+    /// come ([`Cma::rs_sleeping`]): its polls need not give a NIC that runs on its own its
+    /// turn (a short nap on a served NIC) first.
+    sleeper: bool,
 }
 
 /// Where a socket stands.
@@ -265,11 +269,11 @@ impl Conn {
         Ok(())
     }
 
-    /// Takes the completions the CQ holds.
-    fn poll(&mut self) {
+    /// Takes the completions the CQ holds (`sleeper`: see [`Rsockets::sleeper`]).
+    fn poll(&mut self, sleeper: bool) {
         let mut wc = [WorkCompletion::default(); 32];
         loop {
-            let n = self.cq.poll(&mut wc);
+            let n = take(&mut self.cq, &mut wc, sleeper);
             for w in &wc[..n] {
                 self.completed(w);
             }
@@ -562,12 +566,13 @@ impl Cma {
 
     /// Drives socket `fd`: its CQ, then the CM's events on its channel.
     pub fn rs_pump(&mut self, st: &mut State, fd: i32) -> Result<(), i32> {
+        let sleeper = self.rs.sleeper;
         self.with_sock(st, fd, |c, st, s| {
             if let Some(k) = s.conn.as_mut() {
-                k.poll();
+                k.poll(sleeper);
             }
             if let Some(d) = s.dgram.as_mut() {
-                d.poll();
+                d.poll(sleeper);
             }
             // A connected stream hears from RDMA-CM only of its end (the FIN comes through
             // the QP before it): the NICs' CMs are driven on one pass in CM_EVERY, not on
@@ -687,7 +692,7 @@ impl Cma {
             RDMA_CM_EVENT_DISCONNECTED => {
                 if let Some(c) = s.conn.as_mut() {
                     // What arrived before the peer closed stays readable.
-                    c.poll();
+                    c.poll(false);
                     c.gone = true;
                     let _ = c.qp.to_error();
                 }
@@ -1440,14 +1445,24 @@ impl DgRes {
     }
 }
 
+/// Reads `cq` (`sleeper`: see [`Rsockets::sleeper`]; a device in lockstep is given its turn
+/// whatever the caller, as it moves only when polled).
+fn take(cq: &mut CompletionQueue, wc: &mut [WorkCompletion], sleeper: bool) -> usize {
+    match sleeper && !cq.lockstep() {
+        true => cq.poll_ready(wc),
+        false => cq.poll(wc),
+    }
+}
+
 impl Dgram {
     /// Takes the completions the CQ holds: sends free their slots, received datagrams
-    /// of this library from the peer (if connected) queue.
-    fn poll(&mut self) {
+    /// of this library from the peer (if connected) queue (`sleeper`: see
+    /// [`Rsockets::sleeper`]).
+    fn poll(&mut self, sleeper: bool) {
         let Some(r) = self.res.as_mut() else { return };
         let mut wc = [WorkCompletion::default(); 32];
         loop {
-            let n = r.cq.poll(&mut wc);
+            let n = take(&mut r.cq, &mut wc, sleeper);
             for w in &wc[..n] {
                 let slot = w.wr_id as u32;
                 if w.opcode == WcOpcode::Send {
@@ -1602,6 +1617,23 @@ impl Cma {
             });
         }
         Ok(())
+    }
+
+    /// Runs `f` for a call that sleeps on the sockets' NIC's interrupt (see
+    /// [`Cma::rs_arm`]) when `f` finds nothing to do: its polls of the sockets' CQs skip
+    /// the turn a poll gives a served NIC when it finds nothing, a nap of tens of µs before
+    /// every sleep. A call that returns empty-handed instead (a non-blocking one, which a
+    /// program calls again at once) keeps the turn, which lets the server run when
+    /// programs spin on both cores.
+    pub fn rs_sleeping<R>(
+        &mut self,
+        st: &mut State,
+        f: impl FnOnce(&mut Cma, &mut State) -> R,
+    ) -> R {
+        self.rs.sleeper = true;
+        let r = f(self, st);
+        self.rs.sleeper = false;
+        r
     }
 
     /// Readies sockets `fds` for a sleep until something happens to them, and gives the

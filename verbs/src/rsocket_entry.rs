@@ -3,9 +3,11 @@
 //! `fd_set`s are checked and copied here; the logic is safe Rust in `rsocket`, under the
 //! library's lock. A call that must wait polls with the lock released between passes.
 
+use crate::cma::Cma;
 use crate::cma_entry::{call, rc, POLL_GAP};
 use crate::events::{OnSignal, SignalWindow};
 use crate::rsocket::{LINGER, RDMA_ROUTE, SOL_RDMA};
+use crate::state::State;
 use crate::{guard, set_errno};
 use ringbell::Access;
 use std::ffi::{c_int, c_long, c_void};
@@ -205,7 +207,7 @@ fn send_all(fd: i32, data: &[u8], flags: c_int, dst: Option<SocketAddrV4>) -> Re
     let mut sent = 0;
     let win = SignalWindow::open();
     loop {
-        match call(Err(libc::EIO), |c, st| match dst {
+        match look(block, Err(libc::EIO), |c, st| match dst {
             Some(d) => c.rs_sendto(st, fd, &data[sent..], Some(d)),
             None => c.rs_send(st, fd, &data[sent..]),
         }) {
@@ -217,7 +219,7 @@ fn send_all(fd: i32, data: &[u8], flags: c_int, dst: Option<SocketAddrV4>) -> Re
             // A datagram to a destination being resolved waits in the library: a blocking
             // send returns once it is out (or lost), as nothing sends it otherwise until
             // the socket is used again.
-            while block && call(Err(libc::EIO), |c, st| c.rs_waiting(st, fd))? {
+            while block && look(true, Err(libc::EIO), |c, st| c.rs_waiting(st, fd))? {
                 // The datagram is the library's now: a signal ends the wait, not the send.
                 if rest(&win, &[fd], WAKE_GAP, OnSignal::Restart).is_err() {
                     break;
@@ -250,7 +252,7 @@ fn recv_into(fd: i32, out: &mut [u8], flags: c_int) -> Result<(usize, Option<Soc
     let mut got = 0;
     let win = SignalWindow::open();
     loop {
-        match call(Err(libc::EIO), |c, st| {
+        match look(block, Err(libc::EIO), |c, st| {
             c.rs_recv(st, fd, &mut out[got..], peek)
         }) {
             Ok(Some((n, Some(from)))) => return Ok((n, Some(from))),
@@ -350,7 +352,9 @@ pub unsafe extern "C" fn raccept(
             let newfd = new_fd()?;
             let win = SignalWindow::open();
             loop {
-                match call(Err(libc::EIO), |c, st| c.rs_accept(st, socket, newfd)) {
+                match look(block, Err(libc::EIO), |c, st| {
+                    c.rs_accept(st, socket, newfd)
+                }) {
                     Ok(Some(peer)) => {
                         // SAFETY: the caller's address buffer and length, as documented.
                         unsafe { write_addr(addr, len, peer, family) };
@@ -402,7 +406,7 @@ pub unsafe extern "C" fn rconnect(
             }
             let win = SignalWindow::open();
             loop {
-                if call(Err(libc::EIO), |c, st| c.rs_connected(st, socket))? {
+                if look(true, Err(libc::EIO), |c, st| c.rs_connected(st, socket))? {
                     return Ok(());
                 }
                 // An interrupted connect goes on without the caller, as connect(2)'s does.
@@ -658,6 +662,16 @@ const WAKE_GAP: Duration = Duration::from_millis(2);
 /// Sleeps until something may have happened to rsockets `fds`, at most `most`: on a served
 /// NIC until its interrupt (the sockets' CQs and the NIC's CM armed, see `Cma::rs_arm`),
 /// or `WAKE_GAP`; in-process, where nothing moves until a call, a nap of `POLL_GAP`.
+/// As [`call`], for a look by a call that, if it finds nothing (and `sleeps`), sleeps on
+/// the sockets' NIC's interrupt ([`rest`]) rather than returning (see
+/// [`crate::cma::Cma::rs_sleeping`]).
+fn look<R>(sleeps: bool, fail: R, f: impl FnOnce(&mut Cma, &mut State) -> R) -> R {
+    call(fail, |c, st| match sleeps {
+        true => c.rs_sleeping(st, f),
+        false => f(c, st),
+    })
+}
+
 fn rest(win: &SignalWindow, fds: &[i32], most: Duration, k: OnSignal) -> Result<(), i32> {
     match call(None, |c, st| c.rs_arm(st, fds)) {
         Some(irq) => {
@@ -675,9 +689,10 @@ fn rest(win: &SignalWindow, fds: &[i32], most: Duration, k: OnSignal) -> Result<
 fn poll_all(fds: &mut [libc::pollfd], timeout: Option<Duration>) -> Result<usize, i32> {
     let start = Instant::now();
     let win = SignalWindow::open();
+    let sleeps = timeout != Some(Duration::ZERO);
     loop {
         let mut others: Vec<usize> = Vec::new();
-        call(Err(libc::EIO), |c, st| {
+        look(sleeps, Err(libc::EIO), |c, st| {
             for (k, p) in fds.iter_mut().enumerate() {
                 p.revents = 0;
                 if p.fd < 0 {
@@ -1091,7 +1106,7 @@ pub unsafe extern "C" fn riowrite(
             let mut sent = 0;
             let win = SignalWindow::open();
             loop {
-                match call(Err(libc::EIO), |c, st| {
+                match look(block, Err(libc::EIO), |c, st| {
                     c.rs_iowrite(st, socket, &data[sent..], offset + sent as u64)
                 }) {
                     Ok(n) => sent += n,
