@@ -276,20 +276,25 @@ fn get_wait(st: &mut State, key: usize, fd: bool, arg: *mut c_void) -> Result<()
         return Err(abi::FI_EINVAL);
     }
     let (obj, wait) = match st.objs.get(&key) {
-        Some(Obj::Cq(c)) => (c.wait_obj, c.wait.as_ref().map(prov::FdWait::fd)),
-        Some(Obj::Eq(e)) => (e.wait_obj, e.wait.as_ref().map(prov::FdWait::fd)),
-        Some(Obj::Cntr(c)) => (c.wait_obj, c.wait.as_ref().map(prov::FdWait::fd)),
-        // A wait set of FI_WAIT_YIELD has no descriptor to give.
+        Some(Obj::Cq(c)) => (c.wait_obj, c.wait.as_ref()),
+        Some(Obj::Eq(e)) => (e.wait_obj, e.wait.as_ref()),
+        Some(Obj::Cntr(c)) => (c.wait_obj, c.wait.as_ref()),
+        // A wait set of FI_WAIT_YIELD (or UNSPEC) has no descriptor to give.
         Some(Obj::Wait(w)) => (
             w.wait_obj,
-            (w.wait_obj != abi::fi_wait_obj_FI_WAIT_YIELD).then(|| w.wait.fd()),
+            (w.wait_obj != abi::fi_wait_obj_FI_WAIT_YIELD).then_some(&w.wait),
         ),
         _ => return Err(abi::FI_EINVAL),
     };
     if fd {
-        let fd = wait.ok_or(abi::FI_ENODATA)?;
-        // SAFETY: non-NULL (checked); FI_GETWAIT's argument is the caller's int (fi_cq(3)).
-        unsafe { (arg as *mut c_int).write_unaligned(fd) };
+        let wait = wait.ok_or(abi::FI_ENODATA)?;
+        match wait.mutex_cond() {
+            // SAFETY: non-NULL (checked); FI_GETWAIT's argument for an FI_WAIT_MUTEX_COND
+            // object is the caller's `struct fi_mutex_cond` (fi_eq(3)).
+            Some(mc) => unsafe { (arg as *mut abi::fi_mutex_cond).write_unaligned(mc.parts()) },
+            // SAFETY: non-NULL (checked); FI_GETWAIT's argument is the caller's int (fi_cq(3)).
+            None => unsafe { (arg as *mut c_int).write_unaligned(wait.fd()) },
+        }
     } else {
         // SAFETY: non-NULL (checked); FI_GETWAITOBJ's argument is the caller's enum.
         unsafe { (arg as *mut abi::fi_wait_obj).write_unaligned(obj) };
@@ -672,6 +677,7 @@ pub unsafe extern "C" fn eq_open(
             unsafe { attr.as_ref() }.map_or(abi::fi_wait_obj_FI_WAIT_NONE, |a| a.wait_obj);
         // As for CQs: polling (fi_eq_sread polls), or a descriptor (prov::wait).
         let wait = queue_wait(wait_obj)?;
+        let has_wait = wait.is_some();
         let p = adopt(
             st,
             abi::fid_eq {
@@ -685,7 +691,7 @@ pub unsafe extern "C" fn eq_open(
             }),
             fabric as usize,
         );
-        if wait_obj == abi::fi_wait_obj_FI_WAIT_FD {
+        if has_wait {
             st.fd_waits.insert(p as usize);
         }
         put(out, p).map(|()| 0)
@@ -922,17 +928,18 @@ static EQ_OPS: abi::fi_ops_eq = abi::fi_ops_eq {
 // ---- domain ----
 
 /// The wait object of a new CQ or EQ: polling (`FI_WAIT_NONE`, `FI_WAIT_UNSPEC`,
-/// `FI_WAIT_YIELD`) or a descriptor (`FI_WAIT_FD`). Wait sets, mutexes and pollfd lists
-/// are `-FI_ENOSYS`, anything else `-FI_EINVAL`.
+/// `FI_WAIT_YIELD`), a descriptor (`FI_WAIT_FD`) or a mutex and condition
+/// (`FI_WAIT_MUTEX_COND`). An EQ's wait set and pollfd lists are `-FI_ENOSYS`, anything
+/// else `-FI_EINVAL`.
 fn queue_wait(wait_obj: u32) -> Result<Option<prov::FdWait>, Errno> {
     match wait_obj {
         abi::fi_wait_obj_FI_WAIT_NONE
         | abi::fi_wait_obj_FI_WAIT_UNSPEC
         | abi::fi_wait_obj_FI_WAIT_YIELD => Ok(None),
-        abi::fi_wait_obj_FI_WAIT_FD => prov::FdWait::new().map(Some),
-        abi::fi_wait_obj_FI_WAIT_SET
-        | abi::fi_wait_obj_FI_WAIT_MUTEX_COND
-        | abi::fi_wait_obj_FI_WAIT_POLLFD => Err(abi::FI_ENOSYS),
+        abi::fi_wait_obj_FI_WAIT_FD | abi::fi_wait_obj_FI_WAIT_MUTEX_COND => {
+            prov::FdWait::of(wait_obj)
+        }
+        abi::fi_wait_obj_FI_WAIT_SET | abi::fi_wait_obj_FI_WAIT_POLLFD => Err(abi::FI_ENOSYS),
         _ => Err(abi::FI_EINVAL),
     }
 }
@@ -949,8 +956,9 @@ fn wait_set_of(st: &State, dom: usize, set: *mut abi::fid_wait) -> Result<usize,
     Ok(set)
 }
 
-/// `fi_wait_open` (fi_wait(3)): a wait set of `FI_WAIT_UNSPEC`, `FI_WAIT_FD` or
-/// `FI_WAIT_YIELD`; `attr->flags` must be 0. Mutexes and pollfd lists are `-FI_ENOSYS`.
+/// `fi_wait_open` (fi_wait(3)): a wait set of `FI_WAIT_UNSPEC`, `FI_WAIT_FD`,
+/// `FI_WAIT_MUTEX_COND` or `FI_WAIT_YIELD`; `attr->flags` must be 0. Pollfd lists are
+/// `-FI_ENOSYS`.
 pub unsafe extern "C" fn wait_open(
     fabric: *mut abi::fid_fabric,
     attr: *mut abi::fi_wait_attr,
@@ -963,18 +971,19 @@ pub unsafe extern "C" fn wait_open(
         if out.is_null() || a.flags != 0 {
             return Err(abi::FI_EINVAL);
         }
-        match a.wait_obj {
-            abi::fi_wait_obj_FI_WAIT_UNSPEC
-            | abi::fi_wait_obj_FI_WAIT_FD
-            | abi::fi_wait_obj_FI_WAIT_YIELD => {}
-            abi::fi_wait_obj_FI_WAIT_MUTEX_COND | abi::fi_wait_obj_FI_WAIT_POLLFD => {
-                return Err(abi::FI_ENOSYS)
+        let wait = match a.wait_obj {
+            abi::fi_wait_obj_FI_WAIT_UNSPEC | abi::fi_wait_obj_FI_WAIT_YIELD => {
+                prov::FdWait::new()?
             }
+            abi::fi_wait_obj_FI_WAIT_FD | abi::fi_wait_obj_FI_WAIT_MUTEX_COND => {
+                prov::FdWait::of(a.wait_obj)?.ok_or(abi::FI_EINVAL)?
+            }
+            abi::fi_wait_obj_FI_WAIT_POLLFD => return Err(abi::FI_ENOSYS),
             _ => return Err(abi::FI_EINVAL),
-        }
+        };
         let set = prov::WaitSet {
             wait_obj: a.wait_obj,
-            wait: prov::FdWait::new()?,
+            wait,
         };
         let p = adopt(
             st,
@@ -1494,12 +1503,13 @@ unsafe extern "C" fn cntr_open(
             match a.wait_obj {
                 abi::fi_wait_obj_FI_WAIT_NONE
                 | abi::fi_wait_obj_FI_WAIT_UNSPEC
-                | abi::fi_wait_obj_FI_WAIT_YIELD
-                | abi::fi_wait_obj_FI_WAIT_MUTEX_COND => {}
+                | abi::fi_wait_obj_FI_WAIT_YIELD => {}
                 abi::fi_wait_obj_FI_WAIT_SET => {
                     joins = Some(wait_set_of(st, dom as usize, a.wait_set)?);
                 }
-                abi::fi_wait_obj_FI_WAIT_FD => fd = Some(prov::FdWait::new()?),
+                abi::fi_wait_obj_FI_WAIT_FD | abi::fi_wait_obj_FI_WAIT_MUTEX_COND => {
+                    fd = prov::FdWait::of(a.wait_obj)?
+                }
                 abi::fi_wait_obj_FI_WAIT_POLLFD => return Err(abi::FI_ENOSYS),
                 _ => return Err(abi::FI_EINVAL),
             }

@@ -2311,11 +2311,8 @@ impl Cq {
             entries: VecDeque::new(),
             errs: VecDeque::new(),
             signaled: false,
-            wait: if wait_obj == abi::fi_wait_obj_FI_WAIT_FD {
-                Some(FdWait::new()?)
-            } else {
-                None
-            },
+            // (The caller gives it its wait object.)
+            wait: None,
             wait_obj,
             wait_set: None,
         })

@@ -1,4 +1,5 @@
-//! File-descriptor wait objects (`FI_WAIT_FD`) of completion queues, event queues and
+//! File-descriptor wait objects (`FI_WAIT_FD`, and the mutex and condition of
+//! `FI_WAIT_MUTEX_COND` ones) of completion queues, event queues and
 //! counters, wait sets, and `fi_trywait`.
 //!
 //! The descriptor `fi_control(FI_GETWAIT)` hands out is an epoll instance, so one
@@ -37,7 +38,8 @@ use nix::sys::eventfd::{EfdFlags, EventFd};
 use std::collections::BTreeSet;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd, RawFd};
 
-/// A queue's `FI_WAIT_FD` wait object.
+/// A queue's `FI_WAIT_FD` wait object (and the descriptor behind an `FI_WAIT_MUTEX_COND`
+/// one's condition).
 pub struct FdWait {
     epoll: Epoll,
     ready: EventFd,
@@ -45,6 +47,63 @@ pub struct FdWait {
     signaled: bool,
     /// The NICs whose interrupt descriptor is in the epoll set.
     irqs: BTreeSet<usize>,
+    /// An `FI_WAIT_MUTEX_COND` object's mutex and condition, broadcast when `ready` becomes
+    /// readable.
+    cond: Option<MutexCond>,
+}
+
+/// The mutex and condition variable of an `FI_WAIT_MUTEX_COND` wait object (fi_eq(3),
+/// fi_cq(3), fi_cntr(3)), given to the application by `fi_control(FI_GETWAIT)` as a
+/// `struct fi_mutex_cond`. The application waits on the condition holding the mutex, after
+/// finding the queue empty; the provider broadcasts it when the queue gets something,
+/// holding the mutex if it is free, so no wake-up falls between the look and the wait of a
+/// waiter that holds it across both. When the mutex is held (by the calling thread itself,
+/// which may hold it across its provider calls), the broadcast goes without it, as the
+/// sockets provider signals, rather than wait for a release that may never come.
+pub struct MutexCond {
+    mutex: Box<std::cell::UnsafeCell<libc::pthread_mutex_t>>,
+    cond: Box<std::cell::UnsafeCell<libc::pthread_cond_t>>,
+}
+
+impl MutexCond {
+    fn new() -> MutexCond {
+        MutexCond {
+            mutex: Box::new(std::cell::UnsafeCell::new(libc::PTHREAD_MUTEX_INITIALIZER)),
+            cond: Box::new(std::cell::UnsafeCell::new(libc::PTHREAD_COND_INITIALIZER)),
+        }
+    }
+
+    /// The addresses the application is given (stable: both are boxed).
+    pub fn parts(&self) -> abi::fi_mutex_cond {
+        abi::fi_mutex_cond {
+            mutex: self.mutex.get().cast(),
+            cond: self.cond.get().cast(),
+        }
+    }
+
+    fn broadcast(&self) {
+        // SAFETY: both are initialized (statically) and live as long as `self`; pthread
+        // calls on them from any thread are what they are for, and the mutex is unlocked
+        // only when this thread's trylock took it.
+        unsafe {
+            let locked = libc::pthread_mutex_trylock(self.mutex.get()) == 0;
+            libc::pthread_cond_broadcast(self.cond.get());
+            if locked {
+                libc::pthread_mutex_unlock(self.mutex.get());
+            }
+        }
+    }
+}
+
+impl Drop for MutexCond {
+    fn drop(&mut self) {
+        // SAFETY: closing the queue ends the application's use of them (fi_close(3)); a
+        // destroy of a mutex still held fails with EBUSY and leaves it as it was.
+        unsafe {
+            libc::pthread_cond_destroy(self.cond.get());
+            libc::pthread_mutex_destroy(self.mutex.get());
+        }
+    }
 }
 
 impl std::fmt::Debug for FdWait {
@@ -80,7 +139,27 @@ impl FdWait {
             ready,
             signaled: false,
             irqs: BTreeSet::new(),
+            cond: None,
         })
+    }
+
+    /// The wait object of `wait_obj` for a queue or counter that has one: a descriptor for
+    /// `FI_WAIT_FD`, with a mutex and condition beside it for `FI_WAIT_MUTEX_COND`; `None`
+    /// for the polled kinds.
+    pub fn of(wait_obj: u32) -> Result<Option<FdWait>, Errno> {
+        match wait_obj {
+            abi::fi_wait_obj_FI_WAIT_FD => FdWait::new().map(Some),
+            abi::fi_wait_obj_FI_WAIT_MUTEX_COND => Ok(Some(FdWait {
+                cond: Some(MutexCond::new()),
+                ..FdWait::new()?
+            })),
+            _ => Ok(None),
+        }
+    }
+
+    /// An `FI_WAIT_MUTEX_COND` object's mutex and condition.
+    pub fn mutex_cond(&self) -> Option<&MutexCond> {
+        self.cond.as_ref()
     }
 
     /// The descriptor the application waits on.
@@ -100,6 +179,11 @@ impl FdWait {
         };
         // Only a full counter (never: it holds 0 or 1) or an empty one (tracked) fails.
         self.signaled = ready && r.is_ok();
+        if ready {
+            if let Some(c) = &self.cond {
+                c.broadcast();
+            }
+        }
     }
 
     /// Adds NIC `nic`'s interrupt descriptor to the set, once.
@@ -127,7 +211,8 @@ fn poll_in(fd: BorrowedFd<'_>, timeout: nix::poll::PollTimeout) -> bool {
 /// A wait set (`fi_wait_open`, fi_wait(3)).
 #[derive(Debug)]
 pub struct WaitSet {
-    /// What it was opened with (`FI_WAIT_UNSPEC`, `FI_WAIT_FD` or `FI_WAIT_YIELD`).
+    /// What it was opened with (`FI_WAIT_UNSPEC`, `FI_WAIT_FD`, `FI_WAIT_MUTEX_COND` or
+    /// `FI_WAIT_YIELD`).
     pub wait_obj: u32,
     /// Its descriptor (for `FI_WAIT_YIELD` too: `fi_wait` sleeps on it), readable while a
     /// member has something.

@@ -10,7 +10,8 @@
  * readable while an entry waits, a waiter woken by another thread's send, a connection
  * of FI_EP_MSG endpoints whose event queues are waited on the same way (and events the
  * application writes to them, fi_eq_write), and a wait set
- * (fi_wait_open, fi_wait) of a CQ and a counter, and a counter with a descriptor.
+ * (fi_wait_open, fi_wait) of a CQ and a counter, and a counter with a descriptor; and
+ * the mutex and condition of FI_WAIT_MUTEX_COND queues and wait sets.
  */
 #include "ctest.h"
 #include <poll.h>
@@ -221,7 +222,7 @@ static void wait_set(void)
 	attr.flags = 1;
 	CHECK_EQ(fi_wait_open(P.fab, &attr, &set), -FI_EINVAL);
 	attr.flags = 0;
-	attr.wait_obj = FI_WAIT_MUTEX_COND;
+	attr.wait_obj = FI_WAIT_POLLFD;
 	CHECK_EQ(fi_wait_open(P.fab, &attr, &set), -FI_ENOSYS);
 	attr.wait_obj = (enum fi_wait_obj)55;
 	CHECK_EQ(fi_wait_open(P.fab, &attr, &set), -FI_EINVAL);
@@ -471,6 +472,79 @@ static void connection(void)
 	fi_freeinfo(list);
 }
 
+static struct fid_eq *mc_eq;
+
+static void *eq_writer(void *arg)
+{
+	(void)arg;
+	usleep(50000);
+	struct fi_eq_entry in = {.fid = &mc_eq->fid, .context = (void *)0x77, .data = 42};
+	CHECK_EQ(fi_eq_write(mc_eq, FI_NOTIFY, &in, sizeof(in), 0), sizeof(in));
+	return NULL;
+}
+
+/* FI_WAIT_MUTEX_COND (fi_eq(3), fi_cq(3), fi_wait(3)): FI_GETWAIT gives the mutex and the
+ * condition; a thread waiting on the condition (the mutex released in the wait) is woken
+ * when another thread's fi_eq_write gives the queue an entry, long before its 10 s
+ * timeout; fi_eq_sread and fi_cq_sread wait on such queues; a wait set of the kind opens. */
+static void mutex_cond(void)
+{
+	struct fi_eq_attr ea = {.size = 8, .wait_obj = FI_WAIT_MUTEX_COND};
+	REQUIRE(fi_eq_open(P.fab, &ea, &mc_eq, NULL) == 0);
+	enum fi_wait_obj w = FI_WAIT_NONE;
+	CHECK_EQ(fi_control(&mc_eq->fid, FI_GETWAITOBJ, &w), 0);
+	CHECK_EQ(w, FI_WAIT_MUTEX_COND);
+	CHECK_EQ(fi_control(&mc_eq->fid, FI_GETWAIT, NULL), -FI_EINVAL);
+	struct fi_mutex_cond mc = {0};
+	CHECK_EQ(fi_control(&mc_eq->fid, FI_GETWAIT, &mc), 0);
+	REQUIRE(mc.mutex && mc.cond);
+
+	uint32_t ev = 0;
+	struct fi_eq_entry out = {0};
+	CHECK_EQ(fi_eq_read(mc_eq, &ev, &out, sizeof(out), 0), -FI_EAGAIN);
+	CHECK_EQ(pthread_mutex_lock(mc.mutex), 0);
+	pthread_t th;
+	REQUIRE(pthread_create(&th, NULL, eq_writer, NULL) == 0);
+	struct timespec until;
+	clock_gettime(CLOCK_REALTIME, &until);
+	until.tv_sec += 10;
+	double start = ct_now();
+	int r = 0;
+	ssize_t got;
+	while ((got = fi_eq_read(mc_eq, &ev, &out, sizeof(out), 0)) == -FI_EAGAIN && r == 0)
+		r = pthread_cond_timedwait(mc.cond, mc.mutex, &until);
+	CHECK_EQ(pthread_mutex_unlock(mc.mutex), 0);
+	CHECK_EQ(r, 0);
+	CHECK(ct_now() - start < 5);
+	CHECK_EQ(got, (ssize_t)sizeof(out));
+	CHECK(ev == FI_NOTIFY && out.context == (void *)0x77 && out.data == 42);
+	pthread_join(th, NULL);
+	/* Empty: fi_eq_sread waits its timeout out. */
+	CHECK_EQ(fi_eq_sread(mc_eq, &ev, &out, sizeof(out), 20, 0), -FI_EAGAIN);
+	CHECK_EQ(fi_close(&mc_eq->fid), 0);
+
+	struct fi_cq_attr ca = {.format = FI_CQ_FORMAT_CONTEXT, .wait_obj = FI_WAIT_MUTEX_COND};
+	struct fid_cq *cq = NULL;
+	REQUIRE(fi_cq_open(P.a.dom, &ca, &cq, NULL) == 0);
+	struct fi_mutex_cond cmc = {0};
+	CHECK_EQ(fi_control(&cq->fid, FI_GETWAIT, &cmc), 0);
+	CHECK(cmc.mutex && cmc.cond && cmc.mutex != mc.mutex);
+	struct fi_cq_entry ce;
+	CHECK_EQ(fi_cq_sread(cq, &ce, 1, NULL, 20), -FI_EAGAIN);
+	CHECK_EQ(fi_close(&cq->fid), 0);
+
+	struct fi_wait_attr wa = {.wait_obj = FI_WAIT_MUTEX_COND};
+	struct fid_wait *set = NULL;
+	REQUIRE(fi_wait_open(P.fab, &wa, &set) == 0);
+	CHECK_EQ(fi_control(&set->fid, FI_GETWAITOBJ, &w), 0);
+	CHECK_EQ(w, FI_WAIT_MUTEX_COND);
+	struct fi_mutex_cond smc = {0};
+	CHECK_EQ(fi_control(&set->fid, FI_GETWAIT, &smc), 0);
+	CHECK(smc.mutex && smc.cond);
+	CHECK_EQ(fi_wait(set, 20), -FI_ETIMEDOUT);
+	CHECK_EQ(fi_close(&set->fid), 0);
+}
+
 int main(int argc, char **argv)
 {
 	ct_name = "fdwait";
@@ -489,6 +563,7 @@ int main(int argc, char **argv)
 	connection();
 	wait_set();
 	counter_waits();
+	mutex_cond();
 	/* In-process, fi_trywait said FI_SUCCESS only when nothing could come; served, every
 	 * sleep ended in a wake-up (no block timed out). */
 	CHECK_EQ(missed, 0);

@@ -108,9 +108,9 @@ static void setup(void)
 	REQUIRE(fi_mr_reg(db, bbuf, BUFLEN, FI_SEND | FI_RECV | FI_WRITE | FI_READ, 0, 0, 0, &bmr,
 			  NULL) == 0);
 
-	/* Event queues wait by polling or on a file descriptor (fdwait.c): no mutex or wait
-	 * set. */
-	struct fi_eq_attr fd_attr = {.size = 4, .wait_obj = FI_WAIT_MUTEX_COND};
+	/* Event queues wait by polling, on a file descriptor or on a mutex and condition
+	 * (fdwait.c): no wait set or pollfd list. */
+	struct fi_eq_attr fd_attr = {.size = 4, .wait_obj = FI_WAIT_POLLFD};
 	struct fid_eq *fdq = NULL;
 	CHECK_EQ(fi_eq_open(fab, &fd_attr, &fdq, NULL), -FI_ENOSYS);
 	fd_attr.wait_obj = FI_WAIT_SET;
