@@ -861,7 +861,9 @@ unsafe extern "C" fn eq_sread(
         {
             return r;
         }
-        std::thread::sleep(std::time::Duration::from_micros(100));
+        if let Err(e) = rest(start, timeout) {
+            return neg(e) as isize;
+        }
     }
 }
 /// `fi_eq_write`: an event of the application's (its entry, `len` bytes at `buf`) joins
@@ -1842,7 +1844,40 @@ fn cq_sread_inner(
         if signaled == 1 || (timeout >= 0 && start.elapsed().as_millis() >= timeout as u128) {
             return r;
         }
-        std::thread::yield_now();
+        if let Err(e) = rest(start, timeout) {
+            return neg(e) as isize;
+        }
+    }
+}
+
+/// How long a blocking read looks again at once (each look gives a served NIC its turn,
+/// a nap of tens of µs) before it sleeps on the NICs' interrupts, which take longer to
+/// wake it: a quick answer is not slowed, and a long wait costs no CPU.
+const LOOK_FIRST: std::time::Duration = std::time::Duration::from_millis(1);
+
+/// Waits a while in a blocking read that found nothing (`timeout` ms from `start`;
+/// negative: no limit): for its first [`LOOK_FIRST`] not at all, then on served NICs until
+/// the next interrupt of one of them (at most a slice, so another thread's progress is
+/// seen too), in-process not at all (the caller's next look moves the fabric).
+/// `-FI_EINTR` when a signal handler ran during a sleep.
+fn rest(start: std::time::Instant, timeout: c_int) -> Result<(), Errno> {
+    let mut fds = None;
+    if start.elapsed() >= LOOK_FIRST {
+        run(|st| {
+            fds = st.rest_fds();
+            Ok(0)
+        });
+    }
+    match fds {
+        Some(fds) => {
+            let waited = start.elapsed().as_millis() as u64;
+            let left = (timeout >= 0).then(|| (timeout as u64).saturating_sub(waited));
+            prov::sleep_on_any(&fds, left)
+        }
+        None => {
+            std::thread::yield_now();
+            Ok(())
+        }
     }
 }
 

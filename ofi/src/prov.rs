@@ -48,7 +48,7 @@ pub use msgep::{ConnReq, Eq, EqErr, EqEvent, ListenAttrs, MsgEp, Pep};
 pub use sep::{Sep, MAX_EP_CTX};
 pub use tagged::{TagCounts, EAGER_MAX};
 pub use trig::{Trig, WorkOp};
-pub use wait::{sleep_on, FdWait, WaitSet};
+pub use wait::{sleep_on, sleep_on_any, FdWait, WaitSet};
 
 /// Length of an endpoint address.
 pub const ADDR_LEN: usize = 16;

@@ -407,11 +407,6 @@ impl State {
             }
         }
         self.irq_armed |= !served.is_empty();
-        // Arm everything that can complete: a completion of any endpoint, or a message to
-        // a connection manager. Arming with completions already written fires at once.
-        for n in self.nics.values() {
-            n.cm.arm();
-        }
         // A counter with a descriptor also counts what makes no completion (remote
         // writes and reads): its device counter raises an event at the next success or
         // at any error.
@@ -419,6 +414,16 @@ impl State {
             if let Some(Obj::Cntr(c)) = self.objs.get(&k) {
                 c.c.arm(c.seen.0 + 1).map_err(|_| abi::FI_EIO)?;
             }
+        }
+        self.arm_all();
+        Ok(())
+    }
+
+    /// Arms everything that can complete: a completion of any endpoint, or a message to a
+    /// connection manager. Arming with completions already written fires at once.
+    fn arm_all(&self) {
+        for n in self.nics.values() {
+            n.cm.arm();
         }
         for o in self.objs.values() {
             if let Obj::Ep(e) = o {
@@ -430,7 +435,38 @@ impl State {
                 }
             }
         }
-        Ok(())
+    }
+
+    /// For a blocking read (`fi_cq_sread`, `fi_eq_sread`) that found nothing: the
+    /// interrupt descriptors of the process's NICs, all served, with everything that can
+    /// complete armed, so a sleep on them ends at the next completion or connection
+    /// message of any of them. `None` (the caller looks again at once) when the process has
+    /// a NIC of the in-process fabric, which moves only when called, or none.
+    pub fn rest_fds(&mut self) -> Option<Vec<OwnedFd>> {
+        if self.nics.is_empty() {
+            return None;
+        }
+        let mut fds = Vec::with_capacity(self.nics.len());
+        for n in self.nics.values() {
+            fds.push(n.dev.port().interrupt_fd(0)?.try_clone_to_owned().ok()?);
+        }
+        self.irq_armed = true;
+        self.arm_all();
+        Some(fds)
+    }
+}
+
+/// Sleeps until one of `fds` is readable or [`SLICE_MS`] (at most `left_ms`) passed;
+/// `-FI_EINTR` when a signal handler ran meanwhile (as libfabric's own waits return).
+pub fn sleep_on_any(fds: &[OwnedFd], left_ms: Option<u64>) -> Result<(), Errno> {
+    let ms = left_ms.map_or(SLICE_MS, |l| l.min(SLICE_MS)) as u16;
+    let mut p: Vec<nix::poll::PollFd<'_>> = fds
+        .iter()
+        .map(|f| nix::poll::PollFd::new(f.as_fd(), nix::poll::PollFlags::POLLIN))
+        .collect();
+    match nix::poll::poll(&mut p, nix::poll::PollTimeout::from(ms)) {
+        Err(nix::errno::Errno::EINTR) => Err(abi::FI_EINTR),
+        _ => Ok(()),
     }
 }
 

@@ -16,6 +16,8 @@
 #include "ctest.h"
 #include <poll.h>
 #include <pthread.h>
+#include <signal.h>
+#include <sys/time.h>
 
 static struct ct_pair P;
 static int served;
@@ -194,6 +196,42 @@ static void interrupt_wakes(void)
 	CHECK(e.op_context == (void *)0xb4 && e.len == 2000);
 	CHECK(ct_same(bbuf, 2000, 11));
 	CHECK(ct_wait(P.a.cq, &e) && e.op_context == (void *)0xa4);
+}
+
+static volatile sig_atomic_t alarms;
+
+static void on_alarm(int sig)
+{
+	(void)sig;
+	alarms++;
+}
+
+/* Served: fi_cq_sread sleeps on the NIC's interrupt and wakes for a completion that comes
+ * while it sleeps (B's receive, A's send from another thread); a signal handler installed
+ * without SA_RESTART ends a sleeping fi_cq_sread with -FI_EINTR, as libfabric's own
+ * waits end (a timer rings every 20 ms until one lands in the sleep). */
+static void sread_sleeps(void)
+{
+	struct fi_cq_tagged_entry e;
+	memset(bbuf, 0, 3000);
+	CHECK_EQ(fi_recv(P.b.ep, bbuf, 4096, fi_mr_desc(bmr), P.b.peer, (void *)0xb5), 0);
+	pthread_t th;
+	REQUIRE(pthread_create(&th, NULL, sender, NULL) == 0);
+	CHECK_EQ(fi_cq_sread(P.b.cq, &e, 1, NULL, 10000), 1);
+	CHECK(e.op_context == (void *)0xb5 && e.len == 3000);
+	CHECK(ct_same(bbuf, 3000, 9));
+	pthread_join(th, NULL);
+
+	struct sigaction sa = {.sa_handler = on_alarm}, old;
+	sigemptyset(&sa.sa_mask);
+	REQUIRE(sigaction(SIGALRM, &sa, &old) == 0);
+	struct itimerval every = {.it_interval = {0, 20000}, .it_value = {0, 20000}}, off = {0};
+	REQUIRE(setitimer(ITIMER_REAL, &every, NULL) == 0);
+	ssize_t r = fi_cq_sread(P.b.cq, &e, 1, NULL, 5000);
+	setitimer(ITIMER_REAL, &off, NULL);
+	sigaction(SIGALRM, &old, NULL);
+	CHECK_EQ(r, -FI_EINTR);
+	CHECK(alarms > 0);
 }
 
 /* An enabled endpoint of side `s` bound to `s`'s AV and to `cq`; its address in the
@@ -560,6 +598,8 @@ int main(int argc, char **argv)
 	woken_by_another_thread();
 	if (served)
 		interrupt_wakes();
+	if (served)
+		sread_sleeps();
 	connection();
 	wait_set();
 	counter_waits();
