@@ -104,6 +104,19 @@ impl Server {
         self.expect_log_all(&[who, "NIC reset"])
     }
 
+    /// Waits for the end of the connection of client `who` ("node N: client K") and gives
+    /// how many messages it sent, with the line that says so.
+    fn messages_of(&self, who: &str) -> (u64, String) {
+        let end = self.expect_end(who);
+        let messages = end
+            .split("disconnected (")
+            .nth(1)
+            .and_then(|s| s.split(' ').next())
+            .and_then(|n| n.parse().ok())
+            .unwrap_or_else(|| panic!("no message count in {end:?}"));
+        (messages, end)
+    }
+
     /// Waits for a log line containing all of `what`.
     fn expect_log_all(&self, what: &[&str]) -> String {
         let deadline = Instant::now() + Duration::from_secs(20);
@@ -739,13 +752,7 @@ fn completion_events_wrap_the_event_queue_without_a_round_trip_each() {
         assert_eq!((wc[0].wr_id, wc[0].status), (i, WcStatus::Success));
     }
     drop(t);
-    let end = srv.expect_end("node 0: client 1");
-    let messages: u64 = end
-        .split("disconnected (")
-        .nth(1)
-        .and_then(|s| s.split(' ').next())
-        .and_then(|n| n.parse().ok())
-        .unwrap_or_else(|| panic!("no message count in {end:?}"));
+    let (messages, end) = srv.messages_of("node 0: client 1");
     // One BlueFlame store per post and set-up (about 360 in all); the index written back
     // at every event would add 300.
     assert!(
@@ -1344,13 +1351,7 @@ fn a_connection_manager_waiting_on_a_timer_does_not_read_the_clock_at_every_poll
     drop(pd);
     drop(cq);
     drop(dev);
-    let end = srv.expect_end("node 0: client 1");
-    let messages: u64 = end
-        .split("disconnected (")
-        .nth(1)
-        .and_then(|s| s.split(' ').next())
-        .and_then(|n| n.parse().ok())
-        .unwrap_or_else(|| panic!("no message count in {end:?}"));
+    let (messages, end) = srv.messages_of("node 0: client 1");
     // Set-up and teardown take a few dozen messages; a clock read per poll would be 10,000.
     // Polls that ran past the timer (a slow machine) read it until it fires again 2 s on.
     assert!(
