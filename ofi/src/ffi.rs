@@ -675,7 +675,7 @@ pub unsafe extern "C" fn eq_open(
         // SAFETY: NULL or the caller's attributes (fi_eq(3)).
         let wait_obj =
             unsafe { attr.as_ref() }.map_or(abi::fi_wait_obj_FI_WAIT_NONE, |a| a.wait_obj);
-        // As for CQs: polling (fi_eq_sread polls), or a descriptor (prov::wait).
+        // As for CQs: polling, a descriptor or a mutex and condition (prov::wait).
         let wait = queue_wait(wait_obj)?;
         let has_wait = wait.is_some();
         let p = adopt(
@@ -931,8 +931,8 @@ static EQ_OPS: abi::fi_ops_eq = abi::fi_ops_eq {
 
 /// The wait object of a new CQ or EQ: polling (`FI_WAIT_NONE`, `FI_WAIT_UNSPEC`,
 /// `FI_WAIT_YIELD`), a descriptor (`FI_WAIT_FD`) or a mutex and condition
-/// (`FI_WAIT_MUTEX_COND`). An EQ's wait set and pollfd lists are `-FI_ENOSYS`, anything
-/// else `-FI_EINVAL`.
+/// (`FI_WAIT_MUTEX_COND`). A wait set (an EQ's: a CQ's is its caller's to take) and
+/// pollfd lists are `-FI_ENOSYS`, anything else `-FI_EINVAL`.
 fn queue_wait(wait_obj: u32) -> Result<Option<prov::FdWait>, Errno> {
     match wait_obj {
         abi::fi_wait_obj_FI_WAIT_NONE

@@ -1619,18 +1619,19 @@ impl Cma {
         Ok(())
     }
 
-    /// Runs `f` for a call that sleeps on the sockets' NIC's interrupt (see
-    /// [`Cma::rs_arm`]) when `f` finds nothing to do: its polls of the sockets' CQs skip
-    /// the turn a poll gives a served NIC when it finds nothing, a nap of tens of µs before
+    /// Runs `f` for a call that, when `sleeps`, sleeps on the sockets' NIC's interrupt (see
+    /// [`Cma::rs_arm`]) if `f` finds nothing to do: its polls of the sockets' CQs skip the
+    /// turn a poll gives a served NIC when it finds nothing, a nap of tens of µs before
     /// every sleep. A call that returns empty-handed instead (a non-blocking one, which a
     /// program calls again at once) keeps the turn, which lets the server run when
     /// programs spin on both cores.
     pub fn rs_sleeping<R>(
         &mut self,
         st: &mut State,
+        sleeps: bool,
         f: impl FnOnce(&mut Cma, &mut State) -> R,
     ) -> R {
-        self.rs.sleeper = true;
+        self.rs.sleeper = sleeps;
         let r = f(self, st);
         self.rs.sleeper = false;
         r

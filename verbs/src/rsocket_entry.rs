@@ -666,10 +666,7 @@ const WAKE_GAP: Duration = Duration::from_millis(2);
 /// the sockets' NIC's interrupt ([`rest`]) rather than returning (see
 /// [`crate::cma::Cma::rs_sleeping`]).
 fn look<R>(sleeps: bool, fail: R, f: impl FnOnce(&mut Cma, &mut State) -> R) -> R {
-    call(fail, |c, st| match sleeps {
-        true => c.rs_sleeping(st, f),
-        false => f(c, st),
-    })
+    call(fail, |c, st| c.rs_sleeping(st, sleeps, f))
 }
 
 fn rest(win: &SignalWindow, fds: &[i32], most: Duration, k: OnSignal) -> Result<(), i32> {
