@@ -1288,13 +1288,13 @@ impl Cma {
         }
     }
 
-    /// The NIC id `p` is on.
     /// Asks NIC `nic`'s CM for the device's interrupt on its next message (see
     /// [`ConnectionManager::arm`]); false when the NIC has no CM.
     pub fn arm_cm(&self, nic: usize) -> bool {
         self.cms.get(&nic).map(ConnectionManager::arm).is_some()
     }
 
+    /// The NIC id `p` is on.
     pub fn id_nic(&self, p: usize) -> Option<usize> {
         self.ids.get(&p)?.nic
     }

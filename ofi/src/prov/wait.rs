@@ -472,6 +472,6 @@ pub fn sleep_on_any(fds: &[OwnedFd], left_ms: Option<u64>) -> Result<(), Errno> 
 
 /// Sleeps until descriptor `fd` is readable or [`SLICE_MS`] (at most `left_ms`) passed.
 pub fn sleep_on(fd: &OwnedFd, left_ms: Option<u64>) {
-    let ms = left_ms.map_or(SLICE_MS, |l| l.min(SLICE_MS)) as u16;
-    poll_in(fd.as_fd(), nix::poll::PollTimeout::from(ms));
+    // (A signal only ends the slice early: the caller looks again.)
+    let _ = sleep_on_any(std::slice::from_ref(fd), left_ms);
 }
